@@ -1,0 +1,189 @@
+"""The one rollout record that flows from workflow to reward, credit and update.
+
+A record is a ``tensordict.TensorDict`` with batch size ``[B]``: one row per trained
+sample (one agent's turn, one episode, one denoising trajectory). Rewards, credit
+assignment and the trainer read only this record.
+
+Text rows carry (``P`` prompt length, ``R`` response length):
+
+- ``prompt_ids [B,P]`` left-padded, ``prompt_mask [B,P]``
+- ``response_ids [B,R]`` right-padded: the exact ids the engine sampled, plus any
+  environment/tool/other-agent ids spliced in by a multi-turn workflow
+- ``response_mask [B,R]``: real (non-pad) response tokens
+- ``loss_mask [B,R]``: tokens this row's policy generated; a subset of response_mask
+- ``rollout_logprobs [B,R]``: the engine's log-probs of the sampled ids (0 elsewhere)
+- group key parts ``uid`` (prompt), ``agent_id``, ``turn``, ``node`` (int64 ``[B]``)
+- ``reward [B]`` (NaN until scored, or when scoring failed), ``valid [B]`` (bool)
+- non-tensor ``policy``, ``prompt_text``, ``response_text``, ``error`` (str; "" = none),
+  ``meta`` (dict with the dataset row's ground truth and anything a workflow adds)
+- after credit: ``advantages [B,R]``
+
+Diffusion rows carry their own tensors (latents, sigmas, per-step log-probs, prompt
+embeddings) with the same group keys, reward, valid, policy and error fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+GROUP_KEYS = ("uid", "agent_id", "turn", "node")
+NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
+
+
+def _stack_non_tensor(values: Sequence[Any]) -> NonTensorStack:
+    return NonTensorStack(*[NonTensorData(v) for v in values])
+
+
+def pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad id lists to one tensor; returns (ids, mask)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def pad_right(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def text_record(
+    *,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    rollout_logprobs: Sequence[Sequence[float]],
+    policy: Sequence[str],
+    uid: Sequence[int],
+    pad_id: int,
+    loss_mask: Sequence[Sequence[int]] | None = None,
+    agent_id: Sequence[int] | None = None,
+    turn: Sequence[int] | None = None,
+    node: Sequence[int] | None = None,
+    prompt_text: Sequence[str] | None = None,
+    response_text: Sequence[str] | None = None,
+    meta: Sequence[dict] | None = None,
+    truncated: Sequence[bool] | None = None,
+) -> TensorDict:
+    """Build a text record from per-row lists (what engines and workflows produce)."""
+    n = len(prompt_ids)
+    for name, value in (("response_ids", response_ids), ("rollout_logprobs", rollout_logprobs),
+                        ("policy", policy), ("uid", uid)):
+        if len(value) != n:
+            raise ValueError(f"text_record: {name} has {len(value)} rows, prompt_ids has {n}")
+    p_ids, p_mask = pad_left(prompt_ids, pad_id)
+    r_ids = pad_right(response_ids, pad_id, torch.long)
+    r_mask = pad_right([[1] * len(r) for r in response_ids], 0, torch.long)
+    l_mask = r_mask.clone() if loss_mask is None else pad_right(loss_mask, 0, torch.long)
+    if l_mask.shape != r_mask.shape or bool((l_mask > r_mask).any()):
+        raise ValueError("text_record: loss_mask must mark a subset of the response tokens")
+    zeros = [0] * n
+    td = TensorDict(
+        {
+            "prompt_ids": p_ids,
+            "prompt_mask": p_mask,
+            "response_ids": r_ids,
+            "response_mask": r_mask,
+            "loss_mask": l_mask,
+            "rollout_logprobs": pad_right(rollout_logprobs, 0.0, torch.float32),
+            "uid": torch.as_tensor(list(uid), dtype=torch.long),
+            "agent_id": torch.as_tensor(list(agent_id or zeros), dtype=torch.long),
+            "turn": torch.as_tensor(list(turn or zeros), dtype=torch.long),
+            "node": torch.as_tensor(list(node or zeros), dtype=torch.long),
+            "reward": torch.full((n,), float("nan")),
+            "valid": torch.ones(n, dtype=torch.bool),
+            "truncated": torch.as_tensor(list(truncated or [False] * n), dtype=torch.bool),
+        },
+        batch_size=[n],
+    )
+    td["policy"] = _stack_non_tensor(list(policy))
+    td["prompt_text"] = _stack_non_tensor(list(prompt_text or [""] * n))
+    td["response_text"] = _stack_non_tensor(list(response_text or [""] * n))
+    td["error"] = _stack_non_tensor([""] * n)
+    td["meta"] = _stack_non_tensor(list(meta or [{} for _ in range(n)]))
+    return td
+
+
+def strings(td: TensorDict, key: str) -> list:
+    """A non-tensor column as a Python list."""
+    value = td.get(key)
+    if isinstance(value, NonTensorData):
+        return [value.data] * td.batch_size[0]
+    return list(value.tolist())
+
+
+def set_strings(td: TensorDict, key: str, values: Sequence[Any]) -> None:
+    if len(values) != td.batch_size[0]:
+        raise ValueError(f"{key}: {len(values)} values for {td.batch_size[0]} rows")
+    td[key] = _stack_non_tensor(list(values))
+
+
+def group_ids(td: TensorDict, keys: Sequence[str] = ("uid", "agent_id", "turn", "node")) -> torch.Tensor:
+    """Dense group index per row from the group key parts (never from row order)."""
+    parts = torch.stack([td[k] for k in keys], dim=1)
+    return torch.unique(parts, dim=0, return_inverse=True)[1]
+
+
+def select_policy(td: TensorDict, name: str) -> TensorDict:
+    """Rows trained by policy ``name``, with padding trimmed to those rows."""
+    idx = [i for i, p in enumerate(strings(td, "policy")) if p == name]
+    return trim(td[torch.as_tensor(idx, dtype=torch.long)])
+
+
+def trim(td: TensorDict) -> TensorDict:
+    """Drop all-padding columns (after selecting rows, prompts/responses may shrink)."""
+    if "prompt_mask" not in td.keys() or td.batch_size[0] == 0:
+        return td
+    p_keep = int(td["prompt_mask"].sum(1).max())
+    r_keep = int(td["response_mask"].sum(1).max())
+    out = td.clone(recurse=False)
+    for key in ("prompt_ids", "prompt_mask"):
+        out[key] = td[key][:, td[key].shape[1] - p_keep :]
+    for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
+        if key in td.keys():
+            out[key] = td[key][:, :r_keep]
+    return out
+
+
+def concat(records: Sequence[TensorDict]) -> TensorDict:
+    """Concatenate text records whose prompt/response widths may differ."""
+    records = [r for r in records if r.batch_size[0] > 0]
+    if not records:
+        raise ValueError("concat: no rows")
+    if len(records) == 1:
+        return records[0]
+    p = max(r["prompt_ids"].shape[1] for r in records)
+    rl = max(r["response_ids"].shape[1] for r in records)
+    fixed = []
+    for r in records:
+        r = r.clone(recurse=False)
+        dp, dr = p - r["prompt_ids"].shape[1], rl - r["response_ids"].shape[1]
+        if dp:
+            for key in ("prompt_ids", "prompt_mask"):  # pad value is hidden by the mask
+                r[key] = torch.nn.functional.pad(r[key], (dp, 0), value=0)
+        if dr:
+            for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
+                if key in r.keys():
+                    r[key] = torch.nn.functional.pad(r[key], (0, dr), value=0)
+        fixed.append(r)
+    return torch.cat(fixed)
+
+
+def mark_invalid(td: TensorDict, rows: Sequence[int], errors: Sequence[str]) -> None:
+    """Record errors on rows and leave them out of the update (never score them 0)."""
+    errs = strings(td, "error")
+    for i, e in zip(rows, errors, strict=True):
+        errs[i] = e
+        td["valid"][i] = False
+    set_strings(td, "error", errs)
