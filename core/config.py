@@ -7,8 +7,14 @@ prints. An unknown key is an error naming the closest valid key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import types
+import typing
 from dataclasses import field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def doc(default: Any, text: str) -> Any:
@@ -24,3 +30,168 @@ def doc(default: Any, text: str) -> Any:
 def doc_factory(factory: Any, text: str) -> Any:
     """A dataclass field built by ``factory`` (for nested configs)."""
     return field(default_factory=factory, metadata={"doc": text})
+
+
+# Loading: YAML + overrides -> nested dataclasses, with strict keys and type checks.
+
+
+class ConfigError(ValueError):
+    """A recipe is wrong: names the key, the file and the fix."""
+
+
+def _nearest_key(key: str, valid: list[str]) -> str | None:
+    hits = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return hits[0] if hits else None
+
+
+def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r} ({source})")
+    if origin is typing.Literal:
+        if value not in args:
+            hint = _nearest_key(str(value), [str(a) for a in args])
+            raise ConfigError(
+                f"{where}={value!r} in {source} is not one of {list(args)}"
+                + (f"; did you mean {hint!r}?" if hint else ""))
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} in {source} must be a mapping, got {value!r}")
+        return from_dict(tp, value, where, source)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} in {source} must be a list, got {value!r}")
+        item = args[0] if args else Any
+        return [_convert(item, v, f"{where}[{i}]", source) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} in {source} must be a mapping, got {value!r}")
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _convert(vt, v, f"{where}.{k}", source) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{where} in {source} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where} in {source} must be a number, got {value!r}") from None
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} in {source} must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} in {source} must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{where} in {source} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type, data: dict, prefix: str = "", source: str = "<config>") -> Any:
+    """Build dataclass ``cls`` from a mapping; unknown keys fail naming the nearest one."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            hint = _nearest_key(str(key), list(fields))
+            full = f"{prefix}.{hint}" if prefix and hint else hint
+            raise ConfigError(
+                f"unknown key {where!r} in {source}"
+                + (f"; did you mean {full!r}?" if hint else "")
+                + f" Valid keys here: {', '.join(sorted(fields))}.")
+        kwargs[key] = _convert(hints[key], value, where, source)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise ConfigError(f"{prefix or 'config'} in {source}: {e}") from None
+    return obj
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars/lists."""
+    out: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, _, raw = item.partition("=")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Load ``cls`` from a YAML recipe plus command-line overrides."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping at the top level")
+        source = str(path)
+    if overrides:
+        data = deep_merge(data, parse_overrides(overrides))
+        source += " (+ command-line overrides)"
+    cfg = from_dict(cls, data, "", source)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, type, default and doc (for --help-config)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{key}: {f.metadata.get('doc', '')}")
+            lines += describe(tp, key)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+        lines.append(f"{key} ({name} = {default!r}): {f.metadata.get('doc', '')}")
+    return lines

@@ -143,7 +143,7 @@ def select_policy(td: TensorDict, name: str) -> TensorDict:
 
 def trim(td: TensorDict) -> TensorDict:
     """Drop all-padding columns (after selecting rows, prompts/responses may shrink)."""
-    if "prompt_mask" not in td.keys() or td.batch_size[0] == 0:
+    if "prompt_mask" not in td.keys() or td.batch_size[0] == 0:  # noqa: SIM118 (TensorDict)
         return td
     p_keep = int(td["prompt_mask"].sum(1).max())
     r_keep = int(td["response_mask"].sum(1).max())
@@ -151,7 +151,7 @@ def trim(td: TensorDict) -> TensorDict:
     for key in ("prompt_ids", "prompt_mask"):
         out[key] = td[key][:, td[key].shape[1] - p_keep :]
     for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
-        if key in td.keys():
+        if key in td.keys():  # noqa: SIM118 (TensorDict)
             out[key] = td[key][:, :r_keep]
     return out
 
@@ -174,7 +174,7 @@ def concat(records: Sequence[TensorDict]) -> TensorDict:
                 r[key] = torch.nn.functional.pad(r[key], (dp, 0), value=0)
         if dr:
             for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
-                if key in r.keys():
+                if key in r.keys():  # noqa: SIM118 (TensorDict)
                     r[key] = torch.nn.functional.pad(r[key], (0, dr), value=0)
         fixed.append(r)
     return torch.cat(fixed)

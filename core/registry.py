@@ -111,10 +111,12 @@ class Registry(Generic[T]):
 
 # The core's registries. Plugins add to these; they never edit the core.
 ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
+CREDIT: Registry[Callable] = Registry("credit assignment")
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
 REWARDS: Registry[Callable] = Registry("reward")
 ENGINES: Registry[Callable] = Registry("engine")
+POLICIES: Registry[Callable] = Registry("policy kind")
 WORKFLOWS: Registry[Callable] = Registry("workflow")
 MODELS: Registry[Callable] = Registry("model builder")
 TASKS: Registry[Callable] = Registry("task")

@@ -1,0 +1,488 @@
+"""Advantage estimators, policy losses, KL estimators and loss aggregation.
+
+Pure tensor functions behind the core registries (``ADVANTAGES``, ``POLICY_LOSSES``,
+``KL_ESTIMATORS``), so a recipe picks its algorithm by name and a plugin can add one
+without touching the trainer. The math is verl's (``verl.trainer.ppo.core_algos``): we wrap
+its reference implementations instead of keeping a second copy that could drift. verl is
+an implementation detail imported lazily on first use, because importing it costs seconds.
+
+Shapes: ``B`` rows (samples), ``R`` response tokens. ``mask [B,R]`` is 1 on the tokens this
+row's policy generated (the loss tokens) and 0 elsewhere (padding, tool output, other agents).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from polyrl.core.config import ConfigError, doc
+from polyrl.core.registry import ADVANTAGES, CREDIT, KL_ESTIMATORS, POLICY_LOSSES, nearest
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+@dataclass
+class AlgorithmConfig:
+    """How rewards become advantages and advantages become a policy-gradient loss."""
+
+    advantage: str = doc("grpo", "advantage estimator (registered name or 'pkg.mod:fn')")
+    credit: str = doc("group", "credit-assignment scheme that applies the advantage estimator")
+    policy_loss: str = doc("ppo_clip", "policy loss (registered name or 'pkg.mod:fn')")
+    clip_ratio_low: float = doc(0.2, "ratio may fall to 1 - clip_ratio_low before clipping")
+    clip_ratio_high: float = doc(0.2, "ratio may rise to 1 + clip_ratio_high (DAPO clip-higher)")
+    clip_ratio_c: float = doc(3.0, "dual-clip bound on the loss of negative advantages (> 1)")
+    loss_agg: str = doc("token-mean", f"loss aggregation: {', '.join(LOSS_AGG_MODES)}")
+    loss_scale_factor: int | None = doc(
+        None, "divisor for seq-mean-token-sum-norm; None = the padded response length"
+    )
+    kl_coef: float = doc(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
+    kl_estimator: str = doc("low_var_kl", "per-token KL estimator for the KL loss term")
+    entropy_coef: float = doc(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns)")
+    lam: float = doc(1.0, "GAE lambda (for estimators that use it)")
+    norm_adv_by_std: bool = doc(True, "grpo/grpo_passk: divide by the group std (off = Dr.GRPO)")
+    epsilon: float = doc(1e-6, "added to the std before dividing, against zero-variance groups")
+    ppo_epochs: int = doc(1, "passes over each rollout batch")
+    minibatches: int = doc(1, "optimizer steps per rollout batch per epoch")
+    tau_pos: float = doc(1.0, "sapo: gate temperature for positive advantages")
+    tau_neg: float = doc(1.05, "sapo: gate temperature for non-positive advantages")
+    clip_cov_ratio: float = doc(0.0002, "clip_cov: fraction of tokens whose gradient is cut")
+    clip_cov_lb: float = doc(1.0, "clip_cov: lower covariance bound of cut candidates")
+    clip_cov_ub: float = doc(5.0, "clip_cov: upper covariance bound of cut candidates")
+    kl_cov_ratio: float = doc(0.0002, "kl_cov: fraction of highest-covariance tokens penalised")
+    ppo_kl_coef: float = doc(0.1, "kl_cov: weight of the |log-ratio| penalty on those tokens")
+
+    def validate(self) -> None:
+        """Fail at config time, naming the closest valid choice, rather than mid-training."""
+        import polyrl.core.credit  # noqa: F401  (registers the built-in credit schemes)
+
+        ADVANTAGES.check(self.advantage)
+        CREDIT.check(self.credit)
+        POLICY_LOSSES.check(self.policy_loss)
+        KL_ESTIMATORS.check(self.kl_estimator)
+        if self.loss_agg not in LOSS_AGG_MODES:
+            hint = nearest(self.loss_agg, LOSS_AGG_MODES)
+            msg = f"algorithm.loss_agg={self.loss_agg!r} is not a loss aggregation mode"
+            msg += f"; did you mean {hint!r}?" if hint else "."
+            raise ConfigError(msg + f" Valid: {', '.join(LOSS_AGG_MODES)}.")
+        if not self.clip_ratio_c > 1.0:
+            raise ConfigError(f"algorithm.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ConfigError("algorithm.clip_ratio_low and clip_ratio_high must be >= 0")
+        if self.ppo_epochs < 1 or self.minibatches < 1:
+            raise ConfigError("algorithm.ppo_epochs and minibatches must be >= 1")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.epsilon < 0:
+            raise ConfigError("algorithm.kl_coef, entropy_coef and epsilon must be >= 0")
+        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
+            raise ConfigError("algorithm.loss_scale_factor must be positive (or null)")
+
+
+@dataclass(frozen=True)
+class AggInfo:
+    """How to turn a micro-batch loss matrix into a scalar that sums correctly.
+
+    With gradient accumulation each micro-batch loss is divided by mini-batch totals, not
+    micro-batch ones, so summing the micro-batch losses gives exactly the mini-batch loss
+    (and gradient). ``None`` falls back to the micro-batch's own totals. Under data
+    parallelism the totals are over all ranks and ``dp_size`` undoes the gradient averaging.
+    """
+
+    mode: str = "token-mean"
+    batch_num_tokens: int | None = None  # loss tokens in the whole mini-batch
+    global_batch_size: int | None = None  # sequences with > 0 loss tokens in the mini-batch
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm divisor; None = R
+    dp_size: int = 1
+
+    @classmethod
+    def for_minibatch(
+        cls, mode: str, mask: Tensor, loss_scale_factor: int | None = None
+    ) -> AggInfo:
+        """Totals taken from the whole (single-rank) mini-batch mask, before splitting it."""
+        nonzero = mask.reshape(mask.shape[0], -1).sum(-1) > 0
+        return cls(
+            mode=mode,
+            batch_num_tokens=int((mask != 0).sum().item()),
+            global_batch_size=int(nonzero.sum().item()),
+            loss_scale_factor=loss_scale_factor,
+        )
+
+
+# --------------------------------------------------------------------------- verl access
+
+
+@functools.cache
+def _verl() -> ModuleType:
+    """verl's core_algos, imported once on first use (the import takes seconds)."""
+    try:
+        from verl.trainer.ppo import core_algos
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "polyrl.core.algorithms needs verl: pip install 'polyrl[verl]'"
+        ) from err
+    return core_algos
+
+
+@functools.lru_cache(maxsize=32)
+def _algo_config(gamma: float, lam: float, norm_adv_by_std: bool) -> Any:
+    from verl.trainer.config import AlgoConfig
+
+    return AlgoConfig(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std)
+
+
+def _verl_algo_config(cfg: AlgorithmConfig) -> Any:
+    return _algo_config(float(cfg.gamma), float(cfg.lam), bool(cfg.norm_adv_by_std))
+
+
+_ACTOR_FIELDS = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "tau_pos",
+    "tau_neg",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _actor_config(loss_mode: str, *values: float) -> Any:
+    """A verl ActorConfig carrying our loss settings; built once per distinct setting."""
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    v = dict(zip(_ACTOR_FIELDS, values, strict=True))
+    return ActorConfig(
+        strategy="fsdp",
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        clip_ratio=v["clip_ratio_low"],
+        clip_ratio_low=v["clip_ratio_low"],
+        clip_ratio_high=v["clip_ratio_high"],
+        clip_ratio_c=v["clip_ratio_c"],
+        tau_pos=v["tau_pos"],
+        tau_neg=v["tau_neg"],
+        policy_loss=PolicyLossConfig(
+            loss_mode=loss_mode,
+            clip_cov_ratio=v["clip_cov_ratio"],
+            clip_cov_lb=v["clip_cov_lb"],
+            clip_cov_ub=v["clip_cov_ub"],
+            kl_cov_ratio=v["kl_cov_ratio"],
+            ppo_kl_coef=v["ppo_kl_coef"],
+        ),
+    )
+
+
+def _verl_actor_config(loss_mode: str, cfg: AlgorithmConfig, agg: AggInfo) -> Any:
+    actor = _actor_config(loss_mode, *(float(getattr(cfg, f)) for f in _ACTOR_FIELDS))
+    # verl's losses read the batch totals from this dict (verl itself refills it per call).
+    info = actor.global_batch_info
+    info.clear()
+    info.update(_agg_kwargs(agg))
+    return actor
+
+
+def _agg_kwargs(agg: AggInfo) -> dict[str, Any]:
+    return {
+        "dp_size": agg.dp_size,
+        "batch_num_tokens": agg.batch_num_tokens,
+        "global_batch_size": agg.global_batch_size,
+        "loss_scale_factor": agg.loss_scale_factor,
+    }
+
+
+# ------------------------------------------------------------------ advantage estimators
+
+
+def outcome_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Scalar rewards placed on each row's last loss token, as verl's estimators expect.
+
+    A row with no loss token keeps its reward in the last column, so it still counts in its
+    group's statistics (its own advantage is zeroed by the mask).
+    """
+    b, r = mask.shape
+    out = torch.zeros((b, r), dtype=torch.float32, device=mask.device)
+    if r == 0:
+        return out
+    positions = torch.arange(r, device=mask.device).expand(b, r)
+    last = torch.where(mask != 0, positions, -1).amax(dim=-1)
+    last = torch.where(last < 0, r - 1, last)
+    out[torch.arange(b, device=mask.device), last] = rewards.to(out)
+    return out
+
+
+def _prepare(rewards: Tensor, mask: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Any]:
+    m = mask.to(dtype=torch.float32)
+    index = group.detach().reshape(-1).cpu().numpy()
+    return outcome_token_rewards(rewards.detach(), m), m, index
+
+
+def _finish(adv: Tensor, mask: Tensor) -> Tensor:
+    return (adv.to(torch.float32) * (mask != 0)).contiguous()
+
+
+def _grpo(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig, norm: bool) -> Tensor:
+    token_rewards, m, index = _prepare(rewards, mask, group)
+    with torch.no_grad():
+        adv, _ = _verl().compute_grpo_vectorized_outcome_advantage(
+            token_rewards, m, index, epsilon=cfg.epsilon, norm_adv_by_std_in_grpo=norm
+        )
+    return _finish(adv, mask)
+
+
+@ADVANTAGES.register("grpo")
+def grpo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
+    """GRPO: (r - group mean) / (group std + eps); std division per ``cfg.norm_adv_by_std``."""
+    return _grpo(rewards, mask, group, cfg, norm=bool(cfg.norm_adv_by_std))
+
+
+@ADVANTAGES.register("drgrpo")
+def drgrpo_advantage(
+    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
+) -> Tensor:
+    """Dr.GRPO: r - group mean, never divided by the std (removes the difficulty bias)."""
+    return _grpo(rewards, mask, group, cfg, norm=False)
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
+    """RLOO: r minus the mean reward of the other samples in its group."""
+    token_rewards, m, index = _prepare(rewards, mask, group)
+    with torch.no_grad():
+        adv, _ = _verl().compute_rloo_vectorized_outcome_advantage(
+            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
+        )
+    return _finish(adv, mask)
+
+
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk_advantage(
+    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
+) -> Tensor:
+    """Pass@k: only each group's best sample gets (best - second best) [/ std]; groups >= 2."""
+    token_rewards, m, index = _prepare(rewards, mask, group)
+    with torch.no_grad():
+        adv, _ = _verl().compute_grpo_passk_outcome_advantage(
+            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
+        )
+    return _finish(adv, mask)
+
+
+def _too_few_tokens(mask: Tensor) -> bool:
+    # verl whitens over all loss tokens with an unbiased variance: it needs >= 2 of them.
+    return int((mask != 0).sum().item()) < 2
+
+
+@ADVANTAGES.register("reinforce_plus_plus")
+def reinforce_plus_plus_advantage(
+    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
+) -> Tensor:
+    """REINFORCE++: discounted return-to-go (``cfg.gamma``), whitened over the batch's tokens."""
+    if _too_few_tokens(mask):
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    token_rewards, m, _ = _prepare(rewards, mask, group)
+    with torch.no_grad():
+        adv, _ = _verl().compute_reinforce_plus_plus_outcome_advantage(
+            token_rewards, m, config=_verl_algo_config(cfg)
+        )
+    return _finish(adv, mask)
+
+
+@ADVANTAGES.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantage(
+    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
+) -> Tensor:
+    """REINFORCE++ with a group-mean baseline, then whitened over the batch's tokens."""
+    if _too_few_tokens(mask):
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    token_rewards, m, index = _prepare(rewards, mask, group)
+    with torch.no_grad():
+        adv, _ = _verl().compute_reinforce_plus_plus_baseline_outcome_advantage(
+            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
+        )
+    return _finish(adv, mask)
+
+
+# ------------------------------------------------------------------------ policy losses
+
+
+def _verl_policy_loss(
+    loss_mode: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    actor = _verl_actor_config(loss_mode, cfg, agg)
+    fn = _verl().get_policy_loss_fn(loss_mode)
+    loss, metrics = fn(
+        old_log_prob=old_logprobs,
+        log_prob=logprobs,
+        advantages=advantages,
+        response_mask=mask.to(logprobs.dtype),
+        loss_agg_mode=agg.mode,
+        config=actor,
+    )
+    return loss, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip (verl vanilla)."""
+    return _verl_policy_loss("vanilla", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4)."""
+    return _verl_policy_loss("gspo", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token loses its gradient."""
+    return _verl_policy_loss("cispo", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
+
+    verl always aggregates SAPO as seq-mean-token-mean, whatever ``agg.mode`` says.
+    """
+    return _verl_policy_loss("sapo", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens."""
+    return _verl_policy_loss("clip_cov", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    agg: AggInfo,
+) -> tuple[Tensor, dict[str, float]]:
+    """KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens."""
+    return _verl_policy_loss("kl_cov", logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, agg: AggInfo) -> Tensor:
+    """Reduce a per-token loss (KL, entropy) to a scalar the same way the policy loss is."""
+    return _verl().agg_loss(
+        loss_mat=loss_mat, loss_mask=mask.to(loss_mat.dtype), loss_agg_mode=agg.mode,
+        **_agg_kwargs(agg),
+    )
+
+
+# ------------------------------------------------------------------------ KL estimators
+
+
+def _kl_estimator(name: str, about: str) -> Callable[[Tensor, Tensor], Tensor]:
+    def estimator(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return _verl().kl_penalty(logprobs, ref_logprobs, name)
+
+    estimator.__name__ = estimator.__qualname__ = f"kl_{name.replace('+', '_st')}"
+    estimator.__doc__ = f"Per-token KL(policy || reference) estimate: {about}."
+    return estimator
+
+
+for _name, _about in (
+    ("k1", "log-ratio; unbiased value, high variance"),
+    ("k2", "half squared log-ratio; its gradient is the unbiased KL gradient"),
+    ("k3", "exp(-x) + x - 1 (Schulman); unbiased, low variance, never negative"),
+    ("low_var_kl", "alias of k3 (clamped to [-10, 10] like verl)"),
+    ("abs", "absolute log-ratio"),
+    ("k1+", "k1 value with the k2 gradient (straight-through)"),
+    ("k3+", "k3 value with the k2 gradient (straight-through)"),
+    ("low_var_kl+", "alias of k3+"),
+):
+    KL_ESTIMATORS.register(_name, _kl_estimator(_name, _about))
+del _name, _about
+
+
+# ------------------------------------------------------------------------------ entropy
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-position entropy of softmax(logits) over the last dim, via logsumexp (no log(0))."""
+    from verl.utils.torch_functional import entropy_from_logits as verl_entropy
+
+    return verl_entropy(logits)
+
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "AggInfo",
+    "AlgorithmConfig",
+    "aggregate",
+    "cispo_loss",
+    "clip_cov_loss",
+    "drgrpo_advantage",
+    "entropy_from_logits",
+    "grpo_advantage",
+    "grpo_passk_advantage",
+    "gspo_loss",
+    "kl_cov_loss",
+    "outcome_token_rewards",
+    "ppo_clip_loss",
+    "reinforce_plus_plus_advantage",
+    "reinforce_plus_plus_baseline_advantage",
+    "rloo_advantage",
+    "sapo_loss",
+]

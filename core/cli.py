@@ -1,0 +1,124 @@
+"""``polyrl train | eval | plot | export``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _load(recipe: str, overrides: list[str]):
+    import polyrl.core  # noqa: F401  (registers the core's parts)
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.registry import load_plugins
+
+    load_plugins()
+    return load(Config, recipe, overrides)
+
+
+def _latest_run(pattern_dir: str, name: str) -> str:
+    parent = Path(pattern_dir.split("{")[0]).parent if "{" in pattern_dir else Path(pattern_dir).parent
+    stem = Path(pattern_dir).name.split("{")[0].format() if "{" in pattern_dir else Path(pattern_dir).name
+    stem = stem.replace("{name}", name)
+    found = sorted((p for p in parent.glob(f"{name}*") if (p / "checkpoints").is_dir()),
+                   key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise SystemExit(f"--resume: no run directory with checkpoints under {parent}/ ({stem}*)")
+    return str(found[-1])
+
+
+def cmd_train(args) -> int:
+    from polyrl.core.loop import train
+
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append("run.resume=true")
+    cfg = _load(args.recipe, overrides)
+    if args.resume:
+        cfg.run.dir = args.resume
+    elif args.resume is not None and "{" in cfg.run.dir:
+        cfg.run.dir = _latest_run(cfg.run.dir, cfg.run.name)
+    run = train(cfg)
+    print(f"run directory: {run.path}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from polyrl.core.session import Session
+
+    overrides = list(args.overrides) + ["sft.steps=0", "run.export=false", "train.steps=0"]
+    if args.run_dir:
+        overrides.append("run.resume=true")
+    cfg = _load(args.recipe, overrides)
+    if args.run_dir:
+        cfg.run.dir = args.run_dir
+    s = Session.open(cfg)
+    metrics = s.evaluate("eval")
+    for k, v in sorted(metrics.items()):
+        print(f"{k}: {v:.4f}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from polyrl.core.plot import plot_run
+
+    for p in plot_run(args.run_dir):
+        print(p)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from polyrl.core.session import Session
+
+    cfg = _load(args.recipe, list(args.overrides) + ["run.resume=true", "sft.steps=0"])
+    cfg.run.dir = args.run_dir
+    s = Session.open(cfg)
+    out = Path(args.out or Path(args.run_dir) / "export")
+    for name, p in s.policies.items():
+        print(p.export(out / name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train from a recipe")
+    t.add_argument("recipe")
+    t.add_argument("overrides", nargs="*", help="key.sub=value")
+    t.add_argument("--resume", nargs="?", const="", default=None,
+                   help="continue the last complete checkpoint (of RUN_DIR, or the newest run)")
+    t.set_defaults(fn=cmd_train)
+    e = sub.add_parser("eval", help="evaluate a recipe's policies (from a run's checkpoint)")
+    e.add_argument("recipe")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument("--run-dir", default=None)
+    e.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("plot", help="write PNG curves of a run")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_plot)
+    x = sub.add_parser("export", help="export a run's last checkpoint in Hugging Face format")
+    x.add_argument("recipe")
+    x.add_argument("run_dir")
+    x.add_argument("overrides", nargs="*")
+    x.add_argument("--out", default=None)
+    x.set_defaults(fn=cmd_export)
+    h = sub.add_parser("config", help="list every recipe key with its type, default and doc")
+    h.set_defaults(fn=cmd_config)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+def cmd_config(args) -> int:
+    from polyrl.core.config import describe
+    from polyrl.core.recipe import Config
+
+    print("\n".join(describe(Config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

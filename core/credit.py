@@ -1,0 +1,37 @@
+"""Credit assignment: from a scored record to per-token advantages.
+
+The default scheme groups rows by their group keys (prompt, agent, turn, node) and
+applies the recipe's advantage estimator within each group. Plugins register schemes
+that need the record's joint structure (MAGRPO trees, GiGPO step groups).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.record import GROUP_KEYS, group_ids
+from polyrl.core.registry import ADVANTAGES, CREDIT
+
+
+def group_credit(record: TensorDict, algo) -> dict[str, float]:
+    """Advantages for valid rows from the registered estimator; invalid rows get 0."""
+    mask = record["loss_mask"].float()
+    adv = torch.zeros_like(mask)
+    valid = record["valid"]
+    if bool(valid.any()):
+        sub = record[valid]
+        groups = group_ids(sub, GROUP_KEYS)
+        estimator = ADVANTAGES.get(algo.advantage)
+        adv[valid] = estimator(sub["reward"].float(), sub["loss_mask"].float(), groups, algo)
+    record["advantages"] = adv
+    rows = adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1) if bool(valid.any()) else adv[:0, 0]
+    return {"advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
+            "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0}
+
+
+def assign(record: TensorDict, algo) -> dict[str, float]:
+    return CREDIT.get(algo.credit)(record, algo)
+
+
+CREDIT.register("group", group_credit)

@@ -1,0 +1,152 @@
+"""Rollout engines: sample token ids and their log-probs from a policy.
+
+Every engine keeps the same small interface (``generate`` and ``sync``), so a recipe
+switches between the `transformers` engine here and the vLLM engine by name. The
+log-prob recorded for a sampled token is that of the temperature-scaled distribution
+(before top-p truncation), which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from polyrl.core.record import pad_left
+from polyrl.core.registry import ENGINES
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos / stop string) or "length"
+    text: str = ""
+
+
+class Engine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """n completions per prompt, grouped by prompt (prompt 0's first)."""
+
+    def sync(self) -> None:
+        """Pull the policy's current weights (after an update)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick next tokens; return (ids, log-probs under the temperature-scaled distribution)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        ids = logits.argmax(-1)
+        return ids, torch.log_softmax(logits, -1).gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, -1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    ids = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """Batched sampling with a KV cache on the policy's own `transformers` model.
+
+    In local mode it shares the policy's module, so weight sync costs nothing.
+    """
+
+    def __init__(self, policy, *, batch_size: int = 256, seed: int = 0) -> None:
+        self.policy = policy
+        self.batch_size = batch_size
+        self.tokenizer = policy.tokenizer
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sync(self) -> None:  # same module as the trainer's
+        return None
+
+    def state_dict(self) -> dict:
+        return {"rng": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["rng"])
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        out: list[Completion] = []
+        for start in range(0, len(rows), self.batch_size):
+            out += self._generate_batch(rows[start : start + self.batch_size], params)
+        return out
+
+    def _generate_batch(self, rows, params: SamplingParams) -> list[Completion]:
+        model = self.policy.model
+        device = next(model.parameters()).device
+        stop_ids = set(params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        ids, mask = pad_left([r[1] for r in rows], self.tokenizer.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+        b = ids.shape[0]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    logits_to_keep=1)
+        next_pos = pos[:, -1] + 1
+        tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
+        logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        texts = [""] * b
+        for t in range(params.max_new_tokens):
+            tok, lp = sample_next(out.logits[:, -1], params, self.gen)
+            tokens[:, t], logps[:, t] = tok, lp
+            finished = ~done & torch.isin(tok, stop_t)
+            if params.stop:
+                finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
+            lengths = torch.where(finished, t + 1, lengths)
+            done |= finished
+            if bool(done.all()) or t == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                        past_key_values=out.past_key_values, use_cache=True)
+            next_pos = next_pos + 1
+        result = []
+        for k, (pi, _) in enumerate(rows):
+            n = int(lengths[k])
+            tid = tokens[k, :n].tolist()
+            texts[k] = self.tokenizer.decode(tid, skip_special_tokens=True)
+            reason = "stop" if n < params.max_new_tokens or bool(done[k]) else "length"
+            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, texts[k]))
+        return result
+
+    def _hit_stop_string(self, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]
+                         ) -> torch.Tensor:
+        hit = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for k in range(tokens.shape[0]):
+            if done[k]:
+                continue
+            tail = self.tokenizer.decode(tokens[k, -16:].tolist())
+            hit[k] = any(s in tail for s in stops)
+        return hit
+
+
+ENGINES.register("hf", HFEngine)

@@ -1,0 +1,46 @@
+"""The training loop. It reads in one screen; everything it calls is a small named part."""
+
+from __future__ import annotations
+
+import time
+
+from polyrl.core import rewards, trainer
+from polyrl.core.credit import assign
+from polyrl.core.progress import Progress
+from polyrl.core.recipe import Config
+from polyrl.core.record import select_policy
+from polyrl.core.run import RunDir
+from polyrl.core.session import Session
+
+
+def train(cfg: Config) -> RunDir:
+    """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
+    s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
+    run, sampler, workflow = s.run, s.sampler, s.workflow
+    run.log(s.step, s.evaluate("eval") if s.step == 0 else {})
+    with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar:
+        for step in range(s.step + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
+            metrics = rewards.score(record, cfg.reward)
+            metrics |= assign(record, cfg.algorithm)
+            valid = record[record["valid"]]
+            for name in s.trained:
+                upd = trainer.update(s.policies[name], select_policy(valid, name), cfg.algorithm,
+                                     temperature=cfg.rollout.temperature, generator=s.gen)
+                metrics |= {f"{name}/{k}": v for k, v in upd.items()}
+                s.engines[name].sync()
+            metrics |= s.rollout_stats(record) | {"time/step_s": time.perf_counter() - t0}
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                metrics |= s.evaluate("eval")
+            if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+                run.log(step, metrics)
+                s.write_samples(step, record)
+            if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
+                s.save(step)
+            bar.update(step, metrics)
+    final = s.evaluate("eval")
+    run.log(cfg.train.steps, final)
+    s.finish(final)
+    return run
+

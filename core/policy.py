@@ -1,0 +1,186 @@
+"""Policies: a trainable model with its own optimizer, schedule, reference and checkpoint.
+
+The trainer holds ``{name: Policy}``; one entry is the single-agent case. A policy kind
+(causal LM here; VLM and diffusion kinds come from plugins) only has to compute
+log-probs of a record's response tokens; the trainer does the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.config import doc, doc_factory
+from polyrl.core.registry import POLICIES
+from polyrl.core.tiny import ensure_model
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(1e-5, "peak learning rate (AdamW)")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    betas: list[float] = doc([0.9, 0.999], "AdamW betas")
+    eps: float = doc(1e-8, "AdamW epsilon")
+    warmup_steps: int = doc(0, "linear warm-up in optimizer steps")
+    schedule: str = doc("constant", "after warm-up: constant, linear (to 0) or cosine (to 0)")
+    max_grad_norm: float = doc(1.0, "gradient clipping norm; 0 disables clipping")
+
+
+@dataclass
+class LoraConfig:
+    r: int = doc(0, "LoRA rank; 0 trains all weights")
+    alpha: float = doc(16.0, "LoRA alpha")
+    dropout: float = doc(0.0, "LoRA dropout")
+    target_modules: list[str] = doc(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "module names that get adapters")
+
+
+@dataclass
+class EngineConfig:
+    name: str = doc("hf", "rollout engine: hf (transformers, works everywhere) or vllm")
+    args: dict[str, Any] = doc({}, "engine-specific keyword arguments")
+
+
+@dataclass
+class PolicyConfig:
+    model: str = doc("", "local path or hub id of the model")
+    kind: str = doc("causal_lm", "policy kind (causal_lm; plugins add vlm, diffusion kinds)")
+    build: str | None = doc(None, "model builder that creates `model` offline if it is missing")
+    build_args: dict[str, Any] = doc({}, "keyword arguments for the builder")
+    dtype: str = doc("float32", "parameter dtype: float32 or bfloat16")
+    train: bool = doc(True, "false: the policy acts but is never updated (frozen agent)")
+    lora: LoraConfig = doc_factory(LoraConfig, "LoRA adapter (r=0: full fine-tune)")
+    optim: OptimConfig = doc_factory(OptimConfig, "optimizer and schedule")
+    micro_batch_size: int = doc(32, "rows per forward/backward; gradients accumulate")
+    engine: EngineConfig = doc_factory(EngineConfig, "rollout engine for this policy")
+    gradient_checkpointing: bool = doc(False, "trade compute for activation memory")
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """Warm-up then constant/linear/cosine decay, as a LambdaLR factor."""
+    if cfg.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.schedule={cfg.schedule!r}: use constant, linear or cosine")
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - cfg.warmup_steps)
+        frac = min(1.0, (step - cfg.warmup_steps) / span)
+        return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+
+    return factor
+
+
+def response_logprobs(
+    model: torch.nn.Module, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of each response token given everything before it.
+
+    Only the response positions reach the LM head (``logits_to_keep``), which saves
+    the vocabulary projection over the prompt.
+    """
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    r = batch["response_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                   logits_to_keep=r + 1, use_cache=False).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = lse - (probs * logits).sum(-1)
+    return logp, entropy
+
+
+class CausalLMPolicy:
+    """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
+
+    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
+                 device: str | torch.device = "cpu") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.reference: torch.nn.Module | None = None
+        if cfg.lora.r > 0:
+            from peft import LoraConfig as PeftLora
+            from peft import get_peft_model
+
+            model = get_peft_model(model, PeftLora(
+                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                target_modules=cfg.lora.target_modules))
+        elif need_reference:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = model
+        self.model.train(False)
+        self.need_reference = need_reference
+        if not cfg.train:
+            self.model.requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay) if params else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+
+    # --- what the trainer calls -------------------------------------------------------
+    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+        """Reference log-probs: the frozen copy, or the base with the adapter disabled."""
+        batch = batch.to(self.device)
+        if self.reference is not None:
+            return response_logprobs(self.reference, batch, temperature)[0]
+        with self.model.disable_adapter():
+            return response_logprobs(self.model, batch, temperature)[0]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""
+        return {k: v.detach().cpu() for k, v in self.model.named_parameters() if v.requires_grad} \
+            if self.cfg.lora.r > 0 else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or (self.cfg.lora.r == 0 and missing):
+            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the model "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def named_weights(self):
+        """Full (merged) weights under the base model's names, for engine weight sync."""
+        if self.cfg.lora.r > 0:
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            return merged.state_dict().items()
+        return self.model.state_dict().items()
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Hugging Face format (a PEFT adapter folder for LoRA policies)."""
+        out = Path(out_dir)
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+
+POLICIES.register("causal_lm", CausalLMPolicy)

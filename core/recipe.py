@@ -1,0 +1,120 @@
+"""The recipe: one typed config composed of each part's own config dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.data import DataConfig
+from polyrl.core.policy import PolicyConfig
+from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS, nearest
+from polyrl.core.rewards import RewardConfig
+
+
+@dataclass
+class RunConfig:
+    dir: str = doc("runs/{name}", "run directory; {name} is replaced by run.name")
+    name: str = doc("run", "short name of the run")
+    save_every: int = doc(0, "checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = doc(2, "how many complete checkpoints to keep")
+    resume: bool = doc(False, "continue from the last complete checkpoint in run.dir")
+    samples_per_step: int = doc(8, "transcripts written to samples/ each logged step")
+    log_every: int = doc(1, "write metrics every N steps")
+    tensorboard: bool = doc(True, "write TensorBoard events")
+    progress: bool = doc(True, "show a progress bar")
+    export: bool = doc(True, "export final models in Hugging Face format to run.dir/export")
+
+
+@dataclass
+class TaskConfig:
+    name: str | None = doc(None, "built-in synthetic task that writes its data files (e.g. arithmetic)")
+    dir: str = doc("{run_dir}/data", "where the task writes train/eval/sft files")
+    args: dict[str, Any] = doc({}, "keyword arguments for the task's write_dataset")
+
+
+@dataclass
+class RolloutConfig:
+    workflow: str = doc("single_turn", "how an episode is produced (plugins add multi-turn, multi-agent, ...)")
+    args: dict[str, Any] = doc({}, "workflow keyword arguments")
+    n: int = doc(8, "samples per prompt (the group size)")
+    prompts_per_step: int = doc(16, "prompts per training step")
+    max_new_tokens: int = doc(64, "response length limit")
+    temperature: float = doc(1.0, "sampling temperature (also used for training log-probs)")
+    top_p: float = doc(1.0, "nucleus sampling")
+    stop: list[str] = doc([], "extra stop strings")
+
+
+@dataclass
+class EvalConfig:
+    data: DataConfig = doc_factory(DataConfig, "held-out prompts (path empty: no evaluation)")
+    every: int = doc(0, "evaluate every N steps (0: only before and after training)")
+    temperature: float = doc(0.0, "0 = greedy")
+    n: int = doc(1, "samples per eval prompt")
+    max_new_tokens: int | None = doc(None, "default: rollout.max_new_tokens")
+    accuracy_term: str | None = doc(None, "reward term whose mean is reported as accuracy "
+                                          "(default: the first term)")
+
+
+@dataclass
+class SFTConfig:
+    steps: int = doc(0, "supervised warm-start steps before RL (0: none)")
+    data: DataConfig = doc_factory(DataConfig, "prompt + target rows; answer_field names the target")
+    batch_size: int = doc(32, "rows per SFT step")
+    lr: float | None = doc(None, "learning rate for SFT (default: the policy's)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc(100, "RL steps (rollout + update)")
+    policies: list[str] | None = doc(None, "policies that train (default: all with train: true)")
+
+
+@dataclass
+class DistributedConfig:
+    backend: Literal["local", "ray"] = doc("local", "local: one process, no Ray; ray: worker groups")
+    args: dict[str, Any] = doc({}, "backend options (placement, workers per policy, ...)")
+
+
+@dataclass
+class Config:
+    seed: int = doc(0, "seed for data order, sampling and initialisation")
+    run: RunConfig = doc_factory(RunConfig, "run directory, logging and checkpoints")
+    task: TaskConfig = doc_factory(TaskConfig, "synthetic task that generates the data")
+    data: DataConfig = doc_factory(DataConfig, "training prompts")
+    eval: EvalConfig = doc_factory(EvalConfig, "held-out evaluation")
+    policies: dict[str, PolicyConfig] = doc({}, "policies by name; one is the single-agent case")
+    rollout: RolloutConfig = doc_factory(RolloutConfig, "sampling and workflow")
+    reward: RewardConfig = doc_factory(RewardConfig, "reward terms")
+    algorithm: AlgorithmConfig = doc_factory(AlgorithmConfig, "advantages, loss, KL")
+    sft: SFTConfig = doc_factory(SFTConfig, "optional supervised warm start")
+    train: TrainConfig = doc_factory(TrainConfig, "length of training")
+    distributed: DistributedConfig = doc_factory(DistributedConfig, "local or Ray")
+
+    def validate(self) -> None:
+        """Fail at config time, before any model loads."""
+        if not self.policies:
+            raise ConfigError("the recipe declares no policies; add policies: {main: {model: ...}}")
+        for name, p in self.policies.items():
+            if not p.model:
+                raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
+            POLICIES.check(p.kind)
+            ENGINES.check(p.engine.name)
+        for name in self.train.policies or []:
+            if name not in self.policies:
+                hint = nearest(name, list(self.policies))
+                raise ConfigError(f"train.policies names unknown policy {name!r}"
+                                  + (f"; did you mean {hint!r}?" if hint else ""))
+        WORKFLOWS.check(self.rollout.workflow)
+        if self.task.name:
+            TASKS.check(self.task.name)
+        self.algorithm.validate()
+        self.reward.validate()
+        if self.rollout.n < 1 or self.rollout.prompts_per_step < 1:
+            raise ConfigError("rollout.n and rollout.prompts_per_step must be >= 1")
+
+    def trained_policies(self) -> list[str]:
+        if self.train.policies is not None:
+            return list(self.train.policies)
+        return [n for n, p in self.policies.items() if p.train]

