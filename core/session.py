@@ -21,7 +21,6 @@ from tensordict import TensorDict
 from polyrl.core import rewards, trainer
 from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.data import PromptDataset, PromptSampler, load_rows, write_jsonl
-from polyrl.core.policy import lr_lambda
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS
@@ -50,7 +49,7 @@ def prepare_task(cfg: Config, run_dir: Path) -> None:
     cfg.eval.data.path = cfg.eval.data.path or str(eval_path)
     if cfg.sft.steps and not cfg.sft.data.path:
         sft_path = out / "sft.jsonl"
-        write_jsonl(sft_path, task.sft_rows(load_rows(str(train_path))))
+        write_jsonl(sft_path, task.sft_rows(load_rows(str(train_path))[0]))
         cfg.sft.data.path = str(sft_path)
         cfg.sft.data.answer_field = "response"
 
@@ -115,9 +114,12 @@ class Session:
             tok = policy.tokenizer
             data = PromptDataset(cfg.sft.data, tok, name="sft")
             sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
-            if cfg.sft.lr is not None:
-                for g in policy.optimizer.param_groups:
-                    g["lr"] = cfg.sft.lr
+            # SFT gets its own constant-rate optimizer; RL then starts with fresh moments.
+            rl_optimizer, rl_scheduler = policy.optimizer, policy.scheduler
+            policy.optimizer = torch.optim.AdamW(
+                [p for p in policy.model.parameters() if p.requires_grad],
+                lr=cfg.sft.lr or policy.cfg.optim.lr, weight_decay=policy.cfg.optim.weight_decay)
+            policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
             for k in range(cfg.sft.steps):
                 items = sampler.next_batch()
                 targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
@@ -129,12 +131,7 @@ class Session:
                 out = trainer.sft_update(policy, batch)
                 if k % 10 == 0 or k == cfg.sft.steps - 1:
                     self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
-            # RL starts from a fresh optimizer and schedule: SFT moments would bias it.
-            policy.optimizer.state.clear()
-            for g in policy.optimizer.param_groups:
-                g["lr"] = g["initial_lr"] = policy.cfg.optim.lr
-            policy.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                policy.optimizer, lr_lambda(policy.cfg.optim, cfg.train.steps))
+            policy.optimizer, policy.scheduler = rl_optimizer, rl_scheduler
             self.engines[name].sync()
 
     # --- evaluation ---------------------------------------------------------------------

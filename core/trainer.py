@@ -108,7 +108,7 @@ def sft_update(policy, batch: TensorDict) -> dict[str, float]:
         logp, _ = policy.logprobs(mb)
         loss = aggregate(-logp, mb["loss_mask"].float(), agg)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     _step(policy, stats)
     policy.model.train(False)
     return {"sft_loss": total, "skipped_nonfinite": float(stats["skipped_nonfinite"])}
