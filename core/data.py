@@ -39,6 +39,7 @@ class DataConfig:
 
     path: str = doc("", "a .jsonl/.json/.parquet/.csv file, a directory, or a Hugging Face hub "
                         "dataset name")
+    subset: str | None = doc(None, "configuration name of a hub dataset (e.g. 'main' for gsm8k)")
     split: str = doc("train", "split to read from a hub dataset or directory (files have one)")
     prompt_field: str = doc("prompt", "row field holding the prompt: a string or chat messages")
     answer_field: str | None = doc("answer", "row field holding the ground truth passed to "
@@ -131,14 +132,15 @@ def _read_json(path: Path) -> tuple[list[dict], list[str]]:
     return data, [f"{path}, row {i}" for i in range(len(data))]
 
 
-def _read_with_datasets(kind: str, path: Path, split: str | None) -> list[dict]:
+def _read_with_datasets(kind: str, path: Path, split: str | None,
+                        subset: str | None = None) -> list[dict]:
     import datasets
 
     try:
         if kind in ("parquet", "csv"):
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         else:
-            ds = datasets.load_dataset(str(path), split=split)
+            ds = datasets.load_dataset(str(path), subset, split=split)
     except Exception as e:  # datasets raises many types; keep the cause, add the context
         raise DataError(f"could not load {str(path)!r} (split {split!r}) with "
                         f"datasets.load_dataset: {type(e).__name__}: {e}") from e
@@ -146,7 +148,7 @@ def _read_with_datasets(kind: str, path: Path, split: str | None) -> list[dict]:
 
 
 def load_rows(path: str, split: str = "train", limit: int | None = None,
-              what: str = "dataset") -> tuple[list[dict], list[str]]:
+              what: str = "dataset", subset: str | None = None) -> tuple[list[dict], list[str]]:
     """Read raw rows and a human-readable location for each ('file, line 3').
 
     Files are read by extension; directories and hub names go through ``datasets``.
@@ -156,7 +158,7 @@ def load_rows(path: str, split: str = "train", limit: int | None = None,
                         "file or a Hugging Face hub dataset name.")
     p = Path(path).expanduser()
     if p.is_dir():
-        rows = _read_with_datasets("dir", p, split)
+        rows = _read_with_datasets("dir", p, split, subset)
         where = [f"{p} (split {split!r}), row {i}" for i in range(len(rows))]
     elif p.is_file():
         kind = FILE_FORMATS.get(p.suffix.lower())
@@ -176,7 +178,7 @@ def load_rows(path: str, split: str = "train", limit: int | None = None,
                 where = [f"{p}, row {i}" for i in range(len(rows))]
     elif _is_hub_name(path):
         try:
-            rows = _read_with_datasets("hub", Path(path), split)
+            rows = _read_with_datasets("hub", Path(path), split, subset)
         except DataError as e:
             raise DataError(f"{what}: {path!r} is not a local file or directory, and loading "
                             f"it as a Hugging Face hub dataset failed: {e.__cause__}") from e
@@ -244,7 +246,8 @@ class PromptDataset:
         self.cfg = cfg
         self.name = name
         self._tokenizer = tokenizer
-        rows, where = load_rows(cfg.path, cfg.split, cfg.limit, what=f"{name} data")
+        rows, where = load_rows(cfg.path, cfg.split, cfg.limit, what=f"{name} data",
+                                  subset=cfg.subset)
         if not rows:
             raise DataError(f"{name} data: {cfg.path!r} has no rows.")
 

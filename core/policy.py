@@ -2,7 +2,9 @@
 
 The trainer holds ``{name: Policy}``; one entry is the single-agent case. A policy kind
 (causal LM here; VLM and diffusion kinds come from plugins) only has to compute
-log-probs of a record's response tokens; the trainer does the rest.
+log-probs of a record's response tokens; the trainer does the rest. A kind also offers
+``load_tokenizer(cfg)`` (a static method), so the session can check the data with the
+policy's tokenizer before any weights load.
 """
 
 from __future__ import annotations
@@ -110,13 +112,11 @@ class CausalLMPolicy:
 
     def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
                  device: str | torch.device = "cpu") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = self.load_tokenizer(cfg)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
         if cfg.gradient_checkpointing:
@@ -142,6 +142,17 @@ class CausalLMPolicy:
             weight_decay=cfg.optim.weight_decay) if params else None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+
+    @staticmethod
+    def load_tokenizer(cfg: PolicyConfig):
+        """The policy's tokenizer alone (building the model first if it is missing)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ensure_model(cfg.model, cfg.build,
+                                                               cfg.build_args))
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
 
     # --- what the trainer calls -------------------------------------------------------
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,

@@ -84,7 +84,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                     loss = loss - algo.entropy_coef * ent_term
                     stats["entropy"].append(float(ent_term))
                 loss.backward()
-                stats["loss"].append(float(loss))
+                stats["loss"].append(float(loss.detach()))
                 for k, v in metrics.items():
                     extra.setdefault(k, []).append(float(v))
             _step(policy, stats)

@@ -23,3 +23,28 @@ def tiny_model_dir(tmp_path_factory) -> str:
     tiny_qwen2(path, corpus="arithmetic", hidden_size=128, num_layers=2, num_heads=2,
                head_dim=64, intermediate_size=256, seed=0)
     return str(path)
+
+
+@pytest.fixture
+def make_config(tiny_model_dir, tmp_path):
+    """A small arithmetic recipe (Config) in tmp_path; pass key.sub=value overrides."""
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+
+    base = [
+        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
+        "task.name=arithmetic", f"task.dir={tmp_path}/data",
+        "task.args={n_train: 200, n_eval: 40, max_operand: 30, ops: '+'}",
+        f"policies.main.model={tiny_model_dir}",
+        "policies.main.optim.lr=5.0e-5", "policies.main.micro_batch_size=64",
+        "data.max_prompt_tokens=32", "eval.data.shuffle=false",
+        "rollout.n=4", "rollout.prompts_per_step=8", "rollout.max_new_tokens=6",
+        "train.steps=4",
+    ]
+
+    def make(*overrides: str) -> Config:
+        import polyrl.core  # noqa: F401
+
+        return load(Config, None, base + list(overrides))
+
+    return make

@@ -1,0 +1,173 @@
+"""The update step: exact on-policy ratio, loss masks, per-policy isolation, NaN guard."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.credit import group_credit
+from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
+from polyrl.core.record import concat, select_policy, strings, text_record
+from polyrl.core.trainer import sft_update, update
+
+
+def make_policy(model_dir, name="main", lr=1e-3, micro=64, **kw):
+    cfg = PolicyConfig(model=model_dir, optim=OptimConfig(lr=lr), micro_batch_size=micro, **kw)
+    return CausalLMPolicy(name, cfg, total_steps=10, need_reference=False)
+
+
+def weights(policy):
+    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rollout(policy, seed=0, n=4, name="main"):
+    tok = policy.tokenizer
+    texts = ["12+7=", "3+4=", "25+30=", "8+8="]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                              add_generation_prompt=True),
+                      add_special_tokens=False) for t in texts]
+    outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=n, max_new_tokens=6))
+    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
+                      response_ids=[o.token_ids for o in outs],
+                      rollout_logprobs=[o.logprobs for o in outs], policy=[name] * len(outs),
+                      uid=[o.prompt_index for o in outs], pad_id=tok.pad_token_id)
+    gen = torch.Generator().manual_seed(seed)
+    rec["reward"] = torch.randint(0, 2, (len(outs),), generator=gen).float()
+    group_credit(rec, AlgorithmConfig())
+    return rec
+
+
+def test_recomputed_old_logprobs_give_ratio_exactly_one(tiny_model_dir):
+    """The no-grad pass (old log-probs) and the grad pass agree bitwise before any update."""
+    policy = make_policy(tiny_model_dir)
+    rec = rollout(policy)
+    with torch.no_grad():
+        old, _ = policy.logprobs(rec)
+    new, _ = policy.logprobs(rec)
+    ratio = torch.exp(new - old)
+    m = rec["loss_mask"].bool()
+    assert torch.equal(ratio[m], torch.ones_like(ratio[m]))
+
+
+@pytest.mark.parametrize("epochs,minibatches", [(1, 1), (2, 1), (1, 2)])
+def test_first_update_is_on_policy(tiny_model_dir, epochs, minibatches):
+    policy = make_policy(tiny_model_dir)
+    algo = AlgorithmConfig(ppo_epochs=epochs, minibatches=minibatches)
+    out = update(policy, rollout(policy), algo, generator=torch.Generator().manual_seed(0))
+    if epochs == 1 and minibatches == 1:
+        assert out["ppo_kl"] == 0.0 and out["pg_clipfrac"] == 0.0
+    assert out["skipped_nonfinite"] == 0 and out["grad_norm"] > 0
+
+
+def test_masked_tokens_do_not_move_the_weights(tiny_model_dir):
+    """Tokens outside loss_mask (environment/tool/other-agent text) carry no gradient."""
+    base = make_policy(tiny_model_dir)
+    rec = rollout(base)
+    # Mask the middle of every response as if a tool had written it.
+    mask = rec["loss_mask"].clone()
+    mask[:, 1:3] = 0
+    rec["loss_mask"] = mask
+    group_credit(rec, AlgorithmConfig())
+    poisoned = rec.clone()
+    adv = poisoned["advantages"].clone()
+    adv[:, 1:3] = 1e6  # would dominate the update if these tokens were trained on
+    poisoned["advantages"] = adv
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    update(a, rec, AlgorithmConfig())
+    update(b, poisoned, AlgorithmConfig())
+    assert same(weights(a), weights(b))
+    assert not same(weights(a), weights(base))
+
+
+def grads_at_step(policy) -> list:
+    seen = []
+    policy.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(
+            [p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+    return seen
+
+
+def test_micro_batching_matches_one_big_batch(tiny_model_dir):
+    rec = rollout(make_policy(tiny_model_dir))
+    big, small = make_policy(tiny_model_dir, micro=64), make_policy(tiny_model_dir, micro=3)
+    gb, gs = grads_at_step(big), grads_at_step(small)
+    update(big, rec.clone(), AlgorithmConfig())
+    update(small, rec.clone(), AlgorithmConfig())
+    assert len(gb) == len(gs) == 1
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(gb[0], gs[0], strict=True))
+
+
+def test_two_policies_update_only_from_their_own_rows(tiny_model_dir):
+    pa, pb = make_policy(tiny_model_dir, "a"), make_policy(tiny_model_dir, "b")
+    assert not {id(p) for g in pa.optimizer.param_groups for p in g["params"]} & {
+        id(p) for g in pb.optimizer.param_groups for p in g["params"]}
+    rows_a, rows_b = rollout(pa, seed=1, name="a"), rollout(pb, seed=2, name="b")
+    mixed = concat([rows_a, rows_b])
+    assert strings(select_policy(mixed, "a"), "policy") == ["a"] * rows_a.batch_size[0]
+    alone = copy.deepcopy(pa)
+    update(alone, rows_a.clone(), AlgorithmConfig())
+    b_before = weights(pb)
+    update(pa, select_policy(mixed, "a"), AlgorithmConfig())
+    assert same(weights(pa), weights(alone))  # b's rows changed nothing for a
+    assert same(weights(pb), b_before)  # a's update never touched b
+    update(pb, select_policy(mixed, "b"), AlgorithmConfig())
+    assert not same(weights(pb), b_before)
+
+
+def test_nonfinite_gradient_skips_the_step_and_leaves_weights(tiny_model_dir):
+    policy = make_policy(tiny_model_dir)
+    rec = rollout(policy)
+    adv = rec["advantages"].clone()
+    adv[0, 0] = float("nan")
+    rec["advantages"] = adv
+    before = weights(policy)
+    opt_state = copy.deepcopy(policy.optimizer.state_dict())
+    out = update(policy, rec, AlgorithmConfig())
+    assert out["skipped_nonfinite"] == 1
+    assert same(weights(policy), before)
+    assert policy.optimizer.state_dict()["state"] == opt_state["state"]
+
+
+def test_sft_lowers_the_loss_on_its_batch(tiny_model_dir):
+    policy = make_policy(tiny_model_dir, lr=3e-3)
+    tok = policy.tokenizer
+    prompt = tok.encode("<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)
+    target = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]
+    batch = text_record(prompt_ids=[prompt] * 4, response_ids=[target] * 4,
+                        rollout_logprobs=[[0.0] * len(target)] * 4, policy=["main"] * 4,
+                        uid=[0] * 4, pad_id=tok.pad_token_id)
+    losses = [sft_update(policy, batch.clone())["sft_loss"] for _ in range(15)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_kl_to_reference_is_zero_before_the_first_step(tiny_model_dir):
+    cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-3))
+    policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
+    out = update(policy, rollout(policy), AlgorithmConfig(kl_coef=0.1, kl_estimator="low_var_kl"))
+    assert out["kl"] == 0.0
+
+
+def test_lora_reference_is_the_base_and_only_adapters_train(tiny_model_dir):
+    cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-2))
+    cfg.lora.r, cfg.lora.target_modules = 4, ["q_proj", "v_proj"]
+    policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
+    base = {k: v.clone() for k, v in policy.model.state_dict().items() if "lora_" not in k}
+    rec = rollout(policy)
+    for _ in range(3):
+        update(policy, rec.clone(), AlgorithmConfig(kl_coef=0.1))
+    now = policy.model.state_dict()
+    assert all(torch.equal(base[k], now[k]) for k in base)
+    with torch.no_grad():
+        ref = policy.ref_logprobs(rec)
+        cur, _ = policy.logprobs(rec)
+    m = rec["loss_mask"].bool()
+    assert not torch.allclose(ref[m], cur[m])  # adapters moved the policy away from the base
