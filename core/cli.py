@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,13 +23,13 @@ def _load(recipe: str, overrides: list[str]):
 
 
 def _latest_run(pattern_dir: str, name: str) -> str:
-    parent = Path(pattern_dir.split("{")[0]).parent if "{" in pattern_dir else Path(pattern_dir).parent
-    stem = Path(pattern_dir).name.split("{")[0].format() if "{" in pattern_dir else Path(pattern_dir).name
-    stem = stem.replace("{name}", name)
-    found = sorted((p for p in parent.glob(f"{name}*") if (p / "checkpoints").is_dir()),
-                   key=lambda p: p.stat().st_mtime)
+    """The newest directory with checkpoints that ``run.dir`` (e.g. runs/{name}-{time}) names."""
+    pattern = re.sub(r"\{[^{}]*\}", lambda m: glob.escape(name) if m.group(0) == "{name}" else "*",
+                     os.path.expanduser(pattern_dir))
+    found = sorted((p for p in map(Path, glob.glob(pattern)) if (p / "checkpoints").is_dir()),
+                   key=lambda p: (p / "checkpoints").stat().st_mtime)
     if not found:
-        raise SystemExit(f"--resume: no run directory with checkpoints under {parent}/ ({stem}*)")
+        raise SystemExit(f"--resume: no run directory with checkpoints matches {pattern}")
     return str(found[-1])
 
 
@@ -34,6 +37,9 @@ def cmd_train(args) -> int:
     from polyrl.core.loop import train
 
     overrides = list(args.overrides)
+    if args.resume and not Path(args.resume).expanduser().is_dir():  # a typo must not start afresh
+        raise SystemExit(f"--resume: {args.resume!r} is not a directory; give the run directory "
+                         "to continue (or --resume alone for the newest run)")
     if args.resume is not None:
         overrides.append("run.resume=true")
     cfg = _load(args.recipe, overrides)
@@ -46,16 +52,28 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _require_checkpoint(run_dir: str, cmd: str) -> None:
+    """Stop unless ``run_dir`` holds a complete checkpoint (never fall back to the base model)."""
+    from polyrl.core.run import CKPT_RE
+
+    ckpts = Path(run_dir).expanduser() / "checkpoints"
+    if not ckpts.is_dir() or not any(CKPT_RE.match(p.name) and (p / "COMPLETE").is_file()
+                                     for p in ckpts.iterdir()):
+        raise SystemExit(f"polyrl {cmd}: {run_dir!r} has no complete checkpoint "
+                         "(checkpoints/step_*/COMPLETE); is it a PolyRL run directory?")
+
+
 def cmd_eval(args) -> int:
     from polyrl.core.session import Session
 
     overrides = list(args.overrides) + ["sft.steps=0", "run.export=false", "train.steps=0"]
     if args.run_dir:
+        _require_checkpoint(args.run_dir, "eval")
         overrides.append("run.resume=true")
     cfg = _load(args.recipe, overrides)
     if args.run_dir:
         cfg.run.dir = args.run_dir
-    s = Session.open(cfg)
+    s = Session.open(cfg, record=not args.run_dir)
     metrics = s.evaluate("eval")
     for k, v in sorted(metrics.items()):
         print(f"{k}: {v:.4f}")
@@ -65,6 +83,9 @@ def cmd_eval(args) -> int:
 def cmd_plot(args) -> int:
     from polyrl.core.plot import plot_run
 
+    if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+        raise SystemExit(f"polyrl plot: {args.run_dir!r} has no metrics.jsonl; "
+                         "is it a PolyRL run directory?")
     for p in plot_run(args.run_dir):
         print(p)
     return 0
@@ -73,9 +94,10 @@ def cmd_plot(args) -> int:
 def cmd_export(args) -> int:
     from polyrl.core.session import Session
 
+    _require_checkpoint(args.run_dir, "export")
     cfg = _load(args.recipe, list(args.overrides) + ["run.resume=true", "sft.steps=0"])
     cfg.run.dir = args.run_dir
-    s = Session.open(cfg)
+    s = Session.open(cfg, record=False)
     out = Path(args.out or Path(args.run_dir) / "export")
     for name, p in s.policies.items():
         print(p.export(out / name))

@@ -1,7 +1,7 @@
 """Typed recipe configuration: dataclasses loaded from YAML with ``a.b=c`` overrides.
 
 Every part owns its config dataclass next to its code; :class:`Config` composes them.
-Each field carries a one-line doc (``doc(default, "why")``) that ``polyrl train --help-config``
+Each field carries a one-line doc (``doc(default, "why")``) that ``polyrl config``
 prints. An unknown key is an error naming the closest valid key.
 """
 from __future__ import annotations
@@ -102,6 +102,9 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{where} in {source} must be a string, got {value!r}")
+        if isinstance(value, bool):  # YAML reads yes/no/on/off/true/false as booleans
+            raise ConfigError(f"{where} in {source} must be a string, got the boolean {value}; "
+                              "quote the value to keep it as text")
         return str(value)
     return value
 
@@ -180,7 +183,7 @@ def to_dict(cfg: Any) -> dict:
 
 
 def describe(cls: type, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, type, default and doc (for --help-config)."""
+    """One line per field: dotted key, type, default and doc (for ``polyrl config``)."""
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -190,8 +193,18 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
             lines += describe(tp, key)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        # Mappings and lists of configs (policies.<name>.*, reward.terms[].*) list their keys too.
+        args = typing.get_args(tp)
+        if args and dataclasses.is_dataclass(args[-1]) and typing.get_origin(tp) in (dict, list):
+            lines.append(f"{key}: {f.metadata.get('doc', '')}")
+            lines += describe(args[-1], f"{key}.<name>" if typing.get_origin(tp) is dict
+                              else f"{key}[]")
+            continue
+        default = repr(f.default) if f.default is not dataclasses.MISSING else (
+            repr(f.default_factory()) if f.default_factory is not dataclasses.MISSING
+            else "required")
         name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
-        lines.append(f"{key} ({name} = {default!r}): {f.metadata.get('doc', '')}")
+        if typing.get_origin(tp) is typing.Literal:
+            name = " | ".join(repr(a) for a in typing.get_args(tp))
+        lines.append(f"{key} ({name} = {default}): {f.metadata.get('doc', '')}")
     return lines

@@ -8,6 +8,7 @@ restores the last checkpoint when resuming.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -70,15 +71,25 @@ class Session:
     history: dict[str, list] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, cfg: Config) -> Session:
+    def open(cls, cfg: Config, *, record: bool = True) -> Session:
+        """``record=False`` opens an existing run to evaluate or export it: its config.yaml,
+        metrics and TensorBoard events are left as training wrote them."""
         run_dir = resolve_run_dir(cfg)
         if not cfg.run.resume and (run_dir / "checkpoints").is_dir() and any(
                 (run_dir / "checkpoints").iterdir()):
             raise ConfigError(f"run directory {str(run_dir)!r} already has checkpoints; resume it "
                               "(run.resume=true / --resume) or choose another run.dir")
-        run = RunDir(run_dir, to_dict(cfg), tensorboard=cfg.run.tensorboard)
+        run = RunDir(run_dir, to_dict(cfg) if record else None,
+                     tensorboard=cfg.run.tensorboard and record)
         seed_everything(cfg.seed)
         prepare_task(cfg, run.path)
+        # Data before weights: a bad path, row or prompt fails in seconds, before any model
+        # loads. The first policy's tokenizer is loaded on its own for this.
+        first = next(iter(cfg.policies.values()))
+        tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
+        dataset = PromptDataset(cfg.data, tokenizer, name="train")
+        eval_items = list(PromptDataset(cfg.eval.data, tokenizer, name="eval")) \
+            if cfg.eval.data.path else []
         need_ref = cfg.algorithm.kl_coef > 0
         policies = {name: POLICIES.get(p.kind)(name, p, total_steps=cfg.train.steps,
                                                need_reference=need_ref)
@@ -86,17 +97,14 @@ class Session:
         engines = {name: ENGINES.get(p.engine.name)(policies[name], seed=cfg.seed + i,
                                                     **p.engine.args)
                    for i, (name, p) in enumerate(cfg.policies.items())}
-        tokenizer = next(iter(policies.values())).tokenizer
-        dataset = PromptDataset(cfg.data, tokenizer, name="train")
-        eval_items = list(PromptDataset(cfg.eval.data, tokenizer, name="eval")) \
-            if cfg.eval.data.path else []
         sampler = PromptSampler(dataset, cfg.rollout.prompts_per_step, cfg.seed,
                                 shuffle=cfg.data.shuffle)
         ctx = Context(cfg, policies, engines, extras={"dataset_stats": dataset.stats})
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
         s = cls(cfg, run, policies, engines, ctx, workflow, sampler, eval_items,
                 cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed))
-        run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
+        if record:
+            run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
         if cfg.run.resume and (latest := run.load_latest()) is not None:
             s.restore(*latest)
         elif cfg.sft.steps:
@@ -169,9 +177,11 @@ class Session:
     def transcripts(self, record: TensorDict, k: int) -> list[dict]:
         cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
         meta = strings(record, "meta")
+        rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
         return [{"policy": cols["policy"][i], "prompt": cols["prompt_text"][i],
                  "response": cols["response_text"][i], "answer": meta[i].get("answer"),
-                 "reward": float(record["reward"][i]), "error": cols["error"][i]}
+                 "reward": rewards_[i] if math.isfinite(rewards_[i]) else None,
+                 "error": cols["error"][i]}
                 for i in range(min(k, record.batch_size[0]))]
 
     def write_samples(self, step: int, record: TensorDict) -> None:

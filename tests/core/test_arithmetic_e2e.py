@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,16 +13,20 @@ from polyrl.core.recipe import Config
 
 
 def accuracy_after_sft_and_grpo(run_dir) -> tuple[float, float]:
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    with open(run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
     evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     return evals[0], evals[-1]
+
+
+RECIPE = Path(__file__).parents[2] / "examples" / "arithmetic_grpo.yaml"
 
 
 @pytest.mark.slow
 def test_grpo_beats_sft_on_held_out_arithmetic(tiny_model_dir, tmp_path):
     gains = []
     for seed in (0, 1, 2):
-        cfg = load(Config, "examples/arithmetic_grpo.yaml", [
+        cfg = load(Config, RECIPE, [
             f"seed={seed}", f"run.dir={tmp_path}/seed{seed}", "run.progress=false",
             "run.tensorboard=false", "run.export=false", "run.save_every=0", "eval.every=0",
             f"policies.main.model={tiny_model_dir}"])

@@ -1,0 +1,158 @@
+"""``polyrl train | plot | export | eval`` on a tiny recipe, through ``main([...])``.
+
+One short training run is shared by the module; plot, export and eval then work on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from polyrl.core.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_recipe(path: Path, model: str, run_dir: Path) -> Path:
+    recipe = {
+        "seed": 0,
+        "run": {"name": "cli", "dir": str(run_dir), "progress": False, "tensorboard": False},
+        "task": {"name": "arithmetic",
+                 "args": {"n_train": 64, "n_eval": 8, "max_operand": 30, "ops": "+"}},
+        "policies": {"main": {"model": model, "optim": {"lr": 5.0e-5}, "micro_batch_size": 64}},
+        "data": {"max_prompt_tokens": 32},
+        "eval": {"data": {"shuffle": False}},
+        "rollout": {"n": 4, "prompts_per_step": 4, "max_new_tokens": 6},
+        "train": {"steps": 2},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """(recipe, run_dir, stdout) of one `polyrl train` run."""
+    root = tmp_path_factory.mktemp("cli")
+    recipe = write_recipe(root / "recipe.yaml", tiny_model_dir, root / "runs" / "{name}")
+    out = io.StringIO()  # capsys is per test; this fixture is per module
+    with contextlib.redirect_stdout(out):
+        assert main(["train", str(recipe)]) == 0
+    return recipe, root / "runs" / "cli", out.getvalue()
+
+
+def is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def checkpoint_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    step = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return torch.load(step / "policy_main.pt", weights_only=False)["weights"]
+
+
+def assert_loadable(path: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+    """A Hugging Face folder that transformers loads, generates from and (optionally)
+    holds exactly ``weights``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    if not isinstance(ids, torch.Tensor):  # some versions return a BatchEncoding
+        ids = ids["input_ids"]
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+    if weights is not None:
+        state = model.state_dict()
+        shared = set(state) & set(weights)
+        assert len(shared) >= len(weights) - 1, "export and checkpoint name different tensors"
+        for k in shared:
+            assert torch.equal(state[k], weights[k]), f"{k} differs from the checkpoint"
+
+
+# --------------------------------------------------------------------------- train
+
+
+def test_train_leaves_a_complete_run(trained):
+    _, run_dir, out = trained
+    assert f"run directory: {run_dir}" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2]
+    assert any("eval/accuracy" in r for r in rows)
+    assert is_png(run_dir / "plots" / "reward.png")
+    assert is_png(run_dir / "plots" / "accuracy.png")
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert [p.name for p in ckpts] == ["step_000002"]
+    assert (ckpts[0] / "COMPLETE").is_file()
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "summary.json").is_file()
+    assert_loadable(run_dir / "export" / "main", checkpoint_weights(run_dir))
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def test_plot_writes_pngs(trained, capsys):
+    _, run_dir, _ = trained
+    for png in (run_dir / "plots").glob("*.png"):
+        png.unlink()
+    assert main(["plot", str(run_dir)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(run_dir / "plots" / "reward.png") in printed
+    assert is_png(run_dir / "plots" / "reward.png")
+    assert is_png(run_dir / "plots" / "accuracy.png")
+
+
+def test_plot_on_a_non_run_dir_fails_clearly(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(tmp_path)])
+    msg = str(e.value.code)
+    assert str(tmp_path) in msg and "metrics.jsonl" in msg and "run directory" in msg
+    assert not (tmp_path / "plots").exists()
+
+
+# --------------------------------------------------------------------------- export / eval
+
+
+def run_record(run_dir: Path) -> tuple[str, str]:
+    return (run_dir / "config.yaml").read_text(), (run_dir / "metrics.jsonl").read_text()
+
+
+def test_export_writes_a_loadable_model(trained, tmp_path, capsys):
+    recipe, run_dir, _ = trained
+    before = run_record(run_dir)
+    out = tmp_path / "exported"
+    assert main(["export", str(recipe), str(run_dir), "--out", str(out)]) == 0
+    assert str(out / "main") in capsys.readouterr().out
+    assert_loadable(out / "main", checkpoint_weights(run_dir))
+    assert run_record(run_dir) == before  # the run's config and metrics are left alone
+
+
+def test_export_of_a_dir_without_checkpoints_fails(trained, tmp_path):
+    """Never export the untrained base model from a mistyped run directory."""
+    recipe, _, _ = trained
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        main(["export", str(recipe), str(tmp_path / "not-a-run"), "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "not-a-run").exists()
+
+
+def test_eval_prints_accuracy(trained, capsys):
+    recipe, run_dir, _ = trained
+    before = run_record(run_dir)
+    assert main(["eval", str(recipe), "--run-dir", str(run_dir)]) == 0
+    lines = dict(line.split(": ") for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert 0.0 <= float(lines["eval/accuracy"]) <= 1.0
+    assert "eval/reward" in lines
+    assert run_record(run_dir) == before
+
+
+def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path):
+    recipe, _, _ = trained
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        main(["eval", str(recipe), "--run-dir", str(tmp_path / "not-a-run")])

@@ -1,0 +1,173 @@
+"""Bad inputs through the real run path: each fails clearly and early, or is counted and survived.
+
+Data and the run directory are checked before any model loads, so those tests replace the
+policy constructor with one that fails the test if it is ever called.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from polyrl.core import trainer
+from polyrl.core.data import DataError, write_jsonl
+from polyrl.core.loop import train
+from polyrl.core.policy import CausalLMPolicy
+from polyrl.core.rewards import Sample, exact_match, register_reward
+from polyrl.core.run import RunDirError
+from polyrl.core.session import Session
+
+
+@register_reward("test_session_raises")
+def raises_on_some_rows(sample: Sample, every: int = 2) -> float:
+    """Raises on every ``every``-th row of a record (every=1: on all of them)."""
+    if sample.index % every == 0:
+        raise ValueError(f"boom on purpose (row {sample.index})")
+    return exact_match(sample)
+
+
+@register_reward("test_session_bad_value")
+def bad_value_on_some_rows(sample: Sample) -> float | None:
+    """None on a quarter of the rows, NaN on another quarter, a score on the rest."""
+    return [None, math.nan, 0.0, 1.0][sample.index % 4]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a policy (and so a model) is ever built."""
+
+    def boom(self, *args, **kwargs):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(CausalLMPolicy, "__init__", boom)
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def strict_json(line: str) -> dict:
+    """Parse JSON as the standard defines it (no NaN / Infinity)."""
+    def reject(token: str):
+        raise ValueError(f"non-standard JSON constant {token}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def arith_rows(n: int) -> list[dict]:
+    return [{"prompt": f"{i}+{i + 1}=", "answer": str(2 * i + 1)} for i in range(n)]
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_missing_dataset_fails_before_models_load(make_config, no_model_load):
+    cfg = make_config("task.name=null", "data.path=/nonexistent.jsonl")
+    with pytest.raises(DataError, match="'/nonexistent.jsonl' does not exist"):
+        train(cfg)
+
+
+def test_missing_eval_dataset_names_eval(make_config, tmp_path, no_model_load):
+    cfg = make_config(f"eval.data.path={tmp_path}/eval.jsnl")
+    with pytest.raises(DataError, match=r"eval data: .*eval.jsnl.*does not exist"):
+        train(cfg)
+
+
+def test_row_without_prompt_field(make_config, tmp_path, no_model_load):
+    path = write_jsonl(tmp_path / "train.jsonl",
+                       [*arith_rows(2), {"question": "1+2=", "answer": "3"}])
+    with pytest.raises(DataError) as e:
+        train(make_config("task.name=null", f"data.path={path}"))
+    msg = str(e.value)
+    assert str(path) in msg and "line 3" in msg and "no field 'prompt'" in msg
+    assert "'question'" in msg  # lists the fields the row does have
+
+
+def test_empty_prompt(make_config, tmp_path, no_model_load):
+    path = write_jsonl(tmp_path / "train.jsonl", [*arith_rows(2), {"prompt": "  ", "answer": "1"}])
+    with pytest.raises(DataError, match=r"line 3: field 'prompt' is empty"):
+        train(make_config("task.name=null", f"data.path={path}"))
+
+
+@pytest.fixture
+def overlong_data(tmp_path):
+    long = {"prompt": "+".join(["1"] * 30) + "=", "answer": "30"}  # one token per character
+    return write_jsonl(tmp_path / "train.jsonl", [*arith_rows(16), long, long, long])
+
+
+def test_overlong_prompts_are_filtered_and_counted(make_config, overlong_data):
+    s = Session.open(make_config("task.name=null", f"data.path={overlong_data}"))
+    s.run.close()
+    data = metrics(s.run.path)[0]
+    assert data["data/filtered_overlong"] == 3 and data["data/kept"] == 16
+    assert data["data/rows"] == 19
+    assert all(len(item.prompt_ids) <= 32 for item in s.sampler.dataset)
+
+
+def test_overlong_prompts_can_be_an_error(make_config, overlong_data, no_model_load):
+    cfg = make_config("task.name=null", f"data.path={overlong_data}", "data.overlong=error")
+    with pytest.raises(DataError, match=r"line 17: prompt is \d+ tokens.*max_prompt_tokens=32"):
+        train(cfg)
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+@pytest.fixture
+def update_spy(monkeypatch):
+    """Record the rows each policy update receives."""
+    seen: list[dict] = []
+    real = trainer.update
+
+    def spy(policy, batch, *args, **kwargs):
+        n = batch.batch_size[0]
+        seen.append({"rows": n, "all_valid": bool(batch["valid"].all()) if n else True,
+                     "finite": bool(torch.isfinite(batch["reward"]).all()) if n else True})
+        return real(policy, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "update", spy)
+    return seen
+
+
+@pytest.mark.parametrize("term, errors, valid_frac", [
+    ("{name: test_session_raises}", ["raised ValueError: boom on purpose"], 0.5),
+    ("{name: test_session_raises, args: {every: 1}}", ["raised ValueError: boom on purpose"], 0.0),
+    ("{name: test_session_bad_value}", ["returned None", "returned nan"], 0.5),
+], ids=["raises-half", "raises-all", "returns-none-or-nan"])
+def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, errors, valid_frac):
+    """A reward that raises or returns None/NaN: the run finishes, the rows are left out of
+    the update (never scored 0), the errors are counted and their text is in the samples."""
+    run = train(make_config(f"reward.terms=[{term}]", "train.steps=2", "run.export=false",
+                            "task.args.n_eval=4"))
+    assert (run.path / "summary.json").is_file()
+    steps = [m for m in metrics(run.path) if "reward/errors" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    rows = 4 * 8  # rollout.n * prompts_per_step
+    for m in steps:
+        assert m["reward/errors"] == rows * (1 - valid_frac) > 0
+        assert m["rollout/valid_frac"] == valid_frac
+    if valid_frac == 0:
+        assert steps[0]["reward/mean"] is None  # no row scored: no fake 0
+    assert update_spy == [{"rows": int(rows * valid_frac), "all_valid": True, "finite": True}] * 2
+
+    samples = [strict_json(line) for line in
+               (run.path / "samples" / "train_step_000001.jsonl").read_text().splitlines()]
+    failed = [s for s in samples if s["error"]]
+    for error in errors:
+        assert any(error in s["error"] for s in failed), f"no sample shows {error!r}"
+    assert all(s["reward"] is None for s in failed)
+    assert all(s["reward"] is not None for s in samples if not s["error"])
+
+
+# --------------------------------------------------------------------------- run directory
+
+
+def test_unwritable_run_dir_fails_before_anything(make_config, tmp_path, no_model_load):
+    (tmp_path / "afile").write_text("a regular file, so nothing can be created under it")
+    cfg = make_config(f"run.dir={tmp_path}/afile/run")
+    with pytest.raises(RunDirError, match=r"afile/run.*not writable.*run.dir"):
+        train(cfg)
+    assert not (tmp_path / "data").exists()  # the task wrote no data: nothing ran before
