@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.core.config import doc
+from polyrl.core.registry import DATASETS
 
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Suffixes that mark a string as a (mistyped or unsupported) local file, never a hub name.
@@ -37,6 +38,7 @@ class DataError(ValueError):
 class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
+    kind: str = doc("text", "dataset kind: text here; plugins add kinds (e.g. vision-language)")
     path: str = doc("", "a .jsonl/.json/.parquet/.csv file, a directory, or a Hugging Face hub "
                         "dataset name")
     subset: str | None = doc(None, "configuration name of a hub dataset (e.g. 'main' for gsm8k)")
@@ -430,3 +432,6 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+DATASETS.register("text", PromptDataset)

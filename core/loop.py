@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from polyrl.core import rewards, trainer
+from polyrl.core import rewards
 from polyrl.core.credit import assign
 from polyrl.core.progress import Progress
 from polyrl.core.recipe import Config
@@ -26,8 +26,7 @@ def train(cfg: Config) -> RunDir:
             metrics |= assign(record, cfg.algorithm)
             valid = record[record["valid"]]
             for name in s.trained:
-                upd = trainer.update(s.policies[name], select_policy(valid, name), cfg.algorithm,
-                                     temperature=cfg.rollout.temperature, generator=s.gen)
+                upd = s.update(name, select_policy(valid, name))
                 metrics |= {f"{name}/{k}": v for k, v in upd.items()}
                 s.engines[name].sync()
             metrics |= s.rollout_stats(record) | {"time/step_s": time.perf_counter() - t0}

@@ -9,6 +9,7 @@ policy's tokenizer before any weights load.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
     def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
-                 device: str | torch.device = "cpu") -> None:
+                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
@@ -178,6 +179,31 @@ class CausalLMPolicy:
         if unexpected or (self.cfg.lora.r == 0 and missing):
             raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the model "
                                f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimizer and schedule: what a checkpoint holds for this policy."""
+        return {"weights": self.trainable_state(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_trainable_state(state["weights"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    @contextlib.contextmanager
+    def sft_optimizer(self, lr: float | None):
+        """A constant-rate optimizer for a supervised warm start; RL then starts afresh."""
+        saved = self.optimizer, self.scheduler
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr or self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        try:
+            yield
+        finally:
+            self.optimizer, self.scheduler = saved
 
     def named_weights(self):
         """Full (merged) weights under the base model's names, for engine weight sync."""

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from polyrl.core import rewards, trainer
+from polyrl.core import rewards
 from polyrl.core.config import ConfigError, to_dict
-from polyrl.core.data import PromptDataset, PromptSampler, load_rows, write_jsonl
+from polyrl.core.data import PromptSampler, load_rows, write_jsonl
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
-from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS
+from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
 from polyrl.core.run import RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
 
@@ -59,6 +59,7 @@ def prepare_task(cfg: Config, run_dir: Path) -> None:
 class Session:
     cfg: Config
     run: RunDir
+    backend: Any
     policies: dict[str, Any]
     engines: dict[str, Any]
     ctx: Context
@@ -87,21 +88,22 @@ class Session:
         # loads. The first policy's tokenizer is loaded on its own for this.
         first = next(iter(cfg.policies.values()))
         tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
-        dataset = PromptDataset(cfg.data, tokenizer, name="train")
-        eval_items = list(PromptDataset(cfg.eval.data, tokenizer, name="eval")) \
+        dataset = DATASETS.get(cfg.data.kind)(cfg.data, tokenizer, name="train")
+        eval_items = list(DATASETS.get(cfg.eval.data.kind)(cfg.eval.data, tokenizer, name="eval")) \
             if cfg.eval.data.path else []
-        need_ref = cfg.algorithm.kl_coef > 0
-        policies = {name: POLICIES.get(p.kind)(name, p, total_steps=cfg.train.steps,
-                                               need_reference=need_ref)
+        backend = BACKENDS.get(cfg.distributed.backend)(cfg)
+        shared: dict = {}  # lets policy kinds share a base model (one LoRA adapter per agent)
+        policies = {name: backend.make_policy(name, p, total_steps=cfg.train.steps,
+                                              need_reference=cfg.algorithm.kl_coef > 0,
+                                              shared=shared)
                     for name, p in cfg.policies.items()}
-        engines = {name: ENGINES.get(p.engine.name)(policies[name], seed=cfg.seed + i,
-                                                    **p.engine.args)
+        engines = {name: backend.make_engine(name, policies[name], p, seed=cfg.seed + i)
                    for i, (name, p) in enumerate(cfg.policies.items())}
         sampler = PromptSampler(dataset, cfg.rollout.prompts_per_step, cfg.seed,
                                 shuffle=cfg.data.shuffle)
         ctx = Context(cfg, policies, engines, extras={"dataset_stats": dataset.stats})
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
-        s = cls(cfg, run, policies, engines, ctx, workflow, sampler, eval_items,
+        s = cls(cfg, run, backend, policies, engines, ctx, workflow, sampler, eval_items,
                 cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed))
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
@@ -119,28 +121,30 @@ class Session:
         self.run.log(0, before)
         for name in self.trained:
             policy = self.policies[name]
-            tok = policy.tokenizer
-            data = PromptDataset(cfg.sft.data, tok, name="sft")
+            data = DATASETS.get(cfg.sft.data.kind)(cfg.sft.data, policy.tokenizer, name="sft")
             sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
-            # SFT gets its own constant-rate optimizer; RL then starts with fresh moments.
-            rl_optimizer, rl_scheduler = policy.optimizer, policy.scheduler
-            policy.optimizer = torch.optim.AdamW(
-                [p for p in policy.model.parameters() if p.requires_grad],
-                lr=cfg.sft.lr or policy.cfg.optim.lr, weight_decay=policy.cfg.optim.weight_decay)
-            policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
-            for k in range(cfg.sft.steps):
-                items = sampler.next_batch()
-                targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
-                           for it in items]
-                batch = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
-                                    rollout_logprobs=[[0.0] * len(t) for t in targets],
-                                    policy=[name] * len(items), uid=[it.uid for it in items],
-                                    pad_id=tok.pad_token_id)
-                out = trainer.sft_update(policy, batch)
-                if k % 10 == 0 or k == cfg.sft.steps - 1:
-                    self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
-            policy.optimizer, policy.scheduler = rl_optimizer, rl_scheduler
+            with policy.sft_optimizer(cfg.sft.lr):
+                self._sft(name, policy, sampler)
             self.engines[name].sync()
+
+    def _sft(self, name: str, policy: Any, sampler: PromptSampler) -> None:
+        tok = policy.tokenizer
+        for k in range(self.cfg.sft.steps):
+            items = sampler.next_batch()
+            targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
+                       for it in items]
+            batch = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
+                                rollout_logprobs=[[0.0] * len(t) for t in targets],
+                                policy=[name] * len(items), uid=[it.uid for it in items],
+                                pad_id=tok.pad_token_id)
+            out = self.backend.sft_update(policy, batch)
+            if k % 10 == 0 or k == self.cfg.sft.steps - 1:
+                self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
+
+    def update(self, name: str, rows: TensorDict) -> dict[str, float]:
+        """One policy's RL update from its own rows, wherever the backend runs it."""
+        return self.backend.update(self.policies[name], rows, self.cfg.algorithm,
+                                   temperature=self.cfg.rollout.temperature, generator=self.gen)
 
     # --- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
@@ -196,20 +200,13 @@ class Session:
                         "gen": self.gen.get_state(),
                         "engines": {n: e.state_dict() for n, e in self.engines.items()}}}
         for name, p in self.policies.items():
-            state[f"policy_{name}"] = {
-                "weights": p.trainable_state(),
-                "optimizer": p.optimizer.state_dict() if p.optimizer else None,
-                "scheduler": p.scheduler.state_dict() if p.scheduler else None}
+            state[f"policy_{name}"] = p.state_dict()
         self.run.save(step, state, keep=self.cfg.run.keep_checkpoints)
 
     def restore(self, step: int, state: dict[str, Any]) -> None:
         t = state["trainer"]
         for name, p in self.policies.items():
-            ps = state[f"policy_{name}"]
-            p.load_trainable_state(ps["weights"])
-            if p.optimizer is not None:
-                p.optimizer.load_state_dict(ps["optimizer"])
-                p.scheduler.load_state_dict(ps["scheduler"])
+            p.load_state_dict(state[f"policy_{name}"])
             self.engines[name].sync()
         for n, e in self.engines.items():
             e.load_state_dict(t["engines"][n])
@@ -227,4 +224,5 @@ class Session:
         plot_run(self.run.path)
         (self.run.path / "summary.json").write_text(json.dumps(final, indent=2))
         self.run.close()
+        self.backend.shutdown()
 

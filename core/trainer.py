@@ -78,11 +78,11 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                 if kl_fn is not None:
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, agg)
                     loss = loss + algo.kl_coef * kl
-                    stats["kl"].append(float(kl))
+                    stats["kl"].append(float(kl.detach()))
                 if ent is not None:
                     ent_term = aggregate(ent, mask, agg)
                     loss = loss - algo.entropy_coef * ent_term
-                    stats["entropy"].append(float(ent_term))
+                    stats["entropy"].append(float(ent_term.detach()))
                 loss.backward()
                 stats["loss"].append(float(loss.detach()))
                 for k, v in metrics.items():

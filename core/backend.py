@@ -1,0 +1,56 @@
+"""Execution backends: where each policy trains and where its engine runs.
+
+The session asks a backend for policies and engines and hands it every update, so the
+loop reads the same in local mode (one process, the default) and in Ray mode (each
+policy on its own FSDP2 worker group, engines on their own actors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core import trainer
+from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
+
+
+class Backend(Protocol):
+    def make_policy(self, name: str, cfg: Any, *, total_steps: int, need_reference: bool,
+                    shared: dict) -> Any: ...
+
+    def make_engine(self, name: str, policy: Any, cfg: Any, *, seed: int) -> Any: ...
+
+    def update(self, policy: Any, batch: TensorDict, algo: Any, *, temperature: float,
+               generator: torch.Generator) -> dict[str, float]: ...
+
+    def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalBackend:
+    """Everything in this process; the HF engine shares the trainer's module."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
+        return POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
+                                      need_reference=need_reference, shared=shared)
+
+    def make_engine(self, name, policy, cfg, *, seed):
+        return ENGINES.get(cfg.engine.name)(policy, seed=seed, **cfg.engine.args)
+
+    def update(self, policy, batch, algo, *, temperature, generator):
+        return trainer.update(policy, batch, algo, temperature=temperature, generator=generator)
+
+    def sft_update(self, policy, batch):
+        return trainer.sft_update(policy, batch)
+
+    def shutdown(self) -> None:
+        return None
+
+
+BACKENDS.register("local", LocalBackend)
