@@ -93,7 +93,9 @@ class Session:
             if cfg.eval.data.path else []
         backend = BACKENDS.get(cfg.distributed.backend)(cfg)
         shared: dict = {}  # lets policy kinds share a base model (one LoRA adapter per agent)
-        policies = {name: backend.make_policy(name, p, total_steps=cfg.train.steps,
+        # the schedule counts optimizer steps: one per minibatch per PPO epoch per RL step
+        opt_steps = cfg.train.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+        policies = {name: backend.make_policy(name, p, total_steps=opt_steps,
                                               need_reference=cfg.algorithm.kl_coef > 0,
                                               shared=shared)
                     for name, p in cfg.policies.items()}
