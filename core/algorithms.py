@@ -341,85 +341,37 @@ def _verl_policy_loss(
     return loss, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
 
 
-@POLICY_LOSSES.register("ppo_clip")
-def ppo_clip_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip (verl vanilla)."""
-    return _verl_policy_loss("vanilla", logprobs, old_logprobs, advantages, mask, cfg, agg)
+def _verl_loss(name: str, verl_name: str, summary: str):
+    """Register verl's policy loss ``verl_name`` under our name and signature."""
+
+    def loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+             cfg: AlgorithmConfig, agg: AggInfo) -> tuple[Tensor, dict[str, float]]:
+        return _verl_policy_loss(verl_name, logprobs, old_logprobs, advantages, mask, cfg, agg)
+
+    loss.__name__ = f"{name}_loss"
+    loss.__doc__ = summary
+    return POLICY_LOSSES.register(name, loss)
 
 
-@POLICY_LOSSES.register("gspo")
-def gspo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4)."""
-    return _verl_policy_loss("gspo", logprobs, old_logprobs, advantages, mask, cfg, agg)
-
-
-@POLICY_LOSSES.register("cispo")
-def cispo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token loses its gradient."""
-    return _verl_policy_loss("cispo", logprobs, old_logprobs, advantages, mask, cfg, agg)
-
-
-@POLICY_LOSSES.register("sapo")
-def sapo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip.
-
-    verl always aggregates SAPO as seq-mean-token-mean, whatever ``agg.mode`` says.
-    """
-    return _verl_policy_loss("sapo", logprobs, old_logprobs, advantages, mask, cfg, agg)
-
-
-@POLICY_LOSSES.register("clip_cov")
-def clip_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens."""
-    return _verl_policy_loss("clip_cov", logprobs, old_logprobs, advantages, mask, cfg, agg)
-
-
-@POLICY_LOSSES.register("kl_cov")
-def kl_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-) -> tuple[Tensor, dict[str, float]]:
-    """KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens."""
-    return _verl_policy_loss("kl_cov", logprobs, old_logprobs, advantages, mask, cfg, agg)
+ppo_clip_loss = _verl_loss(
+    "ppo_clip", "vanilla",
+    "PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip (verl vanilla).")
+gspo_loss = _verl_loss(
+    "gspo", "gspo",
+    "GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4).")
+cispo_loss = _verl_loss(
+    "cispo", "cispo",
+    "CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token loses its gradient.")
+sapo_loss = _verl_loss(
+    "sapo", "sapo",
+    "SAPO: a smooth sigmoid gate on the ratio instead of a hard clip (verl always aggregates "
+    "it as seq-mean-token-mean, whatever agg.mode says).")
+clip_cov_loss = _verl_loss(
+    "clip_cov", "clip_cov",
+    "Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens.")
+kl_cov_loss = _verl_loss(
+    "kl_cov", "kl_cov",
+    "KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens.")
 
 
 def aggregate(loss_mat: Tensor, mask: Tensor, agg: AggInfo) -> Tensor:
