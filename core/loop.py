@@ -17,8 +17,10 @@ def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
     run, sampler, workflow = s.run, s.sampler, s.workflow
-    run.log(s.step, s.evaluate("eval") if s.step == 0 else {})
+    first = s.evaluate("eval") if s.step == 0 else {}
+    run.log(s.step, first)
     with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar:
+        bar.update(s.step, first)
         for step in range(s.step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
