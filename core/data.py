@@ -55,6 +55,8 @@ class DataConfig:
                                   "them, 'error' stops")
     limit: int | None = doc(None, "use only the first N rows (null: all)")
     shuffle: bool = doc(True, "shuffle prompts each epoch (seeded)")
+    args: dict[str, Any] = doc({}, "options of the dataset kind (each plugin kind documents "
+                                   "its own, e.g. image root and pixel limits); text takes none")
 
 
 @dataclass
@@ -241,6 +243,10 @@ class PromptDataset:
         if cfg.max_prompt_tokens <= 0:
             raise DataError(f"data.max_prompt_tokens must be positive, "
                             f"not {cfg.max_prompt_tokens}")
+        if cfg.args:
+            raise DataError(f"{name} data: data.args {sorted(cfg.args)} given, but the 'text' "
+                            "dataset kind takes no options. Remove them or set data.kind to "
+                            "the kind they belong to.")
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(f"{name} data: the tokenizer has no chat template. Use a chat/"
                             "instruct tokenizer, or set data.chat_template=false to tokenise "

@@ -64,6 +64,8 @@ class PolicyConfig:
     micro_batch_size: int = doc(32, "rows per forward/backward; gradients accumulate")
     engine: EngineConfig = doc_factory(EngineConfig, "rollout engine for this policy")
     gradient_checkpointing: bool = doc(False, "trade compute for activation memory")
+    args: dict[str, Any] = doc({}, "options of the policy kind (each plugin kind documents its "
+                                   "own, e.g. freezing a vision tower); causal_lm takes none")
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -116,6 +118,9 @@ class CausalLMPolicy:
         from transformers import AutoModelForCausalLM
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        if cfg.args:
+            raise ValueError(f"policies.{name}.args {sorted(cfg.args)}: the causal_lm policy kind "
+                             "takes no options; remove them or set the kind they belong to")
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]

@@ -107,6 +107,11 @@ class Config:
                 raise ConfigError(f"train.policies names unknown policy {name!r}"
                                   + (f"; did you mean {hint!r}?" if hint else ""))
         WORKFLOWS.check(self.rollout.workflow)
+        # A workflow may check its own rollout.args (agents, policies it names) before any
+        # model loads.
+        check = getattr(WORKFLOWS.get(self.rollout.workflow), "validate_config", None)
+        if callable(check):
+            check(self)
         if self.task.name:
             TASKS.check(self.task.name)
         self.algorithm.validate()

@@ -103,7 +103,8 @@ class Session:
                    for i, (name, p) in enumerate(cfg.policies.items())}
         sampler = PromptSampler(dataset, cfg.rollout.prompts_per_step, cfg.seed,
                                 shuffle=cfg.data.shuffle)
-        ctx = Context(cfg, policies, engines, extras={"dataset_stats": dataset.stats})
+        ctx = Context(cfg, policies, engines,
+                      extras={"dataset_stats": dataset.stats, "run_dir": run.path})
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
         s = cls(cfg, run, backend, policies, engines, ctx, workflow, sampler, eval_items,
                 cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed))
@@ -138,7 +139,10 @@ class Session:
             batch = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
                                 rollout_logprobs=[[0.0] * len(t) for t in targets],
                                 policy=[name] * len(items), uid=[it.uid for it in items],
-                                pad_id=tok.pad_token_id)
+                                pad_id=tok.pad_token_id,
+                                # as in a rollout record, so a policy kind can find per-row
+                                # inputs beyond token ids (a VLM's images) in the row
+                                meta=[{"answer": it.answer, "row": it.row} for it in items])
             out = self.backend.sft_update(policy, batch)
             if k % 10 == 0 or k == self.cfg.sft.steps - 1:
                 self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})

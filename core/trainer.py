@@ -4,11 +4,22 @@
 record's tokens and combines them with the registered loss. With one epoch and one
 mini-batch the old log-probs are the detached current ones, so the first ratio is
 exactly 1 and no extra forward pass is spent.
+
+Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
+``dp=(rank, world)``: every rank receives the whole batch, draws the same mini-batches,
+takes the loss totals (``AggInfo``) from the whole mini-batch and then computes only its
+own share of the rows. Every rank runs the same number of forward/backward passes (a
+rank short of rows runs a zero-weighted pass), because FSDP's collectives need all ranks.
+The returned metrics are this rank's; the single-process values are ``loss`` summed over
+ranks and divided by ``world``, and ``kl``/``entropy`` (each optimizer step's mini-batch
+value) averaged over ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 from tensordict import TensorDict
@@ -22,14 +33,54 @@ def _micro_batches(batch: TensorDict, size: int):
         yield batch[start : start + size]
 
 
-def _agg_info(batch: TensorDict, mode: str, scale: int | None = None) -> AggInfo:
-    return AggInfo.for_minibatch(mode, batch["loss_mask"], loss_scale_factor=scale)
+def _agg_info(batch: TensorDict, mode: str, scale: int | None = None,
+              dp: tuple[int, int] | None = None) -> AggInfo:
+    agg = AggInfo.for_minibatch(mode, batch["loss_mask"], loss_scale_factor=scale)
+    return dataclasses.replace(agg, dp_size=dp[1]) if dp else agg
+
+
+def _rank_micro_batches(batch: TensorDict, size: int, dp: tuple[int, int] | None
+                        ) -> Iterator[tuple[TensorDict, bool]]:
+    """(micro-batch, is_real) pairs of this rank's share of ``batch``.
+
+    Without ``dp``: the plain micro-batches. With it: this rank's contiguous share of the
+    rows, in as many micro-batches as the largest share needs; a rank with fewer rows gets
+    stand-in micro-batches (the batch's first row, ``is_real`` False) to weight by zero.
+    """
+    if dp is None:
+        for mb in _micro_batches(batch, size):
+            yield mb, True
+        return
+    rank, world = dp
+    sizes = [len(share) for share in torch.tensor_split(torch.arange(batch.batch_size[0]), world)]
+    start = sum(sizes[:rank])
+    count = math.ceil(sizes[0] / size)  # the first share is the largest
+    for k in range(count):
+        lo, hi = start + k * size, start + min((k + 1) * size, sizes[rank])
+        yield (batch[lo:hi], True) if hi > lo else (batch[:1], False)
 
 
 @torch.no_grad()
-def _logprobs_no_grad(policy, batch: TensorDict, size: int, temperature: float) -> torch.Tensor:
-    parts = [policy.logprobs(mb, temperature)[0] for mb in _micro_batches(batch, size)]
-    return torch.cat(parts)
+def _per_row(fn, batch: TensorDict, size: int, dp: tuple[int, int] | None) -> torch.Tensor:
+    """``fn`` over every row of ``batch``; under ``dp`` each rank computes its share and the
+    shares are gathered, so every rank ends with the whole result."""
+    parts = []
+    for mb, real in _rank_micro_batches(batch, size, dp):
+        out = fn(mb)  # stand-ins run too: the collectives inside need every rank
+        if real:
+            parts.append(out)
+    local = torch.cat(parts) if parts else None
+    if dp is None:
+        return local
+    gathered: list = [None] * dp[1]
+    torch.distributed.all_gather_object(gathered, local)
+    return torch.cat([g for g in gathered if g is not None])
+
+
+@torch.no_grad()
+def _logprobs_no_grad(policy, batch: TensorDict, size: int, temperature: float,
+                      dp: tuple[int, int] | None = None) -> torch.Tensor:
+    return _per_row(lambda mb: policy.logprobs(mb, temperature)[0], batch, size, dp)
 
 
 def _step(policy, stats: dict) -> None:
@@ -48,8 +99,13 @@ def _step(policy, stats: dict) -> None:
 
 
 def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: float = 1.0,
-           generator: torch.Generator | None = None) -> dict[str, float]:
-    """RL update of one policy from its own rows (which carry ``advantages``)."""
+           generator: torch.Generator | None = None,
+           dp: tuple[int, int] | None = None) -> dict[str, float]:
+    """RL update of one policy from its own rows (which carry ``advantages``).
+
+    ``dp=(rank, world)``: this process is one rank of a data-parallel (FSDP) group and
+    ``batch`` is the whole batch, the same on every rank (see the module docstring).
+    """
     n = batch.batch_size[0]
     if n == 0 or policy.optimizer is None:
         return {}
@@ -57,10 +113,10 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
     loss_fn = POLICY_LOSSES.get(algo.policy_loss)
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
     if not reuse_old:
-        batch["old_logprobs"] = _logprobs_no_grad(policy, batch, mb_size, temperature)
+        batch["old_logprobs"] = _logprobs_no_grad(policy, batch, mb_size, temperature, dp)
     if algo.kl_coef > 0:
-        batch["ref_logprobs"] = torch.cat(
-            [policy.ref_logprobs(mb, temperature) for mb in _micro_batches(batch, mb_size)])
+        batch["ref_logprobs"] = _per_row(lambda mb: policy.ref_logprobs(mb, temperature),
+                                         batch, mb_size, dp)
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
     stats: dict = {"skipped_nonfinite": 0, "grad_norm": [], "loss": [], "kl": [], "entropy": []}
     extra: dict[str, list[float]] = {}
@@ -69,8 +125,9 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
         order = torch.randperm(n, generator=generator) if algo.minibatches > 1 else torch.arange(n)
         for mini in torch.tensor_split(order, algo.minibatches):
             mini_batch = batch[mini]
-            agg = _agg_info(mini_batch, algo.loss_agg, algo.loss_scale_factor)
-            for mb in _micro_batches(mini_batch, mb_size):
+            agg = _agg_info(mini_batch, algo.loss_agg, algo.loss_scale_factor, dp)
+            kl_sum = ent_sum = 0.0  # micro-batch terms sum to the mini-batch's value
+            for mb, real in _rank_micro_batches(mini_batch, mb_size, dp):
                 mask = mb["loss_mask"].float()
                 logp, ent = policy.logprobs(mb, temperature, with_entropy=algo.entropy_coef > 0)
                 old = logp.detach() if reuse_old else mb["old_logprobs"]
@@ -78,15 +135,22 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                 if kl_fn is not None:
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, agg)
                     loss = loss + algo.kl_coef * kl
-                    stats["kl"].append(float(kl.detach()))
+                    kl_sum += float(kl.detach()) if real else 0.0
                 if ent is not None:
                     ent_term = aggregate(ent, mask, agg)
                     loss = loss - algo.entropy_coef * ent_term
-                    stats["entropy"].append(float(ent_term.detach()))
+                    ent_sum += float(ent_term.detach()) if real else 0.0
+                if not real:  # a stand-in pass keeps FSDP's collectives in step; no gradient
+                    (loss * 0.0).backward()
+                    continue
                 loss.backward()
                 stats["loss"].append(float(loss.detach()))
                 for k, v in metrics.items():
                     extra.setdefault(k, []).append(float(v))
+            if kl_fn is not None:
+                stats["kl"].append(kl_sum)
+            if algo.entropy_coef > 0:
+                stats["entropy"].append(ent_sum)
             _step(policy, stats)
     policy.model.train(False)
     out = {"loss": sum(stats["loss"]), "skipped_nonfinite": float(stats["skipped_nonfinite"]),
@@ -98,17 +162,17 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
     return out
 
 
-def sft_update(policy, batch: TensorDict) -> dict[str, float]:
+def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:
     """Cross-entropy on the masked response tokens, through the same micro-batching."""
-    agg = _agg_info(batch, "token-mean")
+    agg = _agg_info(batch, "token-mean", dp=dp)
     stats: dict = {"skipped_nonfinite": 0, "grad_norm": []}
     total = 0.0
     policy.model.train(True)
-    for mb in _micro_batches(batch, policy.cfg.micro_batch_size):
+    for mb, real in _rank_micro_batches(batch, policy.cfg.micro_batch_size, dp):
         logp, _ = policy.logprobs(mb)
         loss = aggregate(-logp, mb["loss_mask"].float(), agg)
-        loss.backward()
-        total += float(loss.detach())
+        (loss if real else loss * 0.0).backward()
+        total += float(loss.detach()) if real else 0.0
     _step(policy, stats)
     policy.model.train(False)
     return {"sft_loss": total, "skipped_nonfinite": float(stats["skipped_nonfinite"])}

@@ -48,3 +48,16 @@ def make_config(tiny_model_dir, tmp_path):
         return load(Config, None, base + list(overrides))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole test session (starting one costs ~8 s)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():  # someone else's: leave it running
+        yield ray
+        return
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             namespace="polyrl-tests")
+    yield ray
+    ray.shutdown()

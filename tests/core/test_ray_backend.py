@@ -1,0 +1,262 @@
+"""The Ray backend: FSDP2 worker groups match local training; sync, checkpoints, failures.
+
+One Ray instance serves the session (``ray_cluster``); the two-node test runs its own
+simulated cluster in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.config import ConfigError, from_dict
+from polyrl.core.credit import group_credit
+from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.record import text_record
+
+PROMPTS = ["12+7=", "3+4=", "25+30=", "8+8="]
+
+
+def _config(model_dir: str, *extra: str):
+    import polyrl.core  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+
+    return load(Config, None, [f"policies.main.model={model_dir}", "policies.main.optim.lr=1e-3",
+                               "policies.main.micro_batch_size=4", "distributed.backend=ray",
+                               "distributed.args={workers_per_policy: 2}", *extra])
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True),
+                       add_special_tokens=False) for t in PROMPTS]
+
+
+def _record(policy, seed: int):
+    """A GRPO-ready record sampled from the local policy, with random 0/1 rewards."""
+    tok = policy.tokenizer
+    ids = _prompts(tok)
+    outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=4, max_new_tokens=6))
+    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
+                      response_ids=[o.token_ids for o in outs],
+                      rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * len(outs),
+                      uid=[o.prompt_index for o in outs], pad_id=tok.pad_token_id)
+    rec["reward"] = torch.randint(0, 2, (len(outs),),
+                                  generator=torch.Generator().manual_seed(seed)).float()
+    group_credit(rec, AlgorithmConfig())
+    return rec
+
+
+def _assert_states_close(local: dict, remote: dict) -> None:
+    """Weights and optimizer state agree to float noise. The key-projection bias is left
+    out: its exact gradient is zero (softmax ignores a shift shared by all keys), so Adam
+    turns each backend's ~1e-10 rounding noise into steps of different sign."""
+    def far(a, b):
+        return float((a - b).abs().max()) > 1e-6 + 1e-4 * float(b.abs().max())
+
+    assert set(remote["weights"]) == set(local["weights"])
+    bad = {k: float((remote["weights"][k] - v).abs().max()) for k, v in local["weights"].items()
+           if far(remote["weights"][k], v) and not k.endswith("k_proj.bias")}
+    lo, ro = local["optimizer"], remote["optimizer"]
+    assert set(ro["state"]) == set(lo["state"])
+    bad |= {f"optim {i}.{k}": float((ro["state"][i][k] - v).abs().max())
+            for i, st in lo["state"].items() for k, v in st.items() if far(ro["state"][i][k], v)}
+    assert not bad, bad
+    assert remote["scheduler"]["last_epoch"] == local["scheduler"]["last_epoch"]
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster, tiny_model_dir):
+    """(ray backend, its policy and engine, a local policy) from the same checkpoint."""
+    from polyrl.core.backend import LocalBackend
+    from polyrl.core.ray_backend import RayBackend
+
+    cfg = _config(tiny_model_dir)
+    backend = RayBackend(cfg)
+    try:
+        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
+                                     need_reference=True, shared={})
+        engine = backend.make_engine("main", remote, cfg.policies["main"], seed=0)
+        local = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
+                                              need_reference=True, shared={})
+        yield backend, remote, engine, local
+    finally:
+        backend.shutdown()
+
+
+def test_ray_args_are_checked():
+    from polyrl.core.ray_backend import RayArgs
+
+    with pytest.raises(ConfigError, match="did you mean 'distributed.args.workers_per_policy'"):
+        from_dict(RayArgs, {"worker_per_policy": 2}, "distributed.args")
+    args = from_dict(RayArgs, {"workers_per_policy": 2,
+                               "policies": {"critic": {"workers_per_policy": 1}}})
+    assert args.for_policy("critic").workers_per_policy == 1
+    assert args.for_policy("main").workers_per_policy == 2
+    with pytest.raises(ConfigError, match="cannot be set per policy"):
+        from_dict(RayArgs, {"policies": {"main": {"address": "auto"}}}).for_policy("main")
+
+
+def test_ray_backend_rejects_what_it_cannot_run(tiny_model_dir):
+    """Checked before Ray starts: a per-policy override for an unknown policy."""
+    from polyrl.core.ray_backend import RayBackend
+
+    cfg = _config(tiny_model_dir, "distributed.args={policies: {mian: {workers_per_policy: 1}}}")
+    with pytest.raises(ConfigError, match="did you mean 'main'"):
+        RayBackend(cfg)
+
+
+@pytest.mark.ray
+def test_updates_match_local_training(pair):
+    """Loss, weights and optimizer state after each update equal the single-process ones:
+    a full batch; a one-row batch (rank 1 runs a zero-weighted stand-in pass) with
+    seq-mean-token-mean; KL to the (sharded) reference plus an entropy bonus; two epochs of
+    two shuffled mini-batches (old log-probs gathered from both ranks)."""
+    from polyrl.core import trainer
+
+    backend, remote, _, local = pair
+    assert remote.world_size == 2 and len(remote.group.nodes) == 2
+    rec = _record(local, seed=0)
+    cases = [(rec, AlgorithmConfig()),
+             (rec[:1], AlgorithmConfig(loss_agg="seq-mean-token-mean")),
+             (_record(local, seed=1), AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)),
+             (_record(local, seed=2), AlgorithmConfig(ppo_epochs=2, minibatches=2))]
+    for batch, algo in cases:
+        g_local, g_ray = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        out_l = trainer.update(local, batch.clone(), algo, generator=g_local)
+        out_r = backend.update(remote, batch.clone(), algo, temperature=1.0, generator=g_ray)
+        assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
+        assert out_r["grad_norm"] == pytest.approx(out_l["grad_norm"], rel=1e-4)
+        assert out_r["lr"] == out_l["lr"] and out_r["skipped_nonfinite"] == 0
+        for key in ("kl", "entropy"):
+            assert (key in out_r) == (key in out_l)
+            if key in out_l:
+                assert out_r[key] == pytest.approx(out_l[key], rel=1e-4)
+        assert torch.equal(g_ray.get_state(), g_local.get_state())  # same shuffle stream
+        _assert_states_close(local.state_dict(), remote.state_dict())
+
+
+@pytest.mark.ray
+def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.core import trainer
+
+    backend, remote, engine, local = pair
+    # Weight sync: after it, the engine actor answers exactly like an engine on the local
+    # policy (greedy, so equal weights give equal tokens).
+    engine.sync()
+    ids = _prompts(local.tokenizer)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    want = HFEngine(local, seed=0).generate(ids, greedy)
+    got = engine.generate(ids, greedy)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # The SFT optimizer swap is forwarded to the workers; the loss matches local.
+    tok = local.tokenizer
+    targets = [tok.encode(str(a), add_special_tokens=False) + [tok.eos_token_id]
+               for a in (19, 7, 55)]
+    batch = text_record(prompt_ids=ids[:3], response_ids=targets,
+                        rollout_logprobs=[[0.0] * len(t) for t in targets], policy=["main"] * 3,
+                        uid=[0, 1, 2], pad_id=tok.pad_token_id)
+    with local.sft_optimizer(1e-3):
+        want_sft = trainer.sft_update(local, batch.clone())
+    with remote.sft_optimizer(1e-3):
+        got_sft = backend.sft_update(remote, batch.clone())
+    assert got_sft["sft_loss"] == pytest.approx(want_sft["sft_loss"], rel=1e-4)
+    # Checkpoints have the local layout: a local checkpoint loads into the worker group
+    # (and back), and the group then holds exactly that state.
+    state = local.state_dict()
+    remote.load_state_dict(state)
+    back = remote.state_dict()
+    assert isinstance(next(iter(back["optimizer"]["state"])), int)
+    _assert_states_close(state, back)
+    local.load_state_dict(back)
+    # Export: rank 0 writes a Hugging Face folder with the gathered weights.
+    out = remote.export(tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state["weights"][k], msg=k)
+
+
+@pytest.mark.ray
+def test_placement_that_cannot_fit_says_so(ray_cluster, tiny_model_dir):
+    from polyrl.core.ray_backend import RayBackend
+
+    cfg = _config(tiny_model_dir,
+                  "distributed.args={workers_per_policy: 64, placement_timeout_s: 1}")
+    backend = RayBackend(cfg)
+    with pytest.raises(RuntimeError, match="policy 'main': Ray could not place 64 bundles"):
+        backend.make_policy("main", cfg.policies["main"], total_steps=1, need_reference=False,
+                            shared={})
+    backend.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, monkeypatch):
+    """A short GRPO run on 2 FSDP workers writes metrics and checkpoints; a worker killed
+    after step 2's checkpoint stops step 3 with an error naming it; ``run.resume`` then
+    finishes the run from step 2."""
+    import polyrl.core.session as session_mod
+    from polyrl.core.loop import train
+    from polyrl.core.ray_backend import ActorError
+
+    ray = ray_cluster
+    args = ["distributed.backend=ray", "distributed.args={workers_per_policy: 2}",
+            "train.steps=3", "run.save_every=1", "eval.data.limit=8"]
+    opened: list = []
+    save = session_mod.Session.save
+
+    def save_then_kill(self, step):
+        save(self, step)
+        opened.append(self)
+        if step == 2:
+            ray.kill(self.backend.groups["main"].workers[1])
+
+    monkeypatch.setattr(session_mod.Session, "save", save_then_kill)
+    try:
+        with pytest.raises(ActorError, match="policy 'main' worker 1 died"):
+            train(make_config(*args))
+        s = opened[-1]
+        assert s.step == 2
+        ray.kill(s.backend.groups["main"].engine)
+        with pytest.raises(ActorError, match="engine for policy 'main' died"):
+            s.engines["main"].generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    finally:
+        for s in opened[-1:]:
+            s.backend.shutdown()
+    monkeypatch.undo()
+    run = train(make_config(*args, "run.resume=true"))
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "main/loss" in r]
+    assert steps == [1, 2, 3]  # step 3 once, after the resume
+    assert all(math.isfinite(r["main/loss"]) and r["main/skipped_nonfinite"] == 0 for r in rows
+               if "main/loss" in r)
+    assert (run.path / "export" / "main" / "config.json").is_file()
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir())[-1] == "step_000003"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_node_group_trains_a_step(tiny_model_dir):
+    """ray.cluster_utils.Cluster with two one-CPU nodes; STRICT_SPREAD puts one worker on
+    each; one FSDP update over gloo across them succeeds."""
+    script = Path(__file__).with_name("ray_multinode.py")
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["nodes"]) == 2
+    assert sorted(result["workers"]) == result["nodes"]  # one worker on each node
+    assert result["grad_norm"] > 0 and abs(result["loss"]) < 10
