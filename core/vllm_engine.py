@@ -1,0 +1,267 @@
+"""The vLLM rollout engine: a drop-in replacement for ``HFEngine`` (``engine.name: vllm``).
+
+One ``vllm.LLM`` is started per engine, in this process, when the engine is built (start-up
+is paid once per run) and reused for every step. It loads the policy's checkpoint and then
+follows the trainer through ``sync()``, which pushes the policy's current (merged) weights
+into the running model in place and drops the prefix cache, so no stale KV is reused.
+
+What it keeps equal to ``HFEngine``:
+
+- the same ``generate``: n completions per prompt, grouped by prompt; token ids exactly as
+  sampled (never re-encoded), the stop token included when a response stops on EOS or a
+  stop token id; ``finish_reason`` "stop" or "length"; text decoded from the ids;
+- the recorded log-prob of a sampled token is that of the temperature-scaled distribution
+  (vLLM's ``logprobs_mode="processed_logprobs"``), which is what the trainer recomputes.
+  With ``top_p < 1`` vLLM reports the log-prob under the renormalised nucleus instead (it
+  applies top-p before taking the log-softmax), which is larger than the trainer's by that
+  step's log nucleus mass; a warning says so once;
+- exact resume: every sample gets its own seed, derived from the engine's seed, a call
+  counter and the row, so ``state_dict``/``load_state_dict`` (the counter) restore the
+  stream.
+
+Engine arguments (``policies.<name>.engine.args``): ``max_model_len`` (prompt + response
+tokens; default: the model's), ``kv_cache_gb`` (KV cache size; default 1 GiB on CPU, on GPU
+``gpu_memory_utilization`` decides unless it is given), ``gpu_memory_utilization`` (GPU,
+default 0.5, leaving room for a colocated trainer), ``enable_sleep_mode`` (GPU, for a
+trainer on the same GPU: the engine sleeps after every ``generate``, handing its memory to
+the update, and wakes at the next ``generate``; a ``sync`` while asleep is deferred to that
+wake; ``sleep()``/``wake()`` do the same by hand, and nothing on CPU), ``sleep_level`` (1:
+weights offloaded to host memory, 2: discarded and pushed again from the policy on wake),
+``dtype`` (default float32, or bfloat16 for a bfloat16 policy on GPU), and any other
+``vllm.LLM`` keyword.
+
+The engine runs in-process (the constructor sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+weight sync hands the trainer's tensors to vLLM's worker directly, with no copy through a
+pipe. vLLM then shares this process with the trainer, with side effects to know about:
+
+- on CPU, vLLM replaces ``torch.set_num_threads`` with a function that only warns (the
+  thread count stays what it was when the engine started), and it calls ``gc.freeze()``;
+- vLLM seeds the global RNGs while it starts; the engine restores them, so building it
+  does not move the run's random streams;
+- vLLM keeps its distributed state in module globals: several engines may live in one
+  process, but when one is closed or collected the state is torn down under the others.
+  Build them together and let them live equally long (one per policy for a whole run).
+
+On CPU, the first ``generate`` in a fresh machine compiles a small kernel with inductor
+(about a minute on 2 cores; cached on disk afterwards); the constructor does it, so it is
+counted as start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.registry import ENGINES
+from polyrl.core.tiny import ensure_model
+
+log = logging.getLogger(__name__)
+
+
+def row_seed(seed: int, call: int, row: int) -> int:
+    """A per-sample seed from (engine seed, call index, row): stable across runs and hosts."""
+    digest = hashlib.blake2b(f"{seed}:{call}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # 62 bits: safe for any generator
+
+
+class _GlobalRNG:
+    """Save and restore Python, NumPy and torch global RNG states around vLLM's start-up."""
+
+    def __enter__(self) -> _GlobalRNG:
+        self.state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        py, npy, cpu, cuda = self.state
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class VLLMEngine:
+    """Sampling with a vLLM ``LLM`` that follows the policy's weights (``sync``)."""
+
+    def __init__(self, policy, *, seed: int = 0, max_model_len: int | None = None,
+                 kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.5,
+                 enable_sleep_mode: bool = False, sleep_level: int = 1,
+                 dtype: str | None = None, **llm_kwargs: Any) -> None:
+        # vLLM's engine core in this process (read when an LLM starts; see the module notes).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.seed, self.calls = int(seed), 0
+        self.on_cpu = current_platform.is_cpu()
+        self.sleep_enabled = bool(enable_sleep_mode) and not self.on_cpu
+        if enable_sleep_mode and self.on_cpu:
+            log.info("vllm engine: sleep mode does not exist on CPU; sleep()/wake() do nothing")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"vllm engine: sleep_level={sleep_level}; use 1 or 2")
+        self.sleep_level = sleep_level
+        self.sleeping = False
+        self._stale = False  # weights changed while asleep: push them on wake
+        self._warned_top_p = False
+        self.last_sync_s = float("nan")
+
+        cfg = policy.cfg
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        if dtype is None:
+            dtype = "bfloat16" if cfg.dtype == "bfloat16" and not self.on_cpu else "float32"
+        kwargs: dict[str, Any] = dict(
+            model=path, dtype=dtype, seed=self.seed, max_model_len=max_model_len,
+            # processed = after temperature: the distribution the trainer recomputes.
+            logprobs_mode="processed_logprobs",
+            generation_config=self._generation_config_dir(),
+        )
+        if self.on_cpu:
+            kwargs["enforce_eager"] = True
+            kwargs["kv_cache_memory_bytes"] = int((kv_cache_gb or 1.0) * 2**30)
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = self.sleep_enabled
+            if kv_cache_gb:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        kwargs.update(llm_kwargs)
+
+        t0 = time.perf_counter()
+        with _GlobalRNG():
+            self.llm = LLM(**kwargs)
+            if type(self.llm.llm_engine.engine_core).__name__ != "InprocClient":
+                raise RuntimeError(
+                    "vllm engine: vLLM started its engine in another process (an earlier "
+                    "engine in this process was started with VLLM_ENABLE_V1_MULTIPROCESSING=1?); "
+                    "weight sync needs it in this process")
+            # Warm-up: the first request compiles vLLM's sampler helpers (inductor on CPU).
+            self._generate_rows([[self.tokenizer.eos_token_id or 0]], SamplingParams(
+                max_new_tokens=2), seeds=[0])
+        self.llm.reset_prefix_cache()
+        self.startup_s = time.perf_counter() - t0
+        log.info("vllm engine: started in %.1f s (%s, %s)", self.startup_s, path, dtype)
+
+    # --- Engine protocol ----------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """n completions per prompt, grouped by prompt (prompt 0's first)."""
+        self.wake()
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        index = [i for i in range(len(prompts)) for _ in range(params.n)]
+        seeds = [row_seed(self.seed, self.calls, k) for k in range(len(rows))]
+        self.calls += 1
+        outs = self._generate_rows(rows, params, seeds)
+        if self.sleep_enabled:
+            self.sleep()
+        decode = self.tokenizer.decode
+        return [Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+                for i, (ids, lps, reason) in zip(index, outs, strict=True)]
+
+    def sync(self) -> None:
+        """Push the policy's current weights into the running model, in place."""
+        if self.sleeping:
+            self._stale = True  # pushed by wake(), into memory that exists again
+            return
+        t0 = time.perf_counter()
+        self._push_weights()
+        self.last_sync_s = time.perf_counter() - t0
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.calls = int(state["seed"]), int(state["calls"])
+
+    # --- colocation (GPU) ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (KV cache, and weights) for the trainer; no-op on CPU."""
+        if not self.sleep_enabled or self.sleeping:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self.sleeping = True
+
+    def wake(self) -> None:
+        """Take the memory back; push the policy's weights if they changed meanwhile."""
+        if not self.sleeping:
+            return
+        self.llm.wake_up(tags=["weights"])
+        if self._stale or self.sleep_level == 2:  # level 2 discarded the weights
+            self._push_weights()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+        self.sleeping, self._stale = False, False
+
+    def close(self) -> None:
+        """Shut vLLM down now (see the module notes on several engines in one process)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    # --- internals ----------------------------------------------------------------------
+    def _generation_config_dir(self) -> str:
+        """A generation config naming only the tokenizer's EOS, for vLLM to read at start.
+
+        vLLM adds every EOS id of the model's generation_config.json to each request's stop
+        ids (even with ``generation_config="vllm"``), while HFEngine stops on the tokenizer's
+        EOS and the request's stop ids only; e.g. the tiny Qwen2 lists <|endoftext|> too. This
+        config keeps the two engines' stop rules (and so their responses) equal, and brings no
+        default sampling settings. Drop it if HFEngine comes to honour the model's EOS list.
+        """
+        self._gen_dir = tempfile.TemporaryDirectory(prefix="polyrl-vllm-gen-")
+        eos = self.tokenizer.eos_token_id
+        Path(self._gen_dir.name, "generation_config.json").write_text(
+            json.dumps({} if eos is None else {"eos_token_id": eos}))
+        return self._gen_dir.name
+
+    def _push_weights(self) -> None:
+        # LLM.collective_rpc (public) runs the worker's reload_weights in this process: it
+        # loads checkpoint-format (name, tensor) pairs through the model's own load_weights
+        # inside vLLM's layer-wise reload, which re-runs the post-load processing (the CPU
+        # kernels' weight repacking). vLLM's weight-transfer API (init_weight_transfer_engine
+        # / update_weights) has only NCCL and CUDA-IPC backends in 0.31, so not on CPU.
+        weights = ((name, t.detach()) for name, t in self.policy.named_weights())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, seeds: list[int]
+                       ) -> list[tuple[list[int], list[float], str]]:
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
+        if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
+            self._warned_top_p = True
+            log.warning("vllm engine: with top_p=%s the recorded log-probs are those of the "
+                        "renormalised nucleus, not of the full temperature-scaled distribution "
+                        "that the trainer recomputes", params.top_p)
+        stop_ids = list(dict.fromkeys(params.stop_token_ids))
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop_ids:
+            stop_ids.append(self.tokenizer.eos_token_id)
+        base = dict(n=1, temperature=params.temperature, top_p=params.top_p,
+                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
+                    stop_token_ids=stop_ids, logprobs=0)
+        sampling = [VLLMParams(**base, seed=s) for s in seeds]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sampling,
+                                 use_tqdm=False)
+        result = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+            result.append((ids, lps, "length" if c.finish_reason == "length" else "stop"))
+        return result
+
+
+ENGINES.register("vllm", VLLMEngine)
