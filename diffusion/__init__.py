@@ -1,0 +1,24 @@
+"""polyrl.diffusion: text-to-image RL (Flow-GRPO / DanceGRPO style) on diffusers models.
+
+Importing it registers its parts in the core's registries: the ``diffusion`` policy kind
+and engine, the ``text_to_image`` workflow, the ``per_prompt`` credit scheme, the
+``gaussian_mean`` KL estimator, image rewards (``colour``, ``colour_accuracy``,
+``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``, ``aesthetic``,
+``pickscore``, ``hpsv2``), the ``tiny_sd3`` model builder and the ``colour`` task.
+Samplers live in this plugin's own registry, :data:`SAMPLERS` (``flow_sde``,
+``dance_sde``, ``cps``, ``ode``).
+"""
+
+from polyrl.diffusion import (  # noqa: F401
+    colour,
+    credit,
+    engine,
+    models,
+    policy,
+    rewards,
+    samplers,
+    selection,
+    tiny,
+    workflow,
+)
+from polyrl.diffusion.samplers import SAMPLERS  # noqa: F401

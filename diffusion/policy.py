@@ -1,0 +1,383 @@
+"""The ``diffusion`` policy kind: a diffusers transformer trained on its own denoising steps.
+
+The policy's "tokens" are denoising steps. ``logprobs(batch)`` recomputes, for every step a
+row trains (``loss_mask``), the log-probability of the recorded transition x_t -> x_{t+1}
+under the current transformer, with the sampler, σ's, noise level and guidance the record
+carries, so the trainer's PPO losses apply unchanged. Computed step by step with the same
+batch layout as the rollout, the recomputed log-prob of an unchanged model equals the
+rollout's (the test checks it bit for bit).
+
+Classifier-free guidance: ``v = v_u + w·(v_c - v_u)`` where the unconditional branch
+``v_u`` is computed without gradient (as Flow-GRPO does). LoRA adapters come from PEFT; the
+reference policy is the same network with the adapter disabled (no second copy). With a
+full fine-tune and a KL term the reference is a frozen copy.
+
+KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's form)
+``ref_logprobs`` returns the reference *means* of the trained steps and the KL estimator
+computes ``mean((μθ - μref)²) / (2·std²)`` per step from the means this policy attaches to
+its log-prob tensor. With the core's log-prob estimators (k1, k3, ...) it returns the
+reference log-probs of the recorded transitions, as a text policy does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+from polyrl.core.config import ConfigError, doc, doc_factory, from_dict
+from polyrl.core.policy import LoraConfig, PolicyConfig, lr_lambda
+from polyrl.core.record import strings
+from polyrl.core.registry import POLICIES
+from polyrl.core.tiny import ensure_model
+from polyrl.diffusion.models import FAMILIES, detect_family
+from polyrl.diffusion.samplers import SAMPLERS, get_sampler
+from polyrl.diffusion.selection import StepSelection
+
+MEANS_ATTR = "_polyrl_step_means"
+STD_ATTR = "_polyrl_step_std"
+# PolicyConfig.lora's default targets a causal LM; these are SD3's attention projections.
+SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+ENGINE_NAME = "diffusion"
+# A tokenizer without a chat template gets this one: the prompt text itself.
+PLAIN_TEMPLATE = ("{% for m in messages %}{% if not loop.first %} {% endif %}"
+                  "{{ m['content'] }}{% endfor %}")
+
+
+@dataclass
+class DiffusionSampling:
+    """How a diffusion policy samples (``policies.<name>.engine.args``)."""
+
+    sampler: str = doc("flow_sde", "SDE sampler: flow_sde (Flow-GRPO), dance_sde (DanceGRPO), "
+                                   "cps (coefficient-preserving); ode is deterministic")
+    noise_level: float = doc(0.7, "flow_sde/cps: noise level a; dance_sde: constant η")
+    steps: int = doc(10, "denoising steps per training rollout")
+    eval_steps: int | None = doc(None, "denoising steps for evaluation (default: steps)")
+    guidance_scale: float = doc(4.5, "classifier-free guidance weight; <= 1 turns it off")
+    negative_prompt: str = doc("", "prompt of the unconditional branch")
+    height: int = doc(512, "image height in pixels")
+    width: int = doc(512, "image width in pixels")
+    same_noise: bool = doc(False, "all samples of one prompt start from the same noise")
+    train_steps: StepSelection = doc_factory(StepSelection, "which denoising steps train")
+    batch_size: int = doc(32, "rows per transformer forward while sampling")
+    cfg_batch: bool = doc(True, "sampling: guidance's two branches in one transformer call "
+                                "(as diffusers' pipeline); false: two calls laid out as in "
+                                "training, so recomputed log-probs match bit for bit")
+    decode_batch: int = doc(16, "images per VAE decode call")
+
+    def validate(self, where: str) -> None:
+        if self.sampler not in SAMPLERS:
+            try:
+                SAMPLERS.get(self.sampler)  # an import path may still resolve
+            except (KeyError, ImportError, ValueError) as e:
+                raise ConfigError(f"{where}.sampler: {e}") from None
+        if self.sampler == "ode":
+            raise ConfigError(f"{where}.sampler=ode samples without noise, so no step has a "
+                              "log-probability to train; use flow_sde, dance_sde or cps (the "
+                              "ODE is what evaluation uses at eval.temperature=0)")
+        if self.steps < 2 or (self.eval_steps is not None and self.eval_steps < 1):
+            raise ConfigError(f"{where}.steps must be >= 2 (and eval_steps >= 1)")
+        if self.noise_level < 0:
+            raise ConfigError(f"{where}.noise_level must be >= 0, got {self.noise_level}")
+        if self.sampler == "cps" and self.noise_level > 1:
+            raise ConfigError(f"{where}.noise_level must be in [0, 1] for cps")
+        if self.height <= 0 or self.width <= 0 or self.batch_size < 1 or self.decode_batch < 1:
+            raise ConfigError(f"{where}: height, width, batch_size and decode_batch must be > 0")
+        self.train_steps.validate(self.steps, f"{where}.train_steps")
+
+
+@dataclass
+class DiffusionArgs:
+    """Options of the diffusion policy kind (``policies.<name>.args``)."""
+
+    text_encoder_3: bool = doc(True, "SD3: load the T5 text encoder (false: zeros instead, "
+                                     "much less memory)")
+    max_sequence_length: int = doc(256, "SD3: T5 tokens per prompt")
+
+    def validate(self, where: str) -> None:
+        if not 1 <= self.max_sequence_length <= 512:
+            raise ConfigError(f"{where}.max_sequence_length must be in [1, 512]")
+
+
+def policy_args(cfg: PolicyConfig, name: str | None = None) -> DiffusionArgs:
+    where = f"policies.{name}.args" if name else "args"
+    a = from_dict(DiffusionArgs, dict(cfg.args), where, "the recipe")
+    a.validate(where)
+    return a
+
+
+def sampling_config(cfg: PolicyConfig, name: str | None = None) -> DiffusionSampling:
+    """Parse and check a diffusion policy's engine args (fails naming the bad key/value)."""
+    prefix = f"policies.{name}." if name else "a diffusion policy's "
+    where = f"{prefix}engine.args" if name else "engine.args"
+    if cfg.engine.name != ENGINE_NAME:
+        raise ConfigError(f"{prefix}engine.name={cfg.engine.name!r}: a diffusion policy "
+                          f"samples with the {ENGINE_NAME!r} engine; set engine.name: "
+                          f"{ENGINE_NAME}")
+    s = from_dict(DiffusionSampling, dict(cfg.engine.args), where, "the recipe")
+    s.validate(where)
+    return s
+
+
+def attach_means(logp: Tensor, means: Tensor, std: Tensor) -> Tensor:
+    """Hang the per-step means [B,T,*L] and stds [B,T] on a log-prob tensor for the KL."""
+    setattr(logp, MEANS_ATTR, means)
+    setattr(logp, STD_ATTR, std)
+    return logp
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class DiffusionPolicy:
+    """A diffusers text-to-image model (SD3 family) as a trainable policy."""
+
+    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
+                 shared: dict | None = None, device: str | torch.device | None = None) -> None:
+        self.name, self.cfg, self.device = name, cfg, _device(device)
+        self.sampling = sampling_config(cfg, name)
+        self.args = policy_args(cfg, name)
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        self.path = path
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        family = FAMILIES[detect_family(path)](
+            path, dtype=dtype, device=self.device, load_t5=self.args.text_encoder_3,
+            max_sequence_length=self.args.max_sequence_length)
+        self.family = family
+        self.tokenizer = self.load_tokenizer(cfg, validate=False)
+        model = family.transformer
+        if cfg.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        self.reference: torch.nn.Module | None = None
+        if cfg.lora.r > 0:
+            from peft import LoraConfig as PeftLora
+            from peft import get_peft_model
+
+            targets = list(cfg.lora.target_modules)
+            if targets == LoraConfig().target_modules:  # the causal-LM default: use SD3's
+                targets = SD3_LORA_TARGETS
+            model.requires_grad_(False)
+            model = get_peft_model(model, PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                   lora_dropout=cfg.lora.dropout,
+                                                   target_modules=targets, init_lora_weights=True))
+        elif need_reference:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = model
+        self.model.train(False)
+        self.need_reference = need_reference
+        self.kl_mode = "logprob"  # "mean": ref_logprobs gives reference means (gaussian_mean KL)
+        if not cfg.train:
+            self.model.requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay) if params else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+        self._emb_cache: dict[str, tuple[Tensor, Tensor]] = {}
+
+    @staticmethod
+    def load_tokenizer(cfg: PolicyConfig, validate: bool = True):
+        """The first text encoder's tokenizer (for the prompt data), after checking the
+        sampling settings -- so a bad sampler name fails before any model is built."""
+        if validate:
+            sampling_config(cfg)
+            policy_args(cfg)
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        tok = FAMILIES[detect_family(path)].load_tokenizer(path)
+        if not getattr(tok, "chat_template", None):
+            tok.chat_template = PLAIN_TEMPLATE  # prompts stay plain text
+        return tok
+
+    # --- prompts, velocity, images ------------------------------------------------------
+    def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """Embeddings of each prompt, each distinct prompt encoded once per run (frozen)."""
+        todo = [p for p in dict.fromkeys(prompts) if p not in self._emb_cache]
+        if todo:
+            emb, pooled = self.family.encode(todo)
+            for i, p in enumerate(todo):
+                self._emb_cache[p] = (emb[i], pooled[i])
+        return (torch.stack([self._emb_cache[p][0] for p in prompts]),
+                torch.stack([self._emb_cache[p][1] for p in prompts]))
+
+    def velocity(self, x: Tensor, timesteps: Tensor, emb: Tensor, pooled: Tensor,
+                 neg_emb: Tensor, neg_pooled: Tensor, guidance: Tensor,
+                 model: torch.nn.Module | None = None, batched: bool = False) -> Tensor:
+        """The guided velocity (float32); the unconditional branch carries no gradient.
+
+        ``batched`` (sampling only, no gradient): both branches in one transformer call on
+        ``[uncond; cond]``, as diffusers' pipeline does; otherwise two calls, so the
+        conditional one alone carries the gradient."""
+        model = self.model if model is None else model
+        guided = guidance > 1
+        if not bool(guided.any()):
+            return self.family.velocity(model, x, timesteps, emb, pooled).float()
+        if batched and not torch.is_grad_enabled():
+            both = self.family.velocity(model, torch.cat([x, x]), torch.cat([timesteps] * 2),
+                                        torch.cat([neg_emb, emb]),
+                                        torch.cat([neg_pooled, pooled])).float()
+            v_u, v_c = both.chunk(2)
+        else:
+            v_c = self.family.velocity(model, x, timesteps, emb, pooled).float()
+            with torch.no_grad():
+                v_u = self.family.velocity(model, x, timesteps, neg_emb, neg_pooled).float()
+        w = guidance.to(v_c).reshape(-1, *([1] * (v_c.dim() - 1)))
+        return torch.where(guided.reshape_as(w), v_u + w * (v_c - v_u), v_c)
+
+    def decode(self, latents: Tensor) -> Tensor:
+        return self.family.decode(latents, chunk=self.sampling.decode_batch)
+
+    # --- what the trainer calls ---------------------------------------------------------
+    def _transitions(self, batch: TensorDict, model: torch.nn.Module | None, want_means: bool
+                     ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(log-probs [B,T], means [B,T,*L] or None, stds [B,T]) of the trained steps."""
+        batch = batch.to(self.device)
+        mask = batch["loss_mask"].bool()
+        b, n = mask.shape
+        lat = batch["latents"]
+        samplers = set(strings(batch, "sampler")) if b else set()
+        if len(samplers) > 1:
+            raise ValueError(f"one micro-batch mixes samplers {sorted(samplers)}")
+        sampler = get_sampler(samplers.pop()) if samplers else None
+        logp = torch.zeros((b, n), dtype=torch.float32, device=self.device)
+        std = torch.zeros((b, n), dtype=torch.float32, device=self.device)
+        means = torch.zeros((b, n, *lat.shape[2:]), dtype=torch.float32, device=self.device) \
+            if want_means else None
+        for t in range(n):
+            rows = mask[:, t].nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            v = self.velocity(lat[rows, t], batch["timesteps"][rows, t],
+                              batch["prompt_embeds"][rows], batch["pooled_prompt_embeds"][rows],
+                              batch["negative_prompt_embeds"][rows],
+                              batch["negative_pooled_prompt_embeds"][rows],
+                              batch["guidance"][rows], model=model)
+            out = sampler.step(lat[rows, t], v, batch["sigmas"][rows, t],
+                               batch["sigmas"][rows, t + 1], noise_level=batch["noise_level"][rows],
+                               noise=True, prev_sample=lat[rows, t + 1])
+            cols = torch.full_like(rows, t)
+            logp = logp.index_put((rows, cols), out.log_prob)
+            std = std.index_put((rows, cols), out.std.detach())
+            if means is not None:
+                means = means.index_put((rows, cols), out.mean)
+        return logp, means, std
+
+    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs [B, T] of the recorded transitions of the trained steps (0 elsewhere).
+
+        ``temperature`` does not apply to diffusion (the noise level is in the record);
+        no entropy is returned.
+        """
+        logp, means, std = self._transitions(batch, None, want_means=self.kl_mode == "mean")
+        if not logp.requires_grad and torch.is_grad_enabled():
+            # no trained step in this micro-batch: keep a (zero) graph for backward()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if params:
+                logp = logp + 0.0 * sum(p.reshape(-1)[0] for p in params)
+        if means is not None:
+            attach_means(logp, means, std)
+        return logp, None
+
+    @contextlib.contextmanager
+    def _reference(self):
+        if self.reference is not None:
+            yield self.reference
+        elif self.cfg.lora.r > 0:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            raise RuntimeError(f"policy {self.name!r} has no reference model (it was built "
+                               "without need_reference and without LoRA)")
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> Tensor:
+        """Reference log-probs [B,T] -- or, for the gaussian_mean KL, reference means."""
+        with self._reference() as ref:
+            logp, means, _ = self._transitions(batch, ref, want_means=self.kl_mode == "mean")
+        return means if self.kl_mode == "mean" else logp
+
+    # --- state --------------------------------------------------------------------------
+    def trainable_state(self) -> dict[str, Tensor]:
+        if self.cfg.lora.r > 0:
+            return {k: v.detach().cpu() for k, v in self.model.named_parameters()
+                    if v.requires_grad}
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or (self.cfg.lora.r == 0 and missing):
+            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the model "
+                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.trainable_state(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_trainable_state(state["weights"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    @contextlib.contextmanager
+    def sft_optimizer(self, lr: float | None):
+        saved = self.optimizer, self.scheduler
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr or self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        try:
+            yield
+        finally:
+            self.optimizer, self.scheduler = saved
+
+    def named_weights(self):
+        if self.cfg.lora.r > 0:
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            return merged.state_dict().items()
+        return self.model.state_dict().items()
+
+    def export(self, out_dir: str | Path) -> Path:
+        """diffusers format: a LoRA as ``pytorch_lora_weights.safetensors`` (load it with
+        ``pipe.load_lora_weights``), a full fine-tune as the checkpoint folder with the new
+        ``transformer/`` (other components copied when the source is a local folder)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.cfg.lora.r > 0:
+            from diffusers import StableDiffusion3Pipeline
+            from peft import get_peft_model_state_dict
+
+            layers = {k.removeprefix("base_model.model."): v
+                      for k, v in get_peft_model_state_dict(self.model).items()}
+            meta = self.model.peft_config["default"].to_dict()  # rank, alpha, targets
+            StableDiffusion3Pipeline.save_lora_weights(
+                out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
+            return out
+        src = Path(self.path).expanduser()
+        if src.is_dir():
+            for item in src.iterdir():
+                if item.name == "transformer":
+                    continue
+                dst = out / item.name
+                if item.is_dir():
+                    shutil.copytree(item, dst, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(item, dst)
+        self.model.save_pretrained(out / "transformer")
+        return out
+
+
+POLICIES.register("diffusion", DiffusionPolicy)

@@ -1,0 +1,387 @@
+"""Image rewards (batched): JPEG size, CLIP score, aesthetic, PickScore, HPSv2, colour.
+
+Registered names: ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``
+(image vs *prompt*; the multimodal plugin's ``clip_score`` scores an image against a
+response), ``aesthetic``, ``pickscore``, ``hpsv2``, ``colour``, ``colour_accuracy``.
+
+Every reward here is registered with ``register_reward(..., batched=True)`` and receives
+the whole list of samples; ``sample.images[0]`` is the row's image (a PIL image; tensors
+and arrays also work). Weighted combinations are the core's: list several terms with
+weights under ``reward.terms`` and the row reward is their weighted sum (each term is also
+logged on its own as ``reward/<name>/mean``).
+
+Reward models are loaded from a local path or hub id the user gives, once per process.
+A reward with a ``prepare(**args)`` attribute is prepared by the text-to-image workflow
+before the first rollout, so a checkpoint path that does not exist (or a model that will
+not load) fails before any sampling, naming the argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from polyrl.core.rewards import Sample, register_reward
+from polyrl.diffusion import colour as colour_task
+
+_LOCK = threading.Lock()
+_CACHE: dict[tuple, Any] = {}
+_PATH_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".json", ".npz")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def image_tensor(image: Any) -> Tensor:
+    """[3, H, W] float32 in [0, 1] from a PIL image, HxWx3 array or CxHxW tensor."""
+    if isinstance(image, Tensor):
+        t = image.detach().float().cpu()
+        if t.dim() == 3 and t.shape[0] not in (1, 3) and t.shape[-1] in (1, 3):
+            t = t.permute(2, 0, 1)
+        return (t / 255.0 if t.max() > 1.5 else t).clamp(0, 1)
+    if hasattr(image, "convert"):  # PIL
+        image = np.asarray(image.convert("RGB"))
+    arr = np.asarray(image)
+    if arr.ndim != 3:
+        raise ValueError(f"expected an RGB image, got an array of shape {arr.shape}")
+    t = torch.from_numpy(arr.astype(np.float32))
+    t = t.permute(2, 0, 1) if t.shape[-1] in (1, 3) else t
+    return (t / 255.0 if arr.dtype == np.uint8 or t.max() > 1.5 else t).clamp(0, 1)
+
+
+def to_pil(image: Any):
+    from PIL import Image
+
+    if hasattr(image, "convert"):
+        return image.convert("RGB")
+    t = image_tensor(image)
+    return Image.fromarray((t.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+
+
+def first_image(sample: Sample) -> Any:
+    if not sample.images:
+        raise ValueError(f"row {sample.index} has no image (sample.images is empty)")
+    return sample.images[0]
+
+
+def looks_like_path(value: str) -> bool:
+    return value.startswith(("/", ".", "~")) or value.lower().endswith(_PATH_SUFFIXES) \
+        or value.startswith("local-dir:")
+
+
+def check_path(reward: str, arg: str, value: str | None, *, required: bool = False) -> None:
+    """Fail with a clear message when a path-like argument names nothing on disk."""
+    if value is None or value == "":
+        if required:
+            raise ValueError(f"reward {reward!r} needs args.{arg} (a local path or hub id)")
+        return
+    path = value.removeprefix("local-dir:")
+    if looks_like_path(value) and not Path(path).expanduser().exists():
+        raise FileNotFoundError(f"reward {reward!r}: args.{arg}={value!r} does not exist; give "
+                                "the checkpoint's local path (or a hub id / pretrained tag)")
+
+
+def _device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def cached(key: tuple, build: Callable[[], Any]) -> Any:
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = build()
+        return _CACHE[key]
+
+
+def with_prepare(prepare: Callable[..., None]):
+    """Attach ``prepare(**args)``: checks (and loads) what the reward needs, before sampling."""
+
+    def add(fn):
+        fn.prepare = prepare
+        return fn
+
+    return add
+
+
+# ------------------------------------------------------------------------ JPEG size
+
+
+def jpeg_kb(image: Any, quality: int = 95) -> float:
+    buf = io.BytesIO()
+    to_pil(image).save(buf, format="JPEG", quality=quality)
+    return buf.tell() / 1000.0
+
+
+@register_reward("jpeg_compressibility", batched=True)
+def jpeg_compressibility(samples: list[Sample], quality: int = 95) -> list[float]:
+    """Minus the JPEG size in kB (smaller files score higher)."""
+    return [-jpeg_kb(first_image(s), quality) for s in samples]
+
+
+@register_reward("jpeg_incompressibility", batched=True)
+def jpeg_incompressibility(samples: list[Sample], quality: int = 95) -> list[float]:
+    """The JPEG size in kB (more detail scores higher)."""
+    return [jpeg_kb(first_image(s), quality) for s in samples]
+
+
+# -------------------------------------------------------------------------- colour
+
+
+def _palette(names: list[str] | None) -> tuple[list[str], Tensor]:
+    names = colour_task.palette_names(names)
+    cols = torch.tensor([colour_task.PALETTE[n] for n in names] + [colour_task.BACKGROUND])
+    return names, cols
+
+
+def _target(sample: Sample, names: list[str]) -> int:
+    name = sample.answer if isinstance(sample.answer, str) and sample.answer in names \
+        else colour_task.prompt_colour(sample.prompt, names)
+    if name is None:
+        raise ValueError(f"row {sample.index}: the prompt {sample.prompt!r} names none of the "
+                         f"colours {names} (and the answer is {sample.answer!r})")
+    return names.index(name)
+
+
+def nearest_colour(image: Any, palette: Tensor) -> Tensor:
+    """[H, W] index of the nearest palette colour (the last entry is the background)."""
+    img = image_tensor(image)
+    d = ((img[None] - palette[:, :, None, None]) ** 2).sum(1)
+    return d.argmin(0)
+
+
+@register_reward("colour", batched=True)
+def colour(samples: list[Sample], colours: list[str] | None = None) -> list[float]:
+    """Share of pixels nearest to the colour the prompt names (answer field, else the prompt)."""
+    names, pal = _palette(colours)
+    return [float((nearest_colour(first_image(s), pal) == _target(s, names)).float().mean())
+            for s in samples]
+
+
+@register_reward("colour_accuracy", batched=True)
+def colour_accuracy(samples: list[Sample], colours: list[str] | None = None) -> list[float]:
+    """1 when the named colour is the most common non-background colour of the image."""
+    names, pal = _palette(colours)
+    out = []
+    for s in samples:
+        counts = torch.bincount(nearest_colour(first_image(s), pal).flatten(),
+                                minlength=len(names) + 1)[: len(names)]
+        out.append(float(counts.sum() > 0 and int(counts.argmax()) == _target(s, names)))
+    return out
+
+
+# ---------------------------------------------------------------------- open_clip models
+
+
+def _open_clip(model: str, pretrained: str | None, device: torch.device):
+    import open_clip
+
+    def build():
+        net, _, preprocess = open_clip.create_model_and_transforms(
+            model, pretrained=pretrained or None, device=device)
+        return net.eval().requires_grad_(False), preprocess, open_clip.get_tokenizer(model)
+
+    return cached(("open_clip", model, pretrained, str(device)), build)
+
+
+def _check_open_clip(reward: str, model: str, pretrained: str | None) -> None:
+    if model.startswith("local-dir:"):
+        check_path(reward, "model", model)
+    check_path(reward, "pretrained", pretrained)
+
+
+@torch.no_grad()
+def _clip_features(net, preprocess, tokenizer, samples: list[Sample], device: torch.device,
+                   prompts: list[str] | None = None) -> tuple[Tensor, Tensor]:
+    images = torch.stack([preprocess(to_pil(first_image(s))) for s in samples]).to(device)
+    text = tokenizer(prompts if prompts is not None else [s.prompt for s in samples]).to(device)
+    img = net.encode_image(images).float()
+    txt = net.encode_text(text).float()
+    return (torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1))
+
+
+def _prepare_clip(model: str = "ViT-B-32", pretrained: str | None = None,
+                  device: str | None = None, scale: float = 1.0) -> None:
+    _check_open_clip("t2i_clip_score", model, pretrained)
+    _open_clip(model, pretrained, _device(device))
+
+
+@register_reward("t2i_clip_score", batched=True)
+@with_prepare(_prepare_clip)
+def clip_score(samples: list[Sample], model: str = "ViT-B-32", pretrained: str | None = None,
+               device: str | None = None, scale: float = 1.0) -> list[float]:
+    """scale x cosine(CLIP image embedding, CLIP prompt embedding) via open_clip.
+
+    ``model``: an open_clip model name (``ViT-B-32``) or ``local-dir:/path`` (a folder with
+    ``open_clip_config.json`` + weights); ``pretrained``: a checkpoint path or tag.
+    """
+    dev = _device(device)
+    net, preprocess, tokenizer = _open_clip(model, pretrained, dev)
+    img, txt = _clip_features(net, preprocess, tokenizer, samples, dev)
+    return (scale * (img * txt).sum(-1)).cpu().tolist()
+
+
+def _load_hps(model: str, checkpoint: str, device: torch.device):
+    import open_clip
+
+    def build():
+        net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=None,
+                                                                   device=device)
+        state = torch.load(Path(checkpoint).expanduser(), map_location=device, weights_only=True)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+        net.load_state_dict(state)
+        return net.eval().requires_grad_(False), preprocess, open_clip.get_tokenizer(model)
+
+    return cached(("hps", model, checkpoint, str(device)), build)
+
+
+def _prepare_hps(checkpoint: str | None = None, model: str = "ViT-H-14",
+                 device: str | None = None) -> None:
+    check_path("hpsv2", "checkpoint", checkpoint, required=True)
+    _load_hps(model, checkpoint, _device(device))
+
+
+@register_reward("hpsv2", batched=True)
+@with_prepare(_prepare_hps)
+def hpsv2(samples: list[Sample], checkpoint: str | None = None, model: str = "ViT-H-14",
+          device: str | None = None) -> list[float]:
+    """HPSv2-style score: cosine of open_clip ``model`` (ViT-H-14) features with the HPS
+    checkpoint's weights (``checkpoint``: e.g. HPS_v2_compressed.pt) loaded over it."""
+    if checkpoint is None:
+        raise ValueError("hpsv2 needs args.checkpoint (path of the HPS checkpoint)")
+    dev = _device(device)
+    net, preprocess, tokenizer = _load_hps(model, checkpoint, dev)
+    img, txt = _clip_features(net, preprocess, tokenizer, samples, dev)
+    return (img * txt).sum(-1).cpu().tolist()
+
+
+# ----------------------------------------------------------------------- aesthetic
+
+
+def _mlp_from_state(state: dict[str, Tensor]) -> torch.nn.Sequential:
+    """The chain of Linear layers in ``state`` (LAION's aesthetic MLP: no activations)."""
+    weights = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight")},
+                     key=lambda k: [int(p) if p.isdigit() else p for p in k.split(".")])
+    layers = []
+    for name in weights:
+        w = state[f"{name}.weight"]
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=f"{name}.bias" in state)
+        lin.weight.data.copy_(w)
+        if lin.bias is not None:
+            lin.bias.data.copy_(state[f"{name}.bias"])
+        layers.append(lin)
+    if not layers:
+        raise ValueError("aesthetic MLP checkpoint holds no Linear weights")
+    return torch.nn.Sequential(*layers).eval().requires_grad_(False)
+
+
+def _load_mlp(path: str, device: torch.device) -> torch.nn.Sequential:
+    def build():
+        p = Path(path).expanduser()
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(p))
+        else:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state)
+        return _mlp_from_state(state).to(device)
+
+    return cached(("mlp", path, str(device)), build)
+
+
+def _prepare_aesthetic(mlp: str | None = None, clip_model: str = "ViT-L-14",
+                       clip_pretrained: str | None = "openai", device: str | None = None) -> None:
+    check_path("aesthetic", "mlp", mlp, required=True)
+    _check_open_clip("aesthetic", clip_model, clip_pretrained)
+    dev = _device(device)
+    _open_clip(clip_model, clip_pretrained, dev)
+    _load_mlp(mlp, dev)
+
+
+@register_reward("aesthetic", batched=True)
+@with_prepare(_prepare_aesthetic)
+def aesthetic(samples: list[Sample], mlp: str | None = None, clip_model: str = "ViT-L-14",
+              clip_pretrained: str | None = "openai", device: str | None = None) -> list[float]:
+    """LAION-style aesthetic score: an MLP (weights from ``mlp``) on the normalised CLIP-L
+    image embedding."""
+    if mlp is None:
+        raise ValueError("aesthetic needs args.mlp (path of the MLP weights)")
+    dev = _device(device)
+    net, preprocess, _ = _open_clip(clip_model, clip_pretrained, dev)
+    head = _load_mlp(mlp, dev)
+    with torch.no_grad():
+        images = torch.stack([preprocess(to_pil(first_image(s))) for s in samples]).to(dev)
+        emb = torch.nn.functional.normalize(net.encode_image(images).float(), dim=-1)
+        return head(emb).squeeze(-1).cpu().tolist()
+
+
+# ----------------------------------------------------------------------- PickScore
+
+
+@functools.cache
+def _hf_clip_loader():
+    from transformers import AutoProcessor, CLIPModel
+
+    return AutoProcessor, CLIPModel
+
+
+def _load_pickscore(model: str, processor: str, device: torch.device):
+    def build():
+        proc_cls, model_cls = _hf_clip_loader()
+        return (model_cls.from_pretrained(model).to(device).eval().requires_grad_(False),
+                proc_cls.from_pretrained(processor))
+
+    return cached(("pickscore", model, processor, str(device)), build)
+
+
+def _prepare_pickscore(model: str = "yuvalkirstain/PickScore_v1",
+                       processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+                       device: str | None = None, scale: float | None = None) -> None:
+    check_path("pickscore", "model", model)
+    check_path("pickscore", "processor", processor)
+    _load_pickscore(model, processor, _device(device))
+
+
+@register_reward("pickscore", batched=True)
+@with_prepare(_prepare_pickscore)
+def pickscore(samples: list[Sample], model: str = "yuvalkirstain/PickScore_v1",
+              processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+              device: str | None = None, scale: float | None = None) -> list[float]:
+    """PickScore: a CLIP-H (``transformers`` CLIPModel) preference model; score =
+    logit_scale x cosine(image, prompt), or ``scale`` x cosine when ``scale`` is given."""
+    dev = _device(device)
+    net, proc = _load_pickscore(model, processor, dev)
+    with torch.no_grad():
+        inputs = proc(images=[to_pil(first_image(s)) for s in samples],
+                      text=[s.prompt for s in samples], padding=True, truncation=True,
+                      return_tensors="pt").to(dev)
+        img = net.get_image_features(pixel_values=inputs["pixel_values"])
+        txt = net.get_text_features(input_ids=inputs["input_ids"],
+                                    attention_mask=inputs["attention_mask"])
+        img = getattr(img, "pooler_output", img)
+        txt = getattr(txt, "pooler_output", txt)
+        cos = (torch.nn.functional.normalize(img.float(), dim=-1)
+               * torch.nn.functional.normalize(txt.float(), dim=-1)).sum(-1)
+        factor = net.logit_scale.exp().float() if scale is None else torch.tensor(float(scale))
+        return (factor * cos).cpu().tolist()
+
+
+def prepare_rewards(terms) -> None:
+    """Run each term's ``prepare`` (path checks, model loading) before any sampling."""
+    from polyrl.core.rewards import resolve
+
+    for term in terms:
+        fn = resolve(term.name)
+        prep = getattr(fn, "prepare", None)
+        if prep is not None:
+            try:
+                prep(**term.args)
+            except TypeError as e:
+                raise ValueError(f"reward {term.name!r}: bad args {sorted(term.args)}: {e}") from e

@@ -1,0 +1,218 @@
+"""A tiny Stable-Diffusion-3-architecture model built offline, for tests and CPU demos.
+
+Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.json``,
+``transformer/``, ``scheduler/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``,
+``tokenizer_2/``, ``vae/``), so the policy loads it exactly like a real SD3:
+
+- ``transformer``: a small ``SD3Transformer2DModel`` (the part GRPO trains);
+- two tiny ``CLIPTextModelWithProjection`` text encoders with random frozen weights, and a
+  word-level ``CLIPTokenizer`` whose vocabulary comes from a task's prompts (no T5);
+- ``vae``: a :class:`~polyrl.diffusion.patch_vae.PatchVAE` (pixel unshuffle, no weights)
+  instead of an ``AutoencoderKL`` -- an honest shortcut: a tiny autoencoder would have to
+  be trained first, and the reward only looks at colours;
+- ``scheduler``: ``FlowMatchEulerDiscreteScheduler`` with SD3's shift of 3.
+
+``pretrain_steps > 0`` then trains the transformer with flow matching on synthetic images
+of coloured blobs (:mod:`.colour`), so it draws blobs before RL starts. With
+``label_noise = p`` the blob's colour disagrees with the prompt in a fraction p of the
+training images, so the pre-trained model follows the prompt only part of the time and
+GRPO has something to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.core.registry import MODELS, TASKS
+
+SPECIALS = ("<|startoftext|>", "<|endoftext|>")
+COMPLETE = "model_index.json"
+
+
+def build_clip_tokenizer(texts: list[str], max_length: int = 8):
+    """A CLIP BPE tokenizer that keeps every word of ``texts`` as one token.
+
+    Letters (with and without the end-of-word mark) are the base alphabet, so any
+    lower-case text still tokenizes; each corpus word gets the merges that build it.
+    """
+    from transformers import CLIPTokenizer
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab: dict[str, int] = {t: i for i, t in enumerate(SPECIALS)}
+    for c in letters:
+        vocab.setdefault(c, len(vocab))
+    for c in letters:
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[tuple[str, str]] = []
+    words = sorted({w for t in texts for w in t.lower().split() if w.isalpha()})
+    for w in words:
+        pieces = list(w[:-1]) + [w[-1] + "</w>"]
+        cur = pieces[0]
+        for p in pieces[1:]:
+            if (cur, p) not in merges:
+                merges.append((cur, p))
+            cur += p
+            vocab.setdefault(cur, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def _text_encoder(vocab_size: int, hidden: int, proj: int, max_length: int, seed: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2,
+                         max_position_embeddings=max_length, projection_dim=proj,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return CLIPTextModelWithProjection(cfg).eval()
+
+
+def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_patch: int = 2,
+                   layers: int = 2, heads: int = 2, head_dim: int = 16, text_hidden: int = 32,
+                   max_length: int = 8, shift: float = 3.0, seed: int = 0) -> None:
+    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    tok = build_clip_tokenizer(texts, max_length)
+    enc1 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 1)
+    enc2 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 2)
+    latent = image_size // vae_patch
+    channels = 3 * vae_patch * vae_patch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=latent, patch_size=2, in_channels=channels, out_channels=channels,
+            num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
+            joint_attention_dim=2 * text_hidden, caption_projection_dim=heads * head_dim,
+            pooled_projection_dim=text_hidden, pos_embed_max_size=max(latent, 4))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    transformer.save_pretrained(path / "transformer")
+    scheduler.save_pretrained(path / "scheduler")
+    PatchVAE(patch=vae_patch).save_pretrained(path / "vae")
+    for sub, enc in (("text_encoder", enc1), ("text_encoder_2", enc2)):
+        enc.save_pretrained(path / sub)
+    for sub in ("tokenizer", "tokenizer_2"):
+        tok.save_pretrained(path / sub)
+    index = {
+        "_class_name": "StableDiffusion3Pipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "vae": ["polyrl.diffusion.patch_vae", "PatchVAE"],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_3": [None, None],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "tokenizer_3": [None, None],
+        "image_encoder": [None, None],
+        "feature_extractor": [None, None],
+    }
+    # written last, by the caller's rename: its presence marks a complete checkpoint
+    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
+
+
+def pretrain_colour(path: Path, *, steps: int, batch_size: int = 64, lr: float = 2e-3,
+                    label_noise: float = 0.0, cond_dropout: float = 0.1, seed: int = 0,
+                    log_every: int = 0) -> dict[str, float]:
+    """Flow-matching pre-training of ``path``'s transformer on coloured-blob images."""
+    from polyrl.diffusion import colour
+    from polyrl.diffusion.models import SD3Family
+
+    fam = SD3Family(str(path), dtype=torch.float32, device=torch.device("cpu"), load_t5=False,
+                    max_sequence_length=1)
+    names = list(colour.PALETTE)
+    prompts = [t.format(c=c) for c in names for t in colour.TEMPLATES]
+    emb, pooled = fam.encode(prompts + [""])
+    null_emb, null_pooled = emb[-1:], pooled[-1:]
+    emb, pooled = emb[:-1], pooled[:-1]
+    prompt_colour = torch.tensor([names.index(colour.prompt_colour(p)) for p in prompts])
+    size = fam.vae_scale * fam.transformer.config.sample_size
+    model = fam.transformer.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 20)
+                                              * (0.1 + 0.9 * (1 - k / max(1, steps))))
+    gen = torch.Generator().manual_seed(seed)
+    shift = fam.scheduler.config.shift
+    t0, losses = time.perf_counter(), []
+    for k in range(steps):
+        which = torch.randint(len(prompts), (batch_size,), generator=gen)
+        img_colour = prompt_colour[which].clone()
+        wrong = torch.rand(batch_size, generator=gen) < label_noise
+        img_colour[wrong] = torch.randint(len(names), (int(wrong.sum()),), generator=gen)
+        x0 = fam.encode_images(colour.render_blobs(img_colour, size, gen, names))
+        u = torch.rand(batch_size, generator=gen)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        eps = torch.randn(x0.shape, generator=gen)
+        s = sigma[:, None, None, None]
+        xt = (1 - s) * x0 + s * eps
+        drop = torch.rand(batch_size, generator=gen) < cond_dropout
+        e = torch.where(drop[:, None, None], null_emb, emb[which])
+        p = torch.where(drop[:, None], null_pooled, pooled[which])
+        v = fam.velocity(model, xt, sigma * 1000, e, p).float()
+        loss = ((v - (eps - x0)) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if log_every and (k % log_every == 0 or k == steps - 1):
+            print(f"pretrain step {k}: loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}"
+                  f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+    model.eval().requires_grad_(False)
+    model.save_pretrained(path / "transformer")
+    tail = losses[-max(1, steps // 10):]
+    return {"loss_last": sum(tail) / len(tail), "seconds": time.perf_counter() - t0}
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path).expanduser() / COMPLETE).is_file()
+
+
+@MODELS.register("tiny_sd3")
+def tiny_sd3(path: str | Path, *, corpus: str = "colour", pretrain_steps: int = 0,
+             pretrain_batch: int = 64, pretrain_lr: float = 2e-3, label_noise: float = 0.0,
+             seed: int = 0, log_every: int = 0, **model_kwargs: Any) -> Path:
+    """Build (once) a tiny SD3 at ``path``; pre-train it on task ``corpus``'s images.
+
+    ``model_kwargs``: image_size, vae_patch, layers, heads, head_dim, text_hidden,
+    max_length, shift. Written to a temp dir and renamed into place, so a crash never
+    leaves a half-built model; an existing complete checkpoint is returned untouched.
+    """
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
+    if corpus != "colour" and pretrain_steps:
+        raise ValueError("tiny_sd3 pre-trains on the colour task only; set pretrain_steps=0")
+    texts = list(TASKS.get(corpus).corpus())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write_tiny_sd3(tmp, texts, seed=seed, **model_kwargs)
+        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
+        if pretrain_steps:
+            pretrain_colour(tmp, steps=pretrain_steps, batch_size=pretrain_batch, lr=pretrain_lr,
+                            label_noise=label_noise, seed=seed, log_every=log_every)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not is_complete(path):  # a concurrent builder that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,215 @@
+"""The ``text_to_image`` workflow: prompts -> recorded denoising trajectories -> record.
+
+Each prompt is sampled ``rollout.n`` times by the policy's diffusion engine; images are
+decoded for the rewards. One record row per trajectory (see :func:`diffusion_record`).
+
+Evaluation is a call whose sampling settings differ from the training rollouts' (the
+session evaluates with ``eval.n`` and ``eval.temperature``): at temperature 0 it samples
+with the deterministic ODE from seeds the session restores each time, so every
+evaluation sees the same prompts and the same starting noise. Each evaluation writes an
+image grid (one row per prompt) to ``<run>/samples/eval_rollout_<k>.png``; the first is
+also ``grid_before.png`` and the latest ``grid_after.png`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from polyrl.core.config import ConfigError
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.registry import WORKFLOWS, nearest
+from polyrl.core.workflow import Context
+from polyrl.diffusion.engine import DiffusionEngine, Trajectories
+from polyrl.diffusion.policy import DiffusionPolicy, policy_args, sampling_config
+from polyrl.diffusion.rewards import prepare_rewards, to_pil
+
+RECORD_TENSORS = ("latents", "sigmas", "timesteps", "rollout_logprobs", "loss_mask",
+                  "response_mask", "noise_mask", "prompt_embeds", "pooled_prompt_embeds",
+                  "negative_prompt_embeds", "negative_pooled_prompt_embeds", "guidance",
+                  "noise_level")
+
+
+def _stack(values: list) -> NonTensorStack:
+    return NonTensorStack(*[NonTensorData(v) for v in values])
+
+
+def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_text: list[str],
+                     meta: list[dict], credit_args: dict | None = None) -> TensorDict:
+    """The rollout record of diffusion trajectories (``B`` rows, ``N`` steps).
+
+    Tensors: ``latents [B,N+1,*L]`` (x before every step and the final one), ``sigmas
+    [B,N+1]``, ``timesteps [B,N]``, ``rollout_logprobs [B,N]`` (float32, the sampler's),
+    ``loss_mask [B,N]`` (trained steps), ``response_mask [B,N]`` (1 on every step),
+    ``noise_mask [B,N]`` (noisy steps), prompt and negative-prompt embeddings,
+    ``guidance [B]``, ``noise_level [B]``, the group keys ``uid/agent_id/turn/node``,
+    ``reward`` (NaN until scored), ``valid``, ``truncated``. Non-tensor: ``policy``,
+    ``prompt_text``, ``response_text``, ``error``, ``meta`` (with ``images``),
+    ``sampler`` and ``credit_args`` (per-prompt advantage options).
+    """
+    b, n = traj.logprobs.shape
+    valid = traj.alive
+    zeros = torch.zeros(b, dtype=torch.long)
+    td = TensorDict({
+        "latents": traj.latents,
+        "sigmas": traj.sigmas,
+        "timesteps": traj.timesteps,
+        "rollout_logprobs": traj.logprobs,
+        "loss_mask": traj.loss_mask.long(),
+        "response_mask": torch.ones((b, n), dtype=torch.long),
+        "noise_mask": traj.noise_mask,
+        "prompt_embeds": traj.prompt_embeds,
+        "pooled_prompt_embeds": traj.pooled_prompt_embeds,
+        "negative_prompt_embeds": traj.negative_prompt_embeds,
+        "negative_pooled_prompt_embeds": traj.negative_pooled_prompt_embeds,
+        "guidance": traj.guidance,
+        "noise_level": traj.noise_level,
+        "uid": torch.as_tensor(uid, dtype=torch.long),
+        "agent_id": zeros.clone(), "turn": zeros.clone(), "node": zeros.clone(),
+        "reward": torch.full((b,), float("nan")),
+        "valid": valid,
+        "truncated": torch.zeros(b, dtype=torch.bool),
+    }, batch_size=[b])
+    td["policy"] = _stack([policy] * b)
+    td["prompt_text"] = _stack(list(prompt_text))
+    td["response_text"] = _stack([f"<image {traj.sampler}, {n} steps>" for _ in range(b)])
+    td["error"] = _stack(list(traj.errors))
+    td["meta"] = _stack(list(meta))
+    td["sampler"] = _stack([traj.sampler] * b)
+    td["credit_args"] = NonTensorData(dict(credit_args or {}))
+    return td
+
+
+def image_grid(images: list, cols: int, scale: int = 1, pad: int = 2):
+    """One PIL image with ``images`` (None = grey tile) in rows of ``cols``."""
+    from PIL import Image
+
+    tiles = [to_pil(im) if im is not None else None for im in images]
+    w, h = next((t.size for t in tiles if t is not None), (16, 16))
+    w, h = w * scale, h * scale
+    rows = (len(tiles) + cols - 1) // cols
+    grid = Image.new("RGB", (cols * (w + pad) + pad, max(1, rows) * (h + pad) + pad), "white")
+    for k, t in enumerate(tiles):
+        tile = t.resize((w, h), Image.NEAREST) if t is not None else Image.new("RGB", (w, h),
+                                                                                "grey")
+        grid.paste(tile, (pad + (k % cols) * (w + pad), pad + (k // cols) * (h + pad)))
+    return grid
+
+
+class TextToImage:
+    """Sample ``n`` images per prompt with a diffusion policy; one row per image."""
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        """Config-time checks (``Config.validate`` calls this before any model loads): the
+        workflow's args, and the sampling settings and options of every diffusion policy."""
+        args = dict(cfg.rollout.args)
+        valid = [p for p in inspect.signature(TextToImage.__init__).parameters
+                 if p not in ("self", "ctx")]
+        for key in args:
+            if key not in valid:
+                hint = nearest(key, valid)
+                raise ConfigError(f"unknown key 'rollout.args.{key}' for the text_to_image "
+                                  "workflow" + (f"; did you mean 'rollout.args.{hint}'?" if hint
+                                                else "") + f" Valid: {', '.join(valid)}.")
+        name = args.get("policy") or next(iter(cfg.policies), None)
+        if name not in cfg.policies:
+            raise ConfigError(f"rollout.args.policy={name!r} is not a policy; have "
+                              f"{sorted(cfg.policies)}")
+        if cfg.policies[name].kind != "diffusion":
+            raise ConfigError(f"the text_to_image workflow samples with policy {name!r}, whose "
+                              f"kind is {cfg.policies[name].kind!r}; set policies.{name}.kind: "
+                              "diffusion")
+        for pname, p in cfg.policies.items():
+            if p.kind == "diffusion":
+                sampling_config(p, pname)
+                policy_args(p, pname)
+        if cfg.sft.steps:
+            raise ConfigError("sft.steps must be 0 with the text_to_image workflow (a diffusion "
+                              "policy has no supervised warm start)")
+        clip = args.get("adv_clip", 5.0)
+        if clip is not None and (not isinstance(clip, (int, float)) or clip < 0):
+            raise ConfigError(f"rollout.args.adv_clip must be a number >= 0 (0: no clipping), "
+                              f"got {clip!r}")
+
+    def __init__(self, ctx: Context, policy: str | None = None, adv_clip: float = 5.0,
+                 global_std: bool = False, grid_scale: int = 0, save_grids: bool = True) -> None:
+        name = policy or next(iter(ctx.policies))
+        if name not in ctx.policies:
+            raise ConfigError(f"text_to_image: unknown policy {name!r}; have {sorted(ctx.policies)}")
+        self.name, self.ctx, self.cfg = name, ctx, ctx.cfg
+        self.policy: DiffusionPolicy = ctx.policies[name]
+        self.engine: DiffusionEngine = ctx.engines[name]
+        if not isinstance(self.policy, DiffusionPolicy):
+            raise ConfigError(f"text_to_image: policy {name!r} is a {type(self.policy).__name__}; "
+                              "set policies.<name>.kind: diffusion")
+        if not isinstance(self.engine, DiffusionEngine):
+            raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
+        if self.cfg.sft.steps:
+            raise ConfigError("sft.steps must be 0 with the text_to_image workflow (a diffusion "
+                              "policy has no supervised warm start)")
+        if adv_clip is not None and adv_clip < 0:
+            raise ConfigError(f"rollout.args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}")
+        algo = self.cfg.algorithm
+        if algo.credit == "group":
+            warnings.warn("text_to_image: algorithm.credit=group groups rows by dataset row; "
+                          "per_prompt (Flow-GRPO's per-prompt statistics) is the usual choice",
+                          stacklevel=2)
+        for pol in ctx.policies.values():
+            if isinstance(pol, DiffusionPolicy):
+                pol.kl_mode = "mean" if (algo.kl_coef > 0 and
+                                         algo.kl_estimator == "gaussian_mean") else "logprob"
+        self.credit_args = {"adv_clip": adv_clip, "global_std": bool(global_std)}
+        prepare_rewards(self.cfg.reward.terms)  # reward paths/models fail before sampling
+        self.run_dir = ctx.extras.get("run_dir")
+        self.grid_scale = grid_scale
+        self.save_grids = save_grids
+        self._grids = 0
+
+    def is_training(self, params: SamplingParams) -> bool:
+        return params == self.ctx.sampling()
+
+    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        training = self.is_training(params)
+        traj = self.engine.sample([it.prompt_text for it in items], n=params.n,
+                                  deterministic=params.temperature == 0)
+        alive = traj.alive
+        images: list = [None] * len(traj.errors)
+        if bool(alive.any()):
+            decoded = self.policy.decode(traj.latents[alive, -1])
+            for k, i in enumerate(alive.nonzero().flatten().tolist()):
+                images[i] = to_pil(decoded[k])
+        rows = [items[int(i)] for i in traj.prompt_index]
+        meta = [{"answer": it.answer, "row": it.row, "images": [im] if im is not None else []}
+                for it, im in zip(rows, images, strict=True)]
+        record = diffusion_record(traj, policy=self.name, uid=[it.uid for it in rows],
+                                  prompt_text=[it.prompt_text for it in rows], meta=meta,
+                                  credit_args=self.credit_args)
+        if not training and self.save_grids:
+            self.write_grid(images, [it.prompt_text for it in items], params.n)
+        return record
+
+    def write_grid(self, images: list, prompts: list[str], n: int) -> Path | None:
+        if self.run_dir is None:
+            return None
+        run = Path(self.run_dir)
+        scale = self.grid_scale or max(1, 64 // max(1, self.policy.sampling.height))
+        grid = image_grid(images, cols=n, scale=scale)
+        out = run / "samples" / f"eval_rollout_{self.engine.rollouts:06d}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(out)
+        (out.with_suffix(".json")).write_text(json.dumps({"rows": prompts, "per_row": n}))
+        if self._grids == 0 and not (run / "grid_before.png").exists():
+            grid.save(run / "grid_before.png")
+        grid.save(run / "grid_after.png")
+        self._grids += 1
+        return out
+
+
+WORKFLOWS.register("text_to_image", TextToImage)

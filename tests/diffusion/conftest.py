@@ -1,0 +1,72 @@
+"""Fixtures for the diffusion plugin: an offline tiny SD3 and policies built from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory) -> str:
+    """An untrained tiny SD3 (diffusers layout, PatchVAE, tiny CLIP encoders), built once."""
+    from polyrl.diffusion.tiny import tiny_sd3
+
+    path = tmp_path_factory.mktemp("models") / "tiny-sd3"
+    tiny_sd3(path, image_size=16, vae_patch=2, layers=1, heads=2, head_dim=16, seed=0)
+    return str(path)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two spin-waiting threads are slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def make_policy(tiny_sd3_dir, one_thread):
+    """make_policy(engine_args..., lora=0, need_reference=False) -> (policy, engine)."""
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import from_dict
+    from polyrl.core.policy import PolicyConfig
+    from polyrl.diffusion.engine import DiffusionEngine
+    from polyrl.diffusion.policy import DiffusionPolicy
+
+    def make(lora: int = 0, need_reference: bool = False, lr: float = 1e-3, seed: int = 0,
+             **engine_args):
+        args = {"height": 16, "width": 16, "steps": 6, "guidance_scale": 3.0, "batch_size": 64}
+        args.update(engine_args)
+        cfg = from_dict(PolicyConfig, {
+            "kind": "diffusion", "model": tiny_sd3_dir, "lora": {"r": lora, "alpha": 2 * lora},
+            "args": {"max_sequence_length": 1},
+            "optim": {"lr": lr}, "micro_batch_size": 64,
+            "engine": {"name": "diffusion", "args": args}})
+        policy = DiffusionPolicy("main", cfg, total_steps=10, need_reference=need_reference,
+                                 device="cpu")
+        return policy, DiffusionEngine(policy, seed=seed)
+
+    return make
+
+
+PROMPTS = ["a red blob", "a blue circle", "green", "a yellow blob"]
+
+
+@pytest.fixture
+def prompts() -> list[str]:
+    return list(PROMPTS)
+
+
+@pytest.fixture
+def record_of():
+    """record_of(policy, engine, prompts=..., n=4) -> (trajectories, rollout record)."""
+    from polyrl.diffusion.workflow import diffusion_record
+
+    def make(policy, engine, prompts=PROMPTS, n=4, **kw):
+        traj = engine.sample(prompts, n=n, **kw)
+        rows = [prompts[i] for i in traj.prompt_index]
+        return traj, diffusion_record(traj, policy="main", uid=traj.prompt_index.tolist(),
+                                      prompt_text=rows, meta=[{} for _ in rows])
+
+    return make

@@ -1,0 +1,169 @@
+"""The text-to-image workflow through the core's session and loop; bad input fails early."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polyrl.core import rewards
+from polyrl.core.config import ConfigError, load
+from polyrl.core.credit import assign
+from polyrl.core.recipe import Config
+from polyrl.core.record import strings
+
+
+@pytest.fixture
+def diffusion_config(tiny_sd3_dir, tmp_path, one_thread):
+    def make(*overrides: str) -> Config:
+        import polyrl.core  # noqa: F401
+        import polyrl.diffusion  # noqa: F401
+
+        base = [
+            f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
+            "task.name=colour", f"task.dir={tmp_path}/data",
+            "task.args={n_train: 32, per_colour_eval: 1}",
+            "policies.main.kind=diffusion", f"policies.main.model={tiny_sd3_dir}",
+            "policies.main.engine.name=diffusion", "policies.main.lora.r=4",
+            "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 2.0, "
+            "train_steps: {mode: fraction, fraction: 0.5}}",
+            "policies.main.args={max_sequence_length: 1}",
+            "rollout.workflow=text_to_image", "rollout.n=4", "rollout.prompts_per_step=3",
+            "eval.n=2", "eval.accuracy_term=colour_accuracy",
+            "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
+            "algorithm.credit=per_prompt", "train.steps=2",
+        ]
+        return load(Config, None, base + list(overrides))
+
+    return make
+
+
+def test_two_training_steps_write_metrics_grids_checkpoint_and_export(diffusion_config):
+    from polyrl.core.loop import train
+
+    cfg = diffusion_config("algorithm.kl_coef=0.01", "algorithm.kl_estimator=gaussian_mean")
+    run = train(cfg)
+    lines = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "main/loss" in x]
+    assert len(steps) == 2 and all(x["rollout/rows"] == 12 for x in steps)
+    assert all(x["main/kl"] is not None and x["main/kl"] >= 0 for x in steps)
+    assert any("eval/accuracy" in x for x in lines)
+    assert (run.path / "grid_before.png").is_file() and (run.path / "grid_after.png").is_file()
+    assert list((run.path / "samples").glob("eval_rollout_*.png"))
+    assert (run.path / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert (run.path / "export" / "main" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_resume_continues_the_engine_state(diffusion_config):
+    from polyrl.core.loop import train
+    from polyrl.core.session import Session
+
+    train(diffusion_config("train.steps=1", "run.export=false"))
+    cfg = diffusion_config("train.steps=1", "run.resume=true")
+    s = Session.open(cfg, record=False)
+    assert s.step == 1 and s.engines["main"].rollouts == 1
+
+
+def test_record_rewards_and_credit(diffusion_config):
+    from polyrl.core.session import Session
+
+    s = Session.open(diffusion_config())
+    record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+    n = record.batch_size[0]
+    assert n == 12 and record["latents"].shape == (12, 5, 12, 8, 8)
+    assert record["rollout_logprobs"].dtype == torch.float32
+    assert (record["loss_mask"].sum(1) == 2).all()  # round(0.5 * 3) steps of 4, not the last
+    assert all(len(m["images"]) == 1 for m in strings(record, "meta"))
+    metrics = rewards.score(record, s.cfg.reward)
+    assert torch.isfinite(record["reward"]).all() and metrics["reward/errors"] == 0
+    assign(record, s.cfg.algorithm)
+    adv = record["advantages"]
+    assert adv.shape == record["loss_mask"].shape
+    assert (adv[record["loss_mask"] == 0] == 0).all()
+    # per-prompt groups: advantages of one prompt sum to ~0
+    texts = strings(record, "prompt_text")
+    for t in set(texts):
+        rows = [i for i, x in enumerate(texts) if x == t]
+        assert abs(float(adv[rows].sum(1).sum())) < 1e-3
+    s.finish({})
+
+
+def test_nan_row_is_left_out_and_the_rest_trains(diffusion_config):
+    from polyrl.core.record import select_policy
+    from polyrl.core.session import Session
+
+    s = Session.open(diffusion_config())
+    policy = s.policies["main"]
+    velocity = policy.velocity
+
+    def poison(x, *a, **k):
+        v = velocity(x, *a, **k)
+        if not torch.is_grad_enabled() and x.shape[0] == 12:  # sampling, not training
+            v = v.clone()
+            v[5] = float("nan")
+        return v
+
+    policy.velocity = poison
+    record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+    policy.velocity = velocity
+    errors = strings(record, "error")
+    assert "NaN" in errors[5] and not record["valid"][5]
+    assert sum(bool(e) for e in errors) == 1
+    rewards.score(record, s.cfg.reward)
+    assign(record, s.cfg.algorithm)
+    assert torch.isnan(record["reward"][5]) and record["valid"].sum() == 11
+    out = s.update("main", select_policy(record[record["valid"]], "main"))
+    assert out["skipped_nonfinite"] == 0 and torch.isfinite(torch.tensor(out["loss"]))
+    s.finish({})
+
+
+BAD_SETTINGS = [
+    ("policies.main.engine.args.sampler=flow_sdee", "did you mean 'flow_sde'"),
+    ("policies.main.engine.args.samplr=cps", "did you mean 'policies.main.engine.args.sampler'"),
+    ("policies.main.engine.args.sampler=ode", "without noise"),
+    ("policies.main.engine.name=hf", "engine.name"),
+    ("policies.main.engine.args.train_steps.mode=windw", "did you mean 'window'"),
+    ("policies.main.args.text_encoder=false", "did you mean 'policies.main.args.text_encoder_3'"),
+    ("rollout.args.adv_clp=3", "did you mean 'rollout.args.adv_clip'"),
+    ("sft.steps=3", "sft.steps"),
+]
+
+
+@pytest.mark.parametrize("override,match", BAD_SETTINGS)
+def test_bad_settings_fail_at_config_time(diffusion_config, override, match, monkeypatch):
+    from polyrl.diffusion import models
+
+    def no_load(*a, **k):  # nothing may load before the settings are checked
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(models.SD3Family, "__init__", no_load)
+    with pytest.raises(ConfigError, match=match):
+        diffusion_config(override)  # load(Config, ...) itself
+
+
+def test_sampler_settings_are_checked_again_before_models_load(diffusion_config, monkeypatch):
+    """A config built in code (not through load) still fails before any model loads."""
+    from polyrl.core.session import Session
+    from polyrl.diffusion import models
+
+    cfg = diffusion_config()
+    cfg.policies["main"].engine.args["sampler"] = "cpss"
+    monkeypatch.setattr(models.SD3Family, "__init__", lambda *a, **k: 1 / 0)
+    with pytest.raises(ConfigError, match="did you mean 'cps'"):
+        Session.open(cfg)
+
+
+def test_missing_reward_model_fails_before_sampling(diffusion_config, monkeypatch):
+    from polyrl.core.session import Session
+    from polyrl.diffusion.engine import DiffusionEngine
+
+    def no_sampling(*a, **k):
+        raise AssertionError("sampled before the reward model was checked")
+
+    monkeypatch.setattr(DiffusionEngine, "sample", no_sampling)
+    cfg = diffusion_config("reward.terms=[{name: t2i_clip_score, args: {pretrained: "
+                           "/nonexistent/open_clip.bin}}]")
+    with pytest.raises(FileNotFoundError, match="/nonexistent/open_clip.bin"):
+        Session.open(cfg)
+
