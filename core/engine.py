@@ -71,11 +71,17 @@ class HFEngine:
     """Batched sampling with a KV cache on the policy's own `transformers` model.
 
     In local mode it shares the policy's module, so weight sync costs nothing.
+    ``drop_finished`` (default on): rows that stopped leave the decode batch, KV cache
+    included, once they are an eighth of it, so a few long responses do not keep paying
+    for the many short ones; off, the whole batch decodes until its last row stops
+    (what transformers' ``generate`` does).
     """
 
-    def __init__(self, policy, *, batch_size: int = 256, seed: int = 0) -> None:
+    def __init__(self, policy, *, batch_size: int = 256, seed: int = 0,
+                 drop_finished: bool = True) -> None:
         self.policy = policy
         self.batch_size = batch_size
+        self.drop_finished = drop_finished
         self.tokenizer = policy.tokenizer
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -103,39 +109,63 @@ class HFEngine:
         if self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        ids, mask = pad_left([r[1] for r in rows], self.tokenizer.pad_token_id)
+        # Each distinct prompt is prefilled once; the n rows of its group then share its
+        # KV cache (expanded by index), so a group costs one prompt pass, not n.
+        distinct: dict[int, int] = {}
+        for pi, _ in rows:
+            distinct.setdefault(pi, len(distinct))
+        prompt_of = dict(rows)
+        ids, mask = pad_left([prompt_of[pi] for pi in distinct], self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        b = ids.shape[0]
+        b = len(rows)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                     logits_to_keep=1)
+        cache = out.past_key_values
+        can_select = hasattr(cache, "batch_select_indices")
+        logits = out.logits[:, -1]
+        if len(distinct) < b:
+            expand = torch.tensor([distinct[pi] for pi, _ in rows], device=device)
+            if not can_select:
+                raise TypeError(f"{type(cache).__name__} cannot expand a shared prompt cache")
+            cache.batch_select_indices(expand)
+            mask, pos, logits = mask[expand], pos[expand], logits[expand]
+        can_drop = self.drop_finished and can_select
         next_pos = pos[:, -1] + 1
         tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
-        done = torch.zeros(b, dtype=torch.bool, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)  # per row of `rows`
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
-        texts = [""] * b
+        live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
+        done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
         for t in range(params.max_new_tokens):
-            tok, lp = sample_next(out.logits[:, -1], params, self.gen)
-            tokens[:, t], logps[:, t] = tok, lp
+            tok, lp = sample_next(logits, params, self.gen)
+            tokens[live, t], logps[live, t] = tok, lp
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
-                finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
-            lengths = torch.where(finished, t + 1, lengths)
+                finished |= ~done & self._hit_stop_string(tokens[live, : t + 1], done, params.stop)
+            lengths[live[finished]] = t + 1
+            stopped[live[finished]] = True
             done |= finished
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+            if can_drop and int(done.sum()) * 8 >= done.numel():
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
+                done = done[keep]
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=out.past_key_values, use_cache=True)
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
         result = []
         for k, (pi, _) in enumerate(rows):
             n = int(lengths[k])
             tid = tokens[k, :n].tolist()
-            texts[k] = self.tokenizer.decode(tid, skip_special_tokens=True)
-            reason = "stop" if n < params.max_new_tokens or bool(done[k]) else "length"
-            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, texts[k]))
+            reason = "stop" if bool(stopped[k]) else "length"
+            text = self.tokenizer.decode(tid, skip_special_tokens=True)
+            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text))
         return result
 
     def _hit_stop_string(self, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]
