@@ -4,15 +4,17 @@ against training every step.
 
     python benchmarks/diffusion_sampler.py                 # tiny SD3 built offline (CPU)
     python benchmarks/diffusion_sampler.py --size small    # a wider/deeper offline SD3
-    python benchmarks/diffusion_sampler.py --model PATH    # any local SD3 checkpoint
+    python benchmarks/diffusion_sampler.py --family flux   # tiny FLUX (vs FluxPipeline)
+    python benchmarks/diffusion_sampler.py --model PATH    # any local SD3 / FLUX checkpoint
 
 Each measurement is the median of ``--repeats`` runs after a warm-up, in wall-clock and in
 CPU time of this process (on a shared machine the CPU time is the steadier number; with
 one thread it is the work done). Printed ratios:
 
 - ``recording sampler / pipeline``: PolyRL's engine (SDE steps, per-step log-probs, every
-  latent kept) over ``StableDiffusion3Pipeline(...)(output_type="latent")`` with the same
-  transformer, prompt embeddings, steps, guidance, batch and starting noise (target <= 1.3);
+  latent kept) over ``StableDiffusion3Pipeline`` / ``FluxPipeline`` with
+  ``output_type="latent"``, the same transformer, prompt embeddings, steps, guidance, batch
+  and starting noise (target <= 1.3);
 - ``window(2) / all steps``: training time of one epoch with a 2-step window over all
   (steps - 1) trainable steps (ideal: 2 / (steps - 1)).
 """
@@ -27,10 +29,19 @@ from pathlib import Path
 
 import torch
 
-SIZES = {  # tiny_sd3 builder arguments
-    "tiny": {"image_size": 16, "vae_patch": 2, "layers": 2, "heads": 2, "head_dim": 32},
-    "small": {"image_size": 32, "vae_patch": 2, "layers": 4, "heads": 4, "head_dim": 32},
+SIZES = {  # builder arguments per family (tiny_sd3 / tiny_flux)
+    "sd3": {
+        "tiny": {"image_size": 16, "vae_patch": 2, "layers": 2, "heads": 2, "head_dim": 32},
+        "small": {"image_size": 32, "vae_patch": 2, "layers": 4, "heads": 4, "head_dim": 32},
+    },
+    "flux": {
+        "tiny": {"image_size": 16, "vae_patch": 2, "layers": 1, "single_layers": 2, "heads": 2,
+                 "head_dim": 32},
+        "small": {"image_size": 32, "vae_patch": 2, "layers": 2, "single_layers": 4, "heads": 4,
+                  "head_dim": 32},
+    },
 }
+SEQ_LEN = {"sd3": 1, "flux": 8}  # offline models: SD3 has no T5 (1 zero token); FLUX's T5
 
 
 def median_time(fn, repeats: int) -> tuple[float, float]:
@@ -56,7 +67,7 @@ def make_policy(model: str, args, **engine):
     sampling.update(engine)
     cfg = from_dict(PolicyConfig, {
         "kind": "diffusion", "model": model, "lora": {"r": args.lora, "alpha": 2 * args.lora},
-        "args": {"max_sequence_length": 1},  # the offline model has no T5: 1 zero token
+        "args": {"max_sequence_length": args.seq_len},
         "micro_batch_size": args.batch, "optim": {"lr": 1e-4},
         "engine": {"name": "diffusion", "args": sampling}})
     policy = DiffusionPolicy("main", cfg, total_steps=100, need_reference=False,
@@ -65,27 +76,36 @@ def make_policy(model: str, args, **engine):
 
 
 def bench_pipeline_overhead(model: str, args) -> dict[str, float]:
-    """Recording engine vs StableDiffusion3Pipeline at the same steps, batch, noise."""
-    from diffusers import StableDiffusion3Pipeline
+    """Recording engine vs the family's diffusers pipeline at the same steps, batch, noise."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    from polyrl.diffusion.models import pack_latents
 
     policy, engine = make_policy(model, args, train_steps={"mode": "all"})
     prompts = [f"a {c} blob" for c in ("red", "green", "blue", "yellow")]
     n = max(1, args.batch // len(prompts))
-    pipe = StableDiffusion3Pipeline.from_pretrained(
-        model, transformer=policy.family.transformer, text_encoder_3=None, tokenizer_3=None)
+    flux = policy.family.name == "flux"
+    if flux:
+        pipe = FluxPipeline.from_pretrained(model, transformer=policy.family.transformer)
+    else:
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            model, transformer=policy.family.transformer, text_encoder_3=None, tokenizer_3=None)
     pipe.to(policy.device)
     pipe.set_progress_bar_config(disable=True)
     emb, pooled = policy.encode([p for p in prompts for _ in range(n)])
     neg, neg_pooled = policy.encode([""] * emb.shape[0])
     shape = policy.family.latent_shape(args.resolution, args.resolution)
     latents = torch.randn((emb.shape[0], *shape))
+    # FLUX: guidance goes to the guidance embedding (no negative branch); SD3: CFG
+    extra = {} if flux else {"negative_prompt_embeds": neg,
+                             "negative_pooled_prompt_embeds": neg_pooled}
+    start = pack_latents(latents) if flux else latents
 
     def run_pipe():
         with torch.no_grad():
-            pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled, negative_prompt_embeds=neg,
-                 negative_pooled_prompt_embeds=neg_pooled, num_inference_steps=args.steps,
+            pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled, num_inference_steps=args.steps,
                  guidance_scale=args.guidance, height=args.resolution, width=args.resolution,
-                 latents=latents.to(policy.device), output_type="latent")
+                 latents=start.to(policy.device), output_type="latent", **extra)
 
     def run_engine():
         engine.sample(prompts, n=n)
@@ -147,8 +167,12 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="local SD3 checkpoint (default: build one)")
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--model", default=None, help="local SD3/FLUX checkpoint (default: build one)")
+    p.add_argument("--family", choices=sorted(SIZES), default="sd3",
+                   help="offline model to build when --model is not given")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="T5 tokens per prompt (default: what the offline model has)")
     p.add_argument("--resolution", type=int, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
@@ -164,16 +188,21 @@ def main() -> None:
 
     import polyrl.core  # noqa: F401
     import polyrl.diffusion  # noqa: F401
-    from polyrl.diffusion.tiny import tiny_sd3
+    from polyrl.diffusion.models import detect_family, quiet_diffusers
+    from polyrl.diffusion.tiny import tiny_flux, tiny_sd3
 
     dlogging.set_verbosity_error()  # the pipeline notes that PatchVAE is no AutoencoderKL
+    quiet_diffusers()  # no save/load progress bars
 
-    size = SIZES[args.size]
+    family = detect_family(args.model) if args.model else args.family
+    size = SIZES[family][args.size]
     args.resolution = args.resolution or size["image_size"]
+    args.seq_len = args.seq_len or (256 if args.model else SEQ_LEN[family])
+    build = {"sd3": tiny_sd3, "flux": tiny_flux}[family]
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(tiny_sd3(Path(tmp) / "sd3", **size))
+        model = args.model or str(build(Path(tmp) / family, **size))
         dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"model {args.model or args.size} | device {dev} | threads "
+        print(f"{family} model {args.model or args.size} | device {dev} | threads "
               f"{torch.get_num_threads()} | {args.resolution}px, {args.steps} steps, batch "
               f"{args.batch}, guidance {args.guidance}, LoRA r={args.lora}")
         o = bench_pipeline_overhead(model, args)

@@ -4,7 +4,8 @@ Importing it registers its parts in the core's registries: the ``diffusion`` pol
 and engine, the ``text_to_image`` workflow, the ``per_prompt`` credit scheme, the
 ``gaussian_mean`` KL estimator, image rewards (``colour``, ``colour_accuracy``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``, ``aesthetic``,
-``pickscore``, ``hpsv2``), the ``tiny_sd3`` model builder and the ``colour`` task.
+``pickscore``, ``hpsv2``), the ``tiny_sd3`` and ``tiny_flux`` model builders and the
+``colour`` task.
 Samplers live in this plugin's own registry, :data:`SAMPLERS` (``flow_sde``,
 ``dance_sde``, ``cps``, ``ode``).
 """

@@ -89,10 +89,13 @@ class DiffusionEngine:
         idx = torch.arange(len(prompts)).repeat_interleave(n)
         b = idx.numel()
         emb, pooled = policy.encode(list(prompts))
-        neg_emb, neg_pooled = policy.encode([cfg.negative_prompt])
         emb, pooled = emb[idx], pooled[idx]
-        neg_emb = neg_emb.expand(b, *neg_emb.shape[1:]).clone()
-        neg_pooled = neg_pooled.expand(b, *neg_pooled.shape[1:]).clone()
+        if policy.family.classifier_free:
+            neg_emb, neg_pooled = policy.encode([cfg.negative_prompt])
+            neg_emb = neg_emb.expand(b, *neg_emb.shape[1:]).clone()
+            neg_pooled = neg_pooled.expand(b, *neg_pooled.shape[1:]).clone()
+        else:  # no unconditional branch (FLUX): empty placeholders keep the record's layout
+            neg_emb, neg_pooled = emb[:, :0].clone(), pooled[:, :0].clone()
         shape = policy.family.latent_shape(cfg.height, cfg.width)
         sched = policy.family.schedule(steps, shape)
         sigmas, timesteps = sched.sigmas, sched.timesteps

@@ -2,12 +2,18 @@
 
 A family loads the trainable transformer plus its frozen parts (text encoders, VAE,
 scheduler) and offers four operations: encode prompts, predict the velocity, give the
-σ schedule, decode latents to images. Stable Diffusion 3 / 3.5 is implemented here
-(``StableDiffusion3Pipeline`` components: ``SD3Transformer2DModel``, CLIP-L/G + optional
-T5 text encoders, ``AutoencoderKL``, ``FlowMatchEulerDiscreteScheduler``). FLUX
-(``FluxTransformer2DModel``: packed 2x2 latents, image/text position ids, guidance
-embedding instead of classifier-free guidance) would be a second family with the same
-four operations; it is not written yet.
+σ schedule, decode latents to images. Two families:
+
+- :class:`SD3Family`: Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline`` components:
+  ``SD3Transformer2DModel``, CLIP-L/G + optional T5 text encoders, ``AutoencoderKL``,
+  ``FlowMatchEulerDiscreteScheduler``); ``guidance_scale`` is classifier-free guidance.
+- :class:`FluxFamily`: FLUX.1 (``FluxPipeline`` components: ``FluxTransformer2DModel``,
+  CLIP-L pooled + T5 sequence embeddings); ``guidance_scale`` is the value given to the
+  guidance embedding (FLUX-dev; schnell has none), never classifier-free guidance.
+
+Latents are always ``[C, h, w]`` in the VAE's layout. FLUX packs 2x2 patches into tokens
+inside :meth:`FluxFamily.velocity` only (a pure permutation), so samplers, records and
+log-probs (averages over elements) never see the packing.
 
 A checkpoint's VAE is diffusers' ``AutoencoderKL`` or, in tiny CPU demos,
 :class:`~polyrl.diffusion.patch_vae.PatchVAE` (pixel unshuffle, no weights).
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -53,6 +60,33 @@ def load_vae(path: str, dtype: torch.dtype) -> nn.Module:
     return AutoencoderKL.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
 
 
+def decode_latents(vae: nn.Module, latents: Tensor, device: torch.device, chunk: int = 16
+                   ) -> Tensor:
+    """Images [B, 3, H, W] in [0, 1] (float32, CPU) from latents [B, C, h, w]."""
+    cfg = vae.config
+    out = []
+    for start in range(0, latents.shape[0], chunk):
+        z = latents[start:start + chunk].to(device)
+        z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+        img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+        out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
+    return torch.cat(out) if out else torch.zeros((0, 3, 1, 1))
+
+
+def encode_images(vae: nn.Module, images: Tensor, device: torch.device) -> Tensor:
+    """Latents [B, C, h, w] of images [B, 3, H, W] in [0, 1]."""
+    cfg = vae.config
+    z = vae.encode((images * 2 - 1).to(device, vae.dtype)).latent_dist.sample()
+    return (z.float() - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
+
+
+# Default LoRA targets of both families: the attention projections of the joint blocks
+# (and, in FLUX, of the single-stream blocks, whose attention has to_q/k/v too).
+ATTENTION_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                          "attn.to_add_out"]
+
+
 @dataclass
 class Schedule:
     sigmas: Tensor  # [N+1] float32, sigmas[0] = 1 (unless shifted), sigmas[N] = 0
@@ -67,6 +101,8 @@ class SD3Family:
     """
 
     name = "sd3"
+    classifier_free = True  # guidance_scale > 1: v_u + w (v_c - v_u)
+    lora_targets = ATTENTION_LORA_TARGETS
 
     def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device,
                  load_t5: bool = True, max_sequence_length: int = 256) -> None:
@@ -116,9 +152,17 @@ class SD3Family:
             max_sequence_length=self.max_sequence_length)
         return emb.float(), pooled.float()
 
+    @staticmethod
+    def pipeline_class():
+        """The diffusers pipeline whose ``save_lora_weights`` writes this family's LoRA."""
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline
+
     def velocity(self, model: nn.Module, x: Tensor, timesteps: Tensor, emb: Tensor,
-                 pooled: Tensor) -> Tensor:
-        """The transformer's prediction v = ε - x0 for latents ``x`` at ``timesteps``."""
+                 pooled: Tensor, guidance: Tensor | None = None) -> Tensor:
+        """The transformer's prediction v = ε - x0 for latents ``x`` at ``timesteps``
+        (``guidance`` is unused: SD3's guidance is classifier-free, done by the policy)."""
         out = model(hidden_states=x.to(self.dtype), timestep=timesteps.to(self.dtype),
                     encoder_hidden_states=emb.to(self.dtype),
                     pooled_projections=pooled.to(self.dtype), return_dict=False)[0]
@@ -152,28 +196,152 @@ class SD3Family:
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
         """Images [B, 3, H, W] in [0, 1] (float32, CPU) from final latents."""
-        cfg = self.vae.config
-        out = []
-        for start in range(0, latents.shape[0], chunk):
-            z = latents[start:start + chunk].to(self.device)
-            z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
-            img = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
-            out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
-        return torch.cat(out) if out else torch.zeros((0, 3, 1, 1))
+        return decode_latents(self.vae, latents, self.device, chunk)
 
     @torch.no_grad()
     def encode_images(self, images: Tensor) -> Tensor:
         """Latents of images [B, 3, H, W] in [0, 1] (for pre-training and tests)."""
-        cfg = self.vae.config
-        z = self.vae.encode((images * 2 - 1).to(self.device, self.vae.dtype)).latent_dist.sample()
-        return ((z.float() - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor)
+        return encode_images(self.vae, images, self.device)
 
 
-FAMILIES = {"sd3": SD3Family}
+def pack_latents(x: Tensor) -> Tensor:
+    """[B, C, h, w] -> FLUX tokens [B, (h/2)(w/2), 4C] (2x2 patches, diffusers' order)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(
+        b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: Tensor, h: int, w: int) -> Tensor:
+    """The inverse of :func:`pack_latents`: tokens -> [B, C, h, w]."""
+    b, _, d = tokens.shape
+    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(
+        b, d // 4, h, w)
+
+
+def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """FLUX image position ids [h2*w2, 3]: (0, row, column) of each packed token."""
+    ids = torch.zeros(h2, w2, 3)
+    ids[..., 1] += torch.arange(h2)[:, None]
+    ids[..., 2] += torch.arange(w2)[None, :]
+    return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
+
+
+class FluxFamily:
+    """FLUX.1 (dev or schnell) from a local folder or hub id in diffusers layout.
+
+    Prompts: CLIP-L's pooled embedding plus T5's token embeddings (``max_sequence_length``
+    tokens; text position ids are zeros). The transformer sees packed 2x2 latent tokens
+    with image position ids and ``timestep / 1000``; FLUX-dev also gets the row's
+    ``guidance`` through its guidance embedding (no classifier-free guidance, so one
+    transformer call per step); schnell has no guidance embedding and ignores it. The σ's
+    are the pipeline's: ``linspace(1, 1/N, N)`` shifted by the scheduler with
+    ``mu = calculate_shift(packed sequence length)`` (dynamic shifting).
+    """
+
+    name = "flux"
+    classifier_free = False  # guidance_scale is the distilled guidance embedding's input
+    lora_targets = ATTENTION_LORA_TARGETS
+
+    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device,
+                 load_t5: bool = True, max_sequence_length: int = 512) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+        if not load_t5:
+            raise ValueError(f"{path!r} is a FLUX checkpoint: its prompt embeddings come from "
+                             "T5, so policies.<name>.args.text_encoder_3 cannot be false")
+        self.path, self.device, self.dtype = path, device, dtype
+        self.max_sequence_length = max_sequence_length
+        quiet_diffusers()
+        self.transformer = FluxTransformer2DModel.from_pretrained(
+            path, subfolder="transformer", **dtype_kw(dtype)).to(device)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+        self.vae = load_vae(path, dtype).to(device).eval().requires_grad_(False)
+        # The pipeline object only encodes prompts; no VAE in it.
+        self.text = FluxPipeline.from_pretrained(
+            path, transformer=self.transformer, vae=None, scheduler=self.scheduler,
+            **dtype_kw(dtype))
+        self.text.to(device)
+        for enc in (self.text.text_encoder, self.text.text_encoder_2):
+            enc.eval().requires_grad_(False)
+        self.text.set_progress_bar_config(disable=True)
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.multiple = self.vae_scale * 2  # 2x2 packing
+        self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
+
+    load_tokenizer = staticmethod(SD3Family.load_tokenizer)  # CLIP's tokenizer/ too
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import FluxPipeline
+
+        return FluxPipeline
+
+    # --- the four operations ---------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """(T5 embeddings [n, S, D], CLIP pooled [n, P]) in float32 on the device."""
+        emb, pooled, _ = self.text.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length)
+        return emb.float(), pooled.float()
+
+    def velocity(self, model: nn.Module, x: Tensor, timesteps: Tensor, emb: Tensor,
+                 pooled: Tensor, guidance: Tensor | None = None) -> Tensor:
+        """v for unpacked latents ``x`` [B, C, h, w] (packed for the call, unpacked after)."""
+        _, _, h, w = x.shape
+        g = None
+        if self.guidance_embeds:
+            if guidance is None:
+                raise ValueError("this FLUX transformer has a guidance embedding: give guidance")
+            g = guidance.to(device=x.device, dtype=torch.float32)
+        out = model(hidden_states=pack_latents(x).to(self.dtype),
+                    timestep=timesteps.to(self.dtype) / 1000, guidance=g,
+                    pooled_projections=pooled.to(self.dtype),
+                    encoder_hidden_states=emb.to(self.dtype),
+                    txt_ids=torch.zeros(emb.shape[1], 3, device=x.device, dtype=self.dtype),
+                    img_ids=image_ids(h // 2, w // 2, x.device, self.dtype),
+                    return_dict=False)[0]
+        return unpack_latents(out, h, w)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(f"height and width must be multiples of {self.multiple} "
+                             f"(VAE factor {self.vae_scale} x 2 for FLUX's 2x2 packing), got "
+                             f"{height}x{width}")
+        c = self.transformer.config.in_channels // 4
+        return c, height // self.vae_scale, width // self.vae_scale
+
+    def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
+        """σ's and timesteps exactly as ``FluxPipeline.__call__`` sets them."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        c = self.scheduler.config
+        seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
+        mu = calculate_shift(seq, c.get("base_image_seq_len", 256),
+                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                             c.get("max_shift", 1.15))
+        if c.get("use_flow_sigmas", False):
+            self.scheduler.set_timesteps(steps, device="cpu", mu=mu)
+        else:
+            sigmas = np.linspace(1.0, 1 / steps, steps)
+            self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
+        return Schedule(self.scheduler.sigmas.float().clone(),
+                        self.scheduler.timesteps.float().clone())
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
+        return decode_latents(self.vae, latents, self.device, chunk)
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        return encode_images(self.vae, images, self.device)
+
+
+FAMILIES = {"sd3": SD3Family, "flux": FluxFamily}
 
 
 def detect_family(path: str) -> str:
-    """The family of a checkpoint from its transformer config (SD3 unless FLUX)."""
+    """The family of a checkpoint from its transformer config."""
     from diffusers import SD3Transformer2DModel
 
     try:
@@ -186,7 +354,6 @@ def detect_family(path: str) -> str:
     if name == "SD3Transformer2DModel":
         return "sd3"
     if name == "FluxTransformer2DModel":
-        raise NotImplementedError(f"{path!r} is a FLUX checkpoint; the FLUX family is not "
-                                  "implemented yet (only SD3 / SD3.5)")
+        return "flux"
     raise ValueError(f"{path!r}: unsupported transformer class {name!r} (supported: "
-                     "SD3Transformer2DModel)")
+                     "SD3Transformer2DModel, FluxTransformer2DModel)")

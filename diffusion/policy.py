@@ -7,10 +7,11 @@ carries, so the trainer's PPO losses apply unchanged. Computed step by step with
 batch layout as the rollout, the recomputed log-prob of an unchanged model equals the
 rollout's (the test checks it bit for bit).
 
-Classifier-free guidance: ``v = v_u + w·(v_c - v_u)`` where the unconditional branch
-``v_u`` is computed without gradient (as Flow-GRPO does). LoRA adapters come from PEFT; the
-reference policy is the same network with the adapter disabled (no second copy). With a
-full fine-tune and a KL term the reference is a frozen copy.
+Classifier-free guidance (SD3): ``v = v_u + w·(v_c - v_u)`` where the unconditional branch
+``v_u`` is computed without gradient (as Flow-GRPO does). FLUX instead feeds ``w`` to its
+guidance embedding: one transformer call per step, no unconditional branch. LoRA adapters
+come from PEFT; the reference policy is the same network with the adapter disabled (no
+second copy). With a full fine-tune and a KL term the reference is a frozen copy.
 
 KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's form)
 ``ref_logprobs`` returns the reference *means* of the trained steps and the KL estimator
@@ -43,9 +44,6 @@ from polyrl.diffusion.selection import StepSelection
 
 MEANS_ATTR = "_polyrl_step_means"
 STD_ATTR = "_polyrl_step_std"
-# PolicyConfig.lora's default targets a causal LM; these are SD3's attention projections.
-SD3_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
 ENGINE_NAME = "diffusion"
 # A tokenizer without a chat template gets this one: the prompt text itself.
 PLAIN_TEMPLATE = ("{% for m in messages %}{% if not loop.first %} {% endif %}"
@@ -61,8 +59,10 @@ class DiffusionSampling:
     noise_level: float = doc(0.7, "flow_sde/cps: noise level a; dance_sde: constant η")
     steps: int = doc(10, "denoising steps per training rollout")
     eval_steps: int | None = doc(None, "denoising steps for evaluation (default: steps)")
-    guidance_scale: float = doc(4.5, "classifier-free guidance weight; <= 1 turns it off")
-    negative_prompt: str = doc("", "prompt of the unconditional branch")
+    guidance_scale: float = doc(4.5, "SD3: classifier-free guidance weight (<= 1 turns it "
+                                     "off); FLUX-dev: the guidance embedding's value (3.5 "
+                                     "typical); FLUX-schnell: unused")
+    negative_prompt: str = doc("", "prompt of the unconditional branch (SD3)")
     height: int = doc(512, "image height in pixels")
     width: int = doc(512, "image width in pixels")
     same_noise: bool = doc(False, "all samples of one prompt start from the same noise")
@@ -99,8 +99,9 @@ class DiffusionArgs:
     """Options of the diffusion policy kind (``policies.<name>.args``)."""
 
     text_encoder_3: bool = doc(True, "SD3: load the T5 text encoder (false: zeros instead, "
-                                     "much less memory)")
-    max_sequence_length: int = doc(256, "SD3: T5 tokens per prompt")
+                                     "much less memory); FLUX needs its T5")
+    max_sequence_length: int = doc(256, "T5 tokens per prompt (SD3, FLUX; FLUX-dev's "
+                                        "pipeline uses 512)")
 
     def validate(self, where: str) -> None:
         if not 1 <= self.max_sequence_length <= 512:
@@ -141,7 +142,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 class DiffusionPolicy:
-    """A diffusers text-to-image model (SD3 family) as a trainable policy."""
+    """A diffusers text-to-image model (SD3 or FLUX family) as a trainable policy."""
 
     def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
                  shared: dict | None = None, device: str | torch.device | None = None) -> None:
@@ -165,8 +166,10 @@ class DiffusionPolicy:
             from peft import get_peft_model
 
             targets = list(cfg.lora.target_modules)
-            if targets == LoraConfig().target_modules:  # the causal-LM default: use SD3's
-                targets = SD3_LORA_TARGETS
+            # PolicyConfig.lora's default targets a causal LM: use the family's attention
+            # projections instead
+            if targets == LoraConfig().target_modules:
+                targets = list(family.lora_targets)
             model.requires_grad_(False)
             model = get_peft_model(model, PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                    lora_dropout=cfg.lora.dropout,
@@ -218,8 +221,11 @@ class DiffusionPolicy:
 
         ``batched`` (sampling only, no gradient): both branches in one transformer call on
         ``[uncond; cond]``, as diffusers' pipeline does; otherwise two calls, so the
-        conditional one alone carries the gradient."""
+        conditional one alone carries the gradient. A family without classifier-free
+        guidance (FLUX) gets ``guidance`` as an input and ignores the negative prompt."""
         model = self.model if model is None else model
+        if not self.family.classifier_free:
+            return self.family.velocity(model, x, timesteps, emb, pooled, guidance).float()
         guided = guidance > 1
         if not bool(guided.any()):
             return self.family.velocity(model, x, timesteps, emb, pooled).float()
@@ -357,13 +363,12 @@ class DiffusionPolicy:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.cfg.lora.r > 0:
-            from diffusers import StableDiffusion3Pipeline
             from peft import get_peft_model_state_dict
 
             layers = {k.removeprefix("base_model.model."): v
                       for k, v in get_peft_model_state_dict(self.model).items()}
             meta = self.model.peft_config["default"].to_dict()  # rank, alpha, targets
-            StableDiffusion3Pipeline.save_lora_weights(
+            self.family.pipeline_class().save_lora_weights(
                 out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
             return out
         src = Path(self.path).expanduser()

@@ -1,4 +1,4 @@
-"""A tiny Stable-Diffusion-3-architecture model built offline, for tests and CPU demos.
+"""Tiny Stable-Diffusion-3 and FLUX-architecture models built offline, for tests and CPU demos.
 
 Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.json``,
 ``transformer/``, ``scheduler/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``,
@@ -12,7 +12,13 @@ Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.j
   be trained first, and the reward only looks at colours;
 - ``scheduler``: ``FlowMatchEulerDiscreteScheduler`` with SD3's shift of 3.
 
-``pretrain_steps > 0`` then trains the transformer with flow matching on synthetic images
+``tiny_flux`` writes the same kind of checkpoint in ``FluxPipeline``'s layout: a small
+``FluxTransformer2DModel`` (guidance embedding on, like FLUX-dev), a tiny ``CLIPTextModel``
+(pooled embedding) with the word-level CLIP tokenizer, a tiny ``T5EncoderModel`` with a
+Unigram ``T5Tokenizer`` holding the same words, the PatchVAE, and FLUX-dev's scheduler
+settings (dynamic shifting).
+
+``pretrain_steps > 0`` (SD3 only) then trains the transformer with flow matching on synthetic images
 of coloured blobs (:mod:`.colour`), so it draws blobs before RL starts. With
 ``label_noise = p`` the blob's colour disagrees with the prompt in a fraction p of the
 training images, so the pre-trained model follows the prompt only part of the time and
@@ -64,8 +70,31 @@ def build_clip_tokenizer(texts: list[str], max_length: int = 8):
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def _text_encoder(vocab_size: int, hidden: int, proj: int, max_length: int, seed: int):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+def build_t5_tokenizer(texts: list[str]):
+    """A T5 (Unigram) tokenizer with every word of ``texts`` as one piece, plus letters."""
+    from transformers import T5Tokenizer
+
+    words = sorted({w for t in texts for w in t.lower().split() if w.isalpha()})
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [(chr(c), -5.0) for c in range(ord("a"), ord("z") + 1)]
+    vocab += [("\u2581" + w, -1.0) for w in words]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def _t5_encoder(vocab_size: int, hidden: int, seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=vocab_size, d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden,
+                   num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return T5EncoderModel(cfg).eval()
+
+
+def _text_encoder(vocab_size: int, hidden: int, proj: int, max_length: int, seed: int,
+                  projection: bool = True):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     cfg = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=2, num_attention_heads=2,
@@ -73,7 +102,7 @@ def _text_encoder(vocab_size: int, hidden: int, proj: int, max_length: int, seed
                          bos_token_id=0, eos_token_id=1, pad_token_id=1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return CLIPTextModelWithProjection(cfg).eval()
+        return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
 
 
 def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_patch: int = 2,
@@ -120,6 +149,61 @@ def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_pa
         "feature_extractor": [None, None],
     }
     # written last, by the caller's rename: its presence marks a complete checkpoint
+    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
+
+
+def write_tiny_flux(path: Path, texts: list[str], *, image_size: int = 16, vae_patch: int = 2,
+                    layers: int = 1, single_layers: int = 1, heads: int = 2, head_dim: int = 16,
+                    text_hidden: int = 32, t5_hidden: int = 32, max_length: int = 8,
+                    guidance_embeds: bool = True, seed: int = 0) -> None:
+    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    if head_dim % 4 or head_dim < 8:
+        raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
+    clip_tok = build_clip_tokenizer(texts, max_length)
+    t5_tok = build_t5_tokenizer(texts)
+    clip = _text_encoder(len(clip_tok), text_hidden, text_hidden, max_length, seed + 1,
+                         projection=False)
+    t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
+    channels = 3 * vae_patch * vae_patch
+    # rotary axes (index, row, column): even sizes summing to the head dim
+    side = (head_dim // 4 + 1) // 2 * 2
+    axes = (head_dim - 2 * side, side, side)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=4 * channels, num_layers=layers,
+            num_single_layers=single_layers, attention_head_dim=head_dim,
+            num_attention_heads=heads, joint_attention_dim=t5_hidden,
+            pooled_projection_dim=text_hidden, guidance_embeds=guidance_embeds,
+            axes_dims_rope=axes)
+    # FLUX.1-dev's scheduler settings
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    transformer.save_pretrained(path / "transformer")
+    scheduler.save_pretrained(path / "scheduler")
+    PatchVAE(patch=vae_patch).save_pretrained(path / "vae")
+    clip.save_pretrained(path / "text_encoder")
+    t5.save_pretrained(path / "text_encoder_2")
+    clip_tok.save_pretrained(path / "tokenizer")
+    t5_tok.save_pretrained(path / "tokenizer_2")
+    index = {
+        "_class_name": "FluxPipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "vae": ["polyrl.diffusion.patch_vae", "PatchVAE"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "image_encoder": [None, None],
+        "feature_extractor": [None, None],
+    }
     (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
@@ -181,6 +265,29 @@ def is_complete(path: str | Path) -> bool:
     return (Path(path).expanduser() / COMPLETE).is_file()
 
 
+def _build_once(path: str | Path, write) -> Path:
+    """Run ``write(tmp_dir)`` in a temp dir next to ``path`` and rename it into place, so a
+    crash never leaves a half-built model; an existing complete checkpoint is returned."""
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not is_complete(path):  # a concurrent builder that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 @MODELS.register("tiny_sd3")
 def tiny_sd3(path: str | Path, *, corpus: str = "colour", pretrain_steps: int = 0,
              pretrain_batch: int = 64, pretrain_lr: float = 2e-3, label_noise: float = 0.0,
@@ -191,28 +298,29 @@ def tiny_sd3(path: str | Path, *, corpus: str = "colour", pretrain_steps: int = 
     max_length, shift. Written to a temp dir and renamed into place, so a crash never
     leaves a half-built model; an existing complete checkpoint is returned untouched.
     """
-    path = Path(path).expanduser()
-    if is_complete(path):
-        return path
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
     if corpus != "colour" and pretrain_steps:
         raise ValueError("tiny_sd3 pre-trains on the colour task only; set pretrain_steps=0")
-    texts = list(TASKS.get(corpus).corpus())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        write_tiny_sd3(tmp, texts, seed=seed, **model_kwargs)
+
+    def write(tmp: Path) -> None:
+        write_tiny_sd3(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
         if pretrain_steps:
             pretrain_colour(tmp, steps=pretrain_steps, batch_size=pretrain_batch, lr=pretrain_lr,
                             label_noise=label_noise, seed=seed, log_every=log_every)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not is_complete(path):  # a concurrent builder that finished first is fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return _build_once(path, write)
+
+
+@MODELS.register("tiny_flux")
+def tiny_flux(path: str | Path, *, corpus: str = "colour", seed: int = 0,
+              **model_kwargs: Any) -> Path:
+    """Build (once) an untrained tiny FLUX at ``path`` (vocabulary from task ``corpus``).
+
+    ``model_kwargs``: image_size, vae_patch, layers, single_layers, heads, head_dim,
+    text_hidden, t5_hidden, max_length, guidance_embeds (false: schnell-like).
+    """
+    def write(tmp: Path) -> None:
+        write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
+        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
+
+    return _build_once(path, write)

@@ -1,4 +1,4 @@
-"""Fixtures for the diffusion plugin: an offline tiny SD3 and policies built from it."""
+"""Fixtures for the diffusion plugin: offline tiny SD3 / FLUX and policies built from them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,17 @@ def tiny_sd3_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory) -> str:
+    """An untrained tiny FLUX (FluxPipeline layout, guidance embedding, CLIP + T5), built once."""
+    from polyrl.diffusion.tiny import tiny_flux
+
+    path = tmp_path_factory.mktemp("models") / "tiny-flux"
+    tiny_flux(path, image_size=16, vae_patch=2, layers=1, single_layers=1, heads=2,
+              head_dim=16, seed=0)
+    return str(path)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared 2-core machine, two spin-waiting threads are slower."""
@@ -27,7 +38,8 @@ def one_thread():
 
 @pytest.fixture
 def make_policy(tiny_sd3_dir, one_thread):
-    """make_policy(engine_args..., lora=0, need_reference=False) -> (policy, engine)."""
+    """make_policy(engine_args..., lora=0, need_reference=False, model=tiny SD3,
+    max_sequence_length=1) -> (policy, engine)."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import from_dict
     from polyrl.core.policy import PolicyConfig
@@ -35,12 +47,12 @@ def make_policy(tiny_sd3_dir, one_thread):
     from polyrl.diffusion.policy import DiffusionPolicy
 
     def make(lora: int = 0, need_reference: bool = False, lr: float = 1e-3, seed: int = 0,
-             **engine_args):
+             model: str = tiny_sd3_dir, max_sequence_length: int = 1, **engine_args):
         args = {"height": 16, "width": 16, "steps": 6, "guidance_scale": 3.0, "batch_size": 64}
         args.update(engine_args)
         cfg = from_dict(PolicyConfig, {
-            "kind": "diffusion", "model": tiny_sd3_dir, "lora": {"r": lora, "alpha": 2 * lora},
-            "args": {"max_sequence_length": 1},
+            "kind": "diffusion", "model": model, "lora": {"r": lora, "alpha": 2 * lora},
+            "args": {"max_sequence_length": max_sequence_length},
             "optim": {"lr": lr}, "micro_batch_size": 64,
             "engine": {"name": "diffusion", "args": args}})
         policy = DiffusionPolicy("main", cfg, total_steps=10, need_reference=need_reference,

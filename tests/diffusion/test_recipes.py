@@ -1,0 +1,56 @@
+"""The GPU recipes load and validate with the core's config loader, without loading models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RECIPES = {
+    "sd35m_pickscore_lora.yaml": ("stabilityai/stable-diffusion-3.5-medium", "pickscore"),
+    "flux1dev_hps_lora.yaml": ("black-forest-labs/FLUX.1-dev", "hpsv2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_loads_and_validates_without_models(name, monkeypatch):
+    import polyrl.core  # noqa: F401
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.diffusion import models
+    from polyrl.diffusion.policy import policy_args, sampling_config
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded while validating a recipe")
+
+    for family in models.FAMILIES.values():
+        monkeypatch.setattr(family, "__init__", no_load)
+    cfg = load(Config, EXAMPLES / name)  # runs Config.validate()
+    cfg.validate()
+    model, reward = RECIPES[name]
+    main = cfg.policies["main"]
+    assert main.kind == "diffusion" and main.model == model and main.lora.r > 0
+    assert main.dtype == "bfloat16"
+    sampling = sampling_config(main, "main")
+    policy_args(main, "main")
+    assert sampling.sampler == "flow_sde" and sampling.steps >= 2
+    assert cfg.rollout.workflow == "text_to_image" and cfg.algorithm.credit == "per_prompt"
+    assert [t.name for t in cfg.reward.terms] == [reward]
+
+
+def test_hps_placeholder_path_fails_before_sampling():
+    """The FLUX recipe's HPS checkpoint is a placeholder: preparing the reward (done before
+    the first rollout) names it."""
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.diffusion.rewards import prepare_rewards
+
+    cfg = load(Config, EXAMPLES / "flux1dev_hps_lora.yaml")
+    placeholder = cfg.reward.terms[0].args["checkpoint"]
+    if Path(placeholder).expanduser().exists():
+        pytest.skip(f"{placeholder} exists on this machine: preparing would load ViT-H-14")
+    with pytest.raises(FileNotFoundError, match=placeholder):
+        prepare_rewards(cfg.reward.terms)
