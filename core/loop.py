@@ -8,7 +8,7 @@ from polyrl.core import rewards
 from polyrl.core.credit import assign
 from polyrl.core.progress import Progress
 from polyrl.core.recipe import Config
-from polyrl.core.record import select_policy
+from polyrl.core.record import select_policy, valid_rows
 from polyrl.core.run import RunDir
 from polyrl.core.session import Session
 
@@ -26,7 +26,7 @@ def train(cfg: Config) -> RunDir:
             record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
             metrics = rewards.score(record, cfg.reward)
             metrics |= assign(record, cfg.algorithm)
-            valid = record[record["valid"]]
+            valid = valid_rows(record)
             for name in s.trained:
                 upd = s.update(name, select_policy(valid, name))
                 metrics |= {f"{name}/{k}": v for k, v in upd.items()}

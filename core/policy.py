@@ -47,7 +47,9 @@ class LoraConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = doc("hf", "rollout engine: hf (transformers, works everywhere) or vllm")
+    name: str = doc("auto", "rollout engine: auto (vllm on a CUDA GPU when installed, else hf; "
+                            "args.probe=true times both on CPU), hf (transformers, works "
+                            "everywhere) or vllm")
     args: dict[str, Any] = doc({}, "engine-specific keyword arguments")
 
 

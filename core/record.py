@@ -142,7 +142,13 @@ def select_policy(td: TensorDict, name: str) -> TensorDict:
     # A boolean mask, not an index list: tensordict cannot index non-tensor columns with an
     # empty index (every reward failed, or this policy has no rows this step).
     keep = torch.tensor([p == name for p in strings(td, "policy")], dtype=torch.bool)
-    return trim(td[keep])
+    return trim(td if bool(keep.all()) else td[keep])  # indexing a TensorDict is not free
+
+
+def valid_rows(td: TensorDict) -> TensorDict:
+    """The rows that take part in the update (``valid``), without a copy when all do."""
+    valid = td["valid"]
+    return td if bool(valid.all()) else td[valid]
 
 
 def trim(td: TensorDict) -> TensorDict:

@@ -109,3 +109,21 @@ def test_top_p_tiny_is_greedy(policy):
         ids, SamplingParams(n=2, top_p=1e-6, max_new_tokens=5))
     greedy = HFEngine(policy).generate(ids, SamplingParams(n=2, temperature=0.0, max_new_tokens=5))
     assert [o.token_ids for o in nucleus] == [o.token_ids for o in greedy]
+
+
+def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
+    from polyrl.core.engine import AutoEngine
+
+    ids = encode(policy, prompts(policy))
+    params = SamplingParams(n=3, max_new_tokens=5)
+    auto = AutoEngine(policy, seed=7)
+    assert auto.choice == "hf" and isinstance(auto.inner, HFEngine)
+    want = [o.token_ids for o in HFEngine(policy, seed=7).generate(ids, params)]
+    assert [o.token_ids for o in auto.generate(ids, params)] == want
+    state = auto.state_dict()
+    again = AutoEngine(policy, seed=0)
+    again.load_state_dict(state)
+    assert again.choice == "hf"
+    assert [o.token_ids for o in again.generate(ids, params)] == \
+        [o.token_ids for o in auto.generate(ids, params)]
+    assert auto.tokenizer is policy.tokenizer  # engine attributes pass through

@@ -214,3 +214,23 @@ def test_grpo_with_vllm_engine_learns(make_config):
     after_sft, after_grpo = eval_accuracy(run.path)
     print(f"held-out accuracy {after_sft:.3f} after SFT -> {after_grpo:.3f} after GRPO (vLLM)")
     assert after_grpo >= after_sft + 0.1
+
+
+def test_auto_engine_probe_times_both_and_leaves_the_stream_untouched(policy):
+    """``engine.name: auto`` with ``probe: true`` times both engines on CPU and keeps the
+    faster one; the probe's samples do not advance the kept engine's stream. (Last in the
+    module: it builds a second vLLM engine.)"""
+    from polyrl.core.engine import AutoEngine
+
+    eng = AutoEngine(policy, seed=3, probe=True, probe_prompts=4, probe_n=2, probe_tokens=8,
+                     vllm={"max_model_len": 256, "kv_cache_gb": 0.0625})
+    print(f"auto probe timings: {eng.timings} -> {eng.choice}")
+    assert set(eng.timings) == {"hf", "vllm"} and all(t > 0 for t in eng.timings.values())
+    assert eng.choice == min(eng.timings, key=eng.timings.get)
+    assert type(eng.inner).__name__ == {"hf": "HFEngine", "vllm": "VLLMEngine"}[eng.choice]
+    inner = eng.state_dict()["inner"]
+    if eng.choice == "hf":
+        assert torch.equal(inner["rng"], torch.Generator().manual_seed(3).get_state())
+    else:
+        assert inner == {"seed": 3, "calls": 0}
+    assert eng.state_dict()["choice"] == eng.choice
