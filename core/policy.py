@@ -66,6 +66,8 @@ class PolicyConfig:
     micro_batch_size: int = doc(32, "rows per forward/backward; gradients accumulate")
     engine: EngineConfig = doc_factory(EngineConfig, "rollout engine for this policy")
     gradient_checkpointing: bool = doc(False, "trade compute for activation memory")
+    shared_prefix: bool = doc(True, "in the update, run each distinct prompt of a micro-batch "
+                                    "once and share its KV cache with its group's rows")
     args: dict[str, Any] = doc({}, "options of the policy kind (each plugin kind documents its "
                                    "own, e.g. freezing a vision tower); causal_lm takes none")
 
@@ -88,19 +90,44 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 def response_logprobs(
-    model: torch.nn.Module, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    model: torch.nn.Module, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False,
+    shared_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
 
     Only the response positions reach the LM head (``logits_to_keep``), which saves
-    the vocabulary projection over the prompt.
+    the vocabulary projection over the prompt. With ``shared_prefix`` the rows that share
+    a prompt (a GRPO group) share one pass over it: the distinct prompts run once, their
+    KV cache is expanded to the rows (gradients flow back through the expansion), and the
+    responses attend to it -- equal to the full pass up to float rounding, and about
+    (n-1)/n of the prompt compute cheaper.
     """
-    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                   logits_to_keep=r + 1, use_cache=False).logits[:, :-1].float()
+    inverse = None
+    if shared_prefix and r > 0:
+        distinct, inverse = torch.unique(torch.cat([prompt, pmask], 1), dim=0, return_inverse=True)
+        if distinct.shape[0] == prompt.shape[0]:
+            inverse = None  # nothing shared
+    if inverse is None:
+        ids = torch.cat([prompt, batch["response_ids"]], dim=1)
+        mask = torch.cat([pmask, batch["response_mask"]], dim=1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       logits_to_keep=r + 1, use_cache=False).logits[:, :-1].float()
+    else:
+        width = prompt.shape[1]
+        d_ids, d_mask = distinct[:, :width], distinct[:, width:]
+        d_pos = (d_mask.cumsum(-1) - 1).clamp(min=0)
+        head = model(input_ids=d_ids, attention_mask=d_mask, position_ids=d_pos,
+                     use_cache=True, logits_to_keep=1)
+        cache = head.past_key_values
+        cache.batch_select_indices(inverse)
+        mask = torch.cat([d_mask[inverse], batch["response_mask"]], dim=1)
+        pos = d_pos[inverse][:, -1:] + 1 + torch.arange(r, device=prompt.device)[None]
+        tail = model(input_ids=batch["response_ids"], attention_mask=mask, position_ids=pos,
+                     past_key_values=cache, use_cache=True).logits
+        logits = torch.cat([head.logits[inverse], tail[:, :-1]], dim=1).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -165,16 +192,19 @@ class CausalLMPolicy:
     # --- what the trainer calls -------------------------------------------------------
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy)
+        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy,
+                                 self.cfg.shared_prefix and not self.cfg.gradient_checkpointing)
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Reference log-probs: the frozen copy, or the base with the adapter disabled."""
         batch = batch.to(self.device)
         if self.reference is not None:
-            return response_logprobs(self.reference, batch, temperature)[0]
+            return response_logprobs(self.reference, batch, temperature,
+                                     shared_prefix=self.cfg.shared_prefix)[0]
         with self.model.disable_adapter():
-            return response_logprobs(self.model, batch, temperature)[0]
+            return response_logprobs(self.model, batch, temperature,
+                                     shared_prefix=self.cfg.shared_prefix)[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""
