@@ -27,6 +27,8 @@ class Backend(Protocol):
 
     def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
 
+    def reward_runners(self, reward_cfg: Any) -> dict: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -48,6 +50,9 @@ class LocalBackend:
 
     def sft_update(self, policy, batch):
         return trainer.sft_update(policy, batch)
+
+    def reward_runners(self, reward_cfg):
+        return {}  # every reward term runs in this process
 
     def shutdown(self) -> None:
         return None

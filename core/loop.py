@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from polyrl.core import rewards
 from polyrl.core.credit import assign
 from polyrl.core.progress import Progress
 from polyrl.core.recipe import Config
@@ -24,7 +23,7 @@ def train(cfg: Config) -> RunDir:
         for step in range(s.step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
             record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
-            metrics = rewards.score(record, cfg.reward)
+            metrics = s.score(record)
             metrics |= assign(record, cfg.algorithm)
             valid = valid_rows(record)
             for name in s.trained:

@@ -16,6 +16,9 @@ What runs where:
   the engine shares worker 0's bundle (each takes half of it; on GPU they share the
   device). ``split``: an extra bundle for the engine. ``strategy`` is Ray's (``PACK``,
   ``SPREAD``, ``STRICT_SPREAD`` to put each worker on its own node, ...).
+- **Rewards.** A reward term with ``actor: {num_cpus, num_gpus, threads}`` is scored on
+  its own actor (a reward model loads there once, on its own device); the others run
+  on the driver. A dead reward actor is an :class:`ActorError` naming the term.
 - **Driver.** ``make_policy`` returns a :class:`RayPolicy` proxy (tokenizer loaded
   locally; ``state_dict``/``load_state_dict`` move the full, gathered weights, optimizer
   and scheduler; ``export`` has rank 0 write the Hugging Face folder, so in a multi-node
@@ -28,8 +31,7 @@ from its last checkpoint (``run.resume=true`` / ``polyrl train --resume``) with 
 actors. A policy's checkpoint has the same layout as in local mode (full weights, the
 optimizer state keyed by parameter position, the schedule), so a run saved under one
 backend resumes under the other. Not supported yet: LoRA policies and base models
-shared between policies (each group would need an adapter-aware gather) and reward
-models on their own actors (rewards are scored on the driver).
+shared between policies (each group would need an adapter-aware gather).
 
 Actors start in the background (all policies and engines load at once); the first call
 to a group or engine waits for it. Every Ray node needs the same Python environment with
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -328,6 +331,43 @@ class EngineWorker:
         self.engine.load_state_dict(state)
 
 
+class RewardWorker:
+    """One reward term on its own actor: a reward model loads here once and stays loaded."""
+
+    def __init__(self, term: Any, threads: int) -> None:
+        import polyrl.core  # noqa: F401
+
+        torch.set_num_threads(threads)
+        self.term = term
+
+    def score(self, samples: list, concurrency: int) -> list:
+        import asyncio
+
+        from polyrl.core.rewards import run_term
+
+        return asyncio.run(run_term(self.term, samples, concurrency))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def reward_actor(term: Any, concurrency: int):
+    """(actor, async runner) for a reward term with ``actor`` resources."""
+    opts = {"num_cpus": float(term.actor.get("num_cpus", 1.0)),
+            "num_gpus": float(term.actor.get("num_gpus", 0.0))}
+    actor = _ray().remote(RewardWorker).options(**opts).remote(
+        term, int(term.actor.get("threads", 1)))
+    label = f"reward {term.key!r} actor"
+
+    async def run(samples: list) -> list:
+        import asyncio
+
+        ref = actor.score.remote(samples, concurrency)
+        return await asyncio.to_thread(lambda: _wait([ref], [label])[0])
+
+    return actor, run
+
+
 # --------------------------------------------------------------------------- calling actors
 
 
@@ -571,6 +611,7 @@ class RayBackend:
             ray.init(address=self.args.address, num_cpus=self.args.num_cpus,
                      include_dashboard=False)
         self.groups: dict[str, _Group] = {}
+        self.reward_actors: list = []
 
     def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
         lora = getattr(cfg, "lora", None)
@@ -588,6 +629,15 @@ class RayBackend:
         policy.group.make_engine(cfg, seed)
         return RayEngine(policy)
 
+    def reward_runners(self, reward_cfg: Any) -> dict:
+        """Remote runners for the reward terms that ask for their own actor."""
+        runners = {}
+        for term in reward_cfg.terms:
+            if term.actor:
+                actor, runners[term.key] = reward_actor(term, reward_cfg.concurrency)
+                self.reward_actors.append(actor)
+        return runners
+
     def update(self, policy, batch, algo, *, temperature, generator):
         ref = _ray().put(batch)
         results = policy.group.call("update", ref, algo, temperature, generator.get_state())
@@ -601,6 +651,10 @@ class RayBackend:
         for group in self.groups.values():
             group.shutdown()
         self.groups.clear()
+        for actor in self.reward_actors:
+            with contextlib.suppress(Exception):
+                _ray().kill(actor)
+        self.reward_actors.clear()
         if self._owns_ray:
             _ray().shutdown()
             self._owns_ray = False

@@ -89,10 +89,16 @@ class RewardTerm:
     weight: float = doc(1.0, "multiplier of this term in the summed reward")
     args: dict = doc({}, "keyword arguments passed to the reward function")
     label: str = doc("", "key for metrics and reward_terms/<key>; defaults to name")
+    actor: dict = doc({}, "Ray mode: score this term on its own Ray actor with these resources, "
+                          "e.g. {num_cpus: 1, num_gpus: 0.25}; a reward model loads there once "
+                          "and stays. Empty: in the driver (local mode always runs in-process)")
 
     @property
     def key(self) -> str:
         return self.label or self.name
+
+
+REWARD_ACTOR_KEYS = ("num_cpus", "num_gpus", "threads")
 
 
 def _as_term(value: Any) -> RewardTerm:
@@ -140,6 +146,10 @@ class RewardConfig:
             if not isinstance(term.args, dict):
                 raise TypeError(f"reward {term.name!r}: args must be a dict")
             _check_args(term.name, fn, term.args)
+            unknown = sorted(set(term.actor) - set(REWARD_ACTOR_KEYS))
+            if unknown:
+                raise ValueError(f"reward term {term.key!r}: unknown actor keys {unknown}; "
+                                 f"valid: {list(REWARD_ACTOR_KEYS)}")
 
 
 def _check_args(name: str, fn: Callable, args: dict) -> None:
@@ -248,8 +258,18 @@ async def _run_term(
     return out
 
 
+async def run_term(term: RewardTerm, samples: list[Sample], concurrency: int = 256
+                   ) -> list[float | str]:
+    """One term's value (or error text) per sample: what a remote reward actor runs."""
+    return await _run_term(term, resolve(term.name), samples, asyncio.Semaphore(concurrency))
+
+
+Runner = Callable[[list[Sample]], Awaitable[list]]
+
+
 async def ascore(
-    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None
+    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None,
+    runners: dict[str, Runner] | None = None,
 ) -> dict[str, float]:
     """Async :func:`score`, for callers already inside an event loop."""
     terms = [_as_term(t) for t in cfg.terms]
@@ -270,7 +290,9 @@ async def ascore(
     rows = [i for i in range(n) if bool(record["valid"][i])]
     todo = [samples[i] for i in rows]
     sem = asyncio.Semaphore(max(1, int(cfg.concurrency)))
-    calls = (_run_term(t, f, todo, sem) for t, f in zip(terms, fns, strict=True))
+    runners = runners or {}
+    calls = (runners[t.key](todo) if t.key in runners else _run_term(t, f, todo, sem)
+             for t, f in zip(terms, fns, strict=True))
     per_term = await asyncio.gather(*calls)
 
     reward = record["reward"].to(torch.float32).clone()
@@ -316,7 +338,8 @@ def _mean(values: torch.Tensor) -> float:
 
 
 def score(
-    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None
+    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None,
+    runners: dict[str, Runner] | None = None,
 ) -> dict[str, float]:
     """Score every valid row of ``record`` in place and return reward metrics.
 
@@ -326,14 +349,15 @@ def score(
     ``reward/<key>/mean`` over rows where that term succeeded, ``reward/errors`` (rows that
     failed in this call) and ``reward/error_rate`` (of the rows that were valid on entry).
     Called from inside a running event loop, the scoring runs on a helper thread; async
-    callers should ``await ascore(...)`` instead.
+    callers should ``await ascore(...)`` instead. ``runners`` (term key -> async function of
+    the samples) score those terms elsewhere: the Ray backend's reward actors.
     """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(ascore(record, cfg, samples))
+        return asyncio.run(ascore(record, cfg, samples, runners))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, ascore(record, cfg, samples)).result()
+        return pool.submit(asyncio.run, ascore(record, cfg, samples, runners)).result()
 
 
 # ---------------------------------------------------------------------------- built-ins

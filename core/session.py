@@ -70,6 +70,7 @@ class Session:
     gen: torch.Generator
     step: int = 0
     history: dict[str, list] = field(default_factory=dict)
+    reward_runners: dict = field(default_factory=dict)  # terms scored on their own actors
 
     @classmethod
     def open(cls, cfg: Config, *, record: bool = True) -> Session:
@@ -107,7 +108,8 @@ class Session:
                       extras={"dataset_stats": dataset.stats, "run_dir": run.path})
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
         s = cls(cfg, run, backend, policies, engines, ctx, workflow, sampler, eval_items,
-                cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed))
+                cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed),
+                reward_runners=backend.reward_runners(cfg.reward))
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
         if cfg.run.resume and (latest := run.load_latest()) is not None:
@@ -152,6 +154,10 @@ class Session:
         return self.backend.update(self.policies[name], rows, self.cfg.algorithm,
                                    temperature=self.cfg.rollout.temperature, generator=self.gen)
 
+    def score(self, record: TensorDict) -> dict[str, float]:
+        """The reward terms on the record (remote terms on their actors)."""
+        return rewards.score(record, self.cfg.reward, runners=self.reward_runners)
+
     # --- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, tag: str) -> dict[str, float]:
@@ -165,7 +171,7 @@ class Session:
         record = self.workflow.rollout(self.eval_items, params)
         for n, e in self.engines.items():
             e.load_state_dict(saved[n])
-        metrics = rewards.score(record, cfg.reward)
+        metrics = self.score(record)
         term = cfg.eval.accuracy_term or cfg.reward.terms[0].name
         values = record.get(f"reward_terms/{term}")
         valid = record["valid"]

@@ -260,3 +260,44 @@ def test_two_node_group_trains_a_step(tiny_model_dir):
     assert len(result["nodes"]) == 2
     assert sorted(result["workers"]) == result["nodes"]  # one worker on each node
     assert result["grad_norm"] > 0 and abs(result["loss"]) < 10
+
+
+def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_model_dir):
+    """``reward.terms[].actor`` runs a term in another process; values, per-row errors and
+    metrics equal scoring in the driver."""
+    import os
+
+    from polyrl.core import rewards
+    from polyrl.core.ray_backend import RayBackend
+
+    cfg = _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpus: 0.5}}, "
+                                  "{name: regex_format}]")
+    cfg.validate()
+    texts = ["19", "7", "oops", "16"]
+    record = text_record(prompt_ids=[[5, 6]] * 4, response_ids=[[7]] * 4,
+                         rollout_logprobs=[[0.0]] * 4, policy=["main"] * 4, uid=[0, 1, 2, 3],
+                         pad_id=0)
+    from polyrl.core.record import set_strings
+
+    set_strings(record, "response_text", texts)
+    set_strings(record, "meta", [{"answer": a} for a in ("19", "8", "1", "16")])
+    backend = RayBackend(cfg)
+    try:
+        runners = backend.reward_runners(cfg.reward)
+        assert list(runners) == ["exact_match"]
+        remote = record.clone()
+        metrics = rewards.score(remote, cfg.reward, runners=runners)
+        local = record.clone()
+        want = rewards.score(local, cfg.reward)
+        assert torch.equal(remote["reward_terms/exact_match"], local["reward_terms/exact_match"])
+        assert remote["reward_terms/exact_match"].tolist()[:2] == [1.0, 0.0]
+        assert metrics == want
+        pid = backend.reward_actors[0].pid.remote()
+        assert ray_cluster.get(pid) != os.getpid()
+    finally:
+        backend.shutdown()
+
+
+def test_unknown_reward_actor_key_fails_at_config_time(tiny_model_dir):
+    with pytest.raises((ConfigError, ValueError), match=r"unknown actor keys \['num_cpu'\].*num_cpus"):
+        _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpu: 1}}]")
