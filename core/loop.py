@@ -32,14 +32,14 @@ def train(cfg: Config) -> RunDir:
                 s.engines[name].sync()
             metrics |= s.rollout_stats(record) | {"time/step_s": time.perf_counter() - t0}
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                metrics |= s.evaluate("eval")
+                metrics |= s.evaluate("eval", step)
             if step % cfg.run.log_every == 0 or step == cfg.train.steps:
                 run.log(step, metrics)
                 s.write_samples(step, record)
             if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
                 s.save(step)
             bar.update(step, metrics)
-    final = s.evaluate("eval")
+    final = s.evaluate("eval", cfg.train.steps)
     run.log(cfg.train.steps, final)
     s.finish(final)
     return run

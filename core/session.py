@@ -160,7 +160,7 @@ class Session:
 
     # --- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, tag: str) -> dict[str, float]:
+    def evaluate(self, tag: str, step: int | None = None) -> dict[str, float]:
         """Greedy (by default) answers on held-out prompts, scored by the reward terms."""
         if not self.eval_items:
             return {}
@@ -179,7 +179,8 @@ class Session:
                f"{tag}/accuracy": float(values[valid].mean()) if bool(valid.any()) else float("nan"),
                f"{tag}/response_len": float(record["response_mask"].sum(-1).float().mean()),
                f"{tag}/errors": metrics.get("reward/errors", 0.0)}
-        self.run.write_samples(self.step, self.transcripts(record, 32), tag=tag)
+        self.run.write_samples(self.step if step is None else step,
+                               self.transcripts(record, 32), tag=tag)
         return out
 
     # --- logging helpers ----------------------------------------------------------------

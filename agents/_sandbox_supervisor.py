@@ -1,0 +1,302 @@
+"""The sandbox supervisor: a short-lived process between the trainer and the untrusted code.
+
+The trainer starts it in a new session (``python -I -S -c <this source>``) and sends one
+JSON request on stdin; it answers with one JSON line on stdout. Standard library only.
+
+It isolates itself first (namespaces, private mounts), then forks the *worker*, which sets
+resource limits, drops to a throwaway uid and executes the runner. The supervisor reads
+the worker's output with a size cap, enforces the wall-time limit and kills everything
+the code started. Because the supervisor is the worker's parent, code that signals "its
+parent" reaches the supervisor (or, in a PID namespace, nothing), never the trainer.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import resource
+import select
+import signal
+import sys
+import time
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, \
+    0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
+    1, 2, 4, 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+# Top-level directories replaced by empty tmpfs mounts in the worker's private mount
+# namespace (the Python installation is mounted back read-only where it lives below them).
+HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run", "/mnt", "/media", "/srv",
+        "/opt", "/work", "/workspace", "/data", "/var/lib", "/var/log", "/var/cache")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    def enc(s):
+        return s.encode() if isinstance(s, str) else s
+
+    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags),
+                       enc(data)), f"mount {target}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _exposed_paths(python_paths: list) -> list:
+    """Python directories the worker must read, minus those inside another one."""
+    paths = sorted({os.path.realpath(p) for p in python_paths if p and os.path.isdir(p)})
+    out = []
+    for p in paths:
+        if not any(p == q or p.startswith(q + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
+    """Private mounts: hide user/project directories, expose Python read-only; returns workdir."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_mb}m,mode=1777")
+    stage = "/tmp/.stage"
+    os.mkdir(stage, 0o700)
+    exposed = _exposed_paths(python_paths)
+    for k, p in enumerate(exposed):
+        os.mkdir(f"{stage}/{k}")
+        _mount(p, f"{stage}/{k}", None, MS_BIND | MS_REC)
+    hidden = []
+    for h in HIDE:
+        if h == "/tmp" or not os.path.isdir(h) or os.path.islink(h):
+            continue
+        _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+        hidden.append(h)
+    for k, p in enumerate(exposed):
+        under = [h for h in hidden + ["/tmp"] if p.startswith(h + "/")]
+        if not under:
+            continue
+        os.makedirs(p, 0o755, exist_ok=True)
+        _mount(f"{stage}/{k}", p, None, MS_BIND | MS_REC)
+        _mount(None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    for k in range(len(exposed)):
+        _libc.umount2(f"{stage}/{k}".encode(), MNT_DETACH)
+        os.rmdir(f"{stage}/{k}")
+    os.rmdir(stage)
+    work = "/tmp/work"
+    os.mkdir(work, 0o700)
+    layers.append("mount-namespace(hidden: " + " ".join(hidden) + "; private tmpfs workdir)")
+    return work
+
+
+def _isolate(req: dict, layers: list, notes: list) -> tuple:
+    """Enter new namespaces; returns (workdir or None, can_drop_uid)."""
+    if not req["isolate"]:
+        return None, os.geteuid() == 0
+    root = os.geteuid() == 0
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
+    try:
+        if root:
+            _unshare(flags)
+        else:
+            uid, gid = os.getuid(), os.getgid()
+            _unshare(flags | CLONE_NEWUSER)
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{uid} {uid} 1")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError as e:
+        notes.append(f"namespaces unavailable ({e}); running without them")
+        return None, root
+    layers.append("network-namespace(no interfaces)")
+    layers.append("pid-namespace(killing its init kills every process the code started)")
+    if not root:
+        layers.append("user-namespace")
+    try:
+        work = _private_filesystem(req["limits"]["tmpfs_mb"], req["python_paths"], layers)
+    except OSError as e:
+        notes.append(f"private mounts failed ({e}); using a temporary directory")
+        work = None
+    return work, root
+
+
+def _reachable(paths: list) -> bool:
+    """Whether a user with no relation to these files may reach (traverse into) them all."""
+    for path in paths:
+        if not path or not os.path.exists(path):
+            continue
+        parts = os.path.realpath(path).split("/")
+        for k in range(2, len(parts) + 1):
+            d = "/".join(parts[:k])
+            if os.path.isdir(d) and not os.stat(d).st_mode & 0o001:
+                return False
+    return True
+
+
+def _worker(req: dict, work: str, uid, out_w: int, err_w: int) -> None:
+    """In the child: limits, privileges, then exec the runner. Never returns."""
+    try:
+        lim = req["limits"]
+        os.setsid()
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        cpu = max(1, int(lim["cpu_seconds"] + 0.999))
+        mem = int(lim["memory_mb"]) * 2**20
+        fsize = int(lim["file_size_mb"]) * 2**20
+        for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
+                           (resource.RLIMIT_AS, (mem, mem)),
+                           (resource.RLIMIT_DATA, (mem, mem)),
+                           (resource.RLIMIT_FSIZE, (fsize, fsize)),
+                           (resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"])),
+                           (resource.RLIMIT_CORE, (0, 0))):
+            resource.setrlimit(res, value)
+        if uid is not None:
+            nproc = int(lim["max_processes"])
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+            os.chown(work, uid, uid)
+            os.chown(os.path.join(work, "snippet.py"), uid, uid)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        os.chdir(work)
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        os.execve(req["python"], [req["python"], "-I", "-B", "-c", req["runner"],
+                                  "1" if req["audit"] else "0"], env)
+    except BaseException as e:  # report setup failures on the error pipe
+        try:
+            os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(126)
+
+
+def _kill_all(pid: int, uid, pid_ns: bool) -> None:
+    """Kill the worker and everything it started."""
+    for kill, target in ((os.killpg, pid), (os.kill, pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(target, signal.SIGKILL)
+    if uid is not None and not pid_ns:
+        # Processes that left the process group still run as the throwaway uid: a helper
+        # with that uid signals every process it may signal, i.e. exactly those.
+        helper = os.fork()
+        if helper == 0:
+            try:
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(helper, 0)
+
+
+def main() -> None:
+    req = json.loads(sys.stdin.read())
+    lim = req["limits"]
+    layers: list = []
+    notes: list = []
+    work, can_drop = _isolate(req, layers, notes)
+    pid_ns = any(x.startswith("pid-namespace") for x in layers)
+    temp = None
+    if work is None:
+        import tempfile
+
+        temp = work = tempfile.mkdtemp(prefix="polyrl-sandbox-")
+        layers.append("temporary working directory (removed afterwards)")
+    with open(os.path.join(work, "snippet.py"), "w", encoding="utf-8") as f:
+        f.write(req["code"])
+    uid = None
+    private_fs = any(x.startswith("mount-namespace") for x in layers)
+    if can_drop and req["drop_privileges"] and not private_fs and not _reachable(
+            [req["python"], *req["python_paths"]]):
+        can_drop = False
+        notes.append("the Python installation is not readable by other users (e.g. it lives "
+                     "under /root) and there is no mount namespace to expose it: running as "
+                     "the current user")
+    if can_drop and req["drop_privileges"]:
+        uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
+        layers.append(f"throwaway uid {uid} (no file it does not own is writable; RLIMIT_NPROC "
+                      f"caps its processes at {lim['max_processes']})")
+    layers.append("resource limits (cpu, address space, file size, open files, no core dumps)")
+    layers.append("new session; output capped; wall-time kill")
+    if req["audit"]:
+        layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        os.close(err_r)
+        _worker(req, work, uid, out_w, err_w)
+    os.close(out_w)
+    os.close(err_w)
+    buffers = {out_r: bytearray(), err_r: bytearray()}
+    cap = int(lim["output_bytes"])
+    deadline = start + float(lim["wall_seconds"])
+    killed = ""
+    open_fds = [out_r, err_r]
+    status = None
+    while True:
+        now = time.monotonic()
+        if now >= deadline and not killed:
+            killed = "wall_time"
+            _kill_all(pid, uid, pid_ns)
+        if open_fds:
+            ready, _, _ = select.select(open_fds, [], [], max(0.0, min(0.05, deadline - now)))
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    open_fds.remove(fd)
+                    continue
+                buffers[fd] += chunk
+                if len(buffers[out_r]) + len(buffers[err_r]) > cap and not killed:
+                    killed = "output_limit"
+                    _kill_all(pid, uid, pid_ns)
+        if status is None:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
+                if not pid_ns:  # children it left behind (the namespace cleans up by itself)
+                    _kill_all(pid, uid, pid_ns)
+        if status is not None and not open_fds:
+            break
+        if status is not None and killed:
+            break
+        if not open_fds and status is None:
+            time.sleep(0.01)
+    elapsed = time.monotonic() - start
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if temp is not None:
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+    exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    result = {
+        "stdout": bytes(buffers[out_r][:cap]).decode("utf-8", "replace"),
+        "stderr": bytes(buffers[err_r][:cap]).decode("utf-8", "replace"),
+        "output_bytes": len(buffers[out_r]) + len(buffers[err_r]),
+        "exit_code": exit_code, "signal": sig, "killed": killed,
+        "wall_seconds": elapsed, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "layers": layers, "notes": notes,
+    }
+    sys.stdout.write(json.dumps(result))
+    sys.stdout.flush()
+
+
+main()

@@ -1,0 +1,147 @@
+"""Environments: a small, text-first, gym-like interface, one instance per episode.
+
+An environment is any object with three methods; each may be a plain or an ``async def``::
+
+    reset(task: dict) -> observation            # task = the dataset row
+    step(action: str) -> (observation, reward, done, info)   # or a StepResult
+    close() -> None                              # optional
+
+An *observation* is the text the policy reads next: a string (sent as a user message), a
+chat message ``{"role": ..., "content": ...}`` (``role: "tool"`` for tool results) or a
+list of them. The environment keeps its state on the instance, never globally: the
+multi-turn workflow builds one instance per episode, so hundreds of episodes can be in
+flight at once. ``info`` may carry ``success`` (bool; the episode's success flag) and
+``anchor`` (the state key GiGPO groups steps by; default: the observation text).
+
+Register an environment under a short name, or name it in a recipe by import path::
+
+    from polyrl.agents import Environment, register_env
+
+    @register_env("countdown")
+    class Countdown(Environment):
+        def reset(self, task):
+            self.left = int(task["start"])
+            return f"{self.left} left. Say 'dec'."
+        def step(self, action):
+            self.left -= action.strip() == "dec"
+            return f"{self.left} left.", float(self.left == 0), self.left == 0, {}
+
+    # recipe: rollout.args: {env: countdown}   or   {env: "my_pkg.envs:Countdown"}
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyrl.core.registry import ENVIRONMENTS
+
+Message = dict[str, Any]
+Observation = str | Message | list[Message]
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` returns; a plain 4-tuple works too."""
+
+    observation: Observation
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment:
+    """Optional base class: documents the interface and gives ``close`` a default.
+
+    Subclasses implement ``reset`` and ``step`` (sync or async). ``max_turns`` (if set)
+    caps the episode length on top of the workflow's own limit.
+    """
+
+    max_turns: int | None = None
+
+    def reset(self, task: dict[str, Any]) -> Observation:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def step(self, action: str) -> StepResult | tuple:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+
+def register_env(name: str) -> Callable[[type], type]:
+    """Class decorator: register an environment under ``name`` in ``ENVIRONMENTS``."""
+
+    def add(cls: type) -> type:
+        ENVIRONMENTS.register(name, cls)
+        return cls
+
+    return add
+
+
+def make_env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[[], Any]:
+    """A zero-argument callable building a fresh environment per episode.
+
+    ``name`` is a registered name or ``package.module:Class``; ``args`` are passed to the
+    constructor. Unknown names fail here, at workflow construction, not mid-rollout.
+    """
+    cls = ENVIRONMENTS.get(name)
+    if not callable(cls):
+        raise TypeError(f"environment {name!r} resolved to {type(cls).__name__}, not a class")
+    kwargs = dict(args or {})
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"environment {name!r} does not accept env_args {sorted(kwargs)}: {e}") \
+            from None
+    except ValueError:  # no introspectable signature
+        pass
+    return lambda: cls(**kwargs)
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def as_step_result(value: Any, where: str = "step") -> StepResult:
+    """Accept a StepResult or an (observation, reward, done[, info]) tuple."""
+    if isinstance(value, StepResult):
+        result = value
+    elif isinstance(value, tuple) and len(value) in (3, 4):
+        result = StepResult(value[0], value[1], value[2], value[3] if len(value) == 4 else {})
+    else:
+        raise TypeError(f"{where} must return (observation, reward, done, info) or a "
+                        f"StepResult, not {type(value).__name__}")
+    try:
+        result.reward = float(result.reward)
+    except (TypeError, ValueError):
+        raise TypeError(f"{where} returned a non-numeric reward {result.reward!r}") from None
+    if result.reward != result.reward:  # NaN
+        raise ValueError(f"{where} returned a NaN reward")
+    result.done = bool(result.done)
+    if result.info is None:
+        result.info = {}
+    if not isinstance(result.info, dict):
+        raise TypeError(f"{where} returned info of type {type(result.info).__name__}, not dict")
+    as_messages(result.observation, where)
+    return result
+
+
+def as_messages(obs: Observation, where: str = "observation", role: str = "user") -> list[Message]:
+    """An observation as a list of chat messages (a string becomes one ``role`` message)."""
+    if isinstance(obs, str):
+        return [{"role": role, "content": obs}]
+    if isinstance(obs, dict):
+        obs = [obs]
+    if isinstance(obs, list) and obs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in obs):
+        return [dict(m) for m in obs]
+    raise TypeError(f"{where}: an observation must be a string, a message "
+                    f"{{'role', 'content'}} or a non-empty list of messages, not {obs!r:.80}")
+
+
+def observation_text(obs: Observation) -> str:
+    """The observation's text (message contents joined), used as the default GiGPO anchor."""
+    return "\n".join(str(m["content"]) for m in as_messages(obs))

@@ -1,0 +1,245 @@
+"""A code-execution sandbox for model-written Python; the trainer survives anything it does.
+
+``Sandbox().run(code)`` runs ``code`` in a separate, throwaway process tree and returns a
+:class:`SandboxResult` (stdout, stderr, exit status and, when something went wrong, a short
+``error`` such as ``wall_time`` or ``blocked``). ``python_tool`` wraps it as a tool.
+
+Processes::
+
+    trainer --(new session)--> supervisor (root part, stdlib only) --fork--> worker --exec--> python runner
+                                 reads output (capped), enforces wall time, kills the tree
+
+Layers, from the outside in (what each one stops); each is used where the machine
+offers it, and ``SandboxResult.layers`` lists those that were active:
+
+1. **Separate processes, new session.** The trainer only waits on a pipe with a deadline;
+   a crash, ``sys.exit`` or ``os._exit`` ends the worker, not the trainer. Signals the
+   code sends to "its parent" reach the supervisor (or nothing, see 3), never the trainer.
+2. **Resource limits** (``setrlimit`` in the worker): CPU seconds (``RLIMIT_CPU``: an
+   infinite loop is killed by SIGXCPU), address space (``RLIMIT_AS``: allocating 10 GB
+   raises MemoryError), file size, open files, no core dumps. Output is read by the
+   supervisor and capped (printing 100 MB stops at the cap and the tree is killed); a
+   wall-time deadline kills sleepers and anything the CPU limit misses.
+3. **Namespaces** (``unshare``; as root, or through a user namespace where unprivileged
+   ones are allowed): a *network* namespace with no interfaces (no socket can reach
+   anything), a *PID* namespace whose init is the worker (killing it kills every process
+   the code started, even ones that left the process group), and a *mount* namespace in
+   which user and project directories (``/root``, ``/home``, ``/tmp``, ``/work``, ...)
+   are replaced by empty tmpfs mounts, the Python installation is mounted back read-only,
+   and the working directory is a fresh, size-limited tmpfs that vanishes with the run.
+4. **A throwaway uid** (as root): the worker drops to a random unused uid with no
+   groups and ``no_new_privs``. It owns no file, so it can write nothing outside the
+   working directory and read nothing that is not world-readable; it cannot signal the
+   trainer's processes; ``RLIMIT_NPROC`` (which root ignores, hence the uid) caps its
+   processes tightly, so a fork bomb stalls at ``max_processes``.
+5. **An audit hook** (PEP 578) in the worker's interpreter refuses, with a clear
+   ``PermissionError``, file access outside the working directory (reads of the Python
+   installation excepted), sockets, signals, process creation and ctypes calls. It is not
+   a security boundary on its own (C code can bypass it); it turns attempts into readable
+   errors and backs up the layers above where they are missing.
+
+Without root or user namespaces only 1, 2 and 5 (plus a temporary directory that is
+removed afterwards) remain; ``capabilities()`` says what this machine offers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class SandboxLimits:
+    cpu_seconds: float = 5.0  # CPU time of the code's process
+    wall_seconds: float = 10.0  # wall time of the whole run
+    memory_mb: int = 512  # address space of each process
+    output_bytes: int = 16_384  # stdout + stderr kept; more kills the run
+    max_processes: int = 16  # processes the throwaway uid may own (fork-bomb cap)
+    file_size_mb: int = 16  # largest file the code may write
+    open_files: int = 64
+    tmpfs_mb: int = 64  # size of the private working directory (mount namespace)
+
+
+@dataclass
+class SandboxResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    signal: int | None
+    error: str  # "" (ran to the end with status 0) or what went wrong, see below
+    wall_seconds: float
+    cpu_seconds: float = 0.0
+    output_bytes: int = 0
+    layers: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
+    # refused an operation and the code did not handle it), exception (uncaught error),
+    # exit (non-zero exit status), killed (other signal), sandbox (the sandbox failed)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def as_text(self, limit: int = 2000) -> str:
+        """The tool result the model reads: output, then what went wrong (if anything)."""
+        parts = []
+        if self.stdout:
+            parts.append(_clip(self.stdout, limit))
+        if self.stderr and self.error:
+            parts.append(_clip(self.stderr, limit))
+        if self.error:
+            parts.append(f"[error: {ERROR_TEXT.get(self.error, self.error)}]")
+        return "\n".join(parts) if parts else "[no output]"
+
+
+ERROR_TEXT = {
+    "wall_time": "time limit exceeded; the code was stopped",
+    "cpu_time": "CPU time limit exceeded; the code was stopped",
+    "output_limit": "output limit exceeded; the code was stopped",
+    "memory": "memory limit exceeded",
+    "blocked": "an operation the sandbox forbids (files outside the working directory, "
+               "network, processes or signals)",
+    "exception": "the code raised an exception",
+    "exit": "the code exited with a non-zero status",
+    "killed": "the code was killed by a signal",
+    "sandbox": "the sandbox could not run the code",
+}
+
+
+def _clip(text: str, limit: int) -> str:
+    text = text.rstrip("\n")
+    return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2:]
+
+
+# Sandbox runs in flight at once in this process (each is two processes); more wait.
+_SLOTS = threading.BoundedSemaphore(max(2, 2 * (os.cpu_count() or 1)))
+
+
+@functools.cache
+def _python_paths(python: str) -> tuple[str, ...]:
+    """Directories ``python -I`` reads from (prefixes and its import path)."""
+    probe = ("import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+             "sys.base_exec_prefix, *sys.path]))")
+    out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return tuple(p for p in json.loads(out.stdout) if p)
+
+
+@functools.cache
+def _source(name: str) -> str:
+    return (_HERE / name).read_text(encoding="utf-8")
+
+
+class Sandbox:
+    """Runs Python code in isolation. Thread-safe: each ``run`` is its own process tree.
+
+    ``isolate``: use namespaces when available; ``drop_privileges``: run as a throwaway
+    uid when the supervisor is root; ``audit``: install the audit hook. Turn layers off
+    only to test the others.
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, *, isolate: bool = True,
+                 drop_privileges: bool = True, audit: bool = True,
+                 python: str | None = None) -> None:
+        self.limits = limits or SandboxLimits()
+        self.isolate, self.drop_privileges, self.audit = isolate, drop_privileges, audit
+        self.python = python or sys.executable
+
+    def run(self, code: str) -> SandboxResult:
+        """Run ``code``; at most ``2 x cpu_count`` runs execute at once per process."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a string, not {type(code).__name__}")
+        with _SLOTS:
+            return self._run(code)
+
+    def _run(self, code: str) -> SandboxResult:
+        request = {
+            "code": code, "limits": asdict(self.limits), "isolate": self.isolate,
+            "drop_privileges": self.drop_privileges, "audit": self.audit,
+            "python": os.path.realpath(self.python), "runner": _source("_sandbox_runner.py"),
+            "python_paths": list(_python_paths(self.python)),
+        }
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _source("_sandbox_supervisor.py")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        try:
+            out, err = proc.communicate(json.dumps(request).encode(),
+                                        timeout=self.limits.wall_seconds + 30)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            return SandboxResult("", err.decode(errors="replace")[-2000:], None, None, "sandbox",
+                                 time.monotonic() - start,
+                                 notes=["the supervisor did not finish; its session was killed"])
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+        try:
+            rep = json.loads(out.decode())
+        except ValueError:
+            return SandboxResult("", err.decode(errors="replace")[-2000:], None, None, "sandbox",
+                                 time.monotonic() - start,
+                                 notes=[f"supervisor exited with {proc.returncode}"])
+        result = SandboxResult(rep["stdout"], rep["stderr"], rep["exit_code"], rep["signal"],
+                               "", rep["wall_seconds"], rep["cpu_seconds"], rep["output_bytes"],
+                               rep["layers"], rep["notes"])
+        result.error = _classify(rep, result)
+        return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _classify(rep: dict, r: SandboxResult) -> str:
+    if rep["killed"]:
+        return rep["killed"]
+    if r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.cpu_seconds >= 1.0
+                                      and r.exit_code is None and "cpu" in r.stderr.lower()):
+        return "cpu_time"
+    if r.stderr.startswith("sandbox setup failed") or r.exit_code == 126:
+        return "sandbox"
+    if r.exit_code == 0:
+        return ""
+    last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    if last.startswith("MemoryError"):
+        return "memory"
+    if last.startswith("PermissionError: sandbox:") or (
+            last.startswith(("PermissionError", "OSError", "ConnectionError")) and
+            "sandbox" in last):
+        return "blocked"
+    if r.signal is not None:
+        return "killed"
+    if last and "Error" in last.split(":")[0] or last.startswith(("Traceback", "Exception")):
+        return "exception"
+    return "exit"
+
+
+@functools.cache
+def capabilities() -> dict[str, bool]:
+    """Which isolation layers this machine offers (probed once with a trivial run)."""
+    r = Sandbox(SandboxLimits(wall_seconds=20)).run("print('ok')")
+    text = " ".join(r.layers)
+    return {"ran": r.ok and r.stdout.strip() == "ok", "network_namespace": "network-" in text,
+            "pid_namespace": "pid-" in text, "mount_namespace": "mount-" in text,
+            "throwaway_uid": "throwaway uid" in text, "audit_hook": "audit hook" in text}
+
+
+def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``code`` in a default :class:`Sandbox`."""
+    return Sandbox(limits).run(code)

@@ -1,0 +1,399 @@
+"""The multi-turn workflow: many episodes against environments, one engine call per turn round.
+
+Every step, each dataset row (a task) starts ``rollout.n`` episodes, each with its own
+environment instance. Episodes advance in rounds: one ``engine.generate`` call samples the
+next action of *every* active episode at once, then all environments step concurrently
+(async environments are awaited together; sync ones run inline or on a thread pool).
+An episode ends when its environment says done, at the turn limit, or when its token
+budget runs out (the last two mark it ``truncated``).
+
+The record keeps the exact ids the engine sampled. Environment text is encoded on its own
+(:class:`~polyrl.agents.chat.ChatFormat`) and spliced in with ``loss_mask`` 0. Two row
+layouts, chosen per recipe with ``mode``:
+
+- ``concat``: one row per episode: the first prompt, then action, environment reply,
+  action, ... as the response (replies masked out of the loss). ``turn`` is 0.
+- ``step``: one row per turn: the prompt is the conversation with at most ``history``
+  earlier turns (0: only the current observation), the response is that turn's action;
+  ``turn`` holds the turn index.
+
+An environment that raises in ``reset`` or ``step`` ends that episode: its rows keep the
+error text and are marked invalid (counted, left out of the update); the rest of the
+batch trains. Each row's ``meta`` carries what rewards and credit need: the episode id,
+per-turn rewards, anchor observations, the token spans of each turn in the response,
+the return, success and why the episode ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensordict import TensorDict
+
+from polyrl.agents.chat import ChatFormat
+from polyrl.agents.env import (
+    Message,
+    as_messages,
+    as_step_result,
+    make_env_factory,
+    observation_text,
+)
+from polyrl.core.config import ConfigError
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.registry import WORKFLOWS
+
+MODES = ("concat", "step")
+
+
+@dataclass
+class Turn:
+    prompt_ids: list[int]  # what the engine was given for this turn
+    action_ids: list[int]  # exactly what it sampled (possibly cut to the episode budget)
+    logprobs: list[float]
+    action_text: str
+    anchor: str  # the observation this action answered (GiGPO groups steps by it)
+    finish: str  # "stop" or "length"
+    reward: float = 0.0
+    env_ids: list[int] = field(default_factory=list)  # env tokens spliced after the action
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    id: int
+    item: PromptItem
+    sample: int
+    env: Any
+    observations: list[list[Message]] = field(default_factory=list)
+    anchors: list[str] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    first_ids: list[int] = field(default_factory=list)
+    tokens: int = 0
+    done: bool = False
+    truncated: bool = False
+    finish: str = ""  # done | max_turns | max_tokens | max_context | error
+    error: str = ""
+    success: bool | None = None
+    final_observation: str = ""
+    max_turns: int = 0
+    tools: list[dict] | None = None  # tool schemas the env offers (rendered in first prompts)
+
+    def end(self, finish: str, *, truncated: bool = False, error: str = "") -> None:
+        self.done, self.finish, self.truncated = True, finish, truncated
+        self.error = error
+
+
+def _run_sync(coro) -> Any:
+    """Run a coroutine from sync code, also when called inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _describe(exc: BaseException, where: str) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    loc = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"environment {where} raised {type(exc).__name__}: {exc}{loc}"
+
+
+class MultiTurn:
+    """Episodes against an environment; registered as workflow ``multi_turn``.
+
+    Recipe arguments (``rollout.args``):
+
+    - ``env``: registered environment name or ``package.module:Class``; ``env_args`` its
+      constructor keyword arguments.
+    - ``mode``: ``concat`` (one row per episode) or ``step`` (one row per turn).
+    - ``history``: step mode only, earlier turns kept in each prompt (null: all).
+    - ``max_turns``: turns per episode; ``max_tokens``: sampled tokens per episode
+      (null: no limit); ``max_turn_tokens``: tokens per turn (default
+      ``rollout.max_new_tokens``); ``max_context``: longest prompt + response of a turn.
+    - ``system_prompt``: system message before the first observation.
+    - ``env_workers``: threads for sync environments (1: step them inline).
+    - ``policy``: the acting policy (default: the first).
+    """
+
+    def __init__(self, ctx, env: str = "gridworld", env_args: dict | None = None,
+                 mode: str = "concat", history: int | None = 0, max_turns: int = 8,
+                 max_tokens: int | None = None, max_turn_tokens: int | None = None,
+                 max_context: int | None = None, system_prompt: str | None = None,
+                 env_workers: int = 1, policy: str | None = None) -> None:
+        name = policy or next(iter(ctx.policies))
+        if name not in ctx.policies:
+            raise KeyError(f"multi_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
+        self._check_args(mode=mode, history=history, max_turns=max_turns, max_tokens=max_tokens,
+                         max_turn_tokens=max_turn_tokens, max_context=max_context,
+                         env_workers=env_workers)
+        self.name, self.engine = name, ctx.engines[name]
+        self.tokenizer = ctx.policies[name].tokenizer
+        self.chat = ChatFormat(self.tokenizer, system_prompt)
+        self.make_env = make_env_factory(env, env_args)
+        self.env_name = env
+        self.mode, self.history = mode, history
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.max_turn_tokens, self.max_context = max_turn_tokens, max_context
+        self.env_workers = env_workers
+        self.generate_calls = 0  # engine calls so far (one per turn round)
+
+    # ------------------------------------------------------------------ config checks
+    @staticmethod
+    def _check_args(*, mode, history, max_turns, max_tokens, max_turn_tokens, max_context,
+                    env_workers) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"rollout.args.mode={mode!r}: use one of {', '.join(MODES)}")
+        if history is not None and history < 0:
+            raise ConfigError(f"rollout.args.history must be >= 0 or null, got {history}")
+        if max_turns < 1:
+            raise ConfigError(f"rollout.args.max_turns must be >= 1, got {max_turns}")
+        for key, value in (("max_tokens", max_tokens), ("max_turn_tokens", max_turn_tokens),
+                           ("max_context", max_context)):
+            if value is not None and value < 1:
+                raise ConfigError(f"rollout.args.{key} must be >= 1 or null, got {value}")
+        if env_workers < 1:
+            raise ConfigError(f"rollout.args.env_workers must be >= 1, got {env_workers}")
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        """Check ``rollout.args`` at config time, before any model loads."""
+        args = dict(cfg.rollout.args)
+        valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "ctx")]
+        unknown = sorted(set(args) - set(valid))
+        if unknown:
+            from polyrl.core.registry import nearest
+
+            hint = nearest(unknown[0], valid)
+            raise ConfigError(f"rollout.args has unknown key {unknown[0]!r} for workflow "
+                              f"multi_turn" + (f"; did you mean {hint!r}?" if hint else "")
+                              + f". Valid: {', '.join(valid)}.")
+        defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+                    if p.default is not inspect.Parameter.empty}
+        merged = {**defaults, **args}
+        cls._check_args(**{k: merged[k] for k in ("mode", "history", "max_turns", "max_tokens",
+                                                  "max_turn_tokens", "max_context",
+                                                  "env_workers")})
+        try:
+            make_env_factory(merged["env"], merged["env_args"])
+        except Exception as e:
+            raise ConfigError(f"rollout.args.env: {e}") from e
+
+    # ------------------------------------------------------------------ rollout
+    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        return _run_sync(self.arollout(items, params))
+
+    async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        pairs = [(item, g) for item in items for g in range(params.n)]
+        episodes = [Episode(k, item, g, None) for k, (item, g) in enumerate(pairs)]
+        pool = concurrent.futures.ThreadPoolExecutor(self.env_workers) \
+            if self.env_workers > 1 else None
+        try:
+            await asyncio.gather(*(self._reset(ep, pool) for ep in episodes))
+            while True:
+                active = [ep for ep in episodes if not ep.done]
+                if not active:
+                    break
+                stepping = self._generate(active, params)
+                await asyncio.gather(*(self._step(ep, pool) for ep in stepping))
+            await asyncio.gather(*(self._close(ep, pool) for ep in episodes))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        return self._record(episodes)
+
+    async def _call(self, fn, pool, *args) -> Any:
+        if inspect.iscoroutinefunction(fn) or pool is None:
+            result = fn(*args)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        return await result if inspect.isawaitable(result) else result
+
+    async def _reset(self, ep: Episode, pool) -> None:
+        try:
+            ep.env = self.make_env()
+            obs = await self._call(ep.env.reset, pool, ep.item.row)
+            messages = as_messages(obs, "reset")
+        except Exception as e:
+            ep.end("error", error=_describe(e, "reset"))
+            return
+        ep.observations.append(messages)
+        ep.anchors.append(observation_text(messages))
+        schemas = getattr(ep.env, "tool_schemas", None)
+        ep.tools = schemas() if callable(schemas) else None
+        ep.first_ids = self.chat.first_prompt(messages, ep.tools)
+        env_limit = getattr(ep.env, "max_turns", None)
+        ep.max_turns = min(self.max_turns, env_limit) if env_limit else self.max_turns
+
+    async def _close(self, ep: Episode, pool) -> None:
+        close = getattr(ep.env, "close", None)
+        if close is None:
+            return
+        try:
+            await self._call(close, pool)
+        except Exception as e:  # the trajectory is complete; keep the note, not the row out
+            ep.final_observation += f"\n[close failed: {type(e).__name__}: {e}]"
+
+    def _prompt(self, ep: Episode) -> list[int]:
+        t = len(ep.turns)
+        start = 0 if self.mode == "concat" or self.history is None else max(0, t - self.history)
+        ids = list(ep.first_ids) if start == 0 else \
+            self.chat.first_prompt(ep.observations[start], ep.tools)
+        for turn in ep.turns[start:]:
+            ids += turn.action_ids + turn.env_ids
+        return ids
+
+    def _generate(self, active: list[Episode], params: SamplingParams) -> list[Episode]:
+        """One engine call for the next action of every active episode; returns those to step."""
+        per_turn = self.max_turn_tokens or params.max_new_tokens
+        batch: list[tuple[Episode, list[int], int, str]] = []
+        for ep in active:
+            prompt = self._prompt(ep)
+            allowed, bound = per_turn, "turn"
+            if self.max_tokens is not None and self.max_tokens - ep.tokens < allowed:
+                allowed, bound = self.max_tokens - ep.tokens, "max_tokens"
+            if self.max_context is not None and self.max_context - len(prompt) < allowed:
+                allowed, bound = self.max_context - len(prompt), "max_context"
+            if allowed <= 0:
+                ep.end(bound, truncated=True)
+                continue
+            batch.append((ep, prompt, allowed, bound))
+        if not batch:
+            return []
+        sp = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                            max_new_tokens=max(b[2] for b in batch), stop=list(params.stop),
+                            stop_token_ids=list(params.stop_token_ids))
+        outs = self.engine.generate([b[1] for b in batch], sp)
+        self.generate_calls += 1
+        if len(outs) != len(batch):
+            raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
+        stepping = []
+        for out in outs:
+            ep, prompt, allowed, bound = batch[out.prompt_index]
+            ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            if len(ids) > allowed:  # a shorter budget than the call's: keep the sampled prefix
+                ids, logps, finish = ids[:allowed], logps[:allowed], "length"
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            ep.turns.append(Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish))
+            ep.tokens += len(ids)
+            if finish == "length" and bound != "turn":
+                ep.end(bound, truncated=True)  # cut mid-action by the budget: do not act on it
+            else:
+                stepping.append(ep)
+        return stepping
+
+    async def _step(self, ep: Episode, pool) -> None:
+        turn = ep.turns[-1]
+        try:
+            result = as_step_result(await self._call(ep.env.step, pool, turn.action_text),
+                                    "step")
+            messages = as_messages(result.observation, "step")
+        except Exception as e:
+            ep.end("error", error=_describe(e, f"step (turn {len(ep.turns) - 1})"))
+            return
+        turn.reward, turn.info = result.reward, dict(result.info)
+        if "success" in result.info:
+            ep.success = bool(result.info["success"])
+        text = observation_text(messages)
+        if result.done:
+            ep.final_observation = text
+            ep.end("done")
+            return
+        if len(ep.turns) >= ep.max_turns:
+            ep.final_observation = text
+            ep.end("max_turns", truncated=True)
+            return
+        if self.max_tokens is not None and ep.tokens >= self.max_tokens:
+            ep.final_observation = text
+            ep.end("max_tokens", truncated=True)
+            return
+        ended_with_eos = bool(turn.action_ids) and turn.action_ids[-1] == self.chat.eos_id
+        turn.env_ids = self.chat.env_turn(messages, ended_with_eos)
+        ep.observations.append(messages)
+        ep.anchors.append(str(result.info.get("anchor", text)))
+
+    # ------------------------------------------------------------------ record
+    def _record(self, episodes: list[Episode]) -> TensorDict:
+        rows: dict[str, list] = {k: [] for k in (
+            "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "uid", "turn",
+            "prompt_text", "response_text", "meta", "truncated")}
+        errors: list[tuple[int, str]] = []
+        row_episode: list[Episode] = []
+        decode = self.tokenizer.decode
+
+        def add(ep: Episode, prompt, response, logps, mask, turn, response_text, spans) -> None:
+            if ep.error:
+                errors.append((len(rows["uid"]), ep.error))
+            row_episode.append(ep)
+            rows["prompt_ids"].append(prompt)
+            rows["response_ids"].append(response)
+            rows["rollout_logprobs"].append(logps)
+            rows["loss_mask"].append(mask)
+            rows["uid"].append(ep.item.uid)
+            rows["turn"].append(turn)
+            rows["prompt_text"].append(decode(prompt, skip_special_tokens=False))
+            rows["response_text"].append(response_text)
+            rows["truncated"].append(ep.truncated)
+            rows["meta"].append({"spans": spans})
+
+        for ep in episodes:
+            if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
+                add(ep, ep.first_ids or list(ep.item.prompt_ids), [], [], [], 0, "", [])
+            elif self.mode == "step":
+                for t, turn in enumerate(ep.turns):
+                    n = len(turn.action_ids)
+                    add(ep, turn.prompt_ids, turn.action_ids, turn.logprobs, [1] * n, t,
+                        turn.action_text, [[t, 0, n]])
+            else:
+                response, logps, mask, spans = [], [], [], []
+                for t, turn in enumerate(ep.turns):
+                    start = len(response)
+                    response += turn.action_ids
+                    logps += turn.logprobs
+                    mask += [1] * len(turn.action_ids)
+                    spans.append([t, start, len(response)])
+                    if t == len(ep.turns) - 1:
+                        break  # no action follows the last reply: leave it out of the row
+                    response += turn.env_ids
+                    logps += [0.0] * len(turn.env_ids)
+                    mask += [0] * len(turn.env_ids)
+                add(ep, ep.first_ids, response, logps, mask, 0,
+                    decode(response, skip_special_tokens=False), spans)
+
+        # Per-episode facts, shared by all of an episode's rows.
+        counts: dict[int, int] = {}
+        for ep in row_episode:
+            counts[ep.id] = counts.get(ep.id, 0) + 1
+        valid_rows = sum(1 for ep in row_episode if not ep.error)
+        valid_eps = sum(1 for ep in episodes if not ep.error)
+        for meta, ep in zip(rows["meta"], row_episode, strict=True):
+            rewards = [t.reward for t in ep.turns]
+            ret = float(sum(rewards))
+            success = ep.success if ep.success is not None else ret > 0
+            weight = valid_rows / (valid_eps * counts[ep.id]) if valid_eps and not ep.error else 0.0
+            meta.update({
+                "answer": ep.item.answer, "row": ep.item.row, "episode": ep.id,
+                "sample": ep.sample, "turn_rewards": rewards, "anchors": ep.anchors[:len(ep.turns)],
+                "actions": [t.action_text for t in ep.turns], "return": ret,
+                "success": bool(success), "turns": len(ep.turns), "finish": ep.finish,
+                "final_observation": ep.final_observation, "episode_rows": counts[ep.id],
+                "episode_weight": weight, "env": self.env_name, "mode": self.mode})
+        record = text_record(
+            prompt_ids=rows["prompt_ids"], response_ids=rows["response_ids"],
+            rollout_logprobs=rows["rollout_logprobs"], loss_mask=rows["loss_mask"],
+            policy=[self.name] * len(rows["uid"]), uid=rows["uid"], turn=rows["turn"],
+            pad_id=self.tokenizer.pad_token_id, prompt_text=rows["prompt_text"],
+            response_text=rows["response_text"], meta=rows["meta"], truncated=rows["truncated"])
+        if errors:
+            mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
+        return record
+
+
+WORKFLOWS.register("multi_turn", MultiTurn)

@@ -1,0 +1,196 @@
+"""The sandbox against hostile code: each attack is contained, reported as a tool error, and
+the test process (standing in for the trainer) is untouched.
+
+Every attack runs twice where that is safe: with all layers, and with the audit hook off,
+to show the OS layers (namespaces, throwaway uid, rlimits) contain it on their own. The
+hook-off variants run only when this machine gives the sandbox those layers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from polyrl.agents.sandbox import Sandbox, SandboxLimits, capabilities, run_python
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
+
+LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=512, output_bytes=8192,
+                       max_processes=8)
+
+
+@pytest.fixture(scope="module")
+def caps():
+    return capabilities()
+
+
+def box(audit: bool = True) -> Sandbox:
+    return Sandbox(LIMITS, audit=audit)
+
+
+def os_layers(caps) -> bool:
+    """Whether the layers below the audit hook can contain attacks on this machine."""
+    return caps["throwaway_uid"] and caps["pid_namespace"] and caps["mount_namespace"]
+
+
+def assert_contained(result, *kinds):
+    assert result.error in kinds, (result.error, result.stderr[-500:])
+    text = result.as_text()
+    assert "[error:" in text  # what the model reads back as the tool result
+    assert os.getpid() == MY_PID  # the test process is alive and itself
+
+
+MY_PID = os.getpid()
+
+
+def test_plain_code_runs_with_numpy_and_reports_its_layers(caps):
+    r = box().run("import numpy as np\nprint(int(np.arange(5).sum()), 6 * 7)")
+    assert r.ok and r.stdout.strip() == "10 42" and r.exit_code == 0
+    assert r.as_text() == "10 42"
+    assert caps["ran"] and caps["audit_hook"]
+    assert any("resource limits" in layer for layer in r.layers)
+
+
+def test_infinite_loop_is_stopped():
+    start = time.monotonic()
+    r = box().run("while True:\n    pass")
+    assert_contained(r, "cpu_time", "wall_time")
+    assert time.monotonic() - start < LIMITS.wall_seconds + 20
+
+
+def test_sleeping_forever_hits_the_wall_time_limit():
+    r = Sandbox(SandboxLimits(wall_seconds=1.5)).run("import time\ntime.sleep(600)")
+    assert_contained(r, "wall_time")
+    assert r.wall_seconds < 10
+
+
+def count_processes_of(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    n += any(line.startswith("Uid:") and int(line.split()[1]) == uid
+                             for line in f)
+            except OSError:
+                pass
+    return n
+
+
+FORK_BOMB = "import os\nwhile True:\n    os.fork()\n"
+
+
+def test_fork_bomb_is_refused(caps):
+    assert_contained(box().run(FORK_BOMB), "blocked")
+
+
+def test_fork_bomb_without_the_audit_hook_is_capped_and_killed(caps):
+    if not os_layers(caps):
+        pytest.skip("needs the throwaway uid (RLIMIT_NPROC) and a PID namespace")
+    before = len([p for p in os.listdir("/proc") if p.isdigit()])
+    r = box(audit=False).run(FORK_BOMB)
+    assert_contained(r, "exception", "blocked", "wall_time", "cpu_time", "killed")
+    uid = int(re.search(r"throwaway uid (\d+)", " ".join(r.layers)).group(1))
+    assert count_processes_of(uid) == 0  # nothing it started is still running
+    after = len([p for p in os.listdir("/proc") if p.isdigit()])
+    assert after < before + 8
+
+
+def test_allocating_10_gb_fails_with_a_memory_error():
+    r = box().run("x = bytearray(10 * 1024**3)\nprint(len(x))")
+    assert_contained(r, "memory")
+    assert "MemoryError" in r.stderr
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_writing_outside_the_workdir_changes_nothing(tmp_path, caps, audit):
+    if not audit and not os_layers(caps):
+        pytest.skip("needs the mount namespace and throwaway uid")
+    target = tmp_path / "pwned.txt"
+    code = (f"open({str(target)!r}, 'w').write('x')\n"
+            f"open('../escape.txt', 'w').write('x')\nprint('wrote')")
+    r = box(audit).run(code)
+    assert not target.exists()
+    assert not os.path.exists("/tmp/escape.txt")
+    if audit:
+        assert_contained(r, "blocked")
+    # without the hook the writes may succeed -- inside the private tmpfs, invisible here
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_reading_outside_the_workdir_is_refused(tmp_path, caps, audit):
+    if not audit and not os_layers(caps):
+        pytest.skip("needs the mount namespace and throwaway uid")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET")
+    secret.chmod(0o600)
+    r = box(audit).run(f"print(open({str(secret)!r}).read())")
+    assert "TOP-SECRET" not in r.stdout
+    assert_contained(r, "blocked", "exception")
+    r = box(audit).run(f"print(open({os.path.abspath(__file__)!r}).read()[:50])")
+    assert "sandbox against hostile code" not in r.stdout  # the project is hidden too
+    assert_contained(r, "blocked", "exception")
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_network_sockets_cannot_reach_anything(caps, audit):
+    if not audit and not caps["network_namespace"]:
+        pytest.skip("needs a network namespace")
+    code = ("import socket\ns = socket.socket()\ns.settimeout(2)\n"
+            "s.connect(('1.1.1.1', 80))\nprint('connected')")
+    r = box(audit).run(code)
+    assert "connected" not in r.stdout
+    assert_contained(r, "blocked", "exception")
+    if audit:
+        assert "socket" in r.stderr
+
+
+def test_printing_100_mb_is_cut_at_the_output_cap():
+    start = time.monotonic()
+    r = box().run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\n")
+    assert_contained(r, "output_limit")
+    assert len(r.stdout) <= LIMITS.output_bytes
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_killing_the_parent_or_the_trainer_fails(caps, audit):
+    if not audit and not os_layers(caps):
+        pytest.skip("needs the throwaway uid and a PID namespace")
+    # os.getppid() is the sandbox's supervisor (0 inside a PID namespace), never this
+    # process; the second attempt names this test process's pid outright.
+    code = (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+            f"os.kill({MY_PID}, signal.SIGKILL)\nprint('still here')")
+    r = box(audit).run(code)
+    assert os.getpid() == MY_PID  # we survived
+    if audit:
+        assert_contained(r, "blocked")
+    else:
+        assert r.error in ("exception", "blocked"), r.stderr  # PermissionError/ProcessLookup
+
+
+def test_sys_exit_is_reported_with_its_status():
+    r = box().run("import sys\nprint('bye')\nsys.exit(3)")
+    assert_contained(r, "exit")
+    assert r.exit_code == 3 and r.stdout.strip() == "bye"
+    r = box().run("import os\nos._exit(0)")
+    assert r.ok  # a clean exit is not an error
+
+
+def test_missing_module_is_an_exception_the_model_can_read():
+    r = run_python("import no_such_module_xyz", LIMITS)
+    assert_contained(r, "exception")
+    assert "ModuleNotFoundError: No module named 'no_such_module_xyz'" in r.as_text()
+
+
+def test_the_sandbox_leaves_no_working_directory_behind(caps):
+    if caps["mount_namespace"]:
+        pytest.skip("the working directory is a private tmpfs; nothing reaches the host")
+    before = {p for p in os.listdir("/tmp") if p.startswith("polyrl-sandbox-")}
+    box().run("open('x.txt', 'w').write('x')")
+    after = {p for p in os.listdir("/tmp") if p.startswith("polyrl-sandbox-")}
+    assert after <= before
