@@ -1,0 +1,97 @@
+"""The ``hf_vl`` engine: sampling from a Qwen-VL policy with images, on its own module.
+
+Like the core's HF engine (same RNG state, sampling rule and stop handling), plus images:
+``generate_vl(prompts, visions, params)`` prefills each prompt *once* (its images through
+the vision tower once), then repeats the KV cache for the prompt's ``n`` samples, so a
+group of ``n`` never processes its images ``n`` times. Decoding continues the M-RoPE
+positions after the prompt's largest position, as ``get_rope_index`` does for text that
+follows images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from polyrl.core.engine import Completion, HFEngine, SamplingParams, sample_next
+from polyrl.core.record import pad_left
+from polyrl.core.registry import ENGINES
+from polyrl.multimodal.vision import VisionInputs, decode_step, vl_forward
+
+
+class VLEngine(HFEngine):
+    """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                 ) -> list[Completion]:
+        return self.generate_vl(prompts, [None] * len(prompts), params)
+
+    @torch.no_grad()
+    def generate_vl(self, prompts: Sequence[Sequence[int]],
+                    visions: Sequence[VisionInputs | None], params: SamplingParams
+                    ) -> list[Completion]:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
+        if len(visions) != len(prompts):
+            raise ValueError(f"generate_vl: {len(visions)} vision inputs for {len(prompts)} "
+                             "prompts")
+        per_chunk = max(1, self.batch_size // max(1, params.n))
+        out: list[Completion] = []
+        for start in range(0, len(prompts), per_chunk):
+            idx = list(range(start, min(len(prompts), start + per_chunk)))
+            out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
+                                        [visions[i] for i in idx], params)
+        return out
+
+    def _generate_chunk(self, index: list[int], prompts: list[list[int]],
+                        visions: list[VisionInputs | None], params: SamplingParams
+                        ) -> list[Completion]:
+        model = self.policy.model
+        device = next(model.parameters()).device
+        stop_ids = set(params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+        logits, cache, pos = vl_forward(model, ids, mask, visions, logits_to_keep=1,
+                                        dummy_if_empty=False, use_cache=True)
+        next_pos = pos.amax(dim=(0, 2)) + 1  # text after the prompt continues from its max
+        n = params.n
+        if n > 1:  # the group shares the prompt's prefill (and its single vision pass)
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+        b = mask.shape[0]
+        tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
+        logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        last = logits[:, -1]
+        for t in range(params.max_new_tokens):
+            tok, lp = sample_next(last, params, self.gen)
+            tokens[:, t], logps[:, t] = tok, lp
+            finished = ~done & torch.isin(tok, stop_t)
+            if params.stop:
+                finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
+            lengths = torch.where(finished, t + 1, lengths)
+            done |= finished
+            if bool(done.all()) or t == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+            step_pos = next_pos.view(1, b, 1).expand(3, b, 1)
+            step_logits, cache = decode_step(model, tok[:, None], mask, step_pos, cache)
+            last = step_logits[:, -1]
+            next_pos = next_pos + 1
+        result = []
+        for k in range(b):
+            m = int(lengths[k])
+            tid = tokens[k, :m].tolist()
+            text = self.tokenizer.decode(tid, skip_special_tokens=True)
+            reason = "stop" if m < params.max_new_tokens or bool(done[k]) else "length"
+            result.append(Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text))
+        return result
+
+
+ENGINES.register("hf_vl", VLEngine)

@@ -1,0 +1,187 @@
+"""The ``qwen_vl`` policy kind: Qwen2-VL, Qwen2.5-VL and Qwen3-VL through `transformers`.
+
+It is the core's causal-LM policy (optimizer, schedule, reference, checkpoints, SFT
+optimizer, export) with a vision-language forward pass: each record row carries its
+prompt's processed images (the ``vision`` column a VL workflow writes, shared by the
+prompt's ``n`` samples), the vision tower runs once per distinct prompt in a micro-batch,
+and M-RoPE position ids come from the model's own ``get_rope_index`` over prompt and
+response. Rows without a ``vision`` column (the core's SFT warm start) are processed from
+the references their dataset row keeps. A batch without images runs the vision tower on a
+dummy patch with weight zero (safe under FSDP).
+
+``policies.<name>.args`` (all optional):
+
+- ``freeze_vision`` (false): the vision tower (and its merger) takes no gradient
+- ``lora_vision`` (false): with ``lora.r > 0``, put adapters on the vision tower too; by
+  default LoRA adapts only the language model
+- ``attn_implementation`` (transformers' default): e.g. ``sdpa``, ``eager``,
+  ``flash_attention_2``
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.policy import CausalLMPolicy, PolicyConfig, lr_lambda
+from polyrl.core.record import strings
+from polyrl.core.registry import POLICIES
+from polyrl.core.tiny import ensure_model
+from polyrl.multimodal import vision
+from polyrl.multimodal.data import VISION_FIELD
+
+VISION_LORA_TARGETS = ("qkv", "proj")  # attention projections of the Qwen-VL vision blocks
+
+
+@dataclass
+class VLPolicyOptions:
+    freeze_vision: bool = False
+    lora_vision: bool = False
+    attn_implementation: str | None = None
+
+    @classmethod
+    def parse(cls, args: dict, where: str) -> VLPolicyOptions:
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in args:
+            if key not in names:
+                hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+                raise ValueError(f"{where}: unknown option {key!r} of the qwen_vl policy kind"
+                                 + (f"; did you mean {hint[0]!r}?" if hint else "")
+                                 + f" Valid: {', '.join(names)}.")
+        return cls(**args)
+
+
+def lora_target_regex(names: list[str], with_vision: bool) -> str:
+    """A PEFT ``target_modules`` regex: the named linear layers of the language model only,
+    or of the vision tower too (``with_vision``)."""
+    text = "|".join(re.escape(n) for n in names)
+    if not with_vision:
+        return rf"^(?!.*\bvisual\b).*\.({text})$"
+    vis = "|".join(re.escape(n) for n in (*names, *VISION_LORA_TARGETS))
+    return rf"^(?:(?!.*\bvisual\b).*\.({text})|.*\bvisual\b.*\.({vis}))$"
+
+
+class QwenVLPolicy(CausalLMPolicy):
+    """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
+    default); see the module docstring for its options."""
+
+    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
+                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.options = VLPolicyOptions.parse(dict(cfg.args), f"policies.{name}.args")
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        self.tokenizer = self.load_tokenizer(cfg)
+        self.processor = self.tokenizer.polyrl_processor
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if self.options.attn_implementation:
+            kwargs["attn_implementation"] = self.options.attn_implementation
+        model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).to(self.device)
+        vision.parts(model)  # fail now, with a clear message, if this is not a Qwen-VL model
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if self.options.freeze_vision:
+            vision.parts(model).visual.requires_grad_(False)
+        self.reference: torch.nn.Module | None = None
+        if cfg.lora.r > 0:
+            from peft import LoraConfig as PeftLora
+            from peft import get_peft_model
+
+            model = get_peft_model(model, PeftLora(
+                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                target_modules=lora_target_regex(list(cfg.lora.target_modules),
+                                                 self.options.lora_vision)))
+        elif need_reference:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = model
+        self.model.train(False)
+        self.need_reference = need_reference
+        if not cfg.train:
+            self.model.requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay) if params else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+
+    @staticmethod
+    def load_tokenizer(cfg: PolicyConfig):
+        """The model's tokenizer, carrying its processor as ``polyrl_processor`` (the ``vl``
+        dataset kind resizes and counts image tokens with it)."""
+        from transformers import AutoProcessor
+
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        processor = AutoProcessor.from_pretrained(path)
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is None or not hasattr(processor, "image_processor"):
+            raise ValueError(f"{cfg.model!r}: AutoProcessor gave {type(processor).__name__}, not "
+                             "a vision-language processor; is this a Qwen-VL model?")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.polyrl_processor = processor
+        return tokenizer
+
+    # --- per-row images ----------------------------------------------------------------
+    def vision_rows(self, batch: TensorDict) -> list[vision.VisionInputs | None]:
+        """Each row's processed images: the record's ``vision`` column, or processed now
+        (once per distinct prompt) from the dataset row's references."""
+        n = batch.batch_size[0]
+        keys = set(batch.keys())
+        if "vision" in keys:
+            return list(strings(batch, "vision"))
+        if "meta" not in keys:
+            return [None] * n
+        done: dict[str, vision.VisionInputs] = {}
+        out: list[vision.VisionInputs | None] = []
+        for meta in strings(batch, "meta"):
+            row = meta.get("row") if isinstance(meta, dict) else None
+            spec = row.get(VISION_FIELD) if isinstance(row, dict) else None
+            if spec is None:
+                out.append(None)
+                continue
+            if spec.key not in done:
+                done[spec.key] = vision.process(spec, self.processor.image_processor)[0]
+            out.append(done[spec.key])
+        return out
+
+    # --- what the trainer calls -------------------------------------------------------
+    def _logprobs(self, model: torch.nn.Module, batch: TensorDict, temperature: float,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = self.vision_rows(batch)
+        t = {k: batch[k].to(self.device) for k in
+             ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        return vision.response_logprobs(
+            model, t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
+            rows, temperature, with_entropy)
+
+    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._logprobs(self.model, batch, temperature, with_entropy)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+        if self.reference is not None:
+            return self._logprobs(self.reference, batch, temperature, False)[0]
+        with self.model.disable_adapter():
+            return self._logprobs(self.model, batch, temperature, False)[0]
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Hugging Face format with the processor (a PEFT adapter folder for LoRA)."""
+        out = Path(out_dir)
+        self.model.save_pretrained(out)
+        self.processor.save_pretrained(out)
+        return out
+
+
+POLICIES.register("qwen_vl", QwenVLPolicy)

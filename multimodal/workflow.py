@@ -1,0 +1,127 @@
+"""The ``vl_single_turn`` workflow: one VL policy answers each image prompt ``n`` times.
+
+Per prompt, the images are decoded, resized and processed once (:func:`vision.process`);
+the ``n`` rows of the prompt's group share that one :class:`~vision.VisionInputs` object in
+the record's ``vision`` column, and the engine prefills the prompt once for all ``n``.
+``meta`` carries what image-aware rewards need: ``images`` (the resized RGB images the model
+saw, one list shared by the group), ``image_sizes`` (source width, height) and
+``resized_sizes``. Nothing outlives the step: the dataset keeps references only.
+
+Each evaluation (a rollout whose sampling settings differ from the training rollouts')
+draws the first answer to each held-out prompt under its image, with the ground truth, to
+``<run>/samples/eval_answers_<k>.png`` (up to 32 prompts; response in green where it equals
+the answer); the first is also ``answers_before.png`` and the latest ``answers_after.png``
+in the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tensordict import TensorDict
+
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import set_strings, text_record
+from polyrl.core.registry import WORKFLOWS
+from polyrl.core.workflow import Context
+from polyrl.multimodal import vision
+from polyrl.multimodal.data import processor_of
+from polyrl.multimodal.samples import MATCH, draw_sheet
+
+SHEET_PROMPTS = 32  # prompts drawn per evaluation sheet
+
+
+class VLSingleTurn:
+    def __init__(self, ctx: Context, policy: str | None = None) -> None:
+        name = policy or next(iter(ctx.policies))
+        if name not in ctx.policies:
+            raise KeyError(f"vl_single_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
+        self.name, self.engine = name, ctx.engines[name]
+        if not hasattr(self.engine, "generate_vl"):
+            raise TypeError(f"vl_single_turn: the engine of policy {name!r} "
+                            f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
+                            f"take images; set policies.{name}.engine.name=hf_vl (local backend)")
+        self.tokenizer = ctx.policies[name].tokenizer
+        self.processor = processor_of(self.tokenizer)
+        self.ctx = ctx
+        self.run_dir = ctx.extras.get("run_dir")
+        self._sheets = 0
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        """Config-time checks (called by the recipe): an image-capable engine, local mode."""
+        from polyrl.core.config import ConfigError
+        from polyrl.core.registry import ENGINES
+
+        name = cfg.rollout.args.get("policy") or next(iter(cfg.policies))
+        if name not in cfg.policies:
+            raise ConfigError(f"rollout.args.policy={name!r} is not one of the recipe's "
+                              f"policies {sorted(cfg.policies)}")
+        engine = cfg.policies[name].engine.name
+        if not hasattr(ENGINES.get(engine), "generate_vl"):
+            raise ConfigError(f"rollout.workflow=vl_single_turn needs an engine that takes "
+                              f"images; policies.{name}.engine.name={engine!r} does not. Set "
+                              f"it to hf_vl.")
+        if cfg.distributed.backend != "local":
+            raise ConfigError("rollout.workflow=vl_single_turn runs on the local backend only "
+                              "for now (the Ray backend's engine handle forwards generate() "
+                              "but not generate_vl()); set distributed.backend=local")
+
+    def rollout(self, items: list, params: SamplingParams) -> TensorDict:
+        visions, images = [], []
+        for it in items:
+            spec = getattr(it, "vision", None)
+            if spec is None:
+                visions.append(None)
+                images.append([])
+                continue
+            v, imgs = vision.process(spec, self.processor.image_processor)
+            visions.append(v)
+            images.append(imgs)
+        outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params)
+        metas = [{"answer": it.answer, "row": it.row, "images": images[k],
+                  "image_sizes": list(v.sizes) if v else [],
+                  "resized_sizes": list(v.resized) if v else []}
+                 for k, (it, v) in enumerate(zip(items, visions, strict=True))]
+        rows = [items[o.prompt_index] for o in outs]
+        record = text_record(
+            prompt_ids=[it.prompt_ids for it in rows],
+            response_ids=[o.token_ids for o in outs],
+            rollout_logprobs=[o.logprobs for o in outs],
+            policy=[self.name] * len(outs),
+            uid=[it.uid for it in rows],
+            pad_id=self.tokenizer.pad_token_id,
+            prompt_text=[it.prompt_text for it in rows],
+            response_text=[o.text for o in outs],
+            meta=[metas[o.prompt_index] for o in outs],
+            truncated=[o.finish_reason == "length" for o in outs],
+        )
+        set_strings(record, "vision", [visions[o.prompt_index] for o in outs])
+        if self.run_dir is not None and self.ctx.cfg is not None \
+                and params != self.ctx.sampling():
+            self.write_sheet(items, images, outs)
+        return record
+
+    def write_sheet(self, items: list, images: list[list], outs: list) -> Path:
+        """The evaluation's answers under their images (first answer per prompt)."""
+        first: dict[int, str] = {}
+        for o in outs:
+            first.setdefault(o.prompt_index, o.text)
+        cells = []
+        for k in sorted(first)[:SHEET_PROMPTS]:
+            response, answer = first[k].strip(), str(items[k].answer).strip()
+            colour = MATCH if response.lower() == answer.lower() else (0, 0, 0)
+            cells.append((images[k][0] if images[k] else None, response, answer, colour))
+        run = Path(self.run_dir)
+        out = run / "samples" / f"eval_answers_{self._sheets:06d}.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sheet = draw_sheet(cells)
+        sheet.save(out)
+        if self._sheets == 0 and not (run / "answers_before.png").exists():
+            sheet.save(run / "answers_before.png")
+        sheet.save(run / "answers_after.png")
+        self._sheets += 1
+        return out
+
+
+WORKFLOWS.register("vl_single_turn", VLSingleTurn)
