@@ -1,0 +1,49 @@
+"""polyrl.marl: several LLM agents that learn to work together.
+
+Importing the package registers its parts in the core's registries: the multi-agent
+workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator``), the
+``magrpo`` credit assignment and the ``max_baseline`` advantage, the ``lora_agent`` policy
+kind (one LoRA adapter per agent on a shared base) and the ``signaling`` task.
+
+Write your own workflow as an async function over the agent API::
+
+    from polyrl.marl import workflow
+
+    @workflow("my_flow", agents={"writer": "You write.", "critic": "You critique."})
+    async def my_flow(ep, team):
+        drafts = await team["writer"].act(ep.task, n=ep.G)
+        notes = await ep.gather(team["critic"].act(d.text) for d in drafts)
+        for d, c in zip(drafts, notes):
+            ep.joint([d, c], final=c.text)
+"""
+
+from polyrl.marl import credit, lora, signaling, workflows
+from polyrl.marl.config import AgentSpec, CreditOptions, MarlArgs
+from polyrl.marl.runtime import (
+    JOINT_POLICY,
+    AgentHandle,
+    Episode,
+    Joint,
+    MarlWorkflow,
+    Message,
+    Team,
+    workflow,
+)
+
+__all__ = [
+    "JOINT_POLICY",
+    "AgentHandle",
+    "AgentSpec",
+    "CreditOptions",
+    "Episode",
+    "Joint",
+    "MarlArgs",
+    "MarlWorkflow",
+    "Message",
+    "Team",
+    "credit",
+    "lora",
+    "signaling",
+    "workflow",
+    "workflows",
+]

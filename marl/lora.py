@@ -1,0 +1,150 @@
+"""``lora_agent``: one shared base model, one LoRA adapter (and optimizer) per policy.
+
+Several policies with ``kind: lora_agent`` and the same ``model`` load the base weights
+once (kept in the session's ``shared`` dict) and each adds its own PEFT adapter, named after
+the policy. Before any forward (generation, log-probs, update) the policy activates its
+adapter, so its gradients reach only its adapter; the base weights never train. The
+reference model is the base with the adapters disabled. Checkpoints and exports hold the
+adapter only.
+
+    policies:
+      speaker:  {model: ..., kind: lora_agent, lora: {r: 8}}
+      listener: {model: ..., kind: lora_agent, lora: {r: 8}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.policy import CausalLMPolicy, lr_lambda, response_logprobs
+from polyrl.core.registry import POLICIES
+from polyrl.core.tiny import ensure_model
+
+
+class LoraAgentPolicy:
+    """A policy that is one named LoRA adapter on a base model shared with other policies."""
+
+    load_tokenizer = staticmethod(CausalLMPolicy.load_tokenizer)
+
+    def __init__(self, name: str, cfg: Any, *, total_steps: int, need_reference: bool,
+                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
+        from peft import LoraConfig as PeftLora
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        if cfg.lora.r <= 0:
+            raise ValueError(f"policy {name!r}: kind lora_agent needs lora.r > 0 (got {cfg.lora.r})")
+        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.adapter = name
+        self.need_reference = need_reference
+        self.reference = None
+        path = ensure_model(cfg.model, cfg.build, cfg.build_args)
+        self.tokenizer = self.load_tokenizer(cfg)
+        peft_cfg = PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                            target_modules=list(cfg.lora.target_modules))
+        shared = {} if shared is None else shared
+        key = ("lora_agent", str(Path(path).expanduser().resolve()), cfg.dtype, str(self.device))
+        if key not in shared:
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+            if cfg.gradient_checkpointing:
+                base.gradient_checkpointing_enable()
+            shared[key] = get_peft_model(base, peft_cfg, adapter_name=name)
+        else:
+            if name in shared[key].peft_config:
+                raise ValueError(f"policy {name!r}: an adapter of that name already exists")
+            shared[key].add_adapter(name, peft_cfg)
+        self._peft = shared[key]
+        self._peft.train(False)
+        marker = (f".lora_A.{name}.", f".lora_B.{name}.")
+        self._own = {k: p for k, p in self._peft.named_parameters() if any(m in k for m in marker)}
+        for p in self._own.values():
+            p.requires_grad_(bool(cfg.train))
+        params = list(self._own.values()) if cfg.train else []
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay) if params else None
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The shared PEFT model with this policy's adapter active (and only it trainable)."""
+        if self._peft.active_adapter != self.adapter:
+            self._peft.set_adapter(self.adapter)
+        for k, p in self._peft.named_parameters():  # set_adapter re-enables grads; pin ours
+            if "lora_" in k:
+                p.requires_grad_(k in self._own and bool(self.cfg.train))
+        return self._peft
+
+    # --- what the trainer calls -------------------------------------------------------
+    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+        model = self.model
+        with model.disable_adapter():
+            return response_logprobs(model, batch.to(self.device), temperature)[0]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self._own.items()}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(set(state) - set(self._own))
+        if unknown or len(state) != len(self._own):
+            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match adapter "
+                               f"{self.adapter!r} (unexpected {unknown[:3]})")
+        with torch.no_grad():
+            for k, v in state.items():
+                self._own[k].copy_(v)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": self.trainable_state(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_trainable_state(state["weights"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    @contextlib.contextmanager
+    def sft_optimizer(self, lr: float | None):
+        saved = self.optimizer, self.scheduler
+        self.optimizer = torch.optim.AdamW(list(self._own.values()), lr=lr or self.cfg.optim.lr,
+                                           weight_decay=self.cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        try:
+            yield
+        finally:
+            self.optimizer, self.scheduler = saved
+
+    def named_weights(self):
+        """Base weights with this adapter merged in, under the base model's names."""
+        merged = copy.deepcopy(self.model)
+        merged.set_adapter(self.adapter)
+        return merged.merge_and_unload(adapter_names=[self.adapter]).state_dict().items()
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """The shared base weights (what no adapter may change), for checks."""
+        return {k: v.detach().clone() for k, v in self._peft.named_parameters() if "lora_" not in k}
+
+    def export(self, out_dir: str | Path) -> Path:
+        """This adapter in PEFT format (adapter_config.json + weights) plus the tokenizer."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, selected_adapters=[self.adapter])
+        self.tokenizer.save_pretrained(out)
+        return out
+
+
+POLICIES.register("lora_agent", LoraAgentPolicy)

@@ -1,0 +1,115 @@
+"""Built-in multi-agent workflows; each is a short template to copy for your own.
+
+All take the recipe's agents in the order ``rollout.args.agents`` lists them, sample
+``ep.G`` (``rollout.n``) lines per prompt, and declare one joint action per line (or per
+combination, in cross mode) whose ``final`` text the recipe's reward terms score.
+
+- ``parallel``: every agent answers the task at once, blind to the others.
+- ``chain``: agents in order; each sees the task and the previous agent's output.
+- ``debate``: N agents x R rounds; from round 2 each sees the others' last answers.
+  One joint action per round (per-turn rewards), final = majority answer.
+- ``aggregator``: mixture of agents; the proposers answer, the aggregator combines.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from polyrl.core.rewards import extract_answer, normalize_answer
+from polyrl.marl.runtime import workflow
+
+
+def _task(ep) -> str:
+    return ep.task if isinstance(ep.task, str) else str(ep.task)
+
+
+def majority(texts: list[str]) -> str:
+    """The most common extracted answer (ties: the earliest)."""
+    answers = [normalize_answer(extract_answer(t)) for t in texts]
+    counts = Counter(answers)
+    best = max(counts.values())
+    return next(a for a in answers if counts[a] == best)
+
+
+@workflow("parallel", joints=("aligned", "cross"))
+async def parallel(ep, team, final: str = "concat", separator: str = "\n"):
+    """Every agent answers the task independently (n=G each); joint actions are aligned or
+    the cross product. ``final``: concat (the agents' texts joined), vote (majority answer)
+    or last (the last agent's text)."""
+    if final not in ("concat", "vote", "last"):
+        raise ValueError(f"parallel: final must be concat, vote or last, not {final!r}")
+    names = list(team)
+    samples = await ep.gather(team[n].act(_task(ep), n=ep.G) for n in names)
+
+    def combine(msgs):
+        texts = [m.text for m in msgs]
+        if final == "vote":
+            return majority(texts)
+        return texts[-1] if final == "last" else separator.join(texts)
+
+    ep.combine(samples, combine)
+
+
+@workflow("chain")
+async def chain(ep, team, template: str = "{task}\n\n{previous}"):
+    """Agents in order: the first samples G lines, each next agent continues each line
+    once, seeing the task and the previous agent's output. Final: the last output."""
+    names = list(team)
+    lines = [[m] for m in await team[names[0]].act(_task(ep), n=ep.G)]
+    for name in names[1:]:
+        nxt = await ep.gather(team[name].act(template.format(task=_task(ep), previous=line[-1].text))
+                              for line in lines)
+        for line, m in zip(lines, nxt, strict=True):
+            line.append(m)
+    for line in lines:
+        ep.joint(line, final=line[-1].text)
+
+
+@workflow("debate", min_agents=2)
+async def debate(ep, team, rounds: int = 2,
+                 template: str = "{task}\n\nOther answers:\n{others}\n\nYour answer:"):
+    """N agents x R rounds. Round 1: each answers alone (G aligned lines). Later rounds:
+    each agent sees the others' previous answers in its line. Every round is a joint action
+    (scored: per-turn rewards) whose final text is the majority answer; the next round's
+    joint is its child, so returns are r_t + gamma * R_{t+1}. With ``tree: true`` every
+    line branches into G children per round (G^R leaves)."""
+    if rounds < 1:
+        raise ValueError(f"debate: rounds must be >= 1, got {rounds}")
+    names = list(team)
+    first = await ep.gather(team[n].act(_task(ep), n=ep.G) for n in names)
+    frontier = ep.combine(first, lambda msgs: majority([m.text for m in msgs]))
+    width = ep.G if ep.tree else 1
+
+    async def next_round(parent):
+        prev = {m.agent: m.text for m in parent.messages}
+
+        def prompt(me):
+            others = "\n".join(f"- {a}: {t.strip()}" for a, t in prev.items() if a != me)
+            return template.format(task=_task(ep), others=others)
+
+        acts = await ep.gather(team[n].act(prompt(n), n=width) for n in names)
+        return ep.combine(acts, lambda msgs: majority([m.text for m in msgs]), parent=parent)
+
+    for _ in range(rounds - 1):  # all lines of a round at once: one generate per policy
+        frontier = [j for js in await ep.gather(next_round(p) for p in frontier) for j in js]
+
+
+@workflow("aggregator", min_agents=2)
+async def aggregator(ep, team, aggregator: str = "",
+                     template: str = "{task}\n\nProposals:\n{proposals}\n\nCombined answer:"):
+    """Mixture of agents: every proposer answers (G aligned lines); the aggregator (the
+    agent named by ``aggregator``, default the last) reads each line's proposals and writes
+    the final answer."""
+    names = list(team)
+    agg = aggregator or names[-1]
+    if agg not in team:
+        raise ValueError(f"aggregator: no agent {agg!r}; agents are {names}")
+    proposers = [n for n in names if n != agg]
+    props = await ep.gather(team[n].act(_task(ep), n=ep.G) for n in proposers)
+    lines = list(zip(*props, strict=True))
+    finals = await ep.gather(
+        team[agg].act(template.format(task=_task(ep), proposals="\n".join(
+            f"- {m.agent}: {m.text.strip()}" for m in line)))
+        for line in lines)
+    for line, f in zip(lines, finals, strict=True):
+        ep.joint([*line, f], final=f.text)
