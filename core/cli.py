@@ -11,15 +11,20 @@ from pathlib import Path
 
 import torch
 
+# The embedded default: what `polyrl train` with no recipe runs (the README's main job).
+DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "arithmetic_grpo.yaml"
 
-def _load(recipe: str, overrides: list[str]):
+
+def _load(recipe: str | None, overrides: list[str]):
     import polyrl.core  # noqa: F401  (registers the core's parts)
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
     from polyrl.core.registry import load_plugins
 
     load_plugins()
-    return load(Config, recipe, overrides)
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        recipe, overrides = None, [recipe, *overrides]  # `polyrl train key=value ...`
+    return load(Config, DEFAULT_RECIPE if recipe is None else recipe, overrides)
 
 
 def _latest_run(pattern_dir: str, name: str) -> str:
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a recipe")
-    t.add_argument("recipe")
+    t.add_argument("recipe", nargs="?", default=None,
+                   help="recipe YAML (default: the embedded demo, core/recipes/arithmetic_grpo.yaml)")
     t.add_argument("overrides", nargs="*", help="key.sub=value")
     t.add_argument("--resume", nargs="?", const="", default=None,
                    help="continue the last complete checkpoint (of RUN_DIR, or the newest run)")

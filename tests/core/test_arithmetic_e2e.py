@@ -19,7 +19,7 @@ def accuracy_after_sft_and_grpo(run_dir) -> tuple[float, float]:
     return evals[0], evals[-1]
 
 
-RECIPE = Path(__file__).parents[2] / "examples" / "arithmetic_grpo.yaml"
+RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
 
 
 @pytest.mark.slow

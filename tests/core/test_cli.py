@@ -156,3 +156,14 @@ def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path):
     recipe, _, _ = trained
     with pytest.raises(SystemExit, match="no complete checkpoint"):
         main(["eval", str(recipe), "--run-dir", str(tmp_path / "not-a-run")])
+
+
+def test_train_without_a_recipe_uses_the_embedded_default():
+    """`polyrl train [key=value ...]`: the README's main job needs no recipe path."""
+    from polyrl.core.cli import DEFAULT_RECIPE, _load
+
+    assert DEFAULT_RECIPE.is_file()
+    cfg = _load(None, ["train.steps=3"])
+    assert cfg.task.name == "arithmetic" and cfg.train.steps == 3
+    cfg = _load("train.steps=2", ["seed=5"])  # the first override lands where a recipe would
+    assert cfg.train.steps == 2 and cfg.seed == 5 and cfg.task.name == "arithmetic"
