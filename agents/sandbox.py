@@ -197,7 +197,7 @@ class Sandbox:
         result = SandboxResult(rep["stdout"], rep["stderr"], rep["exit_code"], rep["signal"],
                                "", rep["wall_seconds"], rep["cpu_seconds"], rep["output_bytes"],
                                rep["layers"], rep["notes"])
-        result.error = _classify(rep, result)
+        result.error = _classify(rep, result, float(self.limits.cpu_seconds))
         return result
 
 
@@ -206,11 +206,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _classify(rep: dict, r: SandboxResult) -> str:
+def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
     if rep["killed"]:
         return rep["killed"]
-    if r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.cpu_seconds >= 1.0
-                                      and r.exit_code is None and "cpu" in r.stderr.lower()):
+    # SIGXCPU at the soft CPU limit, or SIGKILL at the hard one: the kernel sends SIGKILL
+    # when SIGXCPU is ignored, as it is for a PID-namespace init (the worker is PID 1 there)
+    if r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.exit_code is None and (
+            r.cpu_seconds >= 0.9 * cpu_limit or "cpu" in r.stderr.lower())):
         return "cpu_time"
     if r.stderr.startswith("sandbox setup failed") or r.exit_code == 126:
         return "sandbox"
