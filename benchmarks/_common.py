@@ -405,7 +405,9 @@ class PolyRLStepper:
 
             def batch_select_indices(cache, indices):
                 select(cache, indices)
-                if state["live"] is not None:
+                # step 0: the engine expands each distinct prompt's cache to its group's rows
+                # (rows keep their order); later calls drop finished rows
+                if state["live"] is not None and state["step"] > 0:
                     state["live"] = state["live"][indices.cpu()]
 
             engine_mod.sample_next = sample_next
