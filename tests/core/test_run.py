@@ -361,7 +361,9 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     ta, tb = _load(ckpt_a, "trainer"), _load(final, "trainer")
     assert ta["sampler"] == tb["sampler"] == {"epoch": 1, "position": 24}  # end of the 2nd epoch
     assert torch.equal(ta["gen"], tb["gen"]) and torch.equal(ta["rng"]["torch"], tb["rng"]["torch"])
-    assert torch.equal(ta["engines"]["main"]["rng"], tb["engines"]["main"]["rng"])
+    ea, eb = ta["engines"]["main"], tb["engines"]["main"]  # engine.name auto: {choice, inner}
+    assert ea["choice"] == eb["choice"] == "hf"
+    assert torch.equal(ea["inner"]["rng"], eb["inner"]["rng"])
 
     from safetensors.torch import load_file
 
