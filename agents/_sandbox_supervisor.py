@@ -27,10 +27,20 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
     1, 2, 4, 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-# Top-level directories replaced by empty tmpfs mounts in the worker's private mount
-# namespace (the Python installation is mounted back read-only where it lives below them).
-HIDE = ("/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run", "/mnt", "/media", "/srv",
-        "/opt", "/work", "/workspace", "/data", "/var/lib", "/var/log", "/var/cache")
+# Top-level directories the worker keeps (system files it needs to run Python); every
+# other top-level directory -- wherever the project, its data or the user's home live --
+# is replaced by an empty tmpfs in the worker's private mount namespace, and the Python
+# installation is mounted back read-only where it lives below them. An allowlist, because
+# a list of places to hide misses the one a machine happens to use (``/check/...``).
+KEEP = frozenset({"/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc",
+                  "/proc", "/dev", "/sys"})
+EXTRA_HIDE = ("/dev/shm",)
+
+
+def _to_hide() -> list:
+    tops = [f"/{d}" for d in sorted(os.listdir("/"))]
+    return [h for h in tops + list(EXTRA_HIDE)
+            if h not in KEEP and os.path.isdir(h) and not os.path.islink(h)]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -79,8 +89,8 @@ def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
         os.mkdir(f"{stage}/{k}")
         _mount(p, f"{stage}/{k}", None, MS_BIND | MS_REC)
     hidden = []
-    for h in HIDE:
-        if h == "/tmp" or not os.path.isdir(h) or os.path.islink(h):
+    for h in _to_hide():
+        if h == "/tmp":
             continue
         _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
         hidden.append(h)

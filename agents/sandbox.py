@@ -24,8 +24,9 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    ones are allowed): a *network* namespace with no interfaces (no socket can reach
    anything), a *PID* namespace whose init is the worker (killing it kills every process
    the code started, even ones that left the process group), and a *mount* namespace in
-   which user and project directories (``/root``, ``/home``, ``/tmp``, ``/work``, ...)
-   are replaced by empty tmpfs mounts, the Python installation is mounted back read-only,
+   which every top-level directory but the system ones (``/usr``, ``/lib``, ``/etc``,
+   ``/proc``, ``/dev``, ...) is replaced by an empty tmpfs mount (homes, ``/tmp``, the
+   project wherever it lives), the Python installation is mounted back read-only,
    and the working directory is a fresh, size-limited tmpfs that vanishes with the run.
 4. **A throwaway uid** (as root): the worker drops to a random unused uid with no
    groups and ``no_new_privs``. It owns no file, so it can write nothing outside the
