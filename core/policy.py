@@ -208,39 +208,22 @@ class CausalLMPolicy:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""
-        return {k: v.detach().cpu() for k, v in self.model.named_parameters() if v.requires_grad} \
-            if self.cfg.lora.r > 0 else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return trainable_weights(self.model, lora=self.cfg.lora.r > 0)
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or (self.cfg.lora.r == 0 and missing):
-            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the model "
-                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        load_weights(self.name, self.model, state, lora=self.cfg.lora.r > 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer and schedule: what a checkpoint holds for this policy."""
-        return {"weights": self.trainable_state(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        return checkpoint_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_trainable_state(state["weights"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        load_checkpoint_state(self, state)
 
-    @contextlib.contextmanager
     def sft_optimizer(self, lr: float | None):
         """A constant-rate optimizer for a supervised warm start; RL then starts afresh."""
-        saved = self.optimizer, self.scheduler
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=lr or self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        try:
-            yield
-        finally:
-            self.optimizer, self.scheduler = saved
+        return warm_start_optimizer(self, [p for p in self.model.parameters() if p.requires_grad],
+                                    lr)
 
     def named_weights(self):
         """Full (merged) weights under the base model's names, for engine weight sync."""
@@ -255,6 +238,51 @@ class CausalLMPolicy:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+# --- state helpers every policy kind shares (diffusion and marl kinds call them too) -----
+def trainable_weights(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint must hold: the trainable (adapter) ones under LoRA, else all."""
+    if lora:
+        return {k: v.detach().cpu() for k, v in model.named_parameters() if v.requires_grad}
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_weights(name: str, model: torch.nn.Module, state: dict[str, torch.Tensor],
+                 lora: bool) -> None:
+    """Load :func:`trainable_weights` back; a mismatch names the policy and the keys."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or (not lora and missing):
+        raise RuntimeError(f"policy {name!r}: checkpoint does not match the model "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def checkpoint_state(policy: Any) -> dict[str, Any]:
+    """Weights, optimizer and schedule of ``policy``: what a checkpoint holds for it."""
+    return {"weights": policy.trainable_state(),
+            "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
+            "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
+
+
+def load_checkpoint_state(policy: Any, state: dict[str, Any]) -> None:
+    policy.load_trainable_state(state["weights"])
+    if policy.optimizer is not None:
+        policy.optimizer.load_state_dict(state["optimizer"])
+        policy.scheduler.load_state_dict(state["scheduler"])
+
+
+@contextlib.contextmanager
+def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: float | None):
+    """Swap in a constant-rate AdamW over ``params`` for a supervised warm start; the RL
+    optimizer and schedule come back untouched afterwards."""
+    saved = policy.optimizer, policy.scheduler
+    policy.optimizer = torch.optim.AdamW(params, lr=lr or policy.cfg.optim.lr,
+                                         weight_decay=policy.cfg.optim.weight_decay)
+    policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
+    try:
+        yield
+    finally:
+        policy.optimizer, policy.scheduler = saved
 
 
 POLICIES.register("causal_lm", CausalLMPolicy)

@@ -34,7 +34,16 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc, doc_factory, from_dict
-from polyrl.core.policy import LoraConfig, PolicyConfig, lr_lambda
+from polyrl.core.policy import (
+    LoraConfig,
+    PolicyConfig,
+    checkpoint_state,
+    load_checkpoint_state,
+    load_weights,
+    lr_lambda,
+    trainable_weights,
+    warm_start_optimizer,
+)
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
@@ -316,39 +325,20 @@ class DiffusionPolicy:
 
     # --- state --------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, Tensor]:
-        if self.cfg.lora.r > 0:
-            return {k: v.detach().cpu() for k, v in self.model.named_parameters()
-                    if v.requires_grad}
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return trainable_weights(self.model, lora=self.cfg.lora.r > 0)
 
     def load_trainable_state(self, state: dict[str, Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or (self.cfg.lora.r == 0 and missing):
-            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the model "
-                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        load_weights(self.name, self.model, state, lora=self.cfg.lora.r > 0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.trainable_state(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        return checkpoint_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_trainable_state(state["weights"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        load_checkpoint_state(self, state)
 
-    @contextlib.contextmanager
     def sft_optimizer(self, lr: float | None):
-        saved = self.optimizer, self.scheduler
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=lr or self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        try:
-            yield
-        finally:
-            self.optimizer, self.scheduler = saved
+        return warm_start_optimizer(self, [p for p in self.model.parameters() if p.requires_grad],
+                                    lr)
 
     def named_weights(self):
         if self.cfg.lora.r > 0:

@@ -14,7 +14,6 @@ adapter only.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.policy import CausalLMPolicy, lr_lambda, response_logprobs
+from polyrl.core.policy import (
+    CausalLMPolicy,
+    checkpoint_state,
+    load_checkpoint_state,
+    lr_lambda,
+    response_logprobs,
+    warm_start_optimizer,
+)
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 
@@ -107,26 +113,13 @@ class LoraAgentPolicy:
                 self._own[k].copy_(v)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"weights": self.trainable_state(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        return checkpoint_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_trainable_state(state["weights"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        load_checkpoint_state(self, state)
 
-    @contextlib.contextmanager
     def sft_optimizer(self, lr: float | None):
-        saved = self.optimizer, self.scheduler
-        self.optimizer = torch.optim.AdamW(list(self._own.values()), lr=lr or self.cfg.optim.lr,
-                                           weight_decay=self.cfg.optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        try:
-            yield
-        finally:
-            self.optimizer, self.scheduler = saved
+        return warm_start_optimizer(self, list(self._own.values()), lr)
 
     def named_weights(self):
         """Base weights with this adapter merged in, under the base model's names."""
