@@ -140,6 +140,34 @@ def build_tiny_qwen2(
     return model
 
 
+def pretrain(model: Any, tokenizer: Any, texts: list[str], steps: int, lr: float,
+             seed: int, batch_size: int = 32) -> None:
+    """Next-token training of ``model`` on ``texts`` (padded batches, pad tokens masked)."""
+    import torch
+
+    rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    pad = tokenizer.pad_token_id
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            pick = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
+            width = max(len(rows[i]) for i in pick)
+            ids = torch.full((batch_size, width), pad, dtype=torch.long)
+            mask = torch.zeros((batch_size, width), dtype=torch.long)
+            for j, i in enumerate(pick):
+                ids[j, :len(rows[i])] = torch.tensor(rows[i])
+                mask[j, :len(rows[i])] = 1
+            labels = ids.masked_fill(mask == 0, -100)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether ``path`` holds a finished checkpoint (weights, config and tokenizer)."""
     p = Path(path).expanduser()
@@ -153,11 +181,16 @@ def tiny_qwen2(
     corpus: str = "arithmetic",
     vocab_size: int = 128,
     seed: int = 0,
+    pretrain_steps: int = 0,
+    pretrain_lr: float = 1e-3,
     **model_kwargs: Any,
 ) -> Path:
     """Build a tiny Qwen2 + tokenizer at ``path`` (once), trained on task ``corpus``'s texts.
 
-    The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
+    The tokenizer is trained on the corpus; with ``pretrain_steps`` the model is too
+    (next-token loss over the corpus texts, batches of 32, AdamW at ``pretrain_lr``,
+    deterministic in ``seed``): a base that knows the task's language, as a real pretrained
+    model would -- what a recipe that trains only LoRA adapters on top needs. The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
     crash or a concurrent builder never leaves a half-written model. A complete checkpoint
     already at ``path`` is returned untouched.
     """
@@ -168,6 +201,8 @@ def tiny_qwen2(
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
     tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
     model = build_tiny_qwen2(tokenizer, seed=seed, **model_kwargs)
+    if pretrain_steps:
+        pretrain(model, tokenizer, TASKS.get(corpus).corpus(), pretrain_steps, pretrain_lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

@@ -191,3 +191,24 @@ def test_corpus_covers_task_text(tok):
         assert set(r["prompt"] + r["answer"]) <= chars
         ids = tok(r["prompt"], add_special_tokens=False)["input_ids"]
         assert len(ids) <= 10 and tok.decode(ids) == r["prompt"]
+
+
+def corpus_nll(path) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    losses = []
+    with torch.no_grad():
+        for text in arithmetic.corpus()[:16]:
+            ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+            losses.append(float(model(input_ids=ids, labels=ids).loss))
+    return sum(losses) / len(losses)
+
+
+def test_pretrained_build_knows_its_corpus_and_is_deterministic(built, tmp_path):
+    first = MODELS.get("tiny_qwen2")(tmp_path / "pt", pretrain_steps=30, pretrain_lr=3e-3)
+    again = MODELS.get("tiny_qwen2")(tmp_path / "pt2", pretrain_steps=30, pretrain_lr=3e-3)
+    assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    before, after = corpus_nll(built), corpus_nll(first)
+    assert after < before - 1.0, (before, after)
