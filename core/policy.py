@@ -156,27 +156,9 @@ class CausalLMPolicy:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.reference: torch.nn.Module | None = None
-        if cfg.lora.r > 0:
-            from peft import LoraConfig as PeftLora
-            from peft import get_peft_model
-
-            model = get_peft_model(model, PeftLora(
-                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                target_modules=cfg.lora.target_modules))
-        elif need_reference:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.model = model
-        self.model.train(False)
         self.need_reference = need_reference
-        if not cfg.train:
-            self.model.requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay) if params else None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+        self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
+            model, cfg, need_reference=need_reference, total_steps=total_steps)
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
@@ -238,6 +220,37 @@ class CausalLMPolicy:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def prepare_for_training(model: torch.nn.Module, cfg: PolicyConfig, *, need_reference: bool,
+                         total_steps: int, lora_targets: Any = None) -> tuple:
+    """LoRA wrap (or a frozen reference copy), freezing and the RL optimizer + schedule.
+
+    Returns ``(model, reference, optimizer, scheduler)``; ``reference`` is None under LoRA
+    (the base with the adapter disabled is the reference) or when no KL needs it, and the
+    optimizer is None for a frozen policy. ``lora_targets``: PEFT ``target_modules``
+    (default ``cfg.lora.target_modules``), e.g. a regex that leaves a vision tower out.
+    """
+    reference = None
+    if cfg.lora.r > 0:
+        from peft import LoraConfig as PeftLora
+        from peft import get_peft_model
+
+        model = get_peft_model(model, PeftLora(
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules if lora_targets is None else lora_targets))
+    elif need_reference:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    model.train(False)
+    if not cfg.train:
+        model.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return model, reference, None, None
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+    return model, reference, optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.optim, total_steps))
 
 
 # --- state helpers every policy kind shares (diffusion and marl kinds call them too) -----

@@ -20,7 +20,6 @@ dummy patch with weight zero (safe under FSDP).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import re
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig, lr_lambda
+from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
@@ -92,28 +91,10 @@ class QwenVLPolicy(CausalLMPolicy):
             model.gradient_checkpointing_enable()
         if self.options.freeze_vision:
             vision.parts(model).visual.requires_grad_(False)
-        self.reference: torch.nn.Module | None = None
-        if cfg.lora.r > 0:
-            from peft import LoraConfig as PeftLora
-            from peft import get_peft_model
-
-            model = get_peft_model(model, PeftLora(
-                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                target_modules=lora_target_regex(list(cfg.lora.target_modules),
-                                                 self.options.lora_vision)))
-        elif need_reference:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.model = model
-        self.model.train(False)
         self.need_reference = need_reference
-        if not cfg.train:
-            self.model.requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay) if params else None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+        self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
+            model, cfg, need_reference=need_reference, total_steps=total_steps,
+            lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision))
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
