@@ -19,11 +19,13 @@ def _load(recipe: str | None, overrides: list[str]):
     import polyrl.core  # noqa: F401  (registers the core's parts)
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
-    from polyrl.core.registry import load_plugins
+    from polyrl.core.registry import RECIPES, load_plugins
 
     load_plugins()
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
         recipe, overrides = None, [recipe, *overrides]  # `polyrl train key=value ...`
+    if recipe is not None and not Path(recipe).exists() and re.fullmatch(r"[\w-]+", recipe):
+        recipe = str(RECIPES.get(recipe))  # a packaged recipe by name: `polyrl train signaling`
     return load(Config, DEFAULT_RECIPE if recipe is None else recipe, overrides)
 
 
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a recipe")
     t.add_argument("recipe", nargs="?", default=None,
-                   help="recipe YAML (default: the embedded demo, core/recipes/arithmetic_grpo.yaml)")
+                   help="recipe YAML, or the name of a packaged recipe (arithmetic, signaling); "
+                        "default: core/recipes/arithmetic_grpo.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value")
     t.add_argument("--resume", nargs="?", const="", default=None,
                    help="continue the last complete checkpoint (of RUN_DIR, or the newest run)")

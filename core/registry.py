@@ -123,3 +123,5 @@ TASKS: Registry[Callable] = Registry("task")
 DATASETS: Registry[Callable] = Registry("dataset kind")
 ENVIRONMENTS: Registry[Callable] = Registry("environment")
 BACKENDS: Registry[Callable] = Registry("distributed backend")
+# Recipes shipped inside a package, runnable by name (`polyrl train signaling`).
+RECIPES: Registry[Any] = Registry("packaged recipe")

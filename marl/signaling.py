@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from polyrl.core.registry import TASKS
+from polyrl.core.registry import RECIPES, TASKS
 from polyrl.marl.runtime import workflow
 
 OBJECTS = ("apple", "ball", "cat", "dog", "egg", "fish", "hat", "key")
@@ -171,6 +171,8 @@ def corpus() -> list[str]:
 
 
 TASKS.register("signaling", sys.modules[__name__])
+# The README's main demo: `polyrl train signaling` (the recipe ships inside the package).
+RECIPES.register("signaling", Path(__file__).parent / "recipes" / "signaling_magrpo.yaml")
 
 
 @workflow("signaling", agents={"speaker": SPEAKER_ROLE, "listener": LISTENER_ROLE})

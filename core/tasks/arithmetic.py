@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from polyrl.core.registry import TASKS
+from polyrl.core.registry import RECIPES, TASKS
 
 OPS = "+-*"
 STYLES = ("bare", "question")
@@ -146,3 +146,4 @@ def corpus(max_operand: int = 20) -> list[str]:
 
 
 TASKS.register("arithmetic", sys.modules[__name__])
+RECIPES.register("arithmetic", Path(__file__).parents[1] / "recipes" / "arithmetic_grpo.yaml")

@@ -83,3 +83,16 @@ run: {{dir: {tmp_path}/run}}
     with pytest.raises(ConfigError, match="did you mean 'listener'"):
         main(["train", str(recipe)])
     assert not (tmp_path / "missing-a").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_main_demo_runs_by_name_from_the_package():
+    """`polyrl train signaling` (the README's command 1) needs no path into the repository."""
+    from polyrl.core.cli import _load
+    from polyrl.core.registry import RECIPES, UnknownNameError
+
+    cfg = _load("signaling", ["train.steps=2"])
+    assert cfg.task.name == "signaling" and cfg.train.steps == 2
+    assert cfg.rollout.workflow == "signaling" and set(cfg.policies) == {"speaker", "listener"}
+    assert RECIPES.get("signaling").is_file() and "arithmetic" in RECIPES.names()
+    with pytest.raises(UnknownNameError, match="did you mean 'signaling'"):
+        _load("signalling", [])

@@ -16,6 +16,7 @@ from polyrl.core.config import load
 from polyrl.core.recipe import Config
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
+PACKAGED = Path(__file__).parents[2] / "marl" / "recipes"  # the README's main demo
 K = 4  # candidates per episode in the recipes
 
 
@@ -29,7 +30,8 @@ def recipe(name: str, tmp_path: Path, models: Path, *overrides: str) -> Config:
     from polyrl.core.registry import load_plugins
 
     load_plugins()
-    return load(Config, EXAMPLES / name, [
+    where = PACKAGED if (PACKAGED / name).is_file() else EXAMPLES
+    return load(Config, where / name, [
         f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
         f"task.dir={tmp_path}/data", *overrides])
 
