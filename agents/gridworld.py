@@ -25,8 +25,6 @@ about the task.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 from collections import deque
@@ -34,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from polyrl.agents.env import Environment, StepResult, register_env
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
@@ -236,13 +235,6 @@ def make_rows(n: int, seed: int, size: int = 3, holes: int = 1, min_dist: int = 
     return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def write_dataset(out_dir: str | Path, seed: int, n_train: int = 64, n_eval: int = 32,
@@ -255,8 +247,8 @@ def write_dataset(out_dir: str | Path, seed: int, n_train: int = 64, n_eval: int
     train_rows = make_rows(n_train, seed, exclude={r["uid"] for r in eval_rows}, **kw)
     out = Path(out_dir).expanduser()
     train_path, eval_path = out / "train.jsonl", out / "eval.jsonl"
-    _write_jsonl(train_path, train_rows)
-    _write_jsonl(eval_path, eval_rows)
+    write_jsonl(train_path, train_rows)
+    write_jsonl(eval_path, eval_rows)
     return train_path, eval_path
 
 

@@ -12,8 +12,6 @@ Registered as task ``colour`` (``write_dataset``, ``corpus``, ``sft_rows``), so 
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 from collections.abc import Iterable
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
 
 PALETTE: dict[str, tuple[float, float, float]] = {
@@ -89,13 +88,6 @@ def eval_rows(names: list[str] | None = None, per_colour: int = 2,
             for c in palette_names(names) for k in range(per_colour)]
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def write_dataset(out_dir: str | Path, seed: int, n_train: int = 512, per_colour_eval: int = 2,
@@ -104,8 +96,8 @@ def write_dataset(out_dir: str | Path, seed: int, n_train: int = 512, per_colour
     names = colours
     out = Path(out_dir).expanduser()
     train, evl = out / "train.jsonl", out / "eval.jsonl"
-    _write_jsonl(train, make_rows(n_train, seed, names))
-    _write_jsonl(evl, eval_rows(names, per_colour_eval))
+    write_jsonl(train, make_rows(n_train, seed, names))
+    write_jsonl(evl, eval_rows(names, per_colour_eval))
     return train, evl
 
 

@@ -14,13 +14,12 @@ format-only SFT rows: the speaker learns to answer with *some* symbol and the li
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import random
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
 from polyrl.marl.runtime import workflow
 
@@ -76,13 +75,6 @@ def make_row(target: str, candidates: Iterable[str], symbols: Iterable[str],
     return row
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def speaker_habits(rng: random.Random, objects: list[str], symbols: list[str]) -> dict:
@@ -125,8 +117,8 @@ def write_dataset(out_dir: str | Path, seed: int, n_train: int = 2000, n_eval: i
         t, c = train[rng.randrange(len(train))]
         train_rows.append(make_row(t, c, symbols, {"symbol": code[t], "bias": speaker_bias}))
     out = Path(out_dir).expanduser()
-    _write_jsonl(out / "train.jsonl", train_rows)
-    _write_jsonl(out / "eval.jsonl", eval_rows)
+    write_jsonl(out / "train.jsonl", train_rows)
+    write_jsonl(out / "eval.jsonl", eval_rows)
     return out / "train.jsonl", out / "eval.jsonl"
 
 

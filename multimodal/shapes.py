@@ -24,14 +24,13 @@ images it learns from the reward. ``sft_targets="answers"`` uses the true answer
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
 
 COLOURS = {"red": (215, 25, 25), "green": (30, 170, 50), "blue": (35, 70, 230),
@@ -215,13 +214,6 @@ def make_rows(n: int, seed: int, out_dir: str | Path, split: str, *, question: s
     return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def write_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0,
@@ -234,8 +226,8 @@ def write_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, s
     out = Path(out_dir).expanduser()
     train = make_rows(n_train, seed, out, "train", **kw)
     evals = make_rows(n_eval, seed + 10_000, out, "eval", **kw)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "eval.jsonl", evals)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "eval.jsonl", evals)
     return out / "train.jsonl", out / "eval.jsonl"
 
 

@@ -7,13 +7,12 @@ are disjoint, so eval accuracy measures generalisation to unseen operand pairs.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
 
 OPS = "+-*"
@@ -94,14 +93,6 @@ def make_rows(
     return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    """Write via a temp file and rename, so readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
 
 
 def write_dataset(
@@ -119,8 +110,8 @@ def write_dataset(
     train_rows = make_rows(n_train, seed, exclude={r["uid"] for r in eval_rows}, **kw)
     out = Path(out_dir).expanduser()
     train_path, eval_path = out / "train.jsonl", out / "eval.jsonl"
-    _write_jsonl(train_path, train_rows)
-    _write_jsonl(eval_path, eval_rows)
+    write_jsonl(train_path, train_rows)
+    write_jsonl(eval_path, eval_rows)
     return train_path, eval_path
 
 
