@@ -48,6 +48,7 @@ from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import mark_invalid, text_record
 from polyrl.core.registry import WORKFLOWS
+from polyrl.core.workflow import run_sync
 
 MODES = ("concat", "step")
 
@@ -89,15 +90,6 @@ class Episode:
         self.done, self.finish, self.truncated = True, finish, truncated
         self.error = error
 
-
-def _run_sync(coro) -> Any:
-    """Run a coroutine from sync code, also when called inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _describe(exc: BaseException, where: str) -> str:
@@ -188,7 +180,7 @@ class MultiTurn:
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
-        return _run_sync(self.arollout(items, params))
+        return run_sync(self.arollout(items, params))
 
     async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
         pairs = [(item, g) for item in items for g in range(params.n)]

@@ -168,6 +168,28 @@ def pretrain(model: Any, tokenizer: Any, texts: list[str], steps: int, lr: float
     model.eval()
 
 
+def warm_start_texts(task_name: str, tokenizer: Any, seed: int,
+                     task_args: dict | None = None) -> list[str]:
+    """A task's format warm-start conversations (its ``sft_rows`` over a train set it writes
+    with ``seed``), rendered with the chat template: what a model that has seen the task
+    knows -- its answer formats and, for tasks whose rows carry them, arbitrary habits."""
+    import tempfile
+
+    from polyrl.core.data import load_rows
+
+    task = TASKS.get(task_name)
+    with tempfile.TemporaryDirectory() as tmp:
+        train_path, _ = task.write_dataset(tmp, seed=seed, **(task_args or {}))
+        rows = load_rows(str(train_path))[0]
+    texts = []
+    for row in task.sft_rows(rows):
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        messages = [*messages, {"role": "assistant", "content": str(row["response"])}]
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    return texts
+
+
 def is_complete(path: str | Path) -> bool:
     """Whether ``path`` holds a finished checkpoint (weights, config and tokenizer)."""
     p = Path(path).expanduser()
@@ -183,6 +205,8 @@ def tiny_qwen2(
     seed: int = 0,
     pretrain_steps: int = 0,
     pretrain_lr: float = 1e-3,
+    pretrain_on: str = "corpus",
+    task_args: dict | None = None,
     **model_kwargs: Any,
 ) -> Path:
     """Build a tiny Qwen2 + tokenizer at ``path`` (once), trained on task ``corpus``'s texts.
@@ -190,10 +214,17 @@ def tiny_qwen2(
     The tokenizer is trained on the corpus; with ``pretrain_steps`` the model is too
     (next-token loss over the corpus texts, batches of 32, AdamW at ``pretrain_lr``,
     deterministic in ``seed``): a base that knows the task's language, as a real pretrained
-    model would -- what a recipe that trains only LoRA adapters on top needs. The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
+    model would -- what a recipe that trains only LoRA adapters on top needs.
+    ``pretrain_on: sft`` trains on the task's format warm start instead (see
+    :func:`warm_start_texts`; ``task_args`` go to its ``write_dataset``), so the base already
+    answers in the task's format, as an instruction-tuned model would; the tokenizer is
+    still trained on the corpus, so it matches the task's other tiny models token for token.
+    The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
     crash or a concurrent builder never leaves a half-written model. A complete checkpoint
     already at ``path`` is returned untouched.
     """
+    if pretrain_on not in ("corpus", "sft"):
+        raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
     path = Path(path).expanduser()
     if is_complete(path):
         return path
@@ -202,7 +233,9 @@ def tiny_qwen2(
     tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
     model = build_tiny_qwen2(tokenizer, seed=seed, **model_kwargs)
     if pretrain_steps:
-        pretrain(model, tokenizer, TASKS.get(corpus).corpus(), pretrain_steps, pretrain_lr, seed)
+        texts = (TASKS.get(corpus).corpus() if pretrain_on == "corpus"
+                 else warm_start_texts(corpus, tokenizer, seed, task_args))
+        pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

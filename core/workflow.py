@@ -7,6 +7,8 @@ diffusion workflows in the same registry.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,3 +71,14 @@ class SingleTurn:
 
 
 WORKFLOWS.register("single_turn", SingleTurn)
+
+
+def run_sync(coro: Any) -> Any:
+    """Run a coroutine to completion from sync code, also from inside a running event loop
+    (a notebook, an async caller): async workflows keep a sync ``rollout``."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -32,7 +32,6 @@ all its rows, which leave the update and are counted.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import time
@@ -48,6 +47,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import mark_invalid, text_record
 from polyrl.core.registry import WORKFLOWS, nearest
+from polyrl.core.workflow import run_sync
 from polyrl.marl.config import JOINT_MODES, MarlArgs, parse_args
 
 JOINT_POLICY = "<joint>"  # the policy column of joint-action rows: no policy trains them
@@ -350,15 +350,6 @@ class Runtime:
             if not r.future.done():  # an episode that already failed may have cancelled it
                 r.future.set_result((list(ids[j]), out[j]))
 
-
-def run_sync(coro) -> Any:
-    """Run a coroutine to completion, also when called from inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 # ----------------------------------------------------------------------------- workflow

@@ -16,6 +16,7 @@ from polyrl.core.tiny import (
     build_tokenizer,
     ensure_model,
     is_complete,
+    warm_start_texts,
 )
 
 
@@ -193,14 +194,14 @@ def test_corpus_covers_task_text(tok):
         assert len(ids) <= 10 and tok.decode(ids) == r["prompt"]
 
 
-def corpus_nll(path) -> float:
+def corpus_nll(path, texts=None) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     losses = []
     with torch.no_grad():
-        for text in arithmetic.corpus()[:16]:
+        for text in (texts or arithmetic.corpus())[:16]:
             ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
             losses.append(float(model(input_ids=ids, labels=ids).loss))
     return sum(losses) / len(losses)
@@ -212,3 +213,30 @@ def test_pretrained_build_knows_its_corpus_and_is_deterministic(built, tmp_path)
     assert (first / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     before, after = corpus_nll(built), corpus_nll(first)
     assert after < before - 1.0, (before, after)
+
+
+def test_warm_start_texts_are_the_tasks_sft_conversations(tok):
+    texts = warm_start_texts("arithmetic", tok, seed=0, task_args={"n_train": 20, "n_eval": 5})
+    rows = arithmetic.sft_rows(arithmetic.make_rows(20, seed=0))
+    assert len(texts) == len(rows) == 20
+    for text in texts:
+        assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_end|>\n")
+        assert "<|im_start|>assistant\n" in text
+
+
+def test_pretrain_on_sft_learns_the_warm_start_and_keeps_the_corpus_tokenizer(built, tmp_path):
+    args = {"n_train": 200, "n_eval": 20}
+    path = MODELS.get("tiny_qwen2")(tmp_path / "sft", pretrain_steps=30, pretrain_lr=3e-3,
+                                    pretrain_on="sft", task_args=args)
+    assert (path / "tokenizer.json").read_text() == (built / "tokenizer.json").read_text()
+    from transformers import AutoTokenizer
+
+    texts = warm_start_texts("arithmetic", AutoTokenizer.from_pretrained(path), 0, args)
+    before, after = corpus_nll(built, texts), corpus_nll(path, texts)
+    assert after < before - 1.0, (before, after)
+
+
+def test_unknown_pretrain_source_fails_before_building(tmp_path):
+    with pytest.raises(ValueError, match="pretrain_on must be"):
+        MODELS.get("tiny_qwen2")(tmp_path / "x", pretrain_steps=1, pretrain_on="books")
+    assert not (tmp_path / "x").exists()

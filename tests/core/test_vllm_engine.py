@@ -188,10 +188,9 @@ def test_stop_strings_end_the_response_without_reencoding(policy, engine):
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
 
 
-def eval_accuracy(run_dir) -> tuple[float, float]:
+def eval_accuracy(run_dir) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-    return evals[0], evals[-1]  # after the SFT warm start, after GRPO
+    return [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
 
 
 @pytest.mark.slow
@@ -199,9 +198,10 @@ def eval_accuracy(run_dir) -> tuple[float, float]:
 def test_grpo_with_vllm_engine_learns(make_config):
     """Last in the module: its session starts (and at the end drops) a second engine.
 
-    SFT then 80 GRPO steps (seed 0). With 40 steps the gain was +0.20 in one build and
-    +0.08 in another (0.29 -> 0.37), too close to the bar; the HF-engine e2e gains ~+0.2
-    in 150 steps."""
+    SFT then 120 GRPO steps (seed 0), held-out accuracy every 40. One evaluation after 80
+    steps varied by build and thread timing (+0.24, +0.15 and once +0.0999), too close to
+    the bar; the mean of the evaluations at 80 and 120 steps gained +0.24 and +0.16 (seeds
+    0 and 1)."""
     from polyrl.core.loop import train
 
     cfg = make_config(
@@ -210,11 +210,13 @@ def test_grpo_with_vllm_engine_learns(make_config):
         "task.args={n_train: 2000, n_eval: 200, max_operand: 30, ops: '+'}",
         "sft.steps=300", "sft.batch_size=64", "sft.lr=1.0e-3",
         "rollout.n=8", "rollout.prompts_per_step=16", "policies.main.micro_batch_size=128",
-        "train.steps=80", "run.export=false")
+        "train.steps=120", "eval.every=40", "run.export=false")
     run = train(cfg)
-    after_sft, after_grpo = eval_accuracy(run.path)
-    print(f"held-out accuracy {after_sft:.3f} after SFT -> {after_grpo:.3f} after GRPO (vLLM)")
-    assert after_grpo >= after_sft + 0.1
+    evals = eval_accuracy(run.path)
+    after_sft, late = evals[0], sum(evals[-2:]) / 2
+    print(f"held-out accuracy (vLLM) every 40 steps: {evals}")
+    assert len(evals) == 4
+    assert late >= after_sft + 0.1, evals
 
 
 def test_auto_engine_probe_times_both_and_leaves_the_stream_untouched(policy):
