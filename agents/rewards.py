@@ -6,10 +6,17 @@
 - ``success_rate``: the same success, weighted so that the *row mean* is the success rate
   over episodes even in ``step`` mode, where long episodes have more rows. Use it with
   weight 0 as a metric (``eval.accuracy_term: success_rate``), not as a training reward.
+- ``unit_tests``: 1.0 when the response's Python passes the row's tests, run in the
+  sandbox (HumanEval/MBPP-style rows; the marl CoopHumanEval recipe scores two agents'
+  joined code with it).
 """
 
 from __future__ import annotations
 
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.core.rewards import Sample, register_reward
 
 
@@ -37,3 +44,55 @@ def success_rate(sample: Sample) -> float:
     """Success weighted per row so that the mean over rows is the per-episode success rate."""
     weight = float(sample.meta.get("episode_weight", 1.0))
     return weight * float(bool(_meta(sample, "success", "success_rate")))
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+_IMPORT = re.compile(r"^(?:from\s+\S+\s+import\s+.+|import\s+.+)$", re.M)
+
+
+def extract_code(text: str) -> str:
+    """The Python in a response: its fenced blocks joined in order (an unclosed last fence
+    runs to the end), or the whole text when it has no fence."""
+    blocks = _FENCE.findall(text)
+    return "\n\n".join(b.strip("\n") for b in blocks) if blocks else text
+
+
+def program_with_tests(sample: Sample, tests_field: str = "test", entry_point_field: str = "entry_point",
+                 imports_field: str = "prompt") -> str:
+    """Imports of the dataset row's prompt (HumanEval's carry ``from typing import List``),
+    then the response's code, then the row's tests, then ``check(<entry point>)`` when the
+    row names one. The row is ``meta["row"]``, as every workflow records it."""
+    row = sample.meta.get("row") or {}
+    if tests_field not in row:
+        raise ValueError(f"unit_tests needs the tests in the dataset row's field {tests_field!r} "
+                         f"(set args.tests_field); this row has {sorted(row)}")
+    parts = []
+    prompt = row.get(imports_field) if imports_field else None
+    if isinstance(prompt, str):
+        parts += _IMPORT.findall(prompt)
+    parts += [extract_code(sample.response), str(row[tests_field])]
+    entry = row.get(entry_point_field) if entry_point_field else None
+    if entry:
+        parts.append(f"check({entry})")
+    return "\n\n".join(parts) + "\n"
+
+
+@register_reward("unit_tests", batched=True)
+def unit_tests(samples: list[Sample], tests_field: str = "test",
+               entry_point_field: str = "entry_point", imports_field: str = "prompt",
+               cpu_seconds: float = 5.0, wall_seconds: float = 10.0, memory_mb: int = 512,
+               workers: int = 8) -> list[float]:
+    """1.0 when the program (:func:`program_with_tests`) runs to the end in the sandbox, else 0.0:
+    failing asserts, exceptions, time-outs and forbidden operations all score 0. A sandbox
+    that cannot run at all raises instead -- that is not the model's fault."""
+    programs = [program_with_tests(s, tests_field, entry_point_field, imports_field) for s in samples]
+    box = Sandbox(SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds,
+                                memory_mb=memory_mb))
+    with ThreadPoolExecutor(max(1, min(workers, len(programs)))) as pool:
+        results = list(pool.map(box.run, programs))
+    broken = [(s.index, r) for s, r in zip(samples, results, strict=True) if r.error == "sandbox"]
+    if broken:
+        index, r = broken[0]
+        raise RuntimeError(f"unit_tests: the sandbox could not run row {index}'s program "
+                           f"({'; '.join(r.notes) or r.stderr[-300:]})")
+    return [1.0 if r.ok else 0.0 for r in results]
