@@ -135,7 +135,13 @@ class LoraAgentPolicy:
         """This adapter in PEFT format (adapter_config.json + weights) plus the tokenizer."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, selected_adapters=[self.adapter])
+        model = self.model
+        model.save_pretrained(out, selected_adapters=[self.adapter])
+        nested = out / self.adapter  # PEFT puts a non-default adapter in a subfolder; lift
+        if (nested / "adapter_config.json").is_file():  # it so PeftModel.from_pretrained(out)
+            for f in nested.iterdir():
+                f.replace(out / f.name)
+            nested.rmdir()
         self.tokenizer.save_pretrained(out)
         return out
 

@@ -70,5 +70,16 @@ def test_checkpoint_and_export_hold_one_adapter(marl_config, tmp_path):
     assert state["weights"] and all(".speaker." in k for k in state["weights"])
     speaker.load_state_dict(state)
     out = speaker.export(tmp_path / "speaker")
-    files = {p.name for p in out.rglob("*")}
+    files = {p.name for p in out.iterdir()}
     assert "adapter_config.json" in files and "adapter_model.safetensors" in files
+    assert "model.safetensors" not in files  # the adapter only, not the base
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(speaker.cfg.model)
+    loaded = PeftModel.from_pretrained(base, out)  # loadable as exported, no subfolder
+    theirs = {k.replace(".default.", ".speaker."): v for k, v in loaded.state_dict().items()
+              if "lora_" in k}
+    assert theirs.keys() == speaker.trainable_state().keys()
+    for k, v in speaker.trainable_state().items():
+        assert torch.equal(theirs[k], v), k

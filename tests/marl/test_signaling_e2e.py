@@ -1,5 +1,6 @@
 """End-to-end: the signaling demo learns (3 seeds), the convention lives in the pair (swap),
-one shared model with role prompts learns too, and a frozen agent stays bitwise unchanged.
+one shared model with role prompts learns too, so do LoRA adapters on one frozen base, and
+a frozen agent stays bitwise unchanged.
 Each run trains a recipe in ``examples/`` on tiny models built offline in a temp dir; the
 held-out success curves are printed (``pytest -s``) and kept in each run's metrics.jsonl."""
 
@@ -102,6 +103,35 @@ def test_shared_policy_with_role_prompts_learns(models, tmp_path, monkeypatch):
     points = curve(run.path)
     print(f"\nshared policy: {points} ({held['cpu_s']:.0f} s CPU)")
     assert list(held["s"].policies) == ["main"]
+    assert points[0][1] <= 0.4 and points[-1][1] >= 0.9, points
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_lora_adapters_on_a_shared_base_learn_and_leave_the_base_alone(models, tmp_path,
+                                                                      monkeypatch):
+    from safetensors.torch import load_file
+
+    base = models / "lora-base"
+    cfg = recipe("signaling_lora.yaml", tmp_path, models, f"policies.speaker.model={base}",
+                 f"policies.listener.model={base}")
+    run, held = train_keep_session(cfg, monkeypatch)
+    points = curve(run.path)
+    print(f"\nLoRA per agent: {points} ({held['wall_s']:.0f} s wall, {held['cpu_s']:.0f} s CPU)")
+    s = held["s"]
+    speaker, listener = s.policies["speaker"], s.policies["listener"]
+    assert speaker.model is listener.model  # one base in memory, two adapters
+    assert speaker.trainable_state().keys().isdisjoint(listener.trainable_state())
+    on_disk = load_file(str(base / "model.safetensors"))
+    compared = 0
+    for name, value in speaker.base_state().items():
+        key = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if key in on_disk:
+            assert torch.equal(value, on_disk[key]), f"base weight {name} changed"
+            compared += 1
+    assert compared == len(on_disk), (compared, len(on_disk))
+    exported = sorted(p.name for p in (run.path / "export" / "speaker").iterdir())
+    assert "adapter_config.json" in exported and "model.safetensors" not in exported
     assert points[0][1] <= 0.4 and points[-1][1] >= 0.9, points
 
 
