@@ -236,16 +236,18 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, seeds: list[int]
-                       ) -> list[tuple[list[int], list[float], str]]:
+    def _generate_rows(self, rows: list, params: SamplingParams, seeds: list[int],
+                       check: Any = None) -> list[tuple[list[int], list[float], str]]:
+        """One sample per row. ``rows``: token-id lists, or prepared vLLM prompts (dicts,
+        e.g. with ``multi_modal_data``); ``check(k, output)`` may inspect each output."""
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
         if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
             self._warned_top_p = True
-            log.warning("vllm engine: with top_p=%s the recorded log-probs are those of the "
+            log.warning("%s: with top_p=%s the recorded log-probs are those of the "
                         "renormalised nucleus, not of the full temperature-scaled distribution "
-                        "that the trainer recomputes", params.top_p)
+                        "that the trainer recomputes", type(self).__name__, params.top_p)
         stop_ids = list(dict.fromkeys(params.stop_token_ids))
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(self.tokenizer.eos_token_id)
@@ -253,10 +255,12 @@ class VLLMEngine:
                     max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
                     stop_token_ids=stop_ids, logprobs=0)
         sampling = [VLLMParams(**base, seed=s) for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sampling,
-                                 use_tqdm=False)
+        prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False)
         result = []
-        for out in outs:
+        for k, out in enumerate(outs):
+            if check is not None:
+                check(k, out)
             c = out.outputs[0]
             ids = list(c.token_ids)
             lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]

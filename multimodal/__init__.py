@@ -4,8 +4,10 @@ Importing the package registers its parts in the core's registries:
 
 - task ``vl_shapes`` (synthetic coloured shapes drawn with Pillow) and model builder
   ``tiny_qwen2_5_vl`` (a tiny Qwen2.5-VL built offline)
-- dataset kind ``vl``, policy kind ``qwen_vl``, engine ``hf_vl``, workflow ``vl_single_turn``
+- dataset kind ``vl``, policy kind ``qwen_vl``, engines ``hf_vl`` and ``vllm_vl`` (vLLM with
+  images; vllm itself is imported only when such an engine is built), workflow
+  ``vl_single_turn``
 - rewards ``grounding_iou`` and ``clip_score`` (batched)
 """
 
-from polyrl.multimodal import data, engine, policy, rewards, shapes, tiny, workflow  # noqa: F401
+from polyrl.multimodal import data, engine, policy, rewards, shapes, tiny, vllm_engine, workflow  # noqa: F401

@@ -40,7 +40,8 @@ class VLSingleTurn:
         if not hasattr(self.engine, "generate_vl"):
             raise TypeError(f"vl_single_turn: the engine of policy {name!r} "
                             f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
-                            f"take images; set policies.{name}.engine.name=hf_vl (local backend)")
+                            f"take images; set policies.{name}.engine.name=hf_vl or vllm_vl "
+                            "(local backend)")
         self.tokenizer = ctx.policies[name].tokenizer
         self.processor = processor_of(self.tokenizer)
         self.ctx = ctx
@@ -61,7 +62,7 @@ class VLSingleTurn:
         if not hasattr(ENGINES.get(engine), "generate_vl"):
             raise ConfigError(f"rollout.workflow=vl_single_turn needs an engine that takes "
                               f"images; policies.{name}.engine.name={engine!r} does not. Set "
-                              f"it to hf_vl.")
+                              f"it to hf_vl, or vllm_vl where vLLM is installed.")
         if cfg.distributed.backend != "local":
             raise ConfigError("rollout.workflow=vl_single_turn runs on the local backend only "
                               "for now (the Ray backend's engine handle forwards generate() "
@@ -78,7 +79,9 @@ class VLSingleTurn:
             v, imgs = vision.process(spec, self.processor.image_processor)
             visions.append(v)
             images.append(imgs)
-        outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params)
+        # vllm_vl hands vLLM the resized images themselves (hf_vl needs only their pixels)
+        extra = {"images": images} if getattr(self.engine, "needs_images", False) else {}
+        outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params, **extra)
         metas = [{"answer": it.answer, "row": it.row, "images": images[k],
                   "image_sizes": list(v.sizes) if v else [],
                   "resized_sizes": list(v.resized) if v else []}

@@ -1,0 +1,168 @@
+"""The ``vllm_vl`` engine: the vLLM engine with images (``engine.name: vllm_vl``).
+
+``generate_vl(prompts, visions, params, images=...)`` keeps ``hf_vl``'s contract (``n``
+completions per prompt, grouped by prompt; token ids exactly as sampled; temperature-scaled
+log-probs) and hands each prompt's images to vLLM as ``multi_modal_data``. Everything else
+(start-up, per-row seeds, ``sync``, sleep/wake, ``generate`` for text) is the core's
+:class:`~polyrl.core.vllm_engine.VLLMEngine`.
+
+What keeps vLLM's view of a prompt equal to the trainer's:
+
+- **Placeholders.** The prompt ids of a VL dataset already hold each image's
+  ``t*h*w/merge^2`` image-pad tokens. vLLM's Qwen-VL processor (0.31) expands *every*
+  image-pad token it finds into a full image, so the engine sends one pad per image and
+  vLLM expands it back from the grid of the image it processed. The prompt ids vLLM
+  returns must equal the original ids; if they do not (vLLM saw another grid), the call
+  fails rather than train on a prompt the engine never saw.
+- **Pixels.** The images handed over are the resized ones the workflow made
+  (:func:`vision.process` returns them), and vLLM's image processor runs with
+  ``do_resize=False``: the same images through the same processor config give the
+  ``image_grid_thw`` and (up to float rounding: vLLM normalises on its device) the
+  ``pixel_values`` the trainer scores with.
+- **Weights.** ``sync`` pushes the policy's full state dict (language model, vision tower
+  and merger) under `transformers`' names; vLLM's Qwen2.5-VL ``load_weights`` maps
+  ``model.language_model.`` / ``model.visual.`` / ``lm_head.`` itself. The engine then
+  clears vLLM's encoder cache (the worker's reload clears only its own half of it), so no
+  image features of the old weights are reused.
+
+Images resized with a larger ``data.args.max_pixels`` than the model's processor has work
+too (checked with 168x168 images against a 112x112 processor limit).
+
+Importing this module does not import vllm (the engine does, when it is built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.registry import ENGINES
+from polyrl.core.vllm_engine import VLLMEngine, row_seed
+from polyrl.multimodal.vision import VisionInputs, parts
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:
+    """The prompt with each image's run of ``counts[k]`` pad tokens cut to one pad.
+
+    vLLM expands one pad per image into the image's tokens; the runs are taken in order, so
+    two images whose runs touch are still told apart. Errors say which run did not fit.
+    """
+    out: list[int] = []
+    i, k = 0, 0
+    while i < len(ids):
+        if ids[i] != pad_id:
+            out.append(int(ids[i]))
+            i += 1
+            continue
+        if k == len(counts):
+            raise ValueError(f"the prompt has image-pad tokens at position {i} beyond its "
+                             f"{len(counts)} image(s); prompt ids and images do not belong "
+                             "together")
+        run = ids[i:i + counts[k]]
+        if len(run) < counts[k] or any(t != pad_id for t in run):
+            got = next((j for j, t in enumerate(run) if t != pad_id), len(run))
+            raise ValueError(f"image {k} needs {counts[k]} image-pad tokens at position {i}, "
+                             f"the prompt has {got}; were its ids built for another resize?")
+        out.append(pad_id)
+        i += counts[k]
+        k += 1
+    if k != len(counts):
+        raise ValueError(f"the prompt has image-pad tokens for {k} image(s) but {len(counts)} "
+                         "were given")
+    return out
+
+
+def image_token_counts(vision: VisionInputs, merge_size: int) -> list[int]:
+    """Placeholder tokens per image: ``t*h*w / merge^2`` of its grid."""
+    return [int(t * h * w) // merge_size ** 2 for t, h, w in vision.image_grid_thw.tolist()]
+
+
+class VLLMVLEngine(VLLMEngine):
+    """vLLM sampling with images, following a ``qwen_vl`` policy's weights (``sync``)."""
+
+    needs_images = True  # generate_vl takes the resized images (the workflow passes them)
+
+    def __init__(self, policy, **kwargs: Any) -> None:
+        p = parts(policy.model)
+        self.image_token_id, self.merge_size = p.image_token_id, p.merge_size
+        # The images arrive resized (vision.process): keep vLLM from resizing them again.
+        mm_kwargs = {**kwargs.pop("mm_processor_kwargs", {}), "do_resize": False}
+        super().__init__(policy, mm_processor_kwargs=mm_kwargs, **kwargs)
+
+    def generate_vl(self, prompts: Sequence[Sequence[int]],
+                    visions: Sequence[VisionInputs | None], params: SamplingParams,
+                    images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
+
+        ``images[i]``: the resized PIL images of prompt ``i`` (those ``visions[i]`` was
+        processed from; ``vision.process`` returns both), or ``[]`` for a text prompt.
+        """
+        if len(visions) != len(prompts):
+            raise ValueError(f"generate_vl: {len(visions)} vision inputs for {len(prompts)} "
+                             "prompts")
+        if images is None:
+            images = [[] for _ in prompts]
+        if len(images) != len(prompts):
+            raise ValueError(f"generate_vl: {len(images)} image lists for {len(prompts)} prompts")
+        self.wake()
+        requests = [self._request(i, list(p), v, list(imgs))
+                    for i, (p, v, imgs) in enumerate(zip(prompts, visions, images, strict=True))]
+        rows = [r for r in requests for _ in range(params.n)]
+        index = [i for i in range(len(prompts)) for _ in range(params.n)]
+        expected = [list(prompts[i]) for i in index]
+        seeds = [row_seed(self.seed, self.calls, k) for k in range(len(rows))]
+        self.calls += 1
+        outs = self._generate_rows(rows, params, seeds, check=self._same_prompt(expected))
+        if self.sleep_enabled:
+            self.sleep()
+        decode = self.tokenizer.decode
+        return [Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+                for i, (ids, lps, reason) in zip(index, outs, strict=True)]
+
+    def _push_weights(self) -> None:
+        super()._push_weights()
+        # The worker's reload_weights clears its cached image features, but the scheduler
+        # still lists them as cached, and the next request with a seen image then fails
+        # ("Encoder cache miss"). Clearing both also keeps old-weight features from reuse.
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def _request(self, i: int, ids: list[int], vision: VisionInputs | None,
+                 images: list[Any]) -> dict[str, Any]:
+        """One vLLM ``TokensPrompt``: one pad per image, the resized images as its data."""
+        from vllm.inputs import TokensPrompt
+
+        if vision is None:
+            if images:
+                raise ValueError(f"generate_vl: prompt {i} has {len(images)} image(s) but no "
+                                 "vision inputs")
+            return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, []))
+        if len(images) != vision.num_images:
+            raise ValueError(f"generate_vl: prompt {i} ({vision.key}) has {vision.num_images} "
+                             f"processed image(s) but {len(images)} image(s) were passed; the "
+                             "vllm_vl engine needs the resized images too (images=...)")
+        sizes = tuple(tuple(img.size) for img in images)
+        if vision.resized and sizes != tuple(vision.resized):
+            raise ValueError(f"generate_vl: prompt {i} ({vision.key}): images of sizes {sizes} "
+                             f"but its vision inputs were processed at {vision.resized}; pass "
+                             "the resized images vision.process returned")
+        counts = image_token_counts(vision, self.merge_size)
+        return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, counts),
+                            multi_modal_data={"image": images})
+
+    @staticmethod
+    def _same_prompt(expected: list[list[int]]):
+        """A check that vLLM expanded row ``k``'s pads back to the trainer's prompt ids."""
+
+        def check(k: int, out: Any) -> None:
+            if list(out.prompt_token_ids) != expected[k]:
+                raise RuntimeError(
+                    f"vllm_vl: vLLM expanded row {k}'s prompt to {len(out.prompt_token_ids)} "
+                    f"tokens, the trainer's prompt has {len(expected[k])}; vLLM's processor "
+                    "gave its images other grids (another patch or merge size than the "
+                    "policy's processor?)")
+
+        return check
+
+
+ENGINES.register("vllm_vl", VLLMVLEngine)
