@@ -25,6 +25,7 @@ def train(cfg: Config) -> RunDir:
             record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
             metrics = s.score(record)
             metrics |= assign(record, cfg.algorithm)
+            metrics |= s.learn(record)  # a workflow's own learned parts (a critic), if any
             valid = valid_rows(record)
             for name in s.trained:
                 upd = s.update(name, select_policy(valid, name))

@@ -154,6 +154,12 @@ class Session:
         return self.backend.update(self.policies[name], rows, self.cfg.algorithm,
                                    temperature=self.cfg.rollout.temperature, generator=self.gen)
 
+    def learn(self, record: TensorDict) -> dict[str, float]:
+        """Let the workflow fit what it learns itself (e.g. a centralized critic) on the
+        credited record; workflows without a ``learn`` method have nothing to fit."""
+        learn = getattr(self.workflow, "learn", None)
+        return learn(record) if learn is not None else {}
+
     def score(self, record: TensorDict) -> dict[str, float]:
         """The reward terms on the record (remote terms on their actors)."""
         return rewards.score(record, self.cfg.reward, runners=self.reward_runners)
@@ -214,6 +220,8 @@ class Session:
                         "engines": {n: e.state_dict() for n, e in self.engines.items()}}}
         for name, p in self.policies.items():
             state[f"policy_{name}"] = p.state_dict()
+        if hasattr(self.workflow, "state_dict"):  # e.g. a critic the workflow trains
+            state["workflow"] = self.workflow.state_dict()
         self.run.save(step, state, keep=self.cfg.run.keep_checkpoints)
 
     def restore(self, step: int, state: dict[str, Any]) -> None:
@@ -224,6 +232,12 @@ class Session:
         for n, e in self.engines.items():
             e.load_state_dict(t["engines"][n])
         self.sampler.load_state_dict(t["sampler"])
+        if hasattr(self.workflow, "load_state_dict"):
+            if "workflow" not in state:
+                raise ValueError(f"checkpoint of step {step} holds no workflow state, but "
+                                 f"workflow {self.cfg.rollout.workflow!r} keeps one; was it "
+                                 "written by an older PolyRL or another recipe?")
+            self.workflow.load_state_dict(state["workflow"])
         set_rng_state(t["rng"])
         self.gen.set_state(t["gen"])
         self.step = step

@@ -59,6 +59,21 @@ class CreditOptions:
 
 
 @dataclass
+class CriticOptions:
+    """A centralized critic: a value head over the joint transcript (see marl/critic.py)."""
+
+    model: str = doc("", "critic backbone (local path or hub id; a causal LM whose last hidden "
+                         "state feeds a scalar head); empty: no critic, group baselines")
+    build: str | None = doc(None, "model builder to run first when the path is missing "
+                                  "(e.g. tiny_qwen2)")
+    build_args: dict = doc({}, "arguments of the builder")
+    lr: float = doc(1e-4, "AdamW learning rate of backbone and head")
+    epochs: int = doc(1, "passes over each step's (state, return) pairs")
+    micro_batch_size: int = doc(64, "states per forward/backward")
+    max_grad_norm: float = doc(1.0, "gradient clipping (0: off)")
+
+
+@dataclass
 class MarlArgs:
     """The workflow arguments PolyRL itself reads; other keys go to the workflow function."""
 
@@ -71,6 +86,10 @@ class MarlArgs:
                             "groups are siblings (else the G lines continue one to one and groups "
                             "are per turn)")
     credit: CreditOptions = doc_factory(CreditOptions, "credit options (see CreditOptions)")
+    critic: CriticOptions = doc_factory(
+        CriticOptions, "centralized critic: with a model, an agent's advantage is its return "
+                       "minus the critic's value of the joint state it acted in (PPO-style), "
+                       "instead of a group baseline")
 
 
 MARL_KEYS = tuple(f.name for f in dataclasses.fields(MarlArgs))
@@ -147,6 +166,11 @@ def parse_args(raw: dict[str, Any], *, workflow: str, fn: Any, roles: dict[str, 
     if args.joint not in joints:
         raise ConfigError(f"rollout.args.joint={args.joint!r}: workflow {workflow!r} supports "
                           f"{', '.join(joints)}")
+    if args.critic.model and (args.credit.counterfactual or args.credit.shaping_alpha):
+        raise ConfigError("rollout.args.critic replaces the group baseline; it does not combine "
+                          "with credit.counterfactual or credit.shaping_alpha (set those off)")
+    if args.critic.model and (args.critic.epochs < 1 or args.critic.micro_batch_size < 1):
+        raise ConfigError("rollout.args.critic: epochs and micro_batch_size must be >= 1")
     if args.credit.counterfactual and args.joint != "cross":
         raise ConfigError("rollout.args.credit.counterfactual needs joint: cross (the "
                           "alternatives of one agent with the others fixed come from the "

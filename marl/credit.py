@@ -21,6 +21,9 @@ Steps:
    (prompt, agent, turn, node) -- from the group-key columns, never from row order:
    ``drgrpo`` = MAGRPO's mean baseline ``V - mean_G V``; ``grpo`` also divides by the std;
    ``rloo`` leaves the row out of its own baseline; ``max_baseline`` subtracts the group max.
+   With a centralized critic (``rollout.args.critic``) the baseline is instead the critic's
+   value of the joint state the agent acted in (the record's ``baseline`` column, written at
+   rollout): ``A = V - baseline``; ``V`` goes to the ``returns`` column for the critic's fit.
 4. Optional per-agent normalisation (mean 0, std 1 per agent id).
 
 Agent rows become valid here when their joint actions were scored; a failed joint (reward
@@ -40,7 +43,7 @@ from polyrl.core.registry import ADVANTAGES, CREDIT
 
 MARL_CREDITS = ("magrpo",)
 DEFAULT_OPTIONS = {"cross_value": "mean", "per_agent_norm": False, "counterfactual": False,
-                   "shaping_alpha": 0.0}
+                   "shaping_alpha": 0.0, "critic": False}
 
 
 @ADVANTAGES.register("max_baseline")
@@ -155,6 +158,7 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     # 3. group advantages over valid agent rows
     mask = record["loss_mask"].float()
     adv = torch.zeros_like(mask)
+    targets = torch.full((n,), float("nan"))  # the critic's regression targets
     rows = torch.tensor([i for i in agent_rows if valid[i]], dtype=torch.long)
     if rows.numel():
         sub = record[rows]
@@ -166,6 +170,9 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
             v = v + alpha * (v - q)
         if bool(direct[rows].all()):
             a = v[:, None] * (sub["loss_mask"] != 0).float()
+        elif opts["critic"]:
+            a = (v - _baseline(record, rows))[:, None] * (sub["loss_mask"] != 0).float()
+            targets[rows] = v
         else:
             a = ADVANTAGES.get(algo.advantage)(v, sub["loss_mask"].float(), groups, algo)
         if opts["per_agent_norm"]:
@@ -178,6 +185,8 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     # write back: rows invalid now carry their error; others become valid
     record["reward"] = reward
     record["advantages"] = adv
+    if opts["critic"]:
+        record["returns"] = targets
     record["valid"] = valid
     current = strings(record, "error")
     bad = [i for i in range(n) if errors[i] and current[i] != errors[i]]
@@ -220,6 +229,17 @@ def _counterfactual(j: int, row: int, agent_ids: list[int], joints: dict[int, di
         if rest == others and mine and row not in mine:
             alts.append(returns[k])
     return sum(alts) / len(alts) if alts else None
+
+
+def _baseline(record: TensorDict, rows: torch.Tensor) -> torch.Tensor:
+    """The critic's values of these agent rows' joint states (written at rollout)."""
+    if "baseline" not in record.keys():  # noqa: SIM118 (TensorDict)
+        raise ValueError("rollout.args.critic is set but the record has no 'baseline' column "
+                         "(the marl workflow writes it at rollout)")
+    b = record["baseline"][rows].float()
+    if not bool(torch.isfinite(b).all()):
+        raise ValueError("the critic gave no finite baseline for some agent rows")
+    return b
 
 
 def _per_agent_norm(adv: torch.Tensor, mask: torch.Tensor, agent: torch.Tensor, eps: float

@@ -45,10 +45,11 @@ from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
-from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.record import mark_invalid, strings, text_record
 from polyrl.core.registry import WORKFLOWS, nearest
 from polyrl.core.workflow import run_sync
 from polyrl.marl.config import JOINT_MODES, MarlArgs, parse_args
+from polyrl.marl.critic import CentralCritic, joint_state
 
 JOINT_POLICY = "<joint>"  # the policy column of joint-action rows: no policy trains them
 RESERVED_POLICY_NAMES = (JOINT_POLICY,)
@@ -373,6 +374,8 @@ class MarlWorkflow:
         cfg = getattr(ctx, "cfg", None)
         self.prompt_field = getattr(getattr(cfg, "data", None), "prompt_field", "prompt")
         self.last_stats: dict[str, float] = {}
+        self.critic = CentralCritic(args.critic) if args.critic.model else None
+        self._fit_gen = torch.Generator().manual_seed(int(getattr(cfg, "seed", 0) or 0))
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
         return run_sync(self.arollout(items, params))
@@ -393,7 +396,43 @@ class MarlWorkflow:
                  "marl/rollout_s": time.perf_counter() - t0}
         stats |= {f"marl/generate_calls/{p}": float(c) for p, c in runtime.calls.items()}
         self.last_stats = stats
-        return build_record(episodes, self.agents, self.args, stats, ids)
+        record = build_record(episodes, self.agents, self.args, stats, ids)
+        if self.critic is not None:
+            metas = strings(record, "meta")
+            rows = [i for i, m in enumerate(metas) if "critic_state" in m]
+            baseline = torch.full((record.batch_size[0],), float("nan"))
+            if rows:
+                baseline[rows] = self.critic.values([metas[i]["critic_state"] for i in rows])
+            record["baseline"] = baseline
+        return record
+
+    def learn(self, record: TensorDict) -> dict[str, float]:
+        """After credit: fit the centralized critic on this step's (joint state, return)
+        pairs (valid agent rows). Nothing to learn without a critic."""
+        if self.critic is None:
+            return {}
+        if "returns" not in record.keys():  # noqa: SIM118 (TensorDict)
+            raise ValueError("the critic learns from the credit's 'returns' column; "
+                             "algorithm.credit=magrpo writes it when rollout.args.critic is set")
+        metas, valid = strings(record, "meta"), record["valid"].tolist()
+        returns = record["returns"]
+        rows = [i for i, m in enumerate(metas) if "critic_state" in m and valid[i]
+                and bool(torch.isfinite(returns[i]))]
+        return self.critic.fit([metas[i]["critic_state"] for i in rows], returns[rows],
+                               generator=self._fit_gen)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold besides the policies: the critic (if any)."""
+        return {"critic": self.critic.state_dict() if self.critic is not None else None,
+                "fit_gen": self._fit_gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["critic"] is None) != (self.critic is None):
+            raise ValueError("checkpoint and recipe disagree about rollout.args.critic "
+                             f"(checkpoint has {'no ' if state['critic'] is None else 'a '}critic)")
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+        self._fit_gen.set_state(state["fit_gen"])
 
     async def _play(self, ep: Episode, runtime: Runtime) -> None:
         team = Team({name: AgentHandle(info, ep, runtime) for name, info in self.agents.items()})
@@ -488,7 +527,7 @@ def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: Ma
     Padding uses id 0 for every policy: pads sit under the masks, and 0 exists in every
     vocabulary (one record, no per-policy concatenation).
     """
-    credit = dataclasses.asdict(args.credit)
+    credit = dataclasses.asdict(args.credit) | {"critic": bool(args.critic.model)}
     cols: dict[str, list] = defaultdict(list)
     errors: list[tuple[int, str]] = []
     pending: list[int] = []
@@ -518,15 +557,21 @@ def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: Ma
                 pending.append(k)
     agent_rows = []
     for ep in episodes:
+        by_id = {j.id: j for j in ep.joints}
         for m in ep.messages:
             info = agents[m.agent]
+            extra = {}
+            if args.critic.model and m.joints:
+                above = by_id[m.joints[0]].parent
+                lines = _transcript(above)[1].split("\n") if above is not None else []
+                extra["critic_state"] = joint_state(str(ep.task), lines, max(m.turn, 0), m.agent)
             k = add(prompt_ids=m.prompt_ids, response_ids=m.token_ids, logprobs=m.logprobs,
                     loss_mask=[1 if info.train else 0] * len(m.token_ids), policy=info.policy,
                     uid=ep.uid, agent_id=info.agent_id, turn=max(m.turn, 0), node=m.node,
                     joint_id=-1, prompt_text=m.prompt_text, response_text=m.text,
                     truncated=m.finish_reason == "length",
                     meta={"answer": ep.answer, "agent": m.agent, "episode": ep.index,
-                          "joints": list(m.joints)})
+                          "joints": list(m.joints), **extra})
             agent_rows.append(k)
             err = ep.error or ("" if m.joints else
                                f"agent {m.agent!r}: message is in no joint action (ep.joint)")
