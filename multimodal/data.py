@@ -7,6 +7,23 @@ file's directory), encoded bytes, ``datasets`` image values or PIL images. The p
 one ``<image>`` placeholder per image, where the image goes (multi-image prompts work);
 chat-message prompts may use ``{"type": "image"}`` parts instead.
 
+**Videos** are lists of frames: a row's ``data.args.video_field`` (``videos``) is a list of
+videos, each a list of frame references of the kinds images accept (video files are not
+decoded: extract frames offline), marked by ``<video>`` (or ``{"type": "video"}`` parts) with
+the same rules as images. All frames of a video must have one size (a different size is an
+error naming the row, video and frame: resizing some frames silently would distort what the
+model sees, and transformers' video processor needs one size per video). Frames are resized
+like images with ``video_min_pixels`` / ``video_max_pixels`` (default: the image limits).
+``max_frames`` caps the frames per video, keeping evenly spaced ones (first and last
+included; dropped frames counted as ``frames_dropped``); only kept frames are probed. Qwen's
+vision tower merges ``temporal_patch_size`` (2) frames per temporal step; an odd count is
+padded by the video processor repeating the last frame (as transformers does; counted
+``videos_padded``), so a video of F frames takes ``ceil(F/2)*h*w / merge^2`` tokens. The
+frame rate (``video_fps_field`` of the row: one number or one per video, else
+``video_fps``, 2.0 as in ``qwen_vl_utils``) times kept/total frames gives
+``second_per_grid_ts = temporal_patch_size / fps``, the M-RoPE temporal spacing of
+Qwen2.5-VL. Qwen3-VL videos are refused (its processor writes per-frame timestamps).
+
 **Lazy.** Loading reads each image's header only (size and mode): nothing is decoded and
 no pixels are kept. Parquet and hub rows stay in the memory-mapped Arrow table, so the
 encoded bytes are not held either. The pixels are decoded when a rollout needs them.
@@ -31,8 +48,14 @@ a row with images and no marker gets its images put before the prompt text
 - ``max_source_pixels`` (64M): larger source images are an error, not a memory blow-up
 - ``placeholder`` (``<image>``): the image marker in prompt text
 - ``missing_placeholders`` (``prepend``): ``prepend`` or ``error``
-- ``bad_images`` (``error``): ``error`` or ``skip`` (drop rows whose images are missing,
-  unreadable or too large at load time, counted as ``skipped_bad_image``)
+- ``bad_images`` (``error``): ``error`` or ``skip`` (drop rows whose images or frames are
+  missing, unreadable or too large at load time, counted as ``skipped_bad_image``)
+- ``video_field`` (``videos``): row field holding the videos (lists of frames)
+- ``video_placeholder`` (``<video>``): the video marker in prompt text
+- ``video_min_pixels`` / ``video_max_pixels`` (the image limits): resize limits per frame
+- ``max_frames`` (no cap): frames kept per video, evenly spaced
+- ``video_fps`` (2.0): frame rate of the given frames, unless the row's ``video_fps_field``
+  (``video_fps``) says otherwise
 """
 
 from __future__ import annotations
@@ -40,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,10 +80,12 @@ from polyrl.multimodal.images import (
     make_ref,
     probe,
 )
-from polyrl.multimodal.vision import VisionSpec
+from polyrl.multimodal.vision import VideoSpec, VisionSpec
 
 VISION_FIELD = "_vision"  # where a VL item's row keeps its VisionSpec (policies read it)
 QWEN_IMAGE_SEQUENCE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_VIDEO_SEQUENCE = "<|vision_start|><|video_pad|><|vision_end|>"
+DEFAULT_VIDEO_FPS = 2.0  # qwen_vl_utils' sample_fps for videos given as frame lists
 
 
 @dataclass
@@ -74,6 +100,13 @@ class VLDataOptions:
     placeholder: str = "<image>"
     missing_placeholders: str = "prepend"
     bad_images: str = "error"
+    video_field: str = "videos"
+    video_placeholder: str = "<video>"
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    max_frames: int | None = None
+    video_fps: float = DEFAULT_VIDEO_FPS
+    video_fps_field: str = "video_fps"
 
     @classmethod
     def parse(cls, args: dict, where: str) -> VLDataOptions:
@@ -93,7 +126,23 @@ class VLDataOptions:
                             f"{opts.bad_images!r}")
         if not opts.placeholder:
             raise DataError(f"{where}: placeholder must be a non-empty string")
+        if not opts.video_placeholder or opts.video_placeholder == opts.placeholder:
+            raise DataError(f"{where}: video_placeholder must be a non-empty string other than "
+                            f"placeholder ({opts.placeholder!r}), not {opts.video_placeholder!r}")
+        if opts.max_frames is not None and (isinstance(opts.max_frames, bool)
+                                            or not isinstance(opts.max_frames, int)
+                                            or opts.max_frames < 1):
+            raise DataError(f"{where}: max_frames must be a positive integer or null, not "
+                            f"{opts.max_frames!r}")
+        if not _positive(opts.video_fps):
+            raise DataError(f"{where}: video_fps must be a positive number, not "
+                            f"{opts.video_fps!r}")
         return opts
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
 
 
 @dataclass
@@ -138,23 +187,47 @@ def resize_rule(processor: Any, opts: VLDataOptions) -> ResizeRule:
         raise DataError(f"data.args: {e}") from None
 
 
+def video_resize_rule(rule: ResizeRule, opts: VLDataOptions) -> ResizeRule:
+    """The frames' resize rule: ``video_min_pixels`` / ``video_max_pixels``, each defaulting
+    to the image rule's limit (frames are resized like images, one size per video)."""
+    try:
+        return dataclasses.replace(rule, min_pixels=opts.video_min_pixels or rule.min_pixels,
+                                   max_pixels=opts.video_max_pixels or rule.max_pixels)
+    except ValueError as e:
+        raise DataError(f"data.args (video_min_pixels / video_max_pixels): {e}") from None
+
+
 # --------------------------------------------------------------------------- row sources
+
+
+def _undecoded(feature: Any) -> tuple[Any, bool]:
+    """``feature`` with every (nested) ``datasets.Image`` set not to decode; whether it
+    changed. Images in lists, and video frames in lists of lists, stay encoded bytes."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return datasets.Image(decode=False), feature.decode
+    if isinstance(feature, list) and len(feature) == 1:
+        inner, changed = _undecoded(feature[0])
+        return [inner], changed
+    inner = getattr(feature, "feature", None)
+    if inner is not None and not isinstance(feature, dict):
+        new, changed = _undecoded(inner)
+        return (type(feature)(new) if changed else feature), changed
+    return feature, False
 
 
 class _ArrowRows:
     """Rows of a memory-mapped ``datasets`` table, read one at a time, images undecoded."""
 
-    def __init__(self, table: Any, image_field: str) -> None:
-        import datasets
-
-        feature = table.features.get(image_field)
-        inner = getattr(feature, "feature", None)
-        if isinstance(feature, datasets.Image) and feature.decode:
-            table = table.cast_column(image_field, datasets.Image(decode=False))
-        elif isinstance(inner, datasets.Image) and inner.decode:
-            table = table.cast_column(image_field, type(feature)(datasets.Image(decode=False)))
-        elif isinstance(feature, list) and feature and isinstance(feature[0], datasets.Image):
-            table = table.cast_column(image_field, [datasets.Image(decode=False)])
+    def __init__(self, table: Any, fields: tuple[str, ...]) -> None:
+        for name in fields:
+            feature = table.features.get(name)
+            if feature is None:
+                continue
+            new, changed = _undecoded(feature)
+            if changed:
+                table = table.cast_column(name, new)
         self.table = table
 
     def __len__(self) -> int:
@@ -164,7 +237,7 @@ class _ArrowRows:
         return self.table[i]
 
 
-def _load_source(cfg: DataConfig, image_field: str, name: str
+def _load_source(cfg: DataConfig, fields: tuple[str, ...], name: str
                  ) -> tuple[Any, list[str], Path | None, bool]:
     """(rows, where, default image root, arrow-backed) for ``cfg.path``."""
     p = Path(cfg.path).expanduser() if cfg.path else None
@@ -194,7 +267,7 @@ def _load_source(cfg: DataConfig, image_field: str, name: str
                         f"{type(e).__name__}: {e}") from e
     if cfg.limit is not None:
         table = table.select(range(min(cfg.limit, len(table))))
-    rows = _ArrowRows(table, image_field)
+    rows = _ArrowRows(table, fields)
     return rows, [f"{label}, row {i}" for i in range(len(rows))], root, True
 
 
@@ -206,20 +279,33 @@ def _blank(value: Any) -> bool:
         isinstance(value, str) and not value.strip())
 
 
-def _split_markers(text: str, marker: str) -> list[dict]:
+def _split_markers(text: str, markers: dict[str, str]) -> list[dict]:
+    """Text and vision parts in order; ``markers`` maps a marker (``<image>``) to its part
+    type (``image``)."""
+    pattern = "(" + "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)) + ")"
     parts: list[dict] = []
-    for k, piece in enumerate(text.split(marker)):
-        if k:
-            parts.append({"type": "image"})
-        if piece:
+    for piece in re.split(pattern, text):
+        if piece in markers:
+            parts.append({"type": markers[piece]})
+        elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
 
 
-def _to_messages(prompt: Any, marker: str, where: str, field: str) -> list[dict]:
-    """Chat messages whose contents are part lists (text / image) in prompt order."""
+def _vision_part(part: Any) -> str | None:
+    """``image`` / ``video`` for a chat content part of that kind, else None."""
+    if not isinstance(part, dict):
+        return None
+    for kind in ("image", "video"):
+        if part.get("type") == kind or kind in part:
+            return kind
+    return None
+
+
+def _to_messages(prompt: Any, markers: dict[str, str], where: str, field: str) -> list[dict]:
+    """Chat messages whose contents are part lists (text / image / video) in prompt order."""
     if isinstance(prompt, str):
-        return [{"role": "user", "content": _split_markers(prompt, marker)}]
+        return [{"role": "user", "content": _split_markers(prompt, markers)}]
     if not isinstance(prompt, list) or not prompt:
         raise DataError(f"{where}: field {field!r} must be a string or a non-empty list of "
                         f"{{'role', 'content'}} messages, not {type(prompt).__name__}.")
@@ -230,18 +316,19 @@ def _to_messages(prompt: Any, marker: str, where: str, field: str) -> list[dict]
                             "messages must be dicts with a string 'role' and a 'content'.")
         content = m["content"]
         if isinstance(content, str):
-            parts = _split_markers(content, marker)
+            parts = _split_markers(content, markers)
         elif isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and (part.get("type") == "image" or "image" in part):
-                    parts.append({"type": "image"})
+                kind = _vision_part(part)
+                if kind is not None:
+                    parts.append({"type": kind})
                 elif isinstance(part, dict) and part.get("type") == "text":
-                    parts.extend(_split_markers(str(part.get("text", "")), marker))
+                    parts.extend(_split_markers(str(part.get("text", "")), markers))
                 else:
                     raise DataError(f"{where}: field {field!r}, message {j} has a content part "
-                                    f"{part!r:.80}; use {{'type': 'text', 'text': ...}} or "
-                                    "{'type': 'image'}.")
+                                    f"{part!r:.80}; use {{'type': 'text', 'text': ...}}, "
+                                    "{'type': 'image'} or {'type': 'video'}.")
         else:
             raise DataError(f"{where}: field {field!r}, message {j}: 'content' must be a "
                             f"string or a list of parts, not {type(content).__name__}.")
@@ -249,13 +336,22 @@ def _to_messages(prompt: Any, marker: str, where: str, field: str) -> list[dict]
     return messages
 
 
-def _count_images(messages: list[dict]) -> int:
-    return sum(part["type"] == "image" for m in messages for part in m["content"])
+def _count_parts(messages: list[dict], kind: str = "image") -> int:
+    return sum(part["type"] == kind for m in messages for part in m["content"])
 
 
-def _prepend_images(messages: list[dict], k: int) -> None:
+def _prepend_parts(messages: list[dict], k: int, kind: str = "image") -> None:
     target = next((m for m in messages if m["role"] == "user"), messages[0])
-    target["content"] = [{"type": "image"} for _ in range(k)] + target["content"]
+    target["content"] = [{"type": kind} for _ in range(k)] + target["content"]
+
+
+def _frame_indices(total: int, cap: int | None) -> list[int]:
+    """``cap`` frame indices spread evenly over ``total`` (first and last kept), or all."""
+    if cap is None or total <= cap:
+        return list(range(total))
+    if cap == 1:
+        return [0]
+    return [round(i * (total - 1) / (cap - 1)) for i in range(cap)]
 
 
 # --------------------------------------------------------------------------- dataset
@@ -278,12 +374,17 @@ class VLDataset:
         self.rule = resize_rule(self.processor, self.opts)
         self.image_token = getattr(self.processor, "image_token", "<|image_pad|>")
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_rule = video_resize_rule(self.rule, self.opts)
+        self.video_token = getattr(self.processor, "video_token", "<|video_pad|>")
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
+        self.markers = {self.opts.placeholder: "image", self.opts.video_placeholder: "video"}
         self._arrow_source = None
         if rows is not None:  # in-memory rows (PIL images, bytes, paths)
             where = [f"{name} rows, row {i}" for i in range(len(rows))]
             root, arrow = None, False
         else:
-            rows, where, root, arrow = _load_source(cfg, self.opts.image_field, name)
+            rows, where, root, arrow = _load_source(
+                cfg, (self.opts.image_field, self.opts.video_field), name)
         self._arrow_source = rows.table if arrow else None
         if self.opts.image_root:
             root = Path(self.opts.image_root).expanduser()
@@ -296,7 +397,8 @@ class VLDataset:
         self.stats = {"rows": len(rows), "kept": len(self.items), **{
             k: self.stats.get(k, 0) for k in (
                 "filtered_overlong", "skipped_bad_image", "images", "converted_rgb",
-                "downscaled", "upscaled", "placeholders_added", "text_only")}}
+                "downscaled", "upscaled", "placeholders_added", "text_only", "videos",
+                "video_frames", "frames_dropped", "videos_padded")}}
         if not self.items:
             raise DataError(f"{name} data: no usable rows in {cfg.path or 'the rows'!r} "
                             f"({dict(self.stats)}).")
@@ -317,30 +419,34 @@ class VLDataset:
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         for (uid, spec, answer, kept_row, shown), toks in zip(pending, ids, strict=True):
             loc = where[uid]
-            counts = spec.token_counts() if spec else []
-            found = sum(t == self.image_token_id for t in toks)
-            if found != len(counts):
-                raise DataError(f"{loc}: the templated prompt holds {found} image tokens after "
-                                f"tokenisation but the row has {len(counts)} images; does the "
-                                "prompt text itself contain the image token "
-                                f"{self.image_token!r}?")
-            total = len(toks) - found + sum(counts)
+            counts = {self.image_token_id: spec.token_counts() if spec else [],
+                      self.video_token_id: spec.video_token_counts() if spec else []}
+            found = 0
+            for token, name, what in ((self.image_token_id, self.image_token, "images"),
+                                      (self.video_token_id, self.video_token, "videos")):
+                n = sum(t == token for t in toks)
+                if n != len(counts[token]):
+                    raise DataError(f"{loc}: the templated prompt holds {n} {name!r} tokens "
+                                    f"after tokenisation but the row has {len(counts[token])} "
+                                    f"{what}; does the prompt text itself contain that token?")
+                found += n
+            image_tokens, video_tokens = (sum(c) for c in counts.values())
+            total = len(toks) - found + image_tokens + video_tokens
             if total > self.cfg.max_prompt_tokens:
                 if self.cfg.overlong == "error":
-                    raise DataError(f"{loc}: prompt is {total} tokens ({sum(counts)} of them "
-                                    f"image tokens), over data.max_prompt_tokens="
+                    raise DataError(f"{loc}: prompt is {total} tokens ({image_tokens} of them "
+                                    "image tokens"
+                                    + (f", {video_tokens} video tokens" if video_tokens else "")
+                                    + f"), over data.max_prompt_tokens="
                                     f"{self.cfg.max_prompt_tokens}. Raise the limit, lower "
-                                    "data.args.max_pixels, or set data.overlong=filter.")
+                                    "data.args.max_pixels (video_max_pixels, max_frames), or "
+                                    "set data.overlong=filter.")
                 self.stats["filtered_overlong"] += 1
                 continue
+            left = {token: iter(c) for token, c in counts.items()}
             expanded: list[int] = []
-            k = 0
             for t in toks:
-                if t == self.image_token_id:
-                    expanded.extend([self.image_token_id] * counts[k])
-                    k += 1
-                else:
-                    expanded.append(t)
+                expanded.extend([t] * next(left[t]) if t in left else [t])
             if spec is None:
                 self.stats["text_only"] += 1
             self.items.append(VLPromptItem(uid=uid, prompt_ids=expanded, prompt_text=shown,
@@ -368,80 +474,179 @@ class VLDataset:
         if cfg.answer_field is not None and answer is None:
             raise DataError(f"{loc}: field {cfg.answer_field!r} is null. Give every row an "
                             "answer, or set data.answer_field=null.")
-        # images
-        raw = row.get(opts.image_field)
-        values = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
-        refs: list[ImageRef] = []
-        for j, value in enumerate(values):
-            at = f"{loc}, image {j}"
-            try:
-                ref = make_ref(value, at, self.image_root)
-                if arrow and ref.kind == "bytes":  # keep the bytes in the mapped table only
-                    ref = ImageRef("arrow", (self._arrow_table, uid, opts.image_field,
-                                             j if isinstance(raw, (list, tuple)) else None),
-                                   at, f"<image {j} of {loc}>")
-                refs.append(ref)
-            except ImageError as e:
-                raise DataError(str(e)) from None
-        sizes = []
-        for ref in refs:
-            try:
-                header = probe(ref, opts.max_source_pixels)
-            except ImageError as e:
-                if opts.bad_images == "skip":
-                    self.stats["skipped_bad_image"] += 1
-                    return None
-                raise DataError(f"{e} (or set data.args.bad_images=skip to drop such rows)") \
-                    from None
-            sizes.append((header.width, header.height))
-            self.stats["images"] += 1
-            if header.mode != "RGB":
-                self.stats["converted_rgb"] += 1
-            rw, rh = self.rule.resized(header.width, header.height)
-            if rw * rh < header.width * header.height:
-                self.stats["downscaled"] += 1
-            elif rw * rh > header.width * header.height:
-                self.stats["upscaled"] += 1
+        images = self._images(row, loc, uid, arrow)
+        videos = self._videos(row, loc, uid, arrow) if images is not None else None
+        if images is None or videos is None:
+            return None  # a bad image or frame, and bad_images=skip
+        refs, sizes = images
         # prompt and placeholders
-        messages = _to_messages(prompt, opts.placeholder, loc, cfg.prompt_field)
+        messages = _to_messages(prompt, self.markers, loc, cfg.prompt_field)
         for m in messages:
             for part in m["content"]:
-                if part["type"] == "text" and self.image_token in part["text"]:
-                    raise DataError(
-                        f"{loc}: the prompt text contains the model's image token "
-                        f"{self.image_token!r}, which would give the model more image tokens "
-                        f"than images. Mark images with {opts.placeholder!r} instead.")
-        markers = _count_images(messages)
-        if markers != len(refs):
-            if markers == 0 and opts.missing_placeholders == "prepend":
-                _prepend_images(messages, len(refs))
-                self.stats["placeholders_added"] += 1
-            else:
-                what = "more" if markers > len(refs) else "fewer"
-                raise DataError(
-                    f"{loc}: the prompt has {markers} {opts.placeholder!r} markers but the row "
-                    f"has {len(refs)} images (field {opts.image_field!r}): {what} markers than "
-                    "images. Put one marker where each image goes"
-                    + (" (or none: the images then go before the text)."
-                       if opts.missing_placeholders == "prepend" else "."))
+                for token, marker in ((self.image_token, opts.placeholder),
+                                      (self.video_token, opts.video_placeholder)):
+                    if part["type"] == "text" and token in part["text"]:
+                        raise DataError(
+                            f"{loc}: the prompt text contains the model's token {token!r}, "
+                            "which would give the model more vision tokens than inputs. "
+                            f"Mark where each goes with {marker!r} instead.")
+        for kind, n, marker, field in (("video", len(videos), opts.video_placeholder,
+                                        opts.video_field),
+                                       ("image", len(refs), opts.placeholder, opts.image_field)):
+            self._check_markers(messages, kind, n, marker, field, loc)
         if cfg.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system",
                                 "content": [{"type": "text", "text": cfg.system_prompt}]})
         text = self._render(messages, loc)
-        rendered = text.count(self.image_token)
-        if rendered != len(refs):
-            raise DataError(f"{loc}: the chat template rendered {rendered} image tokens for "
-                            f"{len(refs)} images; the processor's template does not place "
-                            "image parts. Use the model's own processor.")
+        for token, n, what in ((self.image_token, len(refs), "images"),
+                               (self.video_token, len(videos), "videos")):
+            rendered = text.count(token)
+            if rendered != n:
+                raise DataError(f"{loc}: the chat template rendered {rendered} {token!r} tokens "
+                                f"for {n} {what}; the processor's template does not place "
+                                f"{what[:-1]} parts. Use the model's own processor.")
         shown = text
         for ref in refs:
             shown = shown.replace(self.image_token, f"<image: {ref.name}>", 1)
-        spec = VisionSpec(f"{self.name}/{uid}", tuple(refs), tuple(sizes), self.rule) \
-            if refs else None
-        kept = {k: v for k, v in row.items() if k != opts.image_field}
+        for video in videos:
+            shown = shown.replace(self.video_token, f"<video: {len(video.refs)} frames from "
+                                  f"{video.refs[0].name}>", 1)
+        spec = VisionSpec(f"{self.name}/{uid}", tuple(refs), tuple(sizes), self.rule,
+                          tuple(videos), self.video_rule) if refs or videos else None
+        kept = {k: v for k, v in row.items() if k not in (opts.image_field, opts.video_field)}
         kept[opts.image_field] = [r.name for r in refs]
+        if videos or opts.video_field in row:
+            kept[opts.video_field] = [[r.name for r in v.refs] for v in videos]
         kept[VISION_FIELD] = spec
         return text, spec, answer, kept, shown
+
+    def _check_markers(self, messages: list[dict], kind: str, n: int, marker: str, field: str,
+                       loc: str) -> None:
+        """Markers of ``kind`` must match the row's ``n`` inputs; none: prepend them."""
+        markers = _count_parts(messages, kind)
+        if markers == n:
+            return
+        if markers == 0 and self.opts.missing_placeholders == "prepend":
+            _prepend_parts(messages, n, kind)
+            self.stats["placeholders_added"] += 1
+            return
+        what = "more" if markers > n else "fewer"
+        raise DataError(
+            f"{loc}: the prompt has {markers} {marker!r} markers but the row has {n} {kind}s "
+            f"(field {field!r}): {what} markers than {kind}s. Put one marker where each "
+            f"{kind} goes"
+            + (f" (or none: the {kind}s then go before the text)."
+               if self.opts.missing_placeholders == "prepend" else "."))
+
+    def _ref(self, value: Any, at: str, uid: int, field: str, index: Any, arrow: bool
+             ) -> ImageRef:
+        """An image or frame reference; an Arrow table's bytes stay in the mapped table."""
+        try:
+            ref = make_ref(value, at, self.image_root)
+        except ImageError as e:
+            raise DataError(str(e)) from None
+        if arrow and ref.kind == "bytes":
+            ref = ImageRef("arrow", (self._arrow_table, uid, field, index), at, f"<{at}>")
+        return ref
+
+    def _probe(self, ref: ImageRef):
+        """The header, or None for a bad image when ``bad_images: skip`` (counted)."""
+        try:
+            header = probe(ref, self.opts.max_source_pixels)
+        except ImageError as e:
+            if self.opts.bad_images == "skip":
+                self.stats["skipped_bad_image"] += 1
+                return None
+            raise DataError(f"{e} (or set data.args.bad_images=skip to drop such rows)") \
+                from None
+        if header.mode != "RGB":
+            self.stats["converted_rgb"] += 1
+        return header
+
+    def _count_resize(self, rule: ResizeRule, width: int, height: int) -> None:
+        rw, rh = rule.resized(width, height)
+        if rw * rh < width * height:
+            self.stats["downscaled"] += 1
+        elif rw * rh > width * height:
+            self.stats["upscaled"] += 1
+
+    def _images(self, row: dict, loc: str, uid: int, arrow: bool
+                ) -> tuple[list[ImageRef], list[tuple[int, int]]] | None:
+        """The row's image references and header sizes (None: skip the row)."""
+        field = self.opts.image_field
+        raw = row.get(field)
+        listed = isinstance(raw, (list, tuple))
+        values = [] if raw is None else list(raw) if listed else [raw]
+        refs = [self._ref(value, f"{loc}, image {j}", uid, field, j if listed else None, arrow)
+                for j, value in enumerate(values)]
+        sizes = []
+        for ref in refs:
+            header = self._probe(ref)
+            if header is None:
+                return None
+            sizes.append((header.width, header.height))
+            self.stats["images"] += 1
+            self._count_resize(self.rule, header.width, header.height)
+        return refs, sizes
+
+    def _fps(self, row: dict, loc: str, n: int) -> list[float]:
+        """Frames per second of each of the row's ``n`` videos (row field, else the option)."""
+        field = self.opts.video_fps_field
+        raw = row.get(field)
+        if raw is None:
+            return [float(self.opts.video_fps)] * n
+        values = list(raw) if isinstance(raw, (list, tuple)) else [raw] * n
+        if len(values) != n or not all(_positive(v) for v in values):
+            raise DataError(f"{loc}: field {field!r} is {raw!r:.80}; give one positive frame "
+                            f"rate for all the row's videos, or a list of {n} (one per video).")
+        return [float(v) for v in values]
+
+    def _videos(self, row: dict, loc: str, uid: int, arrow: bool) -> list[VideoSpec] | None:
+        """The row's videos: frame references (capped by ``max_frames``), one header size per
+        video, frame rates (None: skip the row)."""
+        opts, field = self.opts, self.opts.video_field
+        raw = row.get(field)
+        if raw is None:
+            return []
+        if not isinstance(raw, (list, tuple)) or any(not isinstance(v, (list, tuple))
+                                                      for v in raw):
+            raise DataError(f"{loc}: field {field!r} must be a list of videos, each a list of "
+                            f"frames (paths, bytes or PIL images), not {raw!r:.80}; for one "
+                            "video write [[frame0, frame1, ...]]. Video files are not decoded: "
+                            "extract their frames offline.")
+        if raw and "Qwen3" in type(self.processor).__name__:
+            raise DataError(f"{loc}: videos are not supported for Qwen3-VL yet (its processor "
+                            "writes per-frame timestamps into the prompt).")
+        fps = self._fps(row, loc, len(raw))
+        videos = []
+        for j, frames in enumerate(raw):
+            at = f"{loc}, video {j}"
+            if not frames:
+                raise DataError(f"{at}: field {field!r} holds an empty video (no frames); give "
+                                "its frames or drop it (and its marker).")
+            keep = _frame_indices(len(frames), opts.max_frames)
+            refs = [self._ref(frames[f], f"{at}, frame {f}", uid, field, (j, f), arrow)
+                    for f in keep]
+            size = None
+            for f, ref in zip(keep, refs, strict=True):
+                header = self._probe(ref)
+                if header is None:
+                    return None
+                if size is None:
+                    size, first = (header.width, header.height), f
+                elif (header.width, header.height) != size:
+                    raise DataError(f"{at}: frame {f} is {header.width}x{header.height} but "
+                                    f"frame {first} is {size[0]}x{size[1]} (field {field!r}); "
+                                    "all frames of a video must have one size. Resize them "
+                                    "offline.")
+            self.stats["videos"] += 1
+            self.stats["video_frames"] += len(refs)
+            self.stats["frames_dropped"] += len(frames) - len(refs)
+            if len(refs) % self.video_rule.temporal_patch_size:
+                self.stats["videos_padded"] += 1
+            self._count_resize(self.video_rule, *size)
+            videos.append(VideoSpec(tuple(refs), size, fps[j] * len(refs) / len(frames), at))
+        return videos
 
     @property
     def _arrow_table(self) -> Any:
@@ -453,6 +658,7 @@ class VLDataset:
             for m in messages:
                 for part in m["content"]:
                     chunks.append(QWEN_IMAGE_SEQUENCE if part["type"] == "image"
+                                  else QWEN_VIDEO_SEQUENCE if part["type"] == "video"
                                   else part["text"])
             return "".join(chunks)
         owner = self.processor if getattr(self.processor, "chat_template", None) \

@@ -1,11 +1,12 @@
-"""The ``hf_vl`` engine: sampling from a Qwen-VL policy with images, on its own module.
+"""The ``hf_vl`` engine: sampling from a Qwen-VL policy with images and videos.
 
-Like the core's HF engine (same RNG state, sampling rule and stop handling), plus images:
-``generate_vl(prompts, visions, params)`` prefills each prompt *once* (its images through
-the vision tower once), then repeats the KV cache for the prompt's ``n`` samples, so a
-group of ``n`` never processes its images ``n`` times. Decoding continues the M-RoPE
-positions after the prompt's largest position, as ``get_rope_index`` does for text that
-follows images.
+Like the core's HF engine (same RNG state, sampling rule and stop handling), plus images and
+videos: ``generate_vl(prompts, visions, params)`` prefills each prompt *once* (its images
+and videos through the vision tower once), then repeats the KV cache for the prompt's ``n``
+samples, so a group of ``n`` never processes its images or videos ``n`` times. Decoding
+continues the M-RoPE positions after the prompt's last position
+(:func:`~polyrl.multimodal.vision.next_positions`), as ``get_rope_index`` does for text that
+follows the prompt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from polyrl.core.engine import Completion, HFEngine, SamplingParams, sample_next
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
-from polyrl.multimodal.vision import VisionInputs, decode_step, vl_forward
+from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, vl_forward
 
 
 class VLEngine(HFEngine):
@@ -56,7 +57,7 @@ class VLEngine(HFEngine):
         ids, mask = ids.to(device), mask.to(device)
         logits, cache, pos = vl_forward(model, ids, mask, visions, logits_to_keep=1,
                                         dummy_if_empty=False, use_cache=True)
-        next_pos = pos.amax(dim=(0, 2)) + 1  # text after the prompt continues from its max
+        next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n
         if n > 1:  # the group shares the prompt's prefill (and its single vision pass)
             cache.batch_repeat_interleave(n)

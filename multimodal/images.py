@@ -47,7 +47,8 @@ class ImageRef:
     ``kind``: ``path`` (``source`` is the file path), ``bytes`` (``source`` holds the encoded
     file), ``pil`` (``source`` is a PIL image the caller keeps in memory anyway) or ``arrow``
     (``source`` is ``(table, row, column, index)`` of a memory-mapped ``datasets`` table whose
-    image column is not decoded). ``where`` names the dataset row and image for messages;
+    image column is not decoded; ``index`` is None, an image's list index, or a video
+    frame's ``(video, frame)``). ``where`` names the dataset row and image for messages;
     ``name`` is what transcripts show.
     """
 
@@ -78,8 +79,10 @@ def _open(ref: ImageRef) -> Image.Image:
     if ref.kind == "arrow":
         table, row, column, index = ref.source
         value = table[row][column]
-        if isinstance(value, list):
-            value = value[index]
+        # ``index``: None (one image), an int (a list of images) or a tuple (video, frame)
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(value, list) and i is not None:
+                value = value[i]
         return _open(ImageRef(*_classify(value, ref.where, ref.name, root=None), ref.where,
                               ref.name))
     raise ImageError(f"{ref.where}: unknown image reference kind {ref.kind!r}")
@@ -229,6 +232,18 @@ class ResizeRule:
     def tokens(self, width: int, height: int) -> int:
         """Placeholder tokens the image takes in the prompt: t*h*w / merge^2."""
         t, gh, gw = self.grid(width, height)
+        return t * gh * gw // self.merge_size ** 2
+
+    def video_grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
+        """``video_grid_thw`` of ``frames`` frames of this source size. An odd count (for a
+        temporal patch of 2) takes ceil(frames / temporal_patch_size) steps: the video
+        processor repeats the last frame to fill the final step."""
+        _, gh, gw = self.grid(width, height)
+        return -(-frames // self.temporal_patch_size), gh, gw
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int:
+        """Placeholder tokens a video takes: (T / temporal_patch_size)*h*w / merge^2."""
+        t, gh, gw = self.video_grid(frames, width, height)
         return t * gh * gw // self.merge_size ** 2
 
     def apply(self, img: Image.Image) -> Image.Image:

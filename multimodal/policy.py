@@ -2,8 +2,8 @@
 
 It is the core's causal-LM policy (optimizer, schedule, reference, checkpoints, SFT
 optimizer, export) with a vision-language forward pass: each record row carries its
-prompt's processed images (the ``vision`` column a VL workflow writes, shared by the
-prompt's ``n`` samples), the vision tower runs once per distinct prompt in a micro-batch,
+prompt's processed images and videos (the ``vision`` column a VL workflow writes, shared by
+the prompt's ``n`` samples), the vision tower runs once per distinct prompt in a micro-batch,
 and M-RoPE position ids come from the model's own ``get_rope_index`` over prompt and
 response. Rows without a ``vision`` column (the core's SFT warm start) are processed from
 the references their dataset row keeps. A batch without images runs the vision tower on a
@@ -132,7 +132,9 @@ class QwenVLPolicy(CausalLMPolicy):
                 out.append(None)
                 continue
             if spec.key not in done:
-                done[spec.key] = vision.process(spec, self.processor.image_processor)[0]
+                done[spec.key] = vision.process(
+                    spec, self.processor.image_processor,
+                    getattr(self.processor, "video_processor", None))[0]
             out.append(done[spec.key])
         return out
 

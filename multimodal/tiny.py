@@ -3,7 +3,8 @@
 The tokenizer is a byte-level BPE trained on a task's corpus (the core's
 :func:`~polyrl.core.tiny.build_tokenizer`) with Qwen2.5-VL's vision tokens added
 (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``) and a chat
-template that renders an image part as ``<|vision_start|><|image_pad|><|vision_end|>``. The
+template that renders an image part as ``<|vision_start|><|image_pad|><|vision_end|>`` and a
+video part as ``<|vision_start|><|video_pad|><|vision_end|>`` (as Qwen2.5-VL's does). The
 processor is the real ``Qwen2_5_VLProcessor``; the model is the real
 ``Qwen2_5_VLForConditionalGeneration`` with small sizes. Configuration rules that a tiny
 Qwen2.5-VL must keep (a wrong one fails deep inside the forward pass):
@@ -31,6 +32,7 @@ VL_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
@@ -61,7 +63,9 @@ def build_processor(corpus: list[str], *, vocab_size: int = 320, min_pixels: int
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
                                             patch_size=14, merge_size=2, temporal_patch_size=2)
     return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                               video_processor=Qwen2VLVideoProcessor(),
+                               video_processor=Qwen2VLVideoProcessor(
+                                   min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14,
+                                   merge_size=2, temporal_patch_size=2),
                                chat_template=VL_CHAT_TEMPLATE)
 
 

@@ -2,17 +2,21 @@
 
 Two halves:
 
-- **Host side.** :class:`VisionSpec` is a prompt's images as references (what a dataset item
-  holds). :func:`process` decodes, resizes (``qwen_vl_utils``) and runs the image processor
-  once, giving :class:`VisionInputs` (``pixel_values`` + ``image_grid_thw``). A workflow calls
-  it once per prompt; the ``n`` samples of the prompt's group share that one object, in the
-  rollout record and through the update.
+- **Host side.** :class:`VisionSpec` is a prompt's images and videos (lists of frames) as
+  references (what a dataset item holds). :func:`process` decodes, resizes
+  (``qwen_vl_utils``) and runs the image processor and the video processor once each,
+  giving :class:`VisionInputs` (``pixel_values`` + ``image_grid_thw``; ``pixel_values_videos``
+  + ``video_grid_thw`` + ``second_per_grid_ts``). A workflow calls it once per prompt; the
+  ``n`` samples of the prompt's group share that one object, in the rollout record and
+  through the update.
 - **Model side.** :func:`vl_forward` runs Qwen2-VL / Qwen2.5-VL / Qwen3-VL through
   `transformers` with the vision features computed once per distinct prompt in the batch
   (rows that share a :class:`VisionInputs` share its features: one vision-tower pass per
   group, gradients flow to every use) and with M-RoPE position ids from the model's own
-  ``get_rope_index`` over prompt + response, so response positions continue after the
-  image-compressed prompt positions. A batch without images still runs the vision tower on
+  ``get_rope_index`` over prompt + response (video grids and ``second_per_grid_ts`` too), so
+  response positions continue after the vision-compressed prompt positions. Videos go
+  through the model's ``get_video_features`` (one pass per micro-batch for all its distinct
+  prompts' videos, like images). A batch without images still runs the vision tower on
   a dummy patch with weight zero, so FSDP ranks never disagree about which parameters took
   part (a rank with only text rows would otherwise hang the others).
 """
@@ -21,16 +25,33 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from PIL import Image
 
 from polyrl.multimodal.images import ImageError, ImageRef, ResizeRule, decode
 
-# Process-wide counters (tests and metrics read them): images decoded+processed, vision
-# tower passes and the images they covered.
+# Process-wide counters (tests and metrics read them): images / videos / frames decoded and
+# processed, vision tower passes (``vision_passes`` for images, ``video_passes`` for videos)
+# and the images / videos they covered.
 COUNTERS: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """One video of a prompt: its frames (already capped by ``max_frames``) as references.
+
+    ``size`` is the source (width, height) every frame's header gave at load time; ``fps``
+    is the frame rate of these frames (after subsampling), which sets the M-RoPE temporal
+    spacing through ``second_per_grid_ts = temporal_patch_size / fps``.
+    """
+
+    refs: tuple[ImageRef, ...]
+    size: tuple[int, int]
+    fps: float
+    where: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,8 @@ class VisionSpec:
     refs: tuple[ImageRef, ...]
     sizes: tuple[tuple[int, int], ...]
     rule: ResizeRule
+    videos: tuple[VideoSpec, ...] = ()
+    video_rule: ResizeRule | None = None  # video_min/max_pixels; None: the image rule
 
     def grids(self) -> list[tuple[int, int, int]]:
         return [self.rule.grid(w, h) for w, h in self.sizes]
@@ -53,50 +76,124 @@ class VisionSpec:
     def token_counts(self) -> list[int]:
         return [self.rule.tokens(w, h) for w, h in self.sizes]
 
+    @property
+    def vrule(self) -> ResizeRule:
+        return self.video_rule or self.rule
+
+    def video_grids(self) -> list[tuple[int, int, int]]:
+        return [self.vrule.video_grid(len(v.refs), *v.size) for v in self.videos]
+
+    def video_token_counts(self) -> list[int]:
+        return [self.vrule.video_tokens(len(v.refs), *v.size) for v in self.videos]
+
+    def second_per_grid(self) -> list[float]:
+        return [self.vrule.temporal_patch_size / v.fps for v in self.videos]
+
+
+def _no_grid() -> torch.Tensor:
+    return torch.zeros((0, 3), dtype=torch.long)
+
 
 @dataclass
 class VisionInputs:
     """One prompt's processed images: what the model's vision tower takes."""
 
     key: str
-    pixel_values: torch.Tensor  # [patches of all images, C * T * P * P]
+    pixel_values: torch.Tensor | None  # [patches of all images, C * T * P * P]; None: no image
     image_grid_thw: torch.Tensor  # [images, 3] (int64)
     sizes: tuple[tuple[int, int], ...] = ()  # source (width, height) per image
     resized: tuple[tuple[int, int], ...] = ()  # (width, height) the model saw
+    pixel_values_videos: torch.Tensor | None = None  # [patches of all videos, C * T * P * P]
+    video_grid_thw: torch.Tensor = field(default_factory=_no_grid)  # [videos, 3] (int64)
+    second_per_grid_ts: torch.Tensor | None = None  # [videos] seconds per temporal grid step
+    video_sizes: tuple[tuple[int, int], ...] = ()  # source (width, height) per video
+    video_resized: tuple[tuple[int, int], ...] = ()  # (width, height) of its frames, resized
+    video_frames: tuple[int, ...] = ()  # frames per video (before the processor's padding)
 
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
 
+    @property
+    def num_videos(self) -> int:
+        return int(self.video_grid_thw.shape[0])
 
-def process(spec: VisionSpec, image_processor: Any) -> tuple[VisionInputs, list]:
-    """Decode, resize and run the image processor once for one prompt.
+
+def _load_image(ref: ImageRef, size: tuple[int, int], grid: tuple[int, int, int],
+                rule: ResizeRule) -> Image.Image:
+    """One image (or frame) decoded and resized; its size must still be the header's."""
+    w, h = size
+    img = decode(ref, rule.max_source_pixels)
+    if img.size != (w, h):
+        raise ImageError(f"{ref.where}: the image is {img.width}x{img.height} now but was "
+                         f"{w}x{h} when the dataset was loaded; was the file replaced?")
+    img = rule.apply(img)
+    if img.size != (grid[2] * rule.patch_size, grid[1] * rule.patch_size):
+        raise ImageError(f"{ref.where}: resized to {img.size}, not the size the prompt's "
+                         f"{grid} grid was counted for")  # pragma: no cover (defensive)
+    return img
+
+
+def _check_grid(spec: VisionSpec, got: torch.Tensor, expected: list, what: str) -> torch.Tensor:
+    got = got.to(torch.long)
+    want = torch.tensor(expected, dtype=torch.long).reshape(-1, 3)
+    if not torch.equal(got, want):
+        raise ImageError(f"{spec.key}: the {what} processor gave grids {got.tolist()}, but the "
+                         f"prompt was built for {want.tolist()}; its patch/merge size "
+                         "differs from data.args (patch_size, merge_size)")
+    return got
+
+
+def process_frames(spec: VisionSpec, image_processor: Any, video_processor: Any = None
+                   ) -> tuple[VisionInputs, list[Image.Image], list[list[Image.Image]]]:
+    """Decode, resize and run the image and video processors once for one prompt.
+
+    Returns the processed inputs, the resized RGB images and each video's resized frames
+    (what rewards look at). The video processor gets the frames as they are (no resizing,
+    no frame sampling: the dataset already capped them); an odd frame count is padded by
+    the processor, repeating the last frame. Errors name the file and row.
+    """
+    images = [_load_image(ref, size, grid, spec.rule)
+              for ref, size, grid in zip(spec.refs, spec.sizes, spec.grids(), strict=True)]
+    videos = [[_load_image(ref, video.size, grid, spec.vrule) for ref in video.refs]
+              for video, grid in zip(spec.videos, spec.video_grids(), strict=True)]
+    pixel_values, grid = None, _no_grid()
+    if images:
+        out = image_processor(images=images, do_resize=False, return_tensors="pt")
+        pixel_values = out["pixel_values"]
+        grid = _check_grid(spec, out["image_grid_thw"], spec.grids(), "image")
+    video_values, video_grid, seconds = None, _no_grid(), None
+    if videos:
+        if video_processor is None:
+            raise ImageError(f"{spec.key}: the prompt has {len(videos)} videos but the model's "
+                             "processor has no video processor")
+        out = video_processor(videos=videos, do_resize=False, do_sample_frames=False,
+                              return_tensors="pt")
+        video_values = out["pixel_values_videos"]
+        video_grid = _check_grid(spec, out["video_grid_thw"], spec.video_grids(), "video")
+        seconds = torch.tensor(spec.second_per_grid(), dtype=torch.float32)
+    COUNTERS["images_processed"] += len(images)
+    COUNTERS["videos_processed"] += len(videos)
+    COUNTERS["frames_processed"] += sum(len(v) for v in videos)
+    COUNTERS["prompts_processed"] += 1
+    inputs = VisionInputs(spec.key, pixel_values, grid, spec.sizes,
+                          tuple(img.size for img in images), video_values, video_grid, seconds,
+                          tuple(v.size for v in spec.videos),
+                          tuple(frames[0].size for frames in videos),
+                          tuple(len(frames) for frames in videos))
+    return inputs, images, videos
+
+
+def process(spec: VisionSpec, image_processor: Any, video_processor: Any = None
+            ) -> tuple[VisionInputs, list]:
+    """Decode, resize and run the processors once for one prompt.
 
     Returns the processed inputs and the resized RGB images (what rewards look at: box
-    coordinates of Qwen2.5-VL refer to these pixels). Errors name the file and row.
+    coordinates of Qwen2.5-VL refer to these pixels); :func:`process_frames` also returns
+    the videos' frames. Errors name the file and row.
     """
-    images = []
-    for ref, (w, h), grid in zip(spec.refs, spec.sizes, spec.grids(), strict=True):
-        img = decode(ref, spec.rule.max_source_pixels)
-        if img.size != (w, h):
-            raise ImageError(f"{ref.where}: the image is {img.width}x{img.height} now but was "
-                             f"{w}x{h} when the dataset was loaded; was the file replaced?")
-        img = spec.rule.apply(img)
-        if img.size != (grid[2] * spec.rule.patch_size, grid[1] * spec.rule.patch_size):
-            raise ImageError(f"{ref.where}: resized to {img.size}, not the size the prompt's "
-                             f"{grid} grid was counted for")  # pragma: no cover (defensive)
-        images.append(img)
-    out = image_processor(images=images, do_resize=False, return_tensors="pt")
-    grid = out["image_grid_thw"].to(torch.long)
-    expected = torch.tensor(spec.grids(), dtype=torch.long).reshape(-1, 3)
-    if not torch.equal(grid, expected):
-        raise ImageError(f"{spec.key}: the image processor gave grids {grid.tolist()}, but the "
-                         f"prompt was built for {expected.tolist()}; its patch/merge size "
-                         "differs from data.args (patch_size, merge_size)")
-    COUNTERS["images_processed"] += len(images)
-    COUNTERS["prompts_processed"] += 1
-    return (VisionInputs(spec.key, out["pixel_values"], grid, spec.sizes,
-                         tuple(img.size for img in images)), images)
+    inputs, images, _ = process_frames(spec, image_processor, video_processor)
+    return inputs, images
 
 
 # --------------------------------------------------------------------------- model side
@@ -118,6 +215,7 @@ class Parts:
     merge_size: int
     patch_dim: int  # channels * temporal_patch * patch * patch
     deepstack: bool  # Qwen3-VL injects vision features into early LM layers
+    video_token_id: int | None = None
 
 
 def parts(model: torch.nn.Module) -> Parts:
@@ -130,42 +228,92 @@ def parts(model: torch.nn.Module) -> Parts:
     patch = vcfg.patch_size if isinstance(vcfg.patch_size, int) else vcfg.patch_size[0]
     temporal = vcfg.temporal_patch_size if isinstance(vcfg.temporal_patch_size, int) \
         else vcfg.temporal_patch_size[0]
+    video_id = getattr(hf.config, "video_token_id", None)
     return Parts(inner=inner, visual=inner.visual, language_model=inner.language_model,
                  lm_head=hf.lm_head, image_token_id=int(hf.config.image_token_id),
                  merge_size=int(vcfg.spatial_merge_size),
                  patch_dim=int(getattr(vcfg, "in_channels", getattr(vcfg, "in_chans", 3)))
                  * temporal * patch * patch,
-                 deepstack=bool(getattr(vcfg, "deepstack_visual_indexes", None)))
+                 deepstack=bool(getattr(vcfg, "deepstack_visual_indexes", None)),
+                 video_token_id=None if video_id is None else int(video_id))
 
 
-def rope_index(p: Parts, ids: torch.Tensor, mask: torch.Tensor, grids: torch.Tensor | None,
-               image_mask: torch.Tensor | None = None) -> torch.Tensor:
+def token_mask(p: Parts, ids: torch.Tensor, video: bool = False) -> torch.Tensor:
+    """Positions holding the image (or video) token id."""
+    token = p.video_token_id if video else p.image_token_id
+    return torch.zeros_like(ids, dtype=torch.bool) if token is None else ids == token
+
+
+@dataclass
+class Grids:
+    """The grids of a batch's images and videos in row order (what ``get_rope_index`` and the
+    vision tower take); None where the batch has none."""
+
+    image: torch.Tensor | None = None
+    video: torch.Tensor | None = None
+    second_per_grid: torch.Tensor | None = None
+
+
+def batch_grids(rows: list[VisionInputs | None], device: torch.device | None = None) -> Grids:
+    """Image grids, video grids and seconds per temporal step of ``rows``, in row order."""
+    images = [v.image_grid_thw for v in rows if v is not None and v.num_images]
+    videos = [v for v in rows if v is not None and v.num_videos]
+    return Grids(
+        torch.cat(images).to(device) if images else None,
+        torch.cat([v.video_grid_thw for v in videos]).to(device) if videos else None,
+        torch.cat([_seconds(v) for v in videos]).to(device) if videos else None)
+
+
+def _seconds(v: VisionInputs) -> torch.Tensor:
+    if v.second_per_grid_ts is None:
+        raise ValueError(f"{v.key}: videos without second_per_grid_ts")
+    return v.second_per_grid_ts.reshape(-1).to(torch.float32)
+
+
+def rope_index(p: Parts, ids: torch.Tensor, mask: torch.Tensor, grids: Grids | torch.Tensor | None,
+               image_mask: torch.Tensor | None = None, video_mask: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """M-RoPE position ids ``[3, B, L]`` from the model's own ``get_rope_index``.
 
-    ``grids`` holds the ``image_grid_thw`` rows of every image in the batch, in row order;
-    ``image_mask`` marks the image placeholder positions (default: every image-token id).
-    Padding positions get 0 (the attention mask hides them).
+    ``grids`` holds the ``image_grid_thw`` rows of every image in the batch in row order (a
+    tensor), or a :class:`Grids` with the videos' grids and ``second_per_grid_ts`` too;
+    ``image_mask`` / ``video_mask`` mark the placeholder positions (default: every image /
+    video token id). Padding positions get 0 (the attention mask hides them).
     """
+    if not isinstance(grids, Grids):
+        grids = Grids(image=grids)
     if image_mask is None:
-        image_mask = ids == p.image_token_id
+        image_mask = token_mask(p, ids)
+    if video_mask is None:
+        video_mask = token_mask(p, ids, video=True)
     fn = p.inner.get_rope_index
     params = inspect.signature(fn).parameters
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
     if "image_grid_thw" in params:
-        kwargs["image_grid_thw"] = grids
-    if "mm_token_type_ids" in params:  # transformers >= 5: which tokens are image tokens
-        kwargs["mm_token_type_ids"] = image_mask.to(torch.int32)
-    elif bool((image_mask != (ids == p.image_token_id)).any()):
-        # this transformers version finds images by token id alone: hide sampled ones
-        kwargs["input_ids"] = ids.masked_fill(~image_mask & (ids == p.image_token_id), 0)
+        kwargs["image_grid_thw"] = grids.image
+    if grids.video is not None:
+        if "video_grid_thw" not in params:
+            raise TypeError(f"{type(p.inner).__name__}.get_rope_index takes no video grids")
+        kwargs["video_grid_thw"] = grids.video
+        if "second_per_grid_ts" in params:  # Qwen2.5-VL: temporal spacing in seconds
+            kwargs["second_per_grid_ts"] = grids.second_per_grid
+    if "mm_token_type_ids" in params:  # transformers >= 5: text 0, image 1, video 2
+        kwargs["mm_token_type_ids"] = image_mask.to(torch.int32) + 2 * video_mask.to(torch.int32)
+    else:  # this transformers version finds images by token id alone: hide sampled ones
+        hide = (~image_mask & token_mask(p, ids)) | (~video_mask & token_mask(p, ids, True))
+        if bool(hide.any()):
+            kwargs["input_ids"] = ids.masked_fill(hide, 0)
     position_ids, _ = fn(**kwargs)
     return position_ids
 
 
-def _features(p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor
+def _features(p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor, video: bool = False
               ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """Merged image features ``[tokens, hidden]`` (and Qwen3-VL's deepstack features)."""
-    out = p.inner.get_image_features(pixel_values=pixel_values, image_grid_thw=grid)
+    """Merged image (or video) features ``[tokens, hidden]`` (and Qwen3-VL's deepstack)."""
+    if video:
+        out = p.inner.get_video_features(pixel_values_videos=pixel_values, video_grid_thw=grid)
+    else:
+        out = p.inner.get_image_features(pixel_values=pixel_values, image_grid_thw=grid)
     deep = None
     if hasattr(out, "pooler_output"):
         feats, deep = out.pooler_output, getattr(out, "deepstack_features", None)
@@ -175,8 +323,12 @@ def _features(p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor
         feats = out
     if isinstance(feats, (tuple, list)):
         feats = torch.cat(list(feats), dim=0)
-    COUNTERS["vision_passes"] += 1
-    COUNTERS["vision_images"] += int(grid.shape[0])
+    if video:
+        COUNTERS["video_passes"] += 1
+        COUNTERS["vision_videos"] += int(grid.shape[0])
+    else:
+        COUNTERS["vision_passes"] += 1
+        COUNTERS["vision_images"] += int(grid.shape[0])
     return feats, (list(deep) if deep else None)
 
 
@@ -188,17 +340,50 @@ def _dummy(p: Parts, device: torch.device, dtype: torch.dtype
     return _features(p, pv, grid)
 
 
-def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
-          dummy_if_empty: bool, image_mask: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
-    """Input embeddings with image features in place, grids in row order, extra LM kwargs.
+def _place(p: Parts, order: list[VisionInputs], rows: list[VisionInputs | None],
+           unique: dict[str, int], mask: torch.Tensor, video: bool, device: torch.device,
+           dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+    """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
+    the distinct prompts' images (or videos); None when the batch has none."""
+    what = "video" if video else "image"
+    count = (lambda v: v.num_videos) if video else (lambda v: v.num_images)
+    grid_of = (lambda v: v.video_grid_thw) if video else (lambda v: v.image_grid_thw)
+    with_media = [v for v in order if count(v)]
+    per_prompt = [int((grid_of(v).prod(-1) // p.merge_size ** 2).sum()) if count(v) else 0
+                  for v in order]
+    for b, v in enumerate(rows):
+        n_tokens = int(mask[b].sum())
+        want = 0 if v is None else per_prompt[unique[v.key]]
+        if n_tokens != want:
+            whose = "no vision inputs" if v is None else f"{what}s giving {want} features"
+            raise ValueError(f"row {b} ({v.key if v else 'text'}) has {n_tokens} {what} tokens "
+                             f"in its prompt but {whose} (t*h*w/merge^2 per {what}); the "
+                             f"prompt ids and the {what}s do not belong together")
+    if not with_media:
+        return None
+    values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
+    pv = torch.cat(values).to(device=device, dtype=dtype)
+    feats, deep = _features(p, pv, torch.cat([grid_of(v) for v in with_media]).to(device), video)
+    starts = torch.tensor([0] + per_prompt[:-1]).cumsum(0).tolist()
+    index = [torch.arange(starts[unique[v.key]], starts[unique[v.key]] + per_prompt[unique[v.key]])
+             for v in rows if v is not None]
+    gather = torch.cat(index).to(device)
+    return feats[gather], ([d[gather] for d in deep] if deep else None)
 
-    Features are computed once per distinct ``VisionInputs.key`` among ``rows``.
-    ``image_mask`` marks the placeholder positions (default: every image-token id; pass the
-    prompt's only when responses may contain a sampled image token, which stays text).
+
+def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
+          dummy_if_empty: bool, image_mask: torch.Tensor | None = None,
+          video_mask: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, Grids, dict[str, Any]]:
+    """Input embeddings with image and video features in place, grids in row order, extra
+    LM kwargs.
+
+    Features are computed once per distinct ``VisionInputs.key`` among ``rows`` (one vision
+    pass for the images, one for the videos). ``image_mask`` / ``video_mask`` mark the
+    placeholder positions (default: every image / video token id; pass the prompt's only
+    when responses may contain a sampled vision token, which stays text).
     """
-    emb_layer = p.language_model.get_input_embeddings()
-    emb = emb_layer(ids)
+    emb = p.language_model.get_input_embeddings()(ids)
     device, dtype = emb.device, p.visual.dtype if hasattr(p.visual, "dtype") else emb.dtype
     unique: dict[str, int] = {}
     order: list[VisionInputs] = []
@@ -207,60 +392,53 @@ def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
             unique[v.key] = len(order)
             order.append(v)
     if image_mask is None:
-        image_mask = ids == p.image_token_id
-    extra: dict[str, Any] = {}
+        image_mask = token_mask(p, ids)
+    if video_mask is None:
+        video_mask = token_mask(p, ids, video=True)
     if not order:
-        if bool(image_mask.any()):
-            raise ValueError("the batch has image tokens in its prompts but no images; the "
-                             "rows lost their vision inputs (was the record built by a VL "
+        if bool(image_mask.any() or video_mask.any()):
+            raise ValueError("the batch has image or video tokens in its prompts but no vision "
+                             "inputs; the rows lost them (was the record built by a VL "
                              "workflow?)")
         if dummy_if_empty:  # every parameter takes part, so FSDP ranks stay in step
             feats, deep = _dummy(p, device, dtype)
             zero = feats.sum() * 0.0 + sum((d.sum() * 0.0 for d in deep or []), 0.0)
             emb = emb + zero.to(emb.dtype)
-        return emb, None, extra
-    pv = torch.cat([v.pixel_values for v in order]).to(device=device, dtype=dtype)
-    grid = torch.cat([v.image_grid_thw for v in order]).to(device)
-    feats, deep = _features(p, pv, grid)
-    # where each prompt's features start in ``feats``
-    per_prompt = [int((v.image_grid_thw.prod(-1) // p.merge_size ** 2).sum()) for v in order]
-    starts = torch.tensor([0] + per_prompt[:-1]).cumsum(0).tolist()
-    index, grids = [], []
-    for b, v in enumerate(rows):
-        n_tokens = int(image_mask[b].sum())
-        if v is None:
-            if n_tokens:
-                raise ValueError(f"row {b} has {n_tokens} image tokens but no images")
-            continue
-        k = unique[v.key]
-        if n_tokens != per_prompt[k]:
-            raise ValueError(f"row {b} ({v.key}) has {n_tokens} image tokens in its prompt, but "
-                             f"its images give {per_prompt[k]} features (t*h*w/merge^2 per "
-                             "image); the prompt ids and the images do not belong together")
-        index.append(torch.arange(starts[k], starts[k] + per_prompt[k]))
-        grids.append(v.image_grid_thw)
-    gather = torch.cat(index).to(device)
-    emb = emb.masked_scatter(image_mask.unsqueeze(-1), feats[gather].to(emb.dtype))
-    if p.deepstack and deep:
+        return emb, Grids(), {}
+    if p.deepstack and any(v.num_videos for v in order):
+        raise NotImplementedError("videos with Qwen3-VL (deepstack) are not supported yet; its "
+                                  "processor writes per-frame timestamps into the prompt")
+    image = _place(p, order, rows, unique, image_mask, False, device, dtype)
+    video = _place(p, order, rows, unique, video_mask, True, device, dtype)
+    if image is not None:
+        emb = emb.masked_scatter(image_mask.unsqueeze(-1), image[0].to(emb.dtype))
+    if video is not None:
+        emb = emb.masked_scatter(video_mask.unsqueeze(-1), video[0].to(emb.dtype))
+    extra: dict[str, Any] = {}
+    if p.deepstack and image is not None and image[1]:
         extra = {"visual_pos_masks": image_mask,
-                 "deepstack_visual_embeds": [d[gather].to(emb.dtype) for d in deep]}
-    return emb, torch.cat(grids).to(device), extra
+                 "deepstack_visual_embeds": [d.to(emb.dtype) for d in image[1]]}
+    return emb, batch_grids(rows, device), extra
 
 
 def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
                rows: list[VisionInputs | None], *, logits_to_keep: int,
                dummy_if_empty: bool = True, use_cache: bool = False,
-               position_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None):
+               position_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
+               video_mask: torch.Tensor | None = None):
     """Logits of the last ``logits_to_keep`` positions (and the cache and positions).
 
     Returns ``(logits, past_key_values, position_ids)``.
     """
     p = parts(model)
     if image_mask is None:
-        image_mask = ids == p.image_token_id
-    emb, grids, extra = embed(p, ids, rows, dummy_if_empty=dummy_if_empty, image_mask=image_mask)
+        image_mask = token_mask(p, ids)
+    if video_mask is None:
+        video_mask = token_mask(p, ids, video=True)
+    emb, grids, extra = embed(p, ids, rows, dummy_if_empty=dummy_if_empty, image_mask=image_mask,
+                              video_mask=video_mask)
     if position_ids is None:
-        position_ids = rope_index(p, ids, mask, grids, image_mask)
+        position_ids = rope_index(p, ids, mask, grids, image_mask, video_mask)
     out = p.language_model(input_ids=None, inputs_embeds=emb, attention_mask=mask,
                            position_ids=position_ids, use_cache=use_cache, **extra)
     hidden = out.last_hidden_state[:, -logits_to_keep:]
@@ -277,14 +455,28 @@ def decode_step(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
     return p.lm_head(out.last_hidden_state[:, -1:]), out.past_key_values
 
 
+def next_positions(prompt_positions: torch.Tensor) -> torch.Tensor:
+    """``[B]``: where text after left-padded prompts starts, given their positions ``[3, B, P]``.
+
+    ``get_rope_index`` continues text from the previous text token + 1. Every Qwen-VL prompt
+    ends with text (``<|vision_end|>`` at least), so that is the last prompt token's position
+    + 1. With images this also equals the prompt's largest position + 1; with videos it need
+    not (transformers 5.10's ``get_rope_index`` spaces a video's temporal positions by
+    ``tokens_per_second * second_per_grid_ts`` but advances the text after it only by the
+    spatial extent), so the last token, not the maximum, is the rule.
+    """
+    return prompt_positions[:, :, -1].amax(dim=0) + 1
+
+
 def sequence_positions(p: Parts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        response_len: int, rows: list[VisionInputs | None]) -> torch.Tensor:
     """M-RoPE positions ``[3, B, P + R]`` of left-padded prompts followed by responses.
 
-    ``get_rope_index`` runs once per distinct prompt with images (a group of ``n`` shares
-    it); text rows count up from their first real token. Response tokens continue from the
-    prompt's largest position + 1 in all three rows, which is what ``get_rope_index`` gives
-    for text that follows the prompt (the unit tests check the two agree).
+    ``get_rope_index`` runs once per distinct prompt with images or videos (a group of ``n``
+    shares it); text rows count up from their first real token. Response tokens continue
+    from the prompt's last position + 1 in all three rows (:func:`next_positions`), which
+    is what ``get_rope_index`` gives for text that follows the prompt (the unit tests check
+    the two agree).
     """
     b, plen = prompt_ids.shape
     device = prompt_ids.device
@@ -295,14 +487,14 @@ def sequence_positions(p: Parts, prompt_ids: torch.Tensor, prompt_mask: torch.Te
             first[v.key] = i
     if first:
         reps = list(first.values())
-        grids = torch.cat([rows[i].image_grid_thw for i in reps]).to(device)
-        rep_pos = rope_index(p, prompt_ids[reps], prompt_mask[reps], grids,
-                             prompt_ids[reps] == p.image_token_id)
+        rep_ids = prompt_ids[reps]
+        rep_pos = rope_index(p, rep_ids, prompt_mask[reps], batch_grids([rows[i] for i in reps],
+                                                                        device))
         slot = {key: k for k, key in enumerate(first)}
         for i, v in enumerate(rows):
             if v is not None:
                 pos[:, i] = rep_pos[:, slot[v.key]]
-    start = pos.amax(dim=(0, 2)) + 1  # [B]
+    start = next_positions(pos)  # [B]
     resp = start[:, None] + torch.arange(response_len, device=device)[None, :]
     return torch.cat([pos, resp.unsqueeze(0).expand(3, b, response_len)], dim=2)
 
@@ -312,17 +504,20 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
                       rows: list[VisionInputs | None], temperature: float = 1.0,
                       with_entropy: bool = False, dummy_if_empty: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of each response token, images included, positions by M-RoPE."""
+    """Log-probs (and entropy) of each response token, images and videos included, positions
+    by M-RoPE."""
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     r = response_ids.shape[1]
-    # only the prompt holds image placeholders; a sampled image-token id is text
-    image_mask = torch.cat([prompt_ids == parts(model).image_token_id,
-                            torch.zeros_like(response_ids, dtype=torch.bool)], dim=1)
-    positions = sequence_positions(parts(model), prompt_ids, prompt_mask, r, rows)
+    p = parts(model)
+    # only the prompt holds vision placeholders; a sampled image/video-token id is text
+    no = torch.zeros_like(response_ids, dtype=torch.bool)
+    image_mask = torch.cat([token_mask(p, prompt_ids), no], dim=1)
+    video_mask = torch.cat([token_mask(p, prompt_ids, video=True), no], dim=1)
+    positions = sequence_positions(p, prompt_ids, prompt_mask, r, rows)
     logits, _, _ = vl_forward(model, ids, mask, rows, logits_to_keep=r + 1,
                               dummy_if_empty=dummy_if_empty, image_mask=image_mask,
-                              position_ids=positions)
+                              video_mask=video_mask, position_ids=positions)
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -5,7 +5,10 @@ the ``n`` rows of the prompt's group share that one :class:`~vision.VisionInputs
 the record's ``vision`` column, and the engine prefills the prompt once for all ``n``.
 ``meta`` carries what image-aware rewards need: ``images`` (the resized RGB images the model
 saw, one list shared by the group), ``image_sizes`` (source width, height) and
-``resized_sizes``. Nothing outlives the step: the dataset keeps references only.
+``resized_sizes``; for videos ``videos`` (each video's resized RGB frames, before the
+processor repeats the last frame of an odd count), ``video_sizes`` (source width, height)
+and ``video_resized_sizes``. ``images`` holds only the row's images, never frames. Nothing
+outlives the step: the dataset keeps references only.
 
 Each evaluation (a rollout whose sampling settings differ from the training rollouts')
 draws the first answer to each held-out prompt under its image, with the ground truth, to
@@ -69,22 +72,33 @@ class VLSingleTurn:
                               "but not generate_vl()); set distributed.backend=local")
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
-        visions, images = [], []
+        visions, images, videos = [], [], []
+        video_processor = getattr(self.processor, "video_processor", None)
         for it in items:
             spec = getattr(it, "vision", None)
             if spec is None:
                 visions.append(None)
                 images.append([])
+                videos.append([])
                 continue
-            v, imgs = vision.process(spec, self.processor.image_processor)
+            v, imgs, frames = vision.process_frames(spec, self.processor.image_processor,
+                                                    video_processor)
             visions.append(v)
             images.append(imgs)
+            videos.append(frames)
         # vllm_vl hands vLLM the resized images themselves (hf_vl needs only their pixels)
         extra = {"images": images} if getattr(self.engine, "needs_images", False) else {}
+        if extra and any(frames for frames in videos):
+            raise ValueError(f"vl_single_turn: the engine of policy {self.name!r} "
+                             f"({type(self.engine).__name__}) takes images but not videos; "
+                             f"set policies.{self.name}.engine.name=hf_vl for video prompts")
         outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params, **extra)
         metas = [{"answer": it.answer, "row": it.row, "images": images[k],
                   "image_sizes": list(v.sizes) if v else [],
-                  "resized_sizes": list(v.resized) if v else []}
+                  "resized_sizes": list(v.resized) if v else [],
+                  "videos": videos[k],
+                  "video_sizes": list(v.video_sizes) if v else [],
+                  "video_resized_sizes": list(v.video_resized) if v else []}
                  for k, (it, v) in enumerate(zip(items, visions, strict=True))]
         rows = [items[o.prompt_index] for o in outs]
         record = text_record(
@@ -102,7 +116,9 @@ class VLSingleTurn:
         set_strings(record, "vision", [visions[o.prompt_index] for o in outs])
         if self.run_dir is not None and self.ctx.cfg is not None \
                 and params != self.ctx.sampling():
-            self.write_sheet(items, images, outs)
+            # a video prompt without images is drawn under its first frame
+            self.write_sheet(items, [imgs or [f[0] for f in frames][:1]
+                                     for imgs, frames in zip(images, videos, strict=True)], outs)
         return record
 
     def write_sheet(self, items: list, images: list[list], outs: list) -> Path:
