@@ -65,17 +65,18 @@ class CentralCritic:
         out = [self._forward(texts[i:i + mb]) for i in range(0, len(texts), mb)]
         return torch.cat(out).float().cpu() if out else torch.zeros(0)
 
-    def fit(self, texts: list[str], returns: torch.Tensor,
+    def fit(self, texts: list[str], returns: torch.Tensor, baseline: torch.Tensor | None = None,
             generator: torch.Generator | None = None) -> dict[str, float]:
         """Regress the values of ``texts`` on ``returns`` (MSE); one optimizer step per
-        micro-batch, ``epochs`` shuffled passes. Returns the loss before and after."""
+        micro-batch, ``epochs`` shuffled passes. ``baseline``: the values the rollout already
+        computed for these texts, reported as the error before the fit (no extra pass)."""
         if not texts:
             return {}
         targets = returns.float().to(self.device)
-        before = float(((self.values(texts).to(self.device) - targets) ** 2).mean())
         self.backbone.train(True)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         mb = self.opts.micro_batch_size
+        losses = []
         for _ in range(self.opts.epochs):
             order = torch.randperm(len(texts), generator=generator).tolist()
             for i in range(0, len(order), mb):
@@ -87,10 +88,13 @@ class CentralCritic:
                     torch.nn.utils.clip_grad_norm_(params, self.opts.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss) * len(idx))
         self.backbone.train(False)
-        after = float(((self.values(texts).to(self.device) - targets) ** 2).mean())
-        return {"critic/mse_before": before, "critic/mse_after": after,
-                "critic/states": float(len(texts))}
+        out = {"critic/fit_mse": sum(losses) / (len(texts) * self.opts.epochs),
+               "critic/states": float(len(texts))}
+        if baseline is not None:
+            out["critic/mse_before"] = float(((baseline.float() - returns.float()) ** 2).mean())
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"backbone": {k: v.detach().cpu().clone()

@@ -419,7 +419,7 @@ class MarlWorkflow:
         rows = [i for i, m in enumerate(metas) if "critic_state" in m and valid[i]
                 and bool(torch.isfinite(returns[i]))]
         return self.critic.fit([metas[i]["critic_state"] for i in rows], returns[rows],
-                               generator=self._fit_gen)
+                               baseline=record["baseline"][rows], generator=self._fit_gen)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold besides the policies: the critic (if any)."""
