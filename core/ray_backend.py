@@ -19,19 +19,30 @@ What runs where:
 - **Rewards.** A reward term with ``actor: {num_cpus, num_gpus, threads}`` is scored on
   its own actor (a reward model loads there once, on its own device); the others run
   on the driver. A dead reward actor is an :class:`ActorError` naming the term.
+- **LoRA** (``lora.r > 0``, causal-LM kinds). Every rank wraps the base in PEFT as in
+  local mode (from the driver's RNG state, so the adapter starts as local mode's would),
+  takes rank 0's initial adapter, and shards the wrapped model the same way
+  (frozen base and trainable adapter weights share each layer's unit; the optimizer holds
+  the adapter only). The reference is the base with the adapter disabled. The engine
+  actor holds a plain copy of the base model: ``sync()`` gathers only the adapter factors
+  (A, B and the scale of each adapted linear layer; a small fraction of the model) and
+  the engine merges ``W = W0 + scale * B @ A`` into its own weights, keeping the base
+  ``W0`` of the adapted layers on the CPU (the base never trains, so it never travels).
 - **Driver.** ``make_policy`` returns a :class:`RayPolicy` proxy (tokenizer loaded
-  locally; ``state_dict``/``load_state_dict`` move the full, gathered weights, optimizer
-  and scheduler; ``export`` has rank 0 write the Hugging Face folder, so in a multi-node
-  run the run directory must be on storage rank 0's node sees). ``make_engine`` returns a
-  :class:`RayEngine` proxy with the engine interface.
+  locally; ``state_dict``/``load_state_dict`` move the gathered weights, optimizer and
+  scheduler; ``export`` has rank 0 write the Hugging Face folder, or the PEFT adapter
+  folder for LoRA, so in a multi-node run the run directory must be on storage rank 0's
+  node sees). ``make_engine`` returns a :class:`RayEngine` proxy with the engine
+  interface.
 
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
 from its last checkpoint (``run.resume=true`` / ``polyrl train --resume``) with fresh
-actors. A policy's checkpoint has the same layout as in local mode (full weights, the
-optimizer state keyed by parameter position, the schedule), so a run saved under one
-backend resumes under the other. Not supported yet: LoRA policies and base models
-shared between policies (each group would need an adapter-aware gather).
+actors. A policy's checkpoint has the same layout as in local mode (the full weights, or
+the adapter weights alone under LoRA; the optimizer state keyed by parameter position;
+the schedule), so a run saved under one backend resumes under the other. Not supported
+yet: LoRA on other policy kinds, and base models shared between policies (the
+``lora_agent`` kind: each group would need an adapter-aware gather per policy).
 
 Actors start in the background (all policies and engines load at once); the first call
 to a group or engine waits for it. Every Ray node needs the same Python environment with
@@ -161,6 +172,65 @@ def _optim_by_name(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
                              for g in optim["param_groups"]]}
 
 
+def _uses_lora(cfg: Any) -> bool:
+    lora = getattr(cfg, "lora", None)
+    return lora is not None and lora.r > 0
+
+
+def _broadcast_trainable(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's trainable (adapter) weights: PEFT initializes them at random,
+    and FSDP would otherwise stitch together shards of different initializations."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                dist.broadcast(p.data, src=0)
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A gathered, detached CPU copy of a (possibly sharded) tensor; a collective for a
+    DTensor, so every rank calls it in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().to("cpu", copy=True)
+
+
+@dataclass
+class LoraFactors:
+    """A LoRA policy's engine sync: per adapted linear layer, the name of its weight in
+    the plain base model, the factors A (r x in) and B (out x r), and the scale
+    (alpha / r), so the engine computes ``W0 + scale * B @ A`` itself."""
+
+    factors: list[tuple[str, torch.Tensor, torch.Tensor, float]]
+
+
+@torch.no_grad()
+def lora_factors(name: str, model: torch.nn.Module) -> LoraFactors:
+    """The active adapter's factors of a (sharded) PEFT model; every rank must call it."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    factors = []
+    for path, module in model.get_base_model().named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if (not isinstance(module, LoraLinear) or module.fan_in_fan_out
+                or any(module.use_dora.values())):
+            raise RuntimeError(f"policy {name!r}: the adapter on {path!r} ({type(module).__name__})"
+                               " is not a plain LoRA linear layer; only those can be merged into "
+                               "the engine's weights under distributed.backend=ray")
+        for adapter in module.active_adapters:
+            factors.append((f"{path}.weight", _full_tensor(module.lora_A[adapter].weight),
+                            _full_tensor(module.lora_B[adapter].weight),
+                            float(module.scaling[adapter])))
+    if not factors:
+        raise RuntimeError(f"policy {name!r}: found no LoRA layer to sync to the engine")
+    return LoraFactors(factors)
+
+
 class PolicyWorker:
     """One FSDP rank of a policy (a Ray actor)."""
 
@@ -181,7 +251,7 @@ class PolicyWorker:
         return _ray().get_runtime_context().get_node_id()
 
     def setup(self, name: str, cfg: Any, where: tuple[str, int], *, total_steps: int,
-              need_reference: bool, gpu: bool, timeout_s: float) -> None:
+              need_reference: bool, gpu: bool, timeout_s: float, rng: torch.Tensor) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -195,8 +265,12 @@ class PolicyWorker:
                                 timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh("cuda" if gpu else "cpu", (self.world,))
         kwargs = {"device": "cuda"} if gpu else {}
+        torch.set_rng_state(rng)  # the driver's: a LoRA adapter starts as in local mode
+        self.name, self.lora = name, _uses_lora(cfg)
         self.policy = POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
                                              need_reference=need_reference, shared={}, **kwargs)
+        if self.lora:
+            _broadcast_trainable(self.policy.model)
         names = _param_names(self.policy.model)
         _shard(self.policy.model, mesh)
         if getattr(self.policy, "reference", None) is not None:
@@ -227,24 +301,32 @@ class PolicyWorker:
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
-    def _full(self):
+    def _full(self, trainable_only: bool = False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                ignore_frozen_params=trainable_only)
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Full weights, optimizer and schedule on rank 0, laid out as in local mode (so a
-        checkpoint resumes under either backend)."""
+        """Full weights (the trainable adapter alone under LoRA), optimizer and schedule on
+        rank 0, laid out as in local mode (so a checkpoint resumes under either backend)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         p = self.policy
-        if p.optimizer is not None:
-            weights, optim = get_state_dict(p.model, p.optimizer, options=self._full())
-        else:
-            weights, optim = get_model_state_dict(p.model, options=self._full()), None
+        opts = self._full(trainable_only=self.lora)
+        stepped = p.optimizer is not None and bool(p.optimizer.state)
+        if stepped:
+            weights, optim = get_state_dict(p.model, p.optimizer, options=opts)
+        else:  # no step yet: the empty state is the local one (and DCP would create it
+            # with a zero-gradient step that advances Adam's step count)
+            weights = get_model_state_dict(p.model, options=opts)
+            optim = p.optimizer.state_dict() if p.optimizer is not None else None
         if self.rank != 0:
             return None
-        return {"weights": weights, "optimizer": optim and _optim_by_index(optim),
+        if self.lora:  # ignore_frozen_params keeps a frozen weight tied to another (lm_head)
+            trainable = self._trainable_names()
+            weights = {k: v for k, v in weights.items() if k in trainable}
+        return {"weights": weights, "optimizer": _optim_by_index(optim) if stepped else optim,
                 "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -257,8 +339,13 @@ class PolicyWorker:
 
         p = self.policy
         opts = StateDictOptions(full_state_dict=True)
-        if p.optimizer is None:
+        if self.lora:
+            self._check_adapter_keys(state["weights"])
+        if p.optimizer is None or not state["optimizer"]["state"]:
             set_model_state_dict(p.model, state["weights"], options=opts)
+            if p.optimizer is not None:  # no moments yet: nothing to shard (see state_dict)
+                p.optimizer.load_state_dict(state["optimizer"])
+                p.scheduler.load_state_dict(state["scheduler"])
             return
         names = _param_names(p.model)
         order = [names[id(q)] for g in p.optimizer.param_groups for q in g["params"]]
@@ -266,15 +353,31 @@ class PolicyWorker:
                        optim_state_dict=_optim_by_name(state["optimizer"], order), options=opts)
         p.scheduler.load_state_dict(state["scheduler"])
 
+    def _trainable_names(self) -> set[str]:
+        return {n for n, q in self.policy.model.named_parameters() if q.requires_grad}
+
+    def _check_adapter_keys(self, weights: dict[str, torch.Tensor]) -> None:
+        """As local mode's ``load_weights``: a LoRA checkpoint may hold adapter weights only."""
+        unexpected = sorted(set(weights) - self._trainable_names())
+        if unexpected:
+            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the LoRA "
+                               f"adapter (unexpected {unexpected[:3]}); was it written for "
+                               "another model or LoRA setting?")
+
     def full_weights(self) -> list | None:
-        """Gather the full weights; rank 0 returns ``[ObjectRef]`` (kept off the driver)."""
+        """What the engine needs, gathered; rank 0 returns ``[ObjectRef]`` (kept off the
+        driver): the full weights, or under LoRA the adapter factors alone."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        weights = get_model_state_dict(self.policy.model, options=self._full())
+        if self.lora:
+            weights: Any = lora_factors(self.name, self.policy.model)
+        else:
+            weights = get_model_state_dict(self.policy.model, options=self._full())
         return [_ray().put(weights)] if self.rank == 0 else None
 
     def export(self, out_dir: str) -> None:
-        """Rank 0 writes the Hugging Face folder from the gathered weights."""
+        """Rank 0 writes the Hugging Face folder from the gathered weights (under LoRA,
+        PEFT's ``save_pretrained`` keeps the adapter alone, as in local mode)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -299,6 +402,7 @@ class EngineWorker:
         torch.set_num_threads(threads)
         self.policy: Any = None
         self.engine: Any = None
+        self.base: dict[str, torch.Tensor] = {}  # LoRA: W0 of each adapted layer, on the CPU
 
     def node(self) -> str:
         return _ray().get_runtime_context().get_node_id()
@@ -308,6 +412,8 @@ class EngineWorker:
 
         local = copy.deepcopy(cfg)
         local.train = False  # weights only: no optimizer, no reference
+        if _uses_lora(local):  # a plain base model; sync merges the adapter into it
+            local.lora = dataclasses.replace(local.lora, r=0)
         kwargs = {"device": "cuda"} if gpu else {}
         self.policy = POLICIES.get(cfg.kind)(name, local, total_steps=1, need_reference=False,
                                              shared={}, **kwargs)
@@ -316,13 +422,29 @@ class EngineWorker:
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
-    def sync(self, weights: dict[str, torch.Tensor]) -> None:
-        load = getattr(self.policy, "load_trainable_state", None)
-        if load is not None:
+    def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
+        if isinstance(weights, LoraFactors):
+            self._merge(weights)
+        elif (load := getattr(self.policy, "load_trainable_state", None)) is not None:
             load(weights)
         else:
             self.policy.model.load_state_dict(weights)
         self.engine.sync()
+
+    @torch.no_grad()
+    def _merge(self, update: LoraFactors) -> None:
+        """``W = W0 + scale * B @ A`` into the plain model, from the pristine ``W0`` (kept
+        on the first sync), so no rounding accumulates over syncs."""
+        params = dict(self.policy.model.named_parameters())
+        for name, a, b, scale in update.factors:
+            if name not in params:
+                raise RuntimeError(f"policy {self.policy.name!r}: the engine's model has no "
+                                   f"weight {name!r} for the adapter on it")
+            w = params[name]
+            w0 = self.base.setdefault(name, w.detach().to("cpu", copy=True))
+            f32 = {"device": w.device, "dtype": torch.float32}
+            delta = (b.to(**f32) @ a.to(**f32)) * scale
+            w.copy_((w0.to(**f32) + delta).to(w.dtype))
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()
@@ -445,9 +567,10 @@ class _Group:
         # Start-up runs in the background (so the engine and other policies load meanwhile);
         # the first call waits for it. Rank 0's node hosts the rendezvous.
         where = self.workers[0].rendezvous.remote()
+        rng = torch.get_rng_state()
         self._starting = [w.setup.remote(name, cfg, where, total_steps=total_steps,
                                          need_reference=need_reference, gpu=self.gpu,
-                                         timeout_s=args.collective_timeout_s)
+                                         timeout_s=args.collective_timeout_s, rng=rng)
                           for w in self.workers]
         self._engine_starting: list = []
 
@@ -594,6 +717,23 @@ def _reduce(outs: list[dict[str, float]], world: int) -> dict[str, float]:
     return out
 
 
+def _check_lora_kind(name: str, cfg: Any) -> None:
+    """LoRA runs here for causal-LM kinds (one PEFT adapter on the policy's own base);
+    kinds that share a base model between policies (``lora_agent``) or adapt other model
+    types would need their own gather and merge."""
+    from polyrl.core.policy import CausalLMPolicy
+
+    if not _uses_lora(cfg):
+        return
+    kind = POLICIES.get(cfg.kind)
+    if not (isinstance(kind, type) and issubclass(kind, CausalLMPolicy)):
+        raise ConfigError(
+            f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "
+            "distributed.backend=ray yet (LoRA runs there for causal_lm-type kinds only; a base "
+            "model shared between policies, as lora_agent does, needs a per-adapter gather); "
+            "use distributed.backend=local")
+
+
 class RayBackend:
     """Policies on FSDP2 worker groups, engines on their own actors (see the module doc)."""
 
@@ -605,6 +745,8 @@ class RayBackend:
                 hint = nearest(name, list(cfg.policies))
                 raise ConfigError(f"distributed.args.policies.{name}: no policy {name!r} in the "
                                   "recipe" + (f"; did you mean {hint!r}?" if hint else ""))
+        for name, policy_cfg in cfg.policies.items():  # before Ray starts
+            _check_lora_kind(name, policy_cfg)
         ray = _ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -614,10 +756,7 @@ class RayBackend:
         self.reward_actors: list = []
 
     def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
-        lora = getattr(cfg, "lora", None)
-        if lora is not None and lora.r > 0:
-            raise ConfigError(f"policies.{name}.lora.r={lora.r}: LoRA policies are not "
-                              "supported by distributed.backend=ray yet; use backend local")
+        _check_lora_kind(name, cfg)
         args = self.args.for_policy(name)
         if args.workers_per_policy < 1:
             raise ConfigError(f"distributed.args: policy {name!r} needs workers_per_policy >= 1")

@@ -106,12 +106,21 @@ def test_ray_args_are_checked():
 
 
 def test_ray_backend_rejects_what_it_cannot_run(tiny_model_dir):
-    """Checked before Ray starts: a per-policy override for an unknown policy."""
-    from polyrl.core.ray_backend import RayBackend
+    """Checked before Ray starts: a per-policy override for an unknown policy; a LoRA
+    policy of a kind whose base model is shared between policies (lora_agent). A causal_lm
+    LoRA policy passes the check (it trains below)."""
+    from polyrl.core.ray_backend import RayBackend, _check_lora_kind
 
     cfg = _config(tiny_model_dir, "distributed.args={policies: {mian: {workers_per_policy: 1}}}")
     with pytest.raises(ConfigError, match="did you mean 'main'"):
         RayBackend(cfg)
+    pytest.importorskip("polyrl.marl")
+    cfg = _config(tiny_model_dir, "policies.main.kind=lora_agent", "policies.main.lora.r=4")
+    with pytest.raises(ConfigError, match=r"policies.main: kind 'lora_agent' with lora.r=4 is "
+                                          r"not supported by distributed.backend=ray"):
+        RayBackend(cfg)
+    cfg = _config(tiny_model_dir, LORA)
+    _check_lora_kind("main", cfg.policies["main"])
 
 
 @pytest.mark.ray
@@ -301,3 +310,99 @@ def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_m
 def test_unknown_reward_actor_key_fails_at_config_time(tiny_model_dir):
     with pytest.raises((ConfigError, ValueError), match=r"unknown actor keys \['num_cpu'\].*num_cpus"):
         _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpu: 1}}]")
+
+
+# ------------------------------------------------------------------------------ LoRA policies
+
+LORA = "policies.main.lora={r: 4, alpha: 8.0, target_modules: [q_proj, v_proj, up_proj]}"
+
+
+@pytest.fixture(scope="module")
+def lora_pair(ray_cluster, tiny_model_dir):
+    """(ray backend, its LoRA policy and engine, a local LoRA policy), made last in this
+    module (the cluster's 4 CPUs then hold this group and ``pair``'s)."""
+    from polyrl.core.backend import LocalBackend
+    from polyrl.core.ray_backend import RayBackend
+
+    cfg = _config(tiny_model_dir, LORA)
+    backend = RayBackend(cfg)
+    try:
+        rng = torch.get_rng_state()
+        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
+                                     need_reference=True, shared={})
+        engine = backend.make_engine("main", remote, cfg.policies["main"], seed=0)
+        torch.set_rng_state(rng)  # the workers start from the driver's RNG state too
+        local = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
+                                              need_reference=True, shared={})
+        yield backend, remote, engine, local
+    finally:
+        backend.shutdown()
+
+
+@pytest.mark.ray
+def test_lora_updates_match_local_training(lora_pair):
+    """The adapter starts as in local mode (same RNG state, rank 0's copy on every rank);
+    FSDP2 over the PEFT model (frozen base and adapter in one unit) then gives the local
+    loss, grad norm, KL to the adapter-disabled base, adapter weights and optimizer state."""
+    from polyrl.core import trainer
+
+    backend, remote, _, local = lora_pair
+    start = remote.state_dict()
+    assert set(start["weights"]) == set(local.trainable_state())
+    assert all("lora_" in k for k in start["weights"])
+    for k, v in local.trainable_state().items():
+        assert torch.equal(start["weights"][k], v), k
+    assert start["optimizer"]["state"] == {}  # no step yet: no (zero-step) Adam state
+    remote.load_state_dict(local.state_dict())  # a checkpoint from before the first step
+    algo = AlgorithmConfig(kl_coef=0.1)
+    for seed in (0, 1):  # the second update starts from B != 0, so the KL is not 0
+        batch = _record(local, seed=seed)
+        out_l = trainer.update(local, batch.clone(), algo, generator=torch.Generator())
+        out_r = backend.update(remote, batch.clone(), algo, temperature=1.0,
+                               generator=torch.Generator())
+        assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
+        assert out_r["grad_norm"] == pytest.approx(out_l["grad_norm"], rel=1e-4)
+        assert out_r["kl"] == pytest.approx(out_l["kl"], rel=1e-4, abs=1e-9)
+        _assert_states_close(local.state_dict(), remote.state_dict())
+    assert out_l["kl"] > 0
+
+
+@pytest.mark.ray
+def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    backend, remote, engine, local = lora_pair
+    # Checkpoint: adapter weights only, the local layout; it loads into a local LoRA policy
+    # exactly, and back into the group.
+    state = remote.state_dict()
+    assert isinstance(next(iter(state["optimizer"]["state"])), int)
+    local.load_state_dict(state)
+    for k, v in local.trainable_state().items():
+        assert torch.equal(v, state["weights"][k]), k
+    remote.load_state_dict(local.state_dict())
+    back = remote.state_dict()
+    for k, v in state["weights"].items():
+        assert torch.equal(back["weights"][k], v), k
+    # Sync: the engine actor's plain model gets the merged weights under the base names.
+    engine.sync()
+    merged = dict(local.named_weights())
+    got = ray_cluster.get(remote.group.engine.__ray_call__.remote(
+        lambda self: {k: v.detach().clone() for k, v in self.policy.model.state_dict().items()}))
+    assert set(got) == set(merged)
+    for k, v in merged.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)
+    ids = _prompts(local.tokenizer)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    want = HFEngine(local, seed=0).generate(ids, greedy)
+    outs = engine.generate(ids, greedy)
+    assert [c.token_ids for c in outs] == [c.token_ids for c in want]
+    for a, b in zip(outs, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    # Export: the PEFT adapter folder, as local mode writes it.
+    out_r, out_l = remote.export(tmp_path / "ray"), local.export(tmp_path / "local")
+    configs = [json.loads((o / "adapter_config.json").read_text()) for o in (out_r, out_l)]
+    for c in configs:  # PEFT writes a set: its order depends on the process's hash seed
+        c["target_modules"] = sorted(c["target_modules"])
+    assert configs[0] == configs[1]
+    w_r, w_l = (load_file(o / "adapter_model.safetensors") for o in (out_r, out_l))
+    assert set(w_r) == set(w_l) and all(torch.equal(w_r[k], w_l[k]) for k in w_l)
