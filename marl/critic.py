@@ -88,7 +88,7 @@ class CentralCritic:
                     torch.nn.utils.clip_grad_norm_(params, self.opts.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                losses.append(float(loss) * len(idx))
+                losses.append(float(loss.detach()) * len(idx))
         self.backbone.train(False)
         out = {"critic/fit_mse": sum(losses) / (len(texts) * self.opts.epochs),
                "critic/states": float(len(texts))}
