@@ -3,7 +3,9 @@
 Importing the package registers its parts in the core's registries: the multi-agent
 workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator``), the
 ``magrpo`` credit assignment and the ``max_baseline`` advantage, the ``lora_agent`` policy
-kind (one LoRA adapter per agent on a shared base) and the ``signaling`` task.
+kind (one LoRA adapter per agent on a shared base) and the ``signaling`` task. A recipe
+may add a centralized critic (``rollout.args.critic``, :mod:`polyrl.marl.critic`): a value
+head over the joint transcript that replaces group baselines with ``R - V(joint state)``.
 
 Write your own workflow as an async function over the agent API::
 
@@ -17,8 +19,8 @@ Write your own workflow as an async function over the agent API::
             ep.joint([d, c], final=c.text)
 """
 
-from polyrl.marl import credit, lora, signaling, workflows
-from polyrl.marl.config import AgentSpec, CreditOptions, MarlArgs
+from polyrl.marl import credit, critic, lora, signaling, workflows
+from polyrl.marl.config import AgentSpec, CreditOptions, CriticOptions, MarlArgs
 from polyrl.marl.runtime import (
     JOINT_POLICY,
     AgentHandle,
@@ -35,6 +37,7 @@ __all__ = [
     "AgentHandle",
     "AgentSpec",
     "CreditOptions",
+    "CriticOptions",
     "Episode",
     "Joint",
     "MarlArgs",
@@ -42,6 +45,7 @@ __all__ = [
     "Message",
     "Team",
     "credit",
+    "critic",
     "lora",
     "signaling",
     "workflow",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -171,6 +172,11 @@ def parse_args(raw: dict[str, Any], *, workflow: str, fn: Any, roles: dict[str, 
                           "with credit.counterfactual or credit.shaping_alpha (set those off)")
     if args.critic.model and (args.critic.epochs < 1 or args.critic.micro_batch_size < 1):
         raise ConfigError("rollout.args.critic: epochs and micro_batch_size must be >= 1")
+    local = os.path.expanduser(args.critic.model)
+    if (args.critic.model and not args.critic.build and local.startswith(("/", "."))
+            and not os.path.exists(local)):
+        raise ConfigError(f"rollout.args.critic.model={args.critic.model!r} does not exist "
+                          "(give a model directory, a hub id, or a build: to create it)")
     if args.credit.counterfactual and args.joint != "cross":
         raise ConfigError("rollout.args.credit.counterfactual needs joint: cross (the "
                           "alternatives of one agent with the others fixed come from the "
