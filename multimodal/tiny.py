@@ -1,21 +1,29 @@
-"""A tiny Qwen2.5-VL built offline (tokenizer, processor and model), for tests and CPU demos.
+"""Tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models built offline (tokenizer, processor, model).
 
-The tokenizer is a byte-level BPE trained on a task's corpus (the core's
-:func:`~polyrl.core.tiny.build_tokenizer`) with Qwen2.5-VL's vision tokens added
-(``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``) and a chat
-template that renders an image part as ``<|vision_start|><|image_pad|><|vision_end|>`` and a
-video part as ``<|vision_start|><|video_pad|><|vision_end|>`` (as Qwen2.5-VL's does). The
-processor is the real ``Qwen2_5_VLProcessor``; the model is the real
-``Qwen2_5_VLForConditionalGeneration`` with small sizes. Configuration rules that a tiny
-Qwen2.5-VL must keep (a wrong one fails deep inside the forward pass):
+One code path for the three families (``family``: ``qwen2_vl``, ``qwen2_5_vl``,
+``qwen3_vl``; registered builders ``tiny_qwen_vl`` and ``tiny_qwen2_vl`` /
+``tiny_qwen2_5_vl`` / ``tiny_qwen3_vl``). The tokenizer is a byte-level BPE trained on a
+task's corpus (the core's :func:`~polyrl.core.tiny.build_tokenizer`) with Qwen-VL's vision
+tokens added (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``)
+and a chat template that renders an image part as
+``<|vision_start|><|image_pad|><|vision_end|>`` and a video part as
+``<|vision_start|><|video_pad|><|vision_end|>`` (as all three families' templates do). The
+processor is the family's real one (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``,
+``Qwen3VLProcessor`` with ``Qwen3VLVideoProcessor``; patch 14, or 16 for Qwen3-VL; merge 2)
+and the model the family's real ``*ForConditionalGeneration`` with small sizes.
+Configuration rules a tiny Qwen-VL must keep (a wrong one fails deep inside the forward):
 
 - ``mrope_section`` sums to ``head_dim / 2`` (head_dim = hidden_size / num_heads);
-- the vision tower's ``out_hidden_size`` equals the text ``hidden_size``;
-- every ``fullatt_block_indexes`` entry is below the vision ``depth``.
+- the vision tower's output size (``out_hidden_size``; Qwen2-VL: vision ``hidden_size``,
+  with ``embed_dim`` the tower's own width) equals the text ``hidden_size``;
+- Qwen2.5-VL: every ``fullatt_block_indexes`` entry is below the vision ``depth``;
+- Qwen3-VL: ``head_dim`` is explicit, ``deepstack_visual_indexes`` are below ``depth``,
+  ``num_position_embeddings`` is a square (the learned position grid).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -42,6 +50,16 @@ VL_CHAT_TEMPLATE = (
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "processor_config.json")
 
 
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PATCH_SIZE = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+
+
+def _check_family(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown Qwen-VL family {family!r}; use one of {', '.join(FAMILIES)}")
+    return family
+
+
 def mrope_section(head_dim: int) -> list[int]:
     """Qwen's 1 : 1.5 : 1.5 split of the rotary half-dimension over (time, height, width)."""
     half = head_dim // 2
@@ -51,64 +69,117 @@ def mrope_section(head_dim: int) -> list[int]:
 
 
 def build_processor(corpus: list[str], *, vocab_size: int = 320, min_pixels: int = 56 * 56,
-                    max_pixels: int = 112 * 112):
-    """A ``Qwen2_5_VLProcessor`` around a tokenizer trained on ``corpus``."""
-    from transformers import Qwen2_5_VLProcessor
+                    max_pixels: int = 112 * 112, family: str = "qwen2_5_vl"):
+    """The real processor of ``family`` around a tokenizer trained on ``corpus``: its image
+    processor (patch 14, or 16 for Qwen3-VL; merge 2) and its video processor (Qwen3-VL's
+    own class, which the processor requires)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+    patch = PATCH_SIZE[_check_family(family)]
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
+    sizes: dict[str, Any] = {"patch_size": patch, "merge_size": 2, "temporal_patch_size": 2}
+    if family == "qwen3_vl":  # Qwen3-VL normalises to [-1, 1], not with CLIP's statistics
+        sizes |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
-                                            patch_size=14, merge_size=2, temporal_patch_size=2)
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                               video_processor=Qwen2VLVideoProcessor(
-                                   min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14,
-                                   merge_size=2, temporal_patch_size=2),
-                               chat_template=VL_CHAT_TEMPLATE)
+                                            **sizes)
+    if family == "qwen3_vl":  # Qwen3-VL's video processor takes the limits as a size dict
+        video_processor = Qwen3VLVideoProcessor(
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes)
+    else:
+        video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
+                                                **sizes)
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
+           "qwen3_vl": Qwen3VLProcessor}[family]
+    return cls(image_processor=image_processor, tokenizer=tokenizer,
+               video_processor=video_processor, chat_template=VL_CHAT_TEMPLATE)
 
 
-def build_tiny_qwen2_5_vl(processor, *, hidden_size: int = 64, num_layers: int = 2,
-                          num_heads: int = 1, intermediate_size: int = 128,
-                          vision_depth: int = 1, vision_hidden_size: int = 32,
-                          vision_heads: int = 1, vision_intermediate_size: int = 64,
-                          max_position_embeddings: int = 512, tie_word_embeddings: bool = True,
-                          seed: int = 0):
-    """A float32 ``Qwen2_5_VLForConditionalGeneration`` sized to the processor's tokenizer."""
+def _vl_config(family: str, text: dict, *, head_dim: int, vision_depth: int,
+               vision_hidden_size: int, vision_heads: int, vision_intermediate_size: int,
+               tie_word_embeddings: bool, ids: dict[str, int]):
+    """The family's config class with the shared text sizes and a tiny vision tower."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    hidden = text["hidden_size"]
+    patch = {"patch_size": PATCH_SIZE[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)}
+    tokens = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"],
+              "vision_end_token_id": ids["<|vision_end|>"],
+              "tie_word_embeddings": tie_word_embeddings}
+    if family == "qwen3_vl":  # explicit head_dim, interleaved M-RoPE, deepstack from block 0
+        text = {**text, "head_dim": head_dim,
+                "rope_parameters": {**rope, "mrope_interleaved": True}}
+        vision = {"depth": vision_depth, "hidden_size": vision_hidden_size,
+                  "intermediate_size": vision_intermediate_size, "num_heads": vision_heads,
+                  "out_hidden_size": hidden, "deepstack_visual_indexes": [0],
+                  "num_position_embeddings": 64, **patch}
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+    text = {**text, "rope_parameters": rope, "max_window_layers": text["num_hidden_layers"],
+            "tie_word_embeddings": tie_word_embeddings}
+    if family == "qwen2_vl":  # Qwen2-VL's vision hidden_size is the merger's output size
+        if vision_intermediate_size % vision_hidden_size:
+            raise ValueError(f"Qwen2-VL: vision_intermediate_size={vision_intermediate_size} "
+                             f"must be a multiple of vision_hidden_size={vision_hidden_size}")
+        vision = {"depth": vision_depth, "embed_dim": vision_hidden_size, "hidden_size": hidden,
+                  "num_heads": vision_heads,
+                  "mlp_ratio": vision_intermediate_size // vision_hidden_size, **patch}
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+    vision = {"depth": vision_depth, "hidden_size": vision_hidden_size,
+              "intermediate_size": vision_intermediate_size, "num_heads": vision_heads,
+              "out_hidden_size": hidden, "fullatt_block_indexes": [vision_depth - 1],
+              "window_size": 112, **patch}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+
+
+def build_tiny_vl(processor, *, family: str = "qwen2_5_vl", hidden_size: int = 64,
+                  num_layers: int = 2, num_heads: int = 1, intermediate_size: int = 128,
+                  vision_depth: int = 1, vision_hidden_size: int = 32, vision_heads: int = 1,
+                  vision_intermediate_size: int = 64, max_position_embeddings: int = 512,
+                  tie_word_embeddings: bool = True, seed: int = 0):
+    """A float32 Qwen-VL model of ``family`` sized to the processor's tokenizer."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
+    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration,
+           "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+           "qwen3_vl": Qwen3VLForConditionalGeneration}[_check_family(family)]
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok), "hidden_size": hidden_size,
+    text = {"vocab_size": len(tok), "hidden_size": hidden_size,
             "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
             "num_attention_heads": num_heads, "num_key_value_heads": num_heads,
-            "max_position_embeddings": max_position_embeddings, "max_window_layers": num_layers,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": mrope_section(hidden_size // num_heads)},
-            "bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-            "tie_word_embeddings": tie_word_embeddings},
-        vision_config={
-            "depth": vision_depth, "hidden_size": vision_hidden_size,
-            "intermediate_size": vision_intermediate_size, "num_heads": vision_heads,
-            "out_hidden_size": hidden_size, "fullatt_block_indexes": [vision_depth - 1],
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "window_size": 112},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=tie_word_embeddings)
+            "max_position_embeddings": max_position_embeddings,
+            "bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    config = _vl_config(family, text, head_dim=hidden_size // num_heads,
+                        vision_depth=vision_depth, vision_hidden_size=vision_hidden_size,
+                        vision_heads=vision_heads,
+                        vision_intermediate_size=vision_intermediate_size,
+                        tie_word_embeddings=tie_word_embeddings, ids=ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+        model = cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id],
                                                pad_token_id=pad_id)
     return model.eval()
+
+
+def build_tiny_qwen2_5_vl(processor, **kwargs: Any):
+    """A float32 ``Qwen2_5_VLForConditionalGeneration`` (see :func:`build_tiny_vl`)."""
+    return build_tiny_vl(processor, family="qwen2_5_vl", **kwargs)
 
 
 def is_complete(path: str | Path) -> bool:
@@ -116,21 +187,32 @@ def is_complete(path: str | Path) -> bool:
     return all((p / name).is_file() for name in MODEL_FILES)
 
 
-@MODELS.register("tiny_qwen2_5_vl")
-def tiny_qwen2_5_vl(path: str | Path, *, corpus: str = "vl_shapes", vocab_size: int = 320,
-                    min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, seed: int = 0,
-                    **model_kwargs: Any) -> Path:
-    """Build a tiny Qwen2.5-VL + processor at ``path`` (once), its tokenizer trained on the
-    texts of task ``corpus``. Written to a temp dir and renamed into place, so a crash or a
-    concurrent builder never leaves half a model."""
+def _built_family(path: Path) -> str | None:
+    """The ``model_type`` of a built model at ``path`` (the family names are model types)."""
+    return json.loads((path / "config.json").read_text()).get("model_type")
+
+
+@MODELS.register("tiny_qwen_vl")
+def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", corpus: str = "vl_shapes",
+                 vocab_size: int = 320, min_pixels: int = 56 * 56, max_pixels: int = 112 * 112,
+                 seed: int = 0, **model_kwargs: Any) -> Path:
+    """Build a tiny Qwen-VL of ``family`` + its processor at ``path`` (once), its tokenizer
+    trained on the texts of task ``corpus``. Written to a temp dir and renamed into place, so
+    a crash or a concurrent builder never leaves half a model; a complete model of another
+    family at ``path`` is an error, not silently reused."""
+    _check_family(family)
     path = Path(path).expanduser()
     if is_complete(path):
+        built = _built_family(path)
+        if built != family:
+            raise FileExistsError(f"{path} holds a {built} model, not {family}; remove it or "
+                                  "choose another path")
         return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
     processor = build_processor(TASKS.get(corpus).corpus(), vocab_size=vocab_size,
-                                min_pixels=min_pixels, max_pixels=max_pixels)
-    model = build_tiny_qwen2_5_vl(processor, seed=seed, **model_kwargs)
+                                min_pixels=min_pixels, max_pixels=max_pixels, family=family)
+    model = build_tiny_vl(processor, family=family, seed=seed, **model_kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -144,3 +226,21 @@ def tiny_qwen2_5_vl(path: str | Path, *, corpus: str = "vl_shapes", vocab_size: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+@MODELS.register("tiny_qwen2_vl")
+def tiny_qwen2_vl(path: str | Path, **kwargs: Any) -> Path:
+    """A tiny Qwen2-VL (patch 14, no window attention); see :func:`tiny_qwen_vl`."""
+    return tiny_qwen_vl(path, family="qwen2_vl", **kwargs)
+
+
+@MODELS.register("tiny_qwen2_5_vl")
+def tiny_qwen2_5_vl(path: str | Path, **kwargs: Any) -> Path:
+    """A tiny Qwen2.5-VL (patch 14, window attention); see :func:`tiny_qwen_vl`."""
+    return tiny_qwen_vl(path, family="qwen2_5_vl", **kwargs)
+
+
+@MODELS.register("tiny_qwen3_vl")
+def tiny_qwen3_vl(path: str | Path, **kwargs: Any) -> Path:
+    """A tiny Qwen3-VL (patch 16, deepstack, interleaved M-RoPE); see :func:`tiny_qwen_vl`."""
+    return tiny_qwen_vl(path, family="qwen3_vl", **kwargs)
