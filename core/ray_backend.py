@@ -5,7 +5,9 @@ What runs where:
 - **Trainer.** Each policy gets a worker group of N Ray actors (``workers_per_policy``, or
   per policy in ``policies``). Every actor loads the policy kind as in local mode, shards
   it with FSDP2 (``fully_shard`` on each decoder layer, then on the root; gloo on CPU,
-  NCCL on GPU) and runs :func:`polyrl.core.trainer.update` with ``dp=(rank, world)``: each
+  NCCL on GPU; a policy whose pass calls its model's parts one by one, as a VLM's does,
+  names the root module through ``fsdp_root``) and runs
+  :func:`polyrl.core.trainer.update` with ``dp=(rank, world)``: each
   rank computes its share of the rows with loss totals taken over the whole batch, and
   FSDP averages the gradients, so a step equals the single-process step.
 - **Engine.** One actor per policy holds its own copy of the model and the policy's
@@ -33,7 +35,8 @@ What runs where:
   scheduler; ``export`` has rank 0 write the Hugging Face folder, or the PEFT adapter
   folder for LoRA, so in a multi-node run the run directory must be on storage rank 0's
   node sees). ``make_engine`` returns a :class:`RayEngine` proxy with the engine
-  interface.
+  interface (with ``generate_vl`` when the policy's engine takes images, so a VL workflow
+  runs unchanged; its vision inputs are pickled into the call).
 
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
@@ -124,8 +127,14 @@ def _resources(cpus: float, gpus: float) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- actors
 
 
-def _shard(model: torch.nn.Module, mesh) -> None:
-    """FSDP2: each decoder layer (the model's ``_no_split_modules``) is a unit, then the root."""
+def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) -> None:
+    """FSDP2: each decoder layer (the model's ``_no_split_modules``) is a unit, then the root.
+
+    ``root`` (default: the model) is the module whose forward runs the model in training. A
+    policy whose pass calls the model's parts one by one (a VLM's embeddings, vision tower,
+    language model and head) names a wrapper module holding the model (``fsdp_root``): the
+    root unit's parameters are gathered, and their gradients reduced, around *its* forward.
+    """
     from torch.distributed.fsdp import fully_shard
 
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -135,7 +144,13 @@ def _shard(model: torch.nn.Module, mesh) -> None:
                            "(it declares no _no_split_modules)")
     for layer in layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model if root is None else root, mesh=mesh)
+
+
+def _fsdp_root(policy: Any, model: torch.nn.Module) -> torch.nn.Module | None:
+    """The policy's FSDP root for ``model`` (its ``fsdp_root``), or None: the model itself."""
+    root_of = getattr(policy, "fsdp_root", None)
+    return None if root_of is None else root_of(model)
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -272,9 +287,9 @@ class PolicyWorker:
         if self.lora:
             _broadcast_trainable(self.policy.model)
         names = _param_names(self.policy.model)
-        _shard(self.policy.model, mesh)
-        if getattr(self.policy, "reference", None) is not None:
-            _shard(self.policy.reference, mesh)
+        _shard(self.policy.model, mesh, _fsdp_root(self.policy, self.policy.model))
+        if (reference := getattr(self.policy, "reference", None)) is not None:
+            _shard(reference, mesh, _fsdp_root(self.policy, reference))
         _rebind_optimizer(self.policy, names)
 
     def update(self, batch: TensorDict, algo: Any, temperature: float, gen_state: torch.Tensor
@@ -385,7 +400,8 @@ class PolicyWorker:
         if self.rank == 0:
             out = Path(out_dir)
             self.policy.model.save_pretrained(out, state_dict=weights)
-            self.policy.tokenizer.save_pretrained(out)
+            # a VLM's processor (tokenizer, image processor, chat template) when it has one
+            (getattr(self.policy, "processor", None) or self.policy.tokenizer).save_pretrained(out)
         dist.barrier()
 
     def close(self) -> None:
@@ -421,6 +437,9 @@ class EngineWorker:
 
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
+
+    def generate_vl(self, prompts, visions, params, **kwargs):
+        return self.engine.generate_vl(prompts, visions, params, **kwargs)
 
     def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
         if isinstance(weights, LoraFactors):
@@ -678,9 +697,11 @@ class RayPolicy:
 class RayEngine:
     """The driver's handle on a policy's engine actor; the engine interface."""
 
-    def __init__(self, policy: RayPolicy) -> None:
+    def __init__(self, policy: RayPolicy, engine_cls: Any = None) -> None:
         self.policy, self.group = policy, policy.group
         self.tokenizer = policy.tokenizer
+        # a workflow reads what the engine takes (vllm_vl: the resized images themselves)
+        self.needs_images = bool(getattr(engine_cls, "needs_images", False))
 
     def generate(self, prompts, params):
         return self.group.call_engine("generate", [list(p) for p in prompts], params)
@@ -695,6 +716,20 @@ class RayEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.group.call_engine("load_state_dict", state)
+
+
+class RayVLEngine(RayEngine):
+    """The handle on an engine actor whose engine takes images (it has ``generate_vl``), so
+    ``hasattr(engine, "generate_vl")`` on the driver says what the actor's engine can do."""
+
+    def generate_vl(self, prompts, visions, params, **kwargs):
+        """The engine actor's ``generate_vl``. The processed vision inputs (tensors in
+        dataclasses) and any ``images`` are pickled into the call, once per prompt (its
+        group of ``n`` shares them). The cost is the ``pixel_values``: for Qwen2.5-VL one
+        row of 1176 float32 per 14x14 patch, about 24 MB for a 1-megapixel image, so a step
+        of many large images moves that much to the engine actor once per rollout."""
+        return self.group.call_engine("generate_vl", [list(p) for p in prompts], list(visions),
+                                      params, **kwargs)
 
 
 # --------------------------------------------------------------------------------- backend
@@ -766,7 +801,9 @@ class RayBackend:
 
     def make_engine(self, name, policy, cfg, *, seed):
         policy.group.make_engine(cfg, seed)
-        return RayEngine(policy)
+        engine_cls = ENGINES.get(cfg.engine.name)
+        handle = RayVLEngine if hasattr(engine_cls, "generate_vl") else RayEngine
+        return handle(policy, engine_cls)
 
     def reward_runners(self, reward_cfg: Any) -> dict:
         """Remote runners for the reward terms that ask for their own actor."""

@@ -7,7 +7,9 @@ the prompt's ``n`` samples), the vision tower runs once per distinct prompt in a
 and M-RoPE position ids come from the model's own ``get_rope_index`` over prompt and
 response. Rows without a ``vision`` column (the core's SFT warm start) are processed from
 the references their dataset row keeps. A batch without images runs the vision tower on a
-dummy patch with weight zero (safe under FSDP).
+dummy patch with weight zero (safe under FSDP). Under ``distributed.backend: ray`` each rank
+shards the vision blocks and decoder layers with FSDP2, with :class:`ResponseScorer` (the
+module whose forward runs the pass) as the root unit.
 
 ``policies.<name>.args`` (all optional):
 
@@ -68,6 +70,28 @@ def lora_target_regex(names: list[str], with_vision: bool) -> str:
     return rf"^(?:(?!.*\bvisual\b).*\.({text})|.*\bvisual\b.*\.({vis}))$"
 
 
+class ResponseScorer(torch.nn.Module):
+    """A Qwen-VL model's response log-probs as one module's forward.
+
+    The pass calls the model's parts one by one (embeddings, vision tower, language model,
+    head), never the model's own forward. Under FSDP2 (the Ray backend) this wrapper is the
+    root unit (:meth:`QwenVLPolicy.fsdp_root`), so the weights outside the sharded layers
+    and blocks (embeddings, head, patch embedding, merger) are gathered around its forward
+    and their gradients reduced after its backward.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor], rows: list[vision.VisionInputs | None],
+                temperature: float, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return vision.response_logprobs(
+            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
+            batch["response_mask"], rows, temperature, with_entropy)
+
+
 class QwenVLPolicy(CausalLMPolicy):
     """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
     default); see the module docstring for its options."""
@@ -95,6 +119,17 @@ class QwenVLPolicy(CausalLMPolicy):
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model, cfg, need_reference=need_reference, total_steps=total_steps,
             lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision))
+        self.scorer = ResponseScorer(self.model)
+        self.ref_scorer = ResponseScorer(self.reference) if self.reference is not None else None
+
+    def fsdp_root(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose forward runs ``model`` (the policy's or the reference) in training;
+        the Ray backend makes it the FSDP2 root unit (see :class:`ResponseScorer`)."""
+        for scorer in (self.scorer, self.ref_scorer):
+            if scorer is not None and scorer.model is model:
+                return scorer
+        raise ValueError(f"policy {self.name!r}: {type(model).__name__} is neither its model "
+                         "nor its reference")
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
@@ -139,25 +174,23 @@ class QwenVLPolicy(CausalLMPolicy):
         return out
 
     # --- what the trainer calls -------------------------------------------------------
-    def _logprobs(self, model: torch.nn.Module, batch: TensorDict, temperature: float,
+    def _logprobs(self, scorer: ResponseScorer, batch: TensorDict, temperature: float,
                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = self.vision_rows(batch)
         t = {k: batch[k].to(self.device) for k in
              ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
-        return vision.response_logprobs(
-            model, t["prompt_ids"], t["prompt_mask"], t["response_ids"], t["response_mask"],
-            rows, temperature, with_entropy)
+        return scorer(t, rows, temperature, with_entropy)
 
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._logprobs(self.model, batch, temperature, with_entropy)
+        return self._logprobs(self.scorer, batch, temperature, with_entropy)
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
-        if self.reference is not None:
-            return self._logprobs(self.reference, batch, temperature, False)[0]
+        if self.ref_scorer is not None:
+            return self._logprobs(self.ref_scorer, batch, temperature, False)[0]
         with self.model.disable_adapter():
-            return self._logprobs(self.model, batch, temperature, False)[0]
+            return self._logprobs(self.scorer, batch, temperature, False)[0]
 
     def export(self, out_dir: str | Path) -> Path:
         """Hugging Face format with the processor (a PEFT adapter folder for LoRA)."""

@@ -89,5 +89,8 @@ def test_vl_workflow_checks_its_engine_at_config_time():
 
     with pytest.raises(ConfigError, match="engine.name='hf'.*hf_vl"):
         load(Config, EXAMPLES / "vl_shapes_grpo.yaml", ["policies.main.engine.name=hf"])
-    with pytest.raises(ConfigError, match="local backend only"):
-        load(Config, EXAMPLES / "vl_shapes_grpo.yaml", ["distributed.backend=ray"])
+    load(Config, EXAMPLES / "vl_shapes_grpo.yaml", ["distributed.backend=ray"])  # hf_vl: fine
+    with pytest.raises(ConfigError, match="engine.name='vllm_vl' is not supported with "
+                                          "distributed.backend=ray"):
+        load(Config, EXAMPLES / "vl_shapes_grpo.yaml",
+             ["distributed.backend=ray", "policies.main.engine.name=vllm_vl"])
