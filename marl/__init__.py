@@ -3,7 +3,8 @@
 Importing the package registers its parts in the core's registries: the multi-agent
 workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator``), the
 ``magrpo`` credit assignment and the ``max_baseline`` advantage, the ``lora_agent`` policy
-kind (one LoRA adapter per agent on a shared base) and the ``signaling`` task. A recipe
+kind (one LoRA adapter per agent on a shared base) with its ``vllm_lora`` engine (one
+vLLM serving every adapter) and the ``signaling`` task. A recipe
 may add a centralized critic (``rollout.args.critic``, :mod:`polyrl.marl.critic`): a value
 head over the joint transcript that replaces group baselines with ``R - V(joint state)``.
 
@@ -19,7 +20,7 @@ Write your own workflow as an async function over the agent API::
             ep.joint([d, c], final=c.text)
 """
 
-from polyrl.marl import credit, critic, lora, signaling, workflows
+from polyrl.marl import credit, critic, lora, signaling, vllm_lora, workflows
 from polyrl.marl.config import AgentSpec, CreditOptions, CriticOptions, MarlArgs
 from polyrl.marl.runtime import (
     JOINT_POLICY,
@@ -48,6 +49,7 @@ __all__ = [
     "critic",
     "lora",
     "signaling",
+    "vllm_lora",
     "workflow",
     "workflows",
 ]

@@ -131,17 +131,22 @@ class LoraAgentPolicy:
         """The shared base weights (what no adapter may change), for checks."""
         return {k: v.detach().clone() for k, v in self._peft.named_parameters() if "lora_" not in k}
 
-    def export(self, out_dir: str | Path) -> Path:
-        """This adapter in PEFT format (adapter_config.json + weights) plus the tokenizer."""
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        """This adapter alone in PEFT format (adapter_config.json + weights) in ``out_dir``,
+        loadable as is by ``PeftModel.from_pretrained`` and by vLLM's ``LoRARequest``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        model = self.model
-        model.save_pretrained(out, selected_adapters=[self.adapter])
+        self.model.save_pretrained(out, selected_adapters=[self.adapter])
         nested = out / self.adapter  # PEFT puts a non-default adapter in a subfolder; lift
         if (nested / "adapter_config.json").is_file():  # it so PeftModel.from_pretrained(out)
             for f in nested.iterdir():
                 f.replace(out / f.name)
             nested.rmdir()
+        return out
+
+    def export(self, out_dir: str | Path) -> Path:
+        """This adapter in PEFT format (adapter_config.json + weights) plus the tokenizer."""
+        out = self.save_adapter(out_dir)
         self.tokenizer.save_pretrained(out)
         return out
 

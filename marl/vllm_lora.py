@@ -1,0 +1,194 @@
+"""``engine.name: vllm_lora``: one vLLM engine serves every ``lora_agent`` adapter.
+
+With ``engine.name: vllm`` each ``lora_agent`` policy would start its own ``vllm.LLM`` and
+push the whole base with its adapter merged in after every update. Here all ``lora_agent``
+policies on one base share a single LLM started with LoRA enabled on the (frozen) base
+weights: each policy's engine is a thin handle whose ``generate`` sends its rows with that
+policy's ``LoRARequest``, and whose ``sync`` serves the adapter's current weights. Only the
+adapter moves (a few MB instead of the full model), and one KV cache serves every agent.
+
+    policies:
+      speaker:  {model: ..., kind: lora_agent, lora: {r: 8}, engine: {name: vllm_lora}}
+      listener: {model: ..., kind: lora_agent, lora: {r: 8}, engine: {name: vllm_lora}}
+
+Sampling is ``VLLMEngine``'s (per-row seeds, processed log-probs, stop rules, state_dict):
+the handle is a ``VLLMEngine`` whose ``llm`` routes each request through its adapter.
+
+``sync`` writes the adapter with PEFT's ``save_pretrained`` into a fresh directory and
+registers it under a fresh ``lora_int_id`` (the old one is removed first, so the other
+adapters are never evicted). vLLM 0.31 loads adapters only from a directory
+(``LoRARequest.lora_path``, read by ``WorkerLoRAManager._load_adapter``); there is no
+in-memory path. The fresh id and path also give the adapter new prefix-cache keys (vLLM
+hashes the LoRA name and path into each block), so no stale KV is reused.
+
+One LLM per process: vLLM keeps its distributed state in module globals, so the shared LLM
+lives in a module-level registry, started by the first handle with ``max_loras`` = the
+number of adapters on the shared PEFT model (the session builds every policy before any
+engine) and closed with the last handle. Policies on a second base in the same process are
+refused with an error; give them ``engine.name: vllm`` or ``hf``.
+
+Engine arguments (``policies.<name>.engine.args``) are ``VLLMEngine``'s and are read from the
+first policy's config (the one that starts the LLM); ``enable_sleep_mode`` is refused (one
+policy's sleep would take the engine from the others).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyrl.core.registry import ENGINES
+from polyrl.core.tiny import ensure_model
+from polyrl.core.vllm_engine import VLLMEngine
+
+# vLLM's allowed values of max_lora_rank (vllm.config.lora.MaxLoRARanks).
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass
+class _LoraServer:
+    """The process's one LoRA-enabled LLM (a base-only ``VLLMEngine``) and its bookkeeping."""
+
+    engine: VLLMEngine
+    base: str
+    max_loras: int
+    handles: set[str] = field(default_factory=set)
+    next_id: int = 1
+
+    def fresh_id(self) -> int:
+        """A LoRA id never used before in this LLM, so vLLM loads the adapter anew."""
+        self.next_id += 1
+        return self.next_id - 1
+
+
+_SERVER: _LoraServer | None = None
+
+
+def base_key(policy: Any) -> str:
+    """The resolved base-model path that decides which policies can share the LLM."""
+    cfg = policy.cfg
+    return str(Path(ensure_model(cfg.model, cfg.build, cfg.build_args)).expanduser().resolve())
+
+
+def vllm_rank(rank: int, policy: str) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for r in _VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"policy {policy!r}: lora.r={rank} is above vLLM's largest max_lora_rank "
+                     f"({_VLLM_RANKS[-1]})")
+
+
+def shared_server(policy: Any, seed: int, engine_args: dict[str, Any]) -> _LoraServer:
+    """The LoRA-enabled LLM for ``policy``'s base: started on first use, then reused."""
+    global _SERVER
+    base = base_key(policy)
+    if _SERVER is not None:
+        if _SERVER.base != base:
+            raise RuntimeError(
+                f"policy {policy.name!r}: engine vllm_lora already serves base {_SERVER.base} in "
+                f"this process, and vLLM allows one LLM per process; give policies on base "
+                f"{base} engine.name: vllm or hf")
+        return _SERVER
+    if engine_args.get("enable_sleep_mode"):
+        raise ValueError(f"policy {policy.name!r}: engine vllm_lora does not support "
+                         f"enable_sleep_mode (the LLM is shared by every adapter)")
+    configs = policy.model.peft_config  # every adapter on the shared base, built already
+    rank = max(c.r for c in configs.values())
+    max_loras = len(configs)
+    args = {"max_lora_rank": vllm_rank(rank, policy.name), "max_loras": max_loras,
+            **engine_args, "enable_lora": True}
+    _SERVER = _LoraServer(VLLMEngine(policy, seed=seed, **args), base, max_loras)
+    return _SERVER
+
+
+class _AdapterRoute:
+    """The ``llm`` a handle's inherited sampling code calls: the shared LLM, with every
+    request sent through the handle's current adapter."""
+
+    def __init__(self, handle: VLLMLoraEngine) -> None:
+        self.handle = handle
+
+    def generate(self, prompts: Sequence[Any], sampling: Any, use_tqdm: bool = False) -> list:
+        return self.handle.server.engine.llm.generate(
+            prompts, sampling, use_tqdm=use_tqdm, lora_request=self.handle.request)
+
+
+class VLLMLoraEngine(VLLMEngine):
+    """One ``lora_agent`` policy's view of the shared LLM: its adapter, seeds and call count.
+
+    It reuses ``VLLMEngine``'s ``generate``/``_generate_rows``/``state_dict`` unchanged and
+    does not run its constructor, which would start an LLM of its own.
+    """
+
+    def __init__(self, policy: Any, *, seed: int = 0, **engine_args: Any) -> None:
+        if not hasattr(policy, "save_adapter"):
+            raise TypeError(f"policy {policy.name!r}: engine vllm_lora serves kind lora_agent "
+                            f"policies only (got {type(policy).__name__}); use engine vllm")
+        self.policy, self.tokenizer = policy, policy.tokenizer
+        self.seed, self.calls = int(seed), 0
+        self.sleep_enabled, self.sleeping, self._stale = False, False, False
+        self._warned_top_p = False
+        self.last_sync_s = float("nan")
+        t0 = time.perf_counter()
+        self.server = shared_server(policy, seed, engine_args)
+        if policy.name in self.server.handles:
+            raise RuntimeError(f"policy {policy.name!r}: already has a vllm_lora engine")
+        if len(self.server.handles) >= self.server.max_loras:
+            raise RuntimeError(f"policy {policy.name!r}: the shared vllm_lora engine was started "
+                               f"for {self.server.max_loras} adapters; build every lora_agent "
+                               f"policy before the first engine")
+        self.server.handles.add(policy.name)
+        self.request: Any = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self.llm = _AdapterRoute(self)
+        self.sync()
+        self.startup_s = time.perf_counter() - t0
+
+    def sync(self) -> None:
+        """Serve the adapter's current weights: write it, then swap it in under a fresh id."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        out = tempfile.TemporaryDirectory(prefix=f"polyrl-lora-{self.policy.name}-")
+        self.policy.save_adapter(out.name)
+        lora_id = self.server.fresh_id()
+        request = LoRARequest(lora_name=f"{self.policy.name}#{lora_id}", lora_int_id=lora_id,
+                              lora_path=out.name)
+        engine = self.server.engine.llm.llm_engine
+        self._drop_adapter()  # first, so the cache never exceeds max_loras (no eviction)
+        if not engine.add_lora(request):
+            raise RuntimeError(f"policy {self.policy.name!r}: vLLM did not load adapter "
+                               f"{out.name}")
+        self.request, self._dir = request, out
+        self.last_sync_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Drop this adapter; the last handle to close shuts the shared LLM down."""
+        global _SERVER
+        server = self.__dict__.get("server")
+        if server is None:
+            return
+        self._drop_adapter()
+        del self.server
+        server.handles.discard(self.policy.name)
+        if not server.handles:
+            server.engine.close()
+            if _SERVER is server:
+                _SERVER = None
+
+    def _drop_adapter(self) -> None:
+        """Unload the served adapter (if any) and delete its directory."""
+        if self.request is not None:
+            self.server.engine.llm.llm_engine.remove_lora(self.request.lora_int_id)
+            self.request = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
+ENGINES.register("vllm_lora", VLLMLoraEngine)
