@@ -96,6 +96,8 @@ class _GlobalRNG:
 class VLLMEngine:
     """Sampling with a vLLM ``LLM`` that follows the policy's weights (``sync``)."""
 
+    lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
+
     def __init__(self, policy, *, seed: int = 0, max_model_len: int | None = None,
                  kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.5,
                  enable_sleep_mode: bool = False, sleep_level: int = 1,
@@ -256,7 +258,8 @@ class VLLMEngine:
                     stop_token_ids=stop_ids, logprobs=0)
         sampling = [VLLMParams(**base, seed=s) for s in seeds]
         prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
-        outs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False,
+                                 lora_request=self.lora_request)
         result = []
         for k, out in enumerate(outs):
             if check is not None:

@@ -12,7 +12,8 @@ adapter moves (a few MB instead of the full model), and one KV cache serves ever
       listener: {model: ..., kind: lora_agent, lora: {r: 8}, engine: {name: vllm_lora}}
 
 Sampling is ``VLLMEngine``'s (per-row seeds, processed log-probs, stop rules, state_dict):
-the handle is a ``VLLMEngine`` whose ``llm`` routes each request through its adapter.
+the handle is a ``VLLMEngine`` whose ``llm`` is the shared one and whose ``lora_request``
+routes each of its requests through its adapter.
 
 ``sync`` writes the adapter with PEFT's ``save_pretrained`` into a fresh directory and
 registers it under a fresh ``lora_int_id`` (the old one is removed first, so the other
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,18 +106,6 @@ def shared_server(policy: Any, seed: int, engine_args: dict[str, Any]) -> _LoraS
     return _SERVER
 
 
-class _AdapterRoute:
-    """The ``llm`` a handle's inherited sampling code calls: the shared LLM, with every
-    request sent through the handle's current adapter."""
-
-    def __init__(self, handle: VLLMLoraEngine) -> None:
-        self.handle = handle
-
-    def generate(self, prompts: Sequence[Any], sampling: Any, use_tqdm: bool = False) -> list:
-        return self.handle.server.engine.llm.generate(
-            prompts, sampling, use_tqdm=use_tqdm, lora_request=self.handle.request)
-
-
 class VLLMLoraEngine(VLLMEngine):
     """One ``lora_agent`` policy's view of the shared LLM: its adapter, seeds and call count.
 
@@ -143,9 +131,9 @@ class VLLMLoraEngine(VLLMEngine):
                                f"for {self.server.max_loras} adapters; build every lora_agent "
                                f"policy before the first engine")
         self.server.handles.add(policy.name)
-        self.request: Any = None
+        self.lora_request: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
-        self.llm = _AdapterRoute(self)
+        self.llm = self.server.engine.llm
         self.sync()
         self.startup_s = time.perf_counter() - t0
 
@@ -164,7 +152,7 @@ class VLLMLoraEngine(VLLMEngine):
         if not engine.add_lora(request):
             raise RuntimeError(f"policy {self.policy.name!r}: vLLM did not load adapter "
                                f"{out.name}")
-        self.request, self._dir = request, out
+        self.lora_request, self._dir = request, out
         self.last_sync_s = time.perf_counter() - t0
 
     def close(self) -> None:
@@ -183,9 +171,9 @@ class VLLMLoraEngine(VLLMEngine):
 
     def _drop_adapter(self) -> None:
         """Unload the served adapter (if any) and delete its directory."""
-        if self.request is not None:
-            self.server.engine.llm.llm_engine.remove_lora(self.request.lora_int_id)
-            self.request = None
+        if self.lora_request is not None:
+            self.server.engine.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            self.lora_request = None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
