@@ -71,3 +71,22 @@ def vl_dataset(make_policy, vl_rows):
     policy = make_policy()
     cfg = DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112})
     return policy, VLDataset(cfg, policy.tokenizer, name="t", rows=vl_rows)
+
+
+@pytest.fixture
+def grouped_sequences():
+    """``(items, visions, odd) -> (prompt_ids, prompt_mask, response_ids, response_mask,
+    row_visions)``: each prompt twice (a group of 2 sharing its VisionInputs), responses of
+    different lengths, the second one replaced by ``odd`` (e.g. sampled vision-token ids)."""
+    from polyrl.core.record import pad_left, pad_right
+
+    def make(items, visions, odd):
+        rows = [k for k in range(len(items)) for _ in range(2)]
+        responses = [[5 + (r % 7)] * (1 + r % 4) for r in range(len(rows))]
+        responses[1] = list(odd)
+        prompt_ids, prompt_mask = pad_left([items[k].prompt_ids for k in rows], 0)
+        response_ids = pad_right(responses, 0, torch.long)
+        response_mask = pad_right([[1] * len(r) for r in responses], 0, torch.long)
+        return prompt_ids, prompt_mask, response_ids, response_mask, [visions[k] for k in rows]
+
+    return make

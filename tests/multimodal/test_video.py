@@ -10,7 +10,7 @@ from PIL import Image
 
 from polyrl.core.data import DataConfig, DataError
 from polyrl.core.engine import SamplingParams
-from polyrl.core.record import pad_left, pad_right, strings
+from polyrl.core.record import pad_left, strings
 from polyrl.core.workflow import Context
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import VLDataset
@@ -112,7 +112,7 @@ def test_max_frames_and_fps(make_policy):
     assert v.second_per_grid_ts.tolist() == [pytest.approx(2 / (3 * 4 / 9))]
 
 
-def test_positions_match_get_rope_index_with_videos(video_data):
+def test_positions_match_get_rope_index_with_videos(video_data, grouped_sequences):
     """Prompt + response positions (one get_rope_index per group, response continued) equal
     transformers' get_rope_index over the whole sequences, for video and image+video rows."""
     policy, ds = video_data
@@ -120,13 +120,8 @@ def test_positions_match_get_rope_index_with_videos(video_data):
     items = list(ds)
     visions = [vision.process(it.vision, proc.image_processor, proc.video_processor)[0]
                if it.vision else None for it in items]
-    rows = [k for k in range(len(items)) for _ in range(2)]
-    responses = [[5 + (r % 7)] * (1 + r % 4) for r in range(len(rows))]
-    responses[1] = [7, proc.video_token_id, proc.image_token_id]  # sampled: text
-    prompt_ids, prompt_mask = pad_left([items[k].prompt_ids for k in rows], 0)
-    response_ids = pad_right(responses, 0, torch.long)
-    response_mask = pad_right([[1] * len(r) for r in responses], 0, torch.long)
-    row_visions = [visions[k] for k in rows]
+    prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
+        items, visions, [7, proc.video_token_id, proc.image_token_id])  # sampled: text
     p = vision.parts(policy.model)
     got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1],
                                     row_visions)
@@ -146,7 +141,7 @@ def test_positions_match_get_rope_index_with_videos(video_data):
     # the 8-frame video at 1 fps spaces its temporal positions past the text after it: the
     # prompt's largest position is not where the response starts
     plen = prompt_ids.shape[1]
-    row = rows.index(1)
+    row = 2  # item 1's first row (each item appears twice, in order)
     assert int(got[:, row, :plen].max()) > int(got[0, row, plen - 1])
 
 

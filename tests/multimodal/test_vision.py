@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from polyrl.core.engine import SamplingParams
-from polyrl.core.record import pad_left, pad_right, set_strings, strings, text_record
+from polyrl.core.record import set_strings, strings, text_record
 from polyrl.core.workflow import Context
 from polyrl.multimodal import vision
 from polyrl.multimodal.engine import VLEngine
@@ -60,7 +60,7 @@ def test_prompt_ids_equal_the_processors_own(vl_dataset):
         assert runs == per_image
 
 
-def test_positions_match_get_rope_index(vl_dataset):
+def test_positions_match_get_rope_index(vl_dataset, grouped_sequences):
     """Prompt + response positions (representative per group, response continued) equal
     transformers' get_rope_index over the whole left-padded sequences."""
     policy, ds = vl_dataset
@@ -69,14 +69,9 @@ def test_positions_match_get_rope_index(vl_dataset):
                if it.vision else None for it in items]
     # groups of 2 sharing one VisionInputs; responses of different lengths, one holds a
     # sampled image-token id (which is text, not an image)
-    rows = [k for k in range(len(items)) for _ in range(2)]
     image_id = policy.processor.image_token_id
-    responses = [[5 + (r % 7)] * (1 + r % 4) for r in range(len(rows))]
-    responses[1] = [7, image_id, 9]
-    prompt_ids, prompt_mask = pad_left([items[k].prompt_ids for k in rows], 0)
-    response_ids = pad_right(responses, 0, torch.long)
-    response_mask = pad_right([[1] * len(r) for r in responses], 0, torch.long)
-    row_visions = [visions[k] for k in rows]
+    prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
+        items, visions, [7, image_id, 9])
     p = vision.parts(policy.model)
     got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1],
                                     row_visions)
