@@ -55,19 +55,24 @@ polyrl installed. Ray is imported only when this backend is used.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import os
-import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError, doc, from_dict
+from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
+    ActorError,
+    EngineWorker,
+    PolicyWorker,
+    require_ray,
+    resources_of,
+    reward_actor,
+    uses_lora,
+    wait,
+)
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES, nearest
 
 _GROUP_FIELDS = ("workers_per_policy", "placement", "strategy", "num_cpus_per_worker",
@@ -108,450 +113,13 @@ class RayArgs:
         return dataclasses.replace(self, **{k: getattr(checked, k) for k in override})
 
 
-class ActorError(RuntimeError):
-    """A worker or engine actor died or failed; the message names its role."""
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("distributed.backend=ray needs Ray: pip install 'polyrl[ray]'") from err
-    return ray
-
-
-def _resources(cpus: float, gpus: float) -> dict[str, float]:
-    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-
-
-# ---------------------------------------------------------------------------------- actors
-
-
-def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) -> None:
-    """FSDP2: each decoder layer (the model's ``_no_split_modules``) is a unit, then the root.
-
-    ``root`` (default: the model) is the module whose forward runs the model in training. A
-    policy whose pass calls the model's parts one by one (a VLM's embeddings, vision tower,
-    language model and head) names a wrapper module holding the model (``fsdp_root``): the
-    root unit's parameters are gathered, and their gradients reduced, around *its* forward.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__} to shard "
-                           "(it declares no _no_split_modules)")
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model if root is None else root, mesh=mesh)
-
-
-def _fsdp_root(policy: Any, model: torch.nn.Module) -> torch.nn.Module | None:
-    """The policy's FSDP root for ``model`` (its ``fsdp_root``), or None: the model itself."""
-    root_of = getattr(policy, "fsdp_root", None)
-    return None if root_of is None else root_of(model)
-
-
-def _param_names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def _rebind_optimizer(policy, names: dict[int, str]) -> None:
-    """Sharding replaced the parameters (same names, now DTensors): point the optimizer's
-    groups at the new ones. It has no state yet, and its schedule stays attached."""
-    if policy.optimizer is None:
-        return
-    new = dict(policy.model.named_parameters())
-    for group in policy.optimizer.param_groups:
-        group["params"] = [new[names[id(p)]] for p in group["params"]]
-
-
-def _optim_by_index(optim: dict[str, Any]) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter name -> keyed by position, as
-    ``torch.optim.Optimizer.state_dict()`` writes it in a single process."""
-    order = [n for g in optim["param_groups"] for n in g["params"]]
-    index = {n: i for i, n in enumerate(order)}
-    return {"state": {index[n]: v for n, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                             for g in optim["param_groups"]]}
-
-
-def _optim_by_name(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
-    """The inverse of :func:`_optim_by_index`, given the parameter names in group order."""
-    if len(order) != sum(len(g["params"]) for g in optim["param_groups"]):
-        raise ValueError("the checkpoint's optimizer holds a different number of parameters "
-                         "than this policy; was it written for another model or LoRA setting?")
-    return {"state": {order[i]: v for i, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
-                             for g in optim["param_groups"]]}
-
-
-def _uses_lora(cfg: Any) -> bool:
-    lora = getattr(cfg, "lora", None)
-    return lora is not None and lora.r > 0
-
-
-def _broadcast_trainable(model: torch.nn.Module) -> None:
-    """Give every rank rank 0's trainable (adapter) weights: PEFT initializes them at random,
-    and FSDP would otherwise stitch together shards of different initializations."""
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                dist.broadcast(p.data, src=0)
-
-
-def _full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A gathered, detached CPU copy of a (possibly sharded) tensor; a collective for a
-    DTensor, so every rank calls it in the same order."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.detach().to("cpu", copy=True)
-
-
-@dataclass
-class LoraFactors:
-    """A LoRA policy's engine sync: per adapted linear layer, the name of its weight in
-    the plain base model, the factors A (r x in) and B (out x r), and the scale
-    (alpha / r), so the engine computes ``W0 + scale * B @ A`` itself."""
-
-    factors: list[tuple[str, torch.Tensor, torch.Tensor, float]]
-
-
-@torch.no_grad()
-def lora_factors(name: str, model: torch.nn.Module) -> LoraFactors:
-    """The active adapter's factors of a (sharded) PEFT model; every rank must call it."""
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
-
-    factors = []
-    for path, module in model.get_base_model().named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        if (not isinstance(module, LoraLinear) or module.fan_in_fan_out
-                or any(module.use_dora.values())):
-            raise RuntimeError(f"policy {name!r}: the adapter on {path!r} ({type(module).__name__})"
-                               " is not a plain LoRA linear layer; only those can be merged into "
-                               "the engine's weights under distributed.backend=ray")
-        for adapter in module.active_adapters:
-            factors.append((f"{path}.weight", _full_tensor(module.lora_A[adapter].weight),
-                            _full_tensor(module.lora_B[adapter].weight),
-                            float(module.scaling[adapter])))
-    if not factors:
-        raise RuntimeError(f"policy {name!r}: found no LoRA layer to sync to the engine")
-    return LoraFactors(factors)
-
-
-class PolicyWorker:
-    """One FSDP rank of a policy (a Ray actor)."""
-
-    def __init__(self, rank: int, world: int, threads: int) -> None:
-        torch.set_num_threads(threads)
-        self.rank, self.world = rank, world
-        self.policy: Any = None
-        self._sft: Any = None
-
-    def rendezvous(self) -> tuple[str, int]:
-        """(ip, free port) on this actor's node; rank 0's is the group's address."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return _ray().util.get_node_ip_address(), port
-
-    def node_id(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
-
-    def setup(self, name: str, cfg: Any, where: tuple[str, int], *, total_steps: int,
-              need_reference: bool, gpu: bool, timeout_s: float, rng: torch.Tensor) -> None:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        import polyrl.core  # noqa: F401  (registers policy kinds, losses, ...)
-
-        if gpu:
-            torch.cuda.set_device(0)  # Ray shows this actor its own GPU(s) only
-        addr, port = where
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{addr}:{port}",
-                                rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
-        mesh = init_device_mesh("cuda" if gpu else "cpu", (self.world,))
-        kwargs = {"device": "cuda"} if gpu else {}
-        torch.set_rng_state(rng)  # the driver's: a LoRA adapter starts as in local mode
-        self.name, self.lora = name, _uses_lora(cfg)
-        self.policy = POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
-                                             need_reference=need_reference, shared={}, **kwargs)
-        if self.lora:
-            _broadcast_trainable(self.policy.model)
-        names = _param_names(self.policy.model)
-        _shard(self.policy.model, mesh, _fsdp_root(self.policy, self.policy.model))
-        if (reference := getattr(self.policy, "reference", None)) is not None:
-            _shard(reference, mesh, _fsdp_root(self.policy, reference))
-        _rebind_optimizer(self.policy, names)
-
-    def update(self, batch: TensorDict, algo: Any, temperature: float, gen_state: torch.Tensor
-               ) -> tuple[dict[str, float], torch.Tensor]:
-        from polyrl.core import trainer
-
-        gen = torch.Generator()
-        gen.set_state(gen_state)
-        out = trainer.update(self.policy, batch, algo, temperature=temperature, generator=gen,
-                             dp=(self.rank, self.world))
-        return out, gen.get_state()
-
-    def sft_update(self, batch: TensorDict) -> dict[str, float]:
-        from polyrl.core import trainer
-
-        return trainer.sft_update(self.policy, batch, dp=(self.rank, self.world))
-
-    def enter_sft(self, lr: float | None) -> None:
-        self._sft = self.policy.sft_optimizer(lr)
-        self._sft.__enter__()
-
-    def exit_sft(self) -> None:
-        ctx, self._sft = self._sft, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-
-    def _full(self, trainable_only: bool = False):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                ignore_frozen_params=trainable_only)
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """Full weights (the trainable adapter alone under LoRA), optimizer and schedule on
-        rank 0, laid out as in local mode (so a checkpoint resumes under either backend)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        p = self.policy
-        opts = self._full(trainable_only=self.lora)
-        stepped = p.optimizer is not None and bool(p.optimizer.state)
-        if stepped:
-            weights, optim = get_state_dict(p.model, p.optimizer, options=opts)
-        else:  # no step yet: the empty state is the local one (and DCP would create it
-            # with a zero-gradient step that advances Adam's step count)
-            weights = get_model_state_dict(p.model, options=opts)
-            optim = p.optimizer.state_dict() if p.optimizer is not None else None
-        if self.rank != 0:
-            return None
-        if self.lora:  # ignore_frozen_params keeps a frozen weight tied to another (lm_head)
-            trainable = self._trainable_names()
-            weights = {k: v for k, v in weights.items() if k in trainable}
-        return {"weights": weights, "optimizer": _optim_by_index(optim) if stepped else optim,
-                "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Every rank reads the full state and keeps its own shards."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
-        p = self.policy
-        opts = StateDictOptions(full_state_dict=True)
-        if self.lora:
-            self._check_adapter_keys(state["weights"])
-        if p.optimizer is None or not state["optimizer"]["state"]:
-            set_model_state_dict(p.model, state["weights"], options=opts)
-            if p.optimizer is not None:  # no moments yet: nothing to shard (see state_dict)
-                p.optimizer.load_state_dict(state["optimizer"])
-                p.scheduler.load_state_dict(state["scheduler"])
-            return
-        names = _param_names(p.model)
-        order = [names[id(q)] for g in p.optimizer.param_groups for q in g["params"]]
-        set_state_dict(p.model, p.optimizer, model_state_dict=state["weights"],
-                       optim_state_dict=_optim_by_name(state["optimizer"], order), options=opts)
-        p.scheduler.load_state_dict(state["scheduler"])
-
-    def _trainable_names(self) -> set[str]:
-        return {n for n, q in self.policy.model.named_parameters() if q.requires_grad}
-
-    def _check_adapter_keys(self, weights: dict[str, torch.Tensor]) -> None:
-        """As local mode's ``load_weights``: a LoRA checkpoint may hold adapter weights only."""
-        unexpected = sorted(set(weights) - self._trainable_names())
-        if unexpected:
-            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the LoRA "
-                               f"adapter (unexpected {unexpected[:3]}); was it written for "
-                               "another model or LoRA setting?")
-
-    def full_weights(self) -> list | None:
-        """What the engine needs, gathered; rank 0 returns ``[ObjectRef]`` (kept off the
-        driver): the full weights, or under LoRA the adapter factors alone."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        if self.lora:
-            weights: Any = lora_factors(self.name, self.policy.model)
-        else:
-            weights = get_model_state_dict(self.policy.model, options=self._full())
-        return [_ray().put(weights)] if self.rank == 0 else None
-
-    def export(self, out_dir: str) -> None:
-        """Rank 0 writes the Hugging Face folder from the gathered weights (under LoRA,
-        PEFT's ``save_pretrained`` keeps the adapter alone, as in local mode)."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        weights = get_model_state_dict(self.policy.model, options=self._full())
-        if self.rank == 0:
-            out = Path(out_dir)
-            self.policy.model.save_pretrained(out, state_dict=weights)
-            # a VLM's processor (tokenizer, image processor, chat template) when it has one
-            (getattr(self.policy, "processor", None) or self.policy.tokenizer).save_pretrained(out)
-        dist.barrier()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class EngineWorker:
-    """A policy's rollout engine on its own actor, over its own copy of the model."""
-
-    def __init__(self, threads: int) -> None:
-        torch.set_num_threads(threads)
-        self.policy: Any = None
-        self.engine: Any = None
-        self.base: dict[str, torch.Tensor] = {}  # LoRA: W0 of each adapted layer, on the CPU
-
-    def node(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
-
-    def setup(self, name: str, cfg: Any, *, seed: int, gpu: bool) -> None:
-        import polyrl.core  # noqa: F401
-
-        local = copy.deepcopy(cfg)
-        local.train = False  # weights only: no optimizer, no reference
-        if _uses_lora(local):  # a plain base model; sync merges the adapter into it
-            local.lora = dataclasses.replace(local.lora, r=0)
-        kwargs = {"device": "cuda"} if gpu else {}
-        self.policy = POLICIES.get(cfg.kind)(name, local, total_steps=1, need_reference=False,
-                                             shared={}, **kwargs)
-        self.engine = ENGINES.get(cfg.engine.name)(self.policy, seed=seed, **cfg.engine.args)
-
-    def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
-
-    def generate_vl(self, prompts, visions, params, **kwargs):
-        return self.engine.generate_vl(prompts, visions, params, **kwargs)
-
-    def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
-        if isinstance(weights, LoraFactors):
-            self._merge(weights)
-        elif (load := getattr(self.policy, "load_trainable_state", None)) is not None:
-            load(weights)
-        else:
-            self.policy.model.load_state_dict(weights)
-        self.engine.sync()
-
-    @torch.no_grad()
-    def _merge(self, update: LoraFactors) -> None:
-        """``W = W0 + scale * B @ A`` into the plain model, from the pristine ``W0`` (kept
-        on the first sync), so no rounding accumulates over syncs."""
-        params = dict(self.policy.model.named_parameters())
-        for name, a, b, scale in update.factors:
-            if name not in params:
-                raise RuntimeError(f"policy {self.policy.name!r}: the engine's model has no "
-                                   f"weight {name!r} for the adapter on it")
-            w = params[name]
-            w0 = self.base.setdefault(name, w.detach().to("cpu", copy=True))
-            f32 = {"device": w.device, "dtype": torch.float32}
-            delta = (b.to(**f32) @ a.to(**f32)) * scale
-            w.copy_((w0.to(**f32) + delta).to(w.dtype))
-
-    def state_dict(self) -> dict:
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.engine.load_state_dict(state)
-
-
-class RewardWorker:
-    """One reward term on its own actor: a reward model loads here once and stays loaded."""
-
-    def __init__(self, term: Any, threads: int) -> None:
-        import polyrl.core  # noqa: F401
-
-        torch.set_num_threads(threads)
-        self.term = term
-
-    def score(self, samples: list, concurrency: int) -> list:
-        import asyncio
-
-        from polyrl.core.rewards import run_term
-
-        return asyncio.run(run_term(self.term, samples, concurrency))
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def reward_actor(term: Any, concurrency: int):
-    """(actor, async runner) for a reward term with ``actor`` resources."""
-    opts = {"num_cpus": float(term.actor.get("num_cpus", 1.0)),
-            "num_gpus": float(term.actor.get("num_gpus", 0.0))}
-    actor = _ray().remote(RewardWorker).options(**opts).remote(
-        term, int(term.actor.get("threads", 1)))
-    label = f"reward {term.key!r} actor"
-
-    async def run(samples: list) -> list:
-        import asyncio
-
-        ref = actor.score.remote(samples, concurrency)
-        return await asyncio.to_thread(lambda: _wait([ref], [label])[0])
-
-    return actor, run
-
-
-# --------------------------------------------------------------------------- calling actors
-
-
-def _wait(refs: list, labels: list[str], on_failure=None) -> list:
-    """Results of ``refs`` in order. The first failure raises an error naming its role; if
-    another actor of the same call died, that one is named (a rank's collective fails when
-    a peer dies, and the dead peer is the news)."""
-    ray = _ray()
-    from ray.exceptions import RayActorError, RayError
-
-    results: list = [None] * len(refs)
-    pending = dict(zip(refs, range(len(refs)), strict=True))
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        i = pending.pop(ready[0])
-        try:
-            results[i] = ray.get(ready[0])
-        except RayError as err:
-            failures = [(i, err)]
-            if pending and not isinstance(err, RayActorError):
-                done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=10)
-                for r in done:
-                    try:
-                        ray.get(r)
-                    except RayError as other:
-                        failures.append((pending[r], other))
-            dead = [(j, e) for j, e in failures if isinstance(e, RayActorError)]
-            j, e = (dead or failures)[0]
-            if on_failure is not None:
-                on_failure()
-            what = "died" if dead else "failed"
-            raise ActorError(
-                f"{labels[j]} {what}: {e}\nThe run cannot continue in this process; resume it "
-                "from its last checkpoint (run.resume=true, or polyrl train --resume).") from e
-    return results
-
 
 class _Group:
     """A policy's placement group, its FSDP workers and (later) its engine actor."""
 
     def __init__(self, name: str, args: RayArgs, cfg: Any, *, total_steps: int,
                  need_reference: bool) -> None:
-        ray = _ray()
+        ray = require_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -559,10 +127,10 @@ class _Group:
         self.gpu = args.num_gpus_per_worker > 0
         self.broken = False
         self.engine: Any = None
-        worker = _resources(args.num_cpus_per_worker, args.num_gpus_per_worker)
+        worker = resources_of(args.num_cpus_per_worker, args.num_gpus_per_worker)
         bundles = [dict(worker) for _ in range(self.world)]
         if args.placement == "split":
-            bundles.append(_resources(args.num_cpus_per_engine, args.num_gpus_per_engine))
+            bundles.append(resources_of(args.num_cpus_per_engine, args.num_gpus_per_engine))
         self.pg = placement_group(bundles, strategy=args.strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=args.placement_timeout_s)
         if not ready:
@@ -604,16 +172,16 @@ class _Group:
                              "earlier failure; resume the run from its last checkpoint")
         if self._starting:
             starting, self._starting = self._starting, []
-            _wait(starting, self.labels, on_failure=self.kill_workers)
+            wait(starting, self.labels, on_failure=self.kill_workers)
 
     def call(self, method: str, *args, **kwargs) -> list:
         """``method`` on every rank (collectives need them all); the results in rank order."""
         self._check()
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return _wait(refs, self.labels, on_failure=self.kill_workers)
+        return wait(refs, self.labels, on_failure=self.kill_workers)
 
     def make_engine(self, cfg: Any, seed: int) -> None:
-        ray = _ray()
+        ray = require_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         a = self.args
@@ -633,18 +201,18 @@ class _Group:
     def call_engine(self, method: str, *args, **kwargs) -> Any:
         if self._engine_starting:
             starting, self._engine_starting = self._engine_starting, []
-            _wait(starting, [self.engine_label])
-        return _wait([getattr(self.engine, method).remote(*args, **kwargs)], [self.engine_label])[0]
+            wait(starting, [self.engine_label])
+        return wait([getattr(self.engine, method).remote(*args, **kwargs)], [self.engine_label])[0]
 
     def kill_workers(self) -> None:
-        ray = _ray()
+        ray = require_ray()
         self.broken = True
         for w in self.workers:
             with contextlib.suppress(Exception):
                 ray.kill(w)
 
     def shutdown(self) -> None:
-        ray = _ray()
+        ray = require_ray()
         if not self.broken:
             with contextlib.suppress(Exception):
                 ray.get([w.close.remote() for w in self.workers], timeout=30)
@@ -675,7 +243,7 @@ class RayPolicy:
         return self.group.call("state_dict")[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ref = _ray().put(state)  # one copy in the object store, read by every rank
+        ref = require_ray().put(state)  # one copy in the object store, read by every rank
         self.group.call("load_state_dict", ref)
 
     @contextlib.contextmanager
@@ -758,7 +326,7 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
     types would need their own gather and merge."""
     from polyrl.core.policy import CausalLMPolicy
 
-    if not _uses_lora(cfg):
+    if not uses_lora(cfg):
         return
     kind = POLICIES.get(cfg.kind)
     if not (isinstance(kind, type) and issubclass(kind, CausalLMPolicy)):
@@ -782,7 +350,7 @@ class RayBackend:
                                   "recipe" + (f"; did you mean {hint!r}?" if hint else ""))
         for name, policy_cfg in cfg.policies.items():  # before Ray starts
             _check_lora_kind(name, policy_cfg)
-        ray = _ray()
+        ray = require_ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=self.args.address, num_cpus=self.args.num_cpus,
@@ -815,13 +383,13 @@ class RayBackend:
         return runners
 
     def update(self, policy, batch, algo, *, temperature, generator):
-        ref = _ray().put(batch)
+        ref = require_ray().put(batch)
         results = policy.group.call("update", ref, algo, temperature, generator.get_state())
         generator.set_state(results[0][1])  # the same stream as local mode
         return _reduce([r[0] for r in results], policy.group.world)
 
     def sft_update(self, policy, batch):
-        return _reduce(policy.group.call("sft_update", _ray().put(batch)), policy.group.world)
+        return _reduce(policy.group.call("sft_update", require_ray().put(batch)), policy.group.world)
 
     def shutdown(self) -> None:
         for group in self.groups.values():
@@ -829,10 +397,10 @@ class RayBackend:
         self.groups.clear()
         for actor in self.reward_actors:
             with contextlib.suppress(Exception):
-                _ray().kill(actor)
+                require_ray().kill(actor)
         self.reward_actors.clear()
         if self._owns_ray:
-            _ray().shutdown()
+            require_ray().shutdown()
             self._owns_ray = False
 
 

@@ -15,14 +15,32 @@ from collections.abc import Sequence
 
 import torch
 
-from polyrl.core.engine import Completion, HFEngine, SamplingParams, sample_next
+from polyrl.core.attention import use_decode_attention
+from polyrl.core.engine import (
+    Completion,
+    HFEngine,
+    SamplingParams,
+    reserved_cache,
+    sample_next,
+)
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
-from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, vl_forward
+from polyrl.multimodal.vision import (
+    VisionInputs,
+    decode_step,
+    next_positions,
+    parts,
+    vl_forward,
+)
 
 
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
+
+    def _fast_decode_attention(self) -> None:
+        """The language model decodes through :mod:`polyrl.core.attention`; the vision tower
+        keeps its own attention (its varlen image blocks are not one-token queries)."""
+        use_decode_attention(parts(self.policy.model).language_model)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
@@ -56,7 +74,8 @@ class VLEngine(HFEngine):
         ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         logits, cache, pos = vl_forward(model, ids, mask, visions, logits_to_keep=1,
-                                        dummy_if_empty=False, use_cache=True)
+                                        dummy_if_empty=False, use_cache=True,
+                                        cache=reserved_cache(model, params.max_new_tokens))
         next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n
         if n > 1:  # the group shares the prompt's prefill (and its single vision pass)

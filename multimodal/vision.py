@@ -425,10 +425,11 @@ def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
                rows: list[VisionInputs | None], *, logits_to_keep: int,
                dummy_if_empty: bool = True, use_cache: bool = False,
                position_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
-               video_mask: torch.Tensor | None = None):
+               video_mask: torch.Tensor | None = None, cache: Any = None):
     """Logits of the last ``logits_to_keep`` positions (and the cache and positions).
 
-    Returns ``(logits, past_key_values, position_ids)``.
+    Returns ``(logits, past_key_values, position_ids)``; ``cache``: the KV cache to fill
+    (default: the model's own).
     """
     p = parts(model)
     if image_mask is None:
@@ -440,7 +441,8 @@ def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     if position_ids is None:
         position_ids = rope_index(p, ids, mask, grids, image_mask, video_mask)
     out = p.language_model(input_ids=None, inputs_embeds=emb, attention_mask=mask,
-                           position_ids=position_ids, use_cache=use_cache, **extra)
+                           position_ids=position_ids, use_cache=use_cache,
+                           past_key_values=cache, **extra)
     hidden = out.last_hidden_state[:, -logits_to_keep:]
     return p.lm_head(hidden), out.past_key_values, position_ids
 

@@ -127,3 +127,50 @@ def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
     assert [o.token_ids for o in again.generate(ids, params)] == \
         [o.token_ids for o in auto.generate(ids, params)]
     assert auto.tokenizer is policy.tokenizer  # engine attributes pass through
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    from polyrl.core.engine import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.125, 0.125],
+                          [1e-3, 0.0, 0.0, 0.0, 0.0, 0.999]])
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.stack([draw(probs, gen) for _ in range(20000)])  # [draws, rows]
+    counts = torch.stack([torch.bincount(picks[:, r], minlength=6) for r in range(2)]).double()
+    freq = counts / counts.sum(-1, keepdim=True)
+    assert counts[0, 0] == counts[0, 3] == 0 and counts[1, 1:5].sum() == 0
+    # within 5 standard errors of the binomial for every entry with mass
+    se = (probs * (1 - probs) / 20000).sqrt().double()
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), freq
+    assert counts[1, 0] > 0  # a 1e-3 entry still gets its share (about 20 of 20000)
+
+
+def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypatch):
+    import polyrl.core.engine as engine_mod
+
+    ids = encode(policy, prompts(policy))
+    params = SamplingParams(n=4, max_new_tokens=10)
+    ours = HFEngine(policy, seed=5).generate(ids, params)
+    monkeypatch.setattr(engine_mod, "reserved_cache", lambda model, room: None)  # transformers'
+    theirs = HFEngine(policy, seed=5).generate(ids, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert max(abs(a - b) for o, t in zip(ours, theirs, strict=True)
+               for a, b in zip(o.logprobs, t.logprobs, strict=True)) < 1e-5
+
+
+def test_reserved_cache_layers_select_repeat_and_refuse_overflow():
+    from polyrl.core.engine import _ReservedLayer
+
+    layer = _ReservedLayer(room=2)
+    k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
+    keys, _ = layer.update(k, k + 100)
+    assert torch.equal(keys, k) and layer.get_seq_length() == 3
+    layer.batch_repeat_interleave(2)  # rows 0,0,1,1
+    layer.batch_select_indices(torch.tensor([1, 2]))  # rows 0,1 again
+    step = torch.full((2, 1, 1, 2), -1.0)
+    keys, values = layer.update(step, step)
+    assert torch.equal(keys[:, :, :3], k) and torch.equal(values[:, :, :3], k + 100)
+    assert torch.equal(keys[:, :, 3:], step) and layer.get_seq_length() == 4
+    layer.update(step, step)
+    with pytest.raises(RuntimeError, match="room exhausted"):
+        layer.update(step, step)
