@@ -5,11 +5,17 @@ one query token per row (every decoding step) it costs 2-3x an explicit
 ``softmax(q k^T) v`` on the shapes of small models (measured here: 4.2 ms against 1.8 ms
 for 128 rows x 8 heads x 46 keys x 64 dims, one thread). Decoding runs that shape once per
 layer per generated token, so the HF engine selects ``polyrl_sdpa`` through transformers'
-public ``AttentionInterface`` registry: one-token queries on CPU take the explicit path,
-everything else (prefill, training, CUDA) is transformers' own SDPA function unchanged.
+public ``AttentionInterface`` registry: one-token queries on CPU under
+``torch.inference_mode`` (the engines' decoding) take the explicit path; everything else
+(prefill, every trainer pass, CUDA) is transformers' own SDPA function unchanged, so a
+policy computes bit for bit the same whether or not an engine shares its model (local
+mode) or not (a Ray worker).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -26,7 +32,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """transformers' attention signature: ``query [B, H, Q, D]``, ``key/value [B, Hkv, K, D]``;
     returns ``([B, Q, H, D], None)`` like its SDPA function."""
     b, h, q_len, d = query.shape
-    if (q_len != 1 or query.device.type != "cpu" or (dropout and module.training)
+    if (q_len != 1 or query.device.type != "cpu" or not torch.is_inference_mode_enabled()
             or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -49,12 +55,21 @@ AttentionInterface.register(NAME, decode_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def use_decode_attention(model: torch.nn.Module) -> bool:
-    """Switch ``model`` from SDPA to ``polyrl_sdpa`` (same results; faster CPU decoding).
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` with ``polyrl_sdpa`` inside the block (an engine's ``generate``).
 
-    Only a model that runs SDPA changes; returns whether it did.
+    Only a model that runs SDPA switches, and it switches back on the way out: a trainer's
+    passes keep transformers' own SDPA and its own masks (with ``polyrl_sdpa`` selected,
+    transformers builds explicit masks where SDPA would skip them, which changes the
+    float rounding), so local mode, where the engine shares the policy's model, trains
+    exactly as a Ray worker does.
     """
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
+        yield
+        return
     model.set_attn_implementation(NAME)
-    return True
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("sdpa")

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from polyrl.core.attention import use_decode_attention
+from polyrl.core.attention import decoding
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 
@@ -159,11 +159,10 @@ class HFEngine:
         self.drop_finished = drop_finished
         self.tokenizer = policy.tokenizer
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
-        self._fast_decode_attention()
 
-    def _fast_decode_attention(self) -> None:
-        """One-token decoding steps through :mod:`polyrl.core.attention` (same results)."""
-        use_decode_attention(self.policy.model)
+    def _decoder(self) -> torch.nn.Module:
+        """The module whose attention decodes (switched to polyrl_sdpa while sampling)."""
+        return self.policy.model
 
     def sync(self) -> None:  # same module as the trainer's
         return None
@@ -174,12 +173,13 @@ class HFEngine:
     def load_state_dict(self, state: dict) -> None:
         self.gen.set_state(state["rng"])
 
-    @torch.no_grad()
+    @torch.inference_mode()  # also selects polyrl_sdpa's decoding path
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Completion] = []
-        for start in range(0, len(rows), self.batch_size):
-            out += self._generate_batch(rows[start : start + self.batch_size], params)
+        with decoding(self._decoder()):
+            for start in range(0, len(rows), self.batch_size):
+                out += self._generate_batch(rows[start : start + self.batch_size], params)
         return out
 
     def _generate_batch(self, rows, params: SamplingParams) -> list[Completion]:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import doc, doc_factory
+from polyrl.core.record import to_device
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 
@@ -174,13 +175,13 @@ class CausalLMPolicy:
     # --- what the trainer calls -------------------------------------------------------
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy,
+        return response_logprobs(self.model, to_device(batch, self.device), temperature, with_entropy,
                                  self.cfg.shared_prefix and not self.cfg.gradient_checkpointing)
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Reference log-probs: the frozen copy, or the base with the adapter disabled."""
-        batch = batch.to(self.device)
+        batch = to_device(batch, self.device)
         if self.reference is not None:
             return response_logprobs(self.reference, batch, temperature,
                                      shared_prefix=self.cfg.shared_prefix)[0]

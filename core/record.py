@@ -129,6 +129,28 @@ def set_strings(td: TensorDict, key: str, values: Sequence[Any]) -> None:
     td[key] = _stack_non_tensor(list(values))
 
 
+def shallow(td: TensorDict) -> TensorDict:
+    """A new record sharing every column with ``td`` (set columns on it freely).
+
+    ``TensorDict.clone(recurse=False)`` does the same but walks every non-tensor row
+    (24 ms for 256 rows); ``select`` over all keys does not.
+    """
+    return td.select(*td.keys())
+
+
+def to_device(td: TensorDict, device: torch.device | str) -> TensorDict:
+    """``td`` with its tensors on ``device``: ``td`` itself when they already are.
+
+    ``TensorDict.to`` rebuilds every non-tensor row even when nothing moves (35 ms for a
+    256-row record, once per micro-batch), so the common CPU case skips it.
+    """
+    device = torch.device(device)
+    tensors = [td.get(k) for k in td.keys()]  # noqa: SIM118 (TensorDict)
+    if all(t.device == device for t in tensors if isinstance(t, torch.Tensor)):
+        return td
+    return td.to(device)
+
+
 def group_ids(td: TensorDict, keys: Sequence[str] = ("uid", "agent_id", "turn", "node")) -> torch.Tensor:
     """Dense group index per row from the group key parts (never from row order)."""
     parts = torch.stack([td[k] for k in keys], dim=1)
@@ -157,7 +179,7 @@ def trim(td: TensorDict) -> TensorDict:
         return td
     p_keep = int(td["prompt_mask"].sum(1).max())
     r_keep = int(td["response_mask"].sum(1).max())
-    out = td.clone(recurse=False)
+    out = shallow(td)
     for key in ("prompt_ids", "prompt_mask"):
         out[key] = td[key][:, td[key].shape[1] - p_keep :]
     for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
@@ -177,7 +199,7 @@ def concat(records: Sequence[TensorDict]) -> TensorDict:
     rl = max(r["response_ids"].shape[1] for r in records)
     fixed = []
     for r in records:
-        r = r.clone(recurse=False)
+        r = shallow(r)
         dp, dr = p - r["prompt_ids"].shape[1], rl - r["response_ids"].shape[1]
         if dp:
             for key in ("prompt_ids", "prompt_mask"):  # pad value is hidden by the mask

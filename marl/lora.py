@@ -29,6 +29,7 @@ from polyrl.core.policy import (
     response_logprobs,
     warm_start_optimizer,
 )
+from polyrl.core.record import to_device
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 
@@ -92,13 +93,13 @@ class LoraAgentPolicy:
     # --- what the trainer calls -------------------------------------------------------
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, batch.to(self.device), temperature, with_entropy)
+        return response_logprobs(self.model, to_device(batch, self.device), temperature, with_entropy)
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         model = self.model
         with model.disable_adapter():
-            return response_logprobs(model, batch.to(self.device), temperature)[0]
+            return response_logprobs(model, to_device(batch, self.device), temperature)[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._own.items()}

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polyrl.core.attention import use_decode_attention
+from polyrl.core.attention import decoding
 from polyrl.core.engine import (
     Completion,
     HFEngine,
@@ -37,16 +37,15 @@ from polyrl.multimodal.vision import (
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
-    def _fast_decode_attention(self) -> None:
-        """The language model decodes through :mod:`polyrl.core.attention`; the vision tower
-        keeps its own attention (its varlen image blocks are not one-token queries)."""
-        use_decode_attention(parts(self.policy.model).language_model)
+    def _decoder(self) -> torch.nn.Module:
+        """The language model; the vision tower keeps its own attention throughout."""
+        return parts(self.policy.model).language_model
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
         return self.generate_vl(prompts, [None] * len(prompts), params)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # also selects polyrl_sdpa's decoding path
     def generate_vl(self, prompts: Sequence[Sequence[int]],
                     visions: Sequence[VisionInputs | None], params: SamplingParams
                     ) -> list[Completion]:
@@ -56,10 +55,11 @@ class VLEngine(HFEngine):
                              "prompts")
         per_chunk = max(1, self.batch_size // max(1, params.n))
         out: list[Completion] = []
-        for start in range(0, len(prompts), per_chunk):
-            idx = list(range(start, min(len(prompts), start + per_chunk)))
-            out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
-                                        [visions[i] for i in idx], params)
+        with decoding(self._decoder()):
+            for start in range(0, len(prompts), per_chunk):
+                idx = list(range(start, min(len(prompts), start + per_chunk)))
+                out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
+                                            [visions[i] for i in idx], params)
         return out
 
     def _generate_chunk(self, index: list[int], prompts: list[list[int]],

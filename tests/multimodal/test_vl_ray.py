@@ -134,6 +134,10 @@ def test_text_rows_on_one_rank_do_not_hang_and_match_local(ray_cluster, tiny_vl_
                 assert out_r[key] == pytest.approx(out_l[key], rel=1e-4, abs=1e-7), key
         weights = remote.state_dict()["weights"]
         for name, value in local.model.state_dict().items():
-            assert torch.allclose(weights[name], value, rtol=1e-4, atol=1e-6), name
+            # A key bias adds the same amount to every score of a query, which softmax
+            # ignores: its gradient is zero in exact arithmetic, so Adam turns rounding noise
+            # (which differs between one process and two ranks) into steps of either sign.
+            atol = 1e-5 if name.endswith("k_proj.bias") else 1e-6
+            assert torch.allclose(weights[name], value, rtol=1e-4, atol=atol), name
     finally:
         backend.shutdown()
