@@ -35,7 +35,21 @@ NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
 
 
 def _stack_non_tensor(values: Sequence[Any]) -> NonTensorStack:
-    return NonTensorStack(*[NonTensorData(v) for v in values])
+    """One non-tensor column. Rows with equal immutable values (a policy name, an empty
+    error, a group's prompt text) share one ``NonTensorData``: building one costs ~10 us,
+    which made record building a fifth of a tiny-model marl step."""
+    shared: dict[Any, NonTensorData] = {}
+    items = []
+    for v in values:
+        if isinstance(v, (str, int, float, bool, type(None))):
+            key = (type(v), v)
+            item = shared.get(key)
+            if item is None:
+                item = shared[key] = NonTensorData(v)
+            items.append(item)
+        else:
+            items.append(NonTensorData(v))
+    return NonTensorStack(*items)
 
 
 def pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

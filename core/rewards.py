@@ -21,7 +21,6 @@ the update leaves it out, and counts it in the metrics.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import inspect
 import math
@@ -37,6 +36,7 @@ from tensordict import TensorDict
 from polyrl.core.config import doc, doc_factory
 from polyrl.core.record import mark_invalid, set_strings, strings
 from polyrl.core.registry import REWARDS
+from polyrl.core.workflow import run_sync
 
 BATCHED_ATTR = "_polyrl_batched"
 
@@ -352,12 +352,7 @@ def score(
     callers should ``await ascore(...)`` instead. ``runners`` (term key -> async function of
     the samples) score those terms elsewhere: the Ray backend's reward actors.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(ascore(record, cfg, samples, runners))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, ascore(record, cfg, samples, runners)).result()
+    return run_sync(ascore(record, cfg, samples, runners))
 
 
 # ---------------------------------------------------------------------------- built-ins

@@ -198,6 +198,8 @@ class Session:
                 "rollout/rows": float(record.batch_size[0])}
 
     def transcripts(self, record: TensorDict, k: int) -> list[dict]:
+        if 0 < k < record.batch_size[0]:
+            record = record[:k]  # only the rows written out
         cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
         meta = strings(record, "meta")
         rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
