@@ -524,11 +524,14 @@ class TRLStepper:
             per_device_train_batch_size=n * prompts, gradient_accumulation_steps=1,
             max_completion_length=max_new_tokens, beta=0.0, num_iterations=1, use_vllm=False,
             use_cpu=True, report_to=[], logging_strategy="no", save_strategy="no", bf16=False,
-            fp16=False, max_steps=total_steps, learning_rate=1e-6, temperature=1.0, top_p=1.0,
+            fp16=False, max_steps=total_steps + 1, learning_rate=1e-6, temperature=1.0, top_p=1.0,
             shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
             log_completions=False, mask_truncated_completions=False, max_grad_norm=1.0,
             gradient_checkpointing=gradient_checkpointing,
         )
+        # max_steps is one past the last timed step: TRL never reaches its end-of-training
+        # log, whose print from the training thread once landed on the same stdout line
+        # as a step's reply and hid it from the runner (a deadlock at the last round).
         tok = AutoTokenizer.from_pretrained(model)
         net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         self.trainer = GRPOTrainer(model=net, reward_funcs=reward, args=cfg, train_dataset=ds,
@@ -834,8 +837,9 @@ class Remote:
     def _read(self) -> dict | None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(RESULT_TAG):
-                msg = json.loads(line[len(RESULT_TAG):])
+            at = line.find(RESULT_TAG)  # another thread's print may share the line
+            if at >= 0:
+                msg, _ = json.JSONDecoder().raw_decode(line[at + len(RESULT_TAG):])
                 if "error" in msg:
                     self.error = msg["error"]
                     return None

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from polyrl.core.attention import decoding
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 
@@ -65,21 +64,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    ids = draw(probs, gen)
+    ids = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
-
-
-def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One index per row of ``probs [B, V]``, with probability proportional to its entry.
-
-    Inverse CDF: one uniform number per row against the row's cumulative sum (float64, so
-    small probabilities keep their share). On CPU ``torch.multinomial`` costs 9x (vocabulary
-    120) to 16x (152k) more per draw; at a real vocabulary that is most of a decoding step.
-    """
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64).to(probs.device)
-    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)  # u * total < total, so only rounding reaches V
 
 
 class _ReservedLayer(DynamicLayer):
@@ -160,10 +146,6 @@ class HFEngine:
         self.tokenizer = policy.tokenizer
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def _decoder(self) -> torch.nn.Module:
-        """The module whose attention decodes (switched to polyrl_sdpa while sampling)."""
-        return self.policy.model
-
     def sync(self) -> None:  # same module as the trainer's
         return None
 
@@ -173,13 +155,12 @@ class HFEngine:
     def load_state_dict(self, state: dict) -> None:
         self.gen.set_state(state["rng"])
 
-    @torch.inference_mode()  # also selects polyrl_sdpa's decoding path
+    @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Completion] = []
-        with decoding(self._decoder()):
-            for start in range(0, len(rows), self.batch_size):
-                out += self._generate_batch(rows[start : start + self.batch_size], params)
+        for start in range(0, len(rows), self.batch_size):
+            out += self._generate_batch(rows[start : start + self.batch_size], params)
         return out
 
     def _generate_batch(self, rows, params: SamplingParams) -> list[Completion]:

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 
-from polyrl.core.attention import decoding
 from polyrl.core.engine import (
     Completion,
     HFEngine,
@@ -29,7 +28,6 @@ from polyrl.multimodal.vision import (
     VisionInputs,
     decode_step,
     next_positions,
-    parts,
     vl_forward,
 )
 
@@ -37,15 +35,11 @@ from polyrl.multimodal.vision import (
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
-    def _decoder(self) -> torch.nn.Module:
-        """The language model; the vision tower keeps its own attention throughout."""
-        return parts(self.policy.model).language_model
-
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
                  ) -> list[Completion]:
         return self.generate_vl(prompts, [None] * len(prompts), params)
 
-    @torch.inference_mode()  # also selects polyrl_sdpa's decoding path
+    @torch.no_grad()
     def generate_vl(self, prompts: Sequence[Sequence[int]],
                     visions: Sequence[VisionInputs | None], params: SamplingParams
                     ) -> list[Completion]:
@@ -55,11 +49,10 @@ class VLEngine(HFEngine):
                              "prompts")
         per_chunk = max(1, self.batch_size // max(1, params.n))
         out: list[Completion] = []
-        with decoding(self._decoder()):
-            for start in range(0, len(prompts), per_chunk):
-                idx = list(range(start, min(len(prompts), start + per_chunk)))
-                out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
-                                            [visions[i] for i in idx], params)
+        for start in range(0, len(prompts), per_chunk):
+            idx = list(range(start, min(len(prompts), start + per_chunk)))
+            out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
+                                        [visions[i] for i in idx], params)
         return out
 
     def _generate_chunk(self, index: list[int], prompts: list[list[int]],
