@@ -72,47 +72,44 @@ class _ReservedLayer(DynamicLayer):
     """A cache layer that writes each new position into room reserved at its first update.
 
     transformers' ``DynamicLayer`` concatenates at every decoding step, copying the whole
-    cache each time (traffic quadratic in the response length: on CPU about a sixth of a
-    20M model's rollout). Here ``keys``/``values`` are views of one buffer, so all of
+    cache each time (traffic quadratic in the response length: measured 7% of a 20M
+    model's 64-token rollout on CPU). Here ``keys``/``values`` are views of one buffer, so all of
     ``DynamicLayer``'s readers (lengths, masks, attention) work unchanged.
     """
 
     def __init__(self, room: int) -> None:
         super().__init__()
         self.room = room
-        self.length = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = key_states.shape[-2]
+        n, t = key_states.shape[-2], self.get_seq_length()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             b, h, _, d = key_states.shape
             self.k_buf = key_states.new_empty((b, h, n + self.room, d))
             self.v_buf = value_states.new_empty((b, h, n + self.room, value_states.shape[-1]))
-        elif self.length + n > self.k_buf.shape[-2]:
-            raise RuntimeError(f"KV cache room exhausted: {self.length} + {n} positions "
+        elif t + n > self.k_buf.shape[-2]:
+            raise RuntimeError(f"KV cache room exhausted: {t} + {n} positions "
                                f"> {self.k_buf.shape[-2]} reserved")
-        self.k_buf[:, :, self.length : self.length + n] = key_states
-        self.v_buf[:, :, self.length : self.length + n] = value_states
-        self.length += n
-        self._views()
+        self.k_buf[:, :, t : t + n] = key_states
+        self.v_buf[:, :, t : t + n] = value_states
+        self._views(t + n)
         return self.keys, self.values
 
-    def _views(self) -> None:
-        self.keys = self.k_buf[:, :, : self.length]
-        self.values = self.v_buf[:, :, : self.length]
+    def _views(self, length: int) -> None:
+        self.keys, self.values = self.k_buf[:, :, :length], self.v_buf[:, :, :length]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
+        if t := self.get_seq_length():
             self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
-            self._views()
+            self._views(t)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.length:
+        if t := self.get_seq_length():
             self.k_buf = self.k_buf.repeat_interleave(repeats, dim=0)
             self.v_buf = self.v_buf.repeat_interleave(repeats, dim=0)
-            self._views()
+            self._views(t)
 
 
 def reserved_cache(model: torch.nn.Module, room: int) -> Cache | None:

@@ -37,7 +37,7 @@ NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
 def _stack_non_tensor(values: Sequence[Any]) -> NonTensorStack:
     """One non-tensor column. Rows with equal immutable values (a policy name, an empty
     error, a group's prompt text) share one ``NonTensorData``: building one costs ~10 us,
-    which made record building a fifth of a tiny-model marl step."""
+    which made record building a sixth of a tiny-model marl step."""
     shared: dict[Any, NonTensorData] = {}
     items = []
     for v in values:

@@ -24,12 +24,7 @@ from polyrl.core.engine import (
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
-from polyrl.multimodal.vision import (
-    VisionInputs,
-    decode_step,
-    next_positions,
-    vl_forward,
-)
+from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, vl_forward
 
 
 class VLEngine(HFEngine):
