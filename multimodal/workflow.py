@@ -44,7 +44,7 @@ class VLSingleTurn:
             raise TypeError(f"vl_single_turn: the engine of policy {name!r} "
                             f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
                             f"take images; set policies.{name}.engine.name=hf_vl (or "
-                            "vllm_vl on the local backend)")
+                            "vllm_vl)")
         self.tokenizer = ctx.policies[name].tokenizer
         self.processor = processor_of(self.tokenizer)
         self.ctx = ctx
@@ -53,8 +53,7 @@ class VLSingleTurn:
 
     @staticmethod
     def validate_config(cfg) -> None:
-        """Config-time checks (called by the recipe): an image-capable engine; under Ray,
-        one that runs in the engine actor."""
+        """Config-time check (called by the recipe): an image-capable engine."""
         from polyrl.core.config import ConfigError
         from polyrl.core.registry import ENGINES
 
@@ -67,14 +66,6 @@ class VLSingleTurn:
             raise ConfigError(f"rollout.workflow=vl_single_turn needs an engine that takes "
                               f"images; policies.{name}.engine.name={engine!r} does not. Set "
                               f"it to hf_vl, or vllm_vl where vLLM is installed.")
-        if cfg.distributed.backend == "ray" and getattr(ENGINES.get(engine), "needs_images",
-                                                         False):
-            raise ConfigError(
-                f"policies.{name}.engine.name={engine!r} is not supported with "
-                "distributed.backend=ray yet: the Ray engine actor has only been verified with "
-                "hf_vl; vLLM would start its own engine processes and reserve its KV cache "
-                "inside that actor's share of worker 0's bundle, which has not been tried. "
-                "Use engine.name=hf_vl under Ray, or distributed.backend=local for vllm_vl.")
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
         visions, images, videos = [], [], []
