@@ -64,8 +64,21 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    ids = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    ids = draw(probs, gen)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One index per row of ``probs [B, V]``, with probability proportional to its entry.
+
+    Inverse CDF: one uniform number per row against the row's cumulative sum (float64, so
+    small probabilities keep their share). On CPU ``torch.multinomial`` costs 9x (vocabulary
+    120) to 16x (152k) more per draw; at a real vocabulary that is most of a decoding step.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64).to(probs.device)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)  # u * total < total, so only rounding reaches V
 
 
 class _ReservedLayer(DynamicLayer):

@@ -129,6 +129,22 @@ def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
     assert auto.tokenizer is policy.tokenizer  # engine attributes pass through
 
 
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    from polyrl.core.engine import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.125, 0.125],
+                          [1e-3, 0.0, 0.0, 0.0, 0.0, 0.999]])
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.stack([draw(probs, gen) for _ in range(20000)])  # [draws, rows]
+    counts = torch.stack([torch.bincount(picks[:, r], minlength=6) for r in range(2)]).double()
+    freq = counts / counts.sum(-1, keepdim=True)
+    assert counts[0, 0] == counts[0, 3] == 0 and counts[1, 1:5].sum() == 0
+    # within 5 standard errors of the binomial for every entry with mass
+    se = (probs * (1 - probs) / 20000).sqrt().double()
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), freq
+    assert counts[1, 0] > 0  # a 1e-3 entry still gets its share (about 20 of 20000)
+
+
 def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypatch):
     import polyrl.core.engine as engine_mod
 
