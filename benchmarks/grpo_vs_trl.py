@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
+import _runner as runner  # noqa: E402
 
 TARGET = 1.5
 HF, VLLM, TRL = "PolyRL (HF engine)", "PolyRL (vLLM engine)", "TRL GRPOTrainer"
@@ -72,13 +73,13 @@ def main() -> None:
                                                        gradient_checkpointing=True, **common))
         print(f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
               file=sys.stderr, flush=True)
-        remotes = c.start_all(specs, threads=threads, isolate=isolate)
+        remotes = runner.start_all(specs, threads=threads, isolate=isolate)
         prof_dir = None
         if args.profile:
             prof_dir = Path(args.profile) / size
             prof_dir.mkdir(parents=True, exist_ok=True)
-        timed = c.interleave(remotes, warmup=warmup, steps=steps, profile_dir=prof_dir)
-        c.close_all(remotes)
+        timed = runner.interleave(remotes, warmup=warmup, steps=steps, profile_dir=prof_dir)
+        runner.close_all(remotes)
 
         res: dict = {}
         for name, r in remotes.items():

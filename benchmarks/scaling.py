@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
+import _runner as runner  # noqa: E402
 
 LINEAR_TOL = 1.1  # exponent above which growth is called super-linear
 
@@ -70,9 +71,9 @@ def main() -> None:
                                                             "kv_cache_gb": kv,
                                                             "max_num_seqs": max_rows}))
     configs = [{"n": g, "max_new_tokens": t} for t in lengths for g in groups]
-    remotes = c.start_all(specs, threads=threads, isolate=isolate)
-    timed = c.interleave(remotes, warmup=warmup, steps=steps, configs=configs)
-    c.close_all(remotes)
+    remotes = runner.start_all(specs, threads=threads, isolate=isolate)
+    timed = runner.interleave(remotes, warmup=warmup, steps=steps, configs=configs)
+    runner.close_all(remotes)
 
     rows, lines = [], []
     results: dict = {"machine": info, "model": args.size, "params": nparams, "engines": {}}
@@ -84,7 +85,7 @@ def main() -> None:
             continue
         per: dict = {}
         for cfg in configs:
-            recs = timed[name].get(c.config_key(cfg), [])
+            recs = timed[name].get(runner.config_key(cfg), [])
             if not recs:
                 continue
             step = c.median_of(recs, "step_s")
@@ -92,7 +93,7 @@ def main() -> None:
             d = {"step_s": step, "rollout_s": c.median_of(recs, "rollout_s"),
                  "update_s": c.median_of(recs, "update_s"), "tokens": tokens,
                  "us_per_token": 1e6 * step / tokens}
-            per[c.config_key(cfg)] = d
+            per[runner.config_key(cfg)] = d
             rows.append([name, cfg["n"], cfg["max_new_tokens"], int(tokens), step, d["rollout_s"],
                          d["update_s"], d["us_per_token"], ""])
         results["engines"][name] = {"configs": per, "exponents": {}}

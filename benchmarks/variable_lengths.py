@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
+import _runner as runner  # noqa: E402
 
 HF, HF_FULL = "PolyRL (HF engine)", "PolyRL (HF engine, drop_finished=off)"
 VLLM, TRL = "PolyRL (vLLM engine)", "TRL GRPOTrainer"
@@ -72,9 +73,9 @@ def main() -> None:
             specs[TRL] = ("trl", dict(model=model, total_steps=warmup + steps, **common))
         print(f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
               file=sys.stderr, flush=True)
-        remotes = c.start_all(specs, threads=threads, isolate=isolate)
-        timed = c.interleave(remotes, warmup=warmup, steps=steps)
-        c.close_all(remotes)
+        remotes = runner.start_all(specs, threads=threads, isolate=isolate)
+        timed = runner.interleave(remotes, warmup=warmup, steps=steps)
+        runner.close_all(remotes)
 
         res: dict = {}
         for name, r in remotes.items():
