@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,6 +128,9 @@ _CLIP_LOCK = threading.Lock()
 def load_clip(model: str, pretrained: str | None = None, device: str = "cpu"):
     """(model, preprocess, tokenizer) of an open_clip model, loaded once per process.
 
+    ``model`` is an open_clip model name, or the path of an open_clip model config
+    (``<name>.json``) for an architecture open_clip does not ship: it is registered here,
+    in the process that scores, so a reward actor needs nothing set up beforehand.
     ``pretrained`` is a local checkpoint path or an open_clip pretrained tag (a tag needs
     the weights in the local cache or a network connection).
     """
@@ -135,10 +139,17 @@ def load_clip(model: str, pretrained: str | None = None, device: str = "cpu"):
         if key not in _CLIP_CACHE:
             import open_clip
 
+            name = model
+            if model.endswith(".json"):
+                config = Path(model).expanduser()
+                if not config.is_file():
+                    raise FileNotFoundError(f"clip_score: model config {config} does not exist")
+                open_clip.add_model_config(config)
+                name = config.stem
             clip, _, preprocess = open_clip.create_model_and_transforms(
-                model, pretrained=pretrained or None, device=device)
+                name, pretrained=pretrained or None, device=device)
             clip.eval().requires_grad_(False)
-            _CLIP_CACHE[key] = (clip, preprocess, open_clip.get_tokenizer(model))
+            _CLIP_CACHE[key] = (clip, preprocess, open_clip.get_tokenizer(name))
         return _CLIP_CACHE[key]
 
 

@@ -170,3 +170,43 @@ def test_clip_score_through_the_reward_config(tiny_clip):
     score(td, cfg)
     assert td["reward"][0] > td["reward"][1]
     assert bool(td["valid"].all())
+
+
+@pytest.mark.ray
+def test_clip_score_on_its_own_ray_actor_scores_like_the_driver(tiny_clip, ray_cluster,
+                                                                tiny_model_dir):
+    """``reward.terms[].actor``: the CLIP term runs in another process, which learns the
+    tiny architecture from its config file (``model: <name>.json``), not from this one."""
+    import os
+    from pathlib import Path
+
+    from polyrl.core.config import load
+    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.recipe import Config
+
+    name, ckpt = tiny_clip
+    config = Path(ckpt).parent / f"{name}.json"
+    term = (f"{{name: clip_score, actor: {{num_cpus: 0.5}}, args: {{model: '{config}', "
+            f"pretrained: '{ckpt}', template: 'a {{}} square'}}}}")
+    cfg = load(Config, None, [f"policies.main.model={tiny_model_dir}", "distributed.backend=ray",
+                              "distributed.args={workers_per_policy: 1}",
+                              f"reward.terms=[{term}]"])
+    images = [_square(c, 20 + k) for k, c in enumerate(COLOURS)]
+    td = text_record(prompt_ids=[[1]] * 8, response_ids=[[2]] * 8, rollout_logprobs=[[0.0]] * 8,
+                     policy=["main"] * 8, uid=[k // 2 for k in range(8)], pad_id=0,
+                     response_text=[c for c in COLOURS for _ in range(2)][::-1],
+                     meta=[{"images": [images[k // 2]]} for k in range(8)])
+    backend = RayBackend(cfg)
+    try:
+        runners = backend.reward_runners(cfg.reward)
+        assert list(runners) == ["clip_score"]
+        remote, local = td.clone(), td.clone()
+        metrics = score(remote, cfg.reward, runners=runners)
+        want = score(local, cfg.reward)
+        torch.testing.assert_close(remote["reward_terms/clip_score"],
+                                   local["reward_terms/clip_score"], atol=1e-5, rtol=1e-5)
+        assert metrics.keys() == want.keys()
+        assert bool(remote["valid"].all()) and remote["reward_terms/clip_score"].std() > 0.01
+        assert ray_cluster.get(backend.reward_actors[0].pid.remote()) != os.getpid()
+    finally:
+        backend.shutdown()
