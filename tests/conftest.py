@@ -61,3 +61,35 @@ def ray_cluster():
              namespace="polyrl-tests")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def logprob_gaps():
+    """``(record, *policies) -> [|log-prob - rollout log-prob|, one tensor per policy]``
+    over the response tokens: how far each policy is from what the engine sampled with."""
+
+    def gaps(record, *policies) -> list:
+        m = record["response_mask"].bool()
+        with torch.no_grad():
+            return [(p.logprobs(record, 1.0)[0][m] - record["rollout_logprobs"][m]).abs()
+                    for p in policies]
+
+    return gaps
+
+
+@pytest.fixture
+def update_both():
+    """``(backend, remote, local, record)``: the same update on a Ray worker group and on a
+    local policy (default algorithm, same shuffle seed); their losses must agree."""
+
+    def update(backend, remote, local, record) -> None:
+        from polyrl.core import trainer
+        from polyrl.core.algorithms import AlgorithmConfig
+
+        out_r = backend.update(remote, record.clone(), AlgorithmConfig(), temperature=1.0,
+                               generator=torch.Generator().manual_seed(0))
+        out_l = trainer.update(local, record.clone(), AlgorithmConfig(),
+                               generator=torch.Generator().manual_seed(0))
+        assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
+
+    return update

@@ -32,8 +32,8 @@ def _record(tok, ids, outs):
     return rec
 
 
-def test_vllm_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, tiny_model_dir):
-    from polyrl.core import trainer
+def test_vllm_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, tiny_model_dir,
+                                                                logprob_gaps, update_both):
     from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
     from polyrl.core.ray_backend import RayBackend
@@ -60,10 +60,7 @@ def test_vllm_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, tin
         outs = engine.generate(ids, SamplingParams(n=4, max_new_tokens=8))
         assert len(outs) == 16 and all(o.token_ids for o in outs)
         rec = _record(tok, ids, outs)
-        with torch.no_grad():
-            lp, _ = local.logprobs(rec, 1.0)
-        m = rec["response_mask"].bool()
-        diff = (lp[m] - rec["rollout_logprobs"][m]).abs()
+        (diff,) = logprob_gaps(rec, local)
         print(f"vLLM actor vs trainer log-probs: mean |diff| {diff.mean():.2e}, "
               f"max {diff.max():.2e}")
         assert diff.mean() <= 1e-3, diff
@@ -72,17 +69,10 @@ def test_vllm_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, tin
         # samples now score like the trained weights, and far from the old ones
         old = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
                                             need_reference=False, shared={})
-        out_r = backend.update(remote, rec.clone(), AlgorithmConfig(), temperature=1.0,
-                               generator=torch.Generator().manual_seed(0))
-        out_l = trainer.update(local, rec.clone(), AlgorithmConfig(),
-                               generator=torch.Generator().manual_seed(0))
-        assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
+        update_both(backend, remote, local, rec)
         engine.sync()
         rec2 = _record(tok, ids, engine.generate(ids, SamplingParams(n=4, max_new_tokens=8)))
-        m2 = rec2["response_mask"].bool()
-        with torch.no_grad():
-            new_diff = (local.logprobs(rec2, 1.0)[0][m2] - rec2["rollout_logprobs"][m2]).abs()
-            old_diff = (old.logprobs(rec2, 1.0)[0][m2] - rec2["rollout_logprobs"][m2]).abs()
+        new_diff, old_diff = logprob_gaps(rec2, local, old)
         print(f"after sync: mean |diff| to the trained weights {new_diff.mean():.2e}, "
               f"to the old ones {old_diff.mean():.2e}")
         assert new_diff.mean() <= 1e-3, new_diff

@@ -20,10 +20,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "vl_shapes_grpo.yaml"
 
 
-def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, tiny_vl_dir,
-                                                                    vl_rows, tmp_path):
+def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
+        ray_cluster, tiny_vl_dir, vl_rows, tmp_path, logprob_gaps, update_both):
     import polyrl.multimodal  # noqa: F401
-    from polyrl.core import trainer
     from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
     from polyrl.core.data import DataConfig
@@ -56,26 +55,16 @@ def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(ray_cluster, 
                                   engines={"main": engine}))
         params = SamplingParams(n=4, max_new_tokens=6)
 
-        def diffs(rec, *policies):
-            m = rec["response_mask"].bool()
-            with torch.no_grad():
-                return [(p.logprobs(rec, 1.0)[0][m] - rec["rollout_logprobs"][m]).abs()
-                        for p in policies]
-
         rec = wf.rollout(items, params)
-        (first,) = diffs(rec, local)
+        (first,) = logprob_gaps(rec, local)
         print(f"vllm_vl actor vs trainer: mean |diff| {first.mean():.2e}, max {first.max():.2e}")
         assert first.mean() <= 1e-3, first
 
         rec["reward"] = torch.arange(rec.batch_size[0]).remainder(2).float()
         group_credit(rec, AlgorithmConfig())
-        out_r = backend.update(remote, rec.clone(), AlgorithmConfig(), temperature=1.0,
-                               generator=torch.Generator().manual_seed(0))
-        out_l = trainer.update(local, rec.clone(), AlgorithmConfig(),
-                               generator=torch.Generator().manual_seed(0))
-        assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
+        update_both(backend, remote, local, rec)
         engine.sync()
-        new, stale = diffs(wf.rollout(items, params), local, old)
+        new, stale = logprob_gaps(wf.rollout(items, params), local, old)
         print(f"after sync: mean |diff| to the trained weights {new.mean():.2e}, "
               f"to the old ones {stale.mean():.2e}")
         assert new.mean() <= 1e-3, new
