@@ -272,10 +272,15 @@ def load_weights(name: str, model: torch.nn.Module, state: dict[str, torch.Tenso
 
 
 def checkpoint_state(policy: Any) -> dict[str, Any]:
-    """Weights, optimizer and schedule of ``policy``: what a checkpoint holds for it."""
-    return {"weights": policy.trainable_state(),
-            "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
-            "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
+    """Weights, optimizer and schedule of ``policy``: what a checkpoint holds for it (and
+    the reference's weights once a warm start has set them: they are no longer the
+    model's initial ones, so a resumed run could not rebuild them)."""
+    state = {"weights": policy.trainable_state(),
+             "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
+             "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
+    if getattr(policy, "reference_warmed", False):
+        state["reference"] = policy.reference.state_dict()
+    return state
 
 
 def load_checkpoint_state(policy: Any, state: dict[str, Any]) -> None:
@@ -283,12 +288,17 @@ def load_checkpoint_state(policy: Any, state: dict[str, Any]) -> None:
     if policy.optimizer is not None:
         policy.optimizer.load_state_dict(state["optimizer"])
         policy.scheduler.load_state_dict(state["scheduler"])
+    if "reference" in state:
+        policy.reference.load_state_dict(state["reference"])
+        policy.reference_warmed = True
 
 
 @contextlib.contextmanager
 def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: float | None):
     """Swap in a constant-rate AdamW over ``params`` for a supervised warm start; the RL
-    optimizer and schedule come back untouched afterwards."""
+    optimizer and schedule come back untouched afterwards, and a frozen reference copy
+    takes the warmed-up weights: KL anchors RL to the policy it starts from (the SFT
+    model, as in RLHF), not to the weights before the warm start."""
     saved = policy.optimizer, policy.scheduler
     policy.optimizer = torch.optim.AdamW(params, lr=lr or policy.cfg.optim.lr,
                                          weight_decay=policy.cfg.optim.weight_decay)
@@ -297,6 +307,10 @@ def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: floa
         yield
     finally:
         policy.optimizer, policy.scheduler = saved
+    if (reference := getattr(policy, "reference", None)) is not None:
+        with torch.no_grad():
+            reference.load_state_dict(policy.model.state_dict())
+        policy.reference_warmed = True
 
 
 POLICIES.register("causal_lm", CausalLMPolicy)

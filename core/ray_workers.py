@@ -252,13 +252,17 @@ class PolicyWorker:
             # with a zero-gradient step that advances Adam's step count)
             weights = get_model_state_dict(p.model, options=opts)
             optim = p.optimizer.state_dict() if p.optimizer is not None else None
+        # a warm start set the reference (see policy.warm_start_optimizer): keep it too
+        warmed = getattr(p, "reference_warmed", False)
+        reference = get_model_state_dict(p.reference, options=self._full()) if warmed else None
         if self.rank != 0:
             return None
         if self.lora:  # ignore_frozen_params keeps a frozen weight tied to another (lm_head)
             trainable = self._trainable_names()
             weights = {k: v for k, v in weights.items() if k in trainable}
-        return {"weights": weights, "optimizer": _optim_by_index(optim) if stepped else optim,
-                "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None}
+        state = {"weights": weights, "optimizer": _optim_by_index(optim) if stepped else optim,
+                 "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None}
+        return state | ({"reference": reference} if warmed else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every rank reads the full state and keeps its own shards."""
@@ -272,6 +276,9 @@ class PolicyWorker:
         opts = StateDictOptions(full_state_dict=True)
         if self.lora:
             self._check_adapter_keys(state["weights"])
+        if "reference" in state:
+            set_model_state_dict(p.reference, state["reference"], options=opts)
+            p.reference_warmed = True
         if p.optimizer is None or not state["optimizer"]["state"]:
             set_model_state_dict(p.model, state["weights"], options=opts)
             if p.optimizer is not None:  # no moments yet: nothing to shard (see state_dict)

@@ -118,6 +118,14 @@ class Config:
         self.reward.validate()
         if self.rollout.n < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("rollout.n and rollout.prompts_per_step must be >= 1")
+        lora = [n for n in self.trained_policies() if self.policies[n].lora.r > 0]
+        if self.sft.steps and self.algorithm.kl_coef > 0 and lora:
+            raise ConfigError(
+                f"sft.steps={self.sft.steps} with algorithm.kl_coef={self.algorithm.kl_coef} "
+                f"and LoRA on {lora}: a LoRA policy's KL reference is its base with the "
+                "adapter disabled, i.e. the weights before the warm start, so KL would pull "
+                "RL back past the warm start. Set kl_coef: 0, or warm-start without LoRA "
+                "(a full fine-tune's frozen reference takes the warmed-up weights).")
 
     def trained_policies(self) -> list[str]:
         if self.train.policies is not None:

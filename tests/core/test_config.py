@@ -151,6 +151,16 @@ def test_loss_agg_typo(recipe):
         load(Config, recipe, ["algorithm.loss_agg=token_mean"])
 
 
+def test_lora_warm_start_with_kl_is_refused(recipe):
+    """A LoRA policy's reference is the base without the adapter, i.e. before the warm
+    start: KL would pull RL back past it, so the recipe fails at load time."""
+    base = ["sft.steps=5", "algorithm.kl_coef=0.01"]
+    with pytest.raises(ConfigError, match=r"LoRA on \['main'\].*kl_coef: 0"):
+        load(Config, recipe, [*base, "policies.main.lora.r=4"])
+    load(Config, recipe, base)  # a full fine-tune's frozen copy takes the SFT weights
+    load(Config, recipe, ["sft.steps=5", "policies.main.lora.r=4"])  # no KL: nothing to anchor
+
+
 def test_no_policies_fails_clearly(tmp_path):
     data = {k: v for k, v in RECIPE.items() if k != "policies"}
     with pytest.raises(ConfigError, match="declares no policies"):

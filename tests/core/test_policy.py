@@ -57,3 +57,28 @@ def test_all_distinct_prompts_take_the_full_pass_bitwise(tiny_model_dir):
         a, _ = response_logprobs(policy.model, batch, shared_prefix=False)
         b, _ = response_logprobs(policy.model, batch, shared_prefix=True)
     assert torch.equal(a, b)
+
+
+def test_warm_start_hands_the_reference_its_weights_and_checkpoints_keep_them(tiny_model_dir):
+    """KL anchors RL to the policy it starts from: after a warm start the frozen reference
+    scores like the policy (KL 0 at RL step 1), and a checkpoint restores that reference
+    in a fresh policy (a resumed run does not fall back to the pre-warm-start weights)."""
+    from polyrl.core import trainer
+
+    cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-2))
+    policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
+    batch = batch_with_groups(policy.tokenizer)
+    same = {"atol": 1e-6, "rtol": 0.0}  # the reference pass runs without autograd
+    torch.testing.assert_close(policy.ref_logprobs(batch), policy.logprobs(batch)[0].detach(),
+                               **same)
+    assert "reference" not in policy.state_dict()  # still the model's own initial weights
+    with policy.sft_optimizer(1e-2):
+        for _ in range(3):
+            trainer.sft_update(policy, batch.clone())
+    with torch.no_grad():
+        now = policy.logprobs(batch)[0]
+    fresh = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
+    assert (fresh.ref_logprobs(batch) - now).abs().max() > 1e-2  # the warm start moved it
+    torch.testing.assert_close(policy.ref_logprobs(batch), now, **same)
+    fresh.load_state_dict(policy.state_dict())
+    assert torch.equal(fresh.ref_logprobs(batch), policy.ref_logprobs(batch))

@@ -71,6 +71,9 @@ def _assert_states_close(local: dict, remote: dict) -> None:
             for i, st in lo["state"].items() for k, v in st.items() if far(ro["state"][i][k], v)}
     assert not bad, bad
     assert remote["scheduler"]["last_epoch"] == local["scheduler"]["last_epoch"]
+    assert set(remote.get("reference", {})) == set(local.get("reference", {}))
+    for k, v in local.get("reference", {}).items():
+        torch.testing.assert_close(remote["reference"][k], v, msg=f"reference {k}")
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +185,15 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
     with remote.sft_optimizer(1e-3):
         got_sft = backend.sft_update(remote, batch.clone())
     assert got_sft["sft_loss"] == pytest.approx(want_sft["sft_loss"], rel=1e-4)
+    # The warm start's end hands the frozen KL reference the warmed-up weights (KL anchors
+    # RL to the SFT model), so the checkpoint carries the reference from now on.
+    state = local.state_dict()
+    for own in (state, remote.state_dict()):  # each backend's reference: its own weights
+        assert set(own["reference"]) == set(own["weights"])
+        for k, v in own["weights"].items():
+            assert torch.equal(own["reference"][k], v), k
     # Checkpoints have the local layout: a local checkpoint loads into the worker group
     # (and back), and the group then holds exactly that state.
-    state = local.state_dict()
     remote.load_state_dict(state)
     back = remote.state_dict()
     assert isinstance(next(iter(back["optimizer"]["state"])), int)
