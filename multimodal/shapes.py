@@ -62,7 +62,8 @@ SYSTEM_WORDS = ("Answer with one word.", "Answer with a number.",
                 "Answer with a box [x1,y1,x2,y2].")
 
 
-def _check(question: str, size: int, box_convention: str, sft_targets: str) -> None:
+def _check(question: str, size: int, box_convention: str, sft_targets: str,
+           outline: int = 0) -> None:
     if question not in (*QUESTIONS, "mixed"):
         raise ValueError(f"question must be one of {QUESTIONS} or 'mixed', got {question!r}")
     if size < 28 or size % 28:
@@ -73,6 +74,8 @@ def _check(question: str, size: int, box_convention: str, sft_targets: str) -> N
                          f"{box_convention!r}")
     if sft_targets not in ("format", "answers"):
         raise ValueError(f"sft_targets must be 'format' or 'answers', got {sft_targets!r}")
+    if outline < 0:
+        raise ValueError(f"outline must be >= 0 pixels (0: a filled square), got {outline}")
 
 
 def _place(rng: random.Random, size: int, side: int, taken: list[tuple[int, int, int, int]]
@@ -91,10 +94,12 @@ def _place(rng: random.Random, size: int, side: int, taken: list[tuple[int, int,
 
 
 def _draw(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int],
-          colour: str) -> None:
+          colour: str, outline: int = 0) -> None:
     fill = COLOURS[colour]
     x1, y1, x2, y2 = box
-    if shape == "square":
+    if shape == "square" and outline:
+        draw.rectangle((x1, y1, x2 - 1, y2 - 1), outline=fill, width=outline)
+    elif shape == "square":
         draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=fill)
     elif shape == "circle":
         draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=fill)
@@ -119,7 +124,7 @@ def _sides(size: int, shape_size: tuple[float, float]) -> tuple[int, int]:
 def make_example(rng: random.Random, question: str, size: int = 56, distractors: int = 1,
                  max_count: int = 4, box_convention: str = "qwen2.5",
                  shape_size: tuple[float, float] = (0.3, 0.5), cells: int = 0,
-                 background: str = "plain") -> tuple[Image.Image, dict]:
+                 background: str = "plain", outline: int = 0) -> tuple[Image.Image, dict]:
     """One image and its row fields (prompt, answer and what the answer was made from).
 
     ``shape_size``: the side of the asked-about shape, as a (min, max) fraction of ``size``.
@@ -129,6 +134,8 @@ def make_example(rng: random.Random, question: str, size: int = 56, distractors:
     colours the background by position: a vision tower without absolute position
     embeddings (Qwen-VL's uses relative rotary ones) can then see *where* a shape is from
     content alone, which a tiny model learns far faster than reading M-RoPE positions.
+    ``outline`` > 0 draws the asked-about square as an outline that many pixels wide, so
+    the background (and with ``background="gradient"`` its position) shows inside it.
     """
     img = _canvas(size, background)
     draw = ImageDraw.Draw(img)
@@ -162,7 +169,7 @@ def make_example(rng: random.Random, question: str, size: int = 56, distractors:
         box = _place(rng, size, rng.randint(max(4, lo // 2), lo), taken)
         taken.append(box)
         _draw(draw, rng.choice(("circle", "triangle")), box, rng.choice(others))
-    _draw(draw, "square", target, colour)  # drawn last: never hidden by a distractor
+    _draw(draw, "square", target, colour, outline)  # drawn last: never hidden by a distractor
     if question == "colour":
         return img, {"prompt": "<image>" + PROMPTS["colour"], "answer": colour,
                      "question": "colour", "box": list(target)}
@@ -192,9 +199,9 @@ def make_rows(n: int, seed: int, out_dir: str | Path, split: str, *, question: s
               size: int = 56, distractors: int = 1, max_count: int = 4,
               box_convention: str = "qwen2.5", sft_targets: str = "format",
               shape_size: tuple[float, float] = (0.3, 0.5), cells: int = 0,
-              background: str = "plain") -> list[dict]:
+              background: str = "plain", outline: int = 0) -> list[dict]:
     """Draw ``n`` examples, write their PNGs under ``out_dir/images/<split>/`` and return rows."""
-    _check(question, size, box_convention, sft_targets)
+    _check(question, size, box_convention, sft_targets, outline)
     rng = random.Random(f"vl_shapes/{split}/{seed}")
     image_dir = Path(out_dir) / "images" / split
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -202,7 +209,7 @@ def make_rows(n: int, seed: int, out_dir: str | Path, split: str, *, question: s
     for i in range(n):
         q = rng.choice(QUESTIONS) if question == "mixed" else question
         img, row = make_example(rng, q, size, distractors, max_count, box_convention,
-                                tuple(shape_size), cells, background)
+                                tuple(shape_size), cells, background, outline)
         rel = f"images/{split}/{i:06d}.png"
         img.save(Path(out_dir) / rel)
         row["images"] = [rel]
@@ -221,7 +228,8 @@ def write_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, s
     """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``.
 
     ``kw``: question (colour, count, ground or mixed), size, distractors, max_count,
-    box_convention, sft_targets, shape_size, cells, background (see :func:`make_example`).
+    box_convention, sft_targets, shape_size, cells, background, outline (see
+    :func:`make_example`).
     """
     out = Path(out_dir).expanduser()
     train = make_rows(n_train, seed, out, "train", **kw)

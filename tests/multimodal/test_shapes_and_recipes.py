@@ -77,6 +77,25 @@ def test_gradient_background_and_cells(tmp_path):
     assert img.getpixel((0, 0)) != img.getpixel((111, 111))
 
 
+def test_outlined_square_shows_the_background_inside(tmp_path):
+    """outline=k: the square's border is k pixels of its colour; its middle is background."""
+    filled, framed = (shapes.make_rows(4, 0, tmp_path / name, "g", question="ground",
+                                       size=112, cells=2, background="gradient", outline=k)
+                      for name, k in (("f", 0), ("o", 6)))
+    for a, b in zip(filled, framed, strict=True):
+        assert a["box"] == b["box"] and a["answer"] == b["answer"]
+        x1, y1, x2, y2 = b["box"]
+        full = Image.open(tmp_path / "f" / a["images"][0]).convert("RGB")
+        ring = Image.open(tmp_path / "o" / b["images"][0]).convert("RGB")
+        colour = shapes.COLOURS[a["prompt"].split()[-2]]
+        centre = ((x1 + x2) // 2, (y1 + y2) // 2)
+        assert full.getpixel(centre) == colour != ring.getpixel(centre)
+        assert ring.getpixel((x1 + 2, centre[1])) == colour  # inside the 6-pixel border
+        assert ring.getpixel((x1 + 8, centre[1])) != colour  # past it: the gradient
+    with pytest.raises(ValueError, match="outline"):
+        shapes.make_rows(1, 0, tmp_path, "x", question="ground", outline=-1)
+
+
 @pytest.mark.parametrize("recipe", sorted(EXAMPLES.glob("*vl*.yaml")), ids=lambda p: p.name)
 def test_vl_recipes_load_and_validate(recipe):
     cfg = load(Config, recipe, [])

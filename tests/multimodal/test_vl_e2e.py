@@ -1,8 +1,11 @@
-"""End to end: the README's VL demo recipe learns to look at images (3 seeds), via the CLI.
+"""End to end: the README's VL demo recipes learn to look at images (3 seeds each), via
+the CLI.
 
-After the format-only warm start the held-out accuracy is at chance (4 colours: 0.25);
-GRPO must lift it to >= 0.8 for every seed. All runs go through ``polyrl train``, two
-single-threaded processes at a time (tiny models gain nothing from a second thread).
+Colour: after the format-only warm start the held-out accuracy is at chance (4 colours:
+0.25); GRPO must lift it to >= 0.8 for every seed. Grounding: GRPO must raise the held-out
+mean IoU over the warm start's, to well above what any constant box scores. All runs go
+through ``polyrl train``, two single-threaded processes at a time (tiny models gain
+nothing from a second thread).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ SEEDS = (0, 1, 2)
 
 @pytest.fixture(scope="module")
 def e2e_runs(tiny_vl_dir, tmp_path_factory) -> dict:
-    """All demo runs (3 colour seeds, 1 grounding run), two at a time on the 2 cores."""
+    """All demo runs (3 colour seeds, 3 grounding seeds), two at a time on the 2 cores."""
     root = tmp_path_factory.mktemp("vl_e2e")
     runs = {seed: root / f"colour{seed}" for seed in SEEDS}
-    runs["ground"] = root / "ground"
-    jobs = [(RECIPE, runs[seed], tiny_vl_dir, (f"seed={seed}", "task.args.n_train=600"))
-            for seed in SEEDS]
-    jobs.insert(1, (GROUNDING, runs["ground"], tiny_vl_dir, ("task.args.n_train=600",)))
+    runs |= {("ground", seed): root / f"ground{seed}" for seed in SEEDS}
+    jobs = []
+    for seed in SEEDS:
+        jobs.append((GROUNDING, runs["ground", seed], tiny_vl_dir, (f"seed={seed}",)))
+        jobs.append((RECIPE, runs[seed], tiny_vl_dir, (f"seed={seed}", "task.args.n_train=600")))
     _run_all(jobs, parallel=2)
     return runs
 
@@ -89,17 +93,23 @@ def test_tiny_vlm_learns_the_colour_question(e2e_runs):
 
 @pytest.mark.slow
 def test_tiny_vlm_grounding_iou_rises(e2e_runs):
-    """Mean IoU on held-out images rises clearly under GRPO. (How far: to about the best
-    constant box's IoU, printed for comparison; the tiny model learns the box format and
-    prior within this budget, not per-image localisation.)"""
+    """GRPO raises the held-out mean IoU (3 seeds, mean) and every seed ends far above the
+    best constant box (the best of the training boxes, scored on the held-out images): the
+    model localises per image, not just the box prior."""
     from polyrl.multimodal.rewards import iou
 
-    run = e2e_runs["ground"]
-    ious = _metric(run, "eval/accuracy")  # the eval's accuracy term is the IoU reward
-    train = [json.loads(x) for x in (run / "data" / "train.jsonl").read_text().splitlines()]
-    held = [json.loads(x) for x in (run / "data" / "eval.jsonl").read_text().splitlines()]
-    mean_box = [sum(r["box"][i] for r in train) / len(train) for i in range(4)]
-    constant = sum(iou(mean_box, r["box"]) for r in held) / len(held)
-    print(f"grounding: held-out mean IoU {ious[0]:.3f} after the warm start -> {ious[-1]:.3f} "
-          f"after GRPO (the mean training box scores {constant:.3f})")
-    assert ious[-1] >= ious[0] + 0.1, ious
+    start, end = [], []
+    for seed in SEEDS:
+        run = e2e_runs["ground", seed]
+        rows = {split: [json.loads(x) for x in
+                        (run / "data" / f"{split}.jsonl").read_text().splitlines()]
+                for split in ("train", "eval")}
+        boxes, held = {tuple(r["box"]) for r in rows["train"]}, rows["eval"]
+        constant = max(sum(iou(b, r["box"]) for r in held) / len(held) for b in boxes)
+        ious = _metric(run, "eval/accuracy")  # the eval's accuracy term is the IoU reward
+        print(f"grounding seed {seed}: held-out mean IoU {ious[0]:.3f} after the warm start "
+              f"-> {ious[-1]:.3f} after GRPO (best constant box {constant:.3f})")
+        start.append(ious[0])
+        end.append(ious[-1])
+        assert ious[-1] >= constant + 0.25, (seed, ious, constant)
+    assert sum(end) / len(end) >= sum(start) / len(start) + 0.1, (start, end)
