@@ -22,7 +22,11 @@ padded by the video processor repeating the last frame (as transformers does; co
 frame rate (``video_fps_field`` of the row: one number or one per video, else
 ``video_fps``, 2.0 as in ``qwen_vl_utils``) times kept/total frames gives
 ``second_per_grid_ts = temporal_patch_size / fps``, the M-RoPE temporal spacing of
-Qwen2.5-VL. Qwen3-VL videos are refused (its processor writes per-frame timestamps).
+Qwen2.5-VL. Qwen3-VL instead reads time as text: each temporal step of a video is written
+``<{seconds:.1f} seconds><|vision_start|>`` + its tokens + ``<|vision_end|>`` (seconds: the
+mean time of the step's first and last frame, a kept frame's time being its source index /
+frame rate), exactly as transformers' processor does; those text tokens count towards the
+length filter.
 
 **Lazy.** Loading reads each image's header only (size and mode): nothing is decoded and
 no pixels are kept. Parquet and hub rows stay in the memory-mapped Arrow table, so the
@@ -377,6 +381,8 @@ class VLDataset:
         self.video_rule = video_resize_rule(self.rule, self.opts)
         self.video_token = getattr(self.processor, "video_token", "<|video_pad|>")
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
+        # Qwen3-VL's processor writes each video's frame times into the prompt
+        self.timestamps = hasattr(self.processor, "_calculate_timestamps")
         self.markers = {self.opts.placeholder: "image", self.opts.video_placeholder: "video"}
         self._arrow_source = None
         if rows is not None:  # in-memory rows (PIL images, bytes, paths)
@@ -431,7 +437,11 @@ class VLDataset:
                                     f"{what}; does the prompt text itself contain that token?")
                 found += n
             image_tokens, video_tokens = (sum(c) for c in counts.values())
-            total = len(toks) - found + image_tokens + video_tokens
+            expansions = {self.image_token_id: [[self.image_token_id] * c
+                                                for c in counts[self.image_token_id]],
+                          self.video_token_id: self._video_expansions(spec)}
+            total = len(toks) - found + image_tokens + sum(
+                len(e) for e in expansions[self.video_token_id])
             if total > self.cfg.max_prompt_tokens:
                 if self.cfg.overlong == "error":
                     raise DataError(f"{loc}: prompt is {total} tokens ({image_tokens} of them "
@@ -443,14 +453,37 @@ class VLDataset:
                                     "set data.overlong=filter.")
                 self.stats["filtered_overlong"] += 1
                 continue
-            left = {token: iter(c) for token, c in counts.items()}
+            left = {token: iter(e) for token, e in expansions.items()}
             expanded: list[int] = []
             for t in toks:
-                expanded.extend([t] * next(left[t]) if t in left else [t])
+                expanded.extend(next(left[t]) if t in left else [t])
             if spec is None:
                 self.stats["text_only"] += 1
             self.items.append(VLPromptItem(uid=uid, prompt_ids=expanded, prompt_text=shown,
                                            answer=answer, row=kept_row, vision=spec))
+
+    def _video_expansions(self, spec: VisionSpec | None) -> list[list[int]]:
+        """Each video placeholder token's replacement: its ``t*h*w/merge^2`` video tokens,
+        or for Qwen3-VL, per temporal step, ``<{seconds:.1f} seconds>`` as text then
+        ``<|vision_start|>``, that step's ``h*w/merge^2`` video tokens and ``<|vision_end|>``
+        (what transformers' Qwen3-VL processor writes in place of the token; the template's
+        own start/end pair stays around the whole video)."""
+        if spec is None:
+            return []
+        if not self.timestamps:
+            return [[self.video_token_id] * c for c in spec.video_token_counts()]
+        out = []
+        tokens = self.tokenizer.convert_tokens_to_ids
+        start, end = tokens(self.processor.vision_start_token), tokens(self.processor.vision_end_token)
+        step = self.video_rule.temporal_patch_size
+        for video, count in zip(spec.videos, spec.video_token_counts(), strict=True):
+            times = video.group_times(step)
+            per_step, ids = count // len(times), []
+            for t in times:
+                ids += self.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False)
+                ids += [start] + [self.video_token_id] * per_step + [end]
+            out.append(ids)
+        return out
 
     def _row(self, row: Any, loc: str, uid: int, arrow: bool):
         cfg, opts = self.cfg, self.opts
@@ -614,9 +647,6 @@ class VLDataset:
                             f"frames (paths, bytes or PIL images), not {raw!r:.80}; for one "
                             "video write [[frame0, frame1, ...]]. Video files are not decoded: "
                             "extract their frames offline.")
-        if raw and "Qwen3" in type(self.processor).__name__:
-            raise DataError(f"{loc}: videos are not supported for Qwen3-VL yet (its processor "
-                            "writes per-frame timestamps into the prompt).")
         fps = self._fps(row, loc, len(raw))
         videos = []
         for j, frames in enumerate(raw):
@@ -645,7 +675,8 @@ class VLDataset:
             if len(refs) % self.video_rule.temporal_patch_size:
                 self.stats["videos_padded"] += 1
             self._count_resize(self.video_rule, *size)
-            videos.append(VideoSpec(tuple(refs), size, fps[j] * len(refs) / len(frames), at))
+            videos.append(VideoSpec(tuple(refs), size, fps[j] * len(refs) / len(frames), at,
+                                    tuple(f / fps[j] for f in keep)))
         return videos
 
     @property

@@ -45,13 +45,25 @@ class VideoSpec:
 
     ``size`` is the source (width, height) every frame's header gave at load time; ``fps``
     is the frame rate of these frames (after subsampling), which sets the M-RoPE temporal
-    spacing through ``second_per_grid_ts = temporal_patch_size / fps``.
+    spacing through ``second_per_grid_ts = temporal_patch_size / fps``; ``times`` are the
+    kept frames' times in seconds (their source index / source frame rate), which Qwen3-VL
+    writes into the prompt.
     """
 
     refs: tuple[ImageRef, ...]
     size: tuple[int, int]
     fps: float
     where: str
+    times: tuple[float, ...] = ()
+
+    def group_times(self, temporal_patch_size: int) -> list[float]:
+        """Seconds of each temporal step (``temporal_patch_size`` frames, an odd count padded
+        with the last frame as the processor does): the mean of its first and last frame,
+        as transformers' Qwen3-VL processor computes the timestamps it writes."""
+        times = list(self.times)
+        times += times[-1:] * (-len(times) % temporal_patch_size)
+        return [(times[i] + times[i + temporal_patch_size - 1]) / 2
+                for i in range(0, len(times), temporal_patch_size)]
 
 
 @dataclass(frozen=True)
@@ -405,20 +417,38 @@ def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
             zero = feats.sum() * 0.0 + sum((d.sum() * 0.0 for d in deep or []), 0.0)
             emb = emb + zero.to(emb.dtype)
         return emb, Grids(), {}
-    if p.deepstack and any(v.num_videos for v in order):
-        raise NotImplementedError("videos with Qwen3-VL (deepstack) are not supported yet; its "
-                                  "processor writes per-frame timestamps into the prompt")
     image = _place(p, order, rows, unique, image_mask, False, device, dtype)
     video = _place(p, order, rows, unique, video_mask, True, device, dtype)
     if image is not None:
         emb = emb.masked_scatter(image_mask.unsqueeze(-1), image[0].to(emb.dtype))
     if video is not None:
         emb = emb.masked_scatter(video_mask.unsqueeze(-1), video[0].to(emb.dtype))
-    extra: dict[str, Any] = {}
-    if p.deepstack and image is not None and image[1]:
-        extra = {"visual_pos_masks": image_mask,
-                 "deepstack_visual_embeds": [d.to(emb.dtype) for d in image[1]]}
+    extra = _deepstack(image, video, image_mask, video_mask, emb.dtype) if p.deepstack else {}
     return emb, batch_grids(rows, device), extra
+
+
+def _deepstack(image: tuple | None, video: tuple | None, image_mask: torch.Tensor,
+               video_mask: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+    """Qwen3-VL's deepstack inputs: per injected layer, the image and video features over
+    the positions of either, in sequence order (as the model's own forward joins them)."""
+    deep = {"image": image[1] if image is not None else None,
+            "video": video[1] if video is not None else None}
+    if not deep["image"] and not deep["video"]:
+        return {}
+    if not deep["video"]:
+        return {"visual_pos_masks": image_mask,
+                "deepstack_visual_embeds": [d.to(dtype) for d in deep["image"]]}
+    if not deep["image"]:
+        return {"visual_pos_masks": video_mask,
+                "deepstack_visual_embeds": [d.to(dtype) for d in deep["video"]]}
+    both = image_mask | video_mask
+    at_image, at_video = image_mask[both], video_mask[both]
+    joined = []
+    for a, b in zip(deep["image"], deep["video"], strict=True):
+        layer = a.new_zeros(int(both.sum()), a.shape[-1])
+        layer[at_image], layer[at_video] = a, b
+        joined.append(layer.to(dtype))
+    return {"visual_pos_masks": both, "deepstack_visual_embeds": joined}
 
 
 def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,

@@ -147,23 +147,70 @@ def test_one_update_changes_the_weights(family_dir, vl_rows, freeze, one_thread)
     assert changed["visual"] == (not freeze)
 
 
-def test_videos_load_except_for_qwen3_vl(family_dir, one_thread):
-    """Videos (lists of frames) load for Qwen2-VL and Qwen2.5-VL with the processor's own
-    token count; Qwen3-VL refuses them (its processor writes per-frame timestamps)."""
+def test_videos_match_the_processor_and_the_families_forward(family_dir, one_thread):
+    """A video (5 frames at 1 fps: an odd count, padded) and an image in one prompt: the
+    loader's ids equal the real processor's (Qwen3-VL: a ``<t seconds>`` text stamp and a
+    start/end pair per temporal step, from the frames' times), and the policy's log-probs
+    of sampled responses equal the engine's and the family's own forward on the
+    processor's inputs (Qwen3-VL: image and video deepstack features joined)."""
     from PIL import Image
+    from transformers.video_utils import VideoMetadata
 
-    from polyrl.core.data import DataError
+    from polyrl.multimodal.engine import VLEngine
 
     family, path = family_dir
     policy = _policy(path)
-    frames = [Image.new("RGB", (56, 84), (20 * k, 0, 0)) for k in range(3)]
-    rows = [{"prompt": "<video>What moves?", "videos": [frames], "answer": "a"}]
-    if family == "qwen3_vl":
-        with pytest.raises(DataError, match="Qwen3-VL"):
-            _dataset(policy, rows)
-        return
+    proc = policy.processor
+    frames = [Image.new("RGB", (56, 84), (40 * k, 200 - 30 * k, 60)) for k in range(5)]
+    image = Image.new("RGB", (84, 56), (30, 30, 200))
+    rows = [{"prompt": "<image>Then <video>What moves?", "images": [image],
+             "videos": [frames], "video_fps": 1, "answer": "a"}]
     item = _dataset(policy, rows)[0]
     grid = item.vision.video_grids()[0]
-    assert grid[0] == 2  # 3 frames: padded to 2 temporal steps
-    video_id = policy.processor.video_token_id
-    assert sum(t == video_id for t in item.prompt_ids) == grid[0] * grid[1] * grid[2] // 4
+    assert grid[0] == 3  # 5 frames: padded to 3 temporal steps
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Then "},
+                                      {"type": "video"}, {"type": "text", "text": "What moves?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    # the processor gets the frames and image as the loader resized them (its own video
+    # resizing differs by family: Qwen3-VL's budgets pixels over all frames)
+    v, images, videos = vision.process_frames(item.vision, proc.image_processor,
+                                              proc.video_processor)
+    meta = VideoMetadata(total_num_frames=5, fps=1.0, frames_indices=list(range(5)))
+    ref = proc(text=[text], images=images, videos=videos, return_tensors="pt",
+               images_kwargs={"do_resize": False},
+               videos_kwargs={"video_metadata": [meta], "do_sample_frames": False, "fps": 1.0,
+                              "do_resize": False},
+               return_mm_token_type_ids=True)
+    assert ref["input_ids"][0].tolist() == item.prompt_ids
+    shown = policy.tokenizer.decode(item.prompt_ids)
+    assert ("<0.5 seconds>" in shown and "<4.0 seconds>" in shown) == (family == "qwen3_vl")
+    assert torch.equal(v.video_grid_thw, ref["video_grid_thw"])
+    outs = VLEngine(policy, seed=0).generate_vl([item.prompt_ids], [v],
+                                                 SamplingParams(n=2, max_new_tokens=4))
+    record = text_record(prompt_ids=[item.prompt_ids] * 2, response_ids=[o.token_ids for o in outs],
+                         rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * 2,
+                         uid=[0, 0], pad_id=policy.tokenizer.pad_token_id)
+    set_strings(record, "vision", [v, v])
+    with torch.no_grad():
+        logp, _ = policy.logprobs(record)
+    m = record["response_mask"].bool()
+    assert float((logp[m] - record["rollout_logprobs"][m]).abs().max()) <= 1e-4
+    response = record["response_ids"][0][m[0]]
+    ids = torch.cat([ref["input_ids"][0], response])[None]
+    types = torch.cat([ref["mm_token_type_ids"][0], torch.zeros_like(response)])[None]
+    extra = {"second_per_grid_ts": torch.tensor(item.vision.second_per_grid())} \
+        if family == "qwen2_5_vl" else {}
+    with torch.no_grad():
+        full = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                            pixel_values_videos=ref["pixel_values_videos"],
+                            video_grid_thw=ref["video_grid_thw"], mm_token_type_ids=types,
+                            **extra).logits[0]
+        mine, _, _ = vision.vl_forward(policy.model, ids, torch.ones_like(ids), [v],
+                                       logits_to_keep=ids.shape[1])
+    # every position, the vision ones too (with one LM layer, deepstack shows only there)
+    assert torch.allclose(mine[0], full, atol=1e-5), (mine[0] - full).abs().max()
+    theirs = torch.log_softmax(full[-len(response) - 1:-1].float(), -1)
+    theirs = theirs.gather(-1, response[:, None])[:, 0]
+    assert torch.allclose(logp[0][m[0]], theirs, atol=1e-5), (logp[0][m[0]] - theirs).abs().max()
