@@ -15,8 +15,9 @@ from polyrl.core.record import concat, select_policy, strings, text_record
 from polyrl.core.trainer import sft_update, update
 
 
-def make_policy(model_dir, name="main", lr=1e-3, micro=64, **kw):
-    cfg = PolicyConfig(model=model_dir, optim=OptimConfig(lr=lr), micro_batch_size=micro, **kw)
+def make_policy(model_dir, name="main", lr=1e-3, micro=64, max_grad_norm=1.0, **kw):
+    cfg = PolicyConfig(model=model_dir, optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm),
+                       micro_batch_size=micro, **kw)
     return CausalLMPolicy(name, cfg, total_steps=10, need_reference=False)
 
 
@@ -96,13 +97,49 @@ def grads_at_step(policy) -> list:
 
 
 def test_micro_batching_matches_one_big_batch(tiny_model_dir):
+    """No clipping (it would hide a wrongly scaled gradient): the same gradient either way."""
     rec = rollout(make_policy(tiny_model_dir))
-    big, small = make_policy(tiny_model_dir, micro=64), make_policy(tiny_model_dir, micro=3)
+    big = make_policy(tiny_model_dir, micro=64, max_grad_norm=0.0)
+    small = make_policy(tiny_model_dir, micro=3, max_grad_norm=0.0)
     gb, gs = grads_at_step(big), grads_at_step(small)
     update(big, rec.clone(), AlgorithmConfig())
     update(small, rec.clone(), AlgorithmConfig())
     assert len(gb) == len(gs) == 1
     assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(gb[0], gs[0], strict=True))
+
+
+@pytest.mark.parametrize("loss_agg,minibatches", [("token-mean", 1), ("seq-mean-token-mean", 2)])
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir, loss_agg,
+                                                              minibatches):
+    """Half the groups agree on their reward (advantage 0): with skip_zero_advantage only the
+    other half runs forward/backward, and every optimizer step sees the same gradient,
+    because the loss totals still count the skipped rows."""
+    from polyrl.core.config import ConfigError
+
+    policy = make_policy(tiny_model_dir)
+    rec = rollout(policy)
+    rec["reward"] = torch.tensor([1.0] * 8 + [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    group_credit(rec, AlgorithmConfig())
+    assert not rec["advantages"][:8].any() and rec["advantages"][8:].any(-1).all()
+    runs = {}
+    for skip in (False, True):
+        algo = AlgorithmConfig(loss_agg=loss_agg, minibatches=minibatches,
+                               skip_zero_advantage=skip)
+        algo.validate()
+        p = make_policy(tiny_model_dir, micro=3, max_grad_norm=0.0)  # clipping hides scale
+        seen = grads_at_step(p)
+        out = update(p, rec.clone(), algo, generator=torch.Generator().manual_seed(0))
+        runs[skip] = (seen, out)
+    (full, out_full), (skipped, out_skip) = runs[False], runs[True]
+    assert out_skip["zero_adv_skipped_frac"] == 0.5 and "zero_adv_skipped_frac" not in out_full
+    assert out_skip["loss"] == pytest.approx(out_full["loss"], rel=1e-5, abs=1e-7)
+    assert len(full) == len(skipped) == minibatches
+    for a, b in zip(full, skipped, strict=True):
+        assert all(torch.allclose(x, y, atol=1e-7, rtol=1e-4) for x, y in zip(a, b, strict=True))
+    for bad in ({"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"policy_loss": "kl_cov"},
+                {"loss_agg": "seq-mean-token-sum-norm"}):
+        with pytest.raises(ConfigError, match="skip_zero_advantage"):
+            AlgorithmConfig(skip_zero_advantage=True, **bad).validate()
 
 
 def test_two_policies_update_only_from_their_own_rows(tiny_model_dir):
