@@ -65,11 +65,12 @@ class AlgorithmConfig:
     clip_cov_ub: float = doc(5.0, "clip_cov: upper covariance bound of cut candidates")
     kl_cov_ratio: float = doc(0.0002, "kl_cov: fraction of highest-covariance tokens penalised")
     ppo_kl_coef: float = doc(0.1, "kl_cov: weight of the |log-ratio| penalty on those tokens")
-    skip_zero_advantage: bool = doc(
-        False, "forward/backward only the rows whose advantage is not all zero; the loss "
-        "totals still count every row, so the gradient is the same (to float summation "
-        "order) for less compute. Needs an advantage-linear loss (ppo_clip, gspo, cispo), "
-        "kl_coef 0 and entropy_coef 0, under which such rows add nothing")
+    skip_zero_advantage: bool | None = doc(
+        None, "forward/backward only the rows with a nonzero advantage on a trained token; "
+        "the loss totals still count every row, so the gradient is the same (to float "
+        "summation order) for less compute. Exact with an advantage-linear loss (ppo_clip, "
+        "gspo, cispo), kl_coef 0 and entropy_coef 0. null (default): on wherever exact; "
+        "true: on, and a config where it is not exact is refused; false: off")
 
     def validate(self) -> None:
         """Fail at config time, naming the closest valid choice, rather than mid-training."""
@@ -94,25 +95,30 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.kl_coef, entropy_coef and epsilon must be >= 0")
         if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
             raise ConfigError("algorithm.loss_scale_factor must be positive (or null)")
-        if self.skip_zero_advantage:
-            self._check_skip_zero_advantage()
+        if self.skip_zero_advantage and (why := self._skip_zero_advantage_inexact()):
+            raise ConfigError(f"algorithm.skip_zero_advantage=true {why} (null turns it on "
+                              "only where it is exact; false turns it off)")
 
-    def _check_skip_zero_advantage(self) -> None:
-        """Rows with zero advantage must add nothing to the loss, and the loss's divisor must
-        not depend on which rows run."""
-        where = "algorithm.skip_zero_advantage=true"
+    def skips_zero_advantage(self) -> bool:
+        """Whether the update leaves out rows with no advantage on a trained token."""
+        if self.skip_zero_advantage is None:
+            return self._skip_zero_advantage_inexact() is None
+        return self.skip_zero_advantage
+
+    def _skip_zero_advantage_inexact(self) -> str | None:
+        """Why skipping would change the update, or None. Rows with zero advantage must add
+        nothing to the loss, and the loss's divisor must not depend on which rows run."""
         if self.kl_coef > 0 or self.entropy_coef > 0:
-            raise ConfigError(f"{where} needs kl_coef=0 and entropy_coef=0 (got {self.kl_coef} "
-                              f"and {self.entropy_coef}): those terms give zero-advantage rows "
-                              "a gradient, so skipping them would change the update.")
+            return (f"needs kl_coef=0 and entropy_coef=0 (got {self.kl_coef} and "
+                    f"{self.entropy_coef}): those terms give zero-advantage rows a gradient, "
+                    "so skipping them would change the update")
         if self.policy_loss not in ADVANTAGE_LINEAR_LOSSES:
-            raise ConfigError(f"{where} works with the losses {', '.join(ADVANTAGE_LINEAR_LOSSES)}"
-                              f" (zero advantage, zero loss); policy_loss={self.policy_loss!r} "
-                              "is not one of them.")
+            return (f"works with the losses {', '.join(ADVANTAGE_LINEAR_LOSSES)} (zero "
+                    f"advantage, zero loss); policy_loss={self.policy_loss!r} is not one of them")
         if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
-            raise ConfigError(f"{where} with loss_agg=seq-mean-token-sum-norm needs "
-                              "loss_scale_factor set: its default divisor is the padded length "
-                              "of the rows that run.")
+            return ("with loss_agg=seq-mean-token-sum-norm needs loss_scale_factor set: its "
+                    "default divisor is the padded length of the rows that run")
+        return None
 
 
 @dataclass(frozen=True)

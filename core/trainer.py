@@ -84,9 +84,11 @@ def _logprobs_no_grad(policy, batch: TensorDict, size: int, temperature: float,
 
 
 def _rows_with_signal(batch: TensorDict) -> tuple[TensorDict, int]:
-    """The rows whose advantages are not all zero, and how many were left out. At least one
-    row stays, so the optimizer still steps (on zero gradients) as it would on all rows."""
-    keep = (batch["advantages"] != 0).reshape(batch.batch_size[0], -1).any(-1)
+    """The rows with a nonzero advantage on a trained (loss-mask) token, and how many were
+    left out. At least one row stays, so the optimizer still steps (on zero gradients) as it
+    would on all rows."""
+    signal = (batch["advantages"] != 0) & (batch["loss_mask"] != 0)
+    keep = signal.reshape(batch.batch_size[0], -1).any(-1)
     if bool(keep.all()):
         return batch, 0
     keep[0] = keep[0] or not bool(keep.any())
@@ -128,6 +130,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
         batch["ref_logprobs"] = _per_row(lambda mb: policy.ref_logprobs(mb, temperature),
                                          batch, mb_size, dp)
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
+    skip_zero = algo.skips_zero_advantage()
     stats: dict = {"skipped_nonfinite": 0, "grad_norm": [], "loss": [], "kl": [], "entropy": [],
                    "rows_skipped": 0}
     extra: dict[str, list[float]] = {}
@@ -137,7 +140,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
         for mini in torch.tensor_split(order, algo.minibatches):
             mini_batch = batch[mini]
             agg = _agg_info(mini_batch, algo.loss_agg, algo.loss_scale_factor, dp)
-            if algo.skip_zero_advantage:  # after the totals: they still count every row
+            if skip_zero:  # after the totals: they still count every row
                 mini_batch, skipped = _rows_with_signal(mini_batch)
                 stats["rows_skipped"] += skipped
             kl_sum = ent_sum = 0.0  # micro-batch terms sum to the mini-batch's value
@@ -169,7 +172,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
     policy.model.train(False)
     out = {"loss": sum(stats["loss"]), "skipped_nonfinite": float(stats["skipped_nonfinite"]),
            "lr": policy.scheduler.get_last_lr()[0]}
-    if algo.skip_zero_advantage:
+    if skip_zero:
         out["zero_adv_skipped_frac"] = stats["rows_skipped"] / (n * algo.ppo_epochs)
     for key in ("grad_norm", "kl", "entropy"):
         if stats[key]:
