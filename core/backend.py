@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import trainer
+from polyrl.core.policy import resolve_device
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
 
 
@@ -40,7 +41,8 @@ class LocalBackend:
 
     def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
         return POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
-                                      need_reference=need_reference, shared=shared)
+                                      need_reference=need_reference, shared=shared,
+                                      device=resolve_device(cfg.device))
 
     def make_engine(self, name, policy, cfg, *, seed):
         return ENGINES.get(cfg.engine.name)(policy, seed=seed, **cfg.engine.args)

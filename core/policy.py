@@ -61,6 +61,9 @@ class PolicyConfig:
     build: str | None = doc(None, "model builder that creates `model` offline if it is missing")
     build_args: dict[str, Any] = doc({}, "keyword arguments for the builder")
     dtype: str = doc("float32", "parameter dtype: float32 or bfloat16")
+    device: str = doc("auto", "local mode: where the policy trains (auto: cuda when a GPU is "
+                              "visible, else cpu; or cpu, cuda, cuda:N). Ray mode places "
+                              "workers by distributed.args.num_gpus_per_worker instead")
     train: bool = doc(True, "false: the policy acts but is never updated (frozen agent)")
     lora: LoraConfig = doc_factory(LoraConfig, "LoRA adapter (r=0: full fine-tune)")
     optim: OptimConfig = doc_factory(OptimConfig, "optimizer and schedule")
@@ -71,6 +74,20 @@ class PolicyConfig:
                                     "once and share its KV cache with its group's rows")
     args: dict[str, Any] = doc({}, "options of the policy kind (each plugin kind documents its "
                                    "own, e.g. freezing a vision tower); causal_lm takes none")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``PolicyConfig.device`` as a torch device; a GPU asked for but absent is an error."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"policy device {spec!r}: use auto, cpu, cuda or cuda:N") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"policy device {spec!r}: no CUDA device is visible here "
+                         "(device: auto falls back to cpu)")
+    return device
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):

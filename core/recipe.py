@@ -8,7 +8,7 @@ from typing import Any, Literal
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
-from polyrl.core.policy import PolicyConfig
+from polyrl.core.policy import PolicyConfig, resolve_device
 from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS, nearest
 from polyrl.core.rewards import RewardConfig
 
@@ -101,6 +101,11 @@ class Config:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
             POLICIES.check(p.kind)
             ENGINES.check(p.engine.name)
+            if self.distributed.backend == "local":
+                try:
+                    resolve_device(p.device)
+                except ValueError as e:
+                    raise ConfigError(f"policies.{name}.device: {e}") from None
         for name in self.train.policies or []:
             if name not in self.policies:
                 hint = nearest(name, list(self.policies))

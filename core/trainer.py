@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
+from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
 
 
@@ -121,6 +122,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
     n = batch.batch_size[0]
     if n == 0 or policy.optimizer is None:
         return {}
+    batch = to_device(batch, policy.device)  # losses mix log-probs with the record's tensors
     mb_size = policy.cfg.micro_batch_size
     loss_fn = POLICY_LOSSES.get(algo.policy_loss)
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
@@ -183,6 +185,7 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
 
 def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:
     """Cross-entropy on the masked response tokens, through the same micro-batching."""
+    batch = to_device(batch, policy.device)
     agg = _agg_info(batch, "token-mean", dp=dp)
     stats: dict = {"skipped_nonfinite": 0, "grad_norm": []}
     total = 0.0

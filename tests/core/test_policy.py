@@ -68,7 +68,7 @@ def test_warm_start_hands_the_reference_its_weights_and_checkpoints_keep_them(ti
     cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-2))
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
     batch = batch_with_groups(policy.tokenizer)
-    same = {"atol": 1e-6, "rtol": 0.0}  # the reference pass runs without autograd
+    same = {"atol": 2e-6, "rtol": 1e-6}  # no-autograd pass: a few float32 ulps apart
     torch.testing.assert_close(policy.ref_logprobs(batch), policy.logprobs(batch)[0].detach(),
                                **same)
     assert "reference" not in policy.state_dict()  # still the model's own initial weights
