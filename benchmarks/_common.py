@@ -40,7 +40,13 @@ SIZES: dict[str, dict[str, int]] = {
                  intermediate_size=256),
     "20M": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, head_dim=64,
                 intermediate_size=1536),
+    # Qwen2.5-0.5B's shape (GPU runs): 24 layers, hidden 896, 14 query / 2 KV heads, MLP
+    # 4864, and its 151,936-row tied vocabulary (rows past the benchmark tokenizer's 128
+    # are never sampled: forbid_tokens), so the output projection costs what it costs there.
+    "0.5B": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+                 intermediate_size=4864),
 }
+VOCAB_ROWS: dict[str, int] = {"0.5B": 151936}  # model vocabulary larger than the tokenizer's
 
 # ------------------------------------------------------------------------------ machine
 
@@ -63,6 +69,8 @@ def machine_info(threads: int) -> dict[str, Any]:
                            if ln.startswith("model name"))
     except (OSError, StopIteration):
         info["cpu"] = platform.processor() or "?"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     if hasattr(os, "getloadavg"):
         info["load_avg_1m_5m_15m"] = tuple(round(x, 2) for x in os.getloadavg())
     from importlib.metadata import PackageNotFoundError, version
@@ -132,15 +140,14 @@ def forbid_tokens(model, token_ids: list[int], *, margin: float = 64.0, const: f
         emb = model.get_input_embeddings().weight
         k = emb.shape[1] - 1
         emb[:, k] = const
-        for t in token_ids:
-            emb[t, k] = -margin
+        rows = torch.as_tensor(list(token_ids), dtype=torch.long)
+        emb[rows, k] = -margin
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight[k, :] = 0
             layer.mlp.down_proj.weight[k, :] = 0
         if not model.config.tie_word_embeddings:
             model.lm_head.weight[:, k] = const
-            for t in token_ids:
-                model.lm_head.weight[t, k] = -margin
+            model.lm_head.weight[rows, k] = -margin
 
 
 def build_model(size: str) -> str:
@@ -159,7 +166,11 @@ def build_model(size: str) -> str:
         return str(path)
     tok = build_tokenizer(arithmetic.corpus(), vocab_size=128)
     model = build_tiny_qwen2(tok, seed=0, max_position_embeddings=1024, **SIZES[size])
-    forbid_tokens(model, [tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)])
+    forbidden = [tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)]
+    if (rows := VOCAB_ROWS.get(size, len(tok))) > len(tok):
+        model.resize_token_embeddings(rows, mean_resizing=False)
+        forbidden += range(len(tok), rows)
+    forbid_tokens(model, forbidden)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     model.save_pretrained(tmp)
@@ -263,6 +274,10 @@ def common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="run contenders in this process (debugging; default: one fresh process each)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where every contender trains and samples (cuda: one GPU, shared)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="parameters and compute (default: float32 on cpu, bfloat16 on cuda)")
 
 
 def resolve_threads(requested: int | None) -> tuple[int, str]:

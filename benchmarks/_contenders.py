@@ -96,6 +96,16 @@ def stop_plan_lp():
 
 
 # ------------------------------------------------------------------------------ contenders
+
+
+def now(device: str) -> float:
+    """A timestamp after the device's queued work is done (GPU kernels run asynchronously)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
 # A contender is built once (model load, engine start-up) and then steps on request:
 # ``step(**overrides) -> {"step_s": ..., ...}``. Runners interleave the contenders' steps
 # (round-robin, rotating the order every round) so that a change in machine load hits
@@ -113,7 +123,8 @@ class PolyRLStepper:
     def __init__(self, model: str, engine: str, *, n: int = 8, prompts: int = 16,
                  max_new_tokens: int = 64, lr: float = 1e-6, micro_batch_size: int = 128,
                  total_steps: int = 1000, seed: int = 0, engine_args: dict | None = None,
-                 stop_plan_args: dict | None = None, mode: str = "step") -> None:
+                 stop_plan_args: dict | None = None, mode: str = "step",
+                 device: str = "cpu", dtype: str = "float32") -> None:
         from types import SimpleNamespace
 
         import torch
@@ -127,8 +138,9 @@ class PolyRLStepper:
 
         self.n, self.max_new_tokens, self.mode = n, max_new_tokens, mode
         self.policy = CausalLMPolicy("main", PolicyConfig(
-            model=model, micro_batch_size=micro_batch_size, optim=OptimConfig(lr=lr)),
-            total_steps=total_steps, need_reference=False)
+            model=model, micro_batch_size=micro_batch_size, optim=OptimConfig(lr=lr), dtype=dtype,
+            device=device), total_steps=total_steps, need_reference=False, device=device)
+        self.device = device
         engine_args = dict(engine_args or {})
         if engine == "vllm":
             import polyrl.core.vllm_engine  # noqa: F401  (registers "vllm")
@@ -236,21 +248,21 @@ class PolyRLStepper:
             lens = [len(o.token_ids) for o in outs]
             return {"step_s": dt, "tokens": sum(lens), "rows": len(lens),
                     "mean_len": sum(lens) / len(lens)}
-        t0 = time.perf_counter()
+        t0 = now(self.device)
         record = self.rollout(n, max_new_tokens)
-        t1 = time.perf_counter()
+        t1 = now(self.device)
         out: dict[str, Any] = {"rollout_s": t1 - t0}
         if self.mode == "step":
             rewards.score(record, self.reward_cfg)
             out.update(assign(record, self.algo))
             batch = select_policy(valid_rows(record), "main")
-            t2 = time.perf_counter()
+            t2 = now(self.device)
             trainer.update(self.policy, batch, self.algo, temperature=1.0, generator=self.gen)
-            t3 = time.perf_counter()
+            t3 = now(self.device)
             self.engine.sync()
-            t4 = time.perf_counter()
+            t4 = now(self.device)
             out.update(reward_credit_s=t2 - t1, update_s=t3 - t2, sync_s=t4 - t3)
-        out["step_s"] = time.perf_counter() - t0
+        out["step_s"] = now(self.device) - t0
         lengths = record["response_mask"].sum(-1)
         out.update(tokens=int(lengths.sum()), rows=int(lengths.numel()),
                    mean_len=float(lengths.float().mean()),
@@ -272,7 +284,8 @@ class TRLStepper:
 
     def __init__(self, model: str, *, n: int = 8, prompts: int = 16, max_new_tokens: int = 64,
                  total_steps: int = 1000, gradient_checkpointing: bool = False,
-                 stop_plan_args: dict | None = None, threaded: bool = True) -> None:
+                 stop_plan_args: dict | None = None, threaded: bool = True,
+                 device: str = "cpu", dtype: str = "float32") -> None:
         import logging
         import queue
         import threading
@@ -301,7 +314,8 @@ class TRLStepper:
             output_dir=tempfile.mkdtemp(prefix="trl-bench-"), num_generations=n,
             per_device_train_batch_size=n * prompts, gradient_accumulation_steps=1,
             max_completion_length=max_new_tokens, beta=0.0, num_iterations=1, use_vllm=False,
-            use_cpu=True, report_to=[], logging_strategy="no", save_strategy="no", bf16=False,
+            use_cpu=device == "cpu", report_to=[], logging_strategy="no", save_strategy="no",
+            bf16=False,  # bf16 runs load bf16 weights, as PolyRL's policy does (no autocast)
             fp16=False, max_steps=total_steps + 1, learning_rate=1e-6, temperature=1.0, top_p=1.0,
             shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
             log_completions=False, mask_truncated_completions=False, max_grad_norm=1.0,
@@ -311,7 +325,7 @@ class TRLStepper:
         # log, whose print from the training thread once landed on the same stdout line
         # as a step's reply and hid it from the runner (a deadlock at the last round).
         tok = AutoTokenizer.from_pretrained(model)
-        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
         self.trainer = GRPOTrainer(model=net, reward_funcs=reward, args=cfg, train_dataset=ds,
                                    processing_class=tok)
         if stop_plan_args is not None:
@@ -335,10 +349,10 @@ class TRLStepper:
             def on_step_begin(self, *a, **k):
                 if outer.go.get() == "stop":
                     raise _StopTraining
-                outer.t0 = time.perf_counter()
+                outer.t0 = now(device)
 
             def on_step_end(self, *a, **k):
-                outer.done.put(time.perf_counter() - outer.t0)
+                outer.done.put(now(device) - outer.t0)
 
         self.trainer.add_callback(Gate())
 

@@ -44,13 +44,17 @@ def main() -> None:
                    help="cProfile PolyRL's timed steps into DIR/<size>/profile-*.prof")
     args = p.parse_args()
     threads, why = c.resolve_threads(args.threads)
-    sizes = args.sizes or (["0.3M"] if args.quick else ["0.3M", "20M"])
+    gpu = args.device == "cuda"
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    sizes = args.sizes or (["20M"] if gpu and args.quick else ["20M", "0.5B"] if gpu
+                           else ["0.3M"] if args.quick else ["0.3M", "20M"])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (2 if args.quick else 5)
     isolate = not args.in_process
     T = args.max_new_tokens
 
-    print(f"grpo_vs_trl: seconds per GRPO step (16 prompts x 8 samples, {T} new tokens each)\n")
+    print(f"grpo_vs_trl: seconds per GRPO step (16 prompts x 8 samples, {T} new tokens each; "
+          f"{args.device}, {dtype})\n")
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else f"UNAVAILABLE ({vwhy})"))
@@ -62,11 +66,13 @@ def main() -> None:
     for size in sizes:
         model = c.build_model(size)
         nparams = c.param_count(model)
-        common = dict(n=8, prompts=16, max_new_tokens=T)
+        common = dict(n=8, prompts=16, max_new_tokens=T, device=args.device, dtype=dtype)
         specs = {HF: ("polyrl", dict(model=model, engine="hf", **common))}
         if ok:
+            # on a GPU the contenders share it: the vLLM engine takes 30% for weights + cache
+            memory = {"gpu_memory_utilization": 0.3} if gpu else {"kv_cache_gb": 0.25}
             specs[VLLM] = ("polyrl", dict(model=model, engine="vllm", engine_args={
-                "max_model_len": 64 + T + 32, "kv_cache_gb": 0.25}, **common))
+                "max_model_len": 64 + T + 32, **memory}, **common))
         specs[TRL] = ("trl", dict(model=model, total_steps=warmup + steps, **common))
         if args.trl_gradient_checkpointing:
             specs[TRL + " (grad ckpt)"] = ("trl", dict(model=model, total_steps=warmup + steps,
@@ -86,7 +92,7 @@ def main() -> None:
             recs = timed[name].get("default", [])
             if r.error or not recs:
                 res[name] = {"error": r.error or "no steps"}
-                rows.append([size, c.fmt_params(nparams), name] + [float("nan")] * 5
+                rows.append([size, c.fmt_params(nparams), name] + [float("nan")] * 6
                             + [(r.error or "no steps").splitlines()[-1][:80]])
                 continue
             s = c.summarize([x["step_s"] for x in recs])
@@ -94,11 +100,12 @@ def main() -> None:
                                                         "reward_credit_s", "mean_len")})
             s["startup"] = r.info
             res[name] = s
+            s["tokens_per_s"] = 8 * 16 * s["mean_len"] / s["median_s"]  # sampled, per step
             rows.append([size, c.fmt_params(nparams), name, s["median_s"], s["min_s"],
-                         s["rollout_s"], s["update_s"], s["mean_len"], ""])
+                         s["tokens_per_s"], s["rollout_s"], s["update_s"], s["mean_len"], ""])
         if not ok:
             res[VLLM] = {"error": f"unavailable: {vwhy}"}
-            rows.append([size, c.fmt_params(nparams), VLLM] + [float("nan")] * 5
+            rows.append([size, c.fmt_params(nparams), VLLM] + [float("nan")] * 6
                         + [f"unavailable: {vwhy}"[:80]])
         trl = res[TRL].get("median_s")
         polys = {k: v["median_s"] for k, v in res.items() if k.startswith("PolyRL") and "median_s" in v}
@@ -117,8 +124,9 @@ def main() -> None:
         results["sizes"][size] = {"params": nparams, "results": res}
 
     print()
-    print(c.table(["size", "params", "contender", "median s/step", "min s/step",
+    print(c.table(["size", "params", "contender", "median s/step", "min s/step", "tokens/s",
                    "rollout s", "update s", "resp len", "note"], rows))
+    print("\n(tokens/s: response tokens sampled and trained on per second of a whole step)")
     print("\n(rollout s / update s: PolyRL's split of its step; TRL does not expose one)")
     print("\nRatios, TRL seconds per step / PolyRL seconds per step (higher = PolyRL faster):")
     print("\n".join(ratio_lines) if ratio_lines else "  (no ratio: a contender failed)")
