@@ -86,6 +86,33 @@ def _install(work: str) -> None:
                            "working directory")
 
     sys.addaudithook(hook)
+    _remove_unaudited()
+
+
+# Calls that reach other processes without raising an audit event (CPython 3.10-3.13):
+# pidfds signal any process of the same uid, and fork_exec is what subprocess runs
+# underneath its audited Popen. Replaced in the C modules too, so reloading os, signal or
+# subprocess does not bring them back.
+UNAUDITED = {"posix": ("pidfd_open",), "os": ("pidfd_open",),
+             "_signal": ("pidfd_send_signal",), "signal": ("pidfd_send_signal",),
+             "_posixsubprocess": ("fork_exec",)}
+
+
+def _remove_unaudited() -> None:
+    import importlib
+
+    for module_name, names in UNAUDITED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if hasattr(module, name):
+                setattr(module, name, _denied(f"{module_name}.{name}"))
+
+
+def _denied(what: str):
+    def refuse(*args, **kwargs):
+        raise PermissionError(f"sandbox: {what} is not allowed (no network, processes or "
+                              "signals)")
+    return refuse
 
 
 def _main() -> None:

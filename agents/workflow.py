@@ -115,6 +115,11 @@ class MultiTurn:
     - ``policy``: the acting policy (default: the first).
     """
 
+    # What each transcript line adds (from the row's meta): a step-mode row is one turn, so
+    # the line also says which episode and turn it is and how the whole episode went.
+    transcript_keys = ("episode", "sample", "turn", "turns", "actions", "turn_rewards",
+                       "success", "finish", "final_observation")
+
     def __init__(self, ctx, env: str = "gridworld", env_args: dict | None = None,
                  mode: str = "concat", history: int | None = 0, max_turns: int = 8,
                  max_tokens: int | None = None, max_turn_tokens: int | None = None,
@@ -333,7 +338,7 @@ class MultiTurn:
             rows["prompt_text"].append(decode(prompt, skip_special_tokens=False))
             rows["response_text"].append(response_text)
             rows["truncated"].append(ep.truncated)
-            rows["meta"].append({"spans": spans})
+            rows["meta"].append({"spans": spans, "turn": turn})
 
         for ep in episodes:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count

@@ -52,6 +52,10 @@ class AlgorithmConfig:
     kl_coef: float = doc(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
     kl_estimator: str = doc("low_var_kl", "per-token KL estimator for the KL loss term")
     entropy_coef: float = doc(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    log_entropy: bool = doc(
+        True, "report the policy's mean entropy per trained token (metric <policy>/entropy) "
+        "even when entropy_coef is 0: one softmax over the vocabulary per response token, "
+        "no gradient through it")
     gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns)")
     lam: float = doc(1.0, "GAE lambda (for estimators that use it)")
     norm_adv_by_std: bool = doc(True, "grpo/grpo_passk: divide by the group std (off = Dr.GRPO)")

@@ -146,10 +146,17 @@ def response_logprobs(
         tail = model(input_ids=batch["response_ids"], attention_mask=mask, position_ids=pos,
                      past_key_values=cache, use_cache=True).logits
         logits = torch.cat([head.logits[inverse], tail[:, :-1]], dim=1).float()
+    return token_logprobs(logits, batch["response_ids"], temperature, with_entropy)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``ids`` under softmax(logits / temperature), and optionally the entropy
+    of that distribution: the one the engine sampled from, so the first ratio is exactly 1."""
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) - lse
+    logp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:
         probs = torch.softmax(logits, dim=-1)

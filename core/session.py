@@ -203,10 +203,11 @@ class Session:
         cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
         meta = strings(record, "meta")
         rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
+        extra = getattr(self.workflow, "transcript_keys", ())  # a workflow's own row facts
         return [{"policy": cols["policy"][i], "prompt": cols["prompt_text"][i],
                  "response": cols["response_text"][i], "answer": meta[i].get("answer"),
                  "reward": rewards_[i] if math.isfinite(rewards_[i]) else None,
-                 "error": cols["error"][i]}
+                 "error": cols["error"][i], **{key: meta[i].get(key) for key in extra}}
                 for i in range(min(k, record.batch_size[0]))]
 
     def write_samples(self, step: int, record: TensorDict) -> None:

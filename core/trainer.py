@@ -11,8 +11,8 @@ takes the loss totals (``AggInfo``) from the whole mini-batch and then computes 
 own share of the rows. Every rank runs the same number of forward/backward passes (a
 rank short of rows runs a zero-weighted pass), because FSDP's collectives need all ranks.
 The returned metrics are this rank's; the single-process values are ``loss`` summed over
-ranks and divided by ``world``, and ``kl``/``entropy`` (each optimizer step's mini-batch
-value) averaged over ranks.
+ranks and divided by ``world``, and ``kl`` (each optimizer step's mini-batch value) and
+``entropy`` (mean per trained token of the rows this rank ran) averaged over ranks.
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                                          batch, mb_size, dp)
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
     skip_zero = algo.skips_zero_advantage()
-    stats: dict = {"skipped_nonfinite": 0, "grad_norm": [], "loss": [], "kl": [], "entropy": [],
-                   "rows_skipped": 0}
+    want_entropy = algo.entropy_coef > 0 or algo.log_entropy
+    stats: dict = {"skipped_nonfinite": 0, "grad_norm": [], "loss": [], "kl": [],
+                   "rows_skipped": 0, "entropy_sum": 0.0, "entropy_tokens": 0.0}
     extra: dict[str, list[float]] = {}
     policy.model.train(True)
     for _ in range(algo.ppo_epochs):
@@ -145,20 +146,23 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
             if skip_zero:  # after the totals: they still count every row
                 mini_batch, skipped = _rows_with_signal(mini_batch)
                 stats["rows_skipped"] += skipped
-            kl_sum = ent_sum = 0.0  # micro-batch terms sum to the mini-batch's value
+            kl_sum = 0.0  # micro-batch terms sum to the mini-batch's value
             for mb, real in _rank_micro_batches(mini_batch, mb_size, dp):
                 mask = mb["loss_mask"].float()
-                logp, ent = policy.logprobs(mb, temperature, with_entropy=algo.entropy_coef > 0)
+                logp, ent = policy.logprobs(mb, temperature, with_entropy=want_entropy)
+                if ent is not None and algo.entropy_coef == 0:
+                    ent = ent.detach()  # metric only: free its softmax before the backward
                 old = logp.detach() if reuse_old else mb["old_logprobs"]
                 loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg)
                 if kl_fn is not None:
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, agg)
                     loss = loss + algo.kl_coef * kl
                     kl_sum += float(kl.detach()) if real else 0.0
-                if ent is not None:
-                    ent_term = aggregate(ent, mask, agg)
-                    loss = loss - algo.entropy_coef * ent_term
-                    ent_sum += float(ent_term.detach()) if real else 0.0
+                if ent is not None and algo.entropy_coef > 0:
+                    loss = loss - algo.entropy_coef * aggregate(ent, mask, agg)
+                if ent is not None and real:  # a metric: the mean over trained tokens
+                    stats["entropy_sum"] += float((ent.detach() * mask).sum())
+                    stats["entropy_tokens"] += float(mask.sum())
                 if not real:  # a stand-in pass keeps FSDP's collectives in step; no gradient
                     (loss * 0.0).backward()
                     continue
@@ -168,17 +172,17 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                     extra.setdefault(k, []).append(float(v))
             if kl_fn is not None:
                 stats["kl"].append(kl_sum)
-            if algo.entropy_coef > 0:
-                stats["entropy"].append(ent_sum)
             _step(policy, stats)
     policy.model.train(False)
     out = {"loss": sum(stats["loss"]), "skipped_nonfinite": float(stats["skipped_nonfinite"]),
            "lr": policy.scheduler.get_last_lr()[0]}
     if skip_zero:
         out["zero_adv_skipped_frac"] = stats["rows_skipped"] / (n * algo.ppo_epochs)
-    for key in ("grad_norm", "kl", "entropy"):
+    for key in ("grad_norm", "kl"):
         if stats[key]:
             out[key] = sum(stats[key]) / len(stats[key])
+    if stats["entropy_tokens"] > 0:
+        out["entropy"] = stats["entropy_sum"] / stats["entropy_tokens"]
     out.update({k: sum(v) / len(v) for k, v in extra.items()})
     return out
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from polyrl.core.policy import token_logprobs
 from polyrl.multimodal.images import ImageError, ImageRef, ResizeRule, decode
 
 # Process-wide counters (tests and metrics read them): images / videos / frames decoded and
@@ -550,13 +551,4 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     logits, _, _ = vl_forward(model, ids, mask, rows, logits_to_keep=r + 1,
                               dummy_if_empty=dummy_if_empty, image_mask=image_mask,
                               video_mask=video_mask, position_ids=positions)
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
-    return logp, entropy
+    return token_logprobs(logits[:, :-1].float(), response_ids, temperature, with_entropy)

@@ -8,7 +8,9 @@ mention a plugin do not count, and imports inside functions do.
 from __future__ import annotations
 
 import ast
-from importlib.metadata import entry_points
+import re
+import sys
+from importlib.metadata import entry_points, packages_distributions
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,30 @@ def test_extras():
     everything = " ".join(project["optional-dependencies"]["all"])
     for plugin in PLUGINS:
         assert plugin in everything, f"the 'all' extra does not include {plugin!r}"
+
+
+# Core modules whose third-party import is optional: the vLLM engine is picked by name.
+OPTIONAL_CORE_IMPORTS = {"vllm"}
+
+
+def test_core_imports_are_base_dependencies():
+    """`pip install polyrl[marl]` must train: whatever the core imports is a base dependency."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0].lower().replace("_", "-")
+            for req in project["dependencies"]}
+    dists = packages_distributions()
+    needed: dict[str, str] = {}
+    for path in sources("core"):
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            if not top or top in {"polyrl", "__future__"} or top in sys.stdlib_module_names \
+                    or top in OPTIONAL_CORE_IMPORTS:
+                continue
+            for dist in dists.get(top, [top]):
+                needed.setdefault(dist.lower().replace("_", "-"), str(path.relative_to(ROOT)))
+    assert {"torch", "transformers", "verl", "ray"} <= set(needed)  # the scan sees imports
+    missing = {dist: where for dist, where in needed.items() if dist not in base}
+    assert not missing, f"the core imports packages that are not base dependencies: {missing}"
 
 
 def test_plugin_entry_points():

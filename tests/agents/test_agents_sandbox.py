@@ -176,6 +176,21 @@ def test_killing_the_parent_or_the_trainer_fails(caps, audit):
         assert r.error in ("exception", "blocked"), r.stderr  # PermissionError/ProcessLookup
 
 
+@pytest.mark.parametrize("code", [
+    "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
+    "import importlib, os, signal\nimportlib.reload(os)\nimportlib.reload(signal)\n"
+    "signal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
+    "import _posixsubprocess\n_posixsubprocess.fork_exec()",
+], ids=["pidfd", "pidfd-after-reload", "fork_exec"])
+def test_calls_without_an_audit_event_are_refused_too(code):
+    """Where no separate uid or namespace guards the trainer, the hook is all there is:
+    signalling through a pidfd or forking through subprocess's C helper is refused."""
+    r = box().run(code.format(pid=MY_PID) + "\nprint('still here')")
+    assert os.getpid() == MY_PID
+    assert_contained(r, "blocked")
+    assert "still here" not in r.stdout
+
+
 def test_sys_exit_is_reported_with_its_status():
     r = box().run("import sys\nprint('bye')\nsys.exit(3)")
     assert_contained(r, "exit")

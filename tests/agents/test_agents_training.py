@@ -58,3 +58,15 @@ def test_a_raising_env_costs_only_its_episodes_and_the_batch_trains(grid_model_d
     assert crashed and all("step (turn 0) raised RuntimeError: simulator crashed" in s["error"]
                            for s in crashed)
     assert crashed[0]["reward"] is None  # left out, not scored 0
+    # a step-mode line is one turn; it also says which episode it is and how that went
+    for line in samples:
+        assert 0 <= line["turn"] < line["turns"] <= 3 and len(line["actions"]) == line["turns"]
+        assert line["actions"][line["turn"]] == line["response"]
+        assert isinstance(line["success"], bool) and line["finish"]
+    by_episode: dict = {}  # episode ids count within a step's rollout
+    for p in sorted((run.path / "samples").glob("train_step_*")):
+        for x in p.read_text().splitlines():
+            line = json.loads(x)
+            by_episode.setdefault((p.name, line["episode"]), []).append(line["turn"])
+    assert any(len(turns) > 1 for turns in by_episode.values())
+    assert all(turns == list(range(len(turns))) for turns in by_episode.values())

@@ -86,8 +86,8 @@ def test_train_leaves_a_complete_run(trained):
     steps = [r["step"] for r in rows if "reward/mean" in r]
     assert steps == [1, 2]
     assert any("eval/accuracy" in r for r in rows)
-    assert is_png(run_dir / "plots" / "reward.png")
-    assert is_png(run_dir / "plots" / "accuracy.png")
+    for panel in ("reward", "accuracy", "kl", "entropy", "length", "loss"):
+        assert is_png(run_dir / "plots" / f"{panel}.png"), f"no {panel} curve"
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     assert [p.name for p in ckpts] == ["step_000002"]
     assert (ckpts[0] / "COMPLETE").is_file()

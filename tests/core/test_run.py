@@ -238,31 +238,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_resume_after_kill_while_writing_checkpoint(make_config, tmp_path, one_thread):
-    """A run killed mid-write leaves ``step_N.tmp``; the resume starts from the step before."""
-    from polyrl.core.loop import train
-
-    ref = train(make_config(*RESUME_OVERRIDES, f"run.dir={tmp_path}/ref", "train.steps=6"))
-    run = train(make_config(*RESUME_OVERRIDES, "train.steps=4"))
-    assert _steps(run) == [2, 4]
-    half = run.ckpt_dir / "step_000006.tmp"
-    half.mkdir()
-    (half / "trainer.pt").write_bytes(b"\x80\x02half")
-    resumed = train(make_config(*RESUME_OVERRIDES, "train.steps=6", "run.resume=true"))
-    assert resumed.path == run.path
-    assert _trained_steps(run.path) == [1, 2, 3, 4, 5, 6]  # went on from 4, nothing re-done
-    assert not half.exists() and _steps(resumed) == [4, 6]
-    a = _load(ref.ckpt_dir / "step_000006", "policy_main")
-    b = _load(resumed.ckpt_dir / "step_000006", "policy_main")
-    _assert_same_tensors(a["weights"], b["weights"], "weights after resume")
-    for (_, sa), (_, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items(),
-                                strict=True):
-        _assert_same_tensors(sa, sb, "optimizer state after resume")
-    ma, mb = _metrics(ref.path), _metrics(run.path)
-    assert ma[5] == mb[5] and ma[6] == mb[6]
-    assert any(ma[s]["advantage/zero_frac"] < 1 for s in (5, 6))  # the weights really moved
-
-
 RECIPE = """\
 seed: 3
 run: {{progress: false, tensorboard: false, save_every: 2, keep_checkpoints: 2,
@@ -284,11 +259,14 @@ train: {{steps: {steps}}}
 STEPS = 12  # 24 prompts, 4 per step: the data stream goes into its second epoch at step 7
 
 
-def _spawn(recipe: Path, cwd: Path, *args: str) -> subprocess.Popen:
+def _spawn(recipe: Path, cwd: Path, *args: str, script: str | None = None) -> subprocess.Popen:
+    """``polyrl train RECIPE ARGS`` in a fresh process (``script``: run this code instead of
+    the CLI module, with the same arguments)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
     log = open(cwd / f"log-{len(list(cwd.glob('log-*')))}.txt", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "polyrl.core.cli", "train", str(recipe), *args],
+    entry = ["-c", script] if script else ["-m", "polyrl.core.cli"]
+    proc = subprocess.Popen([sys.executable, *entry, "train", str(recipe), *args],
                             cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log  # type: ignore[attr-defined]
     return proc
@@ -300,6 +278,29 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     text = Path(proc.log.name).read_text()
     assert rc == 0, f"training exited with {rc}:\n{text[-4000:]}"
     return text
+
+
+# The child trains normally until it writes checkpoint KILL_AT: it writes half of that
+# checkpoint's first file and then SIGKILLs itself, as a power cut or an OOM kill would.
+KILL_MID_WRITE = """\
+import io, os, signal, sys
+import torch
+
+real_save = torch.save
+
+def save(obj, f, *args, **kwargs):
+    if isinstance(f, io.IOBase) and "step_{step:06d}.tmp" in getattr(f, "name", ""):
+        buf = io.BytesIO()
+        real_save(obj, buf, *args, **kwargs)
+        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *args, **kwargs)
+
+torch.save = save
+from polyrl.core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.fixture
@@ -386,3 +387,39 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
         assert ma[step] == mb[step], f"metrics of step {step} differ"
     assert json.loads((dir_a / "summary.json").read_text()) == json.loads(
         (dir_b / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(tiny_model_dir, tmp_path,
+                                                                         spawned):
+    """A real SIGKILL in the middle of writing checkpoint 6 (half a file on disk, no COMPLETE):
+    --resume goes on from checkpoint 4 and ends bitwise equal to a run that was never killed."""
+    steps = 6
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(model=tiny_model_dir, steps=steps, reward=LOW_DIGIT))
+    dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+    spawned.append(run_a := _spawn(recipe, tmp_path, f"run.dir={dir_a}"))
+    spawned.append(run_b := _spawn(recipe, tmp_path, f"run.dir={dir_b}",
+                                   script=KILL_MID_WRITE.format(step=steps)))
+    rc_b = run_b.wait(timeout=240)
+    run_b.log.close()
+    assert rc_b == -signal.SIGKILL, Path(run_b.log.name).read_text()[-3000:]
+    half = dir_b / "checkpoints" / f"step_{steps:06d}.tmp"
+    written = sorted(p.name for p in half.iterdir())
+    assert len(written) == 1 and "COMPLETE" not in written  # killed inside its first file
+    assert [p.name for p in sorted((dir_b / "checkpoints").glob("step_??????"))] == \
+        ["step_000002", "step_000004"]
+
+    spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b)))
+    _finish(resume)
+    _finish(run_a)
+    assert not half.exists()
+    assert _trained_steps(dir_b) == [1, 2, 3, 4, 5, 6, 5, 6]  # the killed run had logged 5, 6
+    final_a, final_b = (d / "checkpoints" / f"step_{steps:06d}" for d in (dir_a, dir_b))
+    pa, pb = _load(final_a, "policy_main"), _load(final_b, "policy_main")
+    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    for (_, sa), (_, sb) in zip(pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(),
+                                strict=True):
+        _assert_same_tensors(sa, sb, "optimizer state")
+    ma, mb = _metrics(dir_a), _metrics(dir_b)
+    assert all(ma[s] == mb[s] for s in range(1, steps + 1))

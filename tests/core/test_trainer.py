@@ -193,6 +193,41 @@ def test_sft_lowers_the_loss_on_its_batch(tiny_model_dir):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_entropy_is_reported_per_trained_token_without_a_bonus(tiny_model_dir):
+    """With entropy_coef 0 the update still reports the sampling distribution's entropy: the
+    mean over loss-mask tokens, computed here from a direct forward. The metric alone leaves
+    the update bitwise unchanged; the bonus changes it."""
+    policy = make_policy(tiny_model_dir, lr=0.0)
+    rec = rollout(policy)
+    rec["loss_mask"][0] = 0  # a row the policy does not train
+    ids = torch.cat([rec["prompt_ids"], rec["response_ids"]], 1)
+    mask = torch.cat([rec["prompt_mask"], rec["response_mask"]], 1)
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids, attention_mask=mask,
+                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    r = rec["response_ids"].shape[1]
+    logp = torch.log_softmax(logits[:, -r - 1 : -1].double() / 0.7, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    m = rec["loss_mask"].double()
+    out = update(policy, rec, AlgorithmConfig(skip_zero_advantage=False), temperature=0.7)
+    assert out["entropy"] == pytest.approx(float((ent * m).sum() / m.sum()), rel=1e-5)
+    # skipping zero-advantage rows: the mean over the rows the update ran
+    m = m * ((rec["advantages"] != 0) & (m > 0)).any(-1, keepdim=True)
+    assert 0 < m.sum() < rec["loss_mask"].sum()
+    out = update(policy, rec, AlgorithmConfig(), temperature=0.7)
+    assert out["entropy"] == pytest.approx(float((ent * m).sum() / m.sum()), rel=1e-5)
+    assert "entropy" not in update(policy, rec, AlgorithmConfig(log_entropy=False))
+
+    def trained(**kw):
+        p = make_policy(tiny_model_dir)
+        update(p, rec, AlgorithmConfig(**kw))
+        return weights(p)
+
+    plain = trained(log_entropy=False)
+    assert same(trained(), plain)  # the metric does not touch the gradient
+    assert not same(trained(entropy_coef=0.5), plain)  # the bonus does
+
+
 def test_kl_to_reference_is_zero_before_the_first_step(tiny_model_dir):
     cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-3))
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)

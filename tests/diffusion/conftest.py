@@ -82,3 +82,31 @@ def record_of():
                                       prompt_text=rows, meta=[{} for _ in rows])
 
     return make
+
+
+@pytest.fixture
+def diffusion_config(tiny_sd3_dir, tmp_path, one_thread):
+    """diffusion_config(*overrides) -> a small text-to-image Config (colour task, tiny SD3)."""
+    def make(*overrides: str):
+        import polyrl.core  # noqa: F401
+        import polyrl.diffusion  # noqa: F401
+        from polyrl.core.config import load
+        from polyrl.core.recipe import Config
+
+        base = [
+            f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
+            "task.name=colour", f"task.dir={tmp_path}/data",
+            "task.args={n_train: 32, per_colour_eval: 1}",
+            "policies.main.kind=diffusion", f"policies.main.model={tiny_sd3_dir}",
+            "policies.main.engine.name=diffusion", "policies.main.lora.r=4",
+            "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 2.0, "
+            "train_steps: {mode: fraction, fraction: 0.5}}",
+            "policies.main.args={max_sequence_length: 1}",
+            "rollout.workflow=text_to_image", "rollout.n=4", "rollout.prompts_per_step=3",
+            "eval.n=2", "eval.accuracy_term=colour_accuracy",
+            "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
+            "algorithm.credit=per_prompt", "train.steps=2",
+        ]
+        return load(Config, None, base + list(overrides))
+
+    return make

@@ -34,6 +34,24 @@ def test_recomputed_logprobs_match_with_batched_guidance(make_policy, record_of)
     torch.testing.assert_close(logp[mask], rec["rollout_logprobs"][mask], rtol=0, atol=1e-5)
 
 
+def test_first_ratio_is_exactly_one_with_the_default_batched_guidance(make_policy, record_of):
+    """The trainer's old log-probs (a no-grad pass when it needs them: several epochs or
+    mini-batches) equal its grad pass bitwise, so the first ratio is exactly 1 whatever the
+    sampling layout; with one epoch and one mini-batch the update reports it."""
+    policy, engine = make_policy(lora=4)
+    _, rec = record_of(policy, engine)
+    mask = rec["loss_mask"].bool()
+    with torch.no_grad():
+        old, _ = policy.logprobs(rec)
+    new, _ = policy.logprobs(rec)
+    assert new.requires_grad
+    assert torch.all(torch.exp(new[mask] - old[mask]) == 1.0)
+    rec["reward"] = torch.rand(rec.batch_size[0])
+    per_prompt_credit(rec, AlgorithmConfig())
+    out = update(policy, rec, AlgorithmConfig())
+    assert out["ppo_kl"] == 0.0 and out["pg_clipfrac"] == 0.0
+
+
 def test_recomputed_logprobs_match_in_other_micro_batches(make_policy, record_of):
     policy, engine = make_policy(train_steps={"mode": "fraction", "fraction": 0.5})
     _, rec = record_of(policy, engine)
@@ -66,6 +84,26 @@ def test_kl_is_zero_while_the_adapter_is_unchanged(make_policy, record_of):
     kl = gaussian_mean_kl(logp, ref)
     assert torch.isfinite(kl).all() and kl[rec["loss_mask"].bool()].min() > 0
     assert (kl[~rec["loss_mask"].bool()] == 0).all()
+
+
+def test_text_encoders_and_vae_are_frozen_and_each_prompt_is_encoded_once(make_policy,
+                                                                          monkeypatch):
+    policy, _ = make_policy(lora=4)
+    fam = policy.family
+    frozen = [fam.vae] + [e for e in (fam.text.text_encoder, fam.text.text_encoder_2,
+                                      fam.text.text_encoder_3) if e is not None]
+    trained = {id(p) for g in policy.optimizer.param_groups for p in g["params"]}
+    assert len(frozen) >= 3 and trained
+    for module in frozen:
+        assert not any(p.requires_grad for p in module.parameters())
+        assert trained.isdisjoint(id(p) for p in module.parameters())
+    calls, real = [], fam.encode
+    monkeypatch.setattr(fam, "encode", lambda ps: calls.append(list(ps)) or real(ps))
+    first, _ = policy.encode(["red", "blue", "red"])
+    second, _ = policy.encode(["blue", "red", "green"])
+    assert calls == [["red", "blue"], ["green"]]  # distinct prompts, each once per run
+    assert torch.equal(first[0], first[2]) and torch.equal(first[0], second[1])
+    assert torch.equal(second[2], real(["green"])[0][0])  # the cache holds the encoding
 
 
 def test_gaussian_mean_kl_formula():

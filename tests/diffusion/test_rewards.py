@@ -184,5 +184,5 @@ def test_reward_model_args_are_required():
 def test_unknown_reward_name_fails_at_config_time_naming_the_nearest():
     import polyrl.diffusion  # noqa: F401
 
-    with pytest.raises((ConfigError, KeyError, ValueError), match="jpeg_compressibility"):
+    with pytest.raises((ConfigError, KeyError, ValueError), match="did you mean 'jpeg_compressibility'"):
         load(Config, None, ["policies.main.model=x", "reward.terms=[{name: jpeg_compresibility}]"])

@@ -56,6 +56,33 @@ def train_keep_session(cfg: Config, monkeypatch):
     return run, held
 
 
+def train_through_the_cli(tmp_path: Path, models: Path, seed: int, capsys):
+    """``polyrl train signaling`` with the progress bar and TensorBoard on, then check that
+    the run directory holds everything the README lists for command (1)."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.core.cli import main
+
+    run_dir = tmp_path / "run"
+    t0, c0 = time.perf_counter(), time.process_time()
+    assert main(["train", "signaling", f"run.dir={run_dir}", f"task.dir={tmp_path}/data",
+                 f"seed={seed}", *pair(models)]) == 0
+    held = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    out = capsys.readouterr().out
+    assert f"run directory: {run_dir}" in out
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        assert (run_dir / name).is_file(), name
+    assert any((run_dir / "tensorboard").iterdir())
+    for panel in ("reward", "accuracy", "kl", "entropy", "length", "loss"):
+        png = run_dir / "plots" / f"{panel}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"no {panel} curve"
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert last.name == "step_000150" and (last / "COMPLETE").is_file()
+    for agent in ("speaker", "listener"):
+        AutoModelForCausalLM.from_pretrained(run_dir / "export" / agent)
+    return run_dir, held
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """Where the recipes build their tiny models (once per module)."""
@@ -70,16 +97,20 @@ def pair(models: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_signaling_game_learns(seed, models, tmp_path, monkeypatch):
-    cfg = recipe("signaling_magrpo.yaml", tmp_path, models, f"seed={seed}", *pair(models))
-    run, held = train_keep_session(cfg, monkeypatch)
-    points = curve(run.path)
+def test_signaling_game_learns(seed, models, tmp_path, monkeypatch, capsys):
+    if seed == 1:  # README command (1) itself: the packaged recipe by name, through the CLI
+        run_path, held = train_through_the_cli(tmp_path, models, seed, capsys)
+    else:
+        cfg = recipe("signaling_magrpo.yaml", tmp_path, models, f"seed={seed}", *pair(models))
+        run, held = train_keep_session(cfg, monkeypatch)
+        run_path = run.path
+    points = curve(run_path)
     print(f"\nseed {seed}: held-out success {points} "
           f"({held['wall_s']:.0f} s wall, {held['cpu_s']:.0f} s CPU)")
     start, end = points[0][1], points[-1][1]
     assert start <= 0.4, f"success after the format warm start should be near 1/{K}: {start}"
     assert end >= 0.9, points
-    assert any((run.path / "samples").iterdir())
+    assert any((run_path / "samples").iterdir())
     if seed != 0:
         return
     # Swap: the trained speaker with a fresh listener (format warm start only) is back near
