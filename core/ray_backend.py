@@ -21,7 +21,9 @@ What runs where:
 - **Rewards.** A reward term with ``actor: {num_cpus, num_gpus, threads}`` is scored on
   its own actor (a reward model loads there once, on its own device); the others run
   on the driver. A dead reward actor is an :class:`ActorError` naming the term.
-- **LoRA** (``lora.r > 0``, causal-LM kinds). Every rank wraps the base in PEFT as in
+- **LoRA** (``lora.r > 0``; causal-LM kinds, and kinds whose class sets ``ray_lora = True``:
+  one PEFT adapter of plain linear layers on the policy's own model, as the diffusion
+  kind's). Every rank wraps the base in PEFT as in
   local mode (from the driver's RNG state, so the adapter starts as local mode's would),
   takes rank 0's initial adapter, and shards the wrapped model the same way
   (frozen base and trainable adapter weights share each layer's unit; the optimizer holds
@@ -33,10 +35,13 @@ What runs where:
 - **Driver.** ``make_policy`` returns a :class:`RayPolicy` proxy (tokenizer loaded
   locally; ``state_dict``/``load_state_dict`` move the gathered weights, optimizer and
   scheduler; ``export`` has rank 0 write the Hugging Face folder, or the PEFT adapter
-  folder for LoRA, so in a multi-node run the run directory must be on storage rank 0's
-  node sees). ``make_engine`` returns a :class:`RayEngine` proxy with the engine
-  interface (with ``generate_vl`` when the policy's engine takes images, so a VL workflow
-  runs unchanged; its vision inputs are pickled into the call).
+  folder for LoRA, or what the policy's ``export_weights(out_dir, weights)`` writes from
+  the gathered weights when its kind has one; so in a multi-node run the run directory must
+  be on storage rank 0's node sees). ``make_engine`` returns a proxy with the interface the
+  engine class offers: :class:`RayEngine` (``generate``), :class:`RayVLEngine` (also
+  ``generate_vl`` when the engine takes images, so a VL workflow runs unchanged; its vision
+  inputs are pickled into the call), :class:`RayTrajectoryEngine` (``sample``/``decode``,
+  an engine that samples trajectories rather than token ids, as the diffusion engine does).
 
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
@@ -44,8 +49,8 @@ from its last checkpoint (``run.resume=true`` / ``polyrl train --resume``) with 
 actors. A policy's checkpoint has the same layout as in local mode (the full weights, or
 the adapter weights alone under LoRA; the optimizer state keyed by parameter position;
 the schedule), so a run saved under one backend resumes under the other. Not supported
-yet: LoRA on other policy kinds, and base models shared between policies (the
-``lora_agent`` kind: each group would need an adapter-aware gather per policy).
+yet: LoRA on other policy kinds (without ``ray_lora``), and base models shared between
+policies (the ``lora_agent`` kind: each group would need an adapter-aware gather per policy).
 
 Actors start in the background (all policies and engines load at once); the first call
 to a group or engine waits for it. Every Ray node needs the same Python environment with
@@ -286,6 +291,18 @@ class RayEngine:
         self.group.call_engine("load_state_dict", state)
 
 
+class RayTrajectoryEngine(RayEngine):
+    """The handle on an engine actor whose engine samples whole trajectories from prompt
+    texts (it has ``sample`` and ``decode``, not ``generate``): the engine's own interface,
+    one actor call each; the results (dataclasses of tensors) are pickled back."""
+
+    def sample(self, prompts: list[str], **kwargs) -> Any:
+        return self.group.call_engine("sample", list(prompts), **kwargs)
+
+    def decode(self, outputs: torch.Tensor) -> Any:
+        return self.group.call_engine("decode", outputs)
+
+
 class RayVLEngine(RayEngine):
     """The handle on an engine actor whose engine takes images (it has ``generate_vl``), so
     ``hasattr(engine, "generate_vl")`` on the driver says what the actor's engine can do."""
@@ -321,20 +338,31 @@ def _reduce(outs: list[dict[str, float]], world: int) -> dict[str, float]:
 
 
 def _check_lora_kind(name: str, cfg: Any) -> None:
-    """LoRA runs here for causal-LM kinds (one PEFT adapter on the policy's own base);
-    kinds that share a base model between policies (``lora_agent``) or adapt other model
-    types would need their own gather and merge."""
+    """LoRA runs here for causal-LM kinds and kinds that declare ``ray_lora`` (one PEFT
+    adapter of plain linear layers on the policy's own model, so the gather and the
+    engine's merge apply); kinds that share a base model between policies (``lora_agent``)
+    would need their own gather and merge."""
     from polyrl.core.policy import CausalLMPolicy
 
     if not uses_lora(cfg):
         return
     kind = POLICIES.get(cfg.kind)
-    if not (isinstance(kind, type) and issubclass(kind, CausalLMPolicy)):
+    if not (isinstance(kind, type) and (issubclass(kind, CausalLMPolicy)
+                                        or getattr(kind, "ray_lora", False))):
         raise ConfigError(
             f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "
-            "distributed.backend=ray yet (LoRA runs there for causal_lm-type kinds only; a base "
-            "model shared between policies, as lora_agent does, needs a per-adapter gather); "
-            "use distributed.backend=local")
+            "distributed.backend=ray yet (LoRA runs there for causal_lm-type kinds and kinds "
+            "that set ray_lora; a base model shared between policies, as lora_agent does, "
+            "needs a per-adapter gather); use distributed.backend=local")
+
+
+def _engine_handle(engine_cls: Any) -> type[RayEngine]:
+    """The driver-side handle offering the interface the engine class offers."""
+    if hasattr(engine_cls, "generate_vl"):
+        return RayVLEngine
+    if not hasattr(engine_cls, "generate") and hasattr(engine_cls, "sample"):
+        return RayTrajectoryEngine
+    return RayEngine
 
 
 class RayBackend:
@@ -370,8 +398,7 @@ class RayBackend:
     def make_engine(self, name, policy, cfg, *, seed):
         policy.group.make_engine(cfg, seed)
         engine_cls = ENGINES.get(cfg.engine.name)
-        handle = RayVLEngine if hasattr(engine_cls, "generate_vl") else RayEngine
-        return handle(policy, engine_cls)
+        return _engine_handle(engine_cls)(policy, engine_cls)
 
     def reward_runners(self, reward_cfg: Any) -> dict:
         """Remote runners for the reward terms that ask for their own actor."""

@@ -315,16 +315,22 @@ class PolicyWorker:
 
     def export(self, out_dir: str) -> None:
         """Rank 0 writes the Hugging Face folder from the gathered weights (under LoRA,
-        PEFT's ``save_pretrained`` keeps the adapter alone, as in local mode)."""
+        PEFT's ``save_pretrained`` keeps the adapter alone, as in local mode). A policy kind
+        with its own export format (``export_weights(out_dir, weights)``, e.g. diffusers')
+        writes it from the gathered weights instead: its own module holds only a shard."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         weights = get_model_state_dict(self.policy.model, options=self._full())
         if self.rank == 0:
             out = Path(out_dir)
-            self.policy.model.save_pretrained(out, state_dict=weights)
-            # a VLM's processor (tokenizer, image processor, chat template) when it has one
-            (getattr(self.policy, "processor", None) or self.policy.tokenizer).save_pretrained(out)
+            if (export := getattr(self.policy, "export_weights", None)) is not None:
+                export(out, weights)
+            else:
+                self.policy.model.save_pretrained(out, state_dict=weights)
+                # a VLM's processor (tokenizer, image processor, chat template) if it has one
+                (getattr(self.policy, "processor", None)
+                 or self.policy.tokenizer).save_pretrained(out)
         dist.barrier()
 
     def close(self) -> None:
@@ -363,6 +369,13 @@ class EngineWorker:
 
     def generate_vl(self, prompts, visions, params, **kwargs):
         return self.engine.generate_vl(prompts, visions, params, **kwargs)
+
+    def sample(self, prompts, **kwargs):
+        """A trajectory engine's ``sample`` (the diffusion engine's: prompt texts in)."""
+        return self.engine.sample(prompts, **kwargs)
+
+    def decode(self, outputs):
+        return self.engine.decode(outputs)
 
     def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
         if isinstance(weights, LoraFactors):

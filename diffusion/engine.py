@@ -3,7 +3,10 @@
 For each row it keeps the latent before and after every step, the σ's and timesteps, the
 step's log-probability (float32), which steps were noisy and which ones train. It shares
 the policy's module in local mode, so weight sync costs nothing; its RNG and the count of
-training rollouts (which moves a sliding training window) are part of checkpoints.
+training rollouts (which moves a sliding training window) are part of checkpoints. Under
+``distributed.backend: ray`` it runs on its own actor over its own copy of the model (the
+driver holds a handle with the same ``sample``/``decode``/``state_dict`` interface), and
+each sync loads the trainer's weights into that copy (a LoRA adapter merged into it).
 
 A row whose latent turns non-finite (NaN/inf) stops there: its error names the step, its
 later latents are zeros, it trains nothing, and the other rows carry on.
@@ -63,6 +66,11 @@ class DiffusionEngine:
 
     def sync(self) -> None:  # same module as the trainer's
         return None
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Images [B, 3, H, W] in [0, 1] from final latents: the engine decodes, so under
+        the Ray backend the VAE runs on the engine actor, next to the sampler."""
+        return self.policy.decode(latents)
 
     def state_dict(self) -> dict:
         return {"rng": self.gen.get_state(), "rollouts": self.rollouts}

@@ -17,7 +17,14 @@ KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's
 ``ref_logprobs`` returns the reference *means* of the trained steps and the KL estimator
 computes ``mean((μθ - μref)²) / (2·std²)`` per step from the means this policy attaches to
 its log-prob tensor. With the core's log-prob estimators (k1, k3, ...) it returns the
-reference log-probs of the recorded transitions, as a text policy does.
+reference log-probs of the recorded transitions, as a text policy does. The workflow, which
+knows the algorithm, writes that choice into the record (``kl_mode``), so the policy reads
+it wherever it runs (in this process or on a Ray worker); a record without it uses the
+policy's ``kl_mode`` attribute.
+
+Under ``distributed.backend: ray`` the transformer is sharded with FSDP2 over the ranks of
+a worker group, and every call of a sharded model is a collective: the ranks agree on the
+steps to run (see :meth:`DiffusionPolicy._steps_to_run`), so each calls it equally often.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
@@ -51,6 +59,7 @@ from polyrl.diffusion.models import FAMILIES, detect_family
 from polyrl.diffusion.samplers import SAMPLERS, get_sampler
 from polyrl.diffusion.selection import StepSelection
 
+KL_MODES = ("logprob", "mean")
 MEANS_ATTR = "_polyrl_step_means"
 STD_ATTR = "_polyrl_step_std"
 ENGINE_NAME = "diffusion"
@@ -150,8 +159,18 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
+def _data_parallel() -> bool:
+    """True on a rank of an FSDP worker group (the Ray backend), where ranks must agree on
+    how often they call the sharded model."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class DiffusionPolicy:
     """A diffusers text-to-image model (SD3 or FLUX family) as a trainable policy."""
+
+    # LoRA is one PEFT adapter on this policy's own transformer (plain linear layers), so
+    # the Ray backend can gather its factors and merge them into the engine's weights.
+    ray_lora = True
 
     def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
                  shared: dict | None = None, device: str | torch.device | None = None) -> None:
@@ -167,6 +186,7 @@ class DiffusionPolicy:
         self.family = family
         self.tokenizer = self.load_tokenizer(cfg, validate=False)
         model = family.transformer
+        self.transformer_class = type(model)  # export rebuilds a plain one (see export_weights)
         if cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         self.reference: torch.nn.Module | None = None
@@ -188,7 +208,9 @@ class DiffusionPolicy:
         self.model = model
         self.model.train(False)
         self.need_reference = need_reference
-        self.kl_mode = "logprob"  # "mean": ref_logprobs gives reference means (gaussian_mean KL)
+        # "mean": ref_logprobs gives reference means (gaussian_mean KL); a record's own
+        # kl_mode column (set by the workflow) takes precedence
+        self.kl_mode = "logprob"
         if not cfg.train:
             self.model.requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -269,10 +291,14 @@ class DiffusionPolicy:
         std = torch.zeros((b, n), dtype=torch.float32, device=self.device)
         means = torch.zeros((b, n, *lat.shape[2:]), dtype=torch.float32, device=self.device) \
             if want_means else None
+        run = self._steps_to_run(mask)
         for t in range(n):
-            rows = mask[:, t].nonzero().squeeze(1)
-            if rows.numel() == 0:
+            if not bool(run[t]):
                 continue
+            rows = mask[:, t].nonzero().squeeze(1)
+            stand_in = rows.numel() == 0  # another rank trains step t: call the model too
+            if stand_in:
+                rows = torch.zeros(1, dtype=torch.long, device=self.device)
             v = self.velocity(lat[rows, t], batch["timesteps"][rows, t],
                               batch["prompt_embeds"][rows], batch["pooled_prompt_embeds"][rows],
                               batch["negative_prompt_embeds"][rows],
@@ -281,12 +307,38 @@ class DiffusionPolicy:
             out = sampler.step(lat[rows, t], v, batch["sigmas"][rows, t],
                                batch["sigmas"][rows, t + 1], noise_level=batch["noise_level"][rows],
                                noise=True, prev_sample=lat[rows, t + 1])
+            if stand_in:  # weight zero, but in the graph: its backward is a collective too
+                logp = logp + 0.0 * out.log_prob.sum()
+                continue
             cols = torch.full_like(rows, t)
             logp = logp.index_put((rows, cols), out.log_prob)
             std = std.index_put((rows, cols), out.std.detach())
             if means is not None:
                 means = means.index_put((rows, cols), out.mean)
         return logp, means, std
+
+    def _steps_to_run(self, mask: Tensor) -> Tensor:
+        """[N] bool: the steps whose transformer call this micro-batch makes. In one process,
+        the steps some row trains. On an FSDP rank, the steps some row of *any* rank trains
+        (a rank without such a row runs a stand-in row weighted by zero), and step 0 when no
+        rank trains any: each call of the sharded model gathers weights from every rank."""
+        active = mask.any(0)
+        if not _data_parallel():
+            return active
+        flags = active.to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not bool(flags.any()):
+            flags[0] = 1  # every rank keeps a graph through the model for backward()
+        return flags.bool()
+
+    def _kl_mode(self, batch: TensorDict) -> str:
+        """The record's ``kl_mode`` (the workflow's choice), else this policy's attribute."""
+        if "kl_mode" not in batch.keys():  # noqa: SIM118 (TensorDict)
+            return self.kl_mode
+        mode = strings(batch, "kl_mode")[0] if batch.batch_size[0] else self.kl_mode
+        if mode not in KL_MODES:
+            raise ValueError(f"record column kl_mode={mode!r}; expected one of {KL_MODES}")
+        return mode
 
     def logprobs(self, batch: TensorDict, temperature: float = 1.0,
                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -295,7 +347,8 @@ class DiffusionPolicy:
         ``temperature`` does not apply to diffusion (the noise level is in the record);
         no entropy is returned.
         """
-        logp, means, std = self._transitions(batch, None, want_means=self.kl_mode == "mean")
+        logp, means, std = self._transitions(batch, None,
+                                             want_means=self._kl_mode(batch) == "mean")
         if not logp.requires_grad and torch.is_grad_enabled():
             # no trained step in this micro-batch: keep a (zero) graph for backward()
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -319,9 +372,10 @@ class DiffusionPolicy:
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> Tensor:
         """Reference log-probs [B,T] -- or, for the gaussian_mean KL, reference means."""
+        mean = self._kl_mode(batch) == "mean"
         with self._reference() as ref:
-            logp, means, _ = self._transitions(batch, ref, want_means=self.kl_mode == "mean")
-        return means if self.kl_mode == "mean" else logp
+            logp, means, _ = self._transitions(batch, ref, want_means=mean)
+        return means if mean else logp
 
     # --- state --------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, Tensor]:
@@ -350,17 +404,30 @@ class DiffusionPolicy:
         """diffusers format: a LoRA as ``pytorch_lora_weights.safetensors`` (load it with
         ``pipe.load_lora_weights``), a full fine-tune as the checkpoint folder with the new
         ``transformer/`` (other components copied when the source is a local folder)."""
+        return self.export_weights(out_dir, None)
+
+    def export_weights(self, out_dir: str | Path, weights: dict[str, Tensor] | None) -> Path:
+        """:meth:`export` from ``weights``, the model's full state dict: the Ray backend's
+        rank 0 gathers it from the FSDP shards, since its own module holds only a shard.
+        None: this process's (whole) model."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.cfg.lora.r > 0:
-            from peft import get_peft_model_state_dict
+            self._export_lora(out, weights)
+        else:
+            self._export_full(out, weights)
+        return out
 
-            layers = {k.removeprefix("base_model.model."): v
-                      for k, v in get_peft_model_state_dict(self.model).items()}
-            meta = self.model.peft_config["default"].to_dict()  # rank, alpha, targets
-            self.family.pipeline_class().save_lora_weights(
-                out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
-            return out
+    def _export_lora(self, out: Path, weights: dict[str, Tensor] | None) -> None:
+        from peft import get_peft_model_state_dict
+
+        layers = {k.removeprefix("base_model.model."): v
+                  for k, v in get_peft_model_state_dict(self.model, state_dict=weights).items()}
+        meta = self.model.peft_config["default"].to_dict()  # rank, alpha, targets
+        self.family.pipeline_class().save_lora_weights(
+            out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
+
+    def _export_full(self, out: Path, weights: dict[str, Tensor] | None) -> None:
         src = Path(self.path).expanduser()
         if src.is_dir():
             for item in src.iterdir():
@@ -371,8 +438,12 @@ class DiffusionPolicy:
                     shutil.copytree(item, dst, dirs_exist_ok=True)
                 else:
                     shutil.copy2(item, dst)
-        self.model.save_pretrained(out / "transformer")
-        return out
+        model = self.model
+        if weights is not None:  # a plain transformer around the gathered tensors (no copy)
+            with torch.device("meta"):
+                model = self.transformer_class.from_config(self.model.config)
+            model.load_state_dict(weights, assign=True)
+        model.save_pretrained(out / "transformer")
 
 
 POLICIES.register("diffusion", DiffusionPolicy)

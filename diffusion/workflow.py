@@ -9,6 +9,10 @@ with the deterministic ODE from seeds the session restores each time, so every
 evaluation sees the same prompts and the same starting noise. Each evaluation writes an
 image grid (one row per prompt) to ``<run>/samples/eval_rollout_<k>.png``; the first is
 also ``grid_before.png`` and the latest ``grid_after.png`` in the run directory.
+
+The workflow talks to the engine only through ``sample``, ``decode`` and ``state_dict``,
+and never to the policy, so under ``distributed.backend: ray`` it runs unchanged on the
+driver with the backend's handles (sampling and VAE decoding happen on the engine actor).
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.registry import WORKFLOWS, nearest
+from polyrl.core.registry import POLICIES, WORKFLOWS, nearest
 from polyrl.core.workflow import Context
-from polyrl.diffusion.engine import DiffusionEngine, Trajectories
+from polyrl.diffusion.engine import Trajectories
 from polyrl.diffusion.policy import DiffusionPolicy, policy_args, sampling_config
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
 
@@ -41,7 +45,8 @@ def _stack(values: list) -> NonTensorStack:
 
 
 def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_text: list[str],
-                     meta: list[dict], credit_args: dict | None = None) -> TensorDict:
+                     meta: list[dict], credit_args: dict | None = None,
+                     kl_mode: str | None = None) -> TensorDict:
     """The rollout record of diffusion trajectories (``B`` rows, ``N`` steps).
 
     Tensors: ``latents [B,N+1,*L]`` (x before every step and the final one), ``sigmas
@@ -51,7 +56,9 @@ def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_
     ``guidance [B]``, ``noise_level [B]``, the group keys ``uid/agent_id/turn/node``,
     ``reward`` (NaN until scored), ``valid``, ``truncated``. Non-tensor: ``policy``,
     ``prompt_text``, ``response_text``, ``error``, ``meta`` (with ``images``),
-    ``sampler`` and ``credit_args`` (per-prompt advantage options).
+    ``sampler``, ``credit_args`` (per-prompt advantage options) and, when given,
+    ``kl_mode`` (what the policy's ``ref_logprobs`` returns: ``mean`` for the gaussian_mean
+    KL, else ``logprob``).
     """
     b, n = traj.logprobs.shape
     valid = traj.alive
@@ -83,6 +90,8 @@ def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_
     td["meta"] = _stack(list(meta))
     td["sampler"] = _stack([traj.sampler] * b)
     td["credit_args"] = NonTensorData(dict(credit_args or {}))
+    if kl_mode is not None:
+        td["kl_mode"] = NonTensorData(kl_mode)
     return td
 
 
@@ -144,13 +153,16 @@ class TextToImage:
         if name not in ctx.policies:
             raise ConfigError(f"text_to_image: unknown policy {name!r}; have {sorted(ctx.policies)}")
         self.name, self.ctx, self.cfg = name, ctx, ctx.cfg
-        self.policy: DiffusionPolicy = ctx.policies[name]
-        self.engine: DiffusionEngine = ctx.engines[name]
-        if not isinstance(self.policy, DiffusionPolicy):
-            raise ConfigError(f"text_to_image: policy {name!r} is a {type(self.policy).__name__}; "
-                              "set policies.<name>.kind: diffusion")
-        if not isinstance(self.engine, DiffusionEngine):
+        # the policy's kind, not the object: under Ray, ctx holds the backend's handles
+        kind = POLICIES.get(self.cfg.policies[name].kind)
+        if not (isinstance(kind, type) and issubclass(kind, DiffusionPolicy)):
+            raise ConfigError(f"text_to_image: policy {name!r} is of kind "
+                              f"{self.cfg.policies[name].kind!r}; set policies.{name}.kind: "
+                              "diffusion")
+        self.engine = ctx.engines[name]  # DiffusionEngine, or the Ray backend's handle on one
+        if not (hasattr(self.engine, "sample") and hasattr(self.engine, "decode")):
             raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
+        self.sampling = sampling_config(self.cfg.policies[name], name)
         if self.cfg.sft.steps:
             raise ConfigError("sft.steps must be 0 with the text_to_image workflow (a diffusion "
                               "policy has no supervised warm start)")
@@ -161,10 +173,9 @@ class TextToImage:
             warnings.warn("text_to_image: algorithm.credit=group groups rows by dataset row; "
                           "per_prompt (Flow-GRPO's per-prompt statistics) is the usual choice",
                           stacklevel=2)
-        for pol in ctx.policies.values():
-            if isinstance(pol, DiffusionPolicy):
-                pol.kl_mode = "mean" if (algo.kl_coef > 0 and
-                                         algo.kl_estimator == "gaussian_mean") else "logprob"
+        # written into each record, so the policy reads it wherever it trains
+        self.kl_mode = "mean" if (algo.kl_coef > 0 and
+                                  algo.kl_estimator == "gaussian_mean") else "logprob"
         self.credit_args = {"adv_clip": adv_clip, "global_std": bool(global_std)}
         prepare_rewards(self.cfg.reward.terms)  # reward paths/models fail before sampling
         self.run_dir = ctx.extras.get("run_dir")
@@ -182,7 +193,7 @@ class TextToImage:
         alive = traj.alive
         images: list = [None] * len(traj.errors)
         if bool(alive.any()):
-            decoded = self.policy.decode(traj.latents[alive, -1])
+            decoded = self.engine.decode(traj.latents[alive, -1])
             for k, i in enumerate(alive.nonzero().flatten().tolist()):
                 images[i] = to_pil(decoded[k])
         rows = [items[int(i)] for i in traj.prompt_index]
@@ -190,7 +201,7 @@ class TextToImage:
                 for it, im in zip(rows, images, strict=True)]
         record = diffusion_record(traj, policy=self.name, uid=[it.uid for it in rows],
                                   prompt_text=[it.prompt_text for it in rows], meta=meta,
-                                  credit_args=self.credit_args)
+                                  credit_args=self.credit_args, kl_mode=self.kl_mode)
         if not training and self.save_grids:
             self.write_grid(images, [it.prompt_text for it in items], params.n)
         return record
@@ -199,9 +210,10 @@ class TextToImage:
         if self.run_dir is None:
             return None
         run = Path(self.run_dir)
-        scale = self.grid_scale or max(1, 64 // max(1, self.policy.sampling.height))
+        scale = self.grid_scale or max(1, 64 // max(1, self.sampling.height))
         grid = image_grid(images, cols=n, scale=scale)
-        out = run / "samples" / f"eval_rollout_{self.engine.rollouts:06d}.png"
+        rollouts = int(self.engine.state_dict()["rollouts"])  # the engine may be remote
+        out = run / "samples" / f"eval_rollout_{rollouts:06d}.png"
         out.parent.mkdir(parents=True, exist_ok=True)
         grid.save(out)
         (out.with_suffix(".json")).write_text(json.dumps({"rows": prompts, "per_row": n}))
