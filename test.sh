@@ -3,9 +3,21 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ./install.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
+# Two pytest-xdist workers of one thread each, a test file per worker at a time
+# (POLYRL_TEST_WORKERS=0: one process). Ray tests then run in one process, so the session
+# keeps one Ray cluster (tests/conftest.py marks every test that starts Ray).
+WORKERS=${POLYRL_TEST_WORKERS:-2}
+if [ "$WORKERS" -gt 0 ]; then
+  OMP_NUM_THREADS=1 .venv/bin/pytest -q --durations=12 -m "not gpu and not vllm and not ray" \
+    -n "$WORKERS" --dist loadfile "$@"
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv/bin/pytest -q --durations=6 \
+    -m "ray and not gpu and not vllm" "$@"
+else
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv/bin/pytest -q --durations=12 \
+    -m "not gpu and not vllm" "$@"
+fi
 # vLLM runs in-process and changes global state (torch threads, gc, torch.distributed),
 # so its tests get their own pytest process.
-.venv/bin/pytest -q --durations=12 -m "not gpu and not vllm" "$@"
-exec .venv/bin/pytest -q -m "vllm and not gpu" "$@"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} exec .venv/bin/pytest -q -m "vllm and not gpu" "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,7 +12,21 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# Tiny models run about as fast on one thread as on two, so under pytest-xdist (test.sh runs
+# two workers on a 2-core machine) each worker takes one core.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else 2)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts Ray carries the ``ray`` marker (those in a Ray test file or
+    using ``ray_cluster``), so test.sh can run them in one process with one cluster while
+    the rest run on pytest-xdist workers."""
+    for item in items:
+        name = os.path.basename(item.nodeid.split("::")[0])
+        if "ray_cluster" in item.fixturenames or re.search(r"(^|_)ray(_|\.py$)", name):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +108,4 @@ def update_both():
         assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
 
     return update
+
