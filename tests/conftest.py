@@ -108,4 +108,3 @@ def update_both():
         assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
 
     return update
-
