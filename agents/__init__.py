@@ -13,6 +13,19 @@ from polyrl.agents.sandbox import Sandbox, SandboxLimits, SandboxResult
 from polyrl.agents.tools import TOOL_PARSERS, Tool, ToolEnv, register_parser, tool
 from polyrl.agents.workflow import MultiTurn
 
-__all__ = ["TOOL_PARSERS", "ChatFormat", "Environment", "MultiTurn", "Sandbox", "SandboxLimits",
-           "SandboxResult", "StepResult", "Tool", "ToolEnv", "make_env_factory", "register_env",
-           "register_parser", "tool"]
+__all__ = [
+    "TOOL_PARSERS",
+    "ChatFormat",
+    "Environment",
+    "MultiTurn",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxResult",
+    "StepResult",
+    "Tool",
+    "ToolEnv",
+    "make_env_factory",
+    "register_env",
+    "register_parser",
+    "tool",
+]

@@ -27,18 +27,55 @@ def _install(work: str) -> None:
     read_roots.update({"/dev/null", "/dev/urandom", "/dev/zero"})
     roots = tuple(sorted(read_roots))
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    blocked = ("socket.", "os.kill", "os.killpg", "signal.pthread_kill", "os.fork",
-               "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-               "subprocess.Popen", "pty.spawn", "os.startfile", "webbrowser.open")
-    path_events_write = {"os.remove": 1, "os.rmdir": 1, "os.rename": 2, "os.replace": 2,
-                         "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.link": 2,
-                         "os.symlink": 2, "os.truncate": 1, "os.utime": 1, "os.chflags": 1,
-                         "os.lchflags": 1, "os.lchmod": 1, "os.setxattr": 1,
-                         "os.removexattr": 1, "shutil.rmtree": 1, "shutil.copyfile": 2,
-                         "shutil.copytree": 2, "shutil.move": 2, "shutil.chown": 1,
-                         "shutil.make_archive": 1, "shutil.unpack_archive": 2}
-    path_events_read = {"os.listdir": 1, "os.scandir": 1, "os.chdir": 1, "os.getxattr": 1,
-                        "os.listxattr": 1, "glob.glob": 1}
+    blocked = (
+        "socket.",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "os.fork",
+        "os.forkpty",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "subprocess.Popen",
+        "pty.spawn",
+        "os.startfile",
+        "webbrowser.open",
+    )
+    path_events_write = {
+        "os.remove": 1,
+        "os.rmdir": 1,
+        "os.rename": 2,
+        "os.replace": 2,
+        "os.mkdir": 1,
+        "os.chmod": 1,
+        "os.chown": 1,
+        "os.link": 2,
+        "os.symlink": 2,
+        "os.truncate": 1,
+        "os.utime": 1,
+        "os.chflags": 1,
+        "os.lchflags": 1,
+        "os.lchmod": 1,
+        "os.setxattr": 1,
+        "os.removexattr": 1,
+        "shutil.rmtree": 1,
+        "shutil.copyfile": 2,
+        "shutil.copytree": 2,
+        "shutil.move": 2,
+        "shutil.chown": 1,
+        "shutil.make_archive": 1,
+        "shutil.unpack_archive": 2,
+    }
+    path_events_read = {
+        "os.listdir": 1,
+        "os.scandir": 1,
+        "os.chdir": 1,
+        "os.getxattr": 1,
+        "os.listxattr": 1,
+        "glob.glob": 1,
+    }
     deny = PermissionError
 
     def inside(path, allowed) -> bool:
@@ -57,13 +94,16 @@ def _install(work: str) -> None:
             if path is None:
                 return
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & write_flags)
+                isinstance(flags, int) and flags & write_flags
+            )
             if writing and not inside(path, (work,)):
-                raise deny(f"sandbox: writing {path!r} is not allowed outside the working "
-                           "directory")
+                raise deny(
+                    f"sandbox: writing {path!r} is not allowed outside the working directory"
+                )
             if not writing and not inside(path, roots):
-                raise deny(f"sandbox: reading {path!r} is not allowed outside the working "
-                           "directory")
+                raise deny(
+                    f"sandbox: reading {path!r} is not allowed outside the working directory"
+                )
             return
         if event.startswith("ctypes."):
             if event == "ctypes.dlopen" and args and args[0] is None:
@@ -76,14 +116,16 @@ def _install(work: str) -> None:
         if event in path_events_write:
             for path in args[: path_events_write[event]]:
                 if path is not None and not inside(path, (work,)):
-                    raise deny(f"sandbox: {event} on {path!r} is not allowed outside the "
-                               "working directory")
+                    raise deny(
+                        f"sandbox: {event} on {path!r} is not allowed outside the working directory"
+                    )
             return
         if event in path_events_read and args and args[0] is not None:
             target = args[0]
             if not inside(target, roots if event != "os.chdir" else (work,)):
-                raise deny(f"sandbox: {event} on {target!r} is not allowed outside the "
-                           "working directory")
+                raise deny(
+                    f"sandbox: {event} on {target!r} is not allowed outside the working directory"
+                )
 
     sys.addaudithook(hook)
     _remove_unaudited()
@@ -93,9 +135,13 @@ def _install(work: str) -> None:
 # pidfds signal any process of the same uid, and fork_exec is what subprocess runs
 # underneath its audited Popen. Replaced in the C modules too, so reloading os, signal or
 # subprocess does not bring them back.
-UNAUDITED = {"posix": ("pidfd_open",), "os": ("pidfd_open",),
-             "_signal": ("pidfd_send_signal",), "signal": ("pidfd_send_signal",),
-             "_posixsubprocess": ("fork_exec",)}
+UNAUDITED = {
+    "posix": ("pidfd_open",),
+    "os": ("pidfd_open",),
+    "_signal": ("pidfd_send_signal",),
+    "signal": ("pidfd_send_signal",),
+    "_posixsubprocess": ("fork_exec",),
+}
 
 
 def _remove_unaudited() -> None:
@@ -110,8 +156,8 @@ def _remove_unaudited() -> None:
 
 def _denied(what: str):
     def refuse(*args, **kwargs):
-        raise PermissionError(f"sandbox: {what} is not allowed (no network, processes or "
-                              "signals)")
+        raise PermissionError(f"sandbox: {what} is not allowed (no network, processes or signals)")
+
     return refuse
 
 

@@ -21,10 +21,16 @@ import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, \
-    0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = \
-    1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # Top-level directories the worker keeps (system files it needs to run Python); every
@@ -32,15 +38,32 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # is replaced by an empty tmpfs in the worker's private mount namespace, and the Python
 # installation is mounted back read-only where it lives below them. An allowlist, because
 # a list of places to hide misses the one a machine happens to use (``/check/...``).
-KEEP = frozenset({"/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc",
-                  "/proc", "/dev", "/sys"})
+KEEP = frozenset(
+    {
+        "/usr",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/bin",
+        "/sbin",
+        "/etc",
+        "/proc",
+        "/dev",
+        "/sys",
+    }
+)
 EXTRA_HIDE = ("/dev/shm",)
 
 
 def _to_hide() -> list:
     tops = [f"/{d}" for d in sorted(os.listdir("/"))]
-    return [h for h in tops + list(EXTRA_HIDE)
-            if h not in KEEP and os.path.isdir(h) and not os.path.islink(h)]
+    return [
+        h
+        for h in tops + list(EXTRA_HIDE)
+        if h not in KEEP and os.path.isdir(h) and not os.path.islink(h)
+    ]
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,8 +78,10 @@ def _mount(source, target, fstype, flags, data=None) -> None:
     def enc(s):
         return s.encode() if isinstance(s, str) else s
 
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags),
-                       enc(data)), f"mount {target}")
+    _check(
+        _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {target}",
+    )
 
 
 def _unshare(flags: int) -> None:
@@ -168,12 +193,14 @@ def _worker(req: dict, work: str, uid, out_w: int, err_w: int) -> None:
         cpu = max(1, int(lim["cpu_seconds"] + 0.999))
         mem = int(lim["memory_mb"]) * 2**20
         fsize = int(lim["file_size_mb"]) * 2**20
-        for res, value in ((resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                           (resource.RLIMIT_AS, (mem, mem)),
-                           (resource.RLIMIT_DATA, (mem, mem)),
-                           (resource.RLIMIT_FSIZE, (fsize, fsize)),
-                           (resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"])),
-                           (resource.RLIMIT_CORE, (0, 0))):
+        for res, value in (
+            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+            (resource.RLIMIT_AS, (mem, mem)),
+            (resource.RLIMIT_DATA, (mem, mem)),
+            (resource.RLIMIT_FSIZE, (fsize, fsize)),
+            (resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"])),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
             resource.setrlimit(res, value)
         if uid is not None:
             nproc = int(lim["max_processes"])
@@ -184,11 +211,22 @@ def _worker(req: dict, work: str, uid, out_w: int, err_w: int) -> None:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         os.chdir(work)
-        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        os.execve(req["python"], [req["python"], "-I", "-B", "-c", req["runner"],
-                                  "1" if req["audit"] else "0"], env)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": work,
+            "TMPDIR": work,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        os.execve(
+            req["python"],
+            [req["python"], "-I", "-B", "-c", req["runner"], "1" if req["audit"] else "0"],
+            env,
+        )
     except BaseException as e:  # report setup failures on the error pipe
         try:
             os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
@@ -231,16 +269,24 @@ def main() -> None:
         f.write(req["code"])
     uid = None
     private_fs = any(x.startswith("mount-namespace") for x in layers)
-    if can_drop and req["drop_privileges"] and not private_fs and not _reachable(
-            [req["python"], *req["python_paths"]]):
+    if (
+        can_drop
+        and req["drop_privileges"]
+        and not private_fs
+        and not _reachable([req["python"], *req["python_paths"]])
+    ):
         can_drop = False
-        notes.append("the Python installation is not readable by other users (e.g. it lives "
-                     "under /root) and there is no mount namespace to expose it: running as "
-                     "the current user")
+        notes.append(
+            "the Python installation is not readable by other users (e.g. it lives "
+            "under /root) and there is no mount namespace to expose it: running as "
+            "the current user"
+        )
     if can_drop and req["drop_privileges"]:
         uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
-        layers.append(f"throwaway uid {uid} (no file it does not own is writable; RLIMIT_NPROC "
-                      f"caps its processes at {lim['max_processes']})")
+        layers.append(
+            f"throwaway uid {uid} (no file it does not own is writable; RLIMIT_NPROC "
+            f"caps its processes at {lim['max_processes']})"
+        )
     layers.append("resource limits (cpu, address space, file size, open files, no core dumps)")
     layers.append("new session; output capped; wall-time kill")
     if req["audit"]:
@@ -301,9 +347,13 @@ def main() -> None:
         "stdout": bytes(buffers[out_r][:cap]).decode("utf-8", "replace"),
         "stderr": bytes(buffers[err_r][:cap]).decode("utf-8", "replace"),
         "output_bytes": len(buffers[out_r]) + len(buffers[err_r]),
-        "exit_code": exit_code, "signal": sig, "killed": killed,
-        "wall_seconds": elapsed, "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "layers": layers, "notes": notes,
+        "exit_code": exit_code,
+        "signal": sig,
+        "killed": killed,
+        "wall_seconds": elapsed,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "layers": layers,
+        "notes": notes,
     }
     sys.stdout.write(json.dumps(result))
     sys.stdout.flush()

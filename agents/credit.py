@@ -70,8 +70,10 @@ def _steps(record: TensorDict, gamma: float) -> tuple[list[Step], dict[int, tupl
         if not valid[i]:
             continue
         if not isinstance(meta, dict) or "episode" not in meta or "spans" not in meta:
-            raise ValueError(f"row {i} has no multi-turn meta (episode, spans); the episode-"
-                             "level credits need rows from the multi_turn workflow")
+            raise ValueError(
+                f"row {i} has no multi-turn meta (episode, spans); the episode-"
+                "level credits need rows from the multi_turn workflow"
+            )
         e = int(meta["episode"])
         episode_uid[e] = uids[i]
         episode_rewards[e].append(float(reward[i]))
@@ -79,8 +81,18 @@ def _steps(record: TensorDict, gamma: float) -> tuple[list[Step], dict[int, tupl
             returns_cache[e] = discounted_returns(meta["turn_rewards"], gamma)
         rets = returns_cache[e]
         for t, start, end in meta["spans"]:
-            steps.append(Step(i, start, end, e, t, uids[i], str(meta["anchors"][t]),
-                              rets[t] if t < len(rets) else 0.0))
+            steps.append(
+                Step(
+                    i,
+                    start,
+                    end,
+                    e,
+                    t,
+                    uids[i],
+                    str(meta["anchors"][t]),
+                    rets[t] if t < len(rets) else 0.0,
+                )
+            )
     episodes = {e: (episode_uid[e], sum(r) / len(r)) for e, r in episode_rewards.items()}
     return steps, episodes
 
@@ -101,8 +113,9 @@ def _grouped(keys: list, values: list[float], norm_by_std: bool, eps: float) -> 
         groups[key].append(k)
     out = [0.0] * len(values)
     for members in groups.values():
-        for k, a in zip(members, _normalise([values[m] for m in members], norm_by_std, eps),
-                        strict=True):
+        for k, a in zip(
+            members, _normalise([values[m] for m in members], norm_by_std, eps), strict=True
+        ):
             out[k] = a
     return out
 
@@ -124,7 +137,7 @@ def _write(record: TensorDict, steps: list[Step], values: list[float]) -> torch.
     mask = record["loss_mask"].float()
     adv = torch.zeros_like(mask)
     for s, a in zip(steps, values, strict=True):
-        adv[s.row, s.start:s.end] = a
+        adv[s.row, s.start : s.end] = a
     adv = adv * mask
     adv[~record["valid"]] = 0.0
     record["advantages"] = adv
@@ -136,8 +149,10 @@ def _metrics(record: TensorDict, adv: torch.Tensor) -> dict[str, float]:
     mask = record["loss_mask"].float()
     valid = record["valid"]
     rows = adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1)
-    out = {"advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
-           "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0}
+    out = {
+        "advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
+        "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0,
+    }
     seen: dict[int, tuple[dict, bool, bool]] = {}
     truncated = record["truncated"].tolist()
     for i, meta in enumerate(strings(record, "meta")):
@@ -166,8 +181,12 @@ def episode_grpo(record: TensorDict, algo) -> dict[str, float]:
 def turn_return(record: TensorDict, algo) -> dict[str, float]:
     """Discounted return-to-go of each turn, normalised over all steps of the same task."""
     steps, _ = _steps(record, float(algo.gamma))
-    values = _grouped([s.uid for s in steps], [s.ret for s in steps],
-                      bool(algo.norm_adv_by_std), float(algo.epsilon))
+    values = _grouped(
+        [s.uid for s in steps],
+        [s.ret for s in steps],
+        bool(algo.norm_adv_by_std),
+        float(algo.epsilon),
+    )
     adv = _write(record, steps, values)
     return _metrics(record, adv)
 
@@ -186,10 +205,15 @@ def make_gigpo(omega: float = 1.0) -> Callable[[TensorDict, object], dict[str, f
     def gigpo(record: TensorDict, algo) -> dict[str, float]:
         steps, episodes = _steps(record, float(algo.gamma))
         a_ep = episode_advantages(episodes, algo)
-        a_step = _grouped([(s.uid, s.anchor) for s in steps], [s.ret for s in steps],
-                          bool(algo.norm_adv_by_std), float(algo.epsilon))
-        adv = _write(record, steps, [a_ep[s.episode] + omega * a for s, a in
-                                     zip(steps, a_step, strict=True)])
+        a_step = _grouped(
+            [(s.uid, s.anchor) for s in steps],
+            [s.ret for s in steps],
+            bool(algo.norm_adv_by_std),
+            float(algo.epsilon),
+        )
+        adv = _write(
+            record, steps, [a_ep[s.episode] + omega * a for s, a in zip(steps, a_step, strict=True)]
+        )
         metrics = _metrics(record, adv)
         sizes = [len(g) for g in step_groups(steps).values()]
         if sizes:

@@ -94,8 +94,9 @@ def make_env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
-        raise TypeError(f"environment {name!r} does not accept env_args {sorted(kwargs)}: {e}") \
-            from None
+        raise TypeError(
+            f"environment {name!r} does not accept env_args {sorted(kwargs)}: {e}"
+        ) from None
     except ValueError:  # no introspectable signature
         pass
     return lambda: cls(**kwargs)
@@ -112,8 +113,10 @@ def as_step_result(value: Any, where: str = "step") -> StepResult:
     elif isinstance(value, tuple) and len(value) in (3, 4):
         result = StepResult(value[0], value[1], value[2], value[3] if len(value) == 4 else {})
     else:
-        raise TypeError(f"{where} must return (observation, reward, done, info) or a "
-                        f"StepResult, not {type(value).__name__}")
+        raise TypeError(
+            f"{where} must return (observation, reward, done, info) or a "
+            f"StepResult, not {type(value).__name__}"
+        )
     try:
         result.reward = float(result.reward)
     except (TypeError, ValueError):
@@ -135,11 +138,18 @@ def as_messages(obs: Observation, where: str = "observation", role: str = "user"
         return [{"role": role, "content": obs}]
     if isinstance(obs, dict):
         obs = [obs]
-    if isinstance(obs, list) and obs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in obs):
+    if (
+        isinstance(obs, list)
+        and obs
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in obs
+        )
+    ):
         return [dict(m) for m in obs]
-    raise TypeError(f"{where}: an observation must be a string, a message "
-                    f"{{'role', 'content'}} or a non-empty list of messages, not {obs!r:.80}")
+    raise TypeError(
+        f"{where}: an observation must be a string, a message "
+        f"{{'role', 'content'}} or a non-empty list of messages, not {obs!r:.80}"
+    )
 
 
 def observation_text(obs: Observation) -> str:

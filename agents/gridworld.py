@@ -39,7 +39,9 @@ MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = tuple(MOVES)
 
 
-def parse_grid(grid: list[str]) -> tuple[tuple[int, int], tuple[int, int], set[tuple[int, int]], int, int]:
+def parse_grid(
+    grid: list[str],
+) -> tuple[tuple[int, int], tuple[int, int], set[tuple[int, int]], int, int]:
     """(start, goal, holes, rows, cols) of a map given as strings of S/G/H/. characters."""
     if not grid or not all(isinstance(r, str) for r in grid):
         raise ValueError(f"a grid is a non-empty list of strings, got {grid!r:.80}")
@@ -119,15 +121,23 @@ class GridWorld(Environment):
     ``hint`` field decides, so the dataset and its SFT prompts agree with the env.
     """
 
-    def __init__(self, invalid_reward: float = 0.0, step_reward: float = 0.0,
-                 goal_reward: float = 1.0, hint: str | None = None,
-                 invalid: str = "stay") -> None:
+    def __init__(
+        self,
+        invalid_reward: float = 0.0,
+        step_reward: float = 0.0,
+        goal_reward: float = 1.0,
+        hint: str | None = None,
+        invalid: str = "stay",
+    ) -> None:
         if hint is not None and hint not in HINTS:
             raise ValueError(f"hint must be one of {HINTS}, got {hint!r}")
         if invalid not in ("stay", "slip"):
             raise ValueError(f"invalid must be 'stay' or 'slip', got {invalid!r}")
-        self.invalid_reward, self.step_reward, self.goal_reward = \
-            invalid_reward, step_reward, goal_reward
+        self.invalid_reward, self.step_reward, self.goal_reward = (
+            invalid_reward,
+            step_reward,
+            goal_reward,
+        )
         self.invalid = invalid
         # Slips draw from the instance's own generator, seeded from the global one (which
         # the session seeds), so runs repeat exactly.
@@ -157,8 +167,7 @@ class GridWorld(Environment):
         info: dict = {}
         if move is None:
             if self.invalid == "stay":
-                return StepResult(self.render(), self.invalid_reward, False,
-                                  {"invalid": True})
+                return StepResult(self.render(), self.invalid_reward, False, {"invalid": True})
             move = MOVES[self.rng.choice(ACTIONS)]  # slippery ice: an unclear order slides
             info = {"invalid": True, "slipped": True}
         i, j = self.pos[0] + move[0], self.pos[1] + move[1]
@@ -167,20 +176,31 @@ class GridWorld(Environment):
         extra = self.invalid_reward if info else 0.0
         if self.pos == self.goal:
             self.done = True
-            return StepResult(self.render(), self.goal_reward + extra, True,
-                              {**info, "success": True})
+            return StepResult(
+                self.render(), self.goal_reward + extra, True, {**info, "success": True}
+            )
         if self.pos in self.holes:
             self.done = True
-            return StepResult(self.render(), self.step_reward + extra, True,
-                              {**info, "success": False, "hole": True})
+            return StepResult(
+                self.render(),
+                self.step_reward + extra,
+                True,
+                {**info, "success": False, "hole": True},
+            )
         return StepResult(self.render(), self.step_reward + extra, False, info)
 
 
 # --------------------------------------------------------------------------- the task
 
 
-def random_grid(rng: random.Random, size: int, holes: int, min_dist: int = 2,
-                fixed_start: bool = False, fixed_goal: bool = False) -> list[str]:
+def random_grid(
+    rng: random.Random,
+    size: int,
+    holes: int,
+    min_dist: int = 2,
+    fixed_start: bool = False,
+    fixed_goal: bool = False,
+) -> list[str]:
     """A solvable ``size`` x ``size`` map whose shortest path is at least ``min_dist``.
 
     ``fixed_start`` puts the start in the top-left corner and ``fixed_goal`` the goal in
@@ -196,19 +216,39 @@ def random_grid(rng: random.Random, size: int, holes: int, min_dist: int = 2,
             continue
         rest = [c for c in cells if c not in (start, goal)]
         hole_set = set(rng.sample(rest, holes))
-        grid = ["".join("S" if (i, j) == start else "G" if (i, j) == goal else
-                        "H" if (i, j) in hole_set else "." for j in range(size))
-                for i in range(size)]
+        grid = [
+            "".join(
+                "S"
+                if (i, j) == start
+                else "G"
+                if (i, j) == goal
+                else "H"
+                if (i, j) in hole_set
+                else "."
+                for j in range(size)
+            )
+            for i in range(size)
+        ]
         d = shortest_path(grid)
         if d is not None and d >= min_dist:
             return grid
-    raise ValueError(f"no solvable {size}x{size} map with {holes} holes and a path of at least "
-                     f"{min_dist} moves; lower min_dist or holes")
+    raise ValueError(
+        f"no solvable {size}x{size} map with {holes} holes and a path of at least "
+        f"{min_dist} moves; lower min_dist or holes"
+    )
 
 
-def make_rows(n: int, seed: int, size: int = 3, holes: int = 1, min_dist: int = 2,
-              fixed_start: bool = False, fixed_goal: bool = False, hint: str = "none",
-              exclude: Iterable[str] = ()) -> list[dict]:
+def make_rows(
+    n: int,
+    seed: int,
+    size: int = 3,
+    holes: int = 1,
+    min_dist: int = 2,
+    fixed_start: bool = False,
+    fixed_goal: bool = False,
+    hint: str = "none",
+    exclude: Iterable[str] = (),
+) -> list[dict]:
     """``n`` distinct task rows {prompt, answer, grid, hint, uid}.
 
     ``answer`` is the shortest path length (for reference; the env scores the episode);
@@ -227,18 +267,26 @@ def make_rows(n: int, seed: int, size: int = 3, holes: int = 1, min_dist: int = 
             continue
         seen.add(uid)
         start = parse_grid(grid)[0]
-        rows.append({"prompt": render(grid, start, hint), "answer": str(shortest_path(grid)),
-                     "grid": grid, "hint": hint, "uid": uid})
+        rows.append(
+            {
+                "prompt": render(grid, start, hint),
+                "answer": str(shortest_path(grid)),
+                "grid": grid,
+                "hint": hint,
+                "uid": uid,
+            }
+        )
     if len(rows) < n:
-        raise ValueError(f"only {len(rows)} distinct {size}x{size} maps with {holes} holes "
-                         f"(min_dist {min_dist}) exist beyond the excluded ones; asked for {n}")
+        raise ValueError(
+            f"only {len(rows)} distinct {size}x{size} maps with {holes} holes "
+            f"(min_dist {min_dist}) exist beyond the excluded ones; asked for {n}"
+        )
     return rows
 
 
-
-
-def write_dataset(out_dir: str | Path, seed: int, n_train: int = 64, n_eval: int = 32,
-                  **kw) -> tuple[Path, Path]:
+def write_dataset(
+    out_dir: str | Path, seed: int, n_train: int = 64, n_eval: int = 32, **kw
+) -> tuple[Path, Path]:
     """train.jsonl and eval.jsonl under ``out_dir``; eval maps never appear in train.
 
     ``kw`` goes to :func:`make_rows` (size, holes, min_dist, fixed_start, fixed_goal, hint).
@@ -274,8 +322,12 @@ def sft_rows(rows: Iterable[dict], states_per_map: int = 4, seed: int = 0) -> li
         hint = row.get("hint", "none")
         for pos in random_states(row["grid"], rng, states_per_map):
             choices = moves_from(row["grid"], pos, hint) if hint != "none" else list(ACTIONS)
-            out.append({"prompt": render(row["grid"], pos, hint),
-                        "response": rng.choice(choices or list(ACTIONS))})
+            out.append(
+                {
+                    "prompt": render(row["grid"], pos, hint),
+                    "response": rng.choice(choices or list(ACTIONS)),
+                }
+            )
     return out
 
 
@@ -287,8 +339,10 @@ def corpus(sizes: Iterable[int] = (2, 3, 4, 5, 6), maps_per_size: int = 200) -> 
         for _ in range(maps_per_size):
             grid = random_grid(rng, size, rng.randint(0, max(0, size - 1)), min_dist=1)
             pos = random_states(grid, rng, 1)[0]
-            texts.append(f"<|im_start|>user\n{render(grid, pos, rng.choice(HINTS))}<|im_end|>\n"
-                         f"<|im_start|>assistant\n{rng.choice(ACTIONS)}<|im_end|>\n")
+            texts.append(
+                f"<|im_start|>user\n{render(grid, pos, rng.choice(HINTS))}<|im_end|>\n"
+                f"<|im_start|>assistant\n{rng.choice(ACTIONS)}<|im_end|>\n"
+            )
     texts.extend(f"<|im_start|>{role}\n<|im_end|>\n" for role in ("system", "user", "assistant"))
     return texts
 

@@ -29,9 +29,11 @@ from polyrl.agents.tools import ParsedAction, Tool, ToolEnv, tool
 from polyrl.core.registry import TASKS
 from polyrl.core.rewards import extract_answer, normalize_answer
 
-INSTRUCTIONS = ("You may run Python with "
-                '<tool_call>{"name": "python", "arguments": {"code": "print(...)"}}</tool_call> '
-                "and then give the final answer as <answer>...</answer>.")
+INSTRUCTIONS = (
+    "You may run Python with "
+    '<tool_call>{"name": "python", "arguments": {"code": "print(...)"}}</tool_call> '
+    "and then give the final answer as <answer>...</answer>."
+)
 
 
 def python_tool(sandbox: Sandbox | None = None, name: str = "python") -> Tool:
@@ -64,8 +66,13 @@ def answers_match(pred: str, gold: Any) -> bool:
 class ToolMathEnv(ToolEnv):
     """Math questions with an optional Python sandbox tool; reward 1 for a correct answer."""
 
-    def __init__(self, sandbox: dict | None = None, instructions: bool = True,
-                 max_turns: int | None = 4, require_answer_tag: bool = False) -> None:
+    def __init__(
+        self,
+        sandbox: dict | None = None,
+        instructions: bool = True,
+        max_turns: int | None = 4,
+        require_answer_tag: bool = False,
+    ) -> None:
         super().__init__([python_tool(Sandbox(SandboxLimits(**(sandbox or {}))))])
         self.instructions = instructions
         self.max_turns = max_turns
@@ -85,8 +92,9 @@ class ToolMathEnv(ToolEnv):
         if self.require_answer_tag and "<answer>" not in text:
             return StepResult("", 0.0, True, {"success": False, "no_answer": True})
         correct = answers_match(extract_answer(text), self.answer)
-        return StepResult("", float(correct), True,
-                          {"success": correct, "tool_calls_total": self.calls})
+        return StepResult(
+            "", float(correct), True, {"success": correct, "tool_calls_total": self.calls}
+        )
 
 
 # --------------------------------------------------------------------------- the task
@@ -99,13 +107,19 @@ def make_rows(n: int, seed: int, digits: int = 3, ops: str = "*+") -> list[dict]
     for _ in range(n):
         a, b, op = rng.randint(lo, hi), rng.randint(lo, hi), rng.choice(ops)
         value = a * b if op == "*" else a + b if op == "+" else a - b
-        rows.append({"prompt": f"What is {a}{op}{b}?", "question": f"What is {a}{op}{b}?",
-                     "answer": str(value)})
+        rows.append(
+            {
+                "prompt": f"What is {a}{op}{b}?",
+                "question": f"What is {a}{op}{b}?",
+                "answer": str(value),
+            }
+        )
     return rows
 
 
-def write_dataset(out_dir: str | Path, seed: int, n_train: int = 256, n_eval: int = 64,
-                  **kw) -> tuple[Path, Path]:
+def write_dataset(
+    out_dir: str | Path, seed: int, n_train: int = 256, n_eval: int = 64, **kw
+) -> tuple[Path, Path]:
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -119,8 +133,9 @@ def write_dataset(out_dir: str | Path, seed: int, n_train: int = 256, n_eval: in
 
 
 def _call(code: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + \
-        "</tool_call>"
+    return (
+        "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>"
+    )
 
 
 def sft_rows(rows: Iterable[dict]) -> list[dict]:
@@ -128,8 +143,9 @@ def sft_rows(rows: Iterable[dict]) -> list[dict]:
     out = []
     for r in rows:
         expr = r["question"].removeprefix("What is ").removesuffix("?")
-        out.append({"prompt": f"{r['question']}\n{INSTRUCTIONS}",
-                    "response": _call(f"print({expr})")})
+        out.append(
+            {"prompt": f"{r['question']}\n{INSTRUCTIONS}", "response": _call(f"print({expr})")}
+        )
     return out
 
 
@@ -137,10 +153,12 @@ def corpus() -> list[str]:
     texts = []
     for r in make_rows(300, 0):
         expr = r["question"].removeprefix("What is ").removesuffix("?")
-        texts.append(f"<|im_start|>user\n{r['question']}\n{INSTRUCTIONS}<|im_end|>\n"
-                     f"<|im_start|>assistant\n{_call(f'print({expr})')}<|im_end|>\n"
-                     f"<|im_start|>tool\n{r['answer']}<|im_end|>\n"
-                     f"<|im_start|>assistant\n<answer>{r['answer']}</answer><|im_end|>\n")
+        texts.append(
+            f"<|im_start|>user\n{r['question']}\n{INSTRUCTIONS}<|im_end|>\n"
+            f"<|im_start|>assistant\n{_call(f'print({expr})')}<|im_end|>\n"
+            f"<|im_start|>tool\n{r['answer']}<|im_end|>\n"
+            f"<|im_start|>assistant\n<answer>{r['answer']}</answer><|im_end|>\n"
+        )
     texts.append("Error: unknown tool; the tool call is not valid JSON [error: time limit]")
     return texts
 

@@ -22,8 +22,10 @@ from polyrl.core.rewards import Sample, register_reward
 
 def _meta(sample: Sample, key: str, reward: str):
     if key not in sample.meta:
-        raise ValueError(f"{reward} needs meta[{key!r}] from the multi_turn workflow; this row "
-                         f"has meta keys {sorted(sample.meta)}")
+        raise ValueError(
+            f"{reward} needs meta[{key!r}] from the multi_turn workflow; this row "
+            f"has meta keys {sorted(sample.meta)}"
+        )
     return sample.meta[key]
 
 
@@ -57,15 +59,21 @@ def extract_code(text: str) -> str:
     return "\n\n".join(b.strip("\n") for b in blocks) if blocks else text
 
 
-def program_with_tests(sample: Sample, tests_field: str = "test", entry_point_field: str = "entry_point",
-                 imports_field: str = "prompt") -> str:
+def program_with_tests(
+    sample: Sample,
+    tests_field: str = "test",
+    entry_point_field: str = "entry_point",
+    imports_field: str = "prompt",
+) -> str:
     """Imports of the dataset row's prompt (HumanEval's carry ``from typing import List``),
     then the response's code, then the row's tests, then ``check(<entry point>)`` when the
     row names one. The row is ``meta["row"]``, as every workflow records it."""
     row = sample.meta.get("row") or {}
     if tests_field not in row:
-        raise ValueError(f"unit_tests needs the tests in the dataset row's field {tests_field!r} "
-                         f"(set args.tests_field); this row has {sorted(row)}")
+        raise ValueError(
+            f"unit_tests needs the tests in the dataset row's field {tests_field!r} "
+            f"(set args.tests_field); this row has {sorted(row)}"
+        )
     parts = []
     prompt = row.get(imports_field) if imports_field else None
     if isinstance(prompt, str):
@@ -78,21 +86,32 @@ def program_with_tests(sample: Sample, tests_field: str = "test", entry_point_fi
 
 
 @register_reward("unit_tests", batched=True)
-def unit_tests(samples: list[Sample], tests_field: str = "test",
-               entry_point_field: str = "entry_point", imports_field: str = "prompt",
-               cpu_seconds: float = 5.0, wall_seconds: float = 10.0, memory_mb: int = 512,
-               workers: int = 8) -> list[float]:
+def unit_tests(
+    samples: list[Sample],
+    tests_field: str = "test",
+    entry_point_field: str = "entry_point",
+    imports_field: str = "prompt",
+    cpu_seconds: float = 5.0,
+    wall_seconds: float = 10.0,
+    memory_mb: int = 512,
+    workers: int = 8,
+) -> list[float]:
     """1.0 when the program (:func:`program_with_tests`) runs to the end in the sandbox, else 0.0:
     failing asserts, exceptions, time-outs and forbidden operations all score 0. A sandbox
     that cannot run at all raises instead -- that is not the model's fault."""
-    programs = [program_with_tests(s, tests_field, entry_point_field, imports_field) for s in samples]
-    box = Sandbox(SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds,
-                                memory_mb=memory_mb))
+    programs = [
+        program_with_tests(s, tests_field, entry_point_field, imports_field) for s in samples
+    ]
+    box = Sandbox(
+        SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb)
+    )
     with ThreadPoolExecutor(max(1, min(workers, len(programs)))) as pool:
         results = list(pool.map(box.run, programs))
     broken = [(s.index, r) for s, r in zip(samples, results, strict=True) if r.error == "sandbox"]
     if broken:
         index, r = broken[0]
-        raise RuntimeError(f"unit_tests: the sandbox could not run row {index}'s program "
-                           f"({'; '.join(r.notes) or r.stderr[-300:]})")
+        raise RuntimeError(
+            f"unit_tests: the sandbox could not run row {index}'s program "
+            f"({'; '.join(r.notes) or r.stderr[-300:]})"
+        )
     return [1.0 if r.ok else 0.0 for r in results]

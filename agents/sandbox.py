@@ -111,7 +111,7 @@ ERROR_TEXT = {
     "output_limit": "output limit exceeded; the code was stopped",
     "memory": "memory limit exceeded",
     "blocked": "an operation the sandbox forbids (files outside the working directory, "
-               "network, processes or signals)",
+    "network, processes or signals)",
     "exception": "the code raised an exception",
     "exit": "the code exited with a non-zero status",
     "killed": "the code was killed by a signal",
@@ -121,7 +121,7 @@ ERROR_TEXT = {
 
 def _clip(text: str, limit: int) -> str:
     text = text.rstrip("\n")
-    return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2:]
+    return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2 :]
 
 
 # Sandbox runs in flight at once in this process (each is two processes); more wait.
@@ -131,10 +131,13 @@ _SLOTS = threading.BoundedSemaphore(max(2, 2 * (os.cpu_count() or 1)))
 @functools.cache
 def _python_paths(python: str) -> tuple[str, ...]:
     """Directories ``python -I`` reads from (prefixes and its import path)."""
-    probe = ("import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
-             "sys.base_exec_prefix, *sys.path]))")
-    out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True,
-                         timeout=60, check=True)
+    probe = (
+        "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+        "sys.base_exec_prefix, *sys.path]))"
+    )
+    out = subprocess.run(
+        [python, "-I", "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
     return tuple(p for p in json.loads(out.stdout) if p)
 
 
@@ -151,9 +154,15 @@ class Sandbox:
     only to test the others.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, isolate: bool = True,
-                 drop_privileges: bool = True, audit: bool = True,
-                 python: str | None = None) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        isolate: bool = True,
+        drop_privileges: bool = True,
+        audit: bool = True,
+        python: str | None = None,
+    ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolate, self.drop_privileges, self.audit = isolate, drop_privileges, audit
         self.python = python or sys.executable
@@ -167,37 +176,67 @@ class Sandbox:
 
     def _run(self, code: str) -> SandboxResult:
         request = {
-            "code": code, "limits": asdict(self.limits), "isolate": self.isolate,
-            "drop_privileges": self.drop_privileges, "audit": self.audit,
-            "python": os.path.realpath(self.python), "runner": _source("_sandbox_runner.py"),
+            "code": code,
+            "limits": asdict(self.limits),
+            "isolate": self.isolate,
+            "drop_privileges": self.drop_privileges,
+            "audit": self.audit,
+            "python": os.path.realpath(self.python),
+            "runner": _source("_sandbox_runner.py"),
             "python_paths": list(_python_paths(self.python)),
         }
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _source("_sandbox_supervisor.py")],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _source("_sandbox_supervisor.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
         try:
-            out, err = proc.communicate(json.dumps(request).encode(),
-                                        timeout=self.limits.wall_seconds + 30)
+            out, err = proc.communicate(
+                json.dumps(request).encode(), timeout=self.limits.wall_seconds + 30
+            )
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             out, err = proc.communicate()
-            return SandboxResult("", err.decode(errors="replace")[-2000:], None, None, "sandbox",
-                                 time.monotonic() - start,
-                                 notes=["the supervisor did not finish; its session was killed"])
+            return SandboxResult(
+                "",
+                err.decode(errors="replace")[-2000:],
+                None,
+                None,
+                "sandbox",
+                time.monotonic() - start,
+                notes=["the supervisor did not finish; its session was killed"],
+            )
         finally:
             if proc.poll() is None:
                 _kill_group(proc)
         try:
             rep = json.loads(out.decode())
         except ValueError:
-            return SandboxResult("", err.decode(errors="replace")[-2000:], None, None, "sandbox",
-                                 time.monotonic() - start,
-                                 notes=[f"supervisor exited with {proc.returncode}"])
-        result = SandboxResult(rep["stdout"], rep["stderr"], rep["exit_code"], rep["signal"],
-                               "", rep["wall_seconds"], rep["cpu_seconds"], rep["output_bytes"],
-                               rep["layers"], rep["notes"])
+            return SandboxResult(
+                "",
+                err.decode(errors="replace")[-2000:],
+                None,
+                None,
+                "sandbox",
+                time.monotonic() - start,
+                notes=[f"supervisor exited with {proc.returncode}"],
+            )
+        result = SandboxResult(
+            rep["stdout"],
+            rep["stderr"],
+            rep["exit_code"],
+            rep["signal"],
+            "",
+            rep["wall_seconds"],
+            rep["cpu_seconds"],
+            rep["output_bytes"],
+            rep["layers"],
+            rep["notes"],
+        )
         result.error = _classify(rep, result, float(self.limits.cpu_seconds))
         return result
 
@@ -212,8 +251,11 @@ def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
         return rep["killed"]
     # SIGXCPU at the soft CPU limit, or SIGKILL at the hard one: the kernel sends SIGKILL
     # when SIGXCPU is ignored, as it is for a PID-namespace init (the worker is PID 1 there)
-    if r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.exit_code is None and (
-            r.cpu_seconds >= 0.9 * cpu_limit or "cpu" in r.stderr.lower())):
+    if r.signal == signal.SIGXCPU or (
+        r.signal == signal.SIGKILL
+        and r.exit_code is None
+        and (r.cpu_seconds >= 0.9 * cpu_limit or "cpu" in r.stderr.lower())
+    ):
         return "cpu_time"
     if r.stderr.startswith("sandbox setup failed") or r.exit_code == 126:
         return "sandbox"
@@ -223,8 +265,8 @@ def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
     if last.startswith("MemoryError"):
         return "memory"
     if last.startswith("PermissionError: sandbox:") or (
-            last.startswith(("PermissionError", "OSError", "ConnectionError")) and
-            "sandbox" in last):
+        last.startswith(("PermissionError", "OSError", "ConnectionError")) and "sandbox" in last
+    ):
         return "blocked"
     if r.signal is not None:
         return "killed"
@@ -238,9 +280,14 @@ def capabilities() -> dict[str, bool]:
     """Which isolation layers this machine offers (probed once with a trivial run)."""
     r = Sandbox(SandboxLimits(wall_seconds=20)).run("print('ok')")
     text = " ".join(r.layers)
-    return {"ran": r.ok and r.stdout.strip() == "ok", "network_namespace": "network-" in text,
-            "pid_namespace": "pid-" in text, "mount_namespace": "mount-" in text,
-            "throwaway_uid": "throwaway uid" in text, "audit_hook": "audit hook" in text}
+    return {
+        "ran": r.ok and r.stdout.strip() == "ok",
+        "network_namespace": "network-" in text,
+        "pid_namespace": "pid-" in text,
+        "mount_namespace": "mount-" in text,
+        "throwaway_uid": "throwaway uid" in text,
+        "audit_hook": "audit hook" in text,
+    }
 
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:

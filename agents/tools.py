@@ -100,8 +100,15 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
         if stripped.lower() in ("args:", "arguments:", "parameters:", "params:"):
             section, current = "args", None
             continue
-        if stripped.lower() in ("returns:", "return:", "raises:", "yields:", "examples:",
-                                "example:", "notes:"):
+        if stripped.lower() in (
+            "returns:",
+            "return:",
+            "raises:",
+            "yields:",
+            "examples:",
+            "example:",
+            "notes:",
+        ):
             section, current = "other", None
             continue
         if section == "args":
@@ -137,24 +144,29 @@ def check_value(value: Any, schema: dict, where: str) -> Any:
         raise ToolArgumentError(f"{where} must be {_type_name(schema)}, got {json.dumps(value)}")
     if "enum" in schema:
         if value not in schema["enum"]:
-            raise ToolArgumentError(f"{where} must be {_type_name(schema)}, got "
-                                    f"{json.dumps(value)}")
+            raise ToolArgumentError(
+                f"{where} must be {_type_name(schema)}, got {json.dumps(value)}"
+            )
         return value
     kind = schema.get("type")
-    ok = {"string": lambda v: isinstance(v, str),
-          "boolean": lambda v: isinstance(v, bool),
-          "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-          "null": lambda v: v is None,
-          "array": lambda v: isinstance(v, list),
-          "object": lambda v: isinstance(v, dict)}.get(kind, lambda v: True)
+    ok = {
+        "string": lambda v: isinstance(v, str),
+        "boolean": lambda v: isinstance(v, bool),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "null": lambda v: v is None,
+        "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+    }.get(kind, lambda v: True)
     if not ok(value):
         raise ToolArgumentError(f"{where} must be {kind}, got {json.dumps(value)[:60]}")
     if kind == "array" and "items" in schema:
         return [check_value(v, schema["items"], f"{where}[{i}]") for i, v in enumerate(value)]
     if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
-        return {k: check_value(v, schema["additionalProperties"], f"{where}.{k}")
-                for k, v in value.items()}
+        return {
+            k: check_value(v, schema["additionalProperties"], f"{where}.{k}")
+            for k, v in value.items()
+        }
     return value
 
 
@@ -171,31 +183,44 @@ class Tool:
     fn: Callable[..., Any]
 
     def schema(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name,
-                                                 "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
     def signature_text(self) -> str:
         props = self.parameters.get("properties", {})
         required = set(self.parameters.get("required", []))
-        parts = [f"{k} ({_type_name(v)}{', required' if k in required else ''})"
-                 for k, v in props.items()]
+        parts = [
+            f"{k} ({_type_name(v)}{', required' if k in required else ''})"
+            for k, v in props.items()
+        ]
         return ", ".join(parts) or "no arguments"
 
     def validate(self, arguments: Any) -> dict[str, Any]:
         """The arguments checked against the schema, or a ToolArgumentError saying why not."""
         if not isinstance(arguments, dict):
-            raise ToolArgumentError(f"the arguments of {self.name!r} must be a JSON object, "
-                                    f"got {json.dumps(arguments)[:60]}")
+            raise ToolArgumentError(
+                f"the arguments of {self.name!r} must be a JSON object, "
+                f"got {json.dumps(arguments)[:60]}"
+            )
         props = self.parameters.get("properties", {})
         unknown = sorted(set(arguments) - set(props))
         if unknown:
-            raise ToolArgumentError(f"tool {self.name!r} got unexpected argument "
-                                    f"{unknown[0]!r}; its parameters: {self.signature_text()}")
+            raise ToolArgumentError(
+                f"tool {self.name!r} got unexpected argument "
+                f"{unknown[0]!r}; its parameters: {self.signature_text()}"
+            )
         missing = [k for k in self.parameters.get("required", []) if k not in arguments]
         if missing:
-            raise ToolArgumentError(f"tool {self.name!r} is missing required argument "
-                                    f"{missing[0]!r}; its parameters: {self.signature_text()}")
+            raise ToolArgumentError(
+                f"tool {self.name!r} is missing required argument "
+                f"{missing[0]!r}; its parameters: {self.signature_text()}"
+            )
         return {k: check_value(v, props[k], f"argument {k!r}") for k, v in arguments.items()}
 
     async def acall(self, arguments: dict[str, Any]) -> Any:
@@ -205,8 +230,9 @@ class Tool:
         return await maybe_await(await asyncio.to_thread(self.fn, **arguments))
 
 
-def tool(fn: Callable | None = None, *, name: str | None = None,
-         description: str | None = None) -> Any:
+def tool(
+    fn: Callable | None = None, *, name: str | None = None, description: str | None = None
+) -> Any:
     """Make a :class:`Tool` from a typed function (usable bare or with arguments)."""
 
     def build(f: Callable) -> Tool:
@@ -217,8 +243,10 @@ def tool(fn: Callable | None = None, *, name: str | None = None,
         required = []
         for p in sig.parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise TypeError(f"tool {f.__name__}: *args/**kwargs cannot be described as a "
-                                "JSON schema; name every parameter")
+                raise TypeError(
+                    f"tool {f.__name__}: *args/**kwargs cannot be described as a "
+                    "JSON schema; name every parameter"
+                )
             schema = json_schema(hints.get(p.name, inspect.Parameter.empty))
             if p.name in param_docs:
                 schema["description"] = param_docs[p.name]
@@ -264,8 +292,10 @@ def register_parser(name: str) -> Callable:
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-HERMES_HINT = ('write <tool_call>{"name": "<tool name>", "arguments": {<arguments as a JSON '
-               'object>}}</tool_call>')
+HERMES_HINT = (
+    'write <tool_call>{"name": "<tool name>", "arguments": {<arguments as a JSON '
+    "object>}}</tool_call>"
+)
 
 
 @register_parser("hermes")
@@ -273,7 +303,7 @@ def parse_hermes(text: str) -> ParsedAction:
     """Hermes / Qwen format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
     calls, errors, outside, pos = [], [], [], 0
     for m in _HERMES.finditer(text):
-        outside.append(text[pos:m.start()])
+        outside.append(text[pos : m.start()])
         pos = m.end()
         body = m.group(1).strip()
         if not m.group(2):
@@ -282,23 +312,24 @@ def parse_hermes(text: str) -> ParsedAction:
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
-            errors.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos}); "
-                          f"{HERMES_HINT}")
+            errors.append(
+                f"the tool call is not valid JSON ({e.msg} at character {e.pos}); {HERMES_HINT}"
+            )
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append(f"the tool call needs a string \"name\"; {HERMES_HINT}")
+            errors.append(f'the tool call needs a string "name"; {HERMES_HINT}')
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models send the arguments as a JSON string
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                errors.append(f"the arguments of {obj['name']!r} are not valid JSON ({e.msg}); "
-                              f"{HERMES_HINT}")
+                errors.append(
+                    f"the arguments of {obj['name']!r} are not valid JSON ({e.msg}); {HERMES_HINT}"
+                )
                 continue
         if not isinstance(args, dict):
-            errors.append(f"the arguments of {obj['name']!r} must be a JSON object; "
-                          f"{HERMES_HINT}")
+            errors.append(f"the arguments of {obj['name']!r} must be a JSON object; {HERMES_HINT}")
             continue
         calls.append(ToolCall(obj["name"], args))
     outside.append(text[pos:])
@@ -340,8 +371,10 @@ class ToolEnv(Environment):
         by_name = {t.name: t for t in self.tools}
         t = by_name.get(call.name)
         if t is None:
-            return (f"Error: unknown tool {call.name!r}; available tools: "
-                    f"{', '.join(by_name) or '(none)'}"), False
+            return (
+                f"Error: unknown tool {call.name!r}; available tools: "
+                f"{', '.join(by_name) or '(none)'}"
+            ), False
         try:
             args = t.validate(call.arguments)
         except ToolArgumentError as e:
@@ -369,9 +402,14 @@ class ToolEnv(Environment):
         for c, (text, ok) in zip(run, results, strict=True):
             messages.append(tool_message(c.name, text))
             errors += not ok
-        for c in parsed.calls[self.max_calls_per_turn:]:
-            messages.append(tool_message(c.name, f"Error: at most {self.max_calls_per_turn} "
-                                                 "tool calls per turn; this one was not run"))
+        for c in parsed.calls[self.max_calls_per_turn :]:
+            messages.append(
+                tool_message(
+                    c.name,
+                    f"Error: at most {self.max_calls_per_turn} "
+                    "tool calls per turn; this one was not run",
+                )
+            )
             errors += 1
         self.calls += len(run)
         self.tool_errors += errors

@@ -91,7 +91,6 @@ class Episode:
         self.error = error
 
 
-
 def _describe(exc: BaseException, where: str) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     loc = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
@@ -117,20 +116,45 @@ class MultiTurn:
 
     # What each transcript line adds (from the row's meta): a step-mode row is one turn, so
     # the line also says which episode and turn it is and how the whole episode went.
-    transcript_keys = ("episode", "sample", "turn", "turns", "actions", "turn_rewards",
-                       "success", "finish", "final_observation")
+    transcript_keys = (
+        "episode",
+        "sample",
+        "turn",
+        "turns",
+        "actions",
+        "turn_rewards",
+        "success",
+        "finish",
+        "final_observation",
+    )
 
-    def __init__(self, ctx, env: str = "gridworld", env_args: dict | None = None,
-                 mode: str = "concat", history: int | None = 0, max_turns: int = 8,
-                 max_tokens: int | None = None, max_turn_tokens: int | None = None,
-                 max_context: int | None = None, system_prompt: str | None = None,
-                 env_workers: int = 1, policy: str | None = None) -> None:
+    def __init__(
+        self,
+        ctx,
+        env: str = "gridworld",
+        env_args: dict | None = None,
+        mode: str = "concat",
+        history: int | None = 0,
+        max_turns: int = 8,
+        max_tokens: int | None = None,
+        max_turn_tokens: int | None = None,
+        max_context: int | None = None,
+        system_prompt: str | None = None,
+        env_workers: int = 1,
+        policy: str | None = None,
+    ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
             raise KeyError(f"multi_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
-        self._check_args(mode=mode, history=history, max_turns=max_turns, max_tokens=max_tokens,
-                         max_turn_tokens=max_turn_tokens, max_context=max_context,
-                         env_workers=env_workers)
+        self._check_args(
+            mode=mode,
+            history=history,
+            max_turns=max_turns,
+            max_tokens=max_tokens,
+            max_turn_tokens=max_turn_tokens,
+            max_context=max_context,
+            env_workers=env_workers,
+        )
         self.name, self.engine = name, ctx.engines[name]
         self.tokenizer = ctx.policies[name].tokenizer
         self.chat = ChatFormat(self.tokenizer, system_prompt)
@@ -144,16 +168,20 @@ class MultiTurn:
 
     # ------------------------------------------------------------------ config checks
     @staticmethod
-    def _check_args(*, mode, history, max_turns, max_tokens, max_turn_tokens, max_context,
-                    env_workers) -> None:
+    def _check_args(
+        *, mode, history, max_turns, max_tokens, max_turn_tokens, max_context, env_workers
+    ) -> None:
         if mode not in MODES:
             raise ConfigError(f"rollout.args.mode={mode!r}: use one of {', '.join(MODES)}")
         if history is not None and history < 0:
             raise ConfigError(f"rollout.args.history must be >= 0 or null, got {history}")
         if max_turns < 1:
             raise ConfigError(f"rollout.args.max_turns must be >= 1, got {max_turns}")
-        for key, value in (("max_tokens", max_tokens), ("max_turn_tokens", max_turn_tokens),
-                           ("max_context", max_context)):
+        for key, value in (
+            ("max_tokens", max_tokens),
+            ("max_turn_tokens", max_turn_tokens),
+            ("max_context", max_context),
+        ):
             if value is not None and value < 1:
                 raise ConfigError(f"rollout.args.{key} must be >= 1 or null, got {value}")
         if env_workers < 1:
@@ -169,15 +197,32 @@ class MultiTurn:
             from polyrl.core.registry import nearest
 
             hint = nearest(unknown[0], valid)
-            raise ConfigError(f"rollout.args has unknown key {unknown[0]!r} for workflow "
-                              f"multi_turn" + (f"; did you mean {hint!r}?" if hint else "")
-                              + f". Valid: {', '.join(valid)}.")
-        defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
-                    if p.default is not inspect.Parameter.empty}
+            raise ConfigError(
+                f"rollout.args has unknown key {unknown[0]!r} for workflow "
+                f"multi_turn"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f". Valid: {', '.join(valid)}."
+            )
+        defaults = {
+            p.name: p.default
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.default is not inspect.Parameter.empty
+        }
         merged = {**defaults, **args}
-        cls._check_args(**{k: merged[k] for k in ("mode", "history", "max_turns", "max_tokens",
-                                                  "max_turn_tokens", "max_context",
-                                                  "env_workers")})
+        cls._check_args(
+            **{
+                k: merged[k]
+                for k in (
+                    "mode",
+                    "history",
+                    "max_turns",
+                    "max_tokens",
+                    "max_turn_tokens",
+                    "max_context",
+                    "env_workers",
+                )
+            }
+        )
         try:
             make_env_factory(merged["env"], merged["env_args"])
         except Exception as e:
@@ -190,8 +235,11 @@ class MultiTurn:
     async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
         pairs = [(item, g) for item in items for g in range(params.n)]
         episodes = [Episode(k, item, g, None) for k, (item, g) in enumerate(pairs)]
-        pool = concurrent.futures.ThreadPoolExecutor(self.env_workers) \
-            if self.env_workers > 1 else None
+        pool = (
+            concurrent.futures.ThreadPoolExecutor(self.env_workers)
+            if self.env_workers > 1
+            else None
+        )
         try:
             await asyncio.gather(*(self._reset(ep, pool) for ep in episodes))
             while True:
@@ -241,8 +289,11 @@ class MultiTurn:
     def _prompt(self, ep: Episode) -> list[int]:
         t = len(ep.turns)
         start = 0 if self.mode == "concat" or self.history is None else max(0, t - self.history)
-        ids = list(ep.first_ids) if start == 0 else \
-            self.chat.first_prompt(ep.observations[start], ep.tools)
+        ids = (
+            list(ep.first_ids)
+            if start == 0
+            else self.chat.first_prompt(ep.observations[start], ep.tools)
+        )
         for turn in ep.turns[start:]:
             ids += turn.action_ids + turn.env_ids
         return ids
@@ -264,9 +315,14 @@ class MultiTurn:
             batch.append((ep, prompt, allowed, bound))
         if not batch:
             return []
-        sp = SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                            max_new_tokens=max(b[2] for b in batch), stop=list(params.stop),
-                            stop_token_ids=list(params.stop_token_ids))
+        sp = SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_new_tokens=max(b[2] for b in batch),
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+        )
         outs = self.engine.generate([b[1] for b in batch], sp)
         self.generate_calls += 1
         if len(outs) != len(batch):
@@ -289,8 +345,7 @@ class MultiTurn:
     async def _step(self, ep: Episode, pool) -> None:
         turn = ep.turns[-1]
         try:
-            result = as_step_result(await self._call(ep.env.step, pool, turn.action_text),
-                                    "step")
+            result = as_step_result(await self._call(ep.env.step, pool, turn.action_text), "step")
             messages = as_messages(result.observation, "step")
         except Exception as e:
             ep.end("error", error=_describe(e, f"step (turn {len(ep.turns) - 1})"))
@@ -318,9 +373,21 @@ class MultiTurn:
 
     # ------------------------------------------------------------------ record
     def _record(self, episodes: list[Episode]) -> TensorDict:
-        rows: dict[str, list] = {k: [] for k in (
-            "prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "uid", "turn",
-            "prompt_text", "response_text", "meta", "truncated")}
+        rows: dict[str, list] = {
+            k: []
+            for k in (
+                "prompt_ids",
+                "response_ids",
+                "rollout_logprobs",
+                "loss_mask",
+                "uid",
+                "turn",
+                "prompt_text",
+                "response_text",
+                "meta",
+                "truncated",
+            )
+        }
         errors: list[tuple[int, str]] = []
         row_episode: list[Episode] = []
         decode = self.tokenizer.decode
@@ -346,8 +413,16 @@ class MultiTurn:
             elif self.mode == "step":
                 for t, turn in enumerate(ep.turns):
                     n = len(turn.action_ids)
-                    add(ep, turn.prompt_ids, turn.action_ids, turn.logprobs, [1] * n, t,
-                        turn.action_text, [[t, 0, n]])
+                    add(
+                        ep,
+                        turn.prompt_ids,
+                        turn.action_ids,
+                        turn.logprobs,
+                        [1] * n,
+                        t,
+                        turn.action_text,
+                        [[t, 0, n]],
+                    )
             else:
                 response, logps, mask, spans = [], [], [], []
                 for t, turn in enumerate(ep.turns):
@@ -361,8 +436,16 @@ class MultiTurn:
                     response += turn.env_ids
                     logps += [0.0] * len(turn.env_ids)
                     mask += [0] * len(turn.env_ids)
-                add(ep, ep.first_ids, response, logps, mask, 0,
-                    decode(response, skip_special_tokens=False), spans)
+                add(
+                    ep,
+                    ep.first_ids,
+                    response,
+                    logps,
+                    mask,
+                    0,
+                    decode(response, skip_special_tokens=False),
+                    spans,
+                )
 
         # Per-episode facts, shared by all of an episode's rows.
         counts: dict[int, int] = {}
@@ -375,19 +458,40 @@ class MultiTurn:
             ret = float(sum(rewards))
             success = ep.success if ep.success is not None else ret > 0
             weight = valid_rows / (valid_eps * counts[ep.id]) if valid_eps and not ep.error else 0.0
-            meta.update({
-                "answer": ep.item.answer, "row": ep.item.row, "episode": ep.id,
-                "sample": ep.sample, "turn_rewards": rewards, "anchors": ep.anchors[:len(ep.turns)],
-                "actions": [t.action_text for t in ep.turns], "return": ret,
-                "success": bool(success), "turns": len(ep.turns), "finish": ep.finish,
-                "final_observation": ep.final_observation, "episode_rows": counts[ep.id],
-                "episode_weight": weight, "env": self.env_name, "mode": self.mode})
+            meta.update(
+                {
+                    "answer": ep.item.answer,
+                    "row": ep.item.row,
+                    "episode": ep.id,
+                    "sample": ep.sample,
+                    "turn_rewards": rewards,
+                    "anchors": ep.anchors[: len(ep.turns)],
+                    "actions": [t.action_text for t in ep.turns],
+                    "return": ret,
+                    "success": bool(success),
+                    "turns": len(ep.turns),
+                    "finish": ep.finish,
+                    "final_observation": ep.final_observation,
+                    "episode_rows": counts[ep.id],
+                    "episode_weight": weight,
+                    "env": self.env_name,
+                    "mode": self.mode,
+                }
+            )
         record = text_record(
-            prompt_ids=rows["prompt_ids"], response_ids=rows["response_ids"],
-            rollout_logprobs=rows["rollout_logprobs"], loss_mask=rows["loss_mask"],
-            policy=[self.name] * len(rows["uid"]), uid=rows["uid"], turn=rows["turn"],
-            pad_id=self.tokenizer.pad_token_id, prompt_text=rows["prompt_text"],
-            response_text=rows["response_text"], meta=rows["meta"], truncated=rows["truncated"])
+            prompt_ids=rows["prompt_ids"],
+            response_ids=rows["response_ids"],
+            rollout_logprobs=rows["rollout_logprobs"],
+            loss_mask=rows["loss_mask"],
+            policy=[self.name] * len(rows["uid"]),
+            uid=rows["uid"],
+            turn=rows["turn"],
+            pad_id=self.tokenizer.pad_token_id,
+            prompt_text=rows["prompt_text"],
+            response_text=rows["response_text"],
+            meta=rows["meta"],
+            truncated=rows["truncated"],
+        )
         if errors:
             mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
         return record

@@ -36,15 +36,33 @@ RESULT_TAG = "BENCH_RESULT "
 
 # Model sizes: head_dim 64 everywhere (vLLM's CPU attention kernel rejects smaller heads).
 SIZES: dict[str, dict[str, int]] = {
-    "0.3M": dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64,
-                 intermediate_size=256),
-    "20M": dict(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=8, head_dim=64,
-                intermediate_size=1536),
+    "0.3M": dict(
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=64,
+        intermediate_size=256,
+    ),
+    "20M": dict(
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
     # Qwen2.5-0.5B's shape (GPU runs): 24 layers, hidden 896, 14 query / 2 KV heads, MLP
     # 4864, and its 151,936-row tied vocabulary (rows past the benchmark tokenizer's 128
     # are never sampled: forbid_tokens), so the output projection costs what it costs there.
-    "0.5B": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
-                 intermediate_size=4864),
+    "0.5B": dict(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=4864,
+    ),
 }
 VOCAB_ROWS: dict[str, int] = {"0.5B": 151936}  # model vocabulary larger than the tokenizer's
 
@@ -65,8 +83,9 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in lines
-                           if ln.startswith("model name"))
+        info["cpu"] = next(
+            ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         info["cpu"] = platform.processor() or "?"
     if torch.cuda.is_available():
@@ -106,9 +125,11 @@ def print_machine(threads: int, why: str = "") -> dict[str, Any]:
             print(f"  {k:>20}: {v}" + (f"  ({why})" if k == "torch_threads" and why else ""))
     load = info.get("load_avg_1m_5m_15m")
     if load and load[0] > 0.5 * (info["cpu_count"] or 1):
-        print(f"  NOTE: the machine is loaded (1-min load {load[0]} on {info['cpu_count']} CPUs): "
-              "absolute timings are noisy and slower than on an idle machine; the ratios "
-              "compare steps interleaved round-robin within this run.")
+        print(
+            f"  NOTE: the machine is loaded (1-min load {load[0]} on {info['cpu_count']} CPUs): "
+            "absolute timings are noisy and slower than on an idle machine; the ratios "
+            "compare steps interleaved round-robin within this run."
+        )
     return info
 
 
@@ -242,18 +263,26 @@ def register_bench_reward() -> str:
 
 
 def summarize(times: list[float]) -> dict[str, Any]:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "n": len(times), "all_s": [round(t, 4) for t in times]}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "n": len(times),
+        "all_s": [round(t, 4) for t in times],
+    }
 
 
 def vllm_status() -> tuple[bool, str]:
     """Whether PolyRL's vLLM engine can be used here (import checked in a subprocess)."""
-    code = ("import polyrl.core.vllm_engine as m, vllm; "
-            "assert hasattr(m, 'VLLMEngine'), 'no VLLMEngine in polyrl.core.vllm_engine'; "
-            "print(vllm.__version__)")
+    code = (
+        "import polyrl.core.vllm_engine as m, vllm; "
+        "assert hasattr(m, 'VLLMEngine'), 'no VLLMEngine in polyrl.core.vllm_engine'; "
+        "print(vllm.__version__)"
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
+        )
     except subprocess.TimeoutExpired:
         return False, "import timed out"
     if proc.returncode == 0:
@@ -266,18 +295,35 @@ def vllm_status() -> tuple[bool, str]:
 
 
 def common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="fast smoke run (< 1 min on an idle machine)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for every contender (default: free cores, see below)")
+    p.add_argument(
+        "--quick", action="store_true", help="fast smoke run (< 1 min on an idle machine)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for every contender (default: free cores, see below)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender")
     p.add_argument("--steps", type=int, default=None, help="timed steps per contender")
-    p.add_argument("--in-process", action="store_true",
-                   help="run contenders in this process (debugging; default: one fresh process each)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run contenders in this process (debugging; default: one fresh process each)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where every contender trains and samples (cuda: one GPU, shared)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="parameters and compute (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where every contender trains and samples (cuda: one GPU, shared)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="parameters and compute (default: float32 on cpu, bfloat16 on cuda)",
+    )
 
 
 def resolve_threads(requested: int | None) -> tuple[int, str]:
@@ -298,8 +344,12 @@ def resolve_threads(requested: int | None) -> tuple[int, str]:
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if j else c.ljust(w)
-                       for j, (c, w) in enumerate(zip(r, widths, strict=True))) for r in cells]
+    lines = [
+        "  ".join(
+            c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -323,5 +373,3 @@ def write_json(path: str | None, obj: Any) -> None:
 def median_of(results: list[dict], key: str) -> float:
     vals = [r[key] for r in results if key in r]
     return statistics.median(vals) if vals else float("nan")
-
-

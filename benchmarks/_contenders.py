@@ -20,8 +20,9 @@ from _common import data_file, digit_share, read_rows, register_bench_reward
 # (prompt k // n, sample k % n), the order every engine here returns.
 
 
-def stop_plan(rows: int, max_new_tokens: int, *, long_frac: float = 0.2, short_max: int = 4,
-              seed: int = 0) -> list[int]:
+def stop_plan(
+    rows: int, max_new_tokens: int, *, long_frac: float = 0.2, short_max: int = 4, seed: int = 0
+) -> list[int]:
     """~(1 - long_frac) of rows stop within ``short_max`` tokens, the rest run to the limit."""
     import random
 
@@ -83,8 +84,11 @@ def stop_plan_lp():
                     self.rows[a] = rb
 
         def apply(self, logits):
-            hit = [i for i, (length, out) in self.rows.items()
-                   if i < logits.shape[0] and len(out) + 1 == length]
+            hit = [
+                i
+                for i, (length, out) in self.rows.items()
+                if i < logits.shape[0] and len(out) + 1 == length
+            ]
             if hit:
                 logits[hit] = float("-inf")
                 logits[hit, self.EOS] = 0.0
@@ -92,7 +96,6 @@ def stop_plan_lp():
 
     _LP.append(StopPlanLP)
     return StopPlanLP
-
 
 
 # ------------------------------------------------------------------------------ contenders
@@ -106,11 +109,11 @@ def now(device: str) -> float:
         torch.cuda.synchronize()
     return time.perf_counter()
 
+
 # A contender is built once (model load, engine start-up) and then steps on request:
 # ``step(**overrides) -> {"step_s": ..., ...}``. Runners interleave the contenders' steps
 # (round-robin, rotating the order every round) so that a change in machine load hits
 # every contender alike, which keeps the ratios meaningful on a shared machine.
-
 
 
 class PolyRLStepper:
@@ -120,11 +123,24 @@ class PolyRLStepper:
     (generate + rollout record); ``mode="generate"``: ``engine.generate`` only.
     ``step(n=..., max_new_tokens=...)`` changes the group size / response length."""
 
-    def __init__(self, model: str, engine: str, *, n: int = 8, prompts: int = 16,
-                 max_new_tokens: int = 64, lr: float = 1e-6, micro_batch_size: int = 128,
-                 total_steps: int = 1000, seed: int = 0, engine_args: dict | None = None,
-                 stop_plan_args: dict | None = None, mode: str = "step",
-                 device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model: str,
+        engine: str,
+        *,
+        n: int = 8,
+        prompts: int = 16,
+        max_new_tokens: int = 64,
+        lr: float = 1e-6,
+        micro_batch_size: int = 128,
+        total_steps: int = 1000,
+        seed: int = 0,
+        engine_args: dict | None = None,
+        stop_plan_args: dict | None = None,
+        mode: str = "step",
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
         from types import SimpleNamespace
 
         import torch
@@ -137,9 +153,19 @@ class PolyRLStepper:
         from polyrl.core.workflow import Context, SingleTurn
 
         self.n, self.max_new_tokens, self.mode = n, max_new_tokens, mode
-        self.policy = CausalLMPolicy("main", PolicyConfig(
-            model=model, micro_batch_size=micro_batch_size, optim=OptimConfig(lr=lr), dtype=dtype,
-            device=device), total_steps=total_steps, need_reference=False, device=device)
+        self.policy = CausalLMPolicy(
+            "main",
+            PolicyConfig(
+                model=model,
+                micro_batch_size=micro_batch_size,
+                optim=OptimConfig(lr=lr),
+                dtype=dtype,
+                device=device,
+            ),
+            total_steps=total_steps,
+            need_reference=False,
+            device=device,
+        )
         self.device = device
         engine_args = dict(engine_args or {})
         if engine == "vllm":
@@ -150,13 +176,16 @@ class PolyRLStepper:
         t0 = time.perf_counter()
         self.engine = ENGINES.get(engine)(self.policy, seed=seed, **engine_args)
         startup = time.perf_counter() - t0
-        data = PromptDataset(DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False),
-                             self.policy.tokenizer)
+        data = PromptDataset(
+            DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False), self.policy.tokenizer
+        )
         self.sampler = PromptSampler(data, prompts, seed, shuffle=False)
-        rollout = SimpleNamespace(n=n, temperature=1.0, top_p=1.0, stop=[],
-                                  max_new_tokens=max_new_tokens)
-        self.ctx = Context(SimpleNamespace(rollout=rollout), {"main": self.policy},
-                           {"main": self.engine})
+        rollout = SimpleNamespace(
+            n=n, temperature=1.0, top_p=1.0, stop=[], max_new_tokens=max_new_tokens
+        )
+        self.ctx = Context(
+            SimpleNamespace(rollout=rollout), {"main": self.policy}, {"main": self.engine}
+        )
         self.workflow = SingleTurn(self.ctx)
         self.reward_cfg = RewardConfig(terms=[RewardTerm(register_bench_reward())])
         self.algo = AlgorithmConfig()  # grpo advantages, ppo_clip, token-mean; no KL, 1 epoch
@@ -188,8 +217,12 @@ class PolyRLStepper:
             def sample_next(logits, params, gen):
                 live = state["live"]
                 if live is not None:
-                    force_eos_(logits, [state["step"]] * logits.shape[0],
-                               [state["plan"][int(r)] for r in live], eos)
+                    force_eos_(
+                        logits,
+                        [state["step"]] * logits.shape[0],
+                        [state["plan"][int(r)] for r in live],
+                        eos,
+                    )
                     state["step"] += 1
                 return original(logits, params, gen)
 
@@ -209,8 +242,9 @@ class PolyRLStepper:
                 rows = len(prompts) * params.n
                 if rows > engine.batch_size:
                     raise ValueError("stop plan: one decode batch only; raise batch_size")
-                state.update(step=0, plan=self._plan(rows, params.max_new_tokens),
-                             live=torch.arange(rows))
+                state.update(
+                    step=0, plan=self._plan(rows, params.max_new_tokens), live=torch.arange(rows)
+                )
                 try:
                     return inner(prompts, params)
                 finally:
@@ -246,8 +280,12 @@ class PolyRLStepper:
             outs = self.engine.generate([it.prompt_ids for it in items], params)
             dt = time.perf_counter() - t0
             lens = [len(o.token_ids) for o in outs]
-            return {"step_s": dt, "tokens": sum(lens), "rows": len(lens),
-                    "mean_len": sum(lens) / len(lens)}
+            return {
+                "step_s": dt,
+                "tokens": sum(lens),
+                "rows": len(lens),
+                "mean_len": sum(lens) / len(lens),
+            }
         t0 = now(self.device)
         record = self.rollout(n, max_new_tokens)
         t1 = now(self.device)
@@ -264,9 +302,12 @@ class PolyRLStepper:
             out.update(reward_credit_s=t2 - t1, update_s=t3 - t2, sync_s=t4 - t3)
         out["step_s"] = now(self.device) - t0
         lengths = record["response_mask"].sum(-1)
-        out.update(tokens=int(lengths.sum()), rows=int(lengths.numel()),
-                   mean_len=float(lengths.float().mean()),
-                   short_frac=float((lengths <= 4).float().mean()))
+        out.update(
+            tokens=int(lengths.sum()),
+            rows=int(lengths.numel()),
+            mean_len=float(lengths.float().mean()),
+            short_frac=float((lengths <= 4).float().mean()),
+        )
         return out
 
     def close(self) -> None:
@@ -282,10 +323,20 @@ class TRLStepper:
     until ``step()`` releases it and reports the time to the matching ``on_step_end``
     (generation, reward, loss, backward, optimizer step: one optimizer step of TRL)."""
 
-    def __init__(self, model: str, *, n: int = 8, prompts: int = 16, max_new_tokens: int = 64,
-                 total_steps: int = 1000, gradient_checkpointing: bool = False,
-                 stop_plan_args: dict | None = None, threaded: bool = True,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        n: int = 8,
+        prompts: int = 16,
+        max_new_tokens: int = 64,
+        total_steps: int = 1000,
+        gradient_checkpointing: bool = False,
+        stop_plan_args: dict | None = None,
+        threaded: bool = True,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ) -> None:
         import logging
         import queue
         import threading
@@ -302,23 +353,46 @@ class TRLStepper:
         logging.getLogger("trl").setLevel(logging.ERROR)
         datasets.disable_progress_bars()
         rows = read_rows(data_file())
-        ds = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                          "answer": r["answer"]} for r in rows])
+        ds = datasets.Dataset.from_list(
+            [
+                {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+                for r in rows
+            ]
+        )
 
         def reward(prompts, completions, answer, **_):  # the function PolyRL scores with
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            return [digit_share(Sample(prompt="", response=t, answer=a, meta={}))
-                    for t, a in zip(texts, answer, strict=True)]
+            return [
+                digit_share(Sample(prompt="", response=t, answer=a, meta={}))
+                for t, a in zip(texts, answer, strict=True)
+            ]
 
         cfg = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="trl-bench-"), num_generations=n,
-            per_device_train_batch_size=n * prompts, gradient_accumulation_steps=1,
-            max_completion_length=max_new_tokens, beta=0.0, num_iterations=1, use_vllm=False,
-            use_cpu=device == "cpu", report_to=[], logging_strategy="no", save_strategy="no",
+            output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+            num_generations=n,
+            per_device_train_batch_size=n * prompts,
+            gradient_accumulation_steps=1,
+            max_completion_length=max_new_tokens,
+            beta=0.0,
+            num_iterations=1,
+            use_vllm=False,
+            use_cpu=device == "cpu",
+            report_to=[],
+            logging_strategy="no",
+            save_strategy="no",
             bf16=False,  # bf16 runs load bf16 weights, as PolyRL's policy does (no autocast)
-            fp16=False, max_steps=total_steps + 1, learning_rate=1e-6, temperature=1.0, top_p=1.0,
-            shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-            log_completions=False, mask_truncated_completions=False, max_grad_norm=1.0,
+            fp16=False,
+            max_steps=total_steps + 1,
+            learning_rate=1e-6,
+            temperature=1.0,
+            top_p=1.0,
+            shuffle_dataset=False,
+            seed=0,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            log_completions=False,
+            mask_truncated_completions=False,
+            max_grad_norm=1.0,
             gradient_checkpointing=gradient_checkpointing,
         )
         # max_steps is one past the last timed step: TRL never reaches its end-of-training
@@ -326,8 +400,9 @@ class TRLStepper:
         # as a step's reply and hid it from the runner (a deadlock at the last round).
         tok = AutoTokenizer.from_pretrained(model)
         net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
-        self.trainer = GRPOTrainer(model=net, reward_funcs=reward, args=cfg, train_dataset=ds,
-                                   processing_class=tok)
+        self.trainer = GRPOTrainer(
+            model=net, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok
+        )
         if stop_plan_args is not None:
             plan = stop_plan(n * prompts, max_new_tokens, **stop_plan_args)
             _trl_stop_plan(self.trainer, plan, tok.eos_token_id)
@@ -368,8 +443,10 @@ class TRLStepper:
         self.thread = threading.Thread(target=train, daemon=True)
         if threaded:  # False: the caller runs self.trainer.train() itself (to profile it)
             self.thread.start()
-        self.info = {"torch_threads": torch.get_num_threads(),
-                     "gradient_checkpointing": gradient_checkpointing}
+        self.info = {
+            "torch_threads": torch.get_num_threads(),
+            "gradient_checkpointing": gradient_checkpointing,
+        }
 
     def step(self) -> dict[str, Any]:
         self.go.put("go")
@@ -416,8 +493,16 @@ class RawVLLMStepper:
     (in-process, float32, eager, processed log-probs, one log-prob per token, one seed per
     request), so the comparison measures PolyRL's wrapper rather than other vLLM settings."""
 
-    def __init__(self, model: str, *, n: int = 8, prompts: int = 16, max_new_tokens: int = 64,
-                 kv_cache_gb: float = 0.25, max_model_len: int = 256) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        n: int = 8,
+        prompts: int = 16,
+        max_new_tokens: int = 64,
+        kv_cache_gb: float = 0.25,
+        max_model_len: int = 256,
+    ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import torch
         from vllm import LLM
@@ -426,16 +511,26 @@ class RawVLLMStepper:
 
         self.n, self.max_new_tokens = n, max_new_tokens
         t0 = time.perf_counter()
-        self.llm = LLM(model=model, dtype="float32", seed=0, max_model_len=max_model_len,
-                       logprobs_mode="processed_logprobs", generation_config="vllm",
-                       enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+        self.llm = LLM(
+            model=model,
+            dtype="float32",
+            seed=0,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enforce_eager=True,
+            kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+        )
         self.tok = self.llm.get_tokenizer()
         self.calls = 0
         self._generate(n, 2)  # first-request warm-up, as PolyRL's engine does at start-up
-        self.info = {"engine_startup_s": time.perf_counter() - t0,
-                     "torch_threads": torch.get_num_threads()}
-        data = PromptDataset(DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False),
-                             self.tok)
+        self.info = {
+            "engine_startup_s": time.perf_counter() - t0,
+            "torch_threads": torch.get_num_threads(),
+        }
+        data = PromptDataset(
+            DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False), self.tok
+        )
         self.sampler = PromptSampler(data, prompts, 0, shuffle=False)
 
     def _generate(self, n: int, max_new_tokens: int, items=None):
@@ -444,9 +539,18 @@ class RawVLLMStepper:
 
         ids = [list(it.prompt_ids) for it in items] if items else [[self.tok.eos_token_id]]
         reqs = [TokensPrompt(prompt_token_ids=p) for p in ids for _ in range(n)]
-        sps = [SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=max_new_tokens,
-                              stop_token_ids=[self.tok.eos_token_id], logprobs=0,
-                              seed=self.calls * 1_000_003 + k) for k in range(len(reqs))]
+        sps = [
+            SamplingParams(
+                n=1,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=max_new_tokens,
+                stop_token_ids=[self.tok.eos_token_id],
+                logprobs=0,
+                seed=self.calls * 1_000_003 + k,
+            )
+            for k in range(len(reqs))
+        ]
         self.calls += 1
         return self.llm.generate(reqs, sps, use_tqdm=False)
 
@@ -465,8 +569,9 @@ class HFGenerateStepper:
     """Raw transformers ``model.generate`` (sampling, temperature 1, no top-k/top-p) on the
     same left-padded prompt ids: the reference for PolyRL's HF engine."""
 
-    def __init__(self, model: str, *, n: int = 8, prompts: int = 16,
-                 max_new_tokens: int = 64) -> None:
+    def __init__(
+        self, model: str, *, n: int = 8, prompts: int = 16, max_new_tokens: int = 64
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -475,12 +580,19 @@ class HFGenerateStepper:
         self.n, self.max_new_tokens = n, max_new_tokens
         self.tok = AutoTokenizer.from_pretrained(model)
         self.net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        data = PromptDataset(DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False),
-                             self.tok)
+        data = PromptDataset(
+            DataConfig(path=data_file(), max_prompt_tokens=64, shuffle=False), self.tok
+        )
         self.sampler = PromptSampler(data, prompts, 0, shuffle=False)
         self.gen_cfg = lambda t: GenerationConfig(
-            max_new_tokens=t, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            pad_token_id=self.tok.pad_token_id, eos_token_id=[self.tok.eos_token_id])
+            max_new_tokens=t,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=self.tok.pad_token_id,
+            eos_token_id=[self.tok.eos_token_id],
+        )
         self.info = {"torch_threads": torch.get_num_threads()}
 
     def step(self, n: int | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
@@ -490,14 +602,17 @@ class HFGenerateStepper:
 
         items = self.sampler.next_batch()
         t0 = time.perf_counter()
-        ids, mask = pad_left([it.prompt_ids for it in items for _ in range(n or self.n)],
-                             self.tok.pad_token_id)
+        ids, mask = pad_left(
+            [it.prompt_ids for it in items for _ in range(n or self.n)], self.tok.pad_token_id
+        )
         with torch.no_grad():
-            out = self.net.generate(input_ids=ids, attention_mask=mask,
-                                    generation_config=self.gen_cfg(max_new_tokens
-                                                                   or self.max_new_tokens))
+            out = self.net.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=self.gen_cfg(max_new_tokens or self.max_new_tokens),
+            )
         dt = time.perf_counter() - t0
-        return {"step_s": dt, "tokens": int(out[:, ids.shape[1]:].numel())}
+        return {"step_s": dt, "tokens": int(out[:, ids.shape[1] :].numel())}
 
     def close(self) -> None:
         pass
@@ -511,8 +626,16 @@ class UpdateStepper:
     forward over the same tokens (logits only at response positions), the GRPO token loss
     written inline (token-mean of -A * exp(logp - logp.detach())), backward, clip, AdamW."""
 
-    def __init__(self, model: str, *, kind: str, rows: int = 128, prompt_len: int = 13,
-                 response_len: int = 64, micro_batch_size: int = 128) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        kind: str,
+        rows: int = 128,
+        prompt_len: int = 13,
+        response_len: int = 64,
+        micro_batch_size: int = 128,
+    ) -> None:
         import torch
 
         torch.manual_seed(0)
@@ -523,15 +646,24 @@ class UpdateStepper:
             from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
             from polyrl.core.record import text_record
 
-            self.policy = CausalLMPolicy("main", PolicyConfig(
-                model=model, micro_batch_size=micro_batch_size, optim=OptimConfig(lr=1e-6)),
-                total_steps=1000, need_reference=False)
+            self.policy = CausalLMPolicy(
+                "main",
+                PolicyConfig(
+                    model=model, micro_batch_size=micro_batch_size, optim=OptimConfig(lr=1e-6)
+                ),
+                total_steps=1000,
+                need_reference=False,
+            )
             vocab = self.policy.model.config.vocab_size
             ids = torch.randint(3, vocab, (rows, prompt_len + response_len))
             self.rec = text_record(
-                prompt_ids=ids[:, :prompt_len].tolist(), response_ids=ids[:, prompt_len:].tolist(),
-                rollout_logprobs=[[0.0] * response_len] * rows, policy=["main"] * rows,
-                uid=[k // 8 for k in range(rows)], pad_id=self.policy.tokenizer.pad_token_id)
+                prompt_ids=ids[:, :prompt_len].tolist(),
+                response_ids=ids[:, prompt_len:].tolist(),
+                rollout_logprobs=[[0.0] * response_len] * rows,
+                policy=["main"] * rows,
+                uid=[k // 8 for k in range(rows)],
+                pad_id=self.policy.tokenizer.pad_token_id,
+            )
             self.rec["advantages"] = torch.randn(rows, 1).expand(rows, response_len).contiguous()
             self.rec["valid"] = torch.ones(rows, dtype=torch.bool)
             self.algo = AlgorithmConfig()
@@ -562,11 +694,11 @@ class UpdateStepper:
         net, p, r = self.net, self.prompt_len, self.response_len
         net.train()
         for s in range(0, self.rows, self.mb):
-            x = self.ids[s:s + self.mb]
+            x = self.ids[s : s + self.mb]
             logits = net(input_ids=x, logits_to_keep=r + 1, use_cache=False).logits[:, :-1].float()
             logp = logits.log_softmax(-1).gather(-1, x[:, p:, None]).squeeze(-1)
             ratio = torch.exp(logp - logp.detach())
-            loss = -(ratio * self.adv[s:s + self.mb]).sum() / (self.rows * r)
+            loss = -(ratio * self.adv[s : s + self.mb]).sum() / (self.rows * r)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         self.opt.step()
@@ -577,7 +709,10 @@ class UpdateStepper:
         pass
 
 
-CONTENDERS = {"polyrl": PolyRLStepper, "trl": TRLStepper, "raw_vllm": RawVLLMStepper,
-              "hf_generate": HFGenerateStepper, "update": UpdateStepper}
-
-
+CONTENDERS = {
+    "polyrl": PolyRLStepper,
+    "trl": TRLStepper,
+    "raw_vllm": RawVLLMStepper,
+    "hf_generate": HFGenerateStepper,
+    "update": UpdateStepper,
+}

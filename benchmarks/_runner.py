@@ -28,8 +28,16 @@ class Remote:
     CPU replaces ``torch.set_num_threads``, calls ``gc.freeze()`` and keeps process-global
     distributed state; TRL/accelerate set their own seeds and defaults."""
 
-    def __init__(self, name: str, kind: str, kwargs: dict, *, threads: int, isolate: bool = True,
-                 env: dict | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        kwargs: dict,
+        *,
+        threads: int,
+        isolate: bool = True,
+        env: dict | None = None,
+    ) -> None:
         self.name, self.kind, self.kwargs, self.isolate = name, kind, kwargs, isolate
         self.error: str | None = None
         self.info: dict = {}
@@ -45,15 +53,27 @@ class Remote:
                 self.error = f"{type(e).__name__}: {e}"
             return
         full_env = dict(os.environ)
-        full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
-                         "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"})
+        full_env.update(
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": str(threads),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+            }
+        )
         full_env.update(env or {})
         fd, self.log_path = tempfile.mkstemp(prefix=f"bench-{kind}-", suffix=".log")
         self.log = os.fdopen(fd, "w")
         spec = json.dumps({"kind": kind, "kwargs": kwargs, "threads": threads})
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_runner.py"), "--serve", spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=full_env, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "_runner.py"), "--serve", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=full_env,
+            bufsize=1,
+        )
         self._ready = False
 
     def wait_ready(self) -> None:
@@ -68,7 +88,7 @@ class Remote:
         for line in self.proc.stdout:
             at = line.find(RESULT_TAG)  # another thread's print may share the line
             if at >= 0:
-                msg, _ = json.JSONDecoder().raw_decode(line[at + len(RESULT_TAG):])
+                msg, _ = json.JSONDecoder().raw_decode(line[at + len(RESULT_TAG) :])
                 if "error" in msg:
                     self.error = msg["error"]
                     return None
@@ -171,19 +191,28 @@ def serve(spec: dict) -> None:
             break
 
 
-def start_all(specs: dict[str, tuple[str, dict]], *, threads: int, isolate: bool
-              ) -> dict[str, Remote]:
+def start_all(
+    specs: dict[str, tuple[str, dict]], *, threads: int, isolate: bool
+) -> dict[str, Remote]:
     """Start every contender (in parallel when isolated) and wait until all are ready."""
-    remotes = {name: Remote(name, kind, kw, threads=threads, isolate=isolate)
-               for name, (kind, kw) in specs.items()}
+    remotes = {
+        name: Remote(name, kind, kw, threads=threads, isolate=isolate)
+        for name, (kind, kw) in specs.items()
+    }
     for r in remotes.values():
         r.wait_ready()
     return remotes
 
 
-def interleave(remotes: dict[str, Remote], *, warmup: int, steps: int,
-               configs: list[dict] | None = None, profile_dir: str | None = None,
-               progress: bool = True) -> dict[str, dict[str, list[dict]]]:
+def interleave(
+    remotes: dict[str, Remote],
+    *,
+    warmup: int,
+    steps: int,
+    configs: list[dict] | None = None,
+    profile_dir: str | None = None,
+    progress: bool = True,
+) -> dict[str, dict[str, list[dict]]]:
     """Round-robin steps over contenders (and configs), rotating the order every round.
 
     Returns {contender: {config key: [timed step results]}}; warm-up steps are dropped.
@@ -204,8 +233,11 @@ def interleave(remotes: dict[str, Remote], *, warmup: int, steps: int,
             if res is not None and rnd >= warmup:
                 out[name].setdefault(config_key(cfg), []).append(res)
         if progress:
-            print(f"  round {rnd + 1}/{total} done ({'warm-up' if rnd < warmup else 'timed'})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  round {rnd + 1}/{total} done ({'warm-up' if rnd < warmup else 'timed'})",
+                file=sys.stderr,
+                flush=True,
+            )
     if profile_dir:
         for name, r in remotes.items():
             if r.kind == "polyrl":
@@ -226,7 +258,6 @@ def slug(name: str) -> str:
 def close_all(remotes: dict[str, Remote]) -> None:
     for r in remotes.values():
         r.close()
-
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":

@@ -35,10 +35,22 @@ SIZES = {  # builder arguments per family (tiny_sd3 / tiny_flux)
         "small": {"image_size": 32, "vae_patch": 2, "layers": 4, "heads": 4, "head_dim": 32},
     },
     "flux": {
-        "tiny": {"image_size": 16, "vae_patch": 2, "layers": 1, "single_layers": 2, "heads": 2,
-                 "head_dim": 32},
-        "small": {"image_size": 32, "vae_patch": 2, "layers": 2, "single_layers": 4, "heads": 4,
-                  "head_dim": 32},
+        "tiny": {
+            "image_size": 16,
+            "vae_patch": 2,
+            "layers": 1,
+            "single_layers": 2,
+            "heads": 2,
+            "head_dim": 32,
+        },
+        "small": {
+            "image_size": 32,
+            "vae_patch": 2,
+            "layers": 2,
+            "single_layers": 4,
+            "heads": 4,
+            "head_dim": 32,
+        },
     },
 }
 SEQ_LEN = {"sd3": 1, "flux": 8}  # offline models: SD3 has no T5 (1 zero token); FLUX's T5
@@ -62,16 +74,27 @@ def make_policy(model: str, args, **engine):
     from polyrl.diffusion.engine import DiffusionEngine
     from polyrl.diffusion.policy import DiffusionPolicy
 
-    sampling = {"height": args.resolution, "width": args.resolution, "steps": args.steps,
-                "guidance_scale": args.guidance, "batch_size": args.batch}
+    sampling = {
+        "height": args.resolution,
+        "width": args.resolution,
+        "steps": args.steps,
+        "guidance_scale": args.guidance,
+        "batch_size": args.batch,
+    }
     sampling.update(engine)
-    cfg = from_dict(PolicyConfig, {
-        "kind": "diffusion", "model": model, "lora": {"r": args.lora, "alpha": 2 * args.lora},
-        "args": {"max_sequence_length": args.seq_len},
-        "micro_batch_size": args.batch, "optim": {"lr": 1e-4},
-        "engine": {"name": "diffusion", "args": sampling}})
-    policy = DiffusionPolicy("main", cfg, total_steps=100, need_reference=False,
-                             device=args.device)
+    cfg = from_dict(
+        PolicyConfig,
+        {
+            "kind": "diffusion",
+            "model": model,
+            "lora": {"r": args.lora, "alpha": 2 * args.lora},
+            "args": {"max_sequence_length": args.seq_len},
+            "micro_batch_size": args.batch,
+            "optim": {"lr": 1e-4},
+            "engine": {"name": "diffusion", "args": sampling},
+        },
+    )
+    policy = DiffusionPolicy("main", cfg, total_steps=100, need_reference=False, device=args.device)
     return policy, DiffusionEngine(policy, seed=0)
 
 
@@ -89,7 +112,8 @@ def bench_pipeline_overhead(model: str, args) -> dict[str, float]:
         pipe = FluxPipeline.from_pretrained(model, transformer=policy.family.transformer)
     else:
         pipe = StableDiffusion3Pipeline.from_pretrained(
-            model, transformer=policy.family.transformer, text_encoder_3=None, tokenizer_3=None)
+            model, transformer=policy.family.transformer, text_encoder_3=None, tokenizer_3=None
+        )
     pipe.to(policy.device)
     pipe.set_progress_bar_config(disable=True)
     emb, pooled = policy.encode([p for p in prompts for _ in range(n)])
@@ -97,25 +121,42 @@ def bench_pipeline_overhead(model: str, args) -> dict[str, float]:
     shape = policy.family.latent_shape(args.resolution, args.resolution)
     latents = torch.randn((emb.shape[0], *shape))
     # FLUX: guidance goes to the guidance embedding (no negative branch); SD3: CFG
-    extra = {} if flux else {"negative_prompt_embeds": neg,
-                             "negative_pooled_prompt_embeds": neg_pooled}
+    extra = (
+        {} if flux else {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled}
+    )
     start = pack_latents(latents) if flux else latents
 
     def run_pipe():
         with torch.no_grad():
-            pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled, num_inference_steps=args.steps,
-                 guidance_scale=args.guidance, height=args.resolution, width=args.resolution,
-                 latents=start.to(policy.device), output_type="latent", **extra)
+            pipe(
+                prompt_embeds=emb,
+                pooled_prompt_embeds=pooled,
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance,
+                height=args.resolution,
+                width=args.resolution,
+                latents=start.to(policy.device),
+                output_type="latent",
+                **extra,
+            )
 
     def run_engine():
         engine.sample(prompts, n=n)
 
     if policy.device.type == "cuda":
         run_pipe, run_engine = _synced(run_pipe), _synced(run_engine)
-    (w_pipe, c_pipe), (w_engine, c_engine) = (median_time(run_pipe, args.repeats),
-                                              median_time(run_engine, args.repeats))
-    return {"pipeline_s": w_pipe, "engine_s": w_engine, "ratio": w_engine / w_pipe,
-            "pipeline_cpu_s": c_pipe, "engine_cpu_s": c_engine, "cpu_ratio": c_engine / c_pipe}
+    (w_pipe, c_pipe), (w_engine, c_engine) = (
+        median_time(run_pipe, args.repeats),
+        median_time(run_engine, args.repeats),
+    )
+    return {
+        "pipeline_s": w_pipe,
+        "engine_s": w_engine,
+        "ratio": w_engine / w_pipe,
+        "pipeline_cpu_s": c_pipe,
+        "engine_cpu_s": c_engine,
+        "cpu_ratio": c_engine / c_pipe,
+    }
 
 
 def _synced(fn):
@@ -146,8 +187,13 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
         traj = engine.sample(prompts, n=n)
         images = policy.decode(traj.latents[:, -1])
         rows = [prompts[i] for i in traj.prompt_index]
-        rec = diffusion_record(traj, policy="main", uid=traj.prompt_index.tolist(),
-                               prompt_text=rows, meta=[{"images": [im]} for im in images])
+        rec = diffusion_record(
+            traj,
+            policy="main",
+            uid=traj.prompt_index.tolist(),
+            prompt_text=rows,
+            meta=[{"images": [im]} for im in images],
+        )
         t1 = time.perf_counter()
         score(rec, reward_cfg)
         per_prompt_credit(rec, algo)
@@ -168,11 +214,19 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="local SD3/FLUX checkpoint (default: build one)")
-    p.add_argument("--family", choices=sorted(SIZES), default="sd3",
-                   help="offline model to build when --model is not given")
+    p.add_argument(
+        "--family",
+        choices=sorted(SIZES),
+        default="sd3",
+        help="offline model to build when --model is not given",
+    )
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
-    p.add_argument("--seq-len", type=int, default=None,
-                   help="T5 tokens per prompt (default: what the offline model has)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="T5 tokens per prompt (default: what the offline model has)",
+    )
     p.add_argument("--resolution", type=int, default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=32)
@@ -202,23 +256,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(build(Path(tmp) / family, **size))
         dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        print(f"{family} model {args.model or args.size} | device {dev} | threads "
-              f"{torch.get_num_threads()} | {args.resolution}px, {args.steps} steps, batch "
-              f"{args.batch}, guidance {args.guidance}, LoRA r={args.lora}")
+        print(
+            f"{family} model {args.model or args.size} | device {dev} | threads "
+            f"{torch.get_num_threads()} | {args.resolution}px, {args.steps} steps, batch "
+            f"{args.batch}, guidance {args.guidance}, LoRA r={args.lora}"
+        )
         o = bench_pipeline_overhead(model, args)
-        print(f"sampling  diffusers pipeline {o['pipeline_s']:.3f} s | recording engine "
-              f"{o['engine_s']:.3f} s | recording sampler / pipeline = {o['ratio']:.2f}x wall, "
-              f"{o['cpu_ratio']:.2f}x CPU (target <= 1.3)")
+        print(
+            f"sampling  diffusers pipeline {o['pipeline_s']:.3f} s | recording engine "
+            f"{o['engine_s']:.3f} s | recording sampler / pipeline = {o['ratio']:.2f}x wall, "
+            f"{o['cpu_ratio']:.2f}x CPU (target <= 1.3)"
+        )
         full = bench_epoch(model, args, {"mode": "all"})
         win = bench_epoch(model, args, {"mode": "window", "window_start": 0, "window_size": 2})
         for name, e in (("all steps", full), ("window(2)", win)):
-            print(f"epoch [{name:9s}] {e['epoch']:.3f} s = sampling {e['sampling']:.3f} + reward "
-                  f"{e['reward']:.3f} + training {e['training']:.3f} "
-                  f"({e['trained_steps']:.0f} trained steps; {e['cpu']:.3f} CPU-s)")
+            print(
+                f"epoch [{name:9s}] {e['epoch']:.3f} s = sampling {e['sampling']:.3f} + reward "
+                f"{e['reward']:.3f} + training {e['training']:.3f} "
+                f"({e['trained_steps']:.0f} trained steps; {e['cpu']:.3f} CPU-s)"
+            )
         ideal = win["trained_steps"] / full["trained_steps"]
-        print(f"training time window(2) / all steps = {win['training'] / full['training']:.2f} "
-              f"(proportional: {ideal:.2f}); epoch ratio = {win['epoch'] / full['epoch']:.2f} "
-              f"wall, {win['cpu'] / full['cpu']:.2f} CPU")
+        print(
+            f"training time window(2) / all steps = {win['training'] / full['training']:.2f} "
+            f"(proportional: {ideal:.2f}); epoch ratio = {win['epoch'] / full['epoch']:.2f} "
+            f"wall, {win['cpu'] / full['cpu']:.2f} CPU"
+        )
 
 
 if __name__ == "__main__":

@@ -38,28 +38,46 @@ def main() -> None:
     c.common_args(p)
     p.add_argument("--sizes", nargs="+", default=None, choices=list(c.SIZES))
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--trl-gradient-checkpointing", action="store_true",
-                   help="also time TRL with its default gradient_checkpointing=True")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="cProfile PolyRL's timed steps into DIR/<size>/profile-*.prof")
+    p.add_argument(
+        "--trl-gradient-checkpointing",
+        action="store_true",
+        help="also time TRL with its default gradient_checkpointing=True",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="cProfile PolyRL's timed steps into DIR/<size>/profile-*.prof",
+    )
     args = p.parse_args()
     threads, why = c.resolve_threads(args.threads)
     gpu = args.device == "cuda"
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    sizes = args.sizes or (["20M"] if gpu and args.quick else ["20M", "0.5B"] if gpu
-                           else ["0.3M"] if args.quick else ["0.3M", "20M"])
+    sizes = args.sizes or (
+        ["20M"]
+        if gpu and args.quick
+        else ["20M", "0.5B"]
+        if gpu
+        else ["0.3M"]
+        if args.quick
+        else ["0.3M", "20M"]
+    )
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps if args.steps is not None else (2 if args.quick else 5)
     isolate = not args.in_process
     T = args.max_new_tokens
 
-    print(f"grpo_vs_trl: seconds per GRPO step (16 prompts x 8 samples, {T} new tokens each; "
-          f"{args.device}, {dtype})\n")
+    print(
+        f"grpo_vs_trl: seconds per GRPO step (16 prompts x 8 samples, {T} new tokens each; "
+        f"{args.device}, {dtype})\n"
+    )
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else f"UNAVAILABLE ({vwhy})"))
-    print(f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
-          + ("; one process per contender" if isolate else "; in-process"))
+    print(
+        f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
+        + ("; one process per contender" if isolate else "; in-process")
+    )
 
     results: dict = {"machine": info, "warmup": warmup, "steps": steps, "sizes": {}}
     rows, ratio_lines = [], []
@@ -71,14 +89,28 @@ def main() -> None:
         if ok:
             # on a GPU the contenders share it: the vLLM engine takes 30% for weights + cache
             memory = {"gpu_memory_utilization": 0.3} if gpu else {"kv_cache_gb": 0.25}
-            specs[VLLM] = ("polyrl", dict(model=model, engine="vllm", engine_args={
-                "max_model_len": 64 + T + 32, **memory}, **common))
+            specs[VLLM] = (
+                "polyrl",
+                dict(
+                    model=model,
+                    engine="vllm",
+                    engine_args={"max_model_len": 64 + T + 32, **memory},
+                    **common,
+                ),
+            )
         specs[TRL] = ("trl", dict(model=model, total_steps=warmup + steps, **common))
         if args.trl_gradient_checkpointing:
-            specs[TRL + " (grad ckpt)"] = ("trl", dict(model=model, total_steps=warmup + steps,
-                                                       gradient_checkpointing=True, **common))
-        print(f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
-              file=sys.stderr, flush=True)
+            specs[TRL + " (grad ckpt)"] = (
+                "trl",
+                dict(
+                    model=model, total_steps=warmup + steps, gradient_checkpointing=True, **common
+                ),
+            )
+        print(
+            f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
+            file=sys.stderr,
+            flush=True,
+        )
         remotes = runner.start_all(specs, threads=threads, isolate=isolate)
         prof_dir = None
         if args.profile:
@@ -92,40 +124,83 @@ def main() -> None:
             recs = timed[name].get("default", [])
             if r.error or not recs:
                 res[name] = {"error": r.error or "no steps"}
-                rows.append([size, c.fmt_params(nparams), name] + [float("nan")] * 6
-                            + [(r.error or "no steps").splitlines()[-1][:80]])
+                rows.append(
+                    [size, c.fmt_params(nparams), name]
+                    + [float("nan")] * 6
+                    + [(r.error or "no steps").splitlines()[-1][:80]]
+                )
                 continue
             s = c.summarize([x["step_s"] for x in recs])
-            s.update({k: c.median_of(recs, k) for k in ("rollout_s", "update_s", "sync_s",
-                                                        "reward_credit_s", "mean_len")})
+            s.update(
+                {
+                    k: c.median_of(recs, k)
+                    for k in ("rollout_s", "update_s", "sync_s", "reward_credit_s", "mean_len")
+                }
+            )
             s["startup"] = r.info
             res[name] = s
             s["tokens_per_s"] = 8 * 16 * s["mean_len"] / s["median_s"]  # sampled, per step
-            rows.append([size, c.fmt_params(nparams), name, s["median_s"], s["min_s"],
-                         s["tokens_per_s"], s["rollout_s"], s["update_s"], s["mean_len"], ""])
+            rows.append(
+                [
+                    size,
+                    c.fmt_params(nparams),
+                    name,
+                    s["median_s"],
+                    s["min_s"],
+                    s["tokens_per_s"],
+                    s["rollout_s"],
+                    s["update_s"],
+                    s["mean_len"],
+                    "",
+                ]
+            )
         if not ok:
             res[VLLM] = {"error": f"unavailable: {vwhy}"}
-            rows.append([size, c.fmt_params(nparams), VLLM] + [float("nan")] * 6
-                        + [f"unavailable: {vwhy}"[:80]])
+            rows.append(
+                [size, c.fmt_params(nparams), VLLM]
+                + [float("nan")] * 6
+                + [f"unavailable: {vwhy}"[:80]]
+            )
         trl = res[TRL].get("median_s")
-        polys = {k: v["median_s"] for k, v in res.items() if k.startswith("PolyRL") and "median_s" in v}
+        polys = {
+            k: v["median_s"] for k, v in res.items() if k.startswith("PolyRL") and "median_s" in v
+        }
         if trl and polys:
             best = min(polys, key=polys.get)
             for k, v in polys.items():
                 ratio_lines.append(f"  {size:>5}: TRL / {k:<21} = {trl / v:5.2f}x")
             ratio = trl / polys[best]
             res["ratio_trl_over_polyrl_best"] = ratio
-            ratio_lines.append(f"  {size:>5}: TRL / PolyRL-best ({best}) = {ratio:.2f}x   "
-                               f"target >= {TARGET}x: {'MET' if ratio >= TARGET else 'NOT MET'}")
+            ratio_lines.append(
+                f"  {size:>5}: TRL / PolyRL-best ({best}) = {ratio:.2f}x   "
+                f"target >= {TARGET}x: {'MET' if ratio >= TARGET else 'NOT MET'}"
+            )
             if TRL + " (grad ckpt)" in res and "median_s" in res[TRL + " (grad ckpt)"]:
                 g = res[TRL + " (grad ckpt)"]["median_s"] / polys[best]
-                ratio_lines.append(f"  {size:>5}: TRL with its default gradient checkpointing / "
-                                   f"PolyRL-best = {g:.2f}x")
+                ratio_lines.append(
+                    f"  {size:>5}: TRL with its default gradient checkpointing / "
+                    f"PolyRL-best = {g:.2f}x"
+                )
         results["sizes"][size] = {"params": nparams, "results": res}
 
     print()
-    print(c.table(["size", "params", "contender", "median s/step", "min s/step", "tokens/s",
-                   "rollout s", "update s", "resp len", "note"], rows))
+    print(
+        c.table(
+            [
+                "size",
+                "params",
+                "contender",
+                "median s/step",
+                "min s/step",
+                "tokens/s",
+                "rollout s",
+                "update s",
+                "resp len",
+                "note",
+            ],
+            rows,
+        )
+    )
     print("\n(tokens/s: response tokens sampled and trained on per second of a whole step)")
     print("\n(rollout s / update s: PolyRL's split of its step; TRL does not expose one)")
     print("\nRatios, TRL seconds per step / PolyRL seconds per step (higher = PolyRL faster):")

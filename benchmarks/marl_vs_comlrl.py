@@ -75,8 +75,9 @@ def polyrl_team_reward(sample) -> float:
     """PolyRL reward term: scores a joint-action row from its transcript (one entry per agent)."""
     turns = sample.meta["transcript"]
     if len(turns) != len(AGENTS):
-        raise ValueError(f"joint row {sample.index}: expected {len(AGENTS)} agent turns, "
-                         f"got {len(turns)}")
+        raise ValueError(
+            f"joint row {sample.index}: expected {len(AGENTS)} agent turns, got {len(turns)}"
+        )
     return team_reward([t["text"] for t in turns])
 
 
@@ -96,7 +97,9 @@ def build_agent_model(size: str, seed: int) -> str:
         return str(path)
     tok = build_tokenizer(arithmetic.corpus(), vocab_size=128)
     model = build_tiny_qwen2(tok, seed=seed, max_position_embeddings=1024, **c.SIZES[size])
-    c.forbid_tokens(model, [tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)])
+    c.forbid_tokens(
+        model, [tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)]
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     model.save_pretrained(tmp)
@@ -126,8 +129,17 @@ def seed_all(seed: int) -> None:
 class PolyRLMarl:
     """PolyRL: a Session built from a recipe; ``step`` is the body of core/loop.py."""
 
-    def __init__(self, models: list[str], data: str, G: int, P: int, T: int, lr: float,
-                 seed: int, total_steps: int) -> None:
+    def __init__(
+        self,
+        models: list[str],
+        data: str,
+        G: int,
+        P: int,
+        T: int,
+        lr: float,
+        seed: int,
+        total_steps: int,
+    ) -> None:
         import polyrl.core  # noqa: F401
         import polyrl.marl  # noqa: F401  (registers the parallel workflow and magrpo credit)
         from polyrl.core.config import load
@@ -141,21 +153,39 @@ class PolyRLMarl:
         self.tmp = tempfile.TemporaryDirectory(prefix="bench-marl-")
         agents = ", ".join(f"{{name: {n}, policy: {n}}}" for n in AGENTS)
         overrides = [
-            f"seed={seed}", f"run.dir={self.tmp.name}/run", "run.progress=false",
-            "run.tensorboard=false", "run.export=false", "run.save_every=0",
-            f"data.path={data}", "data.shuffle=false", "data.max_prompt_tokens=64",
-            "rollout.workflow=parallel", f"rollout.args={{agents: [{agents}], joint: aligned}}",
-            f"rollout.n={G}", f"rollout.prompts_per_step={P}", f"rollout.max_new_tokens={T}",
-            "rollout.temperature=1.0", "rollout.top_p=1.0",
+            f"seed={seed}",
+            f"run.dir={self.tmp.name}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            "run.save_every=0",
+            f"data.path={data}",
+            "data.shuffle=false",
+            "data.max_prompt_tokens=64",
+            "rollout.workflow=parallel",
+            f"rollout.args={{agents: [{agents}], joint: aligned}}",
+            f"rollout.n={G}",
+            f"rollout.prompts_per_step={P}",
+            f"rollout.max_new_tokens={T}",
+            "rollout.temperature=1.0",
+            "rollout.top_p=1.0",
             f"reward.terms=[{{name: {REWARD_NAME}}}]",
-            "algorithm.credit=magrpo", "algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip",
-            "algorithm.loss_agg=seq-mean-token-sum", "algorithm.kl_coef=0", "algorithm.ppo_epochs=1",
+            "algorithm.credit=magrpo",
+            "algorithm.advantage=grpo",
+            "algorithm.policy_loss=ppo_clip",
+            "algorithm.loss_agg=seq-mean-token-sum",
+            "algorithm.kl_coef=0",
+            "algorithm.ppo_epochs=1",
             f"train.steps={total_steps}",
         ]
         for name, model in zip(AGENTS, models, strict=True):
-            overrides += [f"policies.{name}.model={model}", f"policies.{name}.optim.lr={lr}",
-                          f"policies.{name}.optim.max_grad_norm=0", f"policies.{name}.engine.name=hf",
-                          f"policies.{name}.micro_batch_size={P * G}"]
+            overrides += [
+                f"policies.{name}.model={model}",
+                f"policies.{name}.optim.lr={lr}",
+                f"policies.{name}.optim.max_grad_norm=0",
+                f"policies.{name}.engine.name=hf",
+                f"policies.{name}.micro_batch_size={P * G}",
+            ]
         seed_all(seed)
         self.cfg = load(Config, None, overrides)
         self.s = Session.open(self.cfg)
@@ -182,11 +212,16 @@ class PolyRLMarl:
         joint = record["joint_id"] >= 0
         stats = s.workflow.last_stats
         lens = record["response_mask"][~joint].sum(-1).float()
-        return {"step_s": step_s, "reward": float(record["reward"][joint].float().mean()),
-                "n_joint": int(joint.sum()), "rollout_s": stats.get("marl/rollout_s", float("nan")),
-                "generate_calls": sum(v for k, v in stats.items()
-                                      if k.startswith("marl/generate_calls/")),
-                "mean_len": float(lens.mean())}
+        return {
+            "step_s": step_s,
+            "reward": float(record["reward"][joint].float().mean()),
+            "n_joint": int(joint.sum()),
+            "rollout_s": stats.get("marl/rollout_s", float("nan")),
+            "generate_calls": sum(
+                v for k, v in stats.items() if k.startswith("marl/generate_calls/")
+            ),
+            "mean_len": float(lens.mean()),
+        }
 
     def close(self) -> None:
         self.tmp.cleanup()
@@ -195,8 +230,17 @@ class PolyRLMarl:
 class CoMLRLMarl:
     """CoMLRL: ``MAGRPOTrainer`` with two agent models; ``step`` = ``train()`` over P prompts."""
 
-    def __init__(self, models: list[str], data: str, G: int, P: int, T: int, lr: float,
-                 seed: int, total_steps: int) -> None:
+    def __init__(
+        self,
+        models: list[str],
+        data: str,
+        G: int,
+        P: int,
+        T: int,
+        lr: float,
+        seed: int,
+        total_steps: int,
+    ) -> None:
         from comlrl.trainers.reinforce.magrpo import MAGRPOConfig, MAGRPOTrainer
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,21 +254,45 @@ class CoMLRLMarl:
 
         def formatter(tok):
             def fmt(item: dict) -> str:  # the same chat-templated text PolyRL's agents get
-                return tok.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                               tokenize=False, add_generation_prompt=True)
+                return tok.apply_chat_template(
+                    [{"role": "user", "content": item["prompt"]}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+
             return fmt
 
         self.fmts = [formatter(t) for t in toks]
         args = MAGRPOConfig(
-            num_train_epochs=1, agent_learning_rate=lr, logging_steps=1, num_agents=2,
-            num_generations=G, max_new_tokens=T, temperature=1.0, top_p=1.0, top_k=0,
-            num_turns=1, joint_mode="aligned", early_termination_threshold=None,
-            eval_interval=0, eval_num_samples=0, rollout_buffer_size=P, train_batch_size=P,
-            advantage_normalization=True, advantage_mode="mean", reference_kl_enabled=False)
+            num_train_epochs=1,
+            agent_learning_rate=lr,
+            logging_steps=1,
+            num_agents=2,
+            num_generations=G,
+            max_new_tokens=T,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            num_turns=1,
+            joint_mode="aligned",
+            early_termination_threshold=None,
+            eval_interval=0,
+            eval_num_samples=0,
+            rollout_buffer_size=P,
+            train_batch_size=P,
+            advantage_normalization=True,
+            advantage_mode="mean",
+            reference_kl_enabled=False,
+        )
         self.rewards: list[float] = []
-        self.trainer = MAGRPOTrainer(agents=agents, tokenizer=toks, reward_func=self._reward,
-                                     formatters=self.fmts, train_dataset=self._next_rows(),
-                                     args=args)
+        self.trainer = MAGRPOTrainer(
+            agents=agents,
+            tokenizer=toks,
+            reward_func=self._reward,
+            formatters=self.fmts,
+            train_dataset=self._next_rows(),
+            args=args,
+        )
         self.trainer.verbose = False
         self.pos = 0
         ids = toks[0](self.fmts[0]({"prompt": self.rows[0]["prompt"]}))["input_ids"]
@@ -246,8 +314,12 @@ class CoMLRLMarl:
         t0 = time.perf_counter()
         self.trainer.train()
         step_s = time.perf_counter() - t0
-        return {"step_s": step_s, "reward": statistics.fmean(self.rewards),
-                "n_joint": len(self.rewards), "generate_calls": 2 * self.P}
+        return {
+            "step_s": step_s,
+            "reward": statistics.fmean(self.rewards),
+            "n_joint": len(self.rewards),
+            "generate_calls": 2 * self.P,
+        }
 
     def close(self) -> None:
         pass
@@ -263,20 +335,31 @@ class Worker:
 
     def __init__(self, name: str, kind: str, kwargs: dict, threads: int) -> None:
         self.name, self.error, self.info = name, None, {}
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+            WANDB_MODE="disabled",
+        )
         fd, self.log_path = tempfile.mkstemp(prefix=f"bench-marl-{kind}-", suffix=".log")
         self.log = os.fdopen(fd, "w")
         spec = json.dumps({"kind": kind, "kwargs": kwargs, "threads": threads})
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
         self._ready = False
 
     def _read(self) -> dict | None:
         for line in self.proc.stdout:
             if line.startswith(c.RESULT_TAG):
-                msg = json.loads(line[len(c.RESULT_TAG):])
+                msg = json.loads(line[len(c.RESULT_TAG) :])
                 if "error" in msg:
                     self.error = msg["error"]
                     return None
@@ -342,8 +425,10 @@ def serve(spec: dict) -> None:
 
 
 def run_seed(seed: int, kw: dict, threads: int, total: int, warmup: int) -> dict[str, list[dict]]:
-    workers = {POLY: Worker(POLY, "polyrl", dict(kw, seed=seed), threads),
-               COM: Worker(COM, "comlrl", dict(kw, seed=seed), threads)}
+    workers = {
+        POLY: Worker(POLY, "polyrl", dict(kw, seed=seed), threads),
+        COM: Worker(COM, "comlrl", dict(kw, seed=seed), threads),
+    }
     try:
         for w in workers.values():
             w.ready()
@@ -356,16 +441,23 @@ def run_seed(seed: int, kw: dict, threads: int, total: int, warmup: int) -> dict
         out: dict[str, list[dict]] = {n: [] for n in workers}
         names = list(workers)
         for rnd in range(total):
-            order = names[rnd % 2:] + names[:rnd % 2]
+            order = names[rnd % 2 :] + names[: rnd % 2]
             for n in order:
                 res = workers[n].call("step")
                 if res is None:
                     raise RuntimeError(f"{n} failed at step {rnd + 1}: {workers[n].error}")
                 out[n].append(res)
-            print(f"  seed {seed}: step {rnd + 1}/{total} "
-                  + ("(warm-up)" if rnd < warmup else "") + "  "
-                  + "  ".join(f"{n.split()[0]} {out[n][-1]['step_s']:.2f}s r={out[n][-1]['reward']:.3f}"
-                              for n in names), file=sys.stderr, flush=True)
+            print(
+                f"  seed {seed}: step {rnd + 1}/{total} "
+                + ("(warm-up)" if rnd < warmup else "")
+                + "  "
+                + "  ".join(
+                    f"{n.split()[0]} {out[n][-1]['step_s']:.2f}s r={out[n][-1]['reward']:.3f}"
+                    for n in names
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         return out
     finally:
         for w in workers.values():
@@ -395,16 +487,21 @@ def main() -> None:
     if warmup >= N or N < 2:
         p.error("--steps must exceed --warmup and be >= 2")
 
-    print(f"marl_vs_comlrl: two agents (separate {args.size} Qwen2s), {P} prompts x G={G} "
-          f"per step, {T} new tokens, lr {args.lr}, {N} steps, seeds {seeds}\n")
+    print(
+        f"marl_vs_comlrl: two agents (separate {args.size} Qwen2s), {P} prompts x G={G} "
+        f"per step, {T} new tokens, lr {args.lr}, {N} steps, seeds {seeds}\n"
+    )
     info = c.print_machine(threads, why)
     from importlib.metadata import version
 
     print(f"  {'comlrl':>20}: {version('comlrl')}")
     models = [build_agent_model(args.size, s) for s in (0, 1)]
     kw = dict(models=models, data=c.data_file(), G=G, P=P, T=T, lr=args.lr, total_steps=N)
-    results: dict = {"machine": info, "settings": dict(kw, N=N, warmup=warmup, seeds=seeds),
-                     "seeds": {}}
+    results: dict = {
+        "machine": info,
+        "settings": dict(kw, N=N, warmup=warmup, seeds=seeds),
+        "seeds": {},
+    }
     for seed in seeds:
         print(f"\n[seed {seed}] starting both contenders ...", file=sys.stderr, flush=True)
         results["seeds"][seed] = run_seed(seed, kw, threads, N, warmup)
@@ -413,16 +510,46 @@ def main() -> None:
     for name in (POLY, COM):
         times = [r["step_s"] for s in seeds for r in results["seeds"][s][name][warmup:]]
         first = [results["seeds"][s][name][0]["reward"] for s in seeds]
-        last = [statistics.fmean(r["reward"] for r in results["seeds"][s][name][-2:]) for s in seeds]
+        last = [
+            statistics.fmean(r["reward"] for r in results["seeds"][s][name][-2:]) for s in seeds
+        ]
         one = results["seeds"][seeds[0]][name][-1]
-        summary[name] = {"median_s": statistics.median(times), "reward_first": statistics.fmean(first),
-                         "reward_last": statistics.fmean(last), "per_seed_last": last}
-        rows.append([name, statistics.median(times), min(times), one["generate_calls"],
-                     one["n_joint"], one.get("mean_len", "n/a (=T: no EOS)"), statistics.fmean(first), statistics.fmean(last),
-                     " ".join(f"{x:.3f}" for x in last)])
+        summary[name] = {
+            "median_s": statistics.median(times),
+            "reward_first": statistics.fmean(first),
+            "reward_last": statistics.fmean(last),
+            "per_seed_last": last,
+        }
+        rows.append(
+            [
+                name,
+                statistics.median(times),
+                min(times),
+                one["generate_calls"],
+                one["n_joint"],
+                one.get("mean_len", "n/a (=T: no EOS)"),
+                statistics.fmean(first),
+                statistics.fmean(last),
+                " ".join(f"{x:.3f}" for x in last),
+            ]
+        )
     print()
-    print(c.table(["contender", "median s/step", "min s/step", "generate calls/step",
-                   "joint actions/step", "resp len", "reward step 1", f"reward after {N}", "per seed"], rows))
+    print(
+        c.table(
+            [
+                "contender",
+                "median s/step",
+                "min s/step",
+                "generate calls/step",
+                "joint actions/step",
+                "resp len",
+                "reward step 1",
+                f"reward after {N}",
+                "per seed",
+            ],
+            rows,
+        )
+    )
     for s in seeds:
         print(f"\nreward curve, seed {s} (mean joint reward of each step's rollouts):")
         for name in (POLY, COM):
@@ -431,12 +558,16 @@ def main() -> None:
     speed = summary[COM]["median_s"] / summary[POLY]["median_s"]
     rp, rc = summary[POLY]["reward_last"], summary[COM]["reward_last"]
     print("\nRatios (measured in this run):")
-    print(f"  CoMLRL s/step / PolyRL s/step = {speed:.2f}x   target >= {TARGET}x: "
-          f"{'MET' if speed >= TARGET else 'NOT MET'}")
-    print(f"  reward after {N} steps: PolyRL {rp:.3f} vs CoMLRL {rc:.3f} "
-          f"(PolyRL / CoMLRL = {rp / rc if rc else float('nan'):.2f}; "
-          f"PolyRL - CoMLRL = {rp - rc:+.3f})   equal or better: {'YES' if rp >= rc - 0.02 else 'NO'}"
-          " (2-point tolerance)")
+    print(
+        f"  CoMLRL s/step / PolyRL s/step = {speed:.2f}x   target >= {TARGET}x: "
+        f"{'MET' if speed >= TARGET else 'NOT MET'}"
+    )
+    print(
+        f"  reward after {N} steps: PolyRL {rp:.3f} vs CoMLRL {rc:.3f} "
+        f"(PolyRL / CoMLRL = {rp / rc if rc else float('nan'):.2f}; "
+        f"PolyRL - CoMLRL = {rp - rc:+.3f})   equal or better: {'YES' if rp >= rc - 0.02 else 'NO'}"
+        " (2-point tolerance)"
+    )
     results["summary"] = summary | {"speed_ratio": speed}
     c.write_json(args.json, results)
 

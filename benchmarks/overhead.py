@@ -41,13 +41,17 @@ def main() -> None:
     isolate = not args.in_process
     T = args.max_new_tokens
 
-    print(f"overhead: PolyRL against raw vLLM (rollout) and bare PyTorch (update); "
-          f"128 rows x {T} new tokens\n")
+    print(
+        f"overhead: PolyRL against raw vLLM (rollout) and bare PyTorch (update); "
+        f"128 rows x {T} new tokens\n"
+    )
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else f"UNAVAILABLE ({vwhy})"))
-    print(f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
-          + ("; one process per contender" if isolate else "; in-process"))
+    print(
+        f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
+        + ("; one process per contender" if isolate else "; in-process")
+    )
 
     results: dict = {"machine": info, "warmup": warmup, "steps": steps, "sizes": {}}
     rows, lines = [], []
@@ -59,20 +63,31 @@ def main() -> None:
         specs: dict = {}
         if ok:
             specs["raw vllm.LLM.generate"] = ("raw_vllm", dict(model=model, **gen, **vargs))
-            specs["PolyRL vLLM engine.generate"] = ("polyrl", dict(
-                model=model, engine="vllm", engine_args=vargs, mode="generate", **gen))
-            specs["PolyRL vLLM rollout (workflow)"] = ("polyrl", dict(
-                model=model, engine="vllm", engine_args=vargs, mode="rollout", **gen))
+            specs["PolyRL vLLM engine.generate"] = (
+                "polyrl",
+                dict(model=model, engine="vllm", engine_args=vargs, mode="generate", **gen),
+            )
+            specs["PolyRL vLLM rollout (workflow)"] = (
+                "polyrl",
+                dict(model=model, engine="vllm", engine_args=vargs, mode="rollout", **gen),
+            )
         specs["raw transformers generate"] = ("hf_generate", dict(model=model, **gen))
-        specs["PolyRL HF engine.generate"] = ("polyrl", dict(model=model, engine="hf",
-                                                             mode="generate", **gen))
-        specs["PolyRL HF rollout (workflow)"] = ("polyrl", dict(model=model, engine="hf",
-                                                                mode="rollout", **gen))
+        specs["PolyRL HF engine.generate"] = (
+            "polyrl",
+            dict(model=model, engine="hf", mode="generate", **gen),
+        )
+        specs["PolyRL HF rollout (workflow)"] = (
+            "polyrl",
+            dict(model=model, engine="hf", mode="rollout", **gen),
+        )
         upd = dict(rows=128, prompt_len=14, response_len=T, micro_batch_size=128)
         specs["bare PyTorch update"] = ("update", dict(model=model, kind="bare", **upd))
         specs["PolyRL trainer.update"] = ("update", dict(model=model, kind="polyrl", **upd))
-        print(f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
+            file=sys.stderr,
+            flush=True,
+        )
         remotes = runner.start_all(specs, threads=threads, isolate=isolate)
         timed = runner.interleave(remotes, warmup=warmup, steps=steps)
         runner.close_all(remotes)
@@ -82,8 +97,15 @@ def main() -> None:
             recs = timed[name].get("default", [])
             if r.error or not recs:
                 res[name] = {"error": r.error or "no steps"}
-                rows.append([size, name, float("nan"), float("nan"),
-                             (r.error or "no steps").splitlines()[-1][:80]])
+                rows.append(
+                    [
+                        size,
+                        name,
+                        float("nan"),
+                        float("nan"),
+                        (r.error or "no steps").splitlines()[-1][:80],
+                    ]
+                )
                 continue
             s = c.summarize([x["step_s"] for x in recs])
             tokens = c.median_of(recs, "tokens")
@@ -94,27 +116,41 @@ def main() -> None:
             res[name] = s
             rows.append([size, name, s["median_s"], s["tokens_per_s"], ""])
         if not ok:
-            rows.append([size, "PolyRL vLLM engine / raw vLLM", float("nan"), float("nan"),
-                         f"vLLM engine unavailable: {vwhy}"[:80]])
+            rows.append(
+                [
+                    size,
+                    "PolyRL vLLM engine / raw vLLM",
+                    float("nan"),
+                    float("nan"),
+                    f"vLLM engine unavailable: {vwhy}"[:80],
+                ]
+            )
 
         def thr(name: str, res: dict = res) -> float | None:
             return res.get(name, {}).get("tokens_per_s")
 
-        checks = [("PolyRL vLLM rollout (workflow)", "raw vllm.LLM.generate", ROLLOUT_TARGET),
-                  ("PolyRL vLLM engine.generate", "raw vllm.LLM.generate", None),
-                  ("PolyRL HF rollout (workflow)", "raw transformers generate", None),
-                  ("PolyRL HF engine.generate", "raw transformers generate", None),
-                  ("PolyRL trainer.update", "bare PyTorch update", UPDATE_TARGET)]
+        checks = [
+            ("PolyRL vLLM rollout (workflow)", "raw vllm.LLM.generate", ROLLOUT_TARGET),
+            ("PolyRL vLLM engine.generate", "raw vllm.LLM.generate", None),
+            ("PolyRL HF rollout (workflow)", "raw transformers generate", None),
+            ("PolyRL HF engine.generate", "raw transformers generate", None),
+            ("PolyRL trainer.update", "bare PyTorch update", UPDATE_TARGET),
+        ]
         for a, b, target in checks:
             if thr(a) and thr(b):
                 ratio = thr(a) / thr(b)
                 res.setdefault("ratios", {})[f"{a} / {b}"] = ratio
-                verdict = (f"   target >= {target}: {'MET' if ratio >= target else 'NOT MET'}"
-                           if target else "")
+                verdict = (
+                    f"   target >= {target}: {'MET' if ratio >= target else 'NOT MET'}"
+                    if target
+                    else ""
+                )
                 lines.append(f"  {size:>5}: {a} / {b} = {ratio:.2f}{verdict}")
             elif target:
-                lines.append(f"  {size:>5}: {a} / {b}: not measured "
-                             f"({res.get(a, res.get(b, {})).get('error', 'unavailable')})".splitlines()[0])
+                lines.append(
+                    f"  {size:>5}: {a} / {b}: not measured "
+                    f"({res.get(a, res.get(b, {})).get('error', 'unavailable')})".splitlines()[0]
+                )
         results["sizes"][size] = {"params": nparams, "results": res}
 
     print()

@@ -31,7 +31,9 @@ def slope(points: list[tuple[float, float]]) -> float:
     ys = [math.log(y) for _, y in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else float("nan")
+    return (
+        sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else float("nan")
+    )
 
 
 def main() -> None:
@@ -49,27 +51,46 @@ def main() -> None:
     steps = args.steps if args.steps is not None else (1 if args.quick else 3)
     isolate = not args.in_process
 
-    print(f"scaling: seconds per GRPO step, 16 prompts x group size {groups} x response length "
-          f"{lengths}\n")
+    print(
+        f"scaling: seconds per GRPO step, 16 prompts x group size {groups} x response length "
+        f"{lengths}\n"
+    )
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     ok = ok and not args.no_vllm
-    print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else
-                                               f"not measured ({'--no-vllm' if args.no_vllm else vwhy})"))
+    print(
+        f"  {'polyrl vllm engine':>20}: "
+        + ("available" if ok else f"not measured ({'--no-vllm' if args.no_vllm else vwhy})")
+    )
     model = c.build_model(args.size)
     nparams = c.param_count(model)
-    print(f"\nmodel {args.size} ({c.fmt_params(nparams)} parameters); {warmup} warm-up + {steps} "
-          "timed steps per configuration, all configurations and engines interleaved")
+    print(
+        f"\nmodel {args.size} ({c.fmt_params(nparams)} parameters); {warmup} warm-up + {steps} "
+        "timed steps per configuration, all configurations and engines interleaved"
+    )
 
     max_rows = 16 * max(groups)
-    specs = {"HF engine": ("polyrl", dict(model=model, engine="hf", micro_batch_size=128,
-                                          engine_args={"batch_size": 256}))}
+    specs = {
+        "HF engine": (
+            "polyrl",
+            dict(model=model, engine="hf", micro_batch_size=128, engine_args={"batch_size": 256}),
+        )
+    }
     if ok:
         kv = 0.5 if args.size == "0.3M" else 4.0
-        specs["vLLM engine"] = ("polyrl", dict(model=model, engine="vllm", micro_batch_size=128,
-                                               engine_args={"max_model_len": 64 + max(lengths) + 32,
-                                                            "kv_cache_gb": kv,
-                                                            "max_num_seqs": max_rows}))
+        specs["vLLM engine"] = (
+            "polyrl",
+            dict(
+                model=model,
+                engine="vllm",
+                micro_batch_size=128,
+                engine_args={
+                    "max_model_len": 64 + max(lengths) + 32,
+                    "kv_cache_gb": kv,
+                    "max_num_seqs": max_rows,
+                },
+            ),
+        )
     configs = [{"n": g, "max_new_tokens": t} for t in lengths for g in groups]
     remotes = runner.start_all(specs, threads=threads, isolate=isolate)
     timed = runner.interleave(remotes, warmup=warmup, steps=steps, configs=configs)
@@ -79,8 +100,19 @@ def main() -> None:
     results: dict = {"machine": info, "model": args.size, "params": nparams, "engines": {}}
     for name, r in remotes.items():
         if r.error:
-            rows.append([name, "-", "-", float("nan"), float("nan"), float("nan"), float("nan"),
-                         float("nan"), r.error.splitlines()[-1][:80]])
+            rows.append(
+                [
+                    name,
+                    "-",
+                    "-",
+                    float("nan"),
+                    float("nan"),
+                    float("nan"),
+                    float("nan"),
+                    float("nan"),
+                    r.error.splitlines()[-1][:80],
+                ]
+            )
             results["engines"][name] = {"error": r.error}
             continue
         per: dict = {}
@@ -90,12 +122,27 @@ def main() -> None:
                 continue
             step = c.median_of(recs, "step_s")
             tokens = c.median_of(recs, "tokens")
-            d = {"step_s": step, "rollout_s": c.median_of(recs, "rollout_s"),
-                 "update_s": c.median_of(recs, "update_s"), "tokens": tokens,
-                 "us_per_token": 1e6 * step / tokens}
+            d = {
+                "step_s": step,
+                "rollout_s": c.median_of(recs, "rollout_s"),
+                "update_s": c.median_of(recs, "update_s"),
+                "tokens": tokens,
+                "us_per_token": 1e6 * step / tokens,
+            }
             per[runner.config_key(cfg)] = d
-            rows.append([name, cfg["n"], cfg["max_new_tokens"], int(tokens), step, d["rollout_s"],
-                         d["update_s"], d["us_per_token"], ""])
+            rows.append(
+                [
+                    name,
+                    cfg["n"],
+                    cfg["max_new_tokens"],
+                    int(tokens),
+                    step,
+                    d["rollout_s"],
+                    d["update_s"],
+                    d["us_per_token"],
+                    "",
+                ]
+            )
         results["engines"][name] = {"configs": per, "exponents": {}}
 
         def pts(sel, per=per):
@@ -114,12 +161,28 @@ def main() -> None:
                 results["engines"][name]["exponents"][label] = b
         if per:
             costs = [v["us_per_token"] for v in per.values()]
-            lines.append(f"  {name:>11}, per-token cost range: {min(costs):.1f} .. {max(costs):.1f} us "
-                         f"(max/min {max(costs) / min(costs):.2f})")
+            lines.append(
+                f"  {name:>11}, per-token cost range: {min(costs):.1f} .. {max(costs):.1f} us "
+                f"(max/min {max(costs) / min(costs):.2f})"
+            )
 
     print()
-    print(c.table(["engine", "group", "length", "tokens", "s/step", "rollout s", "update s",
-                   "us/token", "note"], rows))
+    print(
+        c.table(
+            [
+                "engine",
+                "group",
+                "length",
+                "tokens",
+                "s/step",
+                "rollout s",
+                "update s",
+                "us/token",
+                "note",
+            ],
+            rows,
+        )
+    )
     print("\nGrowth exponent b in  step time ~ generated tokens^b  (1 = linear):")
     print("\n".join(lines) if lines else "  (none)")
     c.write_json(args.json, results)

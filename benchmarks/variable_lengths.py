@@ -49,13 +49,17 @@ def main() -> None:
     T = args.max_new_tokens
     plan = {"long_frac": args.long_frac, "short_max": args.short_max}
 
-    print(f"variable_lengths: 16 prompts x 8 samples; {1 - args.long_frac:.0%} of responses stop "
-          f"within {args.short_max} tokens, {args.long_frac:.0%} run to {T}\n")
+    print(
+        f"variable_lengths: 16 prompts x 8 samples; {1 - args.long_frac:.0%} of responses stop "
+        f"within {args.short_max} tokens, {args.long_frac:.0%} run to {T}\n"
+    )
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else f"UNAVAILABLE ({vwhy})"))
-    print(f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
-          + ("; one process per contender" if isolate else "; in-process"))
+    print(
+        f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
+        + ("; one process per contender" if isolate else "; in-process")
+    )
 
     results: dict = {"machine": info, "warmup": warmup, "steps": steps, "plan": plan, "sizes": {}}
     rows, lines = [], []
@@ -63,16 +67,30 @@ def main() -> None:
         model = c.build_model(size)
         nparams = c.param_count(model)
         common = dict(n=8, prompts=16, max_new_tokens=T, stop_plan_args=plan)
-        specs = {HF: ("polyrl", dict(model=model, engine="hf", **common)),
-                 HF_FULL: ("polyrl", dict(model=model, engine="hf",
-                                          engine_args={"drop_finished": False}, **common))}
+        specs = {
+            HF: ("polyrl", dict(model=model, engine="hf", **common)),
+            HF_FULL: (
+                "polyrl",
+                dict(model=model, engine="hf", engine_args={"drop_finished": False}, **common),
+            ),
+        }
         if ok:
-            specs[VLLM] = ("polyrl", dict(model=model, engine="vllm", engine_args={
-                "max_model_len": 64 + T + 32, "kv_cache_gb": 0.25}, **common))
+            specs[VLLM] = (
+                "polyrl",
+                dict(
+                    model=model,
+                    engine="vllm",
+                    engine_args={"max_model_len": 64 + T + 32, "kv_cache_gb": 0.25},
+                    **common,
+                ),
+            )
         if not args.no_trl:
             specs[TRL] = ("trl", dict(model=model, total_steps=warmup + steps, **common))
-        print(f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n[{size}: {c.fmt_params(nparams)} parameters] starting contenders ...",
+            file=sys.stderr,
+            flush=True,
+        )
         remotes = runner.start_all(specs, threads=threads, isolate=isolate)
         timed = runner.interleave(remotes, warmup=warmup, steps=steps)
         runner.close_all(remotes)
@@ -82,15 +100,23 @@ def main() -> None:
             recs = timed[name].get("default", [])
             if r.error or not recs:
                 res[name] = {"error": r.error or "no steps"}
-                rows.append([size, name] + [float("nan")] * 4
-                            + [(r.error or "no steps").splitlines()[-1][:80]])
+                rows.append(
+                    [size, name]
+                    + [float("nan")] * 4
+                    + [(r.error or "no steps").splitlines()[-1][:80]]
+                )
                 continue
             s = c.summarize([x["step_s"] for x in recs])
-            s.update({k: c.median_of(recs, k) for k in ("rollout_s", "update_s", "mean_len",
-                                                        "short_frac")})
+            s.update(
+                {
+                    k: c.median_of(recs, k)
+                    for k in ("rollout_s", "update_s", "mean_len", "short_frac")
+                }
+            )
             res[name] = s
-            rows.append([size, name, s["rollout_s"], s["median_s"], s["mean_len"],
-                         s["short_frac"], ""])
+            rows.append(
+                [size, name, s["rollout_s"], s["median_s"], s["mean_len"], s["short_frac"], ""]
+            )
         if not ok:
             res[VLLM] = {"error": f"unavailable: {vwhy}"}
             rows.append([size, VLLM] + [float("nan")] * 4 + [f"unavailable: {vwhy}"[:80]])
@@ -99,12 +125,18 @@ def main() -> None:
             v = res.get(name, {}).get(key)
             return v if v and v == v else None
 
-        pairs = [(HF_FULL, VLLM, "rollout_s", "vLLM continuous batching vs HF batch decoding "
-                                              "(drop_finished=off), per rollout"),
-                 (HF, VLLM, "rollout_s", "vLLM vs PolyRL HF engine as shipped, per rollout"),
-                 (HF_FULL, HF, "rollout_s", "HF engine: dropping finished rows vs not, per rollout"),
-                 (TRL, HF, "median_s", "TRL / PolyRL (HF engine), per training step"),
-                 (TRL, VLLM, "median_s", "TRL / PolyRL (vLLM engine), per training step")]
+        pairs = [
+            (
+                HF_FULL,
+                VLLM,
+                "rollout_s",
+                "vLLM continuous batching vs HF batch decoding (drop_finished=off), per rollout",
+            ),
+            (HF, VLLM, "rollout_s", "vLLM vs PolyRL HF engine as shipped, per rollout"),
+            (HF_FULL, HF, "rollout_s", "HF engine: dropping finished rows vs not, per rollout"),
+            (TRL, HF, "median_s", "TRL / PolyRL (HF engine), per training step"),
+            (TRL, VLLM, "median_s", "TRL / PolyRL (vLLM engine), per training step"),
+        ]
         for a, b, key, label in pairs:
             if get(a, key) and get(b, key):
                 ratio = get(a, key) / get(b, key)
@@ -113,8 +145,7 @@ def main() -> None:
         results["sizes"][size] = {"params": nparams, "results": res}
 
     print()
-    print(c.table(["size", "contender", "rollout s", "step s", "resp len", "short", "note"],
-                  rows))
+    print(c.table(["size", "contender", "rollout s", "step s", "resp len", "short", "note"], rows))
     print("\n(TRL's rollout time is not exposed separately: its column shows n/a)")
     print("\nGains (a / b, higher = b faster):")
     print("\n".join(lines) if lines else "  (none: contenders failed)")

@@ -45,12 +45,23 @@ CACHE = Path(os.environ.get("POLYRL_BENCH_CACHE", "~/.cache/polyrl/bench")).expa
 # model a vision tower of 4 blocks, 128 wide, and 224x224 images (64 image tokens), so
 # that what a trainer does with the images (how often it runs the tower) shows.
 SETUPS = {
-    "demo": {"model": "tiny-qwen2.5-vl-shapes", "size": 112, "max_pixels": 112 * 112,
-             "build": {"vision_depth": 1, "vision_hidden_size": 32}},
-    "vision": {"model": "tiny-qwen2.5-vl-shapes-v4x128-224", "size": 224,
-               "max_pixels": 224 * 224,
-               "build": {"vision_depth": 4, "vision_hidden_size": 128, "vision_heads": 2,
-                         "vision_intermediate_size": 256}},
+    "demo": {
+        "model": "tiny-qwen2.5-vl-shapes",
+        "size": 112,
+        "max_pixels": 112 * 112,
+        "build": {"vision_depth": 1, "vision_hidden_size": 32},
+    },
+    "vision": {
+        "model": "tiny-qwen2.5-vl-shapes-v4x128-224",
+        "size": 224,
+        "max_pixels": 224 * 224,
+        "build": {
+            "vision_depth": 4,
+            "vision_hidden_size": 128,
+            "vision_heads": 2,
+            "vision_intermediate_size": 256,
+        },
+    },
 }
 BUILD = {"corpus": "vl_shapes", "hidden_size": 128, "num_layers": 2, "num_heads": 4, "seed": 0}
 TASK = {"question": "colour", "distractors": 0, "shape_size": [0.4, 0.6]}
@@ -66,10 +77,12 @@ def build(n_rows: int, setup: str = "demo") -> tuple[str, str]:
 
     st = SETUPS[setup]
     model = CACHE / st["model"]
-    tiny_qwen2_5_vl(model, min_pixels=MIN_PIXELS, max_pixels=st["max_pixels"],
-                    **BUILD, **st["build"])
-    data = CACHE / (f"vl-shapes-{n_rows}" if st["size"] == 112
-                    else f"vl-shapes-{st['size']}px-{n_rows}")
+    tiny_qwen2_5_vl(
+        model, min_pixels=MIN_PIXELS, max_pixels=st["max_pixels"], **BUILD, **st["build"]
+    )
+    data = CACHE / (
+        f"vl-shapes-{n_rows}" if st["size"] == 112 else f"vl-shapes-{st['size']}px-{n_rows}"
+    )
     if not (data / "train.jsonl").is_file():
         shapes.write_dataset(data, n_train=n_rows, n_eval=1, seed=0, size=st["size"], **TASK)
     return str(model), str(data / "train.jsonl")
@@ -78,8 +91,7 @@ def build(n_rows: int, setup: str = "demo") -> tuple[str, str]:
 # --------------------------------------------------------------------------- contenders
 
 
-def run_polyrl(model: str, data: str, steps: int, out: str, setup: str = "demo"
-               ) -> list[float]:
+def run_polyrl(model: str, data: str, steps: int, out: str, setup: str = "demo") -> list[float]:
     import polyrl.core  # noqa: F401
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import load
@@ -87,17 +99,35 @@ def run_polyrl(model: str, data: str, steps: int, out: str, setup: str = "demo"
     from polyrl.core.recipe import Config
 
     reward = c.register_bench_reward()
-    data_cfg = {"kind": "vl", "path": data,
-                "args": {"min_pixels": MIN_PIXELS, "max_pixels": SETUPS[setup]["max_pixels"]},
-                "max_prompt_tokens": 128}
-    cfg = load(Config, None, [
-        f"run.dir={out}", "run.progress=false", "run.tensorboard=false", "run.export=false",
-        f"policies.main.model={model}", "policies.main.kind=qwen_vl",
-        "policies.main.engine.name=hf_vl", "policies.main.optim.lr=1e-6",
-        "policies.main.micro_batch_size=128", f"data={json.dumps(data_cfg)}",
-        "rollout.workflow=vl_single_turn", "rollout.n=8", "rollout.prompts_per_step=16",
-        "rollout.max_new_tokens=3", f"train.steps={steps}", "run.samples_per_step=0",
-        f"reward.terms={json.dumps([{'name': reward}])}"])
+    data_cfg = {
+        "kind": "vl",
+        "path": data,
+        "args": {"min_pixels": MIN_PIXELS, "max_pixels": SETUPS[setup]["max_pixels"]},
+        "max_prompt_tokens": 128,
+    }
+    cfg = load(
+        Config,
+        None,
+        [
+            f"run.dir={out}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            f"policies.main.model={model}",
+            "policies.main.kind=qwen_vl",
+            "policies.main.engine.name=hf_vl",
+            "policies.main.optim.lr=1e-6",
+            "policies.main.micro_batch_size=128",
+            f"data={json.dumps(data_cfg)}",
+            "rollout.workflow=vl_single_turn",
+            "rollout.n=8",
+            "rollout.prompts_per_step=16",
+            "rollout.max_new_tokens=3",
+            f"train.steps={steps}",
+            "run.samples_per_step=0",
+            f"reward.terms={json.dumps([{'name': reward}])}",
+        ],
+    )
     run = train(cfg)
     rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
     return [r["time/step_s"] for r in rows if r.get("time/step_s") is not None]
@@ -117,27 +147,56 @@ def run_trl(model: str, data: str, steps: int, out: str) -> list[float]:
     root = Path(data).parent
     rows = [json.loads(x) for x in Path(data).read_text().splitlines()]
     ds = datasets.Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": r["prompt"].replace("<image>", "")}],
-          "image": str(root / r["images"][0]), "answer": r["answer"]} for r in rows]
+        [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"].replace("<image>", "")}],
+                "image": str(root / r["images"][0]),
+                "answer": r["answer"],
+            }
+            for r in rows
+        ]
     ).cast_column("image", datasets.Image())
 
     def reward(prompts, completions, answer, **_):
         texts = [x[-1]["content"] if isinstance(x, list) else x for x in completions]
-        return [c.digit_share(Sample(prompt="", response=t, answer=a, meta={}))
-                for t, a in zip(texts, answer, strict=True)]
+        return [
+            c.digit_share(Sample(prompt="", response=t, answer=a, meta={}))
+            for t, a in zip(texts, answer, strict=True)
+        ]
 
     cfg = GRPOConfig(
-        output_dir=out, num_generations=8, per_device_train_batch_size=128,
-        gradient_accumulation_steps=1, max_completion_length=3, beta=0.0, num_iterations=1,
-        use_vllm=False, use_cpu=True, report_to=[], logging_strategy="no", save_strategy="no",
-        bf16=False, fp16=False, max_steps=steps, learning_rate=1e-6, temperature=1.0,
-        top_p=1.0, shuffle_dataset=False, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-        log_completions=False, mask_truncated_completions=False, max_grad_norm=1.0,
-        gradient_checkpointing=False)
+        output_dir=out,
+        num_generations=8,
+        per_device_train_batch_size=128,
+        gradient_accumulation_steps=1,
+        max_completion_length=3,
+        beta=0.0,
+        num_iterations=1,
+        use_vllm=False,
+        use_cpu=True,
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        bf16=False,
+        fp16=False,
+        max_steps=steps,
+        learning_rate=1e-6,
+        temperature=1.0,
+        top_p=1.0,
+        shuffle_dataset=False,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+        mask_truncated_completions=False,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+    )
     net = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
     proc = AutoProcessor.from_pretrained(model)
-    trainer = GRPOTrainer(model=net, reward_funcs=reward, args=cfg, train_dataset=ds,
-                          processing_class=proc)
+    trainer = GRPOTrainer(
+        model=net, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=proc
+    )
     times: list[float] = []
 
     class Clock(TrainerCallback):
@@ -161,28 +220,48 @@ def child(kind: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = tempfile.mkdtemp(prefix=f"vlbench-{kind}-")
     if kind == "polyrl":
-        res = {"times": run_polyrl(args.model, args.data, args.warmup + args.steps, out,
-                                   args.setup)}
+        res = {
+            "times": run_polyrl(args.model, args.data, args.warmup + args.steps, out, args.setup)
+        }
     else:
         res = {"times": run_trl(args.model, args.data, args.warmup + args.steps, out)}
     print(TAG + json.dumps(res), flush=True)
 
 
 def spawn(kind: str, model: str, data: str, args: argparse.Namespace) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--data", data,
-           "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--setup", args.setup]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--setup",
+        args.setup,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def collect(name: str, proc: subprocess.Popen) -> dict:
     stdout, stderr = proc.communicate()
     for line in stdout.splitlines():
         if line.startswith(TAG):
-            return json.loads(line[len(TAG):])
+            return json.loads(line[len(TAG) :])
     raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
 
 
@@ -192,9 +271,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads per contender")
     p.add_argument("--quick", action="store_true", help="3 timed steps")
-    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS),
-                   help="demo: the README demo's model; vision: a 4-block vision tower and "
-                        "224x224 images")
+    p.add_argument(
+        "--setups",
+        nargs="+",
+        default=list(SETUPS),
+        choices=list(SETUPS),
+        help="demo: the README demo's model; vision: a 4-block vision tower and 224x224 images",
+    )
     p.add_argument("--setup", default="demo", help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -210,25 +293,32 @@ def main() -> None:
     import trl
 
     print("vl_grpo_vs_trl: seconds per GRPO step, tiny Qwen2.5-VL, 16 prompts x 8 samples\n")
-    print(f"  torch {torch.__version__}, transformers {transformers.__version__}, trl "
-          f"{trl.__version__}, {os.cpu_count()} CPUs, {args.threads} thread(s) per contender, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"  torch {torch.__version__}, transformers {transformers.__version__}, trl "
+        f"{trl.__version__}, {os.cpu_count()} CPUs, {args.threads} thread(s) per contender, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     for setup in args.setups:
         args.setup = setup
         model, data = build(256, setup)
         st = SETUPS[setup]
         print(f"\n  setup {setup!r}: {st['build']}, {st['size']}x{st['size']} images")
-        procs = {"PolyRL (hf_vl engine)": spawn("polyrl", model, data, args),
-                 "TRL GRPOTrainer": spawn("trl", model, data, args)}
+        procs = {
+            "PolyRL (hf_vl engine)": spawn("polyrl", model, data, args),
+            "TRL GRPOTrainer": spawn("trl", model, data, args),
+        }
         medians = {}
         for name, proc in procs.items():
-            times = collect(name, proc)["times"][args.warmup:]
+            times = collect(name, proc)["times"][args.warmup :]
             medians[name] = statistics.median(times)
-            print(f"  {name:<24} median {medians[name]:.3f} s/step over {len(times)} steps "
-                  f"(min {min(times):.3f}, max {max(times):.3f})")
+            print(
+                f"  {name:<24} median {medians[name]:.3f} s/step over {len(times)} steps "
+                f"(min {min(times):.3f}, max {max(times):.3f})"
+            )
         ratio = medians["TRL GRPOTrainer"] / medians["PolyRL (hf_vl engine)"]
         print(f"  ratio TRL / PolyRL ({setup}): {ratio:.2f}x (target: >= 2x)")
     print(f"\n  load average at the end: {os.getloadavg()[0]:.1f}")
+
 
 if __name__ == "__main__":
     main()

@@ -57,22 +57,39 @@ def run_eager(model: str, data: str) -> dict:
     root = Path(data).parent
     rows = [json.loads(x) for x in Path(data).read_text().splitlines()]
     images = [Image.open(root / r["images"][0]).convert("RGB") for r in rows]
-    return {"peak_rss_mb": _peak_rss_mb(), "images": len(images),
-            "params": sum(p.numel() for p in net.parameters())}
+    return {
+        "peak_rss_mb": _peak_rss_mb(),
+        "images": len(images),
+        "params": sum(p.numel() for p in net.parameters()),
+    }
 
 
 def measure(kind: str, model: str, data: str, threads: int) -> dict:
     """Run one measurement in a fresh process (peak RSS is per process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--data", data,
-           "--threads", str(threads)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--model",
+        model,
+        "--data",
+        data,
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(TAG):
-            return json.loads(line[len(TAG):])
-    raise RuntimeError(f"{kind} on {data} failed (exit {proc.returncode}):\n"
-                       f"{proc.stderr[-3000:]}")
+            return json.loads(line[len(TAG) :])
+    raise RuntimeError(f"{kind} on {data} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -91,24 +108,29 @@ def main() -> None:
         run = run_lazy if args.child == "lazy" else run_eager
         print(TAG + json.dumps(run(args.model, args.data)), flush=True)
         return
-    print("vl_memory: peak host RSS (fresh process per row) against the number of image "
-          "prompts\n")
+    print("vl_memory: peak host RSS (fresh process per row) against the number of image prompts\n")
     c.print_machine(args.threads)
     kinds = ["lazy"] + ([] if args.no_eager else ["eager"])
     peaks: dict[str, dict[int, float]] = {k: {} for k in kinds}
-    print(f"\n  {'prompts':>8}  {'PolyRL vl kind, 3 GRPO steps':>30}"
-          + ("" if args.no_eager else f"  {'eager (decoded images kept)':>28}"))
+    print(
+        f"\n  {'prompts':>8}  {'PolyRL vl kind, 3 GRPO steps':>30}"
+        + ("" if args.no_eager else f"  {'eager (decoded images kept)':>28}")
+    )
     for n in args.sizes:
         model, data = vl.build(n)
         for kind in kinds:
             peaks[kind][n] = measure(kind, model, data, args.threads)["peak_rss_mb"]
-        print(f"  {n:>8}  {peaks['lazy'][n]:>27.0f} MB"
-              + ("" if args.no_eager else f"  {peaks['eager'][n]:>25.0f} MB"))
+        print(
+            f"  {n:>8}  {peaks['lazy'][n]:>27.0f} MB"
+            + ("" if args.no_eager else f"  {peaks['eager'][n]:>25.0f} MB")
+        )
     lo, hi = min(args.sizes), max(args.sizes)
     for kind in kinds:
         grow = peaks[kind][hi] - peaks[kind][lo]
-        print(f"\n  {kind}: {lo} -> {hi} prompts: {grow:+.0f} MB "
-              f"({grow / (hi - lo) * 1024:+.1f} KB per extra prompt)")
+        print(
+            f"\n  {kind}: {lo} -> {hi} prompts: {grow:+.0f} MB "
+            f"({grow / (hi - lo) * 1024:+.1f} KB per extra prompt)"
+        )
 
 
 if __name__ == "__main__":

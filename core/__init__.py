@@ -8,5 +8,18 @@ import os
 # Our progress bar is the one to watch; silence the hub's download/shard bars.
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from polyrl.core import algorithms, backend, credit, data, engine, policy, ray_backend, rewards, tasks, tiny, vllm_engine, workflow  # noqa: E402, F401, I001
+from polyrl.core import (  # noqa: E402, F401, I001
+    algorithms,
+    backend,
+    credit,
+    data,
+    engine,
+    policy,
+    ray_backend,
+    rewards,
+    tasks,
+    tiny,
+    vllm_engine,
+    workflow,
+)
 from polyrl.core.registry import load_plugins  # noqa: E402, F401

@@ -53,9 +53,11 @@ class AlgorithmConfig:
     kl_estimator: str = doc("low_var_kl", "per-token KL estimator for the KL loss term")
     entropy_coef: float = doc(0.0, "weight of the entropy bonus (subtracted from the loss)")
     log_entropy: bool = doc(
-        True, "report the policy's mean entropy per trained token (metric <policy>/entropy) "
+        True,
+        "report the policy's mean entropy per trained token (metric <policy>/entropy) "
         "even when entropy_coef is 0: one softmax over the vocabulary per response token, "
-        "no gradient through it")
+        "no gradient through it",
+    )
     gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns)")
     lam: float = doc(1.0, "GAE lambda (for estimators that use it)")
     norm_adv_by_std: bool = doc(True, "grpo/grpo_passk: divide by the group std (off = Dr.GRPO)")
@@ -70,11 +72,13 @@ class AlgorithmConfig:
     kl_cov_ratio: float = doc(0.0002, "kl_cov: fraction of highest-covariance tokens penalised")
     ppo_kl_coef: float = doc(0.1, "kl_cov: weight of the |log-ratio| penalty on those tokens")
     skip_zero_advantage: bool | None = doc(
-        None, "forward/backward only the rows with a nonzero advantage on a trained token; "
+        None,
+        "forward/backward only the rows with a nonzero advantage on a trained token; "
         "the loss totals still count every row, so the gradient is the same (to float "
         "summation order) for less compute. Exact with an advantage-linear loss (ppo_clip, "
         "gspo, cispo), kl_coef 0 and entropy_coef 0. null (default): on wherever exact; "
-        "true: on, and a config where it is not exact is refused; false: off")
+        "true: on, and a config where it is not exact is refused; false: off",
+    )
 
     def validate(self) -> None:
         """Fail at config time, naming the closest valid choice, rather than mid-training."""
@@ -100,8 +104,10 @@ class AlgorithmConfig:
         if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
             raise ConfigError("algorithm.loss_scale_factor must be positive (or null)")
         if self.skip_zero_advantage and (why := self._skip_zero_advantage_inexact()):
-            raise ConfigError(f"algorithm.skip_zero_advantage=true {why} (null turns it on "
-                              "only where it is exact; false turns it off)")
+            raise ConfigError(
+                f"algorithm.skip_zero_advantage=true {why} (null turns it on "
+                "only where it is exact; false turns it off)"
+            )
 
     def skips_zero_advantage(self) -> bool:
         """Whether the update leaves out rows with no advantage on a trained token."""
@@ -113,15 +119,21 @@ class AlgorithmConfig:
         """Why skipping would change the update, or None. Rows with zero advantage must add
         nothing to the loss, and the loss's divisor must not depend on which rows run."""
         if self.kl_coef > 0 or self.entropy_coef > 0:
-            return (f"needs kl_coef=0 and entropy_coef=0 (got {self.kl_coef} and "
-                    f"{self.entropy_coef}): those terms give zero-advantage rows a gradient, "
-                    "so skipping them would change the update")
+            return (
+                f"needs kl_coef=0 and entropy_coef=0 (got {self.kl_coef} and "
+                f"{self.entropy_coef}): those terms give zero-advantage rows a gradient, "
+                "so skipping them would change the update"
+            )
         if self.policy_loss not in ADVANTAGE_LINEAR_LOSSES:
-            return (f"works with the losses {', '.join(ADVANTAGE_LINEAR_LOSSES)} (zero "
-                    f"advantage, zero loss); policy_loss={self.policy_loss!r} is not one of them")
+            return (
+                f"works with the losses {', '.join(ADVANTAGE_LINEAR_LOSSES)} (zero "
+                f"advantage, zero loss); policy_loss={self.policy_loss!r} is not one of them"
+            )
         if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
-            return ("with loss_agg=seq-mean-token-sum-norm needs loss_scale_factor set: its "
-                    "default divisor is the padded length of the rows that run")
+            return (
+                "with loss_agg=seq-mean-token-sum-norm needs loss_scale_factor set: its "
+                "default divisor is the padded length of the rows that run"
+            )
         return None
 
 
@@ -164,9 +176,7 @@ def _verl() -> ModuleType:
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "polyrl.core.algorithms needs verl: pip install 'polyrl[verl]'"
-        ) from err
+        raise ImportError("polyrl.core.algorithms needs verl: pip install 'polyrl[verl]'") from err
     return core_algos
 
 
@@ -286,9 +296,7 @@ def grpo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmC
 
 
 @ADVANTAGES.register("drgrpo")
-def drgrpo_advantage(
-    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
-) -> Tensor:
+def drgrpo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
     """Dr.GRPO: r - group mean, never divided by the std (removes the difficulty bias)."""
     return _grpo(rewards, mask, group, cfg, norm=False)
 
@@ -380,8 +388,14 @@ def _verl_policy_loss(
 def _verl_loss(name: str, verl_name: str, summary: str):
     """Register verl's policy loss ``verl_name`` under our name and signature."""
 
-    def loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-             cfg: AlgorithmConfig, agg: AggInfo) -> tuple[Tensor, dict[str, float]]:
+    def loss(
+        logprobs: Tensor,
+        old_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        cfg: AlgorithmConfig,
+        agg: AggInfo,
+    ) -> tuple[Tensor, dict[str, float]]:
         return _verl_policy_loss(verl_name, logprobs, old_logprobs, advantages, mask, cfg, agg)
 
     loss.__name__ = f"{name}_loss"
@@ -390,30 +404,44 @@ def _verl_loss(name: str, verl_name: str, summary: str):
 
 
 ppo_clip_loss = _verl_loss(
-    "ppo_clip", "vanilla",
-    "PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip (verl vanilla).")
+    "ppo_clip",
+    "vanilla",
+    "PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip (verl vanilla).",
+)
 gspo_loss = _verl_loss(
-    "gspo", "gspo",
-    "GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4).")
+    "gspo",
+    "gspo",
+    "GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4).",
+)
 cispo_loss = _verl_loss(
-    "cispo", "cispo",
-    "CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token loses its gradient.")
+    "cispo",
+    "cispo",
+    "CISPO: REINFORCE weighted by the clipped, stop-gradient ratio; no token loses its gradient.",
+)
 sapo_loss = _verl_loss(
-    "sapo", "sapo",
+    "sapo",
+    "sapo",
     "SAPO: a smooth sigmoid gate on the ratio instead of a hard clip (verl always aggregates "
-    "it as seq-mean-token-mean, whatever agg.mode says).")
+    "it as seq-mean-token-mean, whatever agg.mode says).",
+)
 clip_cov_loss = _verl_loss(
-    "clip_cov", "clip_cov",
-    "Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens.")
+    "clip_cov",
+    "clip_cov",
+    "Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens.",
+)
 kl_cov_loss = _verl_loss(
-    "kl_cov", "kl_cov",
-    "KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens.")
+    "kl_cov",
+    "kl_cov",
+    "KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens.",
+)
 
 
 def aggregate(loss_mat: Tensor, mask: Tensor, agg: AggInfo) -> Tensor:
     """Reduce a per-token loss (KL, entropy) to a scalar the same way the policy loss is."""
     return _verl().agg_loss(
-        loss_mat=loss_mat, loss_mask=mask.to(loss_mat.dtype), loss_agg_mode=agg.mode,
+        loss_mat=loss_mat,
+        loss_mask=mask.to(loss_mat.dtype),
+        loss_agg_mode=agg.mode,
         **_agg_kwargs(agg),
     )
 

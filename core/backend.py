@@ -18,13 +18,21 @@ from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
 
 
 class Backend(Protocol):
-    def make_policy(self, name: str, cfg: Any, *, total_steps: int, need_reference: bool,
-                    shared: dict) -> Any: ...
+    def make_policy(
+        self, name: str, cfg: Any, *, total_steps: int, need_reference: bool, shared: dict
+    ) -> Any: ...
 
     def make_engine(self, name: str, policy: Any, cfg: Any, *, seed: int) -> Any: ...
 
-    def update(self, policy: Any, batch: TensorDict, algo: Any, *, temperature: float,
-               generator: torch.Generator) -> dict[str, float]: ...
+    def update(
+        self,
+        policy: Any,
+        batch: TensorDict,
+        algo: Any,
+        *,
+        temperature: float,
+        generator: torch.Generator,
+    ) -> dict[str, float]: ...
 
     def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
 
@@ -40,9 +48,14 @@ class LocalBackend:
         self.cfg = cfg
 
     def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
-        return POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
-                                      need_reference=need_reference, shared=shared,
-                                      device=resolve_device(cfg.device))
+        return POLICIES.get(cfg.kind)(
+            name,
+            cfg,
+            total_steps=total_steps,
+            need_reference=need_reference,
+            shared=shared,
+            device=resolve_device(cfg.device),
+        )
 
     def make_engine(self, name, policy, cfg, *, seed):
         return ENGINES.get(cfg.engine.name)(policy, seed=seed, **cfg.engine.args)

@@ -31,10 +31,15 @@ def _load(recipe: str | None, overrides: list[str]):
 
 def _latest_run(pattern_dir: str, name: str) -> str:
     """The newest directory with checkpoints that ``run.dir`` (e.g. runs/{name}-{time}) names."""
-    pattern = re.sub(r"\{[^{}]*\}", lambda m: glob.escape(name) if m.group(0) == "{name}" else "*",
-                     os.path.expanduser(pattern_dir))
-    found = sorted((p for p in map(Path, glob.glob(pattern)) if (p / "checkpoints").is_dir()),
-                   key=lambda p: (p / "checkpoints").stat().st_mtime)
+    pattern = re.sub(
+        r"\{[^{}]*\}",
+        lambda m: glob.escape(name) if m.group(0) == "{name}" else "*",
+        os.path.expanduser(pattern_dir),
+    )
+    found = sorted(
+        (p for p in map(Path, glob.glob(pattern)) if (p / "checkpoints").is_dir()),
+        key=lambda p: (p / "checkpoints").stat().st_mtime,
+    )
     if not found:
         raise SystemExit(f"--resume: no run directory with checkpoints matches {pattern}")
     return str(found[-1])
@@ -45,8 +50,10 @@ def cmd_train(args) -> int:
 
     overrides = list(args.overrides)
     if args.resume and not Path(args.resume).expanduser().is_dir():  # a typo must not start afresh
-        raise SystemExit(f"--resume: {args.resume!r} is not a directory; give the run directory "
-                         "to continue (or --resume alone for the newest run)")
+        raise SystemExit(
+            f"--resume: {args.resume!r} is not a directory; give the run directory "
+            "to continue (or --resume alone for the newest run)"
+        )
     if args.resume is not None:
         overrides.append("run.resume=true")
     cfg = _load(args.recipe, overrides)
@@ -64,10 +71,13 @@ def _require_checkpoint(run_dir: str, cmd: str) -> None:
     from polyrl.core.run import CKPT_RE
 
     ckpts = Path(run_dir).expanduser() / "checkpoints"
-    if not ckpts.is_dir() or not any(CKPT_RE.match(p.name) and (p / "COMPLETE").is_file()
-                                     for p in ckpts.iterdir()):
-        raise SystemExit(f"polyrl {cmd}: {run_dir!r} has no complete checkpoint "
-                         "(checkpoints/step_*/COMPLETE); is it a PolyRL run directory?")
+    if not ckpts.is_dir() or not any(
+        CKPT_RE.match(p.name) and (p / "COMPLETE").is_file() for p in ckpts.iterdir()
+    ):
+        raise SystemExit(
+            f"polyrl {cmd}: {run_dir!r} has no complete checkpoint "
+            "(checkpoints/step_*/COMPLETE); is it a PolyRL run directory?"
+        )
 
 
 def cmd_eval(args) -> int:
@@ -91,8 +101,9 @@ def cmd_plot(args) -> int:
     from polyrl.core.plot import plot_run
 
     if not (Path(args.run_dir) / "metrics.jsonl").is_file():
-        raise SystemExit(f"polyrl plot: {args.run_dir!r} has no metrics.jsonl; "
-                         "is it a PolyRL run directory?")
+        raise SystemExit(
+            f"polyrl plot: {args.run_dir!r} has no metrics.jsonl; is it a PolyRL run directory?"
+        )
     for p in plot_run(args.run_dir):
         print(p)
     return 0
@@ -116,12 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a recipe")
-    t.add_argument("recipe", nargs="?", default=None,
-                   help="recipe YAML, or the name of a packaged recipe (arithmetic, signaling); "
-                        "default: core/recipes/arithmetic_grpo.yaml")
+    t.add_argument(
+        "recipe",
+        nargs="?",
+        default=None,
+        help="recipe YAML, or the name of a packaged recipe (arithmetic, signaling); "
+        "default: core/recipes/arithmetic_grpo.yaml",
+    )
     t.add_argument("overrides", nargs="*", help="key.sub=value")
-    t.add_argument("--resume", nargs="?", const="", default=None,
-                   help="continue the last complete checkpoint (of RUN_DIR, or the newest run)")
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        help="continue the last complete checkpoint (of RUN_DIR, or the newest run)",
+    )
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="evaluate a recipe's policies (from a run's checkpoint)")
     e.add_argument("recipe")

@@ -4,6 +4,7 @@ Every part owns its config dataclass next to its code; :class:`Config` composes 
 Each field carries a one-line doc (``doc(default, "why")``) that ``polyrl config``
 prints. An unknown key is an error naming the closest valid key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,11 @@ def doc(default: Any, text: str) -> Any:
     """A dataclass field with a default and a one-line description."""
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
         value = default
-        factory = (lambda: type(value)(value)) if not dataclasses.is_dataclass(value) else (
-            lambda: dataclasses.replace(value))
+        factory = (
+            (lambda: type(value)(value))
+            if not dataclasses.is_dataclass(value)
+            else (lambda: dataclasses.replace(value))
+        )
         return field(default_factory=factory, metadata={"doc": text})
     return field(default=default, metadata={"doc": text})
 
@@ -66,7 +70,8 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
             hint = _nearest_key(str(value), [str(a) for a in args])
             raise ConfigError(
                 f"{where}={value!r} in {source} is not one of {list(args)}"
-                + (f"; did you mean {hint!r}?" if hint else ""))
+                + (f"; did you mean {hint!r}?" if hint else "")
+            )
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -103,8 +108,10 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{where} in {source} must be a string, got {value!r}")
         if isinstance(value, bool):  # YAML reads yes/no/on/off/true/false as booleans
-            raise ConfigError(f"{where} in {source} must be a string, got the boolean {value}; "
-                              "quote the value to keep it as text")
+            raise ConfigError(
+                f"{where} in {source} must be a string, got the boolean {value}; "
+                "quote the value to keep it as text"
+            )
         return str(value)
     return value
 
@@ -122,7 +129,8 @@ def from_dict(cls: type, data: dict, prefix: str = "", source: str = "<config>")
             raise ConfigError(
                 f"unknown key {where!r} in {source}"
                 + (f"; did you mean {full!r}?" if hint else "")
-                + f" Valid keys here: {', '.join(sorted(fields))}.")
+                + f" Valid keys here: {', '.join(sorted(fields))}."
+            )
         kwargs[key] = _convert(hints[key], value, where, source)
     try:
         obj = cls(**kwargs)
@@ -152,7 +160,9 @@ def parse_overrides(overrides: list[str]) -> dict:
 def deep_merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -197,12 +207,19 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         args = typing.get_args(tp)
         if args and dataclasses.is_dataclass(args[-1]) and typing.get_origin(tp) in (dict, list):
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
-            lines += describe(args[-1], f"{key}.<name>" if typing.get_origin(tp) is dict
-                              else f"{key}[]")
+            lines += describe(
+                args[-1], f"{key}.<name>" if typing.get_origin(tp) is dict else f"{key}[]"
+            )
             continue
-        default = repr(f.default) if f.default is not dataclasses.MISSING else (
-            repr(f.default_factory()) if f.default_factory is not dataclasses.MISSING
-            else "required")
+        default = (
+            repr(f.default)
+            if f.default is not dataclasses.MISSING
+            else (
+                repr(f.default_factory())
+                if f.default_factory is not dataclasses.MISSING
+                else "required"
+            )
+        )
         name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
         if typing.get_origin(tp) is typing.Literal:
             name = " | ".join(repr(a) for a in typing.get_args(tp))

@@ -25,9 +25,13 @@ def group_credit(record: TensorDict, algo) -> dict[str, float]:
         estimator = ADVANTAGES.get(algo.advantage)
         adv[valid] = estimator(sub["reward"].float(), sub["loss_mask"].float(), groups, algo)
     record["advantages"] = adv
-    rows = adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1) if bool(valid.any()) else adv[:0, 0]
-    return {"advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
-            "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0}
+    rows = (
+        adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1) if bool(valid.any()) else adv[:0, 0]
+    )
+    return {
+        "advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
+        "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0,
+    }
 
 
 def assign(record: TensorDict, algo) -> dict[str, float]:

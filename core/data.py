@@ -39,24 +39,33 @@ class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
     kind: str = doc("text", "dataset kind: text here; plugins add kinds (e.g. vision-language)")
-    path: str = doc("", "a .jsonl/.json/.parquet/.csv file, a directory, or a Hugging Face hub "
-                        "dataset name")
+    path: str = doc(
+        "", "a .jsonl/.json/.parquet/.csv file, a directory, or a Hugging Face hub dataset name"
+    )
     subset: str | None = doc(None, "configuration name of a hub dataset (e.g. 'main' for gsm8k)")
     split: str = doc("train", "split to read from a hub dataset or directory (files have one)")
     prompt_field: str = doc("prompt", "row field holding the prompt: a string or chat messages")
-    answer_field: str | None = doc("answer", "row field holding the ground truth passed to "
-                                             "rewards; null when the task has none")
-    system_prompt: str | None = doc(None, "system message put before every prompt "
-                                          "(a row's own system message wins)")
-    chat_template: bool = doc(True, "render prompts with the tokenizer's chat template; "
-                                    "false tokenises the raw text")
+    answer_field: str | None = doc(
+        "answer",
+        "row field holding the ground truth passed to rewards; null when the task has none",
+    )
+    system_prompt: str | None = doc(
+        None, "system message put before every prompt (a row's own system message wins)"
+    )
+    chat_template: bool = doc(
+        True, "render prompts with the tokenizer's chat template; false tokenises the raw text"
+    )
     max_prompt_tokens: int = doc(512, "longest prompt, in tokens after templating")
-    overlong: str = doc("filter", "what to do with longer prompts: 'filter' drops and counts "
-                                  "them, 'error' stops")
+    overlong: str = doc(
+        "filter", "what to do with longer prompts: 'filter' drops and counts them, 'error' stops"
+    )
     limit: int | None = doc(None, "use only the first N rows (null: all)")
     shuffle: bool = doc(True, "shuffle prompts each epoch (seeded)")
-    args: dict[str, Any] = doc({}, "options of the dataset kind (each plugin kind documents "
-                                   "its own, e.g. image root and pixel limits); text takes none")
+    args: dict[str, Any] = doc(
+        {},
+        "options of the dataset kind (each plugin kind documents "
+        "its own, e.g. image root and pixel limits); text takes none",
+    )
 
 
 @dataclass
@@ -84,14 +93,16 @@ def _missing_file_message(path: Path, what: str) -> str:
     msg = f"{what}: {str(path)!r} does not exist."
     parent = path.parent
     if parent.is_dir():
-        files = sorted(p.name for p in parent.iterdir()
-                       if p.is_dir() or p.suffix.lower() in FILE_FORMATS)
+        files = sorted(
+            p.name for p in parent.iterdir() if p.is_dir() or p.suffix.lower() in FILE_FORMATS
+        )
         hint = difflib.get_close_matches(path.name, files, n=1, cutoff=0.5)
         if hint:
             msg += f" Did you mean {str(parent / hint[0])!r}?"
         if files:
-            shown = ", ".join(files[:10]) + (f", ... ({len(files) - 10} more)"
-                                             if len(files) > 10 else "")
+            shown = ", ".join(files[:10]) + (
+                f", ... ({len(files) - 10} more)" if len(files) > 10 else ""
+            )
             msg += f" {str(parent)!r} holds: {shown}."
         else:
             msg += f" {str(parent)!r} holds no data files."
@@ -131,13 +142,16 @@ def _read_json(path: Path) -> tuple[list[dict], list[str]]:
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
         data = next(iter(data.values()))  # {"data": [...]}
     if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON array of row objects, got a "
-                        f"{type(data).__name__}. Write the rows as [{{...}}, {{...}}].")
+        raise DataError(
+            f"{path}: expected a JSON array of row objects, got a "
+            f"{type(data).__name__}. Write the rows as [{{...}}, {{...}}]."
+        )
     return data, [f"{path}, row {i}" for i in range(len(data))]
 
 
-def _read_with_datasets(kind: str, path: Path, split: str | None,
-                        subset: str | None = None) -> list[dict]:
+def _read_with_datasets(
+    kind: str, path: Path, split: str | None, subset: str | None = None
+) -> list[dict]:
     import datasets
 
     try:
@@ -146,20 +160,29 @@ def _read_with_datasets(kind: str, path: Path, split: str | None,
         else:
             ds = datasets.load_dataset(str(path), subset, split=split)
     except Exception as e:  # datasets raises many types; keep the cause, add the context
-        raise DataError(f"could not load {str(path)!r} (split {split!r}) with "
-                        f"datasets.load_dataset: {type(e).__name__}: {e}") from e
+        raise DataError(
+            f"could not load {str(path)!r} (split {split!r}) with "
+            f"datasets.load_dataset: {type(e).__name__}: {e}"
+        ) from e
     return [dict(r) for r in ds]
 
 
-def load_rows(path: str, split: str = "train", limit: int | None = None,
-              what: str = "dataset", subset: str | None = None) -> tuple[list[dict], list[str]]:
+def load_rows(
+    path: str,
+    split: str = "train",
+    limit: int | None = None,
+    what: str = "dataset",
+    subset: str | None = None,
+) -> tuple[list[dict], list[str]]:
     """Read raw rows and a human-readable location for each ('file, line 3').
 
     Files are read by extension; directories and hub names go through ``datasets``.
     """
     if not path:
-        raise DataError(f"{what}: data.path is empty. Set it to a .jsonl/.json/.parquet/.csv "
-                        "file or a Hugging Face hub dataset name.")
+        raise DataError(
+            f"{what}: data.path is empty. Set it to a .jsonl/.json/.parquet/.csv "
+            "file or a Hugging Face hub dataset name."
+        )
     p = Path(path).expanduser()
     if p.is_dir():
         rows = _read_with_datasets("dir", p, split, subset)
@@ -167,9 +190,11 @@ def load_rows(path: str, split: str = "train", limit: int | None = None,
     elif p.is_file():
         kind = FILE_FORMATS.get(p.suffix.lower())
         if kind is None:
-            raise DataError(f"{what}: {str(p)!r} has an unsupported extension "
-                            f"{p.suffix or '(none)'!r}. Supported: "
-                            f"{', '.join(FILE_FORMATS)}. Convert the file or rename it.")
+            raise DataError(
+                f"{what}: {str(p)!r} has an unsupported extension "
+                f"{p.suffix or '(none)'!r}. Supported: "
+                f"{', '.join(FILE_FORMATS)}. Convert the file or rename it."
+            )
         if kind == "jsonl":
             rows, where = _read_jsonl_text(p.read_text(encoding="utf-8"), p)
         elif kind == "json":
@@ -184,8 +209,10 @@ def load_rows(path: str, split: str = "train", limit: int | None = None,
         try:
             rows = _read_with_datasets("hub", Path(path), split, subset)
         except DataError as e:
-            raise DataError(f"{what}: {path!r} is not a local file or directory, and loading "
-                            f"it as a Hugging Face hub dataset failed: {e.__cause__}") from e
+            raise DataError(
+                f"{what}: {path!r} is not a local file or directory, and loading "
+                f"it as a Hugging Face hub dataset failed: {e.__cause__}"
+            ) from e
         where = [f"hub dataset {path!r} (split {split!r}), row {i}" for i in range(len(rows))]
     else:
         raise DataError(_missing_file_message(p, what))
@@ -207,26 +234,35 @@ def _is_blank(value: Any) -> bool:
 
 def _check_messages(value: list, where: str, field: str) -> list[dict]:
     if not value:
-        raise DataError(f"{where}: field {field!r} is an empty message list. "
-                        "Give at least one {'role': ..., 'content': ...} message.")
+        raise DataError(
+            f"{where}: field {field!r} is an empty message list. "
+            "Give at least one {'role': ..., 'content': ...} message."
+        )
     for j, m in enumerate(value):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: field {field!r}, message {j} is {m!r}; chat messages "
-                            "must be dicts with 'role' and 'content'.")
+            raise DataError(
+                f"{where}: field {field!r}, message {j} is {m!r}; chat messages "
+                "must be dicts with 'role' and 'content'."
+            )
         if not isinstance(m["role"], str) or not isinstance(m["content"], (str, list)):
-            raise DataError(f"{where}: field {field!r}, message {j} needs a string 'role' and "
-                            "a string (or content-part list) 'content'.")
+            raise DataError(
+                f"{where}: field {field!r}, message {j} needs a string 'role' and "
+                "a string (or content-part list) 'content'."
+            )
     if all(isinstance(m["content"], str) and not m["content"].strip() for m in value):
-        raise DataError(f"{where}: field {field!r} has only empty messages. "
-                        "Fill in the prompt or drop the row.")
+        raise DataError(
+            f"{where}: field {field!r} has only empty messages. Fill in the prompt or drop the row."
+        )
     return [dict(m) for m in value]
 
 
 def _field_missing(row: dict, field: str, where: str, setting: str) -> DataError:
     fields = [str(k) for k in row]
     hint = difflib.get_close_matches(field, fields, n=1, cutoff=0.5)
-    msg = (f"{where}: the row has no field {field!r}. Its fields are: "
-           f"{', '.join(repr(f) for f in fields) or '(none)'}.")
+    msg = (
+        f"{where}: the row has no field {field!r}. Its fields are: "
+        f"{', '.join(repr(f) for f in fields) or '(none)'}."
+    )
     if hint:
         msg += f" Did you mean {hint[0]!r}? Set data.{setting}={hint[0]}."
     else:
@@ -241,21 +277,25 @@ class PromptDataset:
         if cfg.overlong not in ("filter", "error"):
             raise DataError(f"data.overlong must be 'filter' or 'error', not {cfg.overlong!r}")
         if cfg.max_prompt_tokens <= 0:
-            raise DataError(f"data.max_prompt_tokens must be positive, "
-                            f"not {cfg.max_prompt_tokens}")
+            raise DataError(f"data.max_prompt_tokens must be positive, not {cfg.max_prompt_tokens}")
         if cfg.args:
-            raise DataError(f"{name} data: data.args {sorted(cfg.args)} given, but the 'text' "
-                            "dataset kind takes no options. Remove them or set data.kind to "
-                            "the kind they belong to.")
+            raise DataError(
+                f"{name} data: data.args {sorted(cfg.args)} given, but the 'text' "
+                "dataset kind takes no options. Remove them or set data.kind to "
+                "the kind they belong to."
+            )
         if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(f"{name} data: the tokenizer has no chat template. Use a chat/"
-                            "instruct tokenizer, or set data.chat_template=false to tokenise "
-                            "the raw prompt text.")
+            raise DataError(
+                f"{name} data: the tokenizer has no chat template. Use a chat/"
+                "instruct tokenizer, or set data.chat_template=false to tokenise "
+                "the raw prompt text."
+            )
         self.cfg = cfg
         self.name = name
         self._tokenizer = tokenizer
-        rows, where = load_rows(cfg.path, cfg.split, cfg.limit, what=f"{name} data",
-                                  subset=cfg.subset)
+        rows, where = load_rows(
+            cfg.path, cfg.split, cfg.limit, what=f"{name} data", subset=cfg.subset
+        )
         if not rows:
             raise DataError(f"{name} data: {cfg.path!r} has no rows.")
 
@@ -269,73 +309,91 @@ class PromptDataset:
         self.items: list[PromptItem] = []
         filtered = 0
         for uid, (row, loc, text, answer, toks) in enumerate(
-                zip(rows, where, texts, answers, ids, strict=True)):
+            zip(rows, where, texts, answers, ids, strict=True)
+        ):
             if len(toks) > cfg.max_prompt_tokens:
                 if cfg.overlong == "error":
-                    raise DataError(f"{loc}: prompt is {len(toks)} tokens after templating, "
-                                    f"over data.max_prompt_tokens={cfg.max_prompt_tokens}. "
-                                    "Raise the limit, shorten the prompt, or set "
-                                    "data.overlong=filter to drop such rows.")
+                    raise DataError(
+                        f"{loc}: prompt is {len(toks)} tokens after templating, "
+                        f"over data.max_prompt_tokens={cfg.max_prompt_tokens}. "
+                        "Raise the limit, shorten the prompt, or set "
+                        "data.overlong=filter to drop such rows."
+                    )
                 filtered += 1
                 continue
-            self.items.append(PromptItem(uid=uid, prompt_ids=list(toks), prompt_text=text,
-                                         answer=answer, row=row))
+            self.items.append(
+                PromptItem(uid=uid, prompt_ids=list(toks), prompt_text=text, answer=answer, row=row)
+            )
         self.stats = {"rows": len(rows), "kept": len(self.items), "filtered_overlong": filtered}
         if not self.items:
-            raise DataError(f"{name} data: all {len(rows)} prompts in {cfg.path!r} are longer "
-                            f"than data.max_prompt_tokens={cfg.max_prompt_tokens}; nothing is "
-                            "left to train on. Raise the limit.")
+            raise DataError(
+                f"{name} data: all {len(rows)} prompts in {cfg.path!r} are longer "
+                f"than data.max_prompt_tokens={cfg.max_prompt_tokens}; nothing is "
+                "left to train on. Raise the limit."
+            )
 
     def _validate(self, row: Any, where: str) -> tuple[str | list[dict], Any]:
         cfg = self.cfg
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a row object with a {cfg.prompt_field!r} field, "
-                            f"got a {type(row).__name__}.")
+            raise DataError(
+                f"{where}: expected a row object with a {cfg.prompt_field!r} field, "
+                f"got a {type(row).__name__}."
+            )
         if cfg.prompt_field not in row:
             raise _field_missing(row, cfg.prompt_field, where, "prompt_field")
         prompt = row[cfg.prompt_field]
         if isinstance(prompt, list):
             prompt = _check_messages(prompt, where, cfg.prompt_field)
         elif _is_blank(prompt):
-            raise DataError(f"{where}: field {cfg.prompt_field!r} is empty. "
-                            "Fill in the prompt or drop the row.")
+            raise DataError(
+                f"{where}: field {cfg.prompt_field!r} is empty. Fill in the prompt or drop the row."
+            )
         elif not isinstance(prompt, str):
-            raise DataError(f"{where}: field {cfg.prompt_field!r} is a {type(prompt).__name__} "
-                            f"({prompt!r:.60}); it must be a string or a list of "
-                            "{'role', 'content'} messages.")
+            raise DataError(
+                f"{where}: field {cfg.prompt_field!r} is a {type(prompt).__name__} "
+                f"({prompt!r:.60}); it must be a string or a list of "
+                "{'role', 'content'} messages."
+            )
         answer = None
         if cfg.answer_field is not None:
             if cfg.answer_field not in row:
                 raise _field_missing(row, cfg.answer_field, where, "answer_field")
             answer = row[cfg.answer_field]
             if _is_blank(answer) and not isinstance(answer, str):
-                raise DataError(f"{where}: field {cfg.answer_field!r} is null. Give every row "
-                                "an answer, or set data.answer_field=null if the task has no "
-                                "ground truth.")
+                raise DataError(
+                    f"{where}: field {cfg.answer_field!r} is null. Give every row "
+                    "an answer, or set data.answer_field=null if the task has no "
+                    "ground truth."
+                )
         return prompt, answer
 
     def _render(self, prompt: str | list[dict], where: str) -> str:
         cfg = self.cfg
         if not cfg.chat_template:
-            parts = [prompt] if isinstance(prompt, str) else [
-                m["content"] for m in prompt if isinstance(m["content"], str)]
+            parts = (
+                [prompt]
+                if isinstance(prompt, str)
+                else [m["content"] for m in prompt if isinstance(m["content"], str)]
+            )
             if cfg.system_prompt and (isinstance(prompt, str) or prompt[0]["role"] != "system"):
                 parts.insert(0, cfg.system_prompt)
             return "\n\n".join(parts)
-        messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
-                    else prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
         try:
             text = self._tokenizer_render(messages)
         except Exception as e:  # template errors come from jinja; say which row hit them
-            raise DataError(f"{where}: the tokenizer's chat template failed on this prompt: "
-                            f"{type(e).__name__}: {e}") from e
+            raise DataError(
+                f"{where}: the tokenizer's chat template failed on this prompt: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         return text
 
     def _tokenizer_render(self, messages: list[dict]) -> str:
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
+        text = self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         if isinstance(text, list):  # some versions wrap a single conversation
             text = text[0]
         if not isinstance(text, str):
@@ -362,8 +420,9 @@ class PromptSampler:
     ``(epoch, position)`` is enough to resume the exact stream.
     """
 
-    def __init__(self, dataset: Sequence[PromptItem], batch_size: int, seed: int,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self, dataset: Sequence[PromptItem], batch_size: int, seed: int, shuffle: bool = True
+    ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, not {batch_size}")
         if len(dataset) == 0:
@@ -396,7 +455,7 @@ class PromptSampler:
                 self._position = 0
                 self._order = self._order_for(self._epoch)
             take = min(self.batch_size - len(batch), len(self._order) - self._position)
-            idx = self._order[self._position:self._position + take]
+            idx = self._order[self._position : self._position + take]
             batch.extend(self.dataset[int(i)] for i in idx)
             self._position += take
         return batch
@@ -413,8 +472,9 @@ class PromptSampler:
         """Continue from a :meth:`state_dict` taken on a sampler with the same seed and data."""
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= len(self.dataset):
-            raise ValueError(f"sampler state {state} does not fit a dataset of "
-                             f"{len(self.dataset)} items")
+            raise ValueError(
+                f"sampler state {state} does not fit a dataset of {len(self.dataset)} items"
+            )
         self._epoch, self._position = epoch, position
         self._order = self._order_for(epoch)
 

@@ -39,7 +39,9 @@ class Completion:
 
 
 class Engine(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
         """n completions per prompt, grouped by prompt (prompt 0's first)."""
 
     def sync(self) -> None:
@@ -50,8 +52,9 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick next tokens; return (ids, log-probs under the temperature-scaled distribution)."""
     logits = logits.float()
     if params.temperature == 0:
@@ -94,8 +97,9 @@ class _ReservedLayer(DynamicLayer):
         super().__init__()
         self.room = room
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n, t = key_states.shape[-2], self.get_seq_length()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -103,8 +107,9 @@ class _ReservedLayer(DynamicLayer):
             self.k_buf = key_states.new_empty((b, h, n + self.room, d))
             self.v_buf = value_states.new_empty((b, h, n + self.room, value_states.shape[-1]))
         elif t + n > self.k_buf.shape[-2]:
-            raise RuntimeError(f"KV cache room exhausted: {t} + {n} positions "
-                               f"> {self.k_buf.shape[-2]} reserved")
+            raise RuntimeError(
+                f"KV cache room exhausted: {t} + {n} positions > {self.k_buf.shape[-2]} reserved"
+            )
         self.k_buf[:, :, t : t + n] = key_states
         self.v_buf[:, :, t : t + n] = value_states
         self._views(t + n)
@@ -148,8 +153,9 @@ class HFEngine:
     (what transformers' ``generate`` does).
     """
 
-    def __init__(self, policy, *, batch_size: int = 256, seed: int = 0,
-                 drop_finished: bool = True) -> None:
+    def __init__(
+        self, policy, *, batch_size: int = 256, seed: int = 0, drop_finished: bool = True
+    ) -> None:
         self.policy = policy
         self.batch_size = batch_size
         self.drop_finished = drop_finished
@@ -166,7 +172,9 @@ class HFEngine:
         self.gen.set_state(state["rng"])
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         out: list[Completion] = []
         for start in range(0, len(rows), self.batch_size):
@@ -190,9 +198,14 @@ class HFEngine:
         ids, mask = ids.to(device), mask.to(device)
         b = len(rows)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    past_key_values=reserved_cache(model, params.max_new_tokens),
-                    logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            past_key_values=reserved_cache(model, params.max_new_tokens),
+            logits_to_keep=1,
+        )
         cache = out.past_key_values
         can_select = hasattr(cache, "batch_select_indices")
         logits = out.logits[:, -1]
@@ -226,9 +239,16 @@ class HFEngine:
                 cache.batch_select_indices(keep)
                 live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
                 done = done[keep]
-            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
+            mask = torch.cat(
+                [mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1
+            )
+            out = model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         result = []
@@ -240,8 +260,9 @@ class HFEngine:
             result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text))
         return result
 
-    def _hit_stop_string(self, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]
-                         ) -> torch.Tensor:
+    def _hit_stop_string(
+        self, tokens: torch.Tensor, done: torch.Tensor, stops: list[str]
+    ) -> torch.Tensor:
         hit = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for k in range(tokens.shape[0]):
             if done[k]:
@@ -273,9 +294,18 @@ class AutoEngine:
     ``hf``/``vllm``: keyword arguments for either engine.
     """
 
-    def __init__(self, policy, *, seed: int = 0, hf: dict | None = None,
-                 vllm: dict | None = None, probe: bool = False, probe_prompts: int = 16,
-                 probe_n: int = 8, probe_tokens: int = 64) -> None:
+    def __init__(
+        self,
+        policy,
+        *,
+        seed: int = 0,
+        hf: dict | None = None,
+        vllm: dict | None = None,
+        probe: bool = False,
+        probe_prompts: int = 16,
+        probe_n: int = 8,
+        probe_tokens: int = 64,
+    ) -> None:
         self.policy, self.seed = policy, seed
         self.kwargs = {"hf": dict(hf or {}), "vllm": dict(vllm or {})}
         self.timings: dict[str, float] = {}
@@ -309,7 +339,9 @@ class AutoEngine:
         self.spare = built["vllm" if choice == "hf" else "hf"]
         return choice, built[choice]
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
         return self.inner.generate(prompts, params)
 
     def sync(self) -> None:

@@ -44,4 +44,3 @@ def train(cfg: Config) -> RunDir:
     run.log(cfg.train.steps, final)
     s.finish(final)
     return run
-

@@ -35,8 +35,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir.mkdir(exist_ok=True)
     written = []
     for panel, patterns in PANELS.items():
-        keys = sorted({k for r in rows for k in r
-                       if k not in ("step", "time") and any(p in k for p in patterns)})
+        keys = sorted(
+            {
+                k
+                for r in rows
+                for k in r
+                if k not in ("step", "time") and any(p in k for p in patterns)
+            }
+        )
         series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
         series = {k: v for k, v in series.items() if v}
         if not series:

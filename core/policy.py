@@ -43,14 +43,18 @@ class LoraConfig:
     dropout: float = doc(0.0, "LoRA dropout")
     target_modules: list[str] = doc(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "module names that get adapters")
+        "module names that get adapters",
+    )
 
 
 @dataclass
 class EngineConfig:
-    name: str = doc("auto", "rollout engine: auto (vllm on a CUDA GPU when installed, else hf; "
-                            "args.probe=true times both on CPU), hf (transformers, works "
-                            "everywhere) or vllm")
+    name: str = doc(
+        "auto",
+        "rollout engine: auto (vllm on a CUDA GPU when installed, else hf; "
+        "args.probe=true times both on CPU), hf (transformers, works "
+        "everywhere) or vllm",
+    )
     args: dict[str, Any] = doc({}, "engine-specific keyword arguments")
 
 
@@ -61,19 +65,28 @@ class PolicyConfig:
     build: str | None = doc(None, "model builder that creates `model` offline if it is missing")
     build_args: dict[str, Any] = doc({}, "keyword arguments for the builder")
     dtype: str = doc("float32", "parameter dtype: float32 or bfloat16")
-    device: str = doc("auto", "local mode: where the policy trains (auto: cuda when a GPU is "
-                              "visible, else cpu; or cpu, cuda, cuda:N). Ray mode places "
-                              "workers by distributed.args.num_gpus_per_worker instead")
+    device: str = doc(
+        "auto",
+        "local mode: where the policy trains (auto: cuda when a GPU is "
+        "visible, else cpu; or cpu, cuda, cuda:N). Ray mode places "
+        "workers by distributed.args.num_gpus_per_worker instead",
+    )
     train: bool = doc(True, "false: the policy acts but is never updated (frozen agent)")
     lora: LoraConfig = doc_factory(LoraConfig, "LoRA adapter (r=0: full fine-tune)")
     optim: OptimConfig = doc_factory(OptimConfig, "optimizer and schedule")
     micro_batch_size: int = doc(32, "rows per forward/backward; gradients accumulate")
     engine: EngineConfig = doc_factory(EngineConfig, "rollout engine for this policy")
     gradient_checkpointing: bool = doc(False, "trade compute for activation memory")
-    shared_prefix: bool = doc(True, "in the update, run each distinct prompt of a micro-batch "
-                                    "once and share its KV cache with its group's rows")
-    args: dict[str, Any] = doc({}, "options of the policy kind (each plugin kind documents its "
-                                   "own, e.g. freezing a vision tower); causal_lm takes none")
+    shared_prefix: bool = doc(
+        True,
+        "in the update, run each distinct prompt of a micro-batch "
+        "once and share its KV cache with its group's rows",
+    )
+    args: dict[str, Any] = doc(
+        {},
+        "options of the policy kind (each plugin kind documents its "
+        "own, e.g. freezing a vision tower); causal_lm takes none",
+    )
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -85,8 +98,10 @@ def resolve_device(spec: str) -> torch.device:
     except RuntimeError as e:
         raise ValueError(f"policy device {spec!r}: use auto, cpu, cuda or cuda:N") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"policy device {spec!r}: no CUDA device is visible here "
-                         "(device: auto falls back to cpu)")
+        raise ValueError(
+            f"policy device {spec!r}: no CUDA device is visible here "
+            "(device: auto falls back to cpu)"
+        )
     return device
 
 
@@ -108,7 +123,10 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 
 
 def response_logprobs(
-    model: torch.nn.Module, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False,
+    model: torch.nn.Module,
+    batch: TensorDict,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
     shared_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
@@ -131,26 +149,46 @@ def response_logprobs(
         ids = torch.cat([prompt, batch["response_ids"]], dim=1)
         mask = torch.cat([pmask, batch["response_mask"]], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                       logits_to_keep=r + 1, use_cache=False).logits[:, :-1].float()
+        logits = (
+            model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                logits_to_keep=r + 1,
+                use_cache=False,
+            )
+            .logits[:, :-1]
+            .float()
+        )
     else:
         width = prompt.shape[1]
         d_ids, d_mask = distinct[:, :width], distinct[:, width:]
         d_pos = (d_mask.cumsum(-1) - 1).clamp(min=0)
-        head = model(input_ids=d_ids, attention_mask=d_mask, position_ids=d_pos,
-                     use_cache=True, logits_to_keep=1)
+        head = model(
+            input_ids=d_ids,
+            attention_mask=d_mask,
+            position_ids=d_pos,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = head.past_key_values
         cache.batch_select_indices(inverse)
         mask = torch.cat([d_mask[inverse], batch["response_mask"]], dim=1)
         pos = d_pos[inverse][:, -1:] + 1 + torch.arange(r, device=prompt.device)[None]
-        tail = model(input_ids=batch["response_ids"], attention_mask=mask, position_ids=pos,
-                     past_key_values=cache, use_cache=True).logits
+        tail = model(
+            input_ids=batch["response_ids"],
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
         logits = torch.cat([head.logits[inverse], tail[:, :-1]], dim=1).float()
     return token_logprobs(logits, batch["response_ids"], temperature, with_entropy)
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``ids`` under softmax(logits / temperature), and optionally the entropy
     of that distribution: the one the engine sampled from, so the first ratio is exactly 1."""
     if temperature != 1.0:
@@ -167,14 +205,24 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
 class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
-    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
-                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: PolicyConfig,
+        *,
+        total_steps: int,
+        need_reference: bool,
+        shared: dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
         if cfg.args:
-            raise ValueError(f"policies.{name}.args {sorted(cfg.args)}: the causal_lm policy kind "
-                             "takes no options; remove them or set the kind they belong to")
+            raise ValueError(
+                f"policies.{name}.args {sorted(cfg.args)}: the causal_lm policy kind "
+                "takes no options; remove them or set the kind they belong to"
+            )
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
@@ -183,35 +231,45 @@ class CausalLMPolicy:
             model.gradient_checkpointing_enable()
         self.need_reference = need_reference
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
-            model, cfg, need_reference=need_reference, total_steps=total_steps)
+            model, cfg, need_reference=need_reference, total_steps=total_steps
+        )
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
         """The policy's tokenizer alone (building the model first if it is missing)."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(ensure_model(cfg.model, cfg.build,
-                                                               cfg.build_args))
+        tokenizer = AutoTokenizer.from_pretrained(
+            ensure_model(cfg.model, cfg.build, cfg.build_args)
+        )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
     # --- what the trainer calls -------------------------------------------------------
-    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, to_device(batch, self.device), temperature, with_entropy,
-                                 self.cfg.shared_prefix and not self.cfg.gradient_checkpointing)
+    def logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(
+            self.model,
+            to_device(batch, self.device),
+            temperature,
+            with_entropy,
+            self.cfg.shared_prefix and not self.cfg.gradient_checkpointing,
+        )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Reference log-probs: the frozen copy, or the base with the adapter disabled."""
         batch = to_device(batch, self.device)
         if self.reference is not None:
-            return response_logprobs(self.reference, batch, temperature,
-                                     shared_prefix=self.cfg.shared_prefix)[0]
+            return response_logprobs(
+                self.reference, batch, temperature, shared_prefix=self.cfg.shared_prefix
+            )[0]
         with self.model.disable_adapter():
-            return response_logprobs(self.model, batch, temperature,
-                                     shared_prefix=self.cfg.shared_prefix)[0]
+            return response_logprobs(
+                self.model, batch, temperature, shared_prefix=self.cfg.shared_prefix
+            )[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""
@@ -229,8 +287,9 @@ class CausalLMPolicy:
 
     def sft_optimizer(self, lr: float | None):
         """A constant-rate optimizer for a supervised warm start; RL then starts afresh."""
-        return warm_start_optimizer(self, [p for p in self.model.parameters() if p.requires_grad],
-                                    lr)
+        return warm_start_optimizer(
+            self, [p for p in self.model.parameters() if p.requires_grad], lr
+        )
 
     def named_weights(self):
         """Full (merged) weights under the base model's names, for engine weight sync."""
@@ -247,8 +306,14 @@ class CausalLMPolicy:
         return out
 
 
-def prepare_for_training(model: torch.nn.Module, cfg: PolicyConfig, *, need_reference: bool,
-                         total_steps: int, lora_targets: Any = None) -> tuple:
+def prepare_for_training(
+    model: torch.nn.Module,
+    cfg: PolicyConfig,
+    *,
+    need_reference: bool,
+    total_steps: int,
+    lora_targets: Any = None,
+) -> tuple:
     """LoRA wrap (or a frozen reference copy), freezing and the RL optimizer + schedule.
 
     Returns ``(model, reference, optimizer, scheduler)``; ``reference`` is None under LoRA
@@ -261,9 +326,15 @@ def prepare_for_training(model: torch.nn.Module, cfg: PolicyConfig, *, need_refe
         from peft import LoraConfig as PeftLora
         from peft import get_peft_model
 
-        model = get_peft_model(model, PeftLora(
-            r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules if lora_targets is None else lora_targets))
+        model = get_peft_model(
+            model,
+            PeftLora(
+                r=cfg.lora.r,
+                lora_alpha=cfg.lora.alpha,
+                lora_dropout=cfg.lora.dropout,
+                target_modules=cfg.lora.target_modules if lora_targets is None else lora_targets,
+            ),
+        )
     elif need_reference:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     model.train(False)
@@ -272,10 +343,19 @@ def prepare_for_training(model: torch.nn.Module, cfg: PolicyConfig, *, need_refe
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return model, reference, None, None
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-    return model, reference, optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.optim, total_steps))
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    return (
+        model,
+        reference,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, total_steps)),
+    )
 
 
 # --- state helpers every policy kind shares (diffusion and marl kinds call them too) -----
@@ -286,22 +366,27 @@ def trainable_weights(model: torch.nn.Module, lora: bool) -> dict[str, torch.Ten
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def load_weights(name: str, model: torch.nn.Module, state: dict[str, torch.Tensor],
-                 lora: bool) -> None:
+def load_weights(
+    name: str, model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool
+) -> None:
     """Load :func:`trainable_weights` back; a mismatch names the policy and the keys."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or (not lora and missing):
-        raise RuntimeError(f"policy {name!r}: checkpoint does not match the model "
-                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise RuntimeError(
+            f"policy {name!r}: checkpoint does not match the model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def checkpoint_state(policy: Any) -> dict[str, Any]:
     """Weights, optimizer and schedule of ``policy``: what a checkpoint holds for it (and
     the reference's weights once a warm start has set them: they are no longer the
     model's initial ones, so a resumed run could not rebuild them)."""
-    state = {"weights": policy.trainable_state(),
-             "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
-             "scheduler": policy.scheduler.state_dict() if policy.scheduler else None}
+    state = {
+        "weights": policy.trainable_state(),
+        "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
+        "scheduler": policy.scheduler.state_dict() if policy.scheduler else None,
+    }
     if getattr(policy, "reference_warmed", False):
         state["reference"] = policy.reference.state_dict()
     return state
@@ -324,8 +409,9 @@ def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: floa
     takes the warmed-up weights: KL anchors RL to the policy it starts from (the SFT
     model, as in RLHF), not to the weights before the warm start."""
     saved = policy.optimizer, policy.scheduler
-    policy.optimizer = torch.optim.AdamW(params, lr=lr or policy.cfg.optim.lr,
-                                         weight_decay=policy.cfg.optim.weight_decay)
+    policy.optimizer = torch.optim.AdamW(
+        params, lr=lr or policy.cfg.optim.lr, weight_decay=policy.cfg.optim.weight_decay
+    )
     policy.scheduler = torch.optim.lr_scheduler.LambdaLR(policy.optimizer, lambda _: 1.0)
     try:
         yield

@@ -18,10 +18,16 @@ class Progress:
         self.stats = {"reward": float("nan"), "acc": float("nan"), "s_step": float("nan")}
         if enabled:
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.3f}  "
-                           "{task.fields[s_step]:.2f}s/step"),
-                TimeElapsedColumn(), TimeRemainingColumn())
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(
+                    "reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.3f}  "
+                    "{task.fields[s_step]:.2f}s/step"
+                ),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
             self._task = self._bar.add_task("train", total=total, completed=start, **self.stats)
 
     def __enter__(self) -> Progress:

@@ -80,23 +80,35 @@ from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this m
 )
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES, nearest
 
-_GROUP_FIELDS = ("workers_per_policy", "placement", "strategy", "num_cpus_per_worker",
-                 "num_gpus_per_worker", "num_cpus_per_engine", "num_gpus_per_engine",
-                 "threads_per_worker")
+_GROUP_FIELDS = (
+    "workers_per_policy",
+    "placement",
+    "strategy",
+    "num_cpus_per_worker",
+    "num_gpus_per_worker",
+    "num_cpus_per_engine",
+    "num_gpus_per_engine",
+    "threads_per_worker",
+)
 
 
 @dataclass
 class RayArgs:
     """``distributed.args`` for ``distributed.backend: ray``."""
 
-    address: str | None = doc(None, "Ray cluster to join ('auto', 'ray://host:port'); default: "
-                                    "the one this process already joined, else a new local one")
+    address: str | None = doc(
+        None,
+        "Ray cluster to join ('auto', 'ray://host:port'); default: "
+        "the one this process already joined, else a new local one",
+    )
     num_cpus: int | None = doc(None, "CPUs of a local Ray instance this backend starts (None: all)")
     workers_per_policy: int = doc(1, "FSDP ranks (one Ray actor each) that train each policy")
     placement: Literal["colocate", "split"] = doc(
-        "colocate", "colocate: the engine shares worker 0's bundle; split: its own bundle")
+        "colocate", "colocate: the engine shares worker 0's bundle; split: its own bundle"
+    )
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = doc(
-        "PACK", "Ray placement-group strategy for a policy's bundles")
+        "PACK", "Ray placement-group strategy for a policy's bundles"
+    )
     num_cpus_per_worker: float = doc(1.0, "CPUs reserved for each trainer worker")
     num_gpus_per_worker: float = doc(0.0, "GPUs for each trainer worker (>0: NCCL, CUDA)")
     num_cpus_per_engine: float = doc(1.0, "CPUs reserved for the engine actor (split placement)")
@@ -105,25 +117,28 @@ class RayArgs:
     collective_timeout_s: float = doc(1800.0, "timeout of the group's torch.distributed calls")
     placement_timeout_s: float = doc(120.0, "how long to wait for Ray to place a policy's group")
     policies: dict[str, dict[str, Any]] = doc(
-        {}, "per-policy overrides of the group fields, e.g. {critic: {workers_per_policy: 1}}")
+        {}, "per-policy overrides of the group fields, e.g. {critic: {workers_per_policy: 1}}"
+    )
 
     def for_policy(self, name: str) -> RayArgs:
         override = self.policies.get(name, {})
         where = f"distributed.args.policies.{name}"
         bad = [k for k in override if k not in _GROUP_FIELDS]
         if bad:
-            raise ConfigError(f"{where}.{bad[0]} cannot be set per policy; per-policy keys: "
-                              f"{', '.join(_GROUP_FIELDS)}")
+            raise ConfigError(
+                f"{where}.{bad[0]} cannot be set per policy; per-policy keys: "
+                f"{', '.join(_GROUP_FIELDS)}"
+            )
         checked = from_dict(RayArgs, override, where)
         return dataclasses.replace(self, **{k: getattr(checked, k) for k in override})
-
 
 
 class _Group:
     """A policy's placement group, its FSDP workers and (later) its engine actor."""
 
-    def __init__(self, name: str, args: RayArgs, cfg: Any, *, total_steps: int,
-                 need_reference: bool) -> None:
+    def __init__(
+        self, name: str, args: RayArgs, cfg: Any, *, total_steps: int, need_reference: bool
+    ) -> None:
         ray = require_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -144,7 +159,8 @@ class _Group:
                 f"policy {name!r}: Ray could not place {len(bundles)} bundles {bundles} "
                 f"(placement={args.placement}, strategy={args.strategy}) within "
                 f"{args.placement_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}. "
-                "Lower distributed.args.workers_per_policy or num_cpus_per_worker, or add nodes.")
+                "Lower distributed.args.workers_per_policy or num_cpus_per_worker, or add nodes."
+            )
         half = 0.5 if args.placement == "colocate" else 1.0  # worker 0 shares with the engine
         remote = ray.remote(PolicyWorker)
         self.workers = [
@@ -152,18 +168,29 @@ class _Group:
                 num_cpus=args.num_cpus_per_worker * (half if k == 0 else 1.0),
                 num_gpus=args.num_gpus_per_worker * (half if k == 0 else 1.0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=k),
+                    self.pg, placement_group_bundle_index=k
+                ),
             ).remote(k, self.world, args.threads_per_worker)
-            for k in range(self.world)]
+            for k in range(self.world)
+        ]
         self.labels = [f"policy {name!r} worker {k}" for k in range(self.world)]
         # Start-up runs in the background (so the engine and other policies load meanwhile);
         # the first call waits for it. Rank 0's node hosts the rendezvous.
         where = self.workers[0].rendezvous.remote()
         rng = torch.get_rng_state()
-        self._starting = [w.setup.remote(name, cfg, where, total_steps=total_steps,
-                                         need_reference=need_reference, gpu=self.gpu,
-                                         timeout_s=args.collective_timeout_s, rng=rng)
-                          for w in self.workers]
+        self._starting = [
+            w.setup.remote(
+                name,
+                cfg,
+                where,
+                total_steps=total_steps,
+                need_reference=need_reference,
+                gpu=self.gpu,
+                timeout_s=args.collective_timeout_s,
+                rng=rng,
+            )
+            for w in self.workers
+        ]
         self._engine_starting: list = []
 
     @property
@@ -173,8 +200,10 @@ class _Group:
 
     def _check(self) -> None:
         if self.broken:
-            raise ActorError(f"policy {self.name!r}: its worker group was stopped after an "
-                             "earlier failure; resume the run from its last checkpoint")
+            raise ActorError(
+                f"policy {self.name!r}: its worker group was stopped after an "
+                "earlier failure; resume the run from its last checkpoint"
+            )
         if self._starting:
             starting, self._starting = self._starting, []
             wait(starting, self.labels, on_failure=self.kill_workers)
@@ -194,14 +223,19 @@ class _Group:
             cpus, gpus, bundle = a.num_cpus_per_worker * 0.5, a.num_gpus_per_worker * 0.5, 0
         else:
             cpus, gpus, bundle = a.num_cpus_per_engine, a.num_gpus_per_engine, self.world
-        self.engine = ray.remote(EngineWorker).options(
-            num_cpus=cpus, num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=bundle),
-        ).remote(a.threads_per_worker)
+        self.engine = (
+            ray.remote(EngineWorker)
+            .options(
+                num_cpus=cpus,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle
+                ),
+            )
+            .remote(a.threads_per_worker)
+        )
         self.engine_label = f"engine for policy {self.name!r}"
-        self._engine_starting = [self.engine.setup.remote(self.name, cfg, seed=seed,
-                                                          gpu=gpus > 0)]
+        self._engine_starting = [self.engine.setup.remote(self.name, cfg, seed=seed, gpu=gpus > 0)]
 
     def call_engine(self, method: str, *args, **kwargs) -> Any:
         if self._engine_starting:
@@ -313,8 +347,9 @@ class RayVLEngine(RayEngine):
         group of ``n`` shares them). The cost is the ``pixel_values``: for Qwen2.5-VL one
         row of 1176 float32 per 14x14 patch, about 24 MB for a 1-megapixel image, so a step
         of many large images moves that much to the engine actor once per rollout."""
-        return self.group.call_engine("generate_vl", [list(p) for p in prompts], list(visions),
-                                      params, **kwargs)
+        return self.group.call_engine(
+            "generate_vl", [list(p) for p in prompts], list(visions), params, **kwargs
+        )
 
 
 # --------------------------------------------------------------------------------- backend
@@ -347,13 +382,16 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
     if not uses_lora(cfg):
         return
     kind = POLICIES.get(cfg.kind)
-    if not (isinstance(kind, type) and (issubclass(kind, CausalLMPolicy)
-                                        or getattr(kind, "ray_lora", False))):
+    if not (
+        isinstance(kind, type)
+        and (issubclass(kind, CausalLMPolicy) or getattr(kind, "ray_lora", False))
+    ):
         raise ConfigError(
             f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "
             "distributed.backend=ray yet (LoRA runs there for causal_lm-type kinds and kinds "
             "that set ray_lora; a base model shared between policies, as lora_agent does, "
-            "needs a per-adapter gather); use distributed.backend=local")
+            "needs a per-adapter gather); use distributed.backend=local"
+        )
 
 
 def _engine_handle(engine_cls: Any) -> type[RayEngine]:
@@ -374,15 +412,18 @@ class RayBackend:
         for name in self.args.policies:
             if name not in cfg.policies:
                 hint = nearest(name, list(cfg.policies))
-                raise ConfigError(f"distributed.args.policies.{name}: no policy {name!r} in the "
-                                  "recipe" + (f"; did you mean {hint!r}?" if hint else ""))
+                raise ConfigError(
+                    f"distributed.args.policies.{name}: no policy {name!r} in the "
+                    "recipe" + (f"; did you mean {hint!r}?" if hint else "")
+                )
         for name, policy_cfg in cfg.policies.items():  # before Ray starts
             _check_lora_kind(name, policy_cfg)
         ray = require_ray()
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=self.args.address, num_cpus=self.args.num_cpus,
-                     include_dashboard=False)
+            ray.init(
+                address=self.args.address, num_cpus=self.args.num_cpus, include_dashboard=False
+            )
         self.groups: dict[str, _Group] = {}
         self.reward_actors: list = []
 
@@ -416,7 +457,9 @@ class RayBackend:
         return _reduce([r[0] for r in results], policy.group.world)
 
     def sft_update(self, policy, batch):
-        return _reduce(policy.group.call("sft_update", require_ray().put(batch)), policy.group.world)
+        return _reduce(
+            policy.group.call("sft_update", require_ray().put(batch)), policy.group.world
+        )
 
     def shutdown(self) -> None:
         for group in self.groups.values():

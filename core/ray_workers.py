@@ -56,8 +56,10 @@ def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) ->
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__} to shard "
-                           "(it declares no _no_split_modules)")
+        raise RuntimeError(
+            f"cannot find the decoder layers of {type(model).__name__} to shard "
+            "(it declares no _no_split_modules)"
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model if root is None else root, mesh=mesh)
@@ -88,19 +90,27 @@ def _optim_by_index(optim: dict[str, Any]) -> dict[str, Any]:
     ``torch.optim.Optimizer.state_dict()`` writes it in a single process."""
     order = [n for g in optim["param_groups"] for n in g["params"]]
     index = {n: i for i, n in enumerate(order)}
-    return {"state": {index[n]: v for n, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                             for g in optim["param_groups"]]}
+    return {
+        "state": {index[n]: v for n, v in optim["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]
+        ],
+    }
 
 
 def _optim_by_name(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """The inverse of :func:`_optim_by_index`, given the parameter names in group order."""
     if len(order) != sum(len(g["params"]) for g in optim["param_groups"]):
-        raise ValueError("the checkpoint's optimizer holds a different number of parameters "
-                         "than this policy; was it written for another model or LoRA setting?")
-    return {"state": {order[i]: v for i, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
-                             for g in optim["param_groups"]]}
+        raise ValueError(
+            "the checkpoint's optimizer holds a different number of parameters "
+            "than this policy; was it written for another model or LoRA setting?"
+        )
+    return {
+        "state": {order[i]: v for i, v in optim["state"].items()},
+        "param_groups": [
+            {**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]
+        ],
+    }
 
 
 def uses_lora(cfg: Any) -> bool:
@@ -148,15 +158,25 @@ def lora_factors(name: str, model: torch.nn.Module) -> LoraFactors:
     for path, module in model.get_base_model().named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        if (not isinstance(module, LoraLinear) or module.fan_in_fan_out
-                or any(module.use_dora.values())):
-            raise RuntimeError(f"policy {name!r}: the adapter on {path!r} ({type(module).__name__})"
-                               " is not a plain LoRA linear layer; only those can be merged into "
-                               "the engine's weights under distributed.backend=ray")
+        if (
+            not isinstance(module, LoraLinear)
+            or module.fan_in_fan_out
+            or any(module.use_dora.values())
+        ):
+            raise RuntimeError(
+                f"policy {name!r}: the adapter on {path!r} ({type(module).__name__})"
+                " is not a plain LoRA linear layer; only those can be merged into "
+                "the engine's weights under distributed.backend=ray"
+            )
         for adapter in module.active_adapters:
-            factors.append((f"{path}.weight", _full_tensor(module.lora_A[adapter].weight),
-                            _full_tensor(module.lora_B[adapter].weight),
-                            float(module.scaling[adapter])))
+            factors.append(
+                (
+                    f"{path}.weight",
+                    _full_tensor(module.lora_A[adapter].weight),
+                    _full_tensor(module.lora_B[adapter].weight),
+                    float(module.scaling[adapter]),
+                )
+            )
     if not factors:
         raise RuntimeError(f"policy {name!r}: found no LoRA layer to sync to the engine")
     return LoraFactors(factors)
@@ -181,8 +201,18 @@ class PolicyWorker:
     def node_id(self) -> str:
         return require_ray().get_runtime_context().get_node_id()
 
-    def setup(self, name: str, cfg: Any, where: tuple[str, int], *, total_steps: int,
-              need_reference: bool, gpu: bool, timeout_s: float, rng: torch.Tensor) -> None:
+    def setup(
+        self,
+        name: str,
+        cfg: Any,
+        where: tuple[str, int],
+        *,
+        total_steps: int,
+        need_reference: bool,
+        gpu: bool,
+        timeout_s: float,
+        rng: torch.Tensor,
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -191,15 +221,20 @@ class PolicyWorker:
         if gpu:
             torch.cuda.set_device(0)  # Ray shows this actor its own GPU(s) only
         addr, port = where
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{addr}:{port}",
-                                rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if gpu else "gloo",
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=timeout_s),
+        )
         mesh = init_device_mesh("cuda" if gpu else "cpu", (self.world,))
         kwargs = {"device": "cuda"} if gpu else {}
         torch.set_rng_state(rng)  # the driver's: a LoRA adapter starts as in local mode
         self.name, self.lora = name, uses_lora(cfg)
-        self.policy = POLICIES.get(cfg.kind)(name, cfg, total_steps=total_steps,
-                                             need_reference=need_reference, shared={}, **kwargs)
+        self.policy = POLICIES.get(cfg.kind)(
+            name, cfg, total_steps=total_steps, need_reference=need_reference, shared={}, **kwargs
+        )
         if self.lora:
             _broadcast_trainable(self.policy.model)
         names = _param_names(self.policy.model)
@@ -208,14 +243,21 @@ class PolicyWorker:
             _shard(reference, mesh, _fsdp_root(self.policy, reference))
         _rebind_optimizer(self.policy, names)
 
-    def update(self, batch: TensorDict, algo: Any, temperature: float, gen_state: torch.Tensor
-               ) -> tuple[dict[str, float], torch.Tensor]:
+    def update(
+        self, batch: TensorDict, algo: Any, temperature: float, gen_state: torch.Tensor
+    ) -> tuple[dict[str, float], torch.Tensor]:
         from polyrl.core import trainer
 
         gen = torch.Generator()
         gen.set_state(gen_state)
-        out = trainer.update(self.policy, batch, algo, temperature=temperature, generator=gen,
-                             dp=(self.rank, self.world))
+        out = trainer.update(
+            self.policy,
+            batch,
+            algo,
+            temperature=temperature,
+            generator=gen,
+            dp=(self.rank, self.world),
+        )
         return out, gen.get_state()
 
     def sft_update(self, batch: TensorDict) -> dict[str, float]:
@@ -235,8 +277,9 @@ class PolicyWorker:
     def _full(self, trainable_only: bool = False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                ignore_frozen_params=trainable_only)
+        return StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+        )
 
     def state_dict(self) -> dict[str, Any] | None:
         """Full weights (the trainable adapter alone under LoRA), optimizer and schedule on
@@ -260,8 +303,11 @@ class PolicyWorker:
         if self.lora:  # ignore_frozen_params keeps a frozen weight tied to another (lm_head)
             trainable = self._trainable_names()
             weights = {k: v for k, v in weights.items() if k in trainable}
-        state = {"weights": weights, "optimizer": _optim_by_index(optim) if stepped else optim,
-                 "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None}
+        state = {
+            "weights": weights,
+            "optimizer": _optim_by_index(optim) if stepped else optim,
+            "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
+        }
         return state | ({"reference": reference} if warmed else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,8 +333,13 @@ class PolicyWorker:
             return
         names = _param_names(p.model)
         order = [names[id(q)] for g in p.optimizer.param_groups for q in g["params"]]
-        set_state_dict(p.model, p.optimizer, model_state_dict=state["weights"],
-                       optim_state_dict=_optim_by_name(state["optimizer"], order), options=opts)
+        set_state_dict(
+            p.model,
+            p.optimizer,
+            model_state_dict=state["weights"],
+            optim_state_dict=_optim_by_name(state["optimizer"], order),
+            options=opts,
+        )
         p.scheduler.load_state_dict(state["scheduler"])
 
     def _trainable_names(self) -> set[str]:
@@ -298,9 +349,11 @@ class PolicyWorker:
         """As local mode's ``load_weights``: a LoRA checkpoint may hold adapter weights only."""
         unexpected = sorted(set(weights) - self._trainable_names())
         if unexpected:
-            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match the LoRA "
-                               f"adapter (unexpected {unexpected[:3]}); was it written for "
-                               "another model or LoRA setting?")
+            raise RuntimeError(
+                f"policy {self.name!r}: checkpoint does not match the LoRA "
+                f"adapter (unexpected {unexpected[:3]}); was it written for "
+                "another model or LoRA setting?"
+            )
 
     def full_weights(self) -> list | None:
         """What the engine needs, gathered; rank 0 returns ``[ObjectRef]`` (kept off the
@@ -329,8 +382,9 @@ class PolicyWorker:
             else:
                 self.policy.model.save_pretrained(out, state_dict=weights)
                 # a VLM's processor (tokenizer, image processor, chat template) if it has one
-                (getattr(self.policy, "processor", None)
-                 or self.policy.tokenizer).save_pretrained(out)
+                (getattr(self.policy, "processor", None) or self.policy.tokenizer).save_pretrained(
+                    out
+                )
         dist.barrier()
 
     def close(self) -> None:
@@ -360,8 +414,9 @@ class EngineWorker:
         if uses_lora(local):  # a plain base model; sync merges the adapter into it
             local.lora = dataclasses.replace(local.lora, r=0)
         kwargs = {"device": "cuda"} if gpu else {}
-        self.policy = POLICIES.get(cfg.kind)(name, local, total_steps=1, need_reference=False,
-                                             shared={}, **kwargs)
+        self.policy = POLICIES.get(cfg.kind)(
+            name, local, total_steps=1, need_reference=False, shared={}, **kwargs
+        )
         self.engine = ENGINES.get(cfg.engine.name)(self.policy, seed=seed, **cfg.engine.args)
 
     def generate(self, prompts, params):
@@ -393,8 +448,10 @@ class EngineWorker:
         params = dict(self.policy.model.named_parameters())
         for name, a, b, scale in update.factors:
             if name not in params:
-                raise RuntimeError(f"policy {self.policy.name!r}: the engine's model has no "
-                                   f"weight {name!r} for the adapter on it")
+                raise RuntimeError(
+                    f"policy {self.policy.name!r}: the engine's model has no "
+                    f"weight {name!r} for the adapter on it"
+                )
             w = params[name]
             w0 = self.base.setdefault(name, w.detach().to("cpu", copy=True))
             f32 = {"device": w.device, "dtype": torch.float32}
@@ -430,10 +487,16 @@ class RewardWorker:
 
 def reward_actor(term: Any, concurrency: int):
     """(actor, async runner) for a reward term with ``actor`` resources."""
-    opts = {"num_cpus": float(term.actor.get("num_cpus", 1.0)),
-            "num_gpus": float(term.actor.get("num_gpus", 0.0))}
-    actor = require_ray().remote(RewardWorker).options(**opts).remote(
-        term, int(term.actor.get("threads", 1)))
+    opts = {
+        "num_cpus": float(term.actor.get("num_cpus", 1.0)),
+        "num_gpus": float(term.actor.get("num_gpus", 0.0)),
+    }
+    actor = (
+        require_ray()
+        .remote(RewardWorker)
+        .options(**opts)
+        .remote(term, int(term.actor.get("threads", 1)))
+    )
     label = f"reward {term.key!r} actor"
 
     async def run(samples: list) -> list:
@@ -478,5 +541,6 @@ def wait(refs: list, labels: list[str], on_failure=None) -> list:
             what = "died" if dead else "failed"
             raise ActorError(
                 f"{labels[j]} {what}: {e}\nThe run cannot continue in this process; resume it "
-                "from its last checkpoint (run.resume=true, or polyrl train --resume).") from e
+                "from its last checkpoint (run.resume=true, or polyrl train --resume)."
+            ) from e
     return results

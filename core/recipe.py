@@ -29,14 +29,18 @@ class RunConfig:
 
 @dataclass
 class TaskConfig:
-    name: str | None = doc(None, "built-in synthetic task that writes its data files (e.g. arithmetic)")
+    name: str | None = doc(
+        None, "built-in synthetic task that writes its data files (e.g. arithmetic)"
+    )
     dir: str = doc("{run_dir}/data", "where the task writes train/eval/sft files")
     args: dict[str, Any] = doc({}, "keyword arguments for the task's write_dataset")
 
 
 @dataclass
 class RolloutConfig:
-    workflow: str = doc("single_turn", "how an episode is produced (plugins add multi-turn, multi-agent, ...)")
+    workflow: str = doc(
+        "single_turn", "how an episode is produced (plugins add multi-turn, multi-agent, ...)"
+    )
     args: dict[str, Any] = doc({}, "workflow keyword arguments")
     n: int = doc(8, "samples per prompt (the group size)")
     prompts_per_step: int = doc(16, "prompts per training step")
@@ -53,14 +57,17 @@ class EvalConfig:
     temperature: float = doc(0.0, "0 = greedy")
     n: int = doc(1, "samples per eval prompt")
     max_new_tokens: int | None = doc(None, "default: rollout.max_new_tokens")
-    accuracy_term: str | None = doc(None, "reward term whose mean is reported as accuracy "
-                                          "(default: the first term)")
+    accuracy_term: str | None = doc(
+        None, "reward term whose mean is reported as accuracy (default: the first term)"
+    )
 
 
 @dataclass
 class SFTConfig:
     steps: int = doc(0, "supervised warm-start steps before RL (0: none)")
-    data: DataConfig = doc_factory(DataConfig, "prompt + target rows; answer_field names the target")
+    data: DataConfig = doc_factory(
+        DataConfig, "prompt + target rows; answer_field names the target"
+    )
     batch_size: int = doc(32, "rows per SFT step")
     lr: float | None = doc(None, "learning rate for SFT (default: the policy's)")
 
@@ -73,7 +80,9 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    backend: Literal["local", "ray"] = doc("local", "local: one process, no Ray; ray: worker groups")
+    backend: Literal["local", "ray"] = doc(
+        "local", "local: one process, no Ray; ray: worker groups"
+    )
     args: dict[str, Any] = doc({}, "backend options (placement, workers per policy, ...)")
 
 
@@ -109,8 +118,10 @@ class Config:
         for name in self.train.policies or []:
             if name not in self.policies:
                 hint = nearest(name, list(self.policies))
-                raise ConfigError(f"train.policies names unknown policy {name!r}"
-                                  + (f"; did you mean {hint!r}?" if hint else ""))
+                raise ConfigError(
+                    f"train.policies names unknown policy {name!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                )
         WORKFLOWS.check(self.rollout.workflow)
         # A workflow may check its own rollout.args (agents, policies it names) before any
         # model loads.
@@ -130,7 +141,8 @@ class Config:
                 f"and LoRA on {lora}: a LoRA policy's KL reference is its base with the "
                 "adapter disabled, i.e. the weights before the warm start, so KL would pull "
                 "RL back past the warm start. Set kl_coef: 0, or warm-start without LoRA "
-                "(a full fine-tune's frozen reference takes the warmed-up weights).")
+                "(a full fine-tune's frozen reference takes the warmed-up weights)."
+            )
 
     def trained_policies(self) -> list[str]:
         if self.train.policies is not None:

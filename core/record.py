@@ -92,8 +92,12 @@ def text_record(
 ) -> TensorDict:
     """Build a text record from per-row lists (what engines and workflows produce)."""
     n = len(prompt_ids)
-    for name, value in (("response_ids", response_ids), ("rollout_logprobs", rollout_logprobs),
-                        ("policy", policy), ("uid", uid)):
+    for name, value in (
+        ("response_ids", response_ids),
+        ("rollout_logprobs", rollout_logprobs),
+        ("policy", policy),
+        ("uid", uid),
+    ):
         if len(value) != n:
             raise ValueError(f"text_record: {name} has {len(value)} rows, prompt_ids has {n}")
     p_ids, p_mask = pad_left(prompt_ids, pad_id)
@@ -165,7 +169,9 @@ def to_device(td: TensorDict, device: torch.device | str) -> TensorDict:
     return td.to(device)
 
 
-def group_ids(td: TensorDict, keys: Sequence[str] = ("uid", "agent_id", "turn", "node")) -> torch.Tensor:
+def group_ids(
+    td: TensorDict, keys: Sequence[str] = ("uid", "agent_id", "turn", "node")
+) -> torch.Tensor:
     """Dense group index per row from the group key parts (never from row order)."""
     parts = torch.stack([td[k] for k in keys], dim=1)
     return torch.unique(parts, dim=0, return_inverse=True)[1]
@@ -219,7 +225,13 @@ def concat(records: Sequence[TensorDict]) -> TensorDict:
             for key in ("prompt_ids", "prompt_mask"):  # pad value is hidden by the mask
                 r[key] = torch.nn.functional.pad(r[key], (dp, 0), value=0)
         if dr:
-            for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
+            for key in (
+                "response_ids",
+                "response_mask",
+                "loss_mask",
+                "rollout_logprobs",
+                "advantages",
+            ):
                 if key in r.keys():  # noqa: SIM118 (TensorDict)
                     r[key] = torch.nn.functional.pad(r[key], (0, dr), value=0)
         fixed.append(r)

@@ -85,13 +85,17 @@ class RewardTerm:
     """One reward in the weighted sum."""
 
     name: str = dataclasses.field(
-        metadata={"doc": "registered reward name or 'package.module:function'"})
+        metadata={"doc": "registered reward name or 'package.module:function'"}
+    )
     weight: float = doc(1.0, "multiplier of this term in the summed reward")
     args: dict = doc({}, "keyword arguments passed to the reward function")
     label: str = doc("", "key for metrics and reward_terms/<key>; defaults to name")
-    actor: dict = doc({}, "Ray mode: score this term on its own Ray actor with these resources, "
-                          "e.g. {num_cpus: 1, num_gpus: 0.25}; a reward model loads there once "
-                          "and stays. Empty: in the driver (local mode always runs in-process)")
+    actor: dict = doc(
+        {},
+        "Ray mode: score this term on its own Ray actor with these resources, "
+        "e.g. {num_cpus: 1, num_gpus: 0.25}; a reward model loads there once "
+        "and stays. Empty: in the driver (local mode always runs in-process)",
+    )
 
     @property
     def key(self) -> str:
@@ -148,8 +152,10 @@ class RewardConfig:
             _check_args(term.name, fn, term.args)
             unknown = sorted(set(term.actor) - set(REWARD_ACTOR_KEYS))
             if unknown:
-                raise ValueError(f"reward term {term.key!r}: unknown actor keys {unknown}; "
-                                 f"valid: {list(REWARD_ACTOR_KEYS)}")
+                raise ValueError(
+                    f"reward term {term.key!r}: unknown actor keys {unknown}; "
+                    f"valid: {list(REWARD_ACTOR_KEYS)}"
+                )
 
 
 def _check_args(name: str, fn: Callable, args: dict) -> None:
@@ -178,8 +184,14 @@ def samples_from_record(record: TensorDict) -> list[Sample]:
     responses = column("response_text", "")
     metas = [m if isinstance(m, dict) else {} for m in column("meta", None)]
     return [
-        Sample(prompt=p or "", response=r or "", answer=m.get("answer"), meta=m,
-               images=m.get("images"), index=i)
+        Sample(
+            prompt=p or "",
+            response=r or "",
+            answer=m.get("answer"),
+            meta=m,
+            images=m.get("images"),
+            index=i,
+        )
         for i, (p, r, m) in enumerate(zip(prompts, responses, metas, strict=True))
     ]
 
@@ -258,8 +270,9 @@ async def _run_term(
     return out
 
 
-async def run_term(term: RewardTerm, samples: list[Sample], concurrency: int = 256
-                   ) -> list[float | str]:
+async def run_term(
+    term: RewardTerm, samples: list[Sample], concurrency: int = 256
+) -> list[float | str]:
     """One term's value (or error text) per sample: what a remote reward actor runs."""
     return await _run_term(term, resolve(term.name), samples, asyncio.Semaphore(concurrency))
 
@@ -268,7 +281,9 @@ Runner = Callable[[list[Sample]], Awaitable[list]]
 
 
 async def ascore(
-    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None,
+    record: TensorDict,
+    cfg: RewardConfig,
+    samples: list[Sample] | None = None,
     runners: dict[str, Runner] | None = None,
 ) -> dict[str, float]:
     """Async :func:`score`, for callers already inside an event loop."""
@@ -291,8 +306,10 @@ async def ascore(
     todo = [samples[i] for i in rows]
     sem = asyncio.Semaphore(max(1, int(cfg.concurrency)))
     runners = runners or {}
-    calls = (runners[t.key](todo) if t.key in runners else _run_term(t, f, todo, sem)
-             for t, f in zip(terms, fns, strict=True))
+    calls = (
+        runners[t.key](todo) if t.key in runners else _run_term(t, f, todo, sem)
+        for t, f in zip(terms, fns, strict=True)
+    )
     per_term = await asyncio.gather(*calls)
 
     reward = record["reward"].to(torch.float32).clone()
@@ -338,7 +355,9 @@ def _mean(values: torch.Tensor) -> float:
 
 
 def score(
-    record: TensorDict, cfg: RewardConfig, samples: list[Sample] | None = None,
+    record: TensorDict,
+    cfg: RewardConfig,
+    samples: list[Sample] | None = None,
     runners: dict[str, Runner] | None = None,
 ) -> dict[str, float]:
     """Score every valid row of ``record`` in place and return reward metrics.
@@ -445,8 +464,11 @@ def gsm8k(
     gold = _ground_truth(sample, "gsm8k")
     if "####" in gold:  # the dataset's full solution text: its final answer follows ####
         gold = gold.split("####")[-1].strip().replace(",", "")
-    return float(verl_gsm8k.compute_score(
-        sample.response, gold, method=method, format_score=format_score, score=score))
+    return float(
+        verl_gsm8k.compute_score(
+            sample.response, gold, method=method, format_score=format_score, score=score
+        )
+    )
 
 
 @register_reward("math")
@@ -458,14 +480,13 @@ def math_reward(sample: Sample) -> float:
 
 
 @register_reward("math_dapo")
-def math_dapo(
-    sample: Sample, strict_box_verify: bool = False, field: str = "score"
-) -> float:
+def math_dapo(sample: Sample, strict_box_verify: bool = False, field: str = "score") -> float:
     """verl's DAPO checker (``Answer: ...``): ``field='score'`` gives +1/-1, ``'acc'`` 1/0."""
     from verl.utils.reward_score import math_dapo as verl_dapo
 
     if field not in ("score", "acc"):
         raise ValueError(f"math_dapo field must be 'score' or 'acc', got {field!r}")
     result = verl_dapo.compute_score(
-        sample.response, _ground_truth(sample, "math_dapo"), strict_box_verify=strict_box_verify)
+        sample.response, _ground_truth(sample, "math_dapo"), strict_box_verify=strict_box_verify
+    )
     return float(result[field])

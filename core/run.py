@@ -38,8 +38,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU dropout etc.
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -49,8 +52,11 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available() \
-            and torch.cuda.device_count() == len(state["cuda"]):
+    if (
+        "cuda" in state
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() == len(state["cuda"])
+    ):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -65,7 +71,8 @@ class RunDir:
         except OSError as e:
             raise RunDirError(
                 f"run directory {str(self.path)!r} is not writable ({e.strerror or e}); "
-                "set run.dir to a folder you can write to") from None
+                "set run.dir to a folder you can write to"
+            ) from None
         self.ckpt_dir = self.path / "checkpoints"
         self.samples_dir = self.path / "samples"
         self.ckpt_dir.mkdir(exist_ok=True)
@@ -81,8 +88,10 @@ class RunDir:
 
     # --- logs ---------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
-                 for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+            for k, v in metrics.items()
+        }
         self._metrics.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._metrics.flush()
         if self._tb is not None:

@@ -77,12 +77,18 @@ class Session:
         """``record=False`` opens an existing run to evaluate or export it: its config.yaml,
         metrics and TensorBoard events are left as training wrote them."""
         run_dir = resolve_run_dir(cfg)
-        if not cfg.run.resume and (run_dir / "checkpoints").is_dir() and any(
-                (run_dir / "checkpoints").iterdir()):
-            raise ConfigError(f"run directory {str(run_dir)!r} already has checkpoints; resume it "
-                              "(run.resume=true / --resume) or choose another run.dir")
-        run = RunDir(run_dir, to_dict(cfg) if record else None,
-                     tensorboard=cfg.run.tensorboard and record)
+        if (
+            not cfg.run.resume
+            and (run_dir / "checkpoints").is_dir()
+            and any((run_dir / "checkpoints").iterdir())
+        ):
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already has checkpoints; resume it "
+                "(run.resume=true / --resume) or choose another run.dir"
+            )
+        run = RunDir(
+            run_dir, to_dict(cfg) if record else None, tensorboard=cfg.run.tensorboard and record
+        )
         seed_everything(cfg.seed)
         prepare_task(cfg, run.path)
         # Data before weights: a bad path, row or prompt fails in seconds, before any model
@@ -90,26 +96,50 @@ class Session:
         first = next(iter(cfg.policies.values()))
         tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
         dataset = DATASETS.get(cfg.data.kind)(cfg.data, tokenizer, name="train")
-        eval_items = list(DATASETS.get(cfg.eval.data.kind)(cfg.eval.data, tokenizer, name="eval")) \
-            if cfg.eval.data.path else []
+        eval_items = (
+            list(DATASETS.get(cfg.eval.data.kind)(cfg.eval.data, tokenizer, name="eval"))
+            if cfg.eval.data.path
+            else []
+        )
         backend = BACKENDS.get(cfg.distributed.backend)(cfg)
         shared: dict = {}  # lets policy kinds share a base model (one LoRA adapter per agent)
         # the schedule counts optimizer steps: one per minibatch per PPO epoch per RL step
         opt_steps = cfg.train.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
-        policies = {name: backend.make_policy(name, p, total_steps=opt_steps,
-                                              need_reference=cfg.algorithm.kl_coef > 0,
-                                              shared=shared)
-                    for name, p in cfg.policies.items()}
-        engines = {name: backend.make_engine(name, policies[name], p, seed=cfg.seed + i)
-                   for i, (name, p) in enumerate(cfg.policies.items())}
-        sampler = PromptSampler(dataset, cfg.rollout.prompts_per_step, cfg.seed,
-                                shuffle=cfg.data.shuffle)
-        ctx = Context(cfg, policies, engines,
-                      extras={"dataset_stats": dataset.stats, "run_dir": run.path})
+        policies = {
+            name: backend.make_policy(
+                name,
+                p,
+                total_steps=opt_steps,
+                need_reference=cfg.algorithm.kl_coef > 0,
+                shared=shared,
+            )
+            for name, p in cfg.policies.items()
+        }
+        engines = {
+            name: backend.make_engine(name, policies[name], p, seed=cfg.seed + i)
+            for i, (name, p) in enumerate(cfg.policies.items())
+        }
+        sampler = PromptSampler(
+            dataset, cfg.rollout.prompts_per_step, cfg.seed, shuffle=cfg.data.shuffle
+        )
+        ctx = Context(
+            cfg, policies, engines, extras={"dataset_stats": dataset.stats, "run_dir": run.path}
+        )
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
-        s = cls(cfg, run, backend, policies, engines, ctx, workflow, sampler, eval_items,
-                cfg.trained_policies(), torch.Generator().manual_seed(cfg.seed),
-                reward_runners=backend.reward_runners(cfg.reward))
+        s = cls(
+            cfg,
+            run,
+            backend,
+            policies,
+            engines,
+            ctx,
+            workflow,
+            sampler,
+            eval_items,
+            cfg.trained_policies(),
+            torch.Generator().manual_seed(cfg.seed),
+            reward_runners=backend.reward_runners(cfg.reward),
+        )
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
         if cfg.run.resume and (latest := run.load_latest()) is not None:
@@ -136,23 +166,34 @@ class Session:
         tok = policy.tokenizer
         for k in range(self.cfg.sft.steps):
             items = sampler.next_batch()
-            targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
-                       for it in items]
-            batch = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
-                                rollout_logprobs=[[0.0] * len(t) for t in targets],
-                                policy=[name] * len(items), uid=[it.uid for it in items],
-                                pad_id=tok.pad_token_id,
-                                # as in a rollout record, so a policy kind can find per-row
-                                # inputs beyond token ids (a VLM's images) in the row
-                                meta=[{"answer": it.answer, "row": it.row} for it in items])
+            targets = [
+                tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
+                for it in items
+            ]
+            batch = text_record(
+                prompt_ids=[it.prompt_ids for it in items],
+                response_ids=targets,
+                rollout_logprobs=[[0.0] * len(t) for t in targets],
+                policy=[name] * len(items),
+                uid=[it.uid for it in items],
+                pad_id=tok.pad_token_id,
+                # as in a rollout record, so a policy kind can find per-row
+                # inputs beyond token ids (a VLM's images) in the row
+                meta=[{"answer": it.answer, "row": it.row} for it in items],
+            )
             out = self.backend.sft_update(policy, batch)
             if k % 10 == 0 or k == self.cfg.sft.steps - 1:
                 self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
 
     def update(self, name: str, rows: TensorDict) -> dict[str, float]:
         """One policy's RL update from its own rows, wherever the backend runs it."""
-        return self.backend.update(self.policies[name], rows, self.cfg.algorithm,
-                                   temperature=self.cfg.rollout.temperature, generator=self.gen)
+        return self.backend.update(
+            self.policies[name],
+            rows,
+            self.cfg.algorithm,
+            temperature=self.cfg.rollout.temperature,
+            generator=self.gen,
+        )
 
     def learn(self, record: TensorDict) -> dict[str, float]:
         """Let the workflow fit what it learns itself (e.g. a centralized critic) on the
@@ -171,9 +212,12 @@ class Session:
         if not self.eval_items:
             return {}
         cfg = self.cfg
-        saved = {n: e.state_dict() for n, e in self.engines.items()}  # eval never moves training RNG
-        params = self.ctx.sampling(n=cfg.eval.n, temperature=cfg.eval.temperature,
-                                   max_new_tokens=cfg.eval.max_new_tokens)
+        saved = {
+            n: e.state_dict() for n, e in self.engines.items()
+        }  # eval never moves training RNG
+        params = self.ctx.sampling(
+            n=cfg.eval.n, temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens
+        )
         record = self.workflow.rollout(self.eval_items, params)
         for n, e in self.engines.items():
             e.load_state_dict(saved[n])
@@ -181,21 +225,26 @@ class Session:
         term = cfg.eval.accuracy_term or cfg.reward.terms[0].name
         values = record.get(f"reward_terms/{term}")
         valid = record["valid"]
-        out = {f"{tag}/reward": metrics.get("reward/mean", float("nan")),
-               f"{tag}/accuracy": float(values[valid].mean()) if bool(valid.any()) else float("nan"),
-               f"{tag}/response_len": float(record["response_mask"].sum(-1).float().mean()),
-               f"{tag}/errors": metrics.get("reward/errors", 0.0)}
-        self.run.write_samples(self.step if step is None else step,
-                               self.transcripts(record, 32), tag=tag)
+        out = {
+            f"{tag}/reward": metrics.get("reward/mean", float("nan")),
+            f"{tag}/accuracy": float(values[valid].mean()) if bool(valid.any()) else float("nan"),
+            f"{tag}/response_len": float(record["response_mask"].sum(-1).float().mean()),
+            f"{tag}/errors": metrics.get("reward/errors", 0.0),
+        }
+        self.run.write_samples(
+            self.step if step is None else step, self.transcripts(record, 32), tag=tag
+        )
         return out
 
     # --- logging helpers ----------------------------------------------------------------
     def rollout_stats(self, record: TensorDict) -> dict[str, float]:
         lengths = record["response_mask"].sum(-1).float()
-        return {"rollout/response_len": float(lengths.mean()),
-                "rollout/truncated_frac": float(record["truncated"].float().mean()),
-                "rollout/valid_frac": float(record["valid"].float().mean()),
-                "rollout/rows": float(record.batch_size[0])}
+        return {
+            "rollout/response_len": float(lengths.mean()),
+            "rollout/truncated_frac": float(record["truncated"].float().mean()),
+            "rollout/valid_frac": float(record["valid"].float().mean()),
+            "rollout/rows": float(record.batch_size[0]),
+        }
 
     def transcripts(self, record: TensorDict, k: int) -> list[dict]:
         if 0 < k < record.batch_size[0]:
@@ -204,11 +253,18 @@ class Session:
         meta = strings(record, "meta")
         rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
         extra = getattr(self.workflow, "transcript_keys", ())  # a workflow's own row facts
-        return [{"policy": cols["policy"][i], "prompt": cols["prompt_text"][i],
-                 "response": cols["response_text"][i], "answer": meta[i].get("answer"),
-                 "reward": rewards_[i] if math.isfinite(rewards_[i]) else None,
-                 "error": cols["error"][i], **{key: meta[i].get(key) for key in extra}}
-                for i in range(min(k, record.batch_size[0]))]
+        return [
+            {
+                "policy": cols["policy"][i],
+                "prompt": cols["prompt_text"][i],
+                "response": cols["response_text"][i],
+                "answer": meta[i].get("answer"),
+                "reward": rewards_[i] if math.isfinite(rewards_[i]) else None,
+                "error": cols["error"][i],
+                **{key: meta[i].get(key) for key in extra},
+            }
+            for i in range(min(k, record.batch_size[0]))
+        ]
 
     def write_samples(self, step: int, record: TensorDict) -> None:
         if self.cfg.run.samples_per_step:
@@ -218,9 +274,14 @@ class Session:
     def save(self, step: int) -> None:
         self.step = step
         state: dict[str, Any] = {
-            "trainer": {"step": step, "sampler": self.sampler.state_dict(), "rng": rng_state(),
-                        "gen": self.gen.get_state(),
-                        "engines": {n: e.state_dict() for n, e in self.engines.items()}}}
+            "trainer": {
+                "step": step,
+                "sampler": self.sampler.state_dict(),
+                "rng": rng_state(),
+                "gen": self.gen.get_state(),
+                "engines": {n: e.state_dict() for n, e in self.engines.items()},
+            }
+        }
         for name, p in self.policies.items():
             state[f"policy_{name}"] = p.state_dict()
         if hasattr(self.workflow, "state_dict"):  # e.g. a critic the workflow trains
@@ -237,9 +298,11 @@ class Session:
         self.sampler.load_state_dict(t["sampler"])
         if hasattr(self.workflow, "load_state_dict"):
             if "workflow" not in state:
-                raise ValueError(f"checkpoint of step {step} holds no workflow state, but "
-                                 f"workflow {self.cfg.rollout.workflow!r} keeps one; was it "
-                                 "written by an older PolyRL or another recipe?")
+                raise ValueError(
+                    f"checkpoint of step {step} holds no workflow state, but "
+                    f"workflow {self.cfg.rollout.workflow!r} keeps one; was it "
+                    "written by an older PolyRL or another recipe?"
+                )
             self.workflow.load_state_dict(state["workflow"])
         set_rng_state(t["rng"])
         self.gen.set_state(t["gen"])
@@ -255,4 +318,3 @@ class Session:
         (self.run.path / "summary.json").write_text(json.dumps(final, indent=2))
         self.run.close()
         self.backend.shutdown()
-

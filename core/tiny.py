@@ -140,8 +140,15 @@ def build_tiny_qwen2(
     return model
 
 
-def pretrain(model: Any, tokenizer: Any, texts: list[str], steps: int, lr: float,
-             seed: int, batch_size: int = 32) -> None:
+def pretrain(
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    steps: int,
+    lr: float,
+    seed: int,
+    batch_size: int = 32,
+) -> None:
     """Next-token training of ``model`` on ``texts`` (padded batches, pad tokens masked)."""
     import torch
 
@@ -158,8 +165,8 @@ def pretrain(model: Any, tokenizer: Any, texts: list[str], steps: int, lr: float
             ids = torch.full((batch_size, width), pad, dtype=torch.long)
             mask = torch.zeros((batch_size, width), dtype=torch.long)
             for j, i in enumerate(pick):
-                ids[j, :len(rows[i])] = torch.tensor(rows[i])
-                mask[j, :len(rows[i])] = 1
+                ids[j, : len(rows[i])] = torch.tensor(rows[i])
+                mask[j, : len(rows[i])] = 1
             labels = ids.masked_fill(mask == 0, -100)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
@@ -168,8 +175,9 @@ def pretrain(model: Any, tokenizer: Any, texts: list[str], steps: int, lr: float
     model.eval()
 
 
-def warm_start_texts(task_name: str, tokenizer: Any, seed: int,
-                     task_args: dict | None = None) -> list[str]:
+def warm_start_texts(
+    task_name: str, tokenizer: Any, seed: int, task_args: dict | None = None
+) -> list[str]:
     """A task's format warm-start conversations (its ``sft_rows`` over a train set it writes
     with ``seed``), rendered with the chat template: what a model that has seen the task
     knows -- its answer formats and, for tasks whose rows carry them, arbitrary habits."""
@@ -233,8 +241,11 @@ def tiny_qwen2(
     tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
     model = build_tiny_qwen2(tokenizer, seed=seed, **model_kwargs)
     if pretrain_steps:
-        texts = (TASKS.get(corpus).corpus() if pretrain_on == "corpus"
-                 else warm_start_texts(corpus, tokenizer, seed, task_args))
+        texts = (
+            TASKS.get(corpus).corpus()
+            if pretrain_on == "corpus"
+            else warm_start_texts(corpus, tokenizer, seed, task_args)
+        )
         pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -34,14 +34,16 @@ def _micro_batches(batch: TensorDict, size: int):
         yield batch[start : start + size]
 
 
-def _agg_info(batch: TensorDict, mode: str, scale: int | None = None,
-              dp: tuple[int, int] | None = None) -> AggInfo:
+def _agg_info(
+    batch: TensorDict, mode: str, scale: int | None = None, dp: tuple[int, int] | None = None
+) -> AggInfo:
     agg = AggInfo.for_minibatch(mode, batch["loss_mask"], loss_scale_factor=scale)
     return dataclasses.replace(agg, dp_size=dp[1]) if dp else agg
 
 
-def _rank_micro_batches(batch: TensorDict, size: int, dp: tuple[int, int] | None
-                        ) -> Iterator[tuple[TensorDict, bool]]:
+def _rank_micro_batches(
+    batch: TensorDict, size: int, dp: tuple[int, int] | None
+) -> Iterator[tuple[TensorDict, bool]]:
     """(micro-batch, is_real) pairs of this rank's share of ``batch``.
 
     Without ``dp``: the plain micro-batches. With it: this rank's contiguous share of the
@@ -79,8 +81,9 @@ def _per_row(fn, batch: TensorDict, size: int, dp: tuple[int, int] | None) -> to
 
 
 @torch.no_grad()
-def _logprobs_no_grad(policy, batch: TensorDict, size: int, temperature: float,
-                      dp: tuple[int, int] | None = None) -> torch.Tensor:
+def _logprobs_no_grad(
+    policy, batch: TensorDict, size: int, temperature: float, dp: tuple[int, int] | None = None
+) -> torch.Tensor:
     return _per_row(lambda mb: policy.logprobs(mb, temperature)[0], batch, size, dp)
 
 
@@ -111,9 +114,15 @@ def _step(policy, stats: dict) -> None:
     stats["grad_norm"].append(float(norm))
 
 
-def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: float = 1.0,
-           generator: torch.Generator | None = None,
-           dp: tuple[int, int] | None = None) -> dict[str, float]:
+def update(
+    policy,
+    batch: TensorDict,
+    algo: AlgorithmConfig,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    dp: tuple[int, int] | None = None,
+) -> dict[str, float]:
     """RL update of one policy from its own rows (which carry ``advantages``).
 
     ``dp=(rank, world)``: this process is one rank of a data-parallel (FSDP) group and
@@ -129,13 +138,21 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
     if not reuse_old:
         batch["old_logprobs"] = _logprobs_no_grad(policy, batch, mb_size, temperature, dp)
     if algo.kl_coef > 0:
-        batch["ref_logprobs"] = _per_row(lambda mb: policy.ref_logprobs(mb, temperature),
-                                         batch, mb_size, dp)
+        batch["ref_logprobs"] = _per_row(
+            lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp
+        )
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
     skip_zero = algo.skips_zero_advantage()
     want_entropy = algo.entropy_coef > 0 or algo.log_entropy
-    stats: dict = {"skipped_nonfinite": 0, "grad_norm": [], "loss": [], "kl": [],
-                   "rows_skipped": 0, "entropy_sum": 0.0, "entropy_tokens": 0.0}
+    stats: dict = {
+        "skipped_nonfinite": 0,
+        "grad_norm": [],
+        "loss": [],
+        "kl": [],
+        "rows_skipped": 0,
+        "entropy_sum": 0.0,
+        "entropy_tokens": 0.0,
+    }
     extra: dict[str, list[float]] = {}
     policy.model.train(True)
     for _ in range(algo.ppo_epochs):
@@ -174,8 +191,11 @@ def update(policy, batch: TensorDict, algo: AlgorithmConfig, *, temperature: flo
                 stats["kl"].append(kl_sum)
             _step(policy, stats)
     policy.model.train(False)
-    out = {"loss": sum(stats["loss"]), "skipped_nonfinite": float(stats["skipped_nonfinite"]),
-           "lr": policy.scheduler.get_last_lr()[0]}
+    out = {
+        "loss": sum(stats["loss"]),
+        "skipped_nonfinite": float(stats["skipped_nonfinite"]),
+        "lr": policy.scheduler.get_last_lr()[0],
+    }
     if skip_zero:
         out["zero_adv_skipped_frac"] = stats["rows_skipped"] / (n * algo.ppo_epochs)
     for key in ("grad_norm", "kl"):

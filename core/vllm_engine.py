@@ -80,8 +80,12 @@ class _GlobalRNG:
     """Save and restore Python, NumPy and torch global RNG states around vLLM's start-up."""
 
     def __enter__(self) -> _GlobalRNG:
-        self.state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.state = (
+            random.getstate(),
+            np.random.get_state(),
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,10 +102,19 @@ class VLLMEngine:
 
     lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
 
-    def __init__(self, policy, *, seed: int = 0, max_model_len: int | None = None,
-                 kv_cache_gb: float | None = None, gpu_memory_utilization: float = 0.5,
-                 enable_sleep_mode: bool = False, sleep_level: int = 1,
-                 dtype: str | None = None, **llm_kwargs: Any) -> None:
+    def __init__(
+        self,
+        policy,
+        *,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        kv_cache_gb: float | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
+        dtype: str | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
         # vLLM's engine core in this process (read when an LLM starts; see the module notes).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -127,7 +140,10 @@ class VLLMEngine:
         if dtype is None:
             dtype = "bfloat16" if cfg.dtype == "bfloat16" and not self.on_cpu else "float32"
         kwargs: dict[str, Any] = dict(
-            model=path, dtype=dtype, seed=self.seed, max_model_len=max_model_len,
+            model=path,
+            dtype=dtype,
+            seed=self.seed,
+            max_model_len=max_model_len,
             # processed = after temperature: the distribution the trainer recomputes.
             logprobs_mode="processed_logprobs",
             generation_config=self._generation_config_dir(),
@@ -149,16 +165,20 @@ class VLLMEngine:
                 raise RuntimeError(
                     "vllm engine: vLLM started its engine in another process (an earlier "
                     "engine in this process was started with VLLM_ENABLE_V1_MULTIPROCESSING=1?); "
-                    "weight sync needs it in this process")
+                    "weight sync needs it in this process"
+                )
             # Warm-up: the first request compiles vLLM's sampler helpers (inductor on CPU).
-            self._generate_rows([[self.tokenizer.eos_token_id or 0]], SamplingParams(
-                max_new_tokens=2), seeds=[0])
+            self._generate_rows(
+                [[self.tokenizer.eos_token_id or 0]], SamplingParams(max_new_tokens=2), seeds=[0]
+            )
         self.llm.reset_prefix_cache()
         self.startup_s = time.perf_counter() - t0
         log.info("vllm engine: started in %.1f s (%s, %s)", self.startup_s, path, dtype)
 
     # --- Engine protocol ----------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
         """n completions per prompt, grouped by prompt (prompt 0's first)."""
         self.wake()
         rows = [list(p) for p in prompts for _ in range(params.n)]
@@ -169,8 +189,10 @@ class VLLMEngine:
         if self.sleep_enabled:
             self.sleep()
         decode = self.tokenizer.decode
-        return [Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
-                for i, (ids, lps, reason) in zip(index, outs, strict=True)]
+        return [
+            Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+            for i, (ids, lps, reason) in zip(index, outs, strict=True)
+        ]
 
     def sync(self) -> None:
         """Push the policy's current weights into the running model, in place."""
@@ -225,7 +247,8 @@ class VLLMEngine:
         self._gen_dir = tempfile.TemporaryDirectory(prefix="polyrl-vllm-gen-")
         eos = self.tokenizer.eos_token_id
         Path(self._gen_dir.name, "generation_config.json").write_text(
-            json.dumps({} if eos is None else {"eos_token_id": eos}))
+            json.dumps({} if eos is None else {"eos_token_id": eos})
+        )
         return self._gen_dir.name
 
     def _push_weights(self) -> None:
@@ -238,8 +261,9 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
-    def _generate_rows(self, rows: list, params: SamplingParams, seeds: list[int],
-                       check: Any = None) -> list[tuple[list[int], list[float], str]]:
+    def _generate_rows(
+        self, rows: list, params: SamplingParams, seeds: list[int], check: Any = None
+    ) -> list[tuple[list[int], list[float], str]]:
         """One sample per row. ``rows``: token-id lists, or prepared vLLM prompts (dicts,
         e.g. with ``multi_modal_data``); ``check(k, output)`` may inspect each output."""
         from vllm import SamplingParams as VLLMParams
@@ -247,19 +271,28 @@ class VLLMEngine:
 
         if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
             self._warned_top_p = True
-            log.warning("%s: with top_p=%s the recorded log-probs are those of the "
-                        "renormalised nucleus, not of the full temperature-scaled distribution "
-                        "that the trainer recomputes", type(self).__name__, params.top_p)
+            log.warning(
+                "%s: with top_p=%s the recorded log-probs are those of the "
+                "renormalised nucleus, not of the full temperature-scaled distribution "
+                "that the trainer recomputes",
+                type(self).__name__,
+                params.top_p,
+            )
         stop_ids = list(dict.fromkeys(params.stop_token_ids))
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(self.tokenizer.eos_token_id)
-        base = dict(n=1, temperature=params.temperature, top_p=params.top_p,
-                    max_tokens=params.max_new_tokens, stop=list(params.stop) or None,
-                    stop_token_ids=stop_ids, logprobs=0)
+        base = dict(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            stop_token_ids=stop_ids,
+            logprobs=0,
+        )
         sampling = [VLLMParams(**base, seed=s) for s in seeds]
         prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
-        outs = self.llm.generate(prompts, sampling, use_tqdm=False,
-                                 lora_request=self.lora_request)
+        outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         result = []
         for k, out in enumerate(outs):
             if check is not None:

@@ -29,14 +29,21 @@ class Context:
     engines: dict[str, Any]
     extras: dict[str, Any] = field(default_factory=dict)
 
-    def sampling(self, *, n: int | None = None, temperature: float | None = None,
-                 max_new_tokens: int | None = None) -> SamplingParams:
+    def sampling(
+        self,
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
             n=r.n if n is None else n,
             temperature=r.temperature if temperature is None else temperature,
-            top_p=r.top_p, stop=list(r.stop),
-            max_new_tokens=r.max_new_tokens if max_new_tokens is None else max_new_tokens)
+            top_p=r.top_p,
+            stop=list(r.stop),
+            max_new_tokens=r.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        )
 
 
 class Workflow(Protocol):

@@ -49,8 +49,9 @@ def prompt_colour(prompt: str, names: Iterable[str] | None = None) -> str | None
     return None
 
 
-def render_blobs(colour_idx: torch.Tensor, size: int, generator: torch.Generator,
-                 names: list[str] | None = None) -> torch.Tensor:
+def render_blobs(
+    colour_idx: torch.Tensor, size: int, generator: torch.Generator, names: list[str] | None = None
+) -> torch.Tensor:
     """Images [B, 3, size, size] in [0, 1]: one ellipse of each row's colour, random place."""
     names = palette_names(names)
     b = colour_idx.shape[0]
@@ -60,8 +61,10 @@ def render_blobs(colour_idx: torch.Tensor, size: int, generator: torch.Generator
     cx = torch.rand(b, generator=generator) * size * 0.5 + size * 0.25
     ry = torch.rand(b, generator=generator) * size * 0.2 + size * 0.2
     rx = torch.rand(b, generator=generator) * size * 0.2 + size * 0.2
-    inside = (((yy - cy[:, None, None]) / ry[:, None, None]) ** 2
-              + ((xx - cx[:, None, None]) / rx[:, None, None]) ** 2) <= 1
+    inside = (
+        ((yy - cy[:, None, None]) / ry[:, None, None]) ** 2
+        + ((xx - cx[:, None, None]) / rx[:, None, None]) ** 2
+    ) <= 1
     bg = torch.tensor(BACKGROUND)[None, :, None, None].expand(b, 3, size, size)
     fg = pal[colour_idx][:, :, None, None].expand(b, 3, size, size)
     img = torch.where(inside[:, None], fg, bg)
@@ -69,8 +72,9 @@ def render_blobs(colour_idx: torch.Tensor, size: int, generator: torch.Generator
     return img.clamp(0, 1)
 
 
-def make_rows(n: int, seed: int, names: list[str] | None = None,
-              templates: Iterable[str] = TEMPLATES) -> list[dict]:
+def make_rows(
+    n: int, seed: int, names: list[str] | None = None, templates: Iterable[str] = TEMPLATES
+) -> list[dict]:
     names, templates = palette_names(names), list(templates)
     rng = random.Random(seed)
     rows = []
@@ -80,18 +84,25 @@ def make_rows(n: int, seed: int, names: list[str] | None = None,
     return rows
 
 
-def eval_rows(names: list[str] | None = None, per_colour: int = 2,
-              templates: Iterable[str] = TEMPLATES) -> list[dict]:
+def eval_rows(
+    names: list[str] | None = None, per_colour: int = 2, templates: Iterable[str] = TEMPLATES
+) -> list[dict]:
     """Fixed evaluation prompts: each colour with the first ``per_colour`` templates."""
     templates = list(templates)
-    return [{"prompt": templates[k % len(templates)].format(c=c), "answer": c}
-            for c in palette_names(names) for k in range(per_colour)]
+    return [
+        {"prompt": templates[k % len(templates)].format(c=c), "answer": c}
+        for c in palette_names(names)
+        for k in range(per_colour)
+    ]
 
 
-
-
-def write_dataset(out_dir: str | Path, seed: int, n_train: int = 512, per_colour_eval: int = 2,
-                  colours: list[str] | None = None) -> tuple[Path, Path]:
+def write_dataset(
+    out_dir: str | Path,
+    seed: int,
+    n_train: int = 512,
+    per_colour_eval: int = 2,
+    colours: list[str] | None = None,
+) -> tuple[Path, Path]:
     """train.jsonl (random colour prompts) and eval.jsonl (fixed ones) under ``out_dir``."""
     names = colours
     out = Path(out_dir).expanduser()

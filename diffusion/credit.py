@@ -37,9 +37,15 @@ def credit_args(record: TensorDict) -> dict:
     return args
 
 
-def per_prompt_advantages(rewards: Tensor, groups: Tensor, *, norm_by_std: bool = True,
-                          global_std: bool = False, eps: float = 1e-6,
-                          clip: float | None = None) -> Tensor:
+def per_prompt_advantages(
+    rewards: Tensor,
+    groups: Tensor,
+    *,
+    norm_by_std: bool = True,
+    global_std: bool = False,
+    eps: float = 1e-6,
+    clip: float | None = None,
+) -> Tensor:
     """[B] advantages from rewards [B] and dense group ids [B] (population std)."""
     rewards = rewards.float()
     n_groups = int(groups.max()) + 1 if groups.numel() else 0
@@ -69,16 +75,25 @@ def per_prompt_credit(record: TensorDict, algo) -> dict[str, float]:
         texts = strings(record, "prompt_text")
         agents = record["agent_id"].tolist()
         keys: dict[tuple, int] = {}
-        ids = [keys.setdefault((texts[i], agents[i]), len(keys))
-               for i in range(len(texts)) if bool(valid[i])]
+        ids = [
+            keys.setdefault((texts[i], agents[i]), len(keys))
+            for i in range(len(texts))
+            if bool(valid[i])
+        ]
         adv_row[valid] = per_prompt_advantages(
-            record["reward"][valid], torch.tensor(ids), norm_by_std=bool(algo.norm_adv_by_std),
-            global_std=bool(args["global_std"]), eps=float(algo.epsilon),
-            clip=args["adv_clip"])
+            record["reward"][valid],
+            torch.tensor(ids),
+            norm_by_std=bool(algo.norm_adv_by_std),
+            global_std=bool(args["global_std"]),
+            eps=float(algo.epsilon),
+            clip=args["adv_clip"],
+        )
     record["advantages"] = adv_row[:, None] * mask
     rows = adv_row[valid]
-    return {"advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
-            "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0}
+    return {
+        "advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
+        "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0,
+    }
 
 
 def gaussian_mean_kl(logprobs: Tensor, ref: Tensor) -> Tensor:
@@ -86,9 +101,11 @@ def gaussian_mean_kl(logprobs: Tensor, ref: Tensor) -> Tensor:
     means = getattr(logprobs, MEANS_ATTR, None)
     std = getattr(logprobs, STD_ATTR, None)
     if means is None or std is None or ref.dim() < 3:
-        raise ValueError("kl_estimator=gaussian_mean needs a diffusion policy's step means "
-                         "(policy kind 'diffusion' with the text_to_image workflow); use k1/k3 "
-                         "estimators for other policies")
+        raise ValueError(
+            "kl_estimator=gaussian_mean needs a diffusion policy's step means "
+            "(policy kind 'diffusion' with the text_to_image workflow); use k1/k3 "
+            "estimators for other policies"
+        )
     sq = ((means - ref.to(means)) ** 2).flatten(2).mean(-1)
     var = std.to(sq) ** 2
     return torch.where(var > 0, sq / (2 * var.clamp(min=1e-30)), torch.zeros_like(sq))

@@ -56,8 +56,9 @@ class DiffusionEngine:
 
     def __init__(self, policy: DiffusionPolicy, *, seed: int = 0, **args) -> None:
         if not isinstance(policy, DiffusionPolicy):
-            raise TypeError(f"the {ENGINE_NAME!r} engine needs a diffusion policy, got "
-                            f"{type(policy).__name__}")
+            raise TypeError(
+                f"the {ENGINE_NAME!r} engine needs a diffusion policy, got {type(policy).__name__}"
+            )
         self.policy = policy
         self.cfg: DiffusionSampling = policy.sampling
         self.seed = seed
@@ -80,8 +81,15 @@ class DiffusionEngine:
         self.rollouts = int(state.get("rollouts", 0))
 
     @torch.no_grad()
-    def sample(self, prompts: list[str], *, n: int = 1, deterministic: bool = False,
-               steps: int | None = None, velocity_hook=None) -> Trajectories:
+    def sample(
+        self,
+        prompts: list[str],
+        *,
+        n: int = 1,
+        deterministic: bool = False,
+        steps: int | None = None,
+        velocity_hook=None,
+    ) -> Trajectories:
         """``n`` trajectories per prompt (prompt 0's first). ``deterministic``: the ODE at
         ``eval_steps`` (evaluation); it neither trains nor moves the sliding window.
         ``velocity_hook(step, first_row, v) -> v`` lets tests tamper with predictions.
@@ -115,8 +123,9 @@ class DiffusionEngine:
             trained = torch.zeros((b, steps), dtype=torch.bool)
             noisy = trained.clone()
         else:
-            trained = select_steps(cfg.train_steps, b, steps, rollout=self.rollouts,
-                                   generator=self.gen)
+            trained = select_steps(
+                cfg.train_steps, b, steps, rollout=self.rollouts, generator=self.gen
+            )
             noisy = noise_mask(cfg.train_steps, trained)
         guidance = torch.full((b,), float(cfg.guidance_scale))
         level = torch.full((b,), float(cfg.noise_level))
@@ -132,21 +141,37 @@ class DiffusionEngine:
             for s in range(0, b, chunk):
                 r = slice(s, s + chunk)
                 xs = x[r].to(dev)
-                v = policy.velocity(xs, timesteps[t].expand(xs.shape[0]).to(dev), emb[r].to(dev),
-                                    pooled[r].to(dev), neg_emb[r].to(dev), neg_pooled[r].to(dev),
-                                    guidance[r].to(dev), batched=cfg.cfg_batch)
+                v = policy.velocity(
+                    xs,
+                    timesteps[t].expand(xs.shape[0]).to(dev),
+                    emb[r].to(dev),
+                    pooled[r].to(dev),
+                    neg_emb[r].to(dev),
+                    neg_pooled[r].to(dev),
+                    guidance[r].to(dev),
+                    batched=cfg.cfg_batch,
+                )
                 if velocity_hook is not None:
                     v = velocity_hook(t, s, v)
-                out = sampler.step(xs, v, sigmas[t], sigmas[t + 1], noise_level=level[r].to(dev),
-                                   noise=(noisy[r, t] & alive[r]).to(dev), generator=gen)
+                out = sampler.step(
+                    xs,
+                    v,
+                    sigmas[t],
+                    sigmas[t + 1],
+                    noise_level=level[r].to(dev),
+                    noise=(noisy[r, t] & alive[r]).to(dev),
+                    generator=gen,
+                )
                 new[r] = out.prev_sample.cpu()
                 logp[r, t] = out.log_prob.cpu()
                 stds[r, t] = out.std.cpu()
             bad = alive & ~torch.isfinite(new.flatten(1)).all(1)
             for i in bad.nonzero().flatten().tolist():
-                errors[i] = (f"non-finite value (NaN/inf) in the sampled latent at step {t} "
-                             f"(sigma {float(sigmas[t]):.4f} -> {float(sigmas[t + 1]):.4f}); "
-                             "trajectory stopped, left out of the update")
+                errors[i] = (
+                    f"non-finite value (NaN/inf) in the sampled latent at step {t} "
+                    f"(sigma {float(sigmas[t]):.4f} -> {float(sigmas[t + 1]):.4f}); "
+                    "trajectory stopped, left out of the update"
+                )
             alive &= ~bad
             new[~alive] = 0.0
             logp[~alive, t] = 0.0
@@ -156,12 +181,23 @@ class DiffusionEngine:
             self.rollouts += 1
         loss_mask = trained & (stds > 0) & alive[:, None]
         return Trajectories(
-            latents=latents, sigmas=sigmas.expand(b, -1).clone(),
-            timesteps=timesteps.expand(b, -1).clone(), logprobs=logp, stds=stds,
-            noise_mask=noisy, loss_mask=loss_mask, prompt_index=idx, prompt_embeds=emb.cpu(),
-            pooled_prompt_embeds=pooled.cpu(), negative_prompt_embeds=neg_emb.cpu(),
-            negative_pooled_prompt_embeds=neg_pooled.cpu(), guidance=guidance,
-            noise_level=level, sampler=cfg.sampler, errors=errors)
+            latents=latents,
+            sigmas=sigmas.expand(b, -1).clone(),
+            timesteps=timesteps.expand(b, -1).clone(),
+            logprobs=logp,
+            stds=stds,
+            noise_mask=noisy,
+            loss_mask=loss_mask,
+            prompt_index=idx,
+            prompt_embeds=emb.cpu(),
+            pooled_prompt_embeds=pooled.cpu(),
+            negative_prompt_embeds=neg_emb.cpu(),
+            negative_pooled_prompt_embeds=neg_pooled.cpu(),
+            guidance=guidance,
+            noise_level=level,
+            sampler=cfg.sampler,
+            errors=errors,
+        )
 
 
 ENGINES.register(ENGINE_NAME, DiffusionEngine)

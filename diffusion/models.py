@@ -60,13 +60,14 @@ def load_vae(path: str, dtype: torch.dtype) -> nn.Module:
     return AutoencoderKL.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
 
 
-def decode_latents(vae: nn.Module, latents: Tensor, device: torch.device, chunk: int = 16
-                   ) -> Tensor:
+def decode_latents(
+    vae: nn.Module, latents: Tensor, device: torch.device, chunk: int = 16
+) -> Tensor:
     """Images [B, 3, H, W] in [0, 1] (float32, CPU) from latents [B, C, h, w]."""
     cfg = vae.config
     out = []
     for start in range(0, latents.shape[0], chunk):
-        z = latents[start:start + chunk].to(device)
+        z = latents[start : start + chunk].to(device)
         z = z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
         img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
         out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
@@ -82,9 +83,16 @@ def encode_images(vae: nn.Module, images: Tensor, device: torch.device) -> Tenso
 
 # Default LoRA targets of both families: the attention projections of the joint blocks
 # (and, in FLUX, of the single-stream blocks, whose attention has to_q/k/v too).
-ATTENTION_LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-                          "attn.to_add_out"]
+ATTENTION_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
 
 
 @dataclass
@@ -104,8 +112,15 @@ class SD3Family:
     classifier_free = True  # guidance_scale > 1: v_u + w (v_c - v_u)
     lora_targets = ATTENTION_LORA_TARGETS
 
-    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device,
-                 load_t5: bool = True, max_sequence_length: int = 256) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_t5: bool = True,
+        max_sequence_length: int = 256,
+    ) -> None:
         from diffusers import (
             FlowMatchEulerDiscreteScheduler,
             SD3Transformer2DModel,
@@ -116,8 +131,11 @@ class SD3Family:
         self.max_sequence_length = max_sequence_length
         quiet_diffusers()
         self.transformer = SD3Transformer2DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)).to(device)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+            path, subfolder="transformer", **dtype_kw(dtype)
+        ).to(device)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            path, subfolder="scheduler"
+        )
         self.vae = load_vae(path, dtype).to(device).eval().requires_grad_(False)
         index = StableDiffusion3Pipeline.load_config(path)
         has_t5 = (index.get("text_encoder_3") or [None])[0] is not None
@@ -125,8 +143,13 @@ class SD3Family:
         # The pipeline object only encodes prompts (it reads the transformer's config for
         # the T5 padding width); no VAE in it.
         self.text = StableDiffusion3Pipeline.from_pretrained(
-            path, transformer=self.transformer, vae=None, scheduler=self.scheduler,
-            **dtype_kw(dtype), **extra)
+            path,
+            transformer=self.transformer,
+            vae=None,
+            scheduler=self.scheduler,
+            **dtype_kw(dtype),
+            **extra,
+        )
         self.text.to(device)
         for enc in (self.text.text_encoder, self.text.text_encoder_2, self.text.text_encoder_3):
             if enc is not None:
@@ -147,9 +170,14 @@ class SD3Family:
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """(embeddings [n, S, D], pooled [n, P]) in float32 on the device."""
         emb, _, pooled, _ = self.text.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            num_images_per_prompt=1, do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length)
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
         return emb.float(), pooled.float()
 
     @staticmethod
@@ -159,19 +187,32 @@ class SD3Family:
 
         return StableDiffusion3Pipeline
 
-    def velocity(self, model: nn.Module, x: Tensor, timesteps: Tensor, emb: Tensor,
-                 pooled: Tensor, guidance: Tensor | None = None) -> Tensor:
+    def velocity(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        timesteps: Tensor,
+        emb: Tensor,
+        pooled: Tensor,
+        guidance: Tensor | None = None,
+    ) -> Tensor:
         """The transformer's prediction v = ε - x0 for latents ``x`` at ``timesteps``
         (``guidance`` is unused: SD3's guidance is classifier-free, done by the policy)."""
-        out = model(hidden_states=x.to(self.dtype), timestep=timesteps.to(self.dtype),
-                    encoder_hidden_states=emb.to(self.dtype),
-                    pooled_projections=pooled.to(self.dtype), return_dict=False)[0]
+        out = model(
+            hidden_states=x.to(self.dtype),
+            timestep=timesteps.to(self.dtype),
+            encoder_hidden_states=emb.to(self.dtype),
+            pooled_projections=pooled.to(self.dtype),
+            return_dict=False,
+        )[0]
         return out
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         if height % self.multiple or width % self.multiple:
-            raise ValueError(f"height and width must be multiples of {self.multiple} "
-                             f"(VAE factor {self.vae_scale} x patch size), got {height}x{width}")
+            raise ValueError(
+                f"height and width must be multiples of {self.multiple} "
+                f"(VAE factor {self.vae_scale} x patch size), got {height}x{width}"
+            )
         c = self.transformer.config.in_channels
         return c, height // self.vae_scale, width // self.vae_scale
 
@@ -186,12 +227,17 @@ class SD3Family:
             p = self.transformer.config.patch_size
             seq = (latent_shape[1] // p) * (latent_shape[2] // p)
             c = self.scheduler.config
-            kwargs["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256),
-                                           c.get("max_image_seq_len", 4096),
-                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+            kwargs["mu"] = calculate_shift(
+                seq,
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.16),
+            )
         self.scheduler.set_timesteps(steps, device="cpu", **kwargs)
-        return Schedule(self.scheduler.sigmas.float().clone(),
-                        self.scheduler.timesteps.float().clone())
+        return Schedule(
+            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
+        )
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
@@ -207,15 +253,21 @@ class SD3Family:
 def pack_latents(x: Tensor) -> Tensor:
     """[B, C, h, w] -> FLUX tokens [B, (h/2)(w/2), 4C] (2x2 patches, diffusers' order)."""
     b, c, h, w = x.shape
-    return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(
-        b, (h // 2) * (w // 2), c * 4)
+    return (
+        x.view(b, c, h // 2, 2, w // 2, 2)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(b, (h // 2) * (w // 2), c * 4)
+    )
 
 
 def unpack_latents(tokens: Tensor, h: int, w: int) -> Tensor:
     """The inverse of :func:`pack_latents`: tokens -> [B, C, h, w]."""
     b, _, d = tokens.shape
-    return tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(
-        b, d // 4, h, w)
+    return (
+        tokens.view(b, h // 2, w // 2, d // 4, 2, 2)
+        .permute(0, 3, 1, 4, 2, 5)
+        .reshape(b, d // 4, h, w)
+    )
 
 
 def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -242,24 +294,40 @@ class FluxFamily:
     classifier_free = False  # guidance_scale is the distilled guidance embedding's input
     lora_targets = ATTENTION_LORA_TARGETS
 
-    def __init__(self, path: str, *, dtype: torch.dtype, device: torch.device,
-                 load_t5: bool = True, max_sequence_length: int = 512) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_t5: bool = True,
+        max_sequence_length: int = 512,
+    ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
         if not load_t5:
-            raise ValueError(f"{path!r} is a FLUX checkpoint: its prompt embeddings come from "
-                             "T5, so policies.<name>.args.text_encoder_3 cannot be false")
+            raise ValueError(
+                f"{path!r} is a FLUX checkpoint: its prompt embeddings come from "
+                "T5, so policies.<name>.args.text_encoder_3 cannot be false"
+            )
         self.path, self.device, self.dtype = path, device, dtype
         self.max_sequence_length = max_sequence_length
         quiet_diffusers()
         self.transformer = FluxTransformer2DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)).to(device)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+            path, subfolder="transformer", **dtype_kw(dtype)
+        ).to(device)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            path, subfolder="scheduler"
+        )
         self.vae = load_vae(path, dtype).to(device).eval().requires_grad_(False)
         # The pipeline object only encodes prompts; no VAE in it.
         self.text = FluxPipeline.from_pretrained(
-            path, transformer=self.transformer, vae=None, scheduler=self.scheduler,
-            **dtype_kw(dtype))
+            path,
+            transformer=self.transformer,
+            vae=None,
+            scheduler=self.scheduler,
+            **dtype_kw(dtype),
+        )
         self.text.to(device)
         for enc in (self.text.text_encoder, self.text.text_encoder_2):
             enc.eval().requires_grad_(False)
@@ -281,12 +349,23 @@ class FluxFamily:
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         """(T5 embeddings [n, S, D], CLIP pooled [n, P]) in float32 on the device."""
         emb, pooled, _ = self.text.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length)
+            prompt=prompts,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
         return emb.float(), pooled.float()
 
-    def velocity(self, model: nn.Module, x: Tensor, timesteps: Tensor, emb: Tensor,
-                 pooled: Tensor, guidance: Tensor | None = None) -> Tensor:
+    def velocity(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        timesteps: Tensor,
+        emb: Tensor,
+        pooled: Tensor,
+        guidance: Tensor | None = None,
+    ) -> Tensor:
         """v for unpacked latents ``x`` [B, C, h, w] (packed for the call, unpacked after)."""
         _, _, h, w = x.shape
         g = None
@@ -294,20 +373,25 @@ class FluxFamily:
             if guidance is None:
                 raise ValueError("this FLUX transformer has a guidance embedding: give guidance")
             g = guidance.to(device=x.device, dtype=torch.float32)
-        out = model(hidden_states=pack_latents(x).to(self.dtype),
-                    timestep=timesteps.to(self.dtype) / 1000, guidance=g,
-                    pooled_projections=pooled.to(self.dtype),
-                    encoder_hidden_states=emb.to(self.dtype),
-                    txt_ids=torch.zeros(emb.shape[1], 3, device=x.device, dtype=self.dtype),
-                    img_ids=image_ids(h // 2, w // 2, x.device, self.dtype),
-                    return_dict=False)[0]
+        out = model(
+            hidden_states=pack_latents(x).to(self.dtype),
+            timestep=timesteps.to(self.dtype) / 1000,
+            guidance=g,
+            pooled_projections=pooled.to(self.dtype),
+            encoder_hidden_states=emb.to(self.dtype),
+            txt_ids=torch.zeros(emb.shape[1], 3, device=x.device, dtype=self.dtype),
+            img_ids=image_ids(h // 2, w // 2, x.device, self.dtype),
+            return_dict=False,
+        )[0]
         return unpack_latents(out, h, w)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         if height % self.multiple or width % self.multiple:
-            raise ValueError(f"height and width must be multiples of {self.multiple} "
-                             f"(VAE factor {self.vae_scale} x 2 for FLUX's 2x2 packing), got "
-                             f"{height}x{width}")
+            raise ValueError(
+                f"height and width must be multiples of {self.multiple} "
+                f"(VAE factor {self.vae_scale} x 2 for FLUX's 2x2 packing), got "
+                f"{height}x{width}"
+            )
         c = self.transformer.config.in_channels // 4
         return c, height // self.vae_scale, width // self.vae_scale
 
@@ -317,16 +401,21 @@ class FluxFamily:
 
         c = self.scheduler.config
         seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
-        mu = calculate_shift(seq, c.get("base_image_seq_len", 256),
-                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                             c.get("max_shift", 1.15))
+        mu = calculate_shift(
+            seq,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
         if c.get("use_flow_sigmas", False):
             self.scheduler.set_timesteps(steps, device="cpu", mu=mu)
         else:
             sigmas = np.linspace(1.0, 1 / steps, steps)
             self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
-        return Schedule(self.scheduler.sigmas.float().clone(),
-                        self.scheduler.timesteps.float().clone())
+        return Schedule(
+            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
+        )
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
@@ -349,11 +438,14 @@ def detect_family(path: str) -> str:
     except Exception as e:  # noqa: BLE001 - any loader failure: say where we looked
         raise FileNotFoundError(
             f"{path!r} is not a diffusers checkpoint with a transformer/ folder (local path or "
-            f"hub id): {type(e).__name__}: {e}") from None
+            f"hub id): {type(e).__name__}: {e}"
+        ) from None
     name = cfg.get("_class_name", "")
     if name == "SD3Transformer2DModel":
         return "sd3"
     if name == "FluxTransformer2DModel":
         return "flux"
-    raise ValueError(f"{path!r}: unsupported transformer class {name!r} (supported: "
-                     "SD3Transformer2DModel, FluxTransformer2DModel)")
+    raise ValueError(
+        f"{path!r}: unsupported transformer class {name!r} (supported: "
+        "SD3Transformer2DModel, FluxTransformer2DModel)"
+    )

@@ -39,15 +39,23 @@ class PatchVAE(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, patch: int = 2, in_channels: int = 3, scaling_factor: float = 1.0,
-                 shift_factor: float = 0.0, block_out_channels: list[int] | None = None,
-                 latent_channels: int | None = None) -> None:
+    def __init__(
+        self,
+        patch: int = 2,
+        in_channels: int = 3,
+        scaling_factor: float = 1.0,
+        shift_factor: float = 0.0,
+        block_out_channels: list[int] | None = None,
+        latent_channels: int | None = None,
+    ) -> None:
         super().__init__()
         levels = int(math.log2(patch)) if patch > 1 else 0
         if 2**levels != patch:
             raise ValueError(f"PatchVAE patch must be a power of 2, got {patch}")
-        self.register_to_config(block_out_channels=[in_channels] * (levels + 1),
-                                latent_channels=in_channels * patch * patch)
+        self.register_to_config(
+            block_out_channels=[in_channels] * (levels + 1),
+            latent_channels=in_channels * patch * patch,
+        )
         self.patch = patch
         # one saved element, so the checkpoint has a weights file diffusers' loader accepts;
         # it also carries the module's dtype/device

@@ -64,31 +64,41 @@ MEANS_ATTR = "_polyrl_step_means"
 STD_ATTR = "_polyrl_step_std"
 ENGINE_NAME = "diffusion"
 # A tokenizer without a chat template gets this one: the prompt text itself.
-PLAIN_TEMPLATE = ("{% for m in messages %}{% if not loop.first %} {% endif %}"
-                  "{{ m['content'] }}{% endfor %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
+)
 
 
 @dataclass
 class DiffusionSampling:
     """How a diffusion policy samples (``policies.<name>.engine.args``)."""
 
-    sampler: str = doc("flow_sde", "SDE sampler: flow_sde (Flow-GRPO), dance_sde (DanceGRPO), "
-                                   "cps (coefficient-preserving); ode is deterministic")
+    sampler: str = doc(
+        "flow_sde",
+        "SDE sampler: flow_sde (Flow-GRPO), dance_sde (DanceGRPO), "
+        "cps (coefficient-preserving); ode is deterministic",
+    )
     noise_level: float = doc(0.7, "flow_sde/cps: noise level a; dance_sde: constant η")
     steps: int = doc(10, "denoising steps per training rollout")
     eval_steps: int | None = doc(None, "denoising steps for evaluation (default: steps)")
-    guidance_scale: float = doc(4.5, "SD3: classifier-free guidance weight (<= 1 turns it "
-                                     "off); FLUX-dev: the guidance embedding's value (3.5 "
-                                     "typical); FLUX-schnell: unused")
+    guidance_scale: float = doc(
+        4.5,
+        "SD3: classifier-free guidance weight (<= 1 turns it "
+        "off); FLUX-dev: the guidance embedding's value (3.5 "
+        "typical); FLUX-schnell: unused",
+    )
     negative_prompt: str = doc("", "prompt of the unconditional branch (SD3)")
     height: int = doc(512, "image height in pixels")
     width: int = doc(512, "image width in pixels")
     same_noise: bool = doc(False, "all samples of one prompt start from the same noise")
     train_steps: StepSelection = doc_factory(StepSelection, "which denoising steps train")
     batch_size: int = doc(32, "rows per transformer forward while sampling")
-    cfg_batch: bool = doc(True, "sampling: guidance's two branches in one transformer call "
-                                "(as diffusers' pipeline); false: two calls laid out as in "
-                                "training, so recomputed log-probs match bit for bit")
+    cfg_batch: bool = doc(
+        True,
+        "sampling: guidance's two branches in one transformer call "
+        "(as diffusers' pipeline); false: two calls laid out as in "
+        "training, so recomputed log-probs match bit for bit",
+    )
     decode_batch: int = doc(16, "images per VAE decode call")
 
     def validate(self, where: str) -> None:
@@ -98,9 +108,11 @@ class DiffusionSampling:
             except (KeyError, ImportError, ValueError) as e:
                 raise ConfigError(f"{where}.sampler: {e}") from None
         if self.sampler == "ode":
-            raise ConfigError(f"{where}.sampler=ode samples without noise, so no step has a "
-                              "log-probability to train; use flow_sde, dance_sde or cps (the "
-                              "ODE is what evaluation uses at eval.temperature=0)")
+            raise ConfigError(
+                f"{where}.sampler=ode samples without noise, so no step has a "
+                "log-probability to train; use flow_sde, dance_sde or cps (the "
+                "ODE is what evaluation uses at eval.temperature=0)"
+            )
         if self.steps < 2 or (self.eval_steps is not None and self.eval_steps < 1):
             raise ConfigError(f"{where}.steps must be >= 2 (and eval_steps >= 1)")
         if self.noise_level < 0:
@@ -116,10 +128,13 @@ class DiffusionSampling:
 class DiffusionArgs:
     """Options of the diffusion policy kind (``policies.<name>.args``)."""
 
-    text_encoder_3: bool = doc(True, "SD3: load the T5 text encoder (false: zeros instead, "
-                                     "much less memory); FLUX needs its T5")
-    max_sequence_length: int = doc(256, "T5 tokens per prompt (SD3, FLUX; FLUX-dev's "
-                                        "pipeline uses 512)")
+    text_encoder_3: bool = doc(
+        True,
+        "SD3: load the T5 text encoder (false: zeros instead, much less memory); FLUX needs its T5",
+    )
+    max_sequence_length: int = doc(
+        256, "T5 tokens per prompt (SD3, FLUX; FLUX-dev's pipeline uses 512)"
+    )
 
     def validate(self, where: str) -> None:
         if not 1 <= self.max_sequence_length <= 512:
@@ -138,9 +153,11 @@ def sampling_config(cfg: PolicyConfig, name: str | None = None) -> DiffusionSamp
     prefix = f"policies.{name}." if name else "a diffusion policy's "
     where = f"{prefix}engine.args" if name else "engine.args"
     if cfg.engine.name != ENGINE_NAME:
-        raise ConfigError(f"{prefix}engine.name={cfg.engine.name!r}: a diffusion policy "
-                          f"samples with the {ENGINE_NAME!r} engine; set engine.name: "
-                          f"{ENGINE_NAME}")
+        raise ConfigError(
+            f"{prefix}engine.name={cfg.engine.name!r}: a diffusion policy "
+            f"samples with the {ENGINE_NAME!r} engine; set engine.name: "
+            f"{ENGINE_NAME}"
+        )
     s = from_dict(DiffusionSampling, dict(cfg.engine.args), where, "the recipe")
     s.validate(where)
     return s
@@ -172,8 +189,16 @@ class DiffusionPolicy:
     # the Ray backend can gather its factors and merge them into the engine's weights.
     ray_lora = True
 
-    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
-                 shared: dict | None = None, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: PolicyConfig,
+        *,
+        total_steps: int,
+        need_reference: bool,
+        shared: dict | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         self.name, self.cfg, self.device = name, cfg, _device(device)
         self.sampling = sampling_config(cfg, name)
         self.args = policy_args(cfg, name)
@@ -181,8 +206,12 @@ class DiffusionPolicy:
         self.path = path
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         family = FAMILIES[detect_family(path)](
-            path, dtype=dtype, device=self.device, load_t5=self.args.text_encoder_3,
-            max_sequence_length=self.args.max_sequence_length)
+            path,
+            dtype=dtype,
+            device=self.device,
+            load_t5=self.args.text_encoder_3,
+            max_sequence_length=self.args.max_sequence_length,
+        )
         self.family = family
         self.tokenizer = self.load_tokenizer(cfg, validate=False)
         model = family.transformer
@@ -200,9 +229,16 @@ class DiffusionPolicy:
             if targets == LoraConfig().target_modules:
                 targets = list(family.lora_targets)
             model.requires_grad_(False)
-            model = get_peft_model(model, PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                   lora_dropout=cfg.lora.dropout,
-                                                   target_modules=targets, init_lora_weights=True))
+            model = get_peft_model(
+                model,
+                PeftLora(
+                    r=cfg.lora.r,
+                    lora_alpha=cfg.lora.alpha,
+                    lora_dropout=cfg.lora.dropout,
+                    target_modules=targets,
+                    init_lora_weights=True,
+                ),
+            )
         elif need_reference:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model
@@ -214,11 +250,22 @@ class DiffusionPolicy:
         if not cfg.train:
             self.model.requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay) if params else None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+        self.optimizer = (
+            torch.optim.AdamW(
+                params,
+                lr=cfg.optim.lr,
+                betas=tuple(cfg.optim.betas),
+                eps=cfg.optim.eps,
+                weight_decay=cfg.optim.weight_decay,
+            )
+            if params
+            else None
+        )
+        self.scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, total_steps))
+            if params
+            else None
+        )
         self._emb_cache: dict[str, tuple[Tensor, Tensor]] = {}
 
     @staticmethod
@@ -242,12 +289,23 @@ class DiffusionPolicy:
             emb, pooled = self.family.encode(todo)
             for i, p in enumerate(todo):
                 self._emb_cache[p] = (emb[i], pooled[i])
-        return (torch.stack([self._emb_cache[p][0] for p in prompts]),
-                torch.stack([self._emb_cache[p][1] for p in prompts]))
+        return (
+            torch.stack([self._emb_cache[p][0] for p in prompts]),
+            torch.stack([self._emb_cache[p][1] for p in prompts]),
+        )
 
-    def velocity(self, x: Tensor, timesteps: Tensor, emb: Tensor, pooled: Tensor,
-                 neg_emb: Tensor, neg_pooled: Tensor, guidance: Tensor,
-                 model: torch.nn.Module | None = None, batched: bool = False) -> Tensor:
+    def velocity(
+        self,
+        x: Tensor,
+        timesteps: Tensor,
+        emb: Tensor,
+        pooled: Tensor,
+        neg_emb: Tensor,
+        neg_pooled: Tensor,
+        guidance: Tensor,
+        model: torch.nn.Module | None = None,
+        batched: bool = False,
+    ) -> Tensor:
         """The guided velocity (float32); the unconditional branch carries no gradient.
 
         ``batched`` (sampling only, no gradient): both branches in one transformer call on
@@ -261,9 +319,13 @@ class DiffusionPolicy:
         if not bool(guided.any()):
             return self.family.velocity(model, x, timesteps, emb, pooled).float()
         if batched and not torch.is_grad_enabled():
-            both = self.family.velocity(model, torch.cat([x, x]), torch.cat([timesteps] * 2),
-                                        torch.cat([neg_emb, emb]),
-                                        torch.cat([neg_pooled, pooled])).float()
+            both = self.family.velocity(
+                model,
+                torch.cat([x, x]),
+                torch.cat([timesteps] * 2),
+                torch.cat([neg_emb, emb]),
+                torch.cat([neg_pooled, pooled]),
+            ).float()
             v_u, v_c = both.chunk(2)
         else:
             v_c = self.family.velocity(model, x, timesteps, emb, pooled).float()
@@ -276,8 +338,9 @@ class DiffusionPolicy:
         return self.family.decode(latents, chunk=self.sampling.decode_batch)
 
     # --- what the trainer calls ---------------------------------------------------------
-    def _transitions(self, batch: TensorDict, model: torch.nn.Module | None, want_means: bool
-                     ) -> tuple[Tensor, Tensor | None, Tensor]:
+    def _transitions(
+        self, batch: TensorDict, model: torch.nn.Module | None, want_means: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
         """(log-probs [B,T], means [B,T,*L] or None, stds [B,T]) of the trained steps."""
         batch = batch.to(self.device)
         mask = batch["loss_mask"].bool()
@@ -289,8 +352,11 @@ class DiffusionPolicy:
         sampler = get_sampler(samplers.pop()) if samplers else None
         logp = torch.zeros((b, n), dtype=torch.float32, device=self.device)
         std = torch.zeros((b, n), dtype=torch.float32, device=self.device)
-        means = torch.zeros((b, n, *lat.shape[2:]), dtype=torch.float32, device=self.device) \
-            if want_means else None
+        means = (
+            torch.zeros((b, n, *lat.shape[2:]), dtype=torch.float32, device=self.device)
+            if want_means
+            else None
+        )
         run = self._steps_to_run(mask)
         for t in range(n):
             if not bool(run[t]):
@@ -299,14 +365,25 @@ class DiffusionPolicy:
             stand_in = rows.numel() == 0  # another rank trains step t: call the model too
             if stand_in:
                 rows = torch.zeros(1, dtype=torch.long, device=self.device)
-            v = self.velocity(lat[rows, t], batch["timesteps"][rows, t],
-                              batch["prompt_embeds"][rows], batch["pooled_prompt_embeds"][rows],
-                              batch["negative_prompt_embeds"][rows],
-                              batch["negative_pooled_prompt_embeds"][rows],
-                              batch["guidance"][rows], model=model)
-            out = sampler.step(lat[rows, t], v, batch["sigmas"][rows, t],
-                               batch["sigmas"][rows, t + 1], noise_level=batch["noise_level"][rows],
-                               noise=True, prev_sample=lat[rows, t + 1])
+            v = self.velocity(
+                lat[rows, t],
+                batch["timesteps"][rows, t],
+                batch["prompt_embeds"][rows],
+                batch["pooled_prompt_embeds"][rows],
+                batch["negative_prompt_embeds"][rows],
+                batch["negative_pooled_prompt_embeds"][rows],
+                batch["guidance"][rows],
+                model=model,
+            )
+            out = sampler.step(
+                lat[rows, t],
+                v,
+                batch["sigmas"][rows, t],
+                batch["sigmas"][rows, t + 1],
+                noise_level=batch["noise_level"][rows],
+                noise=True,
+                prev_sample=lat[rows, t + 1],
+            )
             if stand_in:  # weight zero, but in the graph: its backward is a collective too
                 logp = logp + 0.0 * out.log_prob.sum()
                 continue
@@ -340,15 +417,15 @@ class DiffusionPolicy:
             raise ValueError(f"record column kl_mode={mode!r}; expected one of {KL_MODES}")
         return mode
 
-    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
-                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    def logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Log-probs [B, T] of the recorded transitions of the trained steps (0 elsewhere).
 
         ``temperature`` does not apply to diffusion (the noise level is in the record);
         no entropy is returned.
         """
-        logp, means, std = self._transitions(batch, None,
-                                             want_means=self._kl_mode(batch) == "mean")
+        logp, means, std = self._transitions(batch, None, want_means=self._kl_mode(batch) == "mean")
         if not logp.requires_grad and torch.is_grad_enabled():
             # no trained step in this micro-batch: keep a (zero) graph for backward()
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -366,8 +443,10 @@ class DiffusionPolicy:
             with self.model.disable_adapter():
                 yield self.model
         else:
-            raise RuntimeError(f"policy {self.name!r} has no reference model (it was built "
-                               "without need_reference and without LoRA)")
+            raise RuntimeError(
+                f"policy {self.name!r} has no reference model (it was built "
+                "without need_reference and without LoRA)"
+            )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> Tensor:
@@ -391,8 +470,9 @@ class DiffusionPolicy:
         load_checkpoint_state(self, state)
 
     def sft_optimizer(self, lr: float | None):
-        return warm_start_optimizer(self, [p for p in self.model.parameters() if p.requires_grad],
-                                    lr)
+        return warm_start_optimizer(
+            self, [p for p in self.model.parameters() if p.requires_grad], lr
+        )
 
     def named_weights(self):
         if self.cfg.lora.r > 0:
@@ -421,11 +501,14 @@ class DiffusionPolicy:
     def _export_lora(self, out: Path, weights: dict[str, Tensor] | None) -> None:
         from peft import get_peft_model_state_dict
 
-        layers = {k.removeprefix("base_model.model."): v
-                  for k, v in get_peft_model_state_dict(self.model, state_dict=weights).items()}
+        layers = {
+            k.removeprefix("base_model.model."): v
+            for k, v in get_peft_model_state_dict(self.model, state_dict=weights).items()
+        }
         meta = self.model.peft_config["default"].to_dict()  # rank, alpha, targets
         self.family.pipeline_class().save_lora_weights(
-            out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta)
+            out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=meta
+        )
 
     def _export_full(self, out: Path, weights: dict[str, Tensor] | None) -> None:
         src = Path(self.path).expanduser()

@@ -73,8 +73,11 @@ def first_image(sample: Sample) -> Any:
 
 
 def looks_like_path(value: str) -> bool:
-    return value.startswith(("/", ".", "~")) or value.lower().endswith(_PATH_SUFFIXES) \
+    return (
+        value.startswith(("/", ".", "~"))
+        or value.lower().endswith(_PATH_SUFFIXES)
         or value.startswith("local-dir:")
+    )
 
 
 def check_path(reward: str, arg: str, value: str | None, *, required: bool = False) -> None:
@@ -85,8 +88,10 @@ def check_path(reward: str, arg: str, value: str | None, *, required: bool = Fal
         return
     path = value.removeprefix("local-dir:")
     if looks_like_path(value) and not Path(path).expanduser().exists():
-        raise FileNotFoundError(f"reward {reward!r}: args.{arg}={value!r} does not exist; give "
-                                "the checkpoint's local path (or a hub id / pretrained tag)")
+        raise FileNotFoundError(
+            f"reward {reward!r}: args.{arg}={value!r} does not exist; give "
+            "the checkpoint's local path (or a hub id / pretrained tag)"
+        )
 
 
 def _device(device: str | None) -> torch.device:
@@ -141,11 +146,16 @@ def _palette(names: list[str] | None) -> tuple[list[str], Tensor]:
 
 
 def _target(sample: Sample, names: list[str]) -> int:
-    name = sample.answer if isinstance(sample.answer, str) and sample.answer in names \
+    name = (
+        sample.answer
+        if isinstance(sample.answer, str) and sample.answer in names
         else colour_task.prompt_colour(sample.prompt, names)
+    )
     if name is None:
-        raise ValueError(f"row {sample.index}: the prompt {sample.prompt!r} names none of the "
-                         f"colours {names} (and the answer is {sample.answer!r})")
+        raise ValueError(
+            f"row {sample.index}: the prompt {sample.prompt!r} names none of the "
+            f"colours {names} (and the answer is {sample.answer!r})"
+        )
     return names.index(name)
 
 
@@ -160,8 +170,10 @@ def nearest_colour(image: Any, palette: Tensor) -> Tensor:
 def colour(samples: list[Sample], colours: list[str] | None = None) -> list[float]:
     """Share of pixels nearest to the colour the prompt names (answer field, else the prompt)."""
     names, pal = _palette(colours)
-    return [float((nearest_colour(first_image(s), pal) == _target(s, names)).float().mean())
-            for s in samples]
+    return [
+        float((nearest_colour(first_image(s), pal) == _target(s, names)).float().mean())
+        for s in samples
+    ]
 
 
 @register_reward("colour_accuracy", batched=True)
@@ -170,8 +182,9 @@ def colour_accuracy(samples: list[Sample], colours: list[str] | None = None) -> 
     names, pal = _palette(colours)
     out = []
     for s in samples:
-        counts = torch.bincount(nearest_colour(first_image(s), pal).flatten(),
-                                minlength=len(names) + 1)[: len(names)]
+        counts = torch.bincount(
+            nearest_colour(first_image(s), pal).flatten(), minlength=len(names) + 1
+        )[: len(names)]
         out.append(float(counts.sum() > 0 and int(counts.argmax()) == _target(s, names)))
     return out
 
@@ -184,7 +197,8 @@ def _open_clip(model: str, pretrained: str | None, device: torch.device):
 
     def build():
         net, _, preprocess = open_clip.create_model_and_transforms(
-            model, pretrained=pretrained or None, device=device)
+            model, pretrained=pretrained or None, device=device
+        )
         return net.eval().requires_grad_(False), preprocess, open_clip.get_tokenizer(model)
 
     return cached(("open_clip", model, pretrained, str(device)), build)
@@ -197,8 +211,14 @@ def _check_open_clip(reward: str, model: str, pretrained: str | None) -> None:
 
 
 @torch.no_grad()
-def _clip_features(net, preprocess, tokenizer, samples: list[Sample], device: torch.device,
-                   prompts: list[str] | None = None) -> tuple[Tensor, Tensor]:
+def _clip_features(
+    net,
+    preprocess,
+    tokenizer,
+    samples: list[Sample],
+    device: torch.device,
+    prompts: list[str] | None = None,
+) -> tuple[Tensor, Tensor]:
     images = torch.stack([preprocess(to_pil(first_image(s))) for s in samples]).to(device)
     text = tokenizer(prompts if prompts is not None else [s.prompt for s in samples]).to(device)
     img = net.encode_image(images).float()
@@ -206,16 +226,25 @@ def _clip_features(net, preprocess, tokenizer, samples: list[Sample], device: to
     return (torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1))
 
 
-def _prepare_clip(model: str = "ViT-B-32", pretrained: str | None = None,
-                  device: str | None = None, scale: float = 1.0) -> None:
+def _prepare_clip(
+    model: str = "ViT-B-32",
+    pretrained: str | None = None,
+    device: str | None = None,
+    scale: float = 1.0,
+) -> None:
     _check_open_clip("t2i_clip_score", model, pretrained)
     _open_clip(model, pretrained, _device(device))
 
 
 @register_reward("t2i_clip_score", batched=True)
 @with_prepare(_prepare_clip)
-def clip_score(samples: list[Sample], model: str = "ViT-B-32", pretrained: str | None = None,
-               device: str | None = None, scale: float = 1.0) -> list[float]:
+def clip_score(
+    samples: list[Sample],
+    model: str = "ViT-B-32",
+    pretrained: str | None = None,
+    device: str | None = None,
+    scale: float = 1.0,
+) -> list[float]:
     """scale x cosine(CLIP image embedding, CLIP prompt embedding) via open_clip.
 
     ``model``: an open_clip model name (``ViT-B-32``) or ``local-dir:/path`` (a folder with
@@ -231,8 +260,9 @@ def _load_hps(model: str, checkpoint: str, device: torch.device):
     import open_clip
 
     def build():
-        net, _, preprocess = open_clip.create_model_and_transforms(model, pretrained=None,
-                                                                   device=device)
+        net, _, preprocess = open_clip.create_model_and_transforms(
+            model, pretrained=None, device=device
+        )
         state = torch.load(Path(checkpoint).expanduser(), map_location=device, weights_only=True)
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         net.load_state_dict(state)
@@ -241,16 +271,21 @@ def _load_hps(model: str, checkpoint: str, device: torch.device):
     return cached(("hps", model, checkpoint, str(device)), build)
 
 
-def _prepare_hps(checkpoint: str | None = None, model: str = "ViT-H-14",
-                 device: str | None = None) -> None:
+def _prepare_hps(
+    checkpoint: str | None = None, model: str = "ViT-H-14", device: str | None = None
+) -> None:
     check_path("hpsv2", "checkpoint", checkpoint, required=True)
     _load_hps(model, checkpoint, _device(device))
 
 
 @register_reward("hpsv2", batched=True)
 @with_prepare(_prepare_hps)
-def hpsv2(samples: list[Sample], checkpoint: str | None = None, model: str = "ViT-H-14",
-          device: str | None = None) -> list[float]:
+def hpsv2(
+    samples: list[Sample],
+    checkpoint: str | None = None,
+    model: str = "ViT-H-14",
+    device: str | None = None,
+) -> list[float]:
     """HPSv2-style score: cosine of open_clip ``model`` (ViT-H-14) features with the HPS
     checkpoint's weights (``checkpoint``: e.g. HPS_v2_compressed.pt) loaded over it."""
     if checkpoint is None:
@@ -266,8 +301,10 @@ def hpsv2(samples: list[Sample], checkpoint: str | None = None, model: str = "Vi
 
 def _mlp_from_state(state: dict[str, Tensor]) -> torch.nn.Sequential:
     """The chain of Linear layers in ``state`` (LAION's aesthetic MLP: no activations)."""
-    weights = sorted({k.rsplit(".", 1)[0] for k in state if k.endswith(".weight")},
-                     key=lambda k: [int(p) if p.isdigit() else p for p in k.split(".")])
+    weights = sorted(
+        {k.rsplit(".", 1)[0] for k in state if k.endswith(".weight")},
+        key=lambda k: [int(p) if p.isdigit() else p for p in k.split(".")],
+    )
     layers = []
     for name in weights:
         w = state[f"{name}.weight"]
@@ -296,8 +333,12 @@ def _load_mlp(path: str, device: torch.device) -> torch.nn.Sequential:
     return cached(("mlp", path, str(device)), build)
 
 
-def _prepare_aesthetic(mlp: str | None = None, clip_model: str = "ViT-L-14",
-                       clip_pretrained: str | None = "openai", device: str | None = None) -> None:
+def _prepare_aesthetic(
+    mlp: str | None = None,
+    clip_model: str = "ViT-L-14",
+    clip_pretrained: str | None = "openai",
+    device: str | None = None,
+) -> None:
     check_path("aesthetic", "mlp", mlp, required=True)
     _check_open_clip("aesthetic", clip_model, clip_pretrained)
     dev = _device(device)
@@ -307,8 +348,13 @@ def _prepare_aesthetic(mlp: str | None = None, clip_model: str = "ViT-L-14",
 
 @register_reward("aesthetic", batched=True)
 @with_prepare(_prepare_aesthetic)
-def aesthetic(samples: list[Sample], mlp: str | None = None, clip_model: str = "ViT-L-14",
-              clip_pretrained: str | None = "openai", device: str | None = None) -> list[float]:
+def aesthetic(
+    samples: list[Sample],
+    mlp: str | None = None,
+    clip_model: str = "ViT-L-14",
+    clip_pretrained: str | None = "openai",
+    device: str | None = None,
+) -> list[float]:
     """LAION-style aesthetic score: an MLP (weights from ``mlp``) on the normalised CLIP-L
     image embedding."""
     if mlp is None:
@@ -335,15 +381,20 @@ def _hf_clip_loader():
 def _load_pickscore(model: str, processor: str, device: torch.device):
     def build():
         proc_cls, model_cls = _hf_clip_loader()
-        return (model_cls.from_pretrained(model).to(device).eval().requires_grad_(False),
-                proc_cls.from_pretrained(processor))
+        return (
+            model_cls.from_pretrained(model).to(device).eval().requires_grad_(False),
+            proc_cls.from_pretrained(processor),
+        )
 
     return cached(("pickscore", model, processor, str(device)), build)
 
 
-def _prepare_pickscore(model: str = "yuvalkirstain/PickScore_v1",
-                       processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-                       device: str | None = None, scale: float | None = None) -> None:
+def _prepare_pickscore(
+    model: str = "yuvalkirstain/PickScore_v1",
+    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    device: str | None = None,
+    scale: float | None = None,
+) -> None:
     check_path("pickscore", "model", model)
     check_path("pickscore", "processor", processor)
     _load_pickscore(model, processor, _device(device))
@@ -351,24 +402,35 @@ def _prepare_pickscore(model: str = "yuvalkirstain/PickScore_v1",
 
 @register_reward("pickscore", batched=True)
 @with_prepare(_prepare_pickscore)
-def pickscore(samples: list[Sample], model: str = "yuvalkirstain/PickScore_v1",
-              processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-              device: str | None = None, scale: float | None = None) -> list[float]:
+def pickscore(
+    samples: list[Sample],
+    model: str = "yuvalkirstain/PickScore_v1",
+    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    device: str | None = None,
+    scale: float | None = None,
+) -> list[float]:
     """PickScore: a CLIP-H (``transformers`` CLIPModel) preference model; score =
     logit_scale x cosine(image, prompt), or ``scale`` x cosine when ``scale`` is given."""
     dev = _device(device)
     net, proc = _load_pickscore(model, processor, dev)
     with torch.no_grad():
-        inputs = proc(images=[to_pil(first_image(s)) for s in samples],
-                      text=[s.prompt for s in samples], padding=True, truncation=True,
-                      return_tensors="pt").to(dev)
+        inputs = proc(
+            images=[to_pil(first_image(s)) for s in samples],
+            text=[s.prompt for s in samples],
+            padding=True,
+            truncation=True,
+            return_tensors="pt",
+        ).to(dev)
         img = net.get_image_features(pixel_values=inputs["pixel_values"])
-        txt = net.get_text_features(input_ids=inputs["input_ids"],
-                                    attention_mask=inputs["attention_mask"])
+        txt = net.get_text_features(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        )
         img = getattr(img, "pooler_output", img)
         txt = getattr(txt, "pooler_output", txt)
-        cos = (torch.nn.functional.normalize(img.float(), dim=-1)
-               * torch.nn.functional.normalize(txt.float(), dim=-1)).sum(-1)
+        cos = (
+            torch.nn.functional.normalize(img.float(), dim=-1)
+            * torch.nn.functional.normalize(txt.float(), dim=-1)
+        ).sum(-1)
         factor = net.logit_scale.exp().float() if scale is None else torch.tensor(float(scale))
         return (factor * cos).cpu().tolist()
 

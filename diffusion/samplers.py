@@ -76,15 +76,25 @@ class Sampler:
     name = "base"
     stochastic = True  # False: this rule never adds noise (the ODE)
 
-    def mean_std(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
-                 noise_level: Tensor) -> tuple[Tensor, Tensor]:
+    def mean_std(
+        self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """(μ [B,*L], std [B,1,..]) of a noisy step; all inputs float32, σ's as [B,1,..]."""
         raise NotImplementedError
 
-    def step(self, x: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float, *,
-             noise_level: Tensor | float = 0.0, noise: Tensor | bool = True,
-             generator: torch.Generator | None = None, prev_sample: Tensor | None = None,
-             eps: Tensor | None = None) -> StepOutput:
+    def step(
+        self,
+        x: Tensor,
+        v: Tensor,
+        sigma: Tensor | float,
+        sigma_next: Tensor | float,
+        *,
+        noise_level: Tensor | float = 0.0,
+        noise: Tensor | bool = True,
+        generator: torch.Generator | None = None,
+        prev_sample: Tensor | None = None,
+        eps: Tensor | None = None,
+    ) -> StepOutput:
         """One step from ``x`` (at σ) to σ'. With ``prev_sample`` given (recomputing a
         recorded transition) nothing is sampled and its log-probability is returned.
 
@@ -96,8 +106,11 @@ class Sampler:
         a = _rows(noise_level, x32)
         dt = s_next - s
         euler = x32 + dt * v32
-        noisy = _rows(torch.as_tensor(noise, device=x.device), x32).bool() if self.stochastic \
+        noisy = (
+            _rows(torch.as_tensor(noise, device=x.device), x32).bool()
+            if self.stochastic
             else torch.zeros_like(s, dtype=torch.bool)
+        )
         if bool(noisy.any()):
             mean, std = self.mean_std(x32, v32, s, s_next, a)
             std = torch.where(noisy, std, torch.zeros_like(std))
@@ -107,14 +120,19 @@ class Sampler:
         if prev_sample is None:
             if bool((std > 0).any()):
                 if eps is None:
-                    eps = torch.randn(x32.shape, generator=generator, dtype=torch.float32,
-                                      device=generator.device if generator is not None
-                                      else x32.device).to(x32.device)
+                    eps = torch.randn(
+                        x32.shape,
+                        generator=generator,
+                        dtype=torch.float32,
+                        device=generator.device if generator is not None else x32.device,
+                    ).to(x32.device)
                 prev_sample = mean + std * eps.float()
             else:
                 prev_sample = mean
         prev_sample = prev_sample.float().detach()
-        return StepOutput(prev_sample, mean, std.flatten(), gaussian_log_prob(prev_sample, mean, std))
+        return StepOutput(
+            prev_sample, mean, std.flatten(), gaussian_log_prob(prev_sample, mean, std)
+        )
 
 
 class FlowSDE(Sampler):
@@ -137,8 +155,9 @@ class DanceSDE(Sampler):
         return _sde_mean_std(x, v, sigma, sigma_next, noise_level.expand_as(sigma))
 
 
-def _sde_mean_std(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, g: Tensor
-                  ) -> tuple[Tensor, Tensor]:
+def _sde_mean_std(
+    x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, g: Tensor
+) -> tuple[Tensor, Tensor]:
     dt = sigma_next - sigma
     # σ = 0 never starts a step; guard the division anyway (g is then 0 for flow_sde)
     drift = (g**2 / (2 * sigma.clamp(min=1e-12))) * (x + (1 - sigma) * v)
@@ -185,5 +204,14 @@ def get_sampler(name: str) -> Sampler:
     return sampler
 
 
-__all__ = ["CPS", "ODE", "SAMPLERS", "DanceSDE", "FlowSDE", "Sampler", "StepOutput",
-           "gaussian_log_prob", "get_sampler"]
+__all__ = [
+    "CPS",
+    "ODE",
+    "SAMPLERS",
+    "DanceSDE",
+    "FlowSDE",
+    "Sampler",
+    "StepOutput",
+    "gaussian_log_prob",
+    "get_sampler",
+]

@@ -39,25 +39,34 @@ class StepSelection:
     window_size: int = doc(2, "window/sliding: number of consecutive trained steps")
     stride: int = doc(1, "sliding: steps the window moves each time it moves")
     shift_every: int = doc(25, "sliding: training rollouts between two moves of the window")
-    noise_outside: bool = doc(True, "sample untrained steps with noise (false: deterministic "
-                                    "ODE outside the trained steps, as MixGRPO)")
+    noise_outside: bool = doc(
+        True,
+        "sample untrained steps with noise (false: deterministic "
+        "ODE outside the trained steps, as MixGRPO)",
+    )
 
     def validate(self, steps: int, where: str = "train_steps") -> None:
         if self.mode not in MODES:
             hint = nearest(self.mode, MODES)
-            raise ConfigError(f"{where}.mode={self.mode!r} is not a step-selection mode"
-                              + (f"; did you mean {hint!r}?" if hint else "")
-                              + f" Valid: {', '.join(MODES)}.")
+            raise ConfigError(
+                f"{where}.mode={self.mode!r} is not a step-selection mode"
+                + (f"; did you mean {hint!r}?" if hint else "")
+                + f" Valid: {', '.join(MODES)}."
+            )
         if steps < 2:
-            raise ConfigError(f"{where}: {steps} sampling steps leave none to train (the last "
-                              "step is never trained); use at least 2")
+            raise ConfigError(
+                f"{where}: {steps} sampling steps leave none to train (the last "
+                "step is never trained); use at least 2"
+            )
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"{where}.fraction must be in (0, 1], got {self.fraction}")
         if self.window_size < 1 or self.stride < 1 or self.shift_every < 1:
             raise ConfigError(f"{where}: window_size, stride and shift_every must be >= 1")
         if self.mode in ("window", "sliding") and not 0 <= self.window_start < steps - 1:
-            raise ConfigError(f"{where}.window_start={self.window_start} must be in "
-                              f"[0, {steps - 2}] for {steps} sampling steps")
+            raise ConfigError(
+                f"{where}.window_start={self.window_start} must be in "
+                f"[0, {steps - 2}] for {steps} sampling steps"
+            )
 
 
 def window_start(sel: StepSelection, steps: int, rollout: int) -> int:
@@ -70,8 +79,14 @@ def window_start(sel: StepSelection, steps: int, rollout: int) -> int:
     return sel.window_start + (rollout // sel.shift_every % positions) * sel.stride
 
 
-def select_steps(sel: StepSelection, rows: int, steps: int, *, rollout: int = 0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+def select_steps(
+    sel: StepSelection,
+    rows: int,
+    steps: int,
+    *,
+    rollout: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """[rows, steps] bool: the steps each trajectory trains (never the last one)."""
     trainable = steps - 1
     mask = torch.zeros((rows, steps), dtype=torch.bool)
@@ -83,7 +98,7 @@ def select_steps(sel: StepSelection, rows: int, steps: int, *, rollout: int = 0,
         mask[:, :trainable].scatter_(1, order[:, :k], True)
     else:
         start = window_start(sel, steps, rollout)
-        mask[:, start: min(start + sel.window_size, trainable)] = True
+        mask[:, start : min(start + sel.window_size, trainable)] = True
     return mask
 
 

@@ -84,30 +84,59 @@ def build_t5_tokenizer(texts: list[str]):
 def _t5_encoder(vocab_size: int, hidden: int, seed: int):
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(vocab_size=vocab_size, d_model=hidden, d_kv=hidden // 2, d_ff=2 * hidden,
-                   num_layers=1, num_heads=2, relative_attention_num_buckets=8,
-                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    cfg = T5Config(
+        vocab_size=vocab_size,
+        d_model=hidden,
+        d_kv=hidden // 2,
+        d_ff=2 * hidden,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return T5EncoderModel(cfg).eval()
 
 
-def _text_encoder(vocab_size: int, hidden: int, proj: int, max_length: int, seed: int,
-                  projection: bool = True):
+def _text_encoder(
+    vocab_size: int, hidden: int, proj: int, max_length: int, seed: int, projection: bool = True
+):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    cfg = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=2, num_attention_heads=2,
-                         max_position_embeddings=max_length, projection_dim=proj,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    cfg = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=max_length,
+        projection_dim=proj,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
 
 
-def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_patch: int = 2,
-                   layers: int = 2, heads: int = 2, head_dim: int = 16, text_hidden: int = 32,
-                   max_length: int = 8, shift: float = 3.0, seed: int = 0) -> None:
+def write_tiny_sd3(
+    path: Path,
+    texts: list[str],
+    *,
+    image_size: int = 16,
+    vae_patch: int = 2,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden: int = 32,
+    max_length: int = 8,
+    shift: float = 3.0,
+    seed: int = 0,
+) -> None:
     """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
@@ -121,10 +150,18 @@ def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_pa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(
-            sample_size=latent, patch_size=2, in_channels=channels, out_channels=channels,
-            num_layers=layers, attention_head_dim=head_dim, num_attention_heads=heads,
-            joint_attention_dim=2 * text_hidden, caption_projection_dim=heads * head_dim,
-            pooled_projection_dim=text_hidden, pos_embed_max_size=max(latent, 4))
+            sample_size=latent,
+            patch_size=2,
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
+            joint_attention_dim=2 * text_hidden,
+            caption_projection_dim=heads * head_dim,
+            pooled_projection_dim=text_hidden,
+            pos_embed_max_size=max(latent, 4),
+        )
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
     transformer.save_pretrained(path / "transformer")
     scheduler.save_pretrained(path / "scheduler")
@@ -152,10 +189,22 @@ def write_tiny_sd3(path: Path, texts: list[str], *, image_size: int = 16, vae_pa
     (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
-def write_tiny_flux(path: Path, texts: list[str], *, image_size: int = 16, vae_patch: int = 2,
-                    layers: int = 1, single_layers: int = 1, heads: int = 2, head_dim: int = 16,
-                    text_hidden: int = 32, t5_hidden: int = 32, max_length: int = 8,
-                    guidance_embeds: bool = True, seed: int = 0) -> None:
+def write_tiny_flux(
+    path: Path,
+    texts: list[str],
+    *,
+    image_size: int = 16,
+    vae_patch: int = 2,
+    layers: int = 1,
+    single_layers: int = 1,
+    heads: int = 2,
+    head_dim: int = 16,
+    text_hidden: int = 32,
+    t5_hidden: int = 32,
+    max_length: int = 8,
+    guidance_embeds: bool = True,
+    seed: int = 0,
+) -> None:
     """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
@@ -165,8 +214,9 @@ def write_tiny_flux(path: Path, texts: list[str], *, image_size: int = 16, vae_p
         raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
     clip_tok = build_clip_tokenizer(texts, max_length)
     t5_tok = build_t5_tokenizer(texts)
-    clip = _text_encoder(len(clip_tok), text_hidden, text_hidden, max_length, seed + 1,
-                         projection=False)
+    clip = _text_encoder(
+        len(clip_tok), text_hidden, text_hidden, max_length, seed + 1, projection=False
+    )
     t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
     channels = 3 * vae_patch * vae_patch
     # rotary axes (index, row, column): even sizes summing to the head dim
@@ -175,15 +225,27 @@ def write_tiny_flux(path: Path, texts: list[str], *, image_size: int = 16, vae_p
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=4 * channels, num_layers=layers,
-            num_single_layers=single_layers, attention_head_dim=head_dim,
-            num_attention_heads=heads, joint_attention_dim=t5_hidden,
-            pooled_projection_dim=text_hidden, guidance_embeds=guidance_embeds,
-            axes_dims_rope=axes)
+            patch_size=1,
+            in_channels=4 * channels,
+            num_layers=layers,
+            num_single_layers=single_layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
+            joint_attention_dim=t5_hidden,
+            pooled_projection_dim=text_hidden,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=axes,
+        )
     # FLUX.1-dev's scheduler settings
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
     transformer.save_pretrained(path / "transformer")
     scheduler.save_pretrained(path / "scheduler")
     PatchVAE(patch=vae_patch).save_pretrained(path / "vae")
@@ -207,15 +269,28 @@ def write_tiny_flux(path: Path, texts: list[str], *, image_size: int = 16, vae_p
     (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
-def pretrain_colour(path: Path, *, steps: int, batch_size: int = 64, lr: float = 2e-3,
-                    label_noise: float = 0.0, cond_dropout: float = 0.1, seed: int = 0,
-                    log_every: int = 0) -> dict[str, float]:
+def pretrain_colour(
+    path: Path,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    label_noise: float = 0.0,
+    cond_dropout: float = 0.1,
+    seed: int = 0,
+    log_every: int = 0,
+) -> dict[str, float]:
     """Flow-matching pre-training of ``path``'s transformer on coloured-blob images."""
     from polyrl.diffusion import colour
     from polyrl.diffusion.models import SD3Family
 
-    fam = SD3Family(str(path), dtype=torch.float32, device=torch.device("cpu"), load_t5=False,
-                    max_sequence_length=1)
+    fam = SD3Family(
+        str(path),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        load_t5=False,
+        max_sequence_length=1,
+    )
     names = list(colour.PALETTE)
     prompts = [t.format(c=c) for c in names for t in colour.TEMPLATES]
     emb, pooled = fam.encode(prompts + [""])
@@ -225,8 +300,9 @@ def pretrain_colour(path: Path, *, steps: int, batch_size: int = 64, lr: float =
     size = fam.vae_scale * fam.transformer.config.sample_size
     model = fam.transformer.train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 20)
-                                              * (0.1 + 0.9 * (1 - k / max(1, steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / 20) * (0.1 + 0.9 * (1 - k / max(1, steps)))
+    )
     gen = torch.Generator().manual_seed(seed)
     shift = fam.scheduler.config.shift
     t0, losses = time.perf_counter(), []
@@ -253,11 +329,14 @@ def pretrain_colour(path: Path, *, steps: int, batch_size: int = 64, lr: float =
         sched.step()
         losses.append(float(loss.detach()))
         if log_every and (k % log_every == 0 or k == steps - 1):
-            print(f"pretrain step {k}: loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}"
-                  f" ({time.perf_counter() - t0:.0f}s)", flush=True)
+            print(
+                f"pretrain step {k}: loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}"
+                f" ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
     model.eval().requires_grad_(False)
     model.save_pretrained(path / "transformer")
-    tail = losses[-max(1, steps // 10):]
+    tail = losses[-max(1, steps // 10) :]
     return {"loss_last": sum(tail) / len(tail), "seconds": time.perf_counter() - t0}
 
 
@@ -289,9 +368,18 @@ def _build_once(path: str | Path, write) -> Path:
 
 
 @MODELS.register("tiny_sd3")
-def tiny_sd3(path: str | Path, *, corpus: str = "colour", pretrain_steps: int = 0,
-             pretrain_batch: int = 64, pretrain_lr: float = 2e-3, label_noise: float = 0.0,
-             seed: int = 0, log_every: int = 0, **model_kwargs: Any) -> Path:
+def tiny_sd3(
+    path: str | Path,
+    *,
+    corpus: str = "colour",
+    pretrain_steps: int = 0,
+    pretrain_batch: int = 64,
+    pretrain_lr: float = 2e-3,
+    label_noise: float = 0.0,
+    seed: int = 0,
+    log_every: int = 0,
+    **model_kwargs: Any,
+) -> Path:
     """Build (once) a tiny SD3 at ``path``; pre-train it on task ``corpus``'s images.
 
     ``model_kwargs``: image_size, vae_patch, layers, heads, head_dim, text_hidden,
@@ -305,20 +393,29 @@ def tiny_sd3(path: str | Path, *, corpus: str = "colour", pretrain_steps: int = 
         write_tiny_sd3(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
         if pretrain_steps:
-            pretrain_colour(tmp, steps=pretrain_steps, batch_size=pretrain_batch, lr=pretrain_lr,
-                            label_noise=label_noise, seed=seed, log_every=log_every)
+            pretrain_colour(
+                tmp,
+                steps=pretrain_steps,
+                batch_size=pretrain_batch,
+                lr=pretrain_lr,
+                label_noise=label_noise,
+                seed=seed,
+                log_every=log_every,
+            )
 
     return _build_once(path, write)
 
 
 @MODELS.register("tiny_flux")
-def tiny_flux(path: str | Path, *, corpus: str = "colour", seed: int = 0,
-              **model_kwargs: Any) -> Path:
+def tiny_flux(
+    path: str | Path, *, corpus: str = "colour", seed: int = 0, **model_kwargs: Any
+) -> Path:
     """Build (once) an untrained tiny FLUX at ``path`` (vocabulary from task ``corpus``).
 
     ``model_kwargs``: image_size, vae_patch, layers, single_layers, heads, head_dim,
     text_hidden, t5_hidden, max_length, guidance_embeds (false: schnell-like).
     """
+
     def write(tmp: Path) -> None:
         write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)

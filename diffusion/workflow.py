@@ -34,19 +34,37 @@ from polyrl.diffusion.engine import Trajectories
 from polyrl.diffusion.policy import DiffusionPolicy, policy_args, sampling_config
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
 
-RECORD_TENSORS = ("latents", "sigmas", "timesteps", "rollout_logprobs", "loss_mask",
-                  "response_mask", "noise_mask", "prompt_embeds", "pooled_prompt_embeds",
-                  "negative_prompt_embeds", "negative_pooled_prompt_embeds", "guidance",
-                  "noise_level")
+RECORD_TENSORS = (
+    "latents",
+    "sigmas",
+    "timesteps",
+    "rollout_logprobs",
+    "loss_mask",
+    "response_mask",
+    "noise_mask",
+    "prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+    "guidance",
+    "noise_level",
+)
 
 
 def _stack(values: list) -> NonTensorStack:
     return NonTensorStack(*[NonTensorData(v) for v in values])
 
 
-def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_text: list[str],
-                     meta: list[dict], credit_args: dict | None = None,
-                     kl_mode: str | None = None) -> TensorDict:
+def diffusion_record(
+    traj: Trajectories,
+    *,
+    policy: str,
+    uid: list[int],
+    prompt_text: list[str],
+    meta: list[dict],
+    credit_args: dict | None = None,
+    kl_mode: str | None = None,
+) -> TensorDict:
     """The rollout record of diffusion trajectories (``B`` rows, ``N`` steps).
 
     Tensors: ``latents [B,N+1,*L]`` (x before every step and the final one), ``sigmas
@@ -63,26 +81,31 @@ def diffusion_record(traj: Trajectories, *, policy: str, uid: list[int], prompt_
     b, n = traj.logprobs.shape
     valid = traj.alive
     zeros = torch.zeros(b, dtype=torch.long)
-    td = TensorDict({
-        "latents": traj.latents,
-        "sigmas": traj.sigmas,
-        "timesteps": traj.timesteps,
-        "rollout_logprobs": traj.logprobs,
-        "loss_mask": traj.loss_mask.long(),
-        "response_mask": torch.ones((b, n), dtype=torch.long),
-        "noise_mask": traj.noise_mask,
-        "prompt_embeds": traj.prompt_embeds,
-        "pooled_prompt_embeds": traj.pooled_prompt_embeds,
-        "negative_prompt_embeds": traj.negative_prompt_embeds,
-        "negative_pooled_prompt_embeds": traj.negative_pooled_prompt_embeds,
-        "guidance": traj.guidance,
-        "noise_level": traj.noise_level,
-        "uid": torch.as_tensor(uid, dtype=torch.long),
-        "agent_id": zeros.clone(), "turn": zeros.clone(), "node": zeros.clone(),
-        "reward": torch.full((b,), float("nan")),
-        "valid": valid,
-        "truncated": torch.zeros(b, dtype=torch.bool),
-    }, batch_size=[b])
+    td = TensorDict(
+        {
+            "latents": traj.latents,
+            "sigmas": traj.sigmas,
+            "timesteps": traj.timesteps,
+            "rollout_logprobs": traj.logprobs,
+            "loss_mask": traj.loss_mask.long(),
+            "response_mask": torch.ones((b, n), dtype=torch.long),
+            "noise_mask": traj.noise_mask,
+            "prompt_embeds": traj.prompt_embeds,
+            "pooled_prompt_embeds": traj.pooled_prompt_embeds,
+            "negative_prompt_embeds": traj.negative_prompt_embeds,
+            "negative_pooled_prompt_embeds": traj.negative_pooled_prompt_embeds,
+            "guidance": traj.guidance,
+            "noise_level": traj.noise_level,
+            "uid": torch.as_tensor(uid, dtype=torch.long),
+            "agent_id": zeros.clone(),
+            "turn": zeros.clone(),
+            "node": zeros.clone(),
+            "reward": torch.full((b,), float("nan")),
+            "valid": valid,
+            "truncated": torch.zeros(b, dtype=torch.bool),
+        },
+        batch_size=[b],
+    )
     td["policy"] = _stack([policy] * b)
     td["prompt_text"] = _stack(list(prompt_text))
     td["response_text"] = _stack([f"<image {traj.sampler}, {n} steps>" for _ in range(b)])
@@ -105,8 +128,9 @@ def image_grid(images: list, cols: int, scale: int = 1, pad: int = 2):
     rows = (len(tiles) + cols - 1) // cols
     grid = Image.new("RGB", (cols * (w + pad) + pad, max(1, rows) * (h + pad) + pad), "white")
     for k, t in enumerate(tiles):
-        tile = t.resize((w, h), Image.NEAREST) if t is not None else Image.new("RGB", (w, h),
-                                                                                "grey")
+        tile = (
+            t.resize((w, h), Image.NEAREST) if t is not None else Image.new("RGB", (w, h), "grey")
+        )
         grid.paste(tile, (pad + (k % cols) * (w + pad), pad + (k // cols) * (h + pad)))
     return grid
 
@@ -119,63 +143,93 @@ class TextToImage:
         """Config-time checks (``Config.validate`` calls this before any model loads): the
         workflow's args, and the sampling settings and options of every diffusion policy."""
         args = dict(cfg.rollout.args)
-        valid = [p for p in inspect.signature(TextToImage.__init__).parameters
-                 if p not in ("self", "ctx")]
+        valid = [
+            p
+            for p in inspect.signature(TextToImage.__init__).parameters
+            if p not in ("self", "ctx")
+        ]
         for key in args:
             if key not in valid:
                 hint = nearest(key, valid)
-                raise ConfigError(f"unknown key 'rollout.args.{key}' for the text_to_image "
-                                  "workflow" + (f"; did you mean 'rollout.args.{hint}'?" if hint
-                                                else "") + f" Valid: {', '.join(valid)}.")
+                raise ConfigError(
+                    f"unknown key 'rollout.args.{key}' for the text_to_image "
+                    "workflow"
+                    + (f"; did you mean 'rollout.args.{hint}'?" if hint else "")
+                    + f" Valid: {', '.join(valid)}."
+                )
         name = args.get("policy") or next(iter(cfg.policies), None)
         if name not in cfg.policies:
-            raise ConfigError(f"rollout.args.policy={name!r} is not a policy; have "
-                              f"{sorted(cfg.policies)}")
+            raise ConfigError(
+                f"rollout.args.policy={name!r} is not a policy; have {sorted(cfg.policies)}"
+            )
         if cfg.policies[name].kind != "diffusion":
-            raise ConfigError(f"the text_to_image workflow samples with policy {name!r}, whose "
-                              f"kind is {cfg.policies[name].kind!r}; set policies.{name}.kind: "
-                              "diffusion")
+            raise ConfigError(
+                f"the text_to_image workflow samples with policy {name!r}, whose "
+                f"kind is {cfg.policies[name].kind!r}; set policies.{name}.kind: "
+                "diffusion"
+            )
         for pname, p in cfg.policies.items():
             if p.kind == "diffusion":
                 sampling_config(p, pname)
                 policy_args(p, pname)
         if cfg.sft.steps:
-            raise ConfigError("sft.steps must be 0 with the text_to_image workflow (a diffusion "
-                              "policy has no supervised warm start)")
+            raise ConfigError(
+                "sft.steps must be 0 with the text_to_image workflow (a diffusion "
+                "policy has no supervised warm start)"
+            )
         clip = args.get("adv_clip", 5.0)
         if clip is not None and (not isinstance(clip, (int, float)) or clip < 0):
-            raise ConfigError(f"rollout.args.adv_clip must be a number >= 0 (0: no clipping), "
-                              f"got {clip!r}")
+            raise ConfigError(
+                f"rollout.args.adv_clip must be a number >= 0 (0: no clipping), got {clip!r}"
+            )
 
-    def __init__(self, ctx: Context, policy: str | None = None, adv_clip: float = 5.0,
-                 global_std: bool = False, grid_scale: int = 0, save_grids: bool = True) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        policy: str | None = None,
+        adv_clip: float = 5.0,
+        global_std: bool = False,
+        grid_scale: int = 0,
+        save_grids: bool = True,
+    ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
-            raise ConfigError(f"text_to_image: unknown policy {name!r}; have {sorted(ctx.policies)}")
+            raise ConfigError(
+                f"text_to_image: unknown policy {name!r}; have {sorted(ctx.policies)}"
+            )
         self.name, self.ctx, self.cfg = name, ctx, ctx.cfg
         # the policy's kind, not the object: under Ray, ctx holds the backend's handles
         kind = POLICIES.get(self.cfg.policies[name].kind)
         if not (isinstance(kind, type) and issubclass(kind, DiffusionPolicy)):
-            raise ConfigError(f"text_to_image: policy {name!r} is of kind "
-                              f"{self.cfg.policies[name].kind!r}; set policies.{name}.kind: "
-                              "diffusion")
+            raise ConfigError(
+                f"text_to_image: policy {name!r} is of kind "
+                f"{self.cfg.policies[name].kind!r}; set policies.{name}.kind: "
+                "diffusion"
+            )
         self.engine = ctx.engines[name]  # DiffusionEngine, or the Ray backend's handle on one
         if not (hasattr(self.engine, "sample") and hasattr(self.engine, "decode")):
             raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
         self.sampling = sampling_config(self.cfg.policies[name], name)
         if self.cfg.sft.steps:
-            raise ConfigError("sft.steps must be 0 with the text_to_image workflow (a diffusion "
-                              "policy has no supervised warm start)")
+            raise ConfigError(
+                "sft.steps must be 0 with the text_to_image workflow (a diffusion "
+                "policy has no supervised warm start)"
+            )
         if adv_clip is not None and adv_clip < 0:
-            raise ConfigError(f"rollout.args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}")
+            raise ConfigError(
+                f"rollout.args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}"
+            )
         algo = self.cfg.algorithm
         if algo.credit == "group":
-            warnings.warn("text_to_image: algorithm.credit=group groups rows by dataset row; "
-                          "per_prompt (Flow-GRPO's per-prompt statistics) is the usual choice",
-                          stacklevel=2)
+            warnings.warn(
+                "text_to_image: algorithm.credit=group groups rows by dataset row; "
+                "per_prompt (Flow-GRPO's per-prompt statistics) is the usual choice",
+                stacklevel=2,
+            )
         # written into each record, so the policy reads it wherever it trains
-        self.kl_mode = "mean" if (algo.kl_coef > 0 and
-                                  algo.kl_estimator == "gaussian_mean") else "logprob"
+        self.kl_mode = (
+            "mean" if (algo.kl_coef > 0 and algo.kl_estimator == "gaussian_mean") else "logprob"
+        )
         self.credit_args = {"adv_clip": adv_clip, "global_std": bool(global_std)}
         prepare_rewards(self.cfg.reward.terms)  # reward paths/models fail before sampling
         self.run_dir = ctx.extras.get("run_dir")
@@ -188,8 +242,9 @@ class TextToImage:
 
     def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
         training = self.is_training(params)
-        traj = self.engine.sample([it.prompt_text for it in items], n=params.n,
-                                  deterministic=params.temperature == 0)
+        traj = self.engine.sample(
+            [it.prompt_text for it in items], n=params.n, deterministic=params.temperature == 0
+        )
         alive = traj.alive
         images: list = [None] * len(traj.errors)
         if bool(alive.any()):
@@ -197,11 +252,19 @@ class TextToImage:
             for k, i in enumerate(alive.nonzero().flatten().tolist()):
                 images[i] = to_pil(decoded[k])
         rows = [items[int(i)] for i in traj.prompt_index]
-        meta = [{"answer": it.answer, "row": it.row, "images": [im] if im is not None else []}
-                for it, im in zip(rows, images, strict=True)]
-        record = diffusion_record(traj, policy=self.name, uid=[it.uid for it in rows],
-                                  prompt_text=[it.prompt_text for it in rows], meta=meta,
-                                  credit_args=self.credit_args, kl_mode=self.kl_mode)
+        meta = [
+            {"answer": it.answer, "row": it.row, "images": [im] if im is not None else []}
+            for it, im in zip(rows, images, strict=True)
+        ]
+        record = diffusion_record(
+            traj,
+            policy=self.name,
+            uid=[it.uid for it in rows],
+            prompt_text=[it.prompt_text for it in rows],
+            meta=meta,
+            credit_args=self.credit_args,
+            kl_mode=self.kl_mode,
+        )
         if not training and self.save_grids:
             self.write_grid(images, [it.prompt_text for it in items], params.n)
         return record

@@ -47,31 +47,53 @@ def train_one(recipe: str, overrides: list[str]) -> dict:
     rows = _metrics(run.path)
     curve = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     steps = [r["time/step_s"] for r in rows if r.get("time/step_s") is not None]
-    return {"run_dir": str(run.path), "curve": curve,
-            "step_s": sum(steps) / len(steps) if steps else None,
-            "wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
+    return {
+        "run_dir": str(run.path),
+        "curve": curve,
+        "step_s": sum(steps) / len(steps) if steps else None,
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,
+    }
 
 
-def compare(out_dir: str | Path, *, steps: int | None = None, seeds=(0, 1, 2), workers: int = 2,
-            recipe: str | Path = RECIPE, model: str | None = None, eval_every: int = 5,
-            extra: list[str] | None = None) -> dict:
+def compare(
+    out_dir: str | Path,
+    *,
+    steps: int | None = None,
+    seeds=(0, 1, 2),
+    workers: int = 2,
+    recipe: str | Path = RECIPE,
+    model: str | None = None,
+    eval_every: int = 5,
+    extra: list[str] | None = None,
+) -> dict:
     """SFT once, then every (scheme, seed) run; returns {"sft": ..., "runs": {...}}."""
     out = Path(out_dir)
     extra = list(extra or [])
     model_args = [f"policies.main.model={model}"] if model else []
     ctx = get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        sft = pool.submit(train_one, str(recipe), [
-            f"run.dir={out}/sft", "train.steps=0", "run.export=true", *QUIET, *model_args,
-            *extra]).result()
+        sft = pool.submit(
+            train_one,
+            str(recipe),
+            [f"run.dir={out}/sft", "train.steps=0", "run.export=true", *QUIET, *model_args, *extra],
+        ).result()
         warm = str(Path(sft["run_dir"]) / "export" / "main")
         jobs = {}
         for seed in seeds:
             for scheme in SCHEMES:
-                overrides = [f"run.dir={out}/{scheme}-seed{seed}", f"seed={seed}",
-                             f"algorithm.credit={scheme}", f"policies.main.model={warm}",
-                             "policies.main.build=null", "sft.steps=0", "run.export=false",
-                             f"eval.every={eval_every}", *QUIET, *extra]
+                overrides = [
+                    f"run.dir={out}/{scheme}-seed{seed}",
+                    f"seed={seed}",
+                    f"algorithm.credit={scheme}",
+                    f"policies.main.model={warm}",
+                    "policies.main.build=null",
+                    "sft.steps=0",
+                    "run.export=false",
+                    f"eval.every={eval_every}",
+                    *QUIET,
+                    *extra,
+                ]
                 if steps is not None:
                     overrides.append(f"train.steps={steps}")
                 jobs[(scheme, seed)] = pool.submit(train_one, str(recipe), overrides)
@@ -84,8 +106,10 @@ def summary(result: dict) -> dict[str, dict[str, float]]:
     out = {}
     for scheme in SCHEMES:
         curves = [r["curve"] for k, r in result["runs"].items() if k.startswith(scheme + "/")]
-        out[scheme] = {"start": sum(c[0][1] for c in curves) / len(curves),
-                       "end": sum(c[-1][1] for c in curves) / len(curves)}
+        out[scheme] = {
+            "start": sum(c[0][1] for c in curves) / len(curves),
+            "end": sum(c[-1][1] for c in curves) / len(curves),
+        }
     return out
 
 
@@ -98,8 +122,14 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("overrides", nargs="*", help="extra key=value recipe overrides")
     args = p.parse_args()
-    result = compare(args.out, steps=args.steps, seeds=args.seeds, workers=args.workers,
-                     eval_every=args.eval_every, extra=args.overrides)
+    result = compare(
+        args.out,
+        steps=args.steps,
+        seeds=args.seeds,
+        workers=args.workers,
+        eval_every=args.eval_every,
+        extra=args.overrides,
+    )
     for key, run in sorted(result["runs"].items()):
         curve = " ".join(f"{s}:{a:.2f}" for s, a in run["curve"])
         print(f"{key:16s} {curve}   ({run['step_s']:.2f} s/step)")

@@ -42,13 +42,19 @@ from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid, strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
 MARL_CREDITS = ("magrpo",)
-DEFAULT_OPTIONS = {"cross_value": "mean", "per_agent_norm": False, "counterfactual": False,
-                   "shaping_alpha": 0.0, "critic": False}
+DEFAULT_OPTIONS = {
+    "cross_value": "mean",
+    "per_agent_norm": False,
+    "counterfactual": False,
+    "shaping_alpha": 0.0,
+    "critic": False,
+}
 
 
 @ADVANTAGES.register("max_baseline")
-def max_baseline_advantage(rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor,
-                           cfg) -> torch.Tensor:
+def max_baseline_advantage(
+    rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor, cfg
+) -> torch.Tensor:
     """``r - max(r in its group)``: only the group's best samples escape a penalty."""
     r = rewards.float()
     best = torch.full((int(group.max()) + 1 if group.numel() else 0,), -math.inf)
@@ -86,8 +92,10 @@ def tree_returns(joints: dict[int, dict], gamma: float) -> dict[int, float]:
 def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     """See the module docstring. Writes ``advantages``; agent rows' ``reward`` := value."""
     if "joint_id" not in record.keys():  # noqa: SIM118 (TensorDict)
-        raise ValueError("algorithm.credit=magrpo needs a multi-agent workflow's record "
-                         "(joint-action rows with joint_id); this record has none")
+        raise ValueError(
+            "algorithm.credit=magrpo needs a multi-agent workflow's record "
+            "(joint-action rows with joint_id); this record has none"
+        )
     n = record.batch_size[0]
     jid = record["joint_id"].tolist()
     metas, errors = strings(record, "meta"), strings(record, "error")
@@ -110,8 +118,14 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
             r = 0.0
         elif not err and not (bool(valid[i]) and math.isfinite(r)):
             err = "joint action was not scored"
-        joints[jid[i]] = {"row": i, "parent": int(m.get("parent", 0)), "turn": int(m["turn"]),
-                          "reward": r, "error": err, "members": []}
+        joints[jid[i]] = {
+            "row": i,
+            "parent": int(m.get("parent", 0)),
+            "turn": int(m["turn"]),
+            "reward": r,
+            "error": err,
+            "members": [],
+        }
     returns = tree_returns(joints, float(algo.gamma))
     for info in joints.values():
         i = info["row"]
@@ -141,8 +155,11 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
             continue
         rs = [returns[j] for j in ok]
         if opts["counterfactual"]:
-            diffs = [returns[j] - q for j in ok
-                     if (q := _counterfactual(j, i, agent_ids, joints, returns, metas)) is not None]
+            diffs = [
+                returns[j] - q
+                for j in ok
+                if (q := _counterfactual(j, i, agent_ids, joints, returns, metas)) is not None
+            ]
             values[i] = sum(diffs) / len(diffs) if diffs else 0.0
             direct[i] = True
         elif opts["cross_value"] == "sum":
@@ -198,29 +215,41 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     per_row = (adv[ok_rows].sum(-1) / mask[ok_rows].sum(-1).clamp(min=1)) if ok_rows else adv[:0, 0]
     scored = [j for j, info in joints.items() if not info["error"]]
     roots = [returns[j] for j in scored if joints[j]["turn"] == 0 and j in returns]
-    out = {**stats,
-           "advantage/mean_abs": float(per_row.abs().mean()) if ok_rows else 0.0,
-           "advantage/zero_frac": float((per_row == 0).float().mean()) if ok_rows else 0.0,
-           "marl/joint_actions": float(len(joints)),
-           "marl/joint_errors": float(sum(bool(info["error"]) for info in joints.values())),
-           "marl/return_mean": sum(roots) / len(roots) if roots else float("nan"),
-           "marl/agent_rows_invalid": float(sum(1 for i in agent_rows if not valid[i]))}
+    out = {
+        **stats,
+        "advantage/mean_abs": float(per_row.abs().mean()) if ok_rows else 0.0,
+        "advantage/zero_frac": float((per_row == 0).float().mean()) if ok_rows else 0.0,
+        "marl/joint_actions": float(len(joints)),
+        "marl/joint_errors": float(sum(bool(info["error"]) for info in joints.values())),
+        "marl/return_mean": sum(roots) / len(roots) if roots else float("nan"),
+        "marl/agent_rows_invalid": float(sum(1 for i in agent_rows if not valid[i])),
+    }
     for a_id in sorted({agent_ids[i] for i in ok_rows}):
         idx = [i for i in ok_rows if agent_ids[i] == a_id]
         out[f"marl/agent{a_id}/value_mean"] = float(values[idx].mean())
     return out
 
 
-def _counterfactual(j: int, row: int, agent_ids: list[int], joints: dict[int, dict],
-                    returns: dict[int, float], metas: list) -> float | None:
+def _counterfactual(
+    j: int,
+    row: int,
+    agent_ids: list[int],
+    joints: dict[int, dict],
+    returns: dict[int, float],
+    metas: list,
+) -> float | None:
     """Mean return of the sibling joints where only ``row``'s agent acted differently."""
     me = agent_ids[row]
     info = joints[j]
     others = frozenset((agent_ids[r], r) for r in info["members"] if agent_ids[r] != me)
     alts = []
     for k, other in joints.items():
-        if k == j or k not in returns or other["parent"] != info["parent"] \
-                or other["turn"] != info["turn"]:
+        if (
+            k == j
+            or k not in returns
+            or other["parent"] != info["parent"]
+            or other["turn"] != info["turn"]
+        ):
             continue
         if metas[other["row"]].get("episode") != metas[info["row"]].get("episode"):
             continue
@@ -234,16 +263,19 @@ def _counterfactual(j: int, row: int, agent_ids: list[int], joints: dict[int, di
 def _baseline(record: TensorDict, rows: torch.Tensor) -> torch.Tensor:
     """The critic's values of these agent rows' joint states (written at rollout)."""
     if "baseline" not in record.keys():  # noqa: SIM118 (TensorDict)
-        raise ValueError("rollout.args.critic is set but the record has no 'baseline' column "
-                         "(the marl workflow writes it at rollout)")
+        raise ValueError(
+            "rollout.args.critic is set but the record has no 'baseline' column "
+            "(the marl workflow writes it at rollout)"
+        )
     b = record["baseline"][rows].float()
     if not bool(torch.isfinite(b).all()):
         raise ValueError("the critic gave no finite baseline for some agent rows")
     return b
 
 
-def _per_agent_norm(adv: torch.Tensor, mask: torch.Tensor, agent: torch.Tensor, eps: float
-                    ) -> torch.Tensor:
+def _per_agent_norm(
+    adv: torch.Tensor, mask: torch.Tensor, agent: torch.Tensor, eps: float
+) -> torch.Tensor:
     row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
     has = mask.sum(-1) > 0
     out = row.clone()

@@ -51,10 +51,12 @@ class CentralCritic:
         self.optimizer = torch.optim.AdamW(params, lr=opts.lr)
 
     def _forward(self, texts: list[str]) -> torch.Tensor:
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False).to(self.device)
-        hidden = self.backbone(input_ids=enc["input_ids"],
-                               attention_mask=enc["attention_mask"]).last_hidden_state
+        enc = self.tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        ).to(self.device)
+        hidden = self.backbone(
+            input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]
+        ).last_hidden_state
         return self.head(hidden[:, -1]).squeeze(-1)  # left padding: the last token is real
 
     @torch.no_grad()
@@ -62,11 +64,16 @@ class CentralCritic:
         """Values of ``texts`` (float32, CPU), in micro-batches."""
         self.backbone.train(False)
         mb = self.opts.micro_batch_size
-        out = [self._forward(texts[i:i + mb]) for i in range(0, len(texts), mb)]
+        out = [self._forward(texts[i : i + mb]) for i in range(0, len(texts), mb)]
         return torch.cat(out).float().cpu() if out else torch.zeros(0)
 
-    def fit(self, texts: list[str], returns: torch.Tensor, baseline: torch.Tensor | None = None,
-            generator: torch.Generator | None = None) -> dict[str, float]:
+    def fit(
+        self,
+        texts: list[str],
+        returns: torch.Tensor,
+        baseline: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, float]:
         """Regress the values of ``texts`` on ``returns`` (MSE); one optimizer step per
         micro-batch, ``epochs`` shuffled passes. ``baseline``: the values the rollout already
         computed for these texts, reported as the error before the fit (no extra pass)."""
@@ -80,7 +87,7 @@ class CentralCritic:
         for _ in range(self.opts.epochs):
             order = torch.randperm(len(texts), generator=generator).tolist()
             for i in range(0, len(order), mb):
-                idx = order[i:i + mb]
+                idx = order[i : i + mb]
                 pred = self._forward([texts[k] for k in idx])
                 loss = ((pred - targets[idx]) ** 2).mean()
                 loss.backward()
@@ -90,17 +97,22 @@ class CentralCritic:
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(float(loss.detach()) * len(idx))
         self.backbone.train(False)
-        out = {"critic/fit_mse": sum(losses) / (len(texts) * self.opts.epochs),
-               "critic/states": float(len(texts))}
+        out = {
+            "critic/fit_mse": sum(losses) / (len(texts) * self.opts.epochs),
+            "critic/states": float(len(texts)),
+        }
         if baseline is not None:
             out["critic/mse_before"] = float(((baseline.float() - returns.float()) ** 2).mean())
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"backbone": {k: v.detach().cpu().clone()
-                             for k, v in self.backbone.state_dict().items()},
-                "head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
-                "optimizer": self.optimizer.state_dict()}
+        return {
+            "backbone": {
+                k: v.detach().cpu().clone() for k, v in self.backbone.state_dict().items()
+            },
+            "head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.backbone.load_state_dict(state["backbone"])

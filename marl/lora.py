@@ -39,22 +39,36 @@ class LoraAgentPolicy:
 
     load_tokenizer = staticmethod(CausalLMPolicy.load_tokenizer)
 
-    def __init__(self, name: str, cfg: Any, *, total_steps: int, need_reference: bool,
-                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: Any,
+        *,
+        total_steps: int,
+        need_reference: bool,
+        shared: dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         from peft import LoraConfig as PeftLora
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         if cfg.lora.r <= 0:
-            raise ValueError(f"policy {name!r}: kind lora_agent needs lora.r > 0 (got {cfg.lora.r})")
+            raise ValueError(
+                f"policy {name!r}: kind lora_agent needs lora.r > 0 (got {cfg.lora.r})"
+            )
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
         self.adapter = name
         self.need_reference = need_reference
         self.reference = None
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
-        peft_cfg = PeftLora(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                            target_modules=list(cfg.lora.target_modules))
+        peft_cfg = PeftLora(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules),
+        )
         shared = {} if shared is None else shared
         key = ("lora_agent", str(Path(path).expanduser().resolve()), cfg.dtype, str(self.device))
         if key not in shared:
@@ -74,11 +88,22 @@ class LoraAgentPolicy:
         for p in self._own.values():
             p.requires_grad_(bool(cfg.train))
         params = list(self._own.values()) if cfg.train else []
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay) if params else None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim, total_steps)) if params else None
+        self.optimizer = (
+            torch.optim.AdamW(
+                params,
+                lr=cfg.optim.lr,
+                betas=tuple(cfg.optim.betas),
+                eps=cfg.optim.eps,
+                weight_decay=cfg.optim.weight_decay,
+            )
+            if params
+            else None
+        )
+        self.scheduler = (
+            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, total_steps))
+            if params
+            else None
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -91,9 +116,12 @@ class LoraAgentPolicy:
         return self._peft
 
     # --- what the trainer calls -------------------------------------------------------
-    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(self.model, to_device(batch, self.device), temperature, with_entropy)
+    def logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(
+            self.model, to_device(batch, self.device), temperature, with_entropy
+        )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
@@ -107,8 +135,10 @@ class LoraAgentPolicy:
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         unknown = sorted(set(state) - set(self._own))
         if unknown or len(state) != len(self._own):
-            raise RuntimeError(f"policy {self.name!r}: checkpoint does not match adapter "
-                               f"{self.adapter!r} (unexpected {unknown[:3]})")
+            raise RuntimeError(
+                f"policy {self.name!r}: checkpoint does not match adapter "
+                f"{self.adapter!r} (unexpected {unknown[:3]})"
+            )
         with torch.no_grad():
             for k, v in state.items():
                 self._own[k].copy_(v)

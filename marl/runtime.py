@@ -122,8 +122,9 @@ class AgentInfo:
             messages = [{"role": "system", "content": self.role}, *messages]
         observation = str(messages[-1].get("content", ""))
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             if isinstance(text, list):
                 text = text[0]
         else:
@@ -154,9 +155,14 @@ class AgentHandle:
     def name(self) -> str:
         return self.info.name
 
-    async def act(self, prompt: str | Sequence[dict], n: int | None = None, *,
-                  max_new_tokens: int | None = None, temperature: float | None = None
-                  ) -> Message | list[Message]:
+    async def act(
+        self,
+        prompt: str | Sequence[dict],
+        n: int | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+    ) -> Message | list[Message]:
         """Sample from this agent's policy. ``n=None``: one Message; ``n=k``: a list of k.
 
         ``prompt`` is the agent's observation (a user message) or a list of chat messages;
@@ -169,9 +175,22 @@ class AgentHandle:
         future = asyncio.get_running_loop().create_future()
         self._rt.submit(_Request(self.info, text, observation, params, future, self._ep))
         prompt_ids, completions = await future
-        msgs = [self._ep._add(Message(self.name, c.text, list(c.token_ids), list(c.logprobs),
-                                      c.finish_reason, prompt_ids, text, observation, self._ep))
-                for c in completions]
+        msgs = [
+            self._ep._add(
+                Message(
+                    self.name,
+                    c.text,
+                    list(c.token_ids),
+                    list(c.logprobs),
+                    c.finish_reason,
+                    prompt_ids,
+                    text,
+                    observation,
+                    self._ep,
+                )
+            )
+            for c in completions
+        ]
         return msgs[0] if n is None else msgs
 
 
@@ -182,8 +201,17 @@ class Team(dict):
 class Episode:
     """One dataset row played out by the team; collects messages and joint actions."""
 
-    def __init__(self, index: int, item: Any, *, group_size: int, mode: str, tree: bool,
-                 prompt_field: str, ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        index: int,
+        item: Any,
+        *,
+        group_size: int,
+        mode: str,
+        tree: bool,
+        prompt_field: str,
+        ids: Iterable[int],
+    ) -> None:
         self.index = index
         self.item = item
         self.uid = int(item.uid)
@@ -208,8 +236,15 @@ class Episode:
         """``asyncio.gather`` over an iterable: run several acts at once, keep their order."""
         return list(await asyncio.gather(*awaitables))
 
-    def joint(self, messages: Sequence[Message], *, final: str, parent: Joint | None = None,
-              info: dict | None = None, score: bool = True) -> Joint:
+    def joint(
+        self,
+        messages: Sequence[Message],
+        *,
+        final: str,
+        parent: Joint | None = None,
+        info: dict | None = None,
+        score: bool = True,
+    ) -> Joint:
         """Declare a joint action of ``messages``; ``final`` is the output rewards score.
 
         ``parent``: the previous turn's joint action (multi-turn); the turn is its turn + 1.
@@ -225,19 +260,27 @@ class Episode:
             if not isinstance(m, Message) or m.episode is not self:
                 raise ValueError("ep.joint: every message must come from an act() of this episode")
             if m.joints and (m.turn, m.node) != (turn, node):
-                raise ValueError(f"ep.joint: a message of agent {m.agent!r} is already in a joint "
-                                 f"action of turn {m.turn}; one message belongs to one turn")
-        j = Joint(next(self._ids), turn, parent, list(messages), str(final), dict(info or {}),
-                  bool(score))
+                raise ValueError(
+                    f"ep.joint: a message of agent {m.agent!r} is already in a joint "
+                    f"action of turn {m.turn}; one message belongs to one turn"
+                )
+        j = Joint(
+            next(self._ids), turn, parent, list(messages), str(final), dict(info or {}), bool(score)
+        )
         for m in messages:
             m.turn, m.node = turn, node
             m.joints.append(j.id)
         self.joints.append(j)
         return j
 
-    def combine(self, groups: Sequence[Sequence[Message]],
-                final: Callable[[tuple[Message, ...]], str], *, parent: Joint | None = None,
-                score: bool = True) -> list[Joint]:
+    def combine(
+        self,
+        groups: Sequence[Sequence[Message]],
+        final: Callable[[tuple[Message, ...]], str],
+        *,
+        parent: Joint | None = None,
+        score: bool = True,
+    ) -> list[Joint]:
         """Joint actions over the agents' samples: aligned (the g-th of each) or cross
         (every combination), as the recipe's ``rollout.args.joint`` says."""
         if self.mode == "aligned":
@@ -267,16 +310,25 @@ class Runtime:
         self.generate_s = 0.0
         self._wake: asyncio.Future | None = None
 
-    def params_for(self, agent: AgentInfo, n: int, max_new_tokens: int | None,
-                   temperature: float | None) -> SamplingParams:
+    def params_for(
+        self, agent: AgentInfo, n: int, max_new_tokens: int | None, temperature: float | None
+    ) -> SamplingParams:
         p = self.params
         temp = p.temperature
         if p.temperature > 0:  # a greedy evaluation stays greedy
-            temp = temperature if temperature is not None else (
-                agent.temperature if agent.temperature is not None else p.temperature)
+            temp = (
+                temperature
+                if temperature is not None
+                else (agent.temperature if agent.temperature is not None else p.temperature)
+            )
         return dataclasses.replace(
-            p, n=n, temperature=temp, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-            max_new_tokens=max_new_tokens or agent.max_new_tokens or p.max_new_tokens)
+            p,
+            n=n,
+            temperature=temp,
+            stop=list(p.stop),
+            stop_token_ids=list(p.stop_token_ids),
+            max_new_tokens=max_new_tokens or agent.max_new_tokens or p.max_new_tokens,
+        )
 
     def submit(self, request: _Request) -> None:
         self.pending.append(request)
@@ -320,8 +372,16 @@ class Runtime:
         groups: dict[tuple, list[_Request]] = defaultdict(list)
         for r in requests:
             p = r.params
-            groups[(r.agent.policy, p.temperature, p.top_p, p.max_new_tokens, tuple(p.stop),
-                    tuple(p.stop_token_ids))].append(r)
+            groups[
+                (
+                    r.agent.policy,
+                    p.temperature,
+                    p.top_p,
+                    p.max_new_tokens,
+                    tuple(p.stop),
+                    tuple(p.stop_token_ids),
+                )
+            ].append(r)
         for (policy, *_), reqs in groups.items():
             self._generate(policy, reqs)
 
@@ -346,11 +406,12 @@ class Runtime:
             out[owner[c.prompt_index]].append(c)
         for j, r in enumerate(reqs):
             if len(out[j]) != r.params.n:
-                raise RuntimeError(f"engine of policy {policy!r} returned {len(out[j])} "
-                                   f"completions for a prompt that asked for {r.params.n}")
+                raise RuntimeError(
+                    f"engine of policy {policy!r} returned {len(out[j])} "
+                    f"completions for a prompt that asked for {r.params.n}"
+                )
             if not r.future.done():  # an episode that already failed may have cancelled it
                 r.future.set_result((list(ids[j]), out[j]))
-
 
 
 # ----------------------------------------------------------------------------- workflow
@@ -359,18 +420,28 @@ class Runtime:
 class MarlWorkflow:
     """A multi-agent workflow bound to a run: ``rollout(items, params) -> record``."""
 
-    def __init__(self, spec: WorkflowSpec, ctx: Any, args: MarlArgs, kwargs: dict[str, Any]
-                 ) -> None:
+    def __init__(
+        self, spec: WorkflowSpec, ctx: Any, args: MarlArgs, kwargs: dict[str, Any]
+    ) -> None:
         self.spec, self.ctx, self.args, self.kwargs = spec, ctx, args, kwargs
         self.agents: dict[str, AgentInfo] = {}
         for i, a in enumerate(args.agents):
             if a.policy not in ctx.policies:
                 hint = nearest(a.policy, list(ctx.policies))
-                raise ConfigError(f"agent {a.name!r}: unknown policy {a.policy!r}"
-                                  + (f"; did you mean {hint!r}?" if hint else ""))
+                raise ConfigError(
+                    f"agent {a.name!r}: unknown policy {a.policy!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                )
             self.agents[a.name] = AgentInfo(
-                a.name, i, a.policy, a.role or "", bool(a.train), ctx.policies[a.policy].tokenizer,
-                a.max_new_tokens, a.temperature)
+                a.name,
+                i,
+                a.policy,
+                a.role or "",
+                bool(a.train),
+                ctx.policies[a.policy].tokenizer,
+                a.max_new_tokens,
+                a.temperature,
+            )
         cfg = getattr(ctx, "cfg", None)
         self.prompt_field = getattr(getattr(cfg, "data", None), "prompt_field", "prompt")
         self.last_stats: dict[str, float] = {}
@@ -384,16 +455,28 @@ class MarlWorkflow:
         t0 = time.perf_counter()
         runtime = Runtime(self.ctx.engines, params)
         ids = itertools.count(1)  # joint ids; 0 is the root node
-        episodes = [Episode(k, it, group_size=params.n, mode=self.args.joint, tree=self.args.tree,
-                            prompt_field=self.prompt_field, ids=ids) for k, it in enumerate(items)]
+        episodes = [
+            Episode(
+                k,
+                it,
+                group_size=params.n,
+                mode=self.args.joint,
+                tree=self.args.tree,
+                prompt_field=self.prompt_field,
+                ids=ids,
+            )
+            for k, it in enumerate(items)
+        ]
         tasks = [asyncio.ensure_future(self._play(ep, runtime)) for ep in episodes]
         await runtime.drive(tasks)
-        stats = {"marl/episodes": float(len(episodes)),
-                 "marl/episode_errors": float(sum(bool(ep.error) for ep in episodes)),
-                 "marl/generate_rounds": float(runtime.rounds),
-                 "marl/acts": float(runtime.acts),
-                 "marl/generate_s": runtime.generate_s,
-                 "marl/rollout_s": time.perf_counter() - t0}
+        stats = {
+            "marl/episodes": float(len(episodes)),
+            "marl/episode_errors": float(sum(bool(ep.error) for ep in episodes)),
+            "marl/generate_rounds": float(runtime.rounds),
+            "marl/acts": float(runtime.acts),
+            "marl/generate_s": runtime.generate_s,
+            "marl/rollout_s": time.perf_counter() - t0,
+        }
         stats |= {f"marl/generate_calls/{p}": float(c) for p, c in runtime.calls.items()}
         self.last_stats = stats
         record = build_record(episodes, self.agents, self.args, stats, ids)
@@ -412,24 +495,37 @@ class MarlWorkflow:
         if self.critic is None:
             return {}
         if "returns" not in record.keys():  # noqa: SIM118 (TensorDict)
-            raise ValueError("the critic learns from the credit's 'returns' column; "
-                             "algorithm.credit=magrpo writes it when rollout.args.critic is set")
+            raise ValueError(
+                "the critic learns from the credit's 'returns' column; "
+                "algorithm.credit=magrpo writes it when rollout.args.critic is set"
+            )
         metas, valid = strings(record, "meta"), record["valid"].tolist()
         returns = record["returns"]
-        rows = [i for i, m in enumerate(metas) if "critic_state" in m and valid[i]
-                and bool(torch.isfinite(returns[i]))]
-        return self.critic.fit([metas[i]["critic_state"] for i in rows], returns[rows],
-                               baseline=record["baseline"][rows], generator=self._fit_gen)
+        rows = [
+            i
+            for i, m in enumerate(metas)
+            if "critic_state" in m and valid[i] and bool(torch.isfinite(returns[i]))
+        ]
+        return self.critic.fit(
+            [metas[i]["critic_state"] for i in rows],
+            returns[rows],
+            baseline=record["baseline"][rows],
+            generator=self._fit_gen,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint must hold besides the policies: the critic (if any)."""
-        return {"critic": self.critic.state_dict() if self.critic is not None else None,
-                "fit_gen": self._fit_gen.get_state()}
+        return {
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "fit_gen": self._fit_gen.get_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["critic"] is None) != (self.critic is None):
-            raise ValueError("checkpoint and recipe disagree about rollout.args.critic "
-                             f"(checkpoint has {'no ' if state['critic'] is None else 'a '}critic)")
+            raise ValueError(
+                "checkpoint and recipe disagree about rollout.args.critic "
+                f"(checkpoint has {'no ' if state['critic'] is None else 'a '}critic)"
+            )
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
         self._fit_gen.set_state(state["fit_gen"])
@@ -449,18 +545,35 @@ class MarlWorkflow:
 class WorkflowSpec:
     """What ``@workflow`` registers: builds a :class:`MarlWorkflow` and checks recipes."""
 
-    def __init__(self, fn: Callable, name: str, roles: dict[str, str] | None,
-                 joints: tuple[str, ...], min_agents: int) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        name: str,
+        roles: dict[str, str] | None,
+        joints: tuple[str, ...],
+        min_agents: int,
+    ) -> None:
         self.fn, self.name, self.roles, self.joints, self.min_agents = (
-            fn, name, roles, joints, min_agents)
+            fn,
+            name,
+            roles,
+            joints,
+            min_agents,
+        )
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", name)
 
     def __call__(self, ctx: Any, **args: Any) -> MarlWorkflow:
         cfg = ctx.cfg
-        marl, kwargs = parse_args(args, workflow=self.name, fn=self.fn, roles=self.roles,
-                                  policies=cfg.policies, joints=self.joints,
-                                  min_agents=self.min_agents)
+        marl, kwargs = parse_args(
+            args,
+            workflow=self.name,
+            fn=self.fn,
+            roles=self.roles,
+            policies=cfg.policies,
+            joints=self.joints,
+            min_agents=self.min_agents,
+        )
         return MarlWorkflow(self, ctx, marl, kwargs)
 
     def validate_config(self, cfg: Any) -> None:
@@ -468,8 +581,15 @@ class WorkflowSpec:
         for name in cfg.policies:
             if name in RESERVED_POLICY_NAMES:
                 raise ConfigError(f"policy name {name!r} is reserved for joint-action rows")
-        parse_args(cfg.rollout.args, workflow=self.name, fn=self.fn, roles=self.roles,
-                   policies=cfg.policies, joints=self.joints, min_agents=self.min_agents)
+        parse_args(
+            cfg.rollout.args,
+            workflow=self.name,
+            fn=self.fn,
+            roles=self.roles,
+            policies=cfg.policies,
+            joints=self.joints,
+            min_agents=self.min_agents,
+        )
         from polyrl.marl.credit import MARL_CREDITS
 
         if cfg.algorithm.credit not in MARL_CREDITS:
@@ -477,20 +597,28 @@ class WorkflowSpec:
             raise ConfigError(
                 f"workflow {self.name!r} forms joint actions; algorithm.credit="
                 f"{cfg.algorithm.credit!r} cannot credit them. Set algorithm.credit="
-                f"{hint or MARL_CREDITS[0]!r} (one of {', '.join(MARL_CREDITS)}).")
+                f"{hint or MARL_CREDITS[0]!r} (one of {', '.join(MARL_CREDITS)})."
+            )
 
 
-def workflow(name: str | None = None, *, agents: Sequence[str] | dict[str, str] | None = None,
-             joints: Sequence[str] = ("aligned",), min_agents: int = 1
-             ) -> Callable[[Callable], WorkflowSpec]:
+def workflow(
+    name: str | None = None,
+    *,
+    agents: Sequence[str] | dict[str, str] | None = None,
+    joints: Sequence[str] = ("aligned",),
+    min_agents: int = 1,
+) -> Callable[[Callable], WorkflowSpec]:
     """Turn ``async def fn(ep, team, **kwargs)`` into a workflow (registered if ``name``).
 
     ``agents``: the agent names the function addresses (with default role prompts when a
     dict); None for workflows over any number of agents. ``joints``: the joint modes it
     supports (``ep.combine`` handles both "aligned" and "cross").
     """
-    roles = dict(agents) if isinstance(agents, dict) else (
-        {a: "" for a in agents} if agents is not None else None)
+    roles = (
+        dict(agents)
+        if isinstance(agents, dict)
+        else ({a: "" for a in agents} if agents is not None else None)
+    )
     bad = [j for j in joints if j not in JOINT_MODES]
     if bad:
         raise ValueError(f"unknown joint modes {bad}; use {JOINT_MODES}")
@@ -513,15 +641,21 @@ def _transcript(joint: Joint) -> tuple[list[dict], str]:
     turns, lines = [], []
     for node in joint.path():
         for m in node.messages:
-            turns.append({"turn": node.turn, "agent": m.agent, "observation": m.observation,
-                          "text": m.text})
+            turns.append(
+                {"turn": node.turn, "agent": m.agent, "observation": m.observation, "text": m.text}
+            )
             obs = m.observation.replace("\n", " / ")
             lines.append(f"[t{node.turn} {m.agent}] {obs} -> {m.text.strip()}")
     return turns, "\n".join(lines)
 
 
-def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: MarlArgs,
-                 stats: dict[str, float], ids: Iterable[int]) -> TensorDict:
+def build_record(
+    episodes: list[Episode],
+    agents: dict[str, AgentInfo],
+    args: MarlArgs,
+    stats: dict[str, float],
+    ids: Iterable[int],
+) -> TensorDict:
     """One text record: joint-action rows first (for readable samples), then agent rows.
 
     Padding uses id 0 for every policy: pads sit under the masks, and 0 exists in every
@@ -541,16 +675,37 @@ def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: Ma
         joints = ep.joints or ([Joint(next(ids), 0, None, [], "", {}, True)] if ep.error else [])
         for j in joints:
             turns, text = _transcript(j)
-            k = add(prompt_ids=[], response_ids=[], logprobs=[], loss_mask=[], policy=JOINT_POLICY,
-                    uid=ep.uid, agent_id=-1, turn=j.turn,
-                    node=j.parent.id if (j.parent is not None and ep.tree) else 0,
-                    joint_id=j.id, prompt_text=text, response_text=j.final, truncated=False,
-                    meta={"answer": ep.answer, "row": ep.row, "final": j.final,
-                          "transcript": turns, "joint": j.id,
-                          "parent": j.parent.id if j.parent is not None else 0, "turn": j.turn,
-                          "episode": ep.index, "scored": j.score, "info": j.info,
-                          "episode_info": ep.info, "episode_error": bool(ep.error),
-                          "credit": credit, "stats": stats})
+            k = add(
+                prompt_ids=[],
+                response_ids=[],
+                logprobs=[],
+                loss_mask=[],
+                policy=JOINT_POLICY,
+                uid=ep.uid,
+                agent_id=-1,
+                turn=j.turn,
+                node=j.parent.id if (j.parent is not None and ep.tree) else 0,
+                joint_id=j.id,
+                prompt_text=text,
+                response_text=j.final,
+                truncated=False,
+                meta={
+                    "answer": ep.answer,
+                    "row": ep.row,
+                    "final": j.final,
+                    "transcript": turns,
+                    "joint": j.id,
+                    "parent": j.parent.id if j.parent is not None else 0,
+                    "turn": j.turn,
+                    "episode": ep.index,
+                    "scored": j.score,
+                    "info": j.info,
+                    "episode_info": ep.info,
+                    "episode_error": bool(ep.error),
+                    "credit": credit,
+                    "stats": stats,
+                },
+            )
             if ep.error:
                 errors.append((k, ep.error))
             elif not j.score:
@@ -565,16 +720,32 @@ def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: Ma
                 above = by_id[m.joints[0]].parent
                 lines = _transcript(above)[1].split("\n") if above is not None else []
                 extra["critic_state"] = joint_state(str(ep.task), lines, max(m.turn, 0), m.agent)
-            k = add(prompt_ids=m.prompt_ids, response_ids=m.token_ids, logprobs=m.logprobs,
-                    loss_mask=[1 if info.train else 0] * len(m.token_ids), policy=info.policy,
-                    uid=ep.uid, agent_id=info.agent_id, turn=max(m.turn, 0), node=m.node,
-                    joint_id=-1, prompt_text=m.prompt_text, response_text=m.text,
-                    truncated=m.finish_reason == "length",
-                    meta={"answer": ep.answer, "agent": m.agent, "episode": ep.index,
-                          "joints": list(m.joints), **extra})
+            k = add(
+                prompt_ids=m.prompt_ids,
+                response_ids=m.token_ids,
+                logprobs=m.logprobs,
+                loss_mask=[1 if info.train else 0] * len(m.token_ids),
+                policy=info.policy,
+                uid=ep.uid,
+                agent_id=info.agent_id,
+                turn=max(m.turn, 0),
+                node=m.node,
+                joint_id=-1,
+                prompt_text=m.prompt_text,
+                response_text=m.text,
+                truncated=m.finish_reason == "length",
+                meta={
+                    "answer": ep.answer,
+                    "agent": m.agent,
+                    "episode": ep.index,
+                    "joints": list(m.joints),
+                    **extra,
+                },
+            )
             agent_rows.append(k)
-            err = ep.error or ("" if m.joints else
-                               f"agent {m.agent!r}: message is in no joint action (ep.joint)")
+            err = ep.error or (
+                "" if m.joints else f"agent {m.agent!r}: message is in no joint action (ep.joint)"
+            )
             if err:
                 errors.append((k, err))
             else:
@@ -582,11 +753,21 @@ def build_record(episodes: list[Episode], agents: dict[str, AgentInfo], args: Ma
     if not cols["uid"]:
         raise RuntimeError("the workflow produced no rows")
     rec = text_record(
-        prompt_ids=cols["prompt_ids"], response_ids=cols["response_ids"],
-        rollout_logprobs=cols["logprobs"], policy=cols["policy"], uid=cols["uid"], pad_id=0,
-        loss_mask=cols["loss_mask"], agent_id=cols["agent_id"], turn=cols["turn"],
-        node=cols["node"], prompt_text=cols["prompt_text"], response_text=cols["response_text"],
-        meta=cols["meta"], truncated=cols["truncated"])
+        prompt_ids=cols["prompt_ids"],
+        response_ids=cols["response_ids"],
+        rollout_logprobs=cols["logprobs"],
+        policy=cols["policy"],
+        uid=cols["uid"],
+        pad_id=0,
+        loss_mask=cols["loss_mask"],
+        agent_id=cols["agent_id"],
+        turn=cols["turn"],
+        node=cols["node"],
+        prompt_text=cols["prompt_text"],
+        response_text=cols["response_text"],
+        meta=cols["meta"],
+        truncated=cols["truncated"],
+    )
     rec["joint_id"] = torch.tensor(cols["joint_id"], dtype=torch.long)
     if pending:
         rec["valid"][torch.tensor(pending)] = False

@@ -65,16 +65,21 @@ def episodes(n_objects: int = 6, n_candidates: int = 3) -> list[tuple[str, tuple
     return out
 
 
-def make_row(target: str, candidates: Iterable[str], symbols: Iterable[str],
-             habits: dict | None = None) -> dict:
+def make_row(
+    target: str, candidates: Iterable[str], symbols: Iterable[str], habits: dict | None = None
+) -> dict:
     cands = list(candidates)
-    row = {"prompt": speaker_prompt(target), "target": target, "candidates": cands,
-           "symbols": list(symbols), "answer": target, "uid": f"{target}|{','.join(cands)}"}
+    row = {
+        "prompt": speaker_prompt(target),
+        "target": target,
+        "candidates": cands,
+        "symbols": list(symbols),
+        "answer": target,
+        "uid": f"{target}|{','.join(cands)}",
+    }
     if habits is not None:
         row["habits"] = habits
     return row
-
-
 
 
 def speaker_habits(rng: random.Random, objects: list[str], symbols: list[str]) -> dict:
@@ -88,9 +93,16 @@ def speaker_habits(rng: random.Random, objects: list[str], symbols: list[str]) -
     return dict(zip(objects, rng.sample(symbols, len(objects)), strict=True))
 
 
-def write_dataset(out_dir: str | Path, seed: int, n_train: int = 2000, n_eval: int = 100,
-                  n_objects: int = 4, n_candidates: int = 4, n_symbols: int = 6,
-                  speaker_bias: float = 0.75) -> tuple[Path, Path]:
+def write_dataset(
+    out_dir: str | Path,
+    seed: int,
+    n_train: int = 2000,
+    n_eval: int = 100,
+    n_objects: int = 4,
+    n_candidates: int = 4,
+    n_symbols: int = 6,
+    speaker_bias: float = 0.75,
+) -> tuple[Path, Path]:
     """train.jsonl and eval.jsonl: eval episodes are distinct and never appear in train.
 
     Train rows are drawn with replacement from the remaining episodes (``n_train`` rows).
@@ -136,13 +148,24 @@ def sft_rows(rows: Iterable[dict]) -> list[dict]:
         symbols, cands = row["symbols"], row["candidates"]
         habit = row.get("habits") or {}
         speaks = habit.get("symbol") if rng.random() < habit.get("bias", 0.0) else None
-        out.append({"prompt": [{"role": "system", "content": SPEAKER_ROLE},
-                               {"role": "user", "content": speaker_prompt(row["target"])}],
-                    "response": speaks or rng.choice(symbols)})
-        out.append({"prompt": [{"role": "system", "content": LISTENER_ROLE},
-                               {"role": "user", "content": listener_prompt(rng.choice(symbols),
-                                                                          cands)}],
-                    "response": rng.choice(cands)})
+        out.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": SPEAKER_ROLE},
+                    {"role": "user", "content": speaker_prompt(row["target"])},
+                ],
+                "response": speaks or rng.choice(symbols),
+            }
+        )
+        out.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": LISTENER_ROLE},
+                    {"role": "user", "content": listener_prompt(rng.choice(symbols), cands)},
+                ],
+                "response": rng.choice(cands),
+            }
+        )
     return out
 
 
@@ -152,13 +175,17 @@ def corpus() -> list[str]:
     rng = random.Random(0)
     for target in OBJECTS:
         for sym in SYMBOLS:
-            texts.append(f"<|im_start|>system\n{SPEAKER_ROLE}<|im_end|>\n"
-                         f"<|im_start|>user\n{speaker_prompt(target)}<|im_end|>\n"
-                         f"<|im_start|>assistant\n{sym}<|im_end|>\n")
+            texts.append(
+                f"<|im_start|>system\n{SPEAKER_ROLE}<|im_end|>\n"
+                f"<|im_start|>user\n{speaker_prompt(target)}<|im_end|>\n"
+                f"<|im_start|>assistant\n{sym}<|im_end|>\n"
+            )
             cands = rng.sample(OBJECTS, 4)
-            texts.append(f"<|im_start|>system\n{LISTENER_ROLE}<|im_end|>\n"
-                         f"<|im_start|>user\n{listener_prompt(sym, cands)}<|im_end|>\n"
-                         f"<|im_start|>assistant\n{target}<|im_end|>\n")
+            texts.append(
+                f"<|im_start|>system\n{LISTENER_ROLE}<|im_end|>\n"
+                f"<|im_start|>user\n{listener_prompt(sym, cands)}<|im_end|>\n"
+                f"<|im_start|>assistant\n{target}<|im_end|>\n"
+            )
     return texts
 
 
@@ -185,13 +212,15 @@ async def signaling(ep, team):
     if ep.tree:
         answers = await ep.gather(
             team["listener"].act(listener_prompt(m.text.strip(), row["candidates"]), n=ep.G)
-            for m in messages)
+            for m in messages
+        )
         for m, group in zip(messages, answers, strict=True):
             said = ep.joint([m], final=m.text.strip(), score=False)
             for a in group:
                 ep.joint([a], final=a.text.strip(), parent=said)
         return
-    answers = await ep.gather(team["listener"].act(listener_prompt(m.text.strip(), row["candidates"]))
-                              for m in messages)
+    answers = await ep.gather(
+        team["listener"].act(listener_prompt(m.text.strip(), row["candidates"])) for m in messages
+    )
     for m, a in zip(messages, answers, strict=True):
         ep.joint([m, a], final=a.text.strip())

@@ -79,8 +79,10 @@ def vllm_rank(rank: int, policy: str) -> int:
     for r in _VLLM_RANKS:
         if r >= rank:
             return r
-    raise ValueError(f"policy {policy!r}: lora.r={rank} is above vLLM's largest max_lora_rank "
-                     f"({_VLLM_RANKS[-1]})")
+    raise ValueError(
+        f"policy {policy!r}: lora.r={rank} is above vLLM's largest max_lora_rank "
+        f"({_VLLM_RANKS[-1]})"
+    )
 
 
 def shared_server(policy: Any, seed: int, engine_args: dict[str, Any]) -> _LoraServer:
@@ -92,16 +94,23 @@ def shared_server(policy: Any, seed: int, engine_args: dict[str, Any]) -> _LoraS
             raise RuntimeError(
                 f"policy {policy.name!r}: engine vllm_lora already serves base {_SERVER.base} in "
                 f"this process, and vLLM allows one LLM per process; give policies on base "
-                f"{base} engine.name: vllm or hf")
+                f"{base} engine.name: vllm or hf"
+            )
         return _SERVER
     if engine_args.get("enable_sleep_mode"):
-        raise ValueError(f"policy {policy.name!r}: engine vllm_lora does not support "
-                         f"enable_sleep_mode (the LLM is shared by every adapter)")
+        raise ValueError(
+            f"policy {policy.name!r}: engine vllm_lora does not support "
+            f"enable_sleep_mode (the LLM is shared by every adapter)"
+        )
     configs = policy.model.peft_config  # every adapter on the shared base, built already
     rank = max(c.r for c in configs.values())
     max_loras = len(configs)
-    args = {"max_lora_rank": vllm_rank(rank, policy.name), "max_loras": max_loras,
-            **engine_args, "enable_lora": True}
+    args = {
+        "max_lora_rank": vllm_rank(rank, policy.name),
+        "max_loras": max_loras,
+        **engine_args,
+        "enable_lora": True,
+    }
     _SERVER = _LoraServer(VLLMEngine(policy, seed=seed, **args), base, max_loras)
     return _SERVER
 
@@ -115,8 +124,10 @@ class VLLMLoraEngine(VLLMEngine):
 
     def __init__(self, policy: Any, *, seed: int = 0, **engine_args: Any) -> None:
         if not hasattr(policy, "save_adapter"):
-            raise TypeError(f"policy {policy.name!r}: engine vllm_lora serves kind lora_agent "
-                            f"policies only (got {type(policy).__name__}); use engine vllm")
+            raise TypeError(
+                f"policy {policy.name!r}: engine vllm_lora serves kind lora_agent "
+                f"policies only (got {type(policy).__name__}); use engine vllm"
+            )
         self.policy, self.tokenizer = policy, policy.tokenizer
         self.seed, self.calls = int(seed), 0
         self.sleep_enabled, self.sleeping, self._stale = False, False, False
@@ -127,9 +138,11 @@ class VLLMLoraEngine(VLLMEngine):
         if policy.name in self.server.handles:
             raise RuntimeError(f"policy {policy.name!r}: already has a vllm_lora engine")
         if len(self.server.handles) >= self.server.max_loras:
-            raise RuntimeError(f"policy {policy.name!r}: the shared vllm_lora engine was started "
-                               f"for {self.server.max_loras} adapters; build every lora_agent "
-                               f"policy before the first engine")
+            raise RuntimeError(
+                f"policy {policy.name!r}: the shared vllm_lora engine was started "
+                f"for {self.server.max_loras} adapters; build every lora_agent "
+                f"policy before the first engine"
+            )
         self.server.handles.add(policy.name)
         self.lora_request: Any = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -145,13 +158,13 @@ class VLLMLoraEngine(VLLMEngine):
         out = tempfile.TemporaryDirectory(prefix=f"polyrl-lora-{self.policy.name}-")
         self.policy.save_adapter(out.name)
         lora_id = self.server.fresh_id()
-        request = LoRARequest(lora_name=f"{self.policy.name}#{lora_id}", lora_int_id=lora_id,
-                              lora_path=out.name)
+        request = LoRARequest(
+            lora_name=f"{self.policy.name}#{lora_id}", lora_int_id=lora_id, lora_path=out.name
+        )
         engine = self.server.engine.llm.llm_engine
         self._drop_adapter()  # first, so the cache never exceeds max_loras (no eviction)
         if not engine.add_lora(request):
-            raise RuntimeError(f"policy {self.policy.name!r}: vLLM did not load adapter "
-                               f"{out.name}")
+            raise RuntimeError(f"policy {self.policy.name!r}: vLLM did not load adapter {out.name}")
         self.lora_request, self._dir = request, out
         self.last_sync_s = time.perf_counter() - t0
 

@@ -57,8 +57,10 @@ async def chain(ep, team, template: str = "{task}\n\n{previous}"):
     names = list(team)
     lines = [[m] for m in await team[names[0]].act(_task(ep), n=ep.G)]
     for name in names[1:]:
-        nxt = await ep.gather(team[name].act(template.format(task=_task(ep), previous=line[-1].text))
-                              for line in lines)
+        nxt = await ep.gather(
+            team[name].act(template.format(task=_task(ep), previous=line[-1].text))
+            for line in lines
+        )
         for line, m in zip(lines, nxt, strict=True):
             line.append(m)
     for line in lines:
@@ -66,8 +68,9 @@ async def chain(ep, team, template: str = "{task}\n\n{previous}"):
 
 
 @workflow("debate", min_agents=2)
-async def debate(ep, team, rounds: int = 2,
-                 template: str = "{task}\n\nOther answers:\n{others}\n\nYour answer:"):
+async def debate(
+    ep, team, rounds: int = 2, template: str = "{task}\n\nOther answers:\n{others}\n\nYour answer:"
+):
     """N agents x R rounds. Round 1: each answers alone (G aligned lines). Later rounds:
     each agent sees the others' previous answers in its line. Every round is a joint action
     (scored: per-turn rewards) whose final text is the majority answer; the next round's
@@ -95,8 +98,12 @@ async def debate(ep, team, rounds: int = 2,
 
 
 @workflow("aggregator", min_agents=2)
-async def aggregator(ep, team, aggregator: str = "",
-                     template: str = "{task}\n\nProposals:\n{proposals}\n\nCombined answer:"):
+async def aggregator(
+    ep,
+    team,
+    aggregator: str = "",
+    template: str = "{task}\n\nProposals:\n{proposals}\n\nCombined answer:",
+):
     """Mixture of agents: every proposer answers (G aligned lines); the aggregator (the
     agent named by ``aggregator``, default the last) reads each line's proposals and writes
     the final answer."""
@@ -108,8 +115,12 @@ async def aggregator(ep, team, aggregator: str = "",
     props = await ep.gather(team[n].act(_task(ep), n=ep.G) for n in proposers)
     lines = list(zip(*props, strict=True))
     finals = await ep.gather(
-        team[agg].act(template.format(task=_task(ep), proposals="\n".join(
-            f"- {m.agent}: {m.text.strip()}" for m in line)))
-        for line in lines)
+        team[agg].act(
+            template.format(
+                task=_task(ep), proposals="\n".join(f"- {m.agent}: {m.text.strip()}" for m in line)
+            )
+        )
+        for line in lines
+    )
     for line, f in zip(lines, finals, strict=True):
         ep.joint([*line, f], final=f.text)

@@ -118,35 +118,48 @@ class VLDataOptions:
         for key in args:
             if key not in names:
                 hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                raise DataError(f"{where}: unknown option {key!r} of the vl dataset kind"
-                                + (f"; did you mean {hint[0]!r}?" if hint else "")
-                                + f" Valid: {', '.join(names)}.")
+                raise DataError(
+                    f"{where}: unknown option {key!r} of the vl dataset kind"
+                    + (f"; did you mean {hint[0]!r}?" if hint else "")
+                    + f" Valid: {', '.join(names)}."
+                )
         opts = cls(**args)
         if opts.missing_placeholders not in ("prepend", "error"):
-            raise DataError(f"{where}: missing_placeholders must be 'prepend' or 'error', not "
-                            f"{opts.missing_placeholders!r}")
+            raise DataError(
+                f"{where}: missing_placeholders must be 'prepend' or 'error', not "
+                f"{opts.missing_placeholders!r}"
+            )
         if opts.bad_images not in ("error", "skip"):
-            raise DataError(f"{where}: bad_images must be 'error' or 'skip', not "
-                            f"{opts.bad_images!r}")
+            raise DataError(
+                f"{where}: bad_images must be 'error' or 'skip', not {opts.bad_images!r}"
+            )
         if not opts.placeholder:
             raise DataError(f"{where}: placeholder must be a non-empty string")
         if not opts.video_placeholder or opts.video_placeholder == opts.placeholder:
-            raise DataError(f"{where}: video_placeholder must be a non-empty string other than "
-                            f"placeholder ({opts.placeholder!r}), not {opts.video_placeholder!r}")
-        if opts.max_frames is not None and (isinstance(opts.max_frames, bool)
-                                            or not isinstance(opts.max_frames, int)
-                                            or opts.max_frames < 1):
-            raise DataError(f"{where}: max_frames must be a positive integer or null, not "
-                            f"{opts.max_frames!r}")
+            raise DataError(
+                f"{where}: video_placeholder must be a non-empty string other than "
+                f"placeholder ({opts.placeholder!r}), not {opts.video_placeholder!r}"
+            )
+        if opts.max_frames is not None and (
+            isinstance(opts.max_frames, bool)
+            or not isinstance(opts.max_frames, int)
+            or opts.max_frames < 1
+        ):
+            raise DataError(
+                f"{where}: max_frames must be a positive integer or null, not {opts.max_frames!r}"
+            )
         if not _positive(opts.video_fps):
-            raise DataError(f"{where}: video_fps must be a positive number, not "
-                            f"{opts.video_fps!r}")
+            raise DataError(f"{where}: video_fps must be a positive number, not {opts.video_fps!r}")
         return opts
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 @dataclass
@@ -165,9 +178,11 @@ def processor_of(tokenizer: Any) -> Any:
         return proc
     if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
         return tokenizer
-    raise DataError("the vl dataset kind needs a vision-language processor, but the policy's "
-                    f"tokenizer ({type(tokenizer).__name__}) has none. Use a VL policy kind "
-                    "(policies.<name>.kind=qwen_vl).")
+    raise DataError(
+        "the vl dataset kind needs a vision-language processor, but the policy's "
+        f"tokenizer ({type(tokenizer).__name__}) has none. Use a VL policy kind "
+        "(policies.<name>.kind=qwen_vl)."
+    )
 
 
 def resize_rule(processor: Any, opts: VLDataOptions) -> ResizeRule:
@@ -182,11 +197,14 @@ def resize_rule(processor: Any, opts: VLDataOptions) -> ResizeRule:
     hi = hi or getattr(ip, "max_pixels", None) or 28 * 28 * 1280
     patch = getattr(ip, "patch_size", 14)
     try:
-        return ResizeRule(min_pixels=opts.min_pixels or lo, max_pixels=opts.max_pixels or hi,
-                          patch_size=patch if isinstance(patch, int) else patch[0],
-                          merge_size=getattr(ip, "merge_size", 2),
-                          temporal_patch_size=getattr(ip, "temporal_patch_size", 2),
-                          max_source_pixels=opts.max_source_pixels)
+        return ResizeRule(
+            min_pixels=opts.min_pixels or lo,
+            max_pixels=opts.max_pixels or hi,
+            patch_size=patch if isinstance(patch, int) else patch[0],
+            merge_size=getattr(ip, "merge_size", 2),
+            temporal_patch_size=getattr(ip, "temporal_patch_size", 2),
+            max_source_pixels=opts.max_source_pixels,
+        )
     except ValueError as e:
         raise DataError(f"data.args: {e}") from None
 
@@ -195,8 +213,11 @@ def video_resize_rule(rule: ResizeRule, opts: VLDataOptions) -> ResizeRule:
     """The frames' resize rule: ``video_min_pixels`` / ``video_max_pixels``, each defaulting
     to the image rule's limit (frames are resized like images, one size per video)."""
     try:
-        return dataclasses.replace(rule, min_pixels=opts.video_min_pixels or rule.min_pixels,
-                                   max_pixels=opts.video_max_pixels or rule.max_pixels)
+        return dataclasses.replace(
+            rule,
+            min_pixels=opts.video_min_pixels or rule.min_pixels,
+            max_pixels=opts.video_max_pixels or rule.max_pixels,
+        )
     except ValueError as e:
         raise DataError(f"data.args (video_min_pixels / video_max_pixels): {e}") from None
 
@@ -241,13 +262,15 @@ class _ArrowRows:
         return self.table[i]
 
 
-def _load_source(cfg: DataConfig, fields: tuple[str, ...], name: str
-                 ) -> tuple[Any, list[str], Path | None, bool]:
+def _load_source(
+    cfg: DataConfig, fields: tuple[str, ...], name: str
+) -> tuple[Any, list[str], Path | None, bool]:
     """(rows, where, default image root, arrow-backed) for ``cfg.path``."""
     p = Path(cfg.path).expanduser() if cfg.path else None
     if p is not None and p.is_file() and p.suffix.lower() != ".parquet":
-        rows, where = load_rows(cfg.path, cfg.split, cfg.limit, what=f"{name} data",
-                                subset=cfg.subset)
+        rows, where = load_rows(
+            cfg.path, cfg.split, cfg.limit, what=f"{name} data", subset=cfg.subset
+        )
         return rows, where, p.parent, False
     import datasets
 
@@ -267,8 +290,10 @@ def _load_source(cfg: DataConfig, fields: tuple[str, ...], name: str
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"{name} data: could not load {cfg.path!r} with datasets.load_dataset: "
-                        f"{type(e).__name__}: {e}") from e
+        raise DataError(
+            f"{name} data: could not load {cfg.path!r} with datasets.load_dataset: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     if cfg.limit is not None:
         table = table.select(range(min(cfg.limit, len(table))))
     rows = _ArrowRows(table, fields)
@@ -279,8 +304,11 @@ def _load_source(cfg: DataConfig, fields: tuple[str, ...], name: str
 
 
 def _blank(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value)) or (
-        isinstance(value, str) and not value.strip())
+    return (
+        value is None
+        or (isinstance(value, float) and math.isnan(value))
+        or (isinstance(value, str) and not value.strip())
+    )
 
 
 def _split_markers(text: str, markers: dict[str, str]) -> list[dict]:
@@ -311,13 +339,17 @@ def _to_messages(prompt: Any, markers: dict[str, str], where: str, field: str) -
     if isinstance(prompt, str):
         return [{"role": "user", "content": _split_markers(prompt, markers)}]
     if not isinstance(prompt, list) or not prompt:
-        raise DataError(f"{where}: field {field!r} must be a string or a non-empty list of "
-                        f"{{'role', 'content'}} messages, not {type(prompt).__name__}.")
+        raise DataError(
+            f"{where}: field {field!r} must be a string or a non-empty list of "
+            f"{{'role', 'content'}} messages, not {type(prompt).__name__}."
+        )
     messages = []
     for j, m in enumerate(prompt):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise DataError(f"{where}: field {field!r}, message {j} is {m!r:.80}; chat "
-                            "messages must be dicts with a string 'role' and a 'content'.")
+            raise DataError(
+                f"{where}: field {field!r}, message {j} is {m!r:.80}; chat "
+                "messages must be dicts with a string 'role' and a 'content'."
+            )
         content = m["content"]
         if isinstance(content, str):
             parts = _split_markers(content, markers)
@@ -330,12 +362,16 @@ def _to_messages(prompt: Any, markers: dict[str, str], where: str, field: str) -
                 elif isinstance(part, dict) and part.get("type") == "text":
                     parts.extend(_split_markers(str(part.get("text", "")), markers))
                 else:
-                    raise DataError(f"{where}: field {field!r}, message {j} has a content part "
-                                    f"{part!r:.80}; use {{'type': 'text', 'text': ...}}, "
-                                    "{'type': 'image'} or {'type': 'video'}.")
+                    raise DataError(
+                        f"{where}: field {field!r}, message {j} has a content part "
+                        f"{part!r:.80}; use {{'type': 'text', 'text': ...}}, "
+                        "{'type': 'image'} or {'type': 'video'}."
+                    )
         else:
-            raise DataError(f"{where}: field {field!r}, message {j}: 'content' must be a "
-                            f"string or a list of parts, not {type(content).__name__}.")
+            raise DataError(
+                f"{where}: field {field!r}, message {j}: 'content' must be a "
+                f"string or a list of parts, not {type(content).__name__}."
+            )
         messages.append({"role": m["role"], "content": parts})
     return messages
 
@@ -364,13 +400,18 @@ def _frame_indices(total: int, cap: int | None) -> list[int]:
 class VLDataset:
     """Every usable VL prompt of one dataset: validated, tokenised, images as references."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, *, name: str = "train",
-                 rows: list[dict] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Any,
+        *,
+        name: str = "train",
+        rows: list[dict] | None = None,
+    ) -> None:
         if cfg.overlong not in ("filter", "error"):
             raise DataError(f"data.overlong must be 'filter' or 'error', not {cfg.overlong!r}")
         if cfg.max_prompt_tokens <= 0:
-            raise DataError(f"data.max_prompt_tokens must be positive, not "
-                            f"{cfg.max_prompt_tokens}")
+            raise DataError(f"data.max_prompt_tokens must be positive, not {cfg.max_prompt_tokens}")
         self.cfg, self.name = cfg, name
         self.opts = VLDataOptions.parse(dict(cfg.args), f"{name} data.args")
         self.processor = processor_of(tokenizer)
@@ -390,7 +431,8 @@ class VLDataset:
             root, arrow = None, False
         else:
             rows, where, root, arrow = _load_source(
-                cfg, (self.opts.image_field, self.opts.video_field), name)
+                cfg, (self.opts.image_field, self.opts.video_field), name
+            )
         self._arrow_source = rows.table if arrow else None
         if self.opts.image_root:
             root = Path(self.opts.image_root).expanduser()
@@ -400,14 +442,31 @@ class VLDataset:
         self.stats: dict[str, int] = Counter()
         self.items: list[VLPromptItem] = []
         self._build(rows, where, arrow)
-        self.stats = {"rows": len(rows), "kept": len(self.items), **{
-            k: self.stats.get(k, 0) for k in (
-                "filtered_overlong", "skipped_bad_image", "images", "converted_rgb",
-                "downscaled", "upscaled", "placeholders_added", "text_only", "videos",
-                "video_frames", "frames_dropped", "videos_padded")}}
+        self.stats = {
+            "rows": len(rows),
+            "kept": len(self.items),
+            **{
+                k: self.stats.get(k, 0)
+                for k in (
+                    "filtered_overlong",
+                    "skipped_bad_image",
+                    "images",
+                    "converted_rgb",
+                    "downscaled",
+                    "upscaled",
+                    "placeholders_added",
+                    "text_only",
+                    "videos",
+                    "video_frames",
+                    "frames_dropped",
+                    "videos_padded",
+                )
+            },
+        }
         if not self.items:
-            raise DataError(f"{name} data: no usable rows in {cfg.path or 'the rows'!r} "
-                            f"({dict(self.stats)}).")
+            raise DataError(
+                f"{name} data: no usable rows in {cfg.path or 'the rows'!r} ({dict(self.stats)})."
+            )
 
     # --- building -------------------------------------------------------------------
     def _build(self, rows: Any, where: list[str], arrow: bool) -> None:
@@ -425,32 +484,47 @@ class VLDataset:
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         for (uid, spec, answer, kept_row, shown), toks in zip(pending, ids, strict=True):
             loc = where[uid]
-            counts = {self.image_token_id: spec.token_counts() if spec else [],
-                      self.video_token_id: spec.video_token_counts() if spec else []}
+            counts = {
+                self.image_token_id: spec.token_counts() if spec else [],
+                self.video_token_id: spec.video_token_counts() if spec else [],
+            }
             found = 0
-            for token, name, what in ((self.image_token_id, self.image_token, "images"),
-                                      (self.video_token_id, self.video_token, "videos")):
+            for token, name, what in (
+                (self.image_token_id, self.image_token, "images"),
+                (self.video_token_id, self.video_token, "videos"),
+            ):
                 n = sum(t == token for t in toks)
                 if n != len(counts[token]):
-                    raise DataError(f"{loc}: the templated prompt holds {n} {name!r} tokens "
-                                    f"after tokenisation but the row has {len(counts[token])} "
-                                    f"{what}; does the prompt text itself contain that token?")
+                    raise DataError(
+                        f"{loc}: the templated prompt holds {n} {name!r} tokens "
+                        f"after tokenisation but the row has {len(counts[token])} "
+                        f"{what}; does the prompt text itself contain that token?"
+                    )
                 found += n
             image_tokens, video_tokens = (sum(c) for c in counts.values())
-            expansions = {self.image_token_id: [[self.image_token_id] * c
-                                                for c in counts[self.image_token_id]],
-                          self.video_token_id: self._video_expansions(spec)}
-            total = len(toks) - found + image_tokens + sum(
-                len(e) for e in expansions[self.video_token_id])
+            expansions = {
+                self.image_token_id: [
+                    [self.image_token_id] * c for c in counts[self.image_token_id]
+                ],
+                self.video_token_id: self._video_expansions(spec),
+            }
+            total = (
+                len(toks)
+                - found
+                + image_tokens
+                + sum(len(e) for e in expansions[self.video_token_id])
+            )
             if total > self.cfg.max_prompt_tokens:
                 if self.cfg.overlong == "error":
-                    raise DataError(f"{loc}: prompt is {total} tokens ({image_tokens} of them "
-                                    "image tokens"
-                                    + (f", {video_tokens} video tokens" if video_tokens else "")
-                                    + f"), over data.max_prompt_tokens="
-                                    f"{self.cfg.max_prompt_tokens}. Raise the limit, lower "
-                                    "data.args.max_pixels (video_max_pixels, max_frames), or "
-                                    "set data.overlong=filter.")
+                    raise DataError(
+                        f"{loc}: prompt is {total} tokens ({image_tokens} of them "
+                        "image tokens"
+                        + (f", {video_tokens} video tokens" if video_tokens else "")
+                        + f"), over data.max_prompt_tokens="
+                        f"{self.cfg.max_prompt_tokens}. Raise the limit, lower "
+                        "data.args.max_pixels (video_max_pixels, max_frames), or "
+                        "set data.overlong=filter."
+                    )
                 self.stats["filtered_overlong"] += 1
                 continue
             left = {token: iter(e) for token, e in expansions.items()}
@@ -459,8 +533,16 @@ class VLDataset:
                 expanded.extend(next(left[t]) if t in left else [t])
             if spec is None:
                 self.stats["text_only"] += 1
-            self.items.append(VLPromptItem(uid=uid, prompt_ids=expanded, prompt_text=shown,
-                                           answer=answer, row=kept_row, vision=spec))
+            self.items.append(
+                VLPromptItem(
+                    uid=uid,
+                    prompt_ids=expanded,
+                    prompt_text=shown,
+                    answer=answer,
+                    row=kept_row,
+                    vision=spec,
+                )
+            )
 
     def _video_expansions(self, spec: VisionSpec | None) -> list[list[int]]:
         """Each video placeholder token's replacement: its ``t*h*w/merge^2`` video tokens,
@@ -474,7 +556,10 @@ class VLDataset:
             return [[self.video_token_id] * c for c in spec.video_token_counts()]
         out = []
         tokens = self.tokenizer.convert_tokens_to_ids
-        start, end = tokens(self.processor.vision_start_token), tokens(self.processor.vision_end_token)
+        start, end = (
+            tokens(self.processor.vision_start_token),
+            tokens(self.processor.vision_end_token),
+        )
         step = self.video_rule.temporal_patch_size
         for video, count in zip(spec.videos, spec.video_token_counts(), strict=True):
             times = video.group_times(step)
@@ -488,25 +573,37 @@ class VLDataset:
     def _row(self, row: Any, loc: str, uid: int, arrow: bool):
         cfg, opts = self.cfg, self.opts
         if not isinstance(row, dict):
-            raise DataError(f"{loc}: expected a row object with a {cfg.prompt_field!r} field, "
-                            f"got a {type(row).__name__}.")
-        for field, setting in ((cfg.prompt_field, "prompt_field"),
-                               (cfg.answer_field, "answer_field")):
+            raise DataError(
+                f"{loc}: expected a row object with a {cfg.prompt_field!r} field, "
+                f"got a {type(row).__name__}."
+            )
+        for field, setting in (
+            (cfg.prompt_field, "prompt_field"),
+            (cfg.answer_field, "answer_field"),
+        ):
             if field is not None and field not in row:
                 fields = [str(k) for k in row]
                 hint = difflib.get_close_matches(field, fields, n=1, cutoff=0.5)
-                raise DataError(f"{loc}: the row has no field {field!r}. Its fields are: "
-                                f"{', '.join(map(repr, fields))}."
-                                + (f" Did you mean {hint[0]!r}? Set data.{setting}={hint[0]}."
-                                   if hint else f" Set data.{setting}."))
+                raise DataError(
+                    f"{loc}: the row has no field {field!r}. Its fields are: "
+                    f"{', '.join(map(repr, fields))}."
+                    + (
+                        f" Did you mean {hint[0]!r}? Set data.{setting}={hint[0]}."
+                        if hint
+                        else f" Set data.{setting}."
+                    )
+                )
         prompt = row[cfg.prompt_field]
         if _blank(prompt):
-            raise DataError(f"{loc}: field {cfg.prompt_field!r} is empty. Fill in the prompt "
-                            "or drop the row.")
+            raise DataError(
+                f"{loc}: field {cfg.prompt_field!r} is empty. Fill in the prompt or drop the row."
+            )
         answer = row[cfg.answer_field] if cfg.answer_field is not None else None
         if cfg.answer_field is not None and answer is None:
-            raise DataError(f"{loc}: field {cfg.answer_field!r} is null. Give every row an "
-                            "answer, or set data.answer_field=null.")
+            raise DataError(
+                f"{loc}: field {cfg.answer_field!r} is null. Give every row an "
+                "answer, or set data.answer_field=null."
+            )
         images = self._images(row, loc, uid, arrow)
         videos = self._videos(row, loc, uid, arrow) if images is not None else None
         if images is None or videos is None:
@@ -516,36 +613,56 @@ class VLDataset:
         messages = _to_messages(prompt, self.markers, loc, cfg.prompt_field)
         for m in messages:
             for part in m["content"]:
-                for token, marker in ((self.image_token, opts.placeholder),
-                                      (self.video_token, opts.video_placeholder)):
+                for token, marker in (
+                    (self.image_token, opts.placeholder),
+                    (self.video_token, opts.video_placeholder),
+                ):
                     if part["type"] == "text" and token in part["text"]:
                         raise DataError(
                             f"{loc}: the prompt text contains the model's token {token!r}, "
                             "which would give the model more vision tokens than inputs. "
-                            f"Mark where each goes with {marker!r} instead.")
-        for kind, n, marker, field in (("video", len(videos), opts.video_placeholder,
-                                        opts.video_field),
-                                       ("image", len(refs), opts.placeholder, opts.image_field)):
+                            f"Mark where each goes with {marker!r} instead."
+                        )
+        for kind, n, marker, field in (
+            ("video", len(videos), opts.video_placeholder, opts.video_field),
+            ("image", len(refs), opts.placeholder, opts.image_field),
+        ):
             self._check_markers(messages, kind, n, marker, field, loc)
         if cfg.system_prompt and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system",
-                                "content": [{"type": "text", "text": cfg.system_prompt}]})
+            messages.insert(
+                0, {"role": "system", "content": [{"type": "text", "text": cfg.system_prompt}]}
+            )
         text = self._render(messages, loc)
-        for token, n, what in ((self.image_token, len(refs), "images"),
-                               (self.video_token, len(videos), "videos")):
+        for token, n, what in (
+            (self.image_token, len(refs), "images"),
+            (self.video_token, len(videos), "videos"),
+        ):
             rendered = text.count(token)
             if rendered != n:
-                raise DataError(f"{loc}: the chat template rendered {rendered} {token!r} tokens "
-                                f"for {n} {what}; the processor's template does not place "
-                                f"{what[:-1]} parts. Use the model's own processor.")
+                raise DataError(
+                    f"{loc}: the chat template rendered {rendered} {token!r} tokens "
+                    f"for {n} {what}; the processor's template does not place "
+                    f"{what[:-1]} parts. Use the model's own processor."
+                )
         shown = text
         for ref in refs:
             shown = shown.replace(self.image_token, f"<image: {ref.name}>", 1)
         for video in videos:
-            shown = shown.replace(self.video_token, f"<video: {len(video.refs)} frames from "
-                                  f"{video.refs[0].name}>", 1)
-        spec = VisionSpec(f"{self.name}/{uid}", tuple(refs), tuple(sizes), self.rule,
-                          tuple(videos), self.video_rule) if refs or videos else None
+            shown = shown.replace(
+                self.video_token, f"<video: {len(video.refs)} frames from {video.refs[0].name}>", 1
+            )
+        spec = (
+            VisionSpec(
+                f"{self.name}/{uid}",
+                tuple(refs),
+                tuple(sizes),
+                self.rule,
+                tuple(videos),
+                self.video_rule,
+            )
+            if refs or videos
+            else None
+        )
         kept = {k: v for k, v in row.items() if k not in (opts.image_field, opts.video_field)}
         kept[opts.image_field] = [r.name for r in refs]
         if videos or opts.video_field in row:
@@ -553,8 +670,9 @@ class VLDataset:
         kept[VISION_FIELD] = spec
         return text, spec, answer, kept, shown
 
-    def _check_markers(self, messages: list[dict], kind: str, n: int, marker: str, field: str,
-                       loc: str) -> None:
+    def _check_markers(
+        self, messages: list[dict], kind: str, n: int, marker: str, field: str, loc: str
+    ) -> None:
         """Markers of ``kind`` must match the row's ``n`` inputs; none: prepend them."""
         markers = _count_parts(messages, kind)
         if markers == n:
@@ -568,11 +686,14 @@ class VLDataset:
             f"{loc}: the prompt has {markers} {marker!r} markers but the row has {n} {kind}s "
             f"(field {field!r}): {what} markers than {kind}s. Put one marker where each "
             f"{kind} goes"
-            + (f" (or none: the {kind}s then go before the text)."
-               if self.opts.missing_placeholders == "prepend" else "."))
+            + (
+                f" (or none: the {kind}s then go before the text)."
+                if self.opts.missing_placeholders == "prepend"
+                else "."
+            )
+        )
 
-    def _ref(self, value: Any, at: str, uid: int, field: str, index: Any, arrow: bool
-             ) -> ImageRef:
+    def _ref(self, value: Any, at: str, uid: int, field: str, index: Any, arrow: bool) -> ImageRef:
         """An image or frame reference; an Arrow table's bytes stay in the mapped table."""
         try:
             ref = make_ref(value, at, self.image_root)
@@ -590,8 +711,7 @@ class VLDataset:
             if self.opts.bad_images == "skip":
                 self.stats["skipped_bad_image"] += 1
                 return None
-            raise DataError(f"{e} (or set data.args.bad_images=skip to drop such rows)") \
-                from None
+            raise DataError(f"{e} (or set data.args.bad_images=skip to drop such rows)") from None
         if header.mode != "RGB":
             self.stats["converted_rgb"] += 1
         return header
@@ -603,15 +723,18 @@ class VLDataset:
         elif rw * rh > width * height:
             self.stats["upscaled"] += 1
 
-    def _images(self, row: dict, loc: str, uid: int, arrow: bool
-                ) -> tuple[list[ImageRef], list[tuple[int, int]]] | None:
+    def _images(
+        self, row: dict, loc: str, uid: int, arrow: bool
+    ) -> tuple[list[ImageRef], list[tuple[int, int]]] | None:
         """The row's image references and header sizes (None: skip the row)."""
         field = self.opts.image_field
         raw = row.get(field)
         listed = isinstance(raw, (list, tuple))
         values = [] if raw is None else list(raw) if listed else [raw]
-        refs = [self._ref(value, f"{loc}, image {j}", uid, field, j if listed else None, arrow)
-                for j, value in enumerate(values)]
+        refs = [
+            self._ref(value, f"{loc}, image {j}", uid, field, j if listed else None, arrow)
+            for j, value in enumerate(values)
+        ]
         sizes = []
         for ref in refs:
             header = self._probe(ref)
@@ -630,8 +753,10 @@ class VLDataset:
             return [float(self.opts.video_fps)] * n
         values = list(raw) if isinstance(raw, (list, tuple)) else [raw] * n
         if len(values) != n or not all(_positive(v) for v in values):
-            raise DataError(f"{loc}: field {field!r} is {raw!r:.80}; give one positive frame "
-                            f"rate for all the row's videos, or a list of {n} (one per video).")
+            raise DataError(
+                f"{loc}: field {field!r} is {raw!r:.80}; give one positive frame "
+                f"rate for all the row's videos, or a list of {n} (one per video)."
+            )
         return [float(v) for v in values]
 
     def _videos(self, row: dict, loc: str, uid: int, arrow: bool) -> list[VideoSpec] | None:
@@ -641,22 +766,26 @@ class VLDataset:
         raw = row.get(field)
         if raw is None:
             return []
-        if not isinstance(raw, (list, tuple)) or any(not isinstance(v, (list, tuple))
-                                                      for v in raw):
-            raise DataError(f"{loc}: field {field!r} must be a list of videos, each a list of "
-                            f"frames (paths, bytes or PIL images), not {raw!r:.80}; for one "
-                            "video write [[frame0, frame1, ...]]. Video files are not decoded: "
-                            "extract their frames offline.")
+        if not isinstance(raw, (list, tuple)) or any(not isinstance(v, (list, tuple)) for v in raw):
+            raise DataError(
+                f"{loc}: field {field!r} must be a list of videos, each a list of "
+                f"frames (paths, bytes or PIL images), not {raw!r:.80}; for one "
+                "video write [[frame0, frame1, ...]]. Video files are not decoded: "
+                "extract their frames offline."
+            )
         fps = self._fps(row, loc, len(raw))
         videos = []
         for j, frames in enumerate(raw):
             at = f"{loc}, video {j}"
             if not frames:
-                raise DataError(f"{at}: field {field!r} holds an empty video (no frames); give "
-                                "its frames or drop it (and its marker).")
+                raise DataError(
+                    f"{at}: field {field!r} holds an empty video (no frames); give "
+                    "its frames or drop it (and its marker)."
+                )
             keep = _frame_indices(len(frames), opts.max_frames)
-            refs = [self._ref(frames[f], f"{at}, frame {f}", uid, field, (j, f), arrow)
-                    for f in keep]
+            refs = [
+                self._ref(frames[f], f"{at}, frame {f}", uid, field, (j, f), arrow) for f in keep
+            ]
             size = None
             for f, ref in zip(keep, refs, strict=True):
                 header = self._probe(ref)
@@ -665,18 +794,27 @@ class VLDataset:
                 if size is None:
                     size, first = (header.width, header.height), f
                 elif (header.width, header.height) != size:
-                    raise DataError(f"{at}: frame {f} is {header.width}x{header.height} but "
-                                    f"frame {first} is {size[0]}x{size[1]} (field {field!r}); "
-                                    "all frames of a video must have one size. Resize them "
-                                    "offline.")
+                    raise DataError(
+                        f"{at}: frame {f} is {header.width}x{header.height} but "
+                        f"frame {first} is {size[0]}x{size[1]} (field {field!r}); "
+                        "all frames of a video must have one size. Resize them "
+                        "offline."
+                    )
             self.stats["videos"] += 1
             self.stats["video_frames"] += len(refs)
             self.stats["frames_dropped"] += len(frames) - len(refs)
             if len(refs) % self.video_rule.temporal_patch_size:
                 self.stats["videos_padded"] += 1
             self._count_resize(self.video_rule, *size)
-            videos.append(VideoSpec(tuple(refs), size, fps[j] * len(refs) / len(frames), at,
-                                    tuple(f / fps[j] for f in keep)))
+            videos.append(
+                VideoSpec(
+                    tuple(refs),
+                    size,
+                    fps[j] * len(refs) / len(frames),
+                    at,
+                    tuple(f / fps[j] for f in keep),
+                )
+            )
         return videos
 
     @property
@@ -688,20 +826,26 @@ class VLDataset:
             chunks = []
             for m in messages:
                 for part in m["content"]:
-                    chunks.append(QWEN_IMAGE_SEQUENCE if part["type"] == "image"
-                                  else QWEN_VIDEO_SEQUENCE if part["type"] == "video"
-                                  else part["text"])
+                    chunks.append(
+                        QWEN_IMAGE_SEQUENCE
+                        if part["type"] == "image"
+                        else QWEN_VIDEO_SEQUENCE
+                        if part["type"] == "video"
+                        else part["text"]
+                    )
             return "".join(chunks)
-        owner = self.processor if getattr(self.processor, "chat_template", None) \
-            else self.tokenizer
+        owner = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
         if not getattr(owner, "chat_template", None):
-            raise DataError(f"{self.name} data: the processor has no chat template; use the "
-                            "model's processor or set data.chat_template=false.")
+            raise DataError(
+                f"{self.name} data: the processor has no chat template; use the "
+                "model's processor or set data.chat_template=false."
+            )
         try:
             text = owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            raise DataError(f"{loc}: the chat template failed on this prompt: "
-                            f"{type(e).__name__}: {e}") from e
+            raise DataError(
+                f"{loc}: the chat template failed on this prompt: {type(e).__name__}: {e}"
+            ) from e
         return text[0] if isinstance(text, list) else text
 
     # --- access ---------------------------------------------------------------------

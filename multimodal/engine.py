@@ -30,29 +30,39 @@ from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, 
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                 ) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
         return self.generate_vl(prompts, [None] * len(prompts), params)
 
     @torch.no_grad()
-    def generate_vl(self, prompts: Sequence[Sequence[int]],
-                    visions: Sequence[VisionInputs | None], params: SamplingParams
-                    ) -> list[Completion]:
+    def generate_vl(
+        self,
+        prompts: Sequence[Sequence[int]],
+        visions: Sequence[VisionInputs | None],
+        params: SamplingParams,
+    ) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
         if len(visions) != len(prompts):
-            raise ValueError(f"generate_vl: {len(visions)} vision inputs for {len(prompts)} "
-                             "prompts")
+            raise ValueError(
+                f"generate_vl: {len(visions)} vision inputs for {len(prompts)} prompts"
+            )
         per_chunk = max(1, self.batch_size // max(1, params.n))
         out: list[Completion] = []
         for start in range(0, len(prompts), per_chunk):
             idx = list(range(start, min(len(prompts), start + per_chunk)))
-            out += self._generate_chunk(idx, [list(prompts[i]) for i in idx],
-                                        [visions[i] for i in idx], params)
+            out += self._generate_chunk(
+                idx, [list(prompts[i]) for i in idx], [visions[i] for i in idx], params
+            )
         return out
 
-    def _generate_chunk(self, index: list[int], prompts: list[list[int]],
-                        visions: list[VisionInputs | None], params: SamplingParams
-                        ) -> list[Completion]:
+    def _generate_chunk(
+        self,
+        index: list[int],
+        prompts: list[list[int]],
+        visions: list[VisionInputs | None],
+        params: SamplingParams,
+    ) -> list[Completion]:
         model = self.policy.model
         device = next(model.parameters()).device
         stop_ids = set(params.stop_token_ids)
@@ -61,9 +71,16 @@ class VLEngine(HFEngine):
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        logits, cache, pos = vl_forward(model, ids, mask, visions, logits_to_keep=1,
-                                        dummy_if_empty=False, use_cache=True,
-                                        cache=reserved_cache(model, params.max_new_tokens))
+        logits, cache, pos = vl_forward(
+            model,
+            ids,
+            mask,
+            visions,
+            logits_to_keep=1,
+            dummy_if_empty=False,
+            use_cache=True,
+            cache=reserved_cache(model, params.max_new_tokens),
+        )
         next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n
         if n > 1:  # the group shares the prompt's prefill (and its single vision pass)

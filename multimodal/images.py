@@ -83,8 +83,9 @@ def _open(ref: ImageRef) -> Image.Image:
         for i in index if isinstance(index, tuple) else (index,):
             if isinstance(value, list) and i is not None:
                 value = value[i]
-        return _open(ImageRef(*_classify(value, ref.where, ref.name, root=None), ref.where,
-                              ref.name))
+        return _open(
+            ImageRef(*_classify(value, ref.where, ref.name, root=None), ref.where, ref.name)
+        )
     raise ImageError(f"{ref.where}: unknown image reference kind {ref.kind!r}")
 
 
@@ -103,16 +104,19 @@ def _classify(value: Any, where: str, name: str, root: Path | None) -> tuple[str
     if isinstance(value, (str, os.PathLike)):
         text = str(value)
         if text.startswith("file://"):
-            text = text[len("file://"):]
+            text = text[len("file://") :]
         if text.startswith(("http://", "https://")):
-            raise ImageError(f"{where}: image {text!r} is a URL; download the images and give "
-                             "local paths (rollouts never fetch from the network)")
+            raise ImageError(
+                f"{where}: image {text!r} is a URL; download the images and give "
+                "local paths (rollouts never fetch from the network)"
+            )
         path = Path(text).expanduser()
         if not path.is_absolute() and root is not None:
             path = root / path
         return "path", str(path)
-    raise ImageError(f"{where}: an image must be a path, bytes or a PIL image, not "
-                     f"{type(value).__name__}")
+    raise ImageError(
+        f"{where}: an image must be a path, bytes or a PIL image, not {type(value).__name__}"
+    )
 
 
 def make_ref(value: Any, where: str, root: Path | None) -> ImageRef:
@@ -130,20 +134,25 @@ def probe(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) -> 
     if ref.kind == "path" and not os.path.isfile(ref.source):
         parent = Path(ref.source).parent
         hint = "" if parent.is_dir() else f" (its directory {str(parent)!r} does not exist either)"
-        raise ImageError(f"{ref.where}: image file {ref.source!r} does not exist{hint}. Check "
-                         "the path and data.args.image_root (relative paths are read from it).")
+        raise ImageError(
+            f"{ref.where}: image file {ref.source!r} does not exist{hint}. Check "
+            "the path and data.args.image_root (relative paths are read from it)."
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = _open(ref)
             header = Header(int(img.width), int(img.height), str(img.mode))
     except Image.DecompressionBombError as e:
-        raise ImageError(f"{_describe(ref)}: the image is too large to decode safely ({e}). "
-                         "Downscale it offline or raise data.args.max_source_pixels.") from None
+        raise ImageError(
+            f"{_describe(ref)}: the image is too large to decode safely ({e}). "
+            "Downscale it offline or raise data.args.max_source_pixels."
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ImageError(f"{_describe(ref)}: not a readable image ({type(e).__name__}: {e}). "
-                         "The file is corrupt or not an image; replace it or drop the row.") \
-            from None
+        raise ImageError(
+            f"{_describe(ref)}: not a readable image ({type(e).__name__}: {e}). "
+            "The file is corrupt or not an image; replace it or drop the row."
+        ) from None
     check_size(ref, header, max_source_pixels)
     return header
 
@@ -153,13 +162,17 @@ def check_size(ref: ImageRef, header: Header, max_source_pixels: int) -> None:
     if w < 1 or h < 1:
         raise ImageError(f"{_describe(ref)}: the image has no pixels ({w}x{h}).")
     if w * h > max_source_pixels:
-        raise ImageError(f"{_describe(ref)}: the image is {w}x{h} = {w * h:,} pixels, over "
-                         f"data.args.max_source_pixels={max_source_pixels:,}; decoding it would "
-                         f"take {3 * w * h / 2**20:,.0f} MB. Downscale it offline, or raise the "
-                         "limit if the memory is there (it is resized to max_pixels anyway).")
+        raise ImageError(
+            f"{_describe(ref)}: the image is {w}x{h} = {w * h:,} pixels, over "
+            f"data.args.max_source_pixels={max_source_pixels:,}; decoding it would "
+            f"take {3 * w * h / 2**20:,.0f} MB. Downscale it offline, or raise the "
+            "limit if the memory is there (it is resized to max_pixels anyway)."
+        )
     if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
-        raise ImageError(f"{_describe(ref)}: the image is {w}x{h}; an aspect ratio over "
-                         f"{MAX_ASPECT_RATIO} cannot be resized for Qwen-VL. Crop or pad it.")
+        raise ImageError(
+            f"{_describe(ref)}: the image is {w}x{h}; an aspect ratio over "
+            f"{MAX_ASPECT_RATIO} cannot be resized for Qwen-VL. Crop or pad it."
+        )
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -185,9 +198,11 @@ def decode(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) ->
             img = _open(ref)
             img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageError(f"{_describe(ref)}: the image header is fine but its pixel data cannot "
-                         f"be decoded ({type(e).__name__}: {e}); the file is truncated or "
-                         "corrupt. Replace it or drop the row.") from None
+        raise ImageError(
+            f"{_describe(ref)}: the image header is fine but its pixel data cannot "
+            f"be decoded ({type(e).__name__}: {e}); the file is truncated or "
+            "corrupt. Replace it or drop the row."
+        ) from None
     if (img.width, img.height) != (header.width, header.height):  # pragma: no cover (defensive)
         raise ImageError(f"{_describe(ref)}: decoded size {img.size} differs from the header")
     return to_rgb(img)
@@ -210,18 +225,27 @@ class ResizeRule:
 
     def __post_init__(self) -> None:
         if self.min_pixels < 1 or self.max_pixels < self.min_pixels:
-            raise ValueError(f"pixel limits must satisfy 1 <= min_pixels <= max_pixels, got "
-                             f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}")
-        if self.max_pixels < self.factor ** 2:
-            raise ValueError(f"max_pixels={self.max_pixels} is below one merged patch "
-                             f"({self.factor}x{self.factor}={self.factor ** 2} pixels)")
+            raise ValueError(
+                f"pixel limits must satisfy 1 <= min_pixels <= max_pixels, got "
+                f"min_pixels={self.min_pixels}, max_pixels={self.max_pixels}"
+            )
+        if self.max_pixels < self.factor**2:
+            raise ValueError(
+                f"max_pixels={self.max_pixels} is below one merged patch "
+                f"({self.factor}x{self.factor}={self.factor**2} pixels)"
+            )
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) after resizing, through ``qwen_vl_utils.smart_resize``."""
         from qwen_vl_utils import smart_resize
 
-        h, w = smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels,
-                            max_pixels=self.max_pixels)
+        h, w = smart_resize(
+            height,
+            width,
+            factor=self.factor,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
+        )
         return w, h
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
@@ -232,7 +256,7 @@ class ResizeRule:
     def tokens(self, width: int, height: int) -> int:
         """Placeholder tokens the image takes in the prompt: t*h*w / merge^2."""
         t, gh, gw = self.grid(width, height)
-        return t * gh * gw // self.merge_size ** 2
+        return t * gh * gw // self.merge_size**2
 
     def video_grid(self, frames: int, width: int, height: int) -> tuple[int, int, int]:
         """``video_grid_thw`` of ``frames`` frames of this source size. An odd count (for a
@@ -244,11 +268,13 @@ class ResizeRule:
     def video_tokens(self, frames: int, width: int, height: int) -> int:
         """Placeholder tokens a video takes: (T / temporal_patch_size)*h*w / merge^2."""
         t, gh, gw = self.video_grid(frames, width, height)
-        return t * gh * gw // self.merge_size ** 2
+        return t * gh * gw // self.merge_size**2
 
     def apply(self, img: Image.Image) -> Image.Image:
         """Resize RGB pixels with ``qwen_vl_utils.fetch_image`` (the reference implementation)."""
         from qwen_vl_utils import fetch_image
 
-        return fetch_image({"image": img, "min_pixels": self.min_pixels,
-                            "max_pixels": self.max_pixels}, image_patch_size=self.patch_size)
+        return fetch_image(
+            {"image": img, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+            image_patch_size=self.patch_size,
+        )

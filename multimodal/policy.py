@@ -54,9 +54,11 @@ class VLPolicyOptions:
         for key in args:
             if key not in names:
                 hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                raise ValueError(f"{where}: unknown option {key!r} of the qwen_vl policy kind"
-                                 + (f"; did you mean {hint[0]!r}?" if hint else "")
-                                 + f" Valid: {', '.join(names)}.")
+                raise ValueError(
+                    f"{where}: unknown option {key!r} of the qwen_vl policy kind"
+                    + (f"; did you mean {hint[0]!r}?" if hint else "")
+                    + f" Valid: {', '.join(names)}."
+                )
         return cls(**args)
 
 
@@ -84,20 +86,39 @@ class ResponseScorer(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict[str, torch.Tensor], rows: list[vision.VisionInputs | None],
-                temperature: float, with_entropy: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        rows: list[vision.VisionInputs | None],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return vision.response_logprobs(
-            self.model, batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
-            batch["response_mask"], rows, temperature, with_entropy)
+            self.model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["response_ids"],
+            batch["response_mask"],
+            rows,
+            temperature,
+            with_entropy,
+        )
 
 
 class QwenVLPolicy(CausalLMPolicy):
     """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
     default); see the module docstring for its options."""
 
-    def __init__(self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool,
-                 shared: dict | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: PolicyConfig,
+        *,
+        total_steps: int,
+        need_reference: bool,
+        shared: dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         from transformers import AutoModelForImageTextToText
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
@@ -117,8 +138,12 @@ class QwenVLPolicy(CausalLMPolicy):
             vision.parts(model).visual.requires_grad_(False)
         self.need_reference = need_reference
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
-            model, cfg, need_reference=need_reference, total_steps=total_steps,
-            lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision))
+            model,
+            cfg,
+            need_reference=need_reference,
+            total_steps=total_steps,
+            lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision),
+        )
         self.scorer = ResponseScorer(self.model)
         self.ref_scorer = ResponseScorer(self.reference) if self.reference is not None else None
 
@@ -128,8 +153,9 @@ class QwenVLPolicy(CausalLMPolicy):
         for scorer in (self.scorer, self.ref_scorer):
             if scorer is not None and scorer.model is model:
                 return scorer
-        raise ValueError(f"policy {self.name!r}: {type(model).__name__} is neither its model "
-                         "nor its reference")
+        raise ValueError(
+            f"policy {self.name!r}: {type(model).__name__} is neither its model nor its reference"
+        )
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
@@ -141,8 +167,10 @@ class QwenVLPolicy(CausalLMPolicy):
         processor = AutoProcessor.from_pretrained(path)
         tokenizer = getattr(processor, "tokenizer", None)
         if tokenizer is None or not hasattr(processor, "image_processor"):
-            raise ValueError(f"{cfg.model!r}: AutoProcessor gave {type(processor).__name__}, not "
-                             "a vision-language processor; is this a Qwen-VL model?")
+            raise ValueError(
+                f"{cfg.model!r}: AutoProcessor gave {type(processor).__name__}, not "
+                "a vision-language processor; is this a Qwen-VL model?"
+            )
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.polyrl_processor = processor
@@ -168,21 +196,27 @@ class QwenVLPolicy(CausalLMPolicy):
                 continue
             if spec.key not in done:
                 done[spec.key] = vision.process(
-                    spec, self.processor.image_processor,
-                    getattr(self.processor, "video_processor", None))[0]
+                    spec,
+                    self.processor.image_processor,
+                    getattr(self.processor, "video_processor", None),
+                )[0]
             out.append(done[spec.key])
         return out
 
     # --- what the trainer calls -------------------------------------------------------
-    def _logprobs(self, scorer: ResponseScorer, batch: TensorDict, temperature: float,
-                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(
+        self, scorer: ResponseScorer, batch: TensorDict, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = self.vision_rows(batch)
-        t = {k: batch[k].to(self.device) for k in
-             ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
+        t = {
+            k: batch[k].to(self.device)
+            for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+        }
         return scorer(t, rows, temperature, with_entropy)
 
-    def logprobs(self, batch: TensorDict, temperature: float = 1.0,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._logprobs(self.scorer, batch, temperature, with_entropy)
 
     @torch.no_grad()

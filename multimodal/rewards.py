@@ -29,14 +29,22 @@ import torch
 
 from polyrl.core.rewards import Sample, extract_answer, register_reward
 
-CONVENTIONS = {"qwen2.5": "resized_pixels", "qwen2": "relative1000", "qwen3": "relative1000",
-               "resized_pixels": "resized_pixels", "relative1000": "relative1000",
-               "source_pixels": "source_pixels", "normalized": "normalized"}
+CONVENTIONS = {
+    "qwen2.5": "resized_pixels",
+    "qwen2": "relative1000",
+    "qwen3": "relative1000",
+    "resized_pixels": "resized_pixels",
+    "relative1000": "relative1000",
+    "source_pixels": "source_pixels",
+    "normalized": "normalized",
+}
 _NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
 # "[x1,y1,x2,y2]", "x1,y1,x2,y2", "(x1,y1),(x2,y2)" or "[[x1,y1],[x2,y2]]", nothing else
-_BOX = re.compile(rf"\s*(?:\[{_NUM},{_NUM},{_NUM},{_NUM}\]|{_NUM},{_NUM},{_NUM},{_NUM}"
-                  rf"|[\[\(]{_NUM},{_NUM}[\]\)]\s*,\s*[\[\(]{_NUM},{_NUM}[\]\)]"
-                  rf"|\[\s*\[{_NUM},{_NUM}\]\s*,\s*\[{_NUM},{_NUM}\]\s*\])\s*")
+_BOX = re.compile(
+    rf"\s*(?:\[{_NUM},{_NUM},{_NUM},{_NUM}\]|{_NUM},{_NUM},{_NUM},{_NUM}"
+    rf"|[\[\(]{_NUM},{_NUM}[\]\)]\s*,\s*[\[\(]{_NUM},{_NUM}[\]\)]"
+    rf"|\[\s*\[{_NUM},{_NUM}\]\s*,\s*\[{_NUM},{_NUM}\]\s*\])\s*"
+)
 
 
 def parse_box(value: Any) -> tuple[float, float, float, float] | None:
@@ -53,13 +61,16 @@ def parse_box(value: Any) -> tuple[float, float, float, float] | None:
     return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
 
 
-def to_fractions(box: Sequence[float], convention: str, source_size: tuple[int, int] | None,
-                 resized_size: tuple[int, int] | None) -> tuple[float, float, float, float]:
+def to_fractions(
+    box: Sequence[float],
+    convention: str,
+    source_size: tuple[int, int] | None,
+    resized_size: tuple[int, int] | None,
+) -> tuple[float, float, float, float]:
     """Map a box to 0-1 fractions of the image, given how it was written."""
     kind = CONVENTIONS.get(convention)
     if kind is None:
-        raise ValueError(f"unknown box convention {convention!r}; use one of "
-                         f"{sorted(CONVENTIONS)}")
+        raise ValueError(f"unknown box convention {convention!r}; use one of {sorted(CONVENTIONS)}")
     if kind == "normalized":
         sx = sy = 1.0
     elif kind == "relative1000":
@@ -67,9 +78,11 @@ def to_fractions(box: Sequence[float], convention: str, source_size: tuple[int, 
     else:
         size = resized_size if kind == "resized_pixels" else source_size
         if not size:
-            raise ValueError(f"box convention {convention!r} needs the "
-                             f"{'resized' if kind == 'resized_pixels' else 'source'} image size "
-                             "(meta['resized_sizes'] / meta['image_sizes'] from a VL workflow)")
+            raise ValueError(
+                f"box convention {convention!r} needs the "
+                f"{'resized' if kind == 'resized_pixels' else 'source'} image size "
+                "(meta['resized_sizes'] / meta['image_sizes'] from a VL workflow)"
+            )
         sx, sy = float(size[0]), float(size[1])
     x1, y1, x2, y2 = box
     return x1 / sx, y1 / sy, x2 / sx, y2 / sy
@@ -90,9 +103,14 @@ def _size(meta: dict, key: str, index: int) -> tuple[int, int] | None:
 
 
 @register_reward("grounding_iou")
-def grounding_iou(sample: Sample, pred_convention: str = "qwen2.5",
-                  answer_convention: str | None = None, answer_field: str | None = None,
-                  image_index: int = 0, unparsable: float = 0.0) -> float:
+def grounding_iou(
+    sample: Sample,
+    pred_convention: str = "qwen2.5",
+    answer_convention: str | None = None,
+    answer_field: str | None = None,
+    image_index: int = 0,
+    unparsable: float = 0.0,
+) -> float:
     """IoU of the response's box with the ground-truth box, conventions made explicit.
 
     The predicted box is the ``<answer>`` block (or the whole response) when it is exactly
@@ -147,7 +165,8 @@ def load_clip(model: str, pretrained: str | None = None, device: str = "cpu"):
                 open_clip.add_model_config(config)
                 name = config.stem
             clip, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=pretrained or None, device=device)
+                name, pretrained=pretrained or None, device=device
+            )
             clip.eval().requires_grad_(False)
             _CLIP_CACHE[key] = (clip, preprocess, open_clip.get_tokenizer(name))
         return _CLIP_CACHE[key]
@@ -167,10 +186,18 @@ def _caption(sample: Sample, text: str, template: str) -> str:
 
 @register_reward("clip_score", batched=True)
 @torch.no_grad()
-def clip_score(samples: list[Sample], model: str = "ViT-B-32", pretrained: str | None = None,
-               text: str = "response", template: str = "{}", image_index: int = 0,
-               scale: float = 1.0, clip_negative: bool = False, device: str = "cpu",
-               batch_size: int = 64) -> list[float]:
+def clip_score(
+    samples: list[Sample],
+    model: str = "ViT-B-32",
+    pretrained: str | None = None,
+    text: str = "response",
+    template: str = "{}",
+    image_index: int = 0,
+    scale: float = 1.0,
+    clip_negative: bool = False,
+    device: str = "cpu",
+    batch_size: int = 64,
+) -> list[float]:
     """Cosine similarity between each sample's image and its caption, times ``scale``.
 
     ``text`` picks the caption (the ``<answer>`` block of the response by default, the
@@ -192,12 +219,12 @@ def clip_score(samples: list[Sample], model: str = "ViT-B-32", pretrained: str |
     captions = [_caption(s, text, template) for s in samples]
     feats = []
     for start in range(0, len(images), batch_size):
-        batch = torch.stack([preprocess(im) for im in images[start:start + batch_size]])
+        batch = torch.stack([preprocess(im) for im in images[start : start + batch_size]])
         feats.append(clip.encode_image(batch.to(device)).float())
     img_f = torch.nn.functional.normalize(torch.cat(feats), dim=-1)[image_rows]
     txt = []
     for start in range(0, len(captions), batch_size):
-        tokens = tokenizer(captions[start:start + batch_size]).to(device)
+        tokens = tokenizer(captions[start : start + batch_size]).to(device)
         txt.append(clip.encode_text(tokens).float())
     txt_f = torch.nn.functional.normalize(torch.cat(txt), dim=-1)
     cos = (img_f * txt_f).sum(-1)

@@ -22,8 +22,9 @@ _STEP = re.compile(r"_step_(\d+)\.jsonl$")
 
 
 def _latest(samples: Path, tag: str) -> Path:
-    found = sorted(samples.glob(f"{tag}_step_*.jsonl"),
-                   key=lambda p: int(_STEP.search(p.name).group(1)))
+    found = sorted(
+        samples.glob(f"{tag}_step_*.jsonl"), key=lambda p: int(_STEP.search(p.name).group(1))
+    )
     if not found:
         raise FileNotFoundError(f"{samples} has no {tag}_step_*.jsonl transcripts")
     return found[-1]
@@ -39,8 +40,11 @@ def _resolve(ref: str, run_dir: Path) -> Path | None:
 MATCH, MISS, GOLD = (0, 130, 0), (190, 0, 0), (60, 60, 60)
 
 
-def draw_sheet(cells: list[tuple[Image.Image | None, str, str, tuple[int, int, int]]],
-               columns: int = 8, cell: int = 112) -> Image.Image:
+def draw_sheet(
+    cells: list[tuple[Image.Image | None, str, str, tuple[int, int, int]]],
+    columns: int = 8,
+    cell: int = 112,
+) -> Image.Image:
     """One tile per ``(image, response, answer, response colour)``: the image (or a grey
     frame when there is none) with the response (``>``) and the ground truth (``=``) under it."""
     text_h = 30
@@ -61,8 +65,14 @@ def draw_sheet(cells: list[tuple[Image.Image | None, str, str, tuple[int, int, i
     return sheet
 
 
-def write_contact_sheet(run_dir: str | Path, tag: str = "eval", step: int | None = None,
-                        limit: int = 32, columns: int = 8, cell: int = 112) -> Path:
+def write_contact_sheet(
+    run_dir: str | Path,
+    tag: str = "eval",
+    step: int | None = None,
+    limit: int = 32,
+    columns: int = 8,
+    cell: int = 112,
+) -> Path:
     """Draw up to ``limit`` samples of one transcript file (response green when its reward
     is positive, red otherwise); returns the PNG's path."""
     run_dir = Path(run_dir)
@@ -87,8 +97,9 @@ def write_contact_sheet(run_dir: str | Path, tag: str = "eval", step: int | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m polyrl.multimodal.samples",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m polyrl.multimodal.samples", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_dir")
     parser.add_argument("--tag", default="eval")
     parser.add_argument("--step", type=int, default=None)

@@ -33,8 +33,12 @@ from PIL import Image, ImageDraw
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
 
-COLOURS = {"red": (215, 25, 25), "green": (30, 170, 50), "blue": (35, 70, 230),
-           "yellow": (250, 225, 20)}
+COLOURS = {
+    "red": (215, 25, 25),
+    "green": (30, 170, 50),
+    "blue": (35, 70, 230),
+    "yellow": (250, 225, 20),
+}
 BACKGROUND = (245, 245, 245)
 BACKGROUNDS = ("plain", "gradient")
 
@@ -54,47 +58,63 @@ def _canvas(size: int, background: str) -> Image.Image:
     arr[..., 1] = ramp[:, None]
     arr[..., 2] = 170
     return Image.fromarray(arr, "RGB")
+
+
 QUESTIONS = ("colour", "count", "ground")
 BOX_CONVENTIONS = ("qwen2.5", "qwen2", "qwen3")
-PROMPTS = {"colour": "What colour is the square?", "count": "How many circles?",
-           "ground": "Where is the {colour} square?"}
-SYSTEM_WORDS = ("Answer with one word.", "Answer with a number.",
-                "Answer with a box [x1,y1,x2,y2].")
+PROMPTS = {
+    "colour": "What colour is the square?",
+    "count": "How many circles?",
+    "ground": "Where is the {colour} square?",
+}
+SYSTEM_WORDS = (
+    "Answer with one word.",
+    "Answer with a number.",
+    "Answer with a box [x1,y1,x2,y2].",
+)
 
 
-def _check(question: str, size: int, box_convention: str, sft_targets: str,
-           outline: int = 0) -> None:
+def _check(
+    question: str, size: int, box_convention: str, sft_targets: str, outline: int = 0
+) -> None:
     if question not in (*QUESTIONS, "mixed"):
         raise ValueError(f"question must be one of {QUESTIONS} or 'mixed', got {question!r}")
     if size < 28 or size % 28:
-        raise ValueError(f"size must be a positive multiple of 28 (Qwen-VL's resize factor), "
-                         f"got {size}")
+        raise ValueError(
+            f"size must be a positive multiple of 28 (Qwen-VL's resize factor), got {size}"
+        )
     if box_convention not in BOX_CONVENTIONS:
-        raise ValueError(f"box_convention must be one of {BOX_CONVENTIONS}, got "
-                         f"{box_convention!r}")
+        raise ValueError(f"box_convention must be one of {BOX_CONVENTIONS}, got {box_convention!r}")
     if sft_targets not in ("format", "answers"):
         raise ValueError(f"sft_targets must be 'format' or 'answers', got {sft_targets!r}")
     if outline < 0:
         raise ValueError(f"outline must be >= 0 pixels (0: a filled square), got {outline}")
 
 
-def _place(rng: random.Random, size: int, side: int, taken: list[tuple[int, int, int, int]]
-           ) -> tuple[int, int, int, int]:
+def _place(
+    rng: random.Random, size: int, side: int, taken: list[tuple[int, int, int, int]]
+) -> tuple[int, int, int, int]:
     """A box of ``side`` pixels inside the canvas, overlapping the taken ones as little as
     a few tries allow."""
     best = None
     for _ in range(30):
         x, y = rng.randint(1, size - side - 1), rng.randint(1, size - side - 1)
         box = (x, y, x + side, y + side)
-        if not any(box[0] < t[2] and t[0] < box[2] and box[1] < t[3] and t[1] < box[3]
-                   for t in taken):
+        if not any(
+            box[0] < t[2] and t[0] < box[2] and box[1] < t[3] and t[1] < box[3] for t in taken
+        ):
             return box
         best = box
     return best
 
 
-def _draw(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int],
-          colour: str, outline: int = 0) -> None:
+def _draw(
+    draw: ImageDraw.ImageDraw,
+    shape: str,
+    box: tuple[int, int, int, int],
+    colour: str,
+    outline: int = 0,
+) -> None:
     fill = COLOURS[colour]
     x1, y1, x2, y2 = box
     if shape == "square" and outline:
@@ -121,10 +141,18 @@ def _sides(size: int, shape_size: tuple[float, float]) -> tuple[int, int]:
     return lo, max(lo + 1, min(size - 4, round(size * shape_size[1])))
 
 
-def make_example(rng: random.Random, question: str, size: int = 56, distractors: int = 1,
-                 max_count: int = 4, box_convention: str = "qwen2.5",
-                 shape_size: tuple[float, float] = (0.3, 0.5), cells: int = 0,
-                 background: str = "plain", outline: int = 0) -> tuple[Image.Image, dict]:
+def make_example(
+    rng: random.Random,
+    question: str,
+    size: int = 56,
+    distractors: int = 1,
+    max_count: int = 4,
+    box_convention: str = "qwen2.5",
+    shape_size: tuple[float, float] = (0.3, 0.5),
+    cells: int = 0,
+    background: str = "plain",
+    outline: int = 0,
+) -> tuple[Image.Image, dict]:
     """One image and its row fields (prompt, answer and what the answer was made from).
 
     ``shape_size``: the side of the asked-about shape, as a (min, max) fraction of ``size``.
@@ -153,8 +181,12 @@ def make_example(rng: random.Random, question: str, size: int = 56, distractors:
             box = _place(rng, size, rng.randint(lo, small_hi), taken)
             taken.append(box)
             _draw(draw, "square", box, rng.choice(colours))
-        return img, {"prompt": "<image>" + PROMPTS["count"], "answer": str(k),
-                     "question": "count", "count": k}
+        return img, {
+            "prompt": "<image>" + PROMPTS["count"],
+            "answer": str(k),
+            "question": "count",
+            "count": k,
+        }
     colour = rng.choice(colours)
     if cells:  # the square sits in one cell of a cells x cells grid, a margin inside it
         cell = size // cells
@@ -171,15 +203,30 @@ def make_example(rng: random.Random, question: str, size: int = 56, distractors:
         _draw(draw, rng.choice(("circle", "triangle")), box, rng.choice(others))
     _draw(draw, "square", target, colour, outline)  # drawn last: never hidden by a distractor
     if question == "colour":
-        return img, {"prompt": "<image>" + PROMPTS["colour"], "answer": colour,
-                     "question": "colour", "box": list(target)}
-    return img, {"prompt": "<image>" + PROMPTS["ground"].format(colour=colour),
-                 "answer": box_text(target, size, box_convention), "question": "ground",
-                 "box": list(target), "box_convention": box_convention}
+        return img, {
+            "prompt": "<image>" + PROMPTS["colour"],
+            "answer": colour,
+            "question": "colour",
+            "box": list(target),
+        }
+    return img, {
+        "prompt": "<image>" + PROMPTS["ground"].format(colour=colour),
+        "answer": box_text(target, size, box_convention),
+        "question": "ground",
+        "box": list(target),
+        "box_convention": box_convention,
+    }
 
 
-def _format_target(rng: random.Random, row: dict, size: int, max_count: int,
-                   box_convention: str, shape_size: tuple[float, float], cells: int) -> str:
+def _format_target(
+    rng: random.Random,
+    row: dict,
+    size: int,
+    max_count: int,
+    box_convention: str,
+    shape_size: tuple[float, float],
+    cells: int,
+) -> str:
     """A random answer of the right shape (the 'format' SFT target)."""
     if row["question"] == "colour":
         return rng.choice(list(COLOURS))
@@ -195,11 +242,23 @@ def _format_target(rng: random.Random, row: dict, size: int, max_count: int,
     return box_text((x, y, x + side, y + side), size, box_convention)
 
 
-def make_rows(n: int, seed: int, out_dir: str | Path, split: str, *, question: str = "colour",
-              size: int = 56, distractors: int = 1, max_count: int = 4,
-              box_convention: str = "qwen2.5", sft_targets: str = "format",
-              shape_size: tuple[float, float] = (0.3, 0.5), cells: int = 0,
-              background: str = "plain", outline: int = 0) -> list[dict]:
+def make_rows(
+    n: int,
+    seed: int,
+    out_dir: str | Path,
+    split: str,
+    *,
+    question: str = "colour",
+    size: int = 56,
+    distractors: int = 1,
+    max_count: int = 4,
+    box_convention: str = "qwen2.5",
+    sft_targets: str = "format",
+    shape_size: tuple[float, float] = (0.3, 0.5),
+    cells: int = 0,
+    background: str = "plain",
+    outline: int = 0,
+) -> list[dict]:
     """Draw ``n`` examples, write their PNGs under ``out_dir/images/<split>/`` and return rows."""
     _check(question, size, box_convention, sft_targets, outline)
     rng = random.Random(f"vl_shapes/{split}/{seed}")
@@ -208,23 +267,34 @@ def make_rows(n: int, seed: int, out_dir: str | Path, split: str, *, question: s
     rows = []
     for i in range(n):
         q = rng.choice(QUESTIONS) if question == "mixed" else question
-        img, row = make_example(rng, q, size, distractors, max_count, box_convention,
-                                tuple(shape_size), cells, background, outline)
+        img, row = make_example(
+            rng,
+            q,
+            size,
+            distractors,
+            max_count,
+            box_convention,
+            tuple(shape_size),
+            cells,
+            background,
+            outline,
+        )
         rel = f"images/{split}/{i:06d}.png"
         img.save(Path(out_dir) / rel)
         row["images"] = [rel]
         row["width"], row["height"] = size, size
-        row["sft_response"] = row["answer"] if sft_targets == "answers" else \
-            _format_target(rng, row, size, max_count, box_convention, tuple(shape_size),
-                           cells)
+        row["sft_response"] = (
+            row["answer"]
+            if sft_targets == "answers"
+            else _format_target(rng, row, size, max_count, box_convention, tuple(shape_size), cells)
+        )
         rows.append(row)
     return rows
 
 
-
-
-def write_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0,
-                  **kw) -> tuple[Path, Path]:
+def write_dataset(
+    out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0, **kw
+) -> tuple[Path, Path]:
     """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``.
 
     ``kw``: question (colour, count, ground or mixed), size, distractors, max_count,
@@ -241,21 +311,27 @@ def write_dataset(out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, s
 
 def sft_rows(rows: list[dict]) -> list[dict]:
     """Warm-start rows {"prompt", "images", "response"} (targets chosen at write time)."""
-    return [{"prompt": r["prompt"], "images": r["images"], "response": r["sft_response"]}
-            for r in rows]
+    return [
+        {"prompt": r["prompt"], "images": r["images"], "response": r["sft_response"]} for r in rows
+    ]
 
 
 def corpus() -> list[str]:
     """Texts covering every prompt and answer this task produces, in chat form (no image
     tokens), for training the tiny model's tokenizer."""
     answers = [*COLOURS, *(str(k) for k in range(10)), "[12,30,40,52]", "[103,257,964,1000]"]
-    prompts = [PROMPTS["colour"], PROMPTS["count"],
-               *(PROMPTS["ground"].format(colour=c) for c in COLOURS)]
+    prompts = [
+        PROMPTS["colour"],
+        PROMPTS["count"],
+        *(PROMPTS["ground"].format(colour=c) for c in COLOURS),
+    ]
     texts = []
     for p in prompts:
         for a in answers:
             texts.append(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n")
-            texts.append(f"<|im_start|>assistant\n<think>{p}</think><answer>{a}</answer><|im_end|>\n")
+            texts.append(
+                f"<|im_start|>assistant\n<think>{p}</think><answer>{a}</answer><|im_end|>\n"
+            )
     texts.extend(f"<|im_start|>system\n{s}<|im_end|>\n" for s in SYSTEM_WORDS)
     return texts
 

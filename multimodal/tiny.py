@@ -68,8 +68,14 @@ def mrope_section(head_dim: int) -> list[int]:
     return [t, h, half - t - h]
 
 
-def build_processor(corpus: list[str], *, vocab_size: int = 320, min_pixels: int = 56 * 56,
-                    max_pixels: int = 112 * 112, family: str = "qwen2_5_vl"):
+def build_processor(
+    corpus: list[str],
+    *,
+    vocab_size: int = 320,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 112 * 112,
+    family: str = "qwen2_5_vl",
+):
     """The real processor of ``family`` around a tokenizer trained on ``corpus``: its image
     processor (patch 14, or 16 for Qwen3-VL; merge 2) and its video processor (Qwen3-VL's
     own class, which the processor requires)."""
@@ -85,63 +91,120 @@ def build_processor(corpus: list[str], *, vocab_size: int = 320, min_pixels: int
     sizes: dict[str, Any] = {"patch_size": patch, "merge_size": 2, "temporal_patch_size": 2}
     if family == "qwen3_vl":  # Qwen3-VL normalises to [-1, 1], not with CLIP's statistics
         sizes |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-    image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
-                                            **sizes)
+    image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, **sizes)
     if family == "qwen3_vl":  # Qwen3-VL's video processor takes the limits as a size dict
         video_processor = Qwen3VLVideoProcessor(
-            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes)
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes
+        )
     else:
-        video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels,
-                                                **sizes)
-    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
-           "qwen3_vl": Qwen3VLProcessor}[family]
-    return cls(image_processor=image_processor, tokenizer=tokenizer,
-               video_processor=video_processor, chat_template=VL_CHAT_TEMPLATE)
+        video_processor = Qwen2VLVideoProcessor(
+            min_pixels=min_pixels, max_pixels=max_pixels, **sizes
+        )
+    cls = {
+        "qwen2_vl": Qwen2VLProcessor,
+        "qwen2_5_vl": Qwen2_5_VLProcessor,
+        "qwen3_vl": Qwen3VLProcessor,
+    }[family]
+    return cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=VL_CHAT_TEMPLATE,
+    )
 
 
-def _vl_config(family: str, text: dict, *, head_dim: int, vision_depth: int,
-               vision_hidden_size: int, vision_heads: int, vision_intermediate_size: int,
-               tie_word_embeddings: bool, ids: dict[str, int]):
+def _vl_config(
+    family: str,
+    text: dict,
+    *,
+    head_dim: int,
+    vision_depth: int,
+    vision_hidden_size: int,
+    vision_heads: int,
+    vision_intermediate_size: int,
+    tie_word_embeddings: bool,
+    ids: dict[str, int],
+):
     """The family's config class with the shared text sizes and a tiny vision tower."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     hidden = text["hidden_size"]
     patch = {"patch_size": PATCH_SIZE[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(head_dim)}
-    tokens = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
-              "vision_start_token_id": ids["<|vision_start|>"],
-              "vision_end_token_id": ids["<|vision_end|>"],
-              "tie_word_embeddings": tie_word_embeddings}
+    tokens = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": tie_word_embeddings,
+    }
     if family == "qwen3_vl":  # explicit head_dim, interleaved M-RoPE, deepstack from block 0
-        text = {**text, "head_dim": head_dim,
-                "rope_parameters": {**rope, "mrope_interleaved": True}}
-        vision = {"depth": vision_depth, "hidden_size": vision_hidden_size,
-                  "intermediate_size": vision_intermediate_size, "num_heads": vision_heads,
-                  "out_hidden_size": hidden, "deepstack_visual_indexes": [0],
-                  "num_position_embeddings": 64, **patch}
+        text = {
+            **text,
+            "head_dim": head_dim,
+            "rope_parameters": {**rope, "mrope_interleaved": True},
+        }
+        vision = {
+            "depth": vision_depth,
+            "hidden_size": vision_hidden_size,
+            "intermediate_size": vision_intermediate_size,
+            "num_heads": vision_heads,
+            "out_hidden_size": hidden,
+            "deepstack_visual_indexes": [0],
+            "num_position_embeddings": 64,
+            **patch,
+        }
         return Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
-    text = {**text, "rope_parameters": rope, "max_window_layers": text["num_hidden_layers"],
-            "tie_word_embeddings": tie_word_embeddings}
+    text = {
+        **text,
+        "rope_parameters": rope,
+        "max_window_layers": text["num_hidden_layers"],
+        "tie_word_embeddings": tie_word_embeddings,
+    }
     if family == "qwen2_vl":  # Qwen2-VL's vision hidden_size is the merger's output size
         if vision_intermediate_size % vision_hidden_size:
-            raise ValueError(f"Qwen2-VL: vision_intermediate_size={vision_intermediate_size} "
-                             f"must be a multiple of vision_hidden_size={vision_hidden_size}")
-        vision = {"depth": vision_depth, "embed_dim": vision_hidden_size, "hidden_size": hidden,
-                  "num_heads": vision_heads,
-                  "mlp_ratio": vision_intermediate_size // vision_hidden_size, **patch}
+            raise ValueError(
+                f"Qwen2-VL: vision_intermediate_size={vision_intermediate_size} "
+                f"must be a multiple of vision_hidden_size={vision_hidden_size}"
+            )
+        vision = {
+            "depth": vision_depth,
+            "embed_dim": vision_hidden_size,
+            "hidden_size": hidden,
+            "num_heads": vision_heads,
+            "mlp_ratio": vision_intermediate_size // vision_hidden_size,
+            **patch,
+        }
         return Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
-    vision = {"depth": vision_depth, "hidden_size": vision_hidden_size,
-              "intermediate_size": vision_intermediate_size, "num_heads": vision_heads,
-              "out_hidden_size": hidden, "fullatt_block_indexes": [vision_depth - 1],
-              "window_size": 112, **patch}
+    vision = {
+        "depth": vision_depth,
+        "hidden_size": vision_hidden_size,
+        "intermediate_size": vision_intermediate_size,
+        "num_heads": vision_heads,
+        "out_hidden_size": hidden,
+        "fullatt_block_indexes": [vision_depth - 1],
+        "window_size": 112,
+        **patch,
+    }
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
 
 
-def build_tiny_vl(processor, *, family: str = "qwen2_5_vl", hidden_size: int = 64,
-                  num_layers: int = 2, num_heads: int = 1, intermediate_size: int = 128,
-                  vision_depth: int = 1, vision_hidden_size: int = 32, vision_heads: int = 1,
-                  vision_intermediate_size: int = 64, max_position_embeddings: int = 512,
-                  tie_word_embeddings: bool = True, seed: int = 0):
+def build_tiny_vl(
+    processor,
+    *,
+    family: str = "qwen2_5_vl",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 1,
+    intermediate_size: int = 128,
+    vision_depth: int = 1,
+    vision_hidden_size: int = 32,
+    vision_heads: int = 1,
+    vision_intermediate_size: int = 64,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+):
     """A float32 Qwen-VL model of ``family`` sized to the processor's tokenizer."""
     import torch
     from transformers import (
@@ -151,29 +214,45 @@ def build_tiny_vl(processor, *, family: str = "qwen2_5_vl", hidden_size: int = 6
         Qwen3VLForConditionalGeneration,
     )
 
-    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration,
-           "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": Qwen3VLForConditionalGeneration}[_check_family(family)]
+    cls = {
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
+    }[_check_family(family)]
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
-    text = {"vocab_size": len(tok), "hidden_size": hidden_size,
-            "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads, "num_key_value_heads": num_heads,
-            "max_position_embeddings": max_position_embeddings,
-            "bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
-    config = _vl_config(family, text, head_dim=hidden_size // num_heads,
-                        vision_depth=vision_depth, vision_hidden_size=vision_hidden_size,
-                        vision_heads=vision_heads,
-                        vision_intermediate_size=vision_intermediate_size,
-                        tie_word_embeddings=tie_word_embeddings, ids=ids)
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+    config = _vl_config(
+        family,
+        text,
+        head_dim=hidden_size // num_heads,
+        vision_depth=vision_depth,
+        vision_hidden_size=vision_hidden_size,
+        vision_heads=vision_heads,
+        vision_intermediate_size=vision_intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        ids=ids,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).to(torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id],
-                                               pad_token_id=pad_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id, eos_token_id=[eos_id], pad_token_id=pad_id
+    )
     return model.eval()
 
 
@@ -193,9 +272,17 @@ def _built_family(path: Path) -> str | None:
 
 
 @MODELS.register("tiny_qwen_vl")
-def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", corpus: str = "vl_shapes",
-                 vocab_size: int = 320, min_pixels: int = 56 * 56, max_pixels: int = 112 * 112,
-                 seed: int = 0, **model_kwargs: Any) -> Path:
+def tiny_qwen_vl(
+    path: str | Path,
+    *,
+    family: str = "qwen2_5_vl",
+    corpus: str = "vl_shapes",
+    vocab_size: int = 320,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 112 * 112,
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> Path:
     """Build a tiny Qwen-VL of ``family`` + its processor at ``path`` (once), its tokenizer
     trained on the texts of task ``corpus``. Written to a temp dir and renamed into place, so
     a crash or a concurrent builder never leaves half a model; a complete model of another
@@ -205,13 +292,19 @@ def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", corpus: str = 
     if is_complete(path):
         built = _built_family(path)
         if built != family:
-            raise FileExistsError(f"{path} holds a {built} model, not {family}; remove it or "
-                                  "choose another path")
+            raise FileExistsError(
+                f"{path} holds a {built} model, not {family}; remove it or choose another path"
+            )
         return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
-    processor = build_processor(TASKS.get(corpus).corpus(), vocab_size=vocab_size,
-                                min_pixels=min_pixels, max_pixels=max_pixels, family=family)
+    processor = build_processor(
+        TASKS.get(corpus).corpus(),
+        vocab_size=vocab_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        family=family,
+    )
     model = build_tiny_vl(processor, family=family, seed=seed, **model_kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

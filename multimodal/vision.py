@@ -63,8 +63,10 @@ class VideoSpec:
         as transformers' Qwen3-VL processor computes the timestamps it writes."""
         times = list(self.times)
         times += times[-1:] * (-len(times) % temporal_patch_size)
-        return [(times[i] + times[i + temporal_patch_size - 1]) / 2
-                for i in range(0, len(times), temporal_patch_size)]
+        return [
+            (times[i] + times[i + temporal_patch_size - 1]) / 2
+            for i in range(0, len(times), temporal_patch_size)
+        ]
 
 
 @dataclass(frozen=True)
@@ -132,18 +134,23 @@ class VisionInputs:
         return int(self.video_grid_thw.shape[0])
 
 
-def _load_image(ref: ImageRef, size: tuple[int, int], grid: tuple[int, int, int],
-                rule: ResizeRule) -> Image.Image:
+def _load_image(
+    ref: ImageRef, size: tuple[int, int], grid: tuple[int, int, int], rule: ResizeRule
+) -> Image.Image:
     """One image (or frame) decoded and resized; its size must still be the header's."""
     w, h = size
     img = decode(ref, rule.max_source_pixels)
     if img.size != (w, h):
-        raise ImageError(f"{ref.where}: the image is {img.width}x{img.height} now but was "
-                         f"{w}x{h} when the dataset was loaded; was the file replaced?")
+        raise ImageError(
+            f"{ref.where}: the image is {img.width}x{img.height} now but was "
+            f"{w}x{h} when the dataset was loaded; was the file replaced?"
+        )
     img = rule.apply(img)
     if img.size != (grid[2] * rule.patch_size, grid[1] * rule.patch_size):
-        raise ImageError(f"{ref.where}: resized to {img.size}, not the size the prompt's "
-                         f"{grid} grid was counted for")  # pragma: no cover (defensive)
+        raise ImageError(
+            f"{ref.where}: resized to {img.size}, not the size the prompt's "
+            f"{grid} grid was counted for"
+        )  # pragma: no cover (defensive)
     return img
 
 
@@ -151,14 +158,17 @@ def _check_grid(spec: VisionSpec, got: torch.Tensor, expected: list, what: str) 
     got = got.to(torch.long)
     want = torch.tensor(expected, dtype=torch.long).reshape(-1, 3)
     if not torch.equal(got, want):
-        raise ImageError(f"{spec.key}: the {what} processor gave grids {got.tolist()}, but the "
-                         f"prompt was built for {want.tolist()}; its patch/merge size "
-                         "differs from data.args (patch_size, merge_size)")
+        raise ImageError(
+            f"{spec.key}: the {what} processor gave grids {got.tolist()}, but the "
+            f"prompt was built for {want.tolist()}; its patch/merge size "
+            "differs from data.args (patch_size, merge_size)"
+        )
     return got
 
 
-def process_frames(spec: VisionSpec, image_processor: Any, video_processor: Any = None
-                   ) -> tuple[VisionInputs, list[Image.Image], list[list[Image.Image]]]:
+def process_frames(
+    spec: VisionSpec, image_processor: Any, video_processor: Any = None
+) -> tuple[VisionInputs, list[Image.Image], list[list[Image.Image]]]:
     """Decode, resize and run the image and video processors once for one prompt.
 
     Returns the processed inputs, the resized RGB images and each video's resized frames
@@ -166,10 +176,14 @@ def process_frames(spec: VisionSpec, image_processor: Any, video_processor: Any 
     no frame sampling: the dataset already capped them); an odd frame count is padded by
     the processor, repeating the last frame. Errors name the file and row.
     """
-    images = [_load_image(ref, size, grid, spec.rule)
-              for ref, size, grid in zip(spec.refs, spec.sizes, spec.grids(), strict=True)]
-    videos = [[_load_image(ref, video.size, grid, spec.vrule) for ref in video.refs]
-              for video, grid in zip(spec.videos, spec.video_grids(), strict=True)]
+    images = [
+        _load_image(ref, size, grid, spec.rule)
+        for ref, size, grid in zip(spec.refs, spec.sizes, spec.grids(), strict=True)
+    ]
+    videos = [
+        [_load_image(ref, video.size, grid, spec.vrule) for ref in video.refs]
+        for video, grid in zip(spec.videos, spec.video_grids(), strict=True)
+    ]
     pixel_values, grid = None, _no_grid()
     if images:
         out = image_processor(images=images, do_resize=False, return_tensors="pt")
@@ -178,10 +192,13 @@ def process_frames(spec: VisionSpec, image_processor: Any, video_processor: Any 
     video_values, video_grid, seconds = None, _no_grid(), None
     if videos:
         if video_processor is None:
-            raise ImageError(f"{spec.key}: the prompt has {len(videos)} videos but the model's "
-                             "processor has no video processor")
-        out = video_processor(videos=videos, do_resize=False, do_sample_frames=False,
-                              return_tensors="pt")
+            raise ImageError(
+                f"{spec.key}: the prompt has {len(videos)} videos but the model's "
+                "processor has no video processor"
+            )
+        out = video_processor(
+            videos=videos, do_resize=False, do_sample_frames=False, return_tensors="pt"
+        )
         video_values = out["pixel_values_videos"]
         video_grid = _check_grid(spec, out["video_grid_thw"], spec.video_grids(), "video")
         seconds = torch.tensor(spec.second_per_grid(), dtype=torch.float32)
@@ -189,16 +206,25 @@ def process_frames(spec: VisionSpec, image_processor: Any, video_processor: Any 
     COUNTERS["videos_processed"] += len(videos)
     COUNTERS["frames_processed"] += sum(len(v) for v in videos)
     COUNTERS["prompts_processed"] += 1
-    inputs = VisionInputs(spec.key, pixel_values, grid, spec.sizes,
-                          tuple(img.size for img in images), video_values, video_grid, seconds,
-                          tuple(v.size for v in spec.videos),
-                          tuple(frames[0].size for frames in videos),
-                          tuple(len(frames) for frames in videos))
+    inputs = VisionInputs(
+        spec.key,
+        pixel_values,
+        grid,
+        spec.sizes,
+        tuple(img.size for img in images),
+        video_values,
+        video_grid,
+        seconds,
+        tuple(v.size for v in spec.videos),
+        tuple(frames[0].size for frames in videos),
+        tuple(len(frames) for frames in videos),
+    )
     return inputs, images, videos
 
 
-def process(spec: VisionSpec, image_processor: Any, video_processor: Any = None
-            ) -> tuple[VisionInputs, list]:
+def process(
+    spec: VisionSpec, image_processor: Any, video_processor: Any = None
+) -> tuple[VisionInputs, list]:
     """Decode, resize and run the processors once for one prompt.
 
     Returns the processed inputs and the resized RGB images (what rewards look at: box
@@ -235,20 +261,32 @@ def parts(model: torch.nn.Module) -> Parts:
     hf = hf_model(model)
     inner = getattr(hf, "model", None)
     if inner is None or not hasattr(inner, "visual") or not hasattr(inner, "language_model"):
-        raise TypeError(f"{type(hf).__name__} is not a Qwen2-VL/Qwen2.5-VL/Qwen3-VL model "
-                        "(expected .model.visual and .model.language_model)")
+        raise TypeError(
+            f"{type(hf).__name__} is not a Qwen2-VL/Qwen2.5-VL/Qwen3-VL model "
+            "(expected .model.visual and .model.language_model)"
+        )
     vcfg = hf.config.vision_config
     patch = vcfg.patch_size if isinstance(vcfg.patch_size, int) else vcfg.patch_size[0]
-    temporal = vcfg.temporal_patch_size if isinstance(vcfg.temporal_patch_size, int) \
+    temporal = (
+        vcfg.temporal_patch_size
+        if isinstance(vcfg.temporal_patch_size, int)
         else vcfg.temporal_patch_size[0]
+    )
     video_id = getattr(hf.config, "video_token_id", None)
-    return Parts(inner=inner, visual=inner.visual, language_model=inner.language_model,
-                 lm_head=hf.lm_head, image_token_id=int(hf.config.image_token_id),
-                 merge_size=int(vcfg.spatial_merge_size),
-                 patch_dim=int(getattr(vcfg, "in_channels", getattr(vcfg, "in_chans", 3)))
-                 * temporal * patch * patch,
-                 deepstack=bool(getattr(vcfg, "deepstack_visual_indexes", None)),
-                 video_token_id=None if video_id is None else int(video_id))
+    return Parts(
+        inner=inner,
+        visual=inner.visual,
+        language_model=inner.language_model,
+        lm_head=hf.lm_head,
+        image_token_id=int(hf.config.image_token_id),
+        merge_size=int(vcfg.spatial_merge_size),
+        patch_dim=int(getattr(vcfg, "in_channels", getattr(vcfg, "in_chans", 3)))
+        * temporal
+        * patch
+        * patch,
+        deepstack=bool(getattr(vcfg, "deepstack_visual_indexes", None)),
+        video_token_id=None if video_id is None else int(video_id),
+    )
 
 
 def token_mask(p: Parts, ids: torch.Tensor, video: bool = False) -> torch.Tensor:
@@ -274,7 +312,8 @@ def batch_grids(rows: list[VisionInputs | None], device: torch.device | None = N
     return Grids(
         torch.cat(images).to(device) if images else None,
         torch.cat([v.video_grid_thw for v in videos]).to(device) if videos else None,
-        torch.cat([_seconds(v) for v in videos]).to(device) if videos else None)
+        torch.cat([_seconds(v) for v in videos]).to(device) if videos else None,
+    )
 
 
 def _seconds(v: VisionInputs) -> torch.Tensor:
@@ -283,9 +322,14 @@ def _seconds(v: VisionInputs) -> torch.Tensor:
     return v.second_per_grid_ts.reshape(-1).to(torch.float32)
 
 
-def rope_index(p: Parts, ids: torch.Tensor, mask: torch.Tensor, grids: Grids | torch.Tensor | None,
-               image_mask: torch.Tensor | None = None, video_mask: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def rope_index(
+    p: Parts,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    grids: Grids | torch.Tensor | None,
+    image_mask: torch.Tensor | None = None,
+    video_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """M-RoPE position ids ``[3, B, L]`` from the model's own ``get_rope_index``.
 
     ``grids`` holds the ``image_grid_thw`` rows of every image in the batch in row order (a
@@ -320,8 +364,9 @@ def rope_index(p: Parts, ids: torch.Tensor, mask: torch.Tensor, grids: Grids | t
     return position_ids
 
 
-def _features(p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor, video: bool = False
-              ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+def _features(
+    p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor, video: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """Merged image (or video) features ``[tokens, hidden]`` (and Qwen3-VL's deepstack)."""
     if video:
         out = p.inner.get_video_features(pixel_values_videos=pixel_values, video_grid_thw=grid)
@@ -345,49 +390,68 @@ def _features(p: Parts, pixel_values: torch.Tensor, grid: torch.Tensor, video: b
     return feats, (list(deep) if deep else None)
 
 
-def _dummy(p: Parts, device: torch.device, dtype: torch.dtype
-           ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    pv = torch.zeros(p.merge_size ** 2, p.patch_dim, device=device, dtype=dtype)
+def _dummy(
+    p: Parts, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    pv = torch.zeros(p.merge_size**2, p.patch_dim, device=device, dtype=dtype)
     grid = torch.tensor([[1, p.merge_size, p.merge_size]], device=device)
     COUNTERS["dummy_vision_passes"] += 1
     return _features(p, pv, grid)
 
 
-def _place(p: Parts, order: list[VisionInputs], rows: list[VisionInputs | None],
-           unique: dict[str, int], mask: torch.Tensor, video: bool, device: torch.device,
-           dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+def _place(
+    p: Parts,
+    order: list[VisionInputs],
+    rows: list[VisionInputs | None],
+    unique: dict[str, int],
+    mask: torch.Tensor,
+    video: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
     """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
     the distinct prompts' images (or videos); None when the batch has none."""
     what = "video" if video else "image"
     count = (lambda v: v.num_videos) if video else (lambda v: v.num_images)
     grid_of = (lambda v: v.video_grid_thw) if video else (lambda v: v.image_grid_thw)
     with_media = [v for v in order if count(v)]
-    per_prompt = [int((grid_of(v).prod(-1) // p.merge_size ** 2).sum()) if count(v) else 0
-                  for v in order]
+    per_prompt = [
+        int((grid_of(v).prod(-1) // p.merge_size**2).sum()) if count(v) else 0 for v in order
+    ]
     for b, v in enumerate(rows):
         n_tokens = int(mask[b].sum())
         want = 0 if v is None else per_prompt[unique[v.key]]
         if n_tokens != want:
             whose = "no vision inputs" if v is None else f"{what}s giving {want} features"
-            raise ValueError(f"row {b} ({v.key if v else 'text'}) has {n_tokens} {what} tokens "
-                             f"in its prompt but {whose} (t*h*w/merge^2 per {what}); the "
-                             f"prompt ids and the {what}s do not belong together")
+            raise ValueError(
+                f"row {b} ({v.key if v else 'text'}) has {n_tokens} {what} tokens "
+                f"in its prompt but {whose} (t*h*w/merge^2 per {what}); the "
+                f"prompt ids and the {what}s do not belong together"
+            )
     if not with_media:
         return None
     values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
     pv = torch.cat(values).to(device=device, dtype=dtype)
     feats, deep = _features(p, pv, torch.cat([grid_of(v) for v in with_media]).to(device), video)
     starts = torch.tensor([0] + per_prompt[:-1]).cumsum(0).tolist()
-    index = [torch.arange(starts[unique[v.key]], starts[unique[v.key]] + per_prompt[unique[v.key]])
-             for v in rows if v is not None]
+    index = [
+        torch.arange(starts[unique[v.key]], starts[unique[v.key]] + per_prompt[unique[v.key]])
+        for v in rows
+        if v is not None
+    ]
     gather = torch.cat(index).to(device)
     return feats[gather], ([d[gather] for d in deep] if deep else None)
 
 
-def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
-          dummy_if_empty: bool, image_mask: torch.Tensor | None = None,
-          video_mask: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, Grids, dict[str, Any]]:
+def embed(
+    p: Parts,
+    ids: torch.Tensor,
+    rows: list[VisionInputs | None],
+    *,
+    dummy_if_empty: bool,
+    image_mask: torch.Tensor | None = None,
+    video_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Grids, dict[str, Any]]:
     """Input embeddings with image and video features in place, grids in row order, extra
     LM kwargs.
 
@@ -410,9 +474,11 @@ def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
         video_mask = token_mask(p, ids, video=True)
     if not order:
         if bool(image_mask.any() or video_mask.any()):
-            raise ValueError("the batch has image or video tokens in its prompts but no vision "
-                             "inputs; the rows lost them (was the record built by a VL "
-                             "workflow?)")
+            raise ValueError(
+                "the batch has image or video tokens in its prompts but no vision "
+                "inputs; the rows lost them (was the record built by a VL "
+                "workflow?)"
+            )
         if dummy_if_empty:  # every parameter takes part, so FSDP ranks stay in step
             feats, deep = _dummy(p, device, dtype)
             zero = feats.sum() * 0.0 + sum((d.sum() * 0.0 for d in deep or []), 0.0)
@@ -428,20 +494,31 @@ def embed(p: Parts, ids: torch.Tensor, rows: list[VisionInputs | None], *,
     return emb, batch_grids(rows, device), extra
 
 
-def _deepstack(image: tuple | None, video: tuple | None, image_mask: torch.Tensor,
-               video_mask: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+def _deepstack(
+    image: tuple | None,
+    video: tuple | None,
+    image_mask: torch.Tensor,
+    video_mask: torch.Tensor,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     """Qwen3-VL's deepstack inputs: per injected layer, the image and video features over
     the positions of either, in sequence order (as the model's own forward joins them)."""
-    deep = {"image": image[1] if image is not None else None,
-            "video": video[1] if video is not None else None}
+    deep = {
+        "image": image[1] if image is not None else None,
+        "video": video[1] if video is not None else None,
+    }
     if not deep["image"] and not deep["video"]:
         return {}
     if not deep["video"]:
-        return {"visual_pos_masks": image_mask,
-                "deepstack_visual_embeds": [d.to(dtype) for d in deep["image"]]}
+        return {
+            "visual_pos_masks": image_mask,
+            "deepstack_visual_embeds": [d.to(dtype) for d in deep["image"]],
+        }
     if not deep["image"]:
-        return {"visual_pos_masks": video_mask,
-                "deepstack_visual_embeds": [d.to(dtype) for d in deep["video"]]}
+        return {
+            "visual_pos_masks": video_mask,
+            "deepstack_visual_embeds": [d.to(dtype) for d in deep["video"]],
+        }
     both = image_mask | video_mask
     at_image, at_video = image_mask[both], video_mask[both]
     joined = []
@@ -452,11 +529,20 @@ def _deepstack(image: tuple | None, video: tuple | None, image_mask: torch.Tenso
     return {"visual_pos_masks": both, "deepstack_visual_embeds": joined}
 
 
-def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-               rows: list[VisionInputs | None], *, logits_to_keep: int,
-               dummy_if_empty: bool = True, use_cache: bool = False,
-               position_ids: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
-               video_mask: torch.Tensor | None = None, cache: Any = None):
+def vl_forward(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[VisionInputs | None],
+    *,
+    logits_to_keep: int,
+    dummy_if_empty: bool = True,
+    use_cache: bool = False,
+    position_ids: torch.Tensor | None = None,
+    image_mask: torch.Tensor | None = None,
+    video_mask: torch.Tensor | None = None,
+    cache: Any = None,
+):
     """Logits of the last ``logits_to_keep`` positions (and the cache and positions).
 
     Returns ``(logits, past_key_values, position_ids)``; ``cache``: the KV cache to fill
@@ -467,24 +553,42 @@ def vl_forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
         image_mask = token_mask(p, ids)
     if video_mask is None:
         video_mask = token_mask(p, ids, video=True)
-    emb, grids, extra = embed(p, ids, rows, dummy_if_empty=dummy_if_empty, image_mask=image_mask,
-                              video_mask=video_mask)
+    emb, grids, extra = embed(
+        p, ids, rows, dummy_if_empty=dummy_if_empty, image_mask=image_mask, video_mask=video_mask
+    )
     if position_ids is None:
         position_ids = rope_index(p, ids, mask, grids, image_mask, video_mask)
-    out = p.language_model(input_ids=None, inputs_embeds=emb, attention_mask=mask,
-                           position_ids=position_ids, use_cache=use_cache,
-                           past_key_values=cache, **extra)
+    out = p.language_model(
+        input_ids=None,
+        inputs_embeds=emb,
+        attention_mask=mask,
+        position_ids=position_ids,
+        use_cache=use_cache,
+        past_key_values=cache,
+        **extra,
+    )
     hidden = out.last_hidden_state[:, -logits_to_keep:]
     return p.lm_head(hidden), out.past_key_values, position_ids
 
 
-def decode_step(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
-                position_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+def decode_step(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+) -> tuple[torch.Tensor, Any]:
     """One cached decoding step for new text tokens ``[B, 1]`` at ``position_ids [3, B, 1]``."""
     p = parts(model)
     emb = p.language_model.get_input_embeddings()(tokens)
-    out = p.language_model(input_ids=None, inputs_embeds=emb, attention_mask=mask,
-                           position_ids=position_ids, past_key_values=cache, use_cache=True)
+    out = p.language_model(
+        input_ids=None,
+        inputs_embeds=emb,
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
     return p.lm_head(out.last_hidden_state[:, -1:]), out.past_key_values
 
 
@@ -501,8 +605,13 @@ def next_positions(prompt_positions: torch.Tensor) -> torch.Tensor:
     return prompt_positions[:, :, -1].amax(dim=0) + 1
 
 
-def sequence_positions(p: Parts, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                       response_len: int, rows: list[VisionInputs | None]) -> torch.Tensor:
+def sequence_positions(
+    p: Parts,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_len: int,
+    rows: list[VisionInputs | None],
+) -> torch.Tensor:
     """M-RoPE positions ``[3, B, P + R]`` of left-padded prompts followed by responses.
 
     ``get_rope_index`` runs once per distinct prompt with images or videos (a group of ``n``
@@ -521,8 +630,9 @@ def sequence_positions(p: Parts, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     if first:
         reps = list(first.values())
         rep_ids = prompt_ids[reps]
-        rep_pos = rope_index(p, rep_ids, prompt_mask[reps], batch_grids([rows[i] for i in reps],
-                                                                        device))
+        rep_pos = rope_index(
+            p, rep_ids, prompt_mask[reps], batch_grids([rows[i] for i in reps], device)
+        )
         slot = {key: k for k, key in enumerate(first)}
         for i, v in enumerate(rows):
             if v is not None:
@@ -532,11 +642,17 @@ def sequence_positions(p: Parts, prompt_ids: torch.Tensor, prompt_mask: torch.Te
     return torch.cat([pos, resp.unsqueeze(0).expand(3, b, response_len)], dim=2)
 
 
-def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      response_ids: torch.Tensor, response_mask: torch.Tensor,
-                      rows: list[VisionInputs | None], temperature: float = 1.0,
-                      with_entropy: bool = False, dummy_if_empty: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: list[VisionInputs | None],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    dummy_if_empty: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token, images and videos included, positions
     by M-RoPE."""
     ids = torch.cat([prompt_ids, response_ids], dim=1)
@@ -548,7 +664,15 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     image_mask = torch.cat([token_mask(p, prompt_ids), no], dim=1)
     video_mask = torch.cat([token_mask(p, prompt_ids, video=True), no], dim=1)
     positions = sequence_positions(p, prompt_ids, prompt_mask, r, rows)
-    logits, _, _ = vl_forward(model, ids, mask, rows, logits_to_keep=r + 1,
-                              dummy_if_empty=dummy_if_empty, image_mask=image_mask,
-                              video_mask=video_mask, position_ids=positions)
+    logits, _, _ = vl_forward(
+        model,
+        ids,
+        mask,
+        rows,
+        logits_to_keep=r + 1,
+        dummy_if_empty=dummy_if_empty,
+        image_mask=image_mask,
+        video_mask=video_mask,
+        position_ids=positions,
+    )
     return token_logprobs(logits[:, :-1].float(), response_ids, temperature, with_entropy)

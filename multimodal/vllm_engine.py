@@ -56,26 +56,31 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) 
             i += 1
             continue
         if k == len(counts):
-            raise ValueError(f"the prompt has image-pad tokens at position {i} beyond its "
-                             f"{len(counts)} image(s); prompt ids and images do not belong "
-                             "together")
-        run = ids[i:i + counts[k]]
+            raise ValueError(
+                f"the prompt has image-pad tokens at position {i} beyond its "
+                f"{len(counts)} image(s); prompt ids and images do not belong "
+                "together"
+            )
+        run = ids[i : i + counts[k]]
         if len(run) < counts[k] or any(t != pad_id for t in run):
             got = next((j for j, t in enumerate(run) if t != pad_id), len(run))
-            raise ValueError(f"image {k} needs {counts[k]} image-pad tokens at position {i}, "
-                             f"the prompt has {got}; were its ids built for another resize?")
+            raise ValueError(
+                f"image {k} needs {counts[k]} image-pad tokens at position {i}, "
+                f"the prompt has {got}; were its ids built for another resize?"
+            )
         out.append(pad_id)
         i += counts[k]
         k += 1
     if k != len(counts):
-        raise ValueError(f"the prompt has image-pad tokens for {k} image(s) but {len(counts)} "
-                         "were given")
+        raise ValueError(
+            f"the prompt has image-pad tokens for {k} image(s) but {len(counts)} were given"
+        )
     return out
 
 
 def image_token_counts(vision: VisionInputs, merge_size: int) -> list[int]:
     """Placeholder tokens per image: ``t*h*w / merge^2`` of its grid."""
-    return [int(t * h * w) // merge_size ** 2 for t, h, w in vision.image_grid_thw.tolist()]
+    return [int(t * h * w) // merge_size**2 for t, h, w in vision.image_grid_thw.tolist()]
 
 
 class VLLMVLEngine(VLLMEngine):
@@ -90,24 +95,31 @@ class VLLMVLEngine(VLLMEngine):
         mm_kwargs = {**kwargs.pop("mm_processor_kwargs", {}), "do_resize": False}
         super().__init__(policy, mm_processor_kwargs=mm_kwargs, **kwargs)
 
-    def generate_vl(self, prompts: Sequence[Sequence[int]],
-                    visions: Sequence[VisionInputs | None], params: SamplingParams,
-                    images: Sequence[Sequence[Any]] | None = None) -> list[Completion]:
+    def generate_vl(
+        self,
+        prompts: Sequence[Sequence[int]],
+        visions: Sequence[VisionInputs | None],
+        params: SamplingParams,
+        images: Sequence[Sequence[Any]] | None = None,
+    ) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
 
         ``images[i]``: the resized PIL images of prompt ``i`` (those ``visions[i]`` was
         processed from; ``vision.process`` returns both), or ``[]`` for a text prompt.
         """
         if len(visions) != len(prompts):
-            raise ValueError(f"generate_vl: {len(visions)} vision inputs for {len(prompts)} "
-                             "prompts")
+            raise ValueError(
+                f"generate_vl: {len(visions)} vision inputs for {len(prompts)} prompts"
+            )
         if images is None:
             images = [[] for _ in prompts]
         if len(images) != len(prompts):
             raise ValueError(f"generate_vl: {len(images)} image lists for {len(prompts)} prompts")
         self.wake()
-        requests = [self._request(i, list(p), v, list(imgs))
-                    for i, (p, v, imgs) in enumerate(zip(prompts, visions, images, strict=True))]
+        requests = [
+            self._request(i, list(p), v, list(imgs))
+            for i, (p, v, imgs) in enumerate(zip(prompts, visions, images, strict=True))
+        ]
         rows = [r for r in requests for _ in range(params.n)]
         index = [i for i in range(len(prompts)) for _ in range(params.n)]
         expected = [list(prompts[i]) for i in index]
@@ -117,8 +129,10 @@ class VLLMVLEngine(VLLMEngine):
         if self.sleep_enabled:
             self.sleep()
         decode = self.tokenizer.decode
-        return [Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
-                for i, (ids, lps, reason) in zip(index, outs, strict=True)]
+        return [
+            Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+            for i, (ids, lps, reason) in zip(index, outs, strict=True)
+        ]
 
     def _push_weights(self) -> None:
         super()._push_weights()
@@ -127,28 +141,36 @@ class VLLMVLEngine(VLLMEngine):
         # ("Encoder cache miss"). Clearing both also keeps old-weight features from reuse.
         self.llm.llm_engine.reset_encoder_cache()
 
-    def _request(self, i: int, ids: list[int], vision: VisionInputs | None,
-                 images: list[Any]) -> dict[str, Any]:
+    def _request(
+        self, i: int, ids: list[int], vision: VisionInputs | None, images: list[Any]
+    ) -> dict[str, Any]:
         """One vLLM ``TokensPrompt``: one pad per image, the resized images as its data."""
         from vllm.inputs import TokensPrompt
 
         if vision is None:
             if images:
-                raise ValueError(f"generate_vl: prompt {i} has {len(images)} image(s) but no "
-                                 "vision inputs")
+                raise ValueError(
+                    f"generate_vl: prompt {i} has {len(images)} image(s) but no vision inputs"
+                )
             return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, []))
         if len(images) != vision.num_images:
-            raise ValueError(f"generate_vl: prompt {i} ({vision.key}) has {vision.num_images} "
-                             f"processed image(s) but {len(images)} image(s) were passed; the "
-                             "vllm_vl engine needs the resized images too (images=...)")
+            raise ValueError(
+                f"generate_vl: prompt {i} ({vision.key}) has {vision.num_images} "
+                f"processed image(s) but {len(images)} image(s) were passed; the "
+                "vllm_vl engine needs the resized images too (images=...)"
+            )
         sizes = tuple(tuple(img.size) for img in images)
         if vision.resized and sizes != tuple(vision.resized):
-            raise ValueError(f"generate_vl: prompt {i} ({vision.key}): images of sizes {sizes} "
-                             f"but its vision inputs were processed at {vision.resized}; pass "
-                             "the resized images vision.process returned")
+            raise ValueError(
+                f"generate_vl: prompt {i} ({vision.key}): images of sizes {sizes} "
+                f"but its vision inputs were processed at {vision.resized}; pass "
+                "the resized images vision.process returned"
+            )
         counts = image_token_counts(vision, self.merge_size)
-        return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, counts),
-                            multi_modal_data={"image": images})
+        return TokensPrompt(
+            prompt_token_ids=collapse_image_pads(ids, self.image_token_id, counts),
+            multi_modal_data={"image": images},
+        )
 
     @staticmethod
     def _same_prompt(expected: list[list[int]]):
@@ -160,7 +182,8 @@ class VLLMVLEngine(VLLMEngine):
                     f"vllm_vl: vLLM expanded row {k}'s prompt to {len(out.prompt_token_ids)} "
                     f"tokens, the trainer's prompt has {len(expected[k])}; vLLM's processor "
                     "gave its images other grids (another patch or merge size than the "
-                    "policy's processor?)")
+                    "policy's processor?)"
+                )
 
         return check
 

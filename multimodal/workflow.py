@@ -41,10 +41,12 @@ class VLSingleTurn:
             raise KeyError(f"vl_single_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
         self.name, self.engine = name, ctx.engines[name]
         if not hasattr(self.engine, "generate_vl"):
-            raise TypeError(f"vl_single_turn: the engine of policy {name!r} "
-                            f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
-                            f"take images; set policies.{name}.engine.name=hf_vl (or "
-                            "vllm_vl)")
+            raise TypeError(
+                f"vl_single_turn: the engine of policy {name!r} "
+                f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
+                f"take images; set policies.{name}.engine.name=hf_vl (or "
+                "vllm_vl)"
+            )
         self.tokenizer = ctx.policies[name].tokenizer
         self.processor = processor_of(self.tokenizer)
         self.ctx = ctx
@@ -59,13 +61,17 @@ class VLSingleTurn:
 
         name = cfg.rollout.args.get("policy") or next(iter(cfg.policies))
         if name not in cfg.policies:
-            raise ConfigError(f"rollout.args.policy={name!r} is not one of the recipe's "
-                              f"policies {sorted(cfg.policies)}")
+            raise ConfigError(
+                f"rollout.args.policy={name!r} is not one of the recipe's "
+                f"policies {sorted(cfg.policies)}"
+            )
         engine = cfg.policies[name].engine.name
         if not hasattr(ENGINES.get(engine), "generate_vl"):
-            raise ConfigError(f"rollout.workflow=vl_single_turn needs an engine that takes "
-                              f"images; policies.{name}.engine.name={engine!r} does not. Set "
-                              f"it to hf_vl, or vllm_vl where vLLM is installed.")
+            raise ConfigError(
+                f"rollout.workflow=vl_single_turn needs an engine that takes "
+                f"images; policies.{name}.engine.name={engine!r} does not. Set "
+                f"it to hf_vl, or vllm_vl where vLLM is installed."
+            )
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
         visions, images, videos = [], [], []
@@ -77,25 +83,34 @@ class VLSingleTurn:
                 images.append([])
                 videos.append([])
                 continue
-            v, imgs, frames = vision.process_frames(spec, self.processor.image_processor,
-                                                    video_processor)
+            v, imgs, frames = vision.process_frames(
+                spec, self.processor.image_processor, video_processor
+            )
             visions.append(v)
             images.append(imgs)
             videos.append(frames)
         # vllm_vl hands vLLM the resized images themselves (hf_vl needs only their pixels)
         extra = {"images": images} if getattr(self.engine, "needs_images", False) else {}
         if extra and any(frames for frames in videos):
-            raise ValueError(f"vl_single_turn: the engine of policy {self.name!r} "
-                             f"({type(self.engine).__name__}) takes images but not videos; "
-                             f"set policies.{self.name}.engine.name=hf_vl for video prompts")
+            raise ValueError(
+                f"vl_single_turn: the engine of policy {self.name!r} "
+                f"({type(self.engine).__name__}) takes images but not videos; "
+                f"set policies.{self.name}.engine.name=hf_vl for video prompts"
+            )
         outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params, **extra)
-        metas = [{"answer": it.answer, "row": it.row, "images": images[k],
-                  "image_sizes": list(v.sizes) if v else [],
-                  "resized_sizes": list(v.resized) if v else [],
-                  "videos": videos[k],
-                  "video_sizes": list(v.video_sizes) if v else [],
-                  "video_resized_sizes": list(v.video_resized) if v else []}
-                 for k, (it, v) in enumerate(zip(items, visions, strict=True))]
+        metas = [
+            {
+                "answer": it.answer,
+                "row": it.row,
+                "images": images[k],
+                "image_sizes": list(v.sizes) if v else [],
+                "resized_sizes": list(v.resized) if v else [],
+                "videos": videos[k],
+                "video_sizes": list(v.video_sizes) if v else [],
+                "video_resized_sizes": list(v.video_resized) if v else [],
+            }
+            for k, (it, v) in enumerate(zip(items, visions, strict=True))
+        ]
         rows = [items[o.prompt_index] for o in outs]
         record = text_record(
             prompt_ids=[it.prompt_ids for it in rows],
@@ -110,11 +125,16 @@ class VLSingleTurn:
             truncated=[o.finish_reason == "length" for o in outs],
         )
         set_strings(record, "vision", [visions[o.prompt_index] for o in outs])
-        if self.run_dir is not None and self.ctx.cfg is not None \
-                and params != self.ctx.sampling():
+        if self.run_dir is not None and self.ctx.cfg is not None and params != self.ctx.sampling():
             # a video prompt without images is drawn under its first frame
-            self.write_sheet(items, [imgs or [f[0] for f in frames][:1]
-                                     for imgs, frames in zip(images, videos, strict=True)], outs)
+            self.write_sheet(
+                items,
+                [
+                    imgs or [f[0] for f in frames][:1]
+                    for imgs, frames in zip(images, videos, strict=True)
+                ],
+                outs,
+            )
         return record
 
     def write_sheet(self, items: list, images: list[list], outs: list) -> Path:

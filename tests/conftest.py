@@ -35,8 +35,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from polyrl.core.tiny import tiny_qwen2
 
     path = tmp_path_factory.mktemp("models") / "tiny-arith"
-    tiny_qwen2(path, corpus="arithmetic", hidden_size=128, num_layers=2, num_heads=2,
-               head_dim=64, intermediate_size=256, seed=0)
+    tiny_qwen2(
+        path,
+        corpus="arithmetic",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        seed=0,
+    )
     return str(path)
 
 
@@ -47,13 +55,20 @@ def make_config(tiny_model_dir, tmp_path):
     from polyrl.core.recipe import Config
 
     base = [
-        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-        "task.name=arithmetic", f"task.dir={tmp_path}/data",
+        f"run.dir={tmp_path}/run",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "task.name=arithmetic",
+        f"task.dir={tmp_path}/data",
         "task.args={n_train: 200, n_eval: 40, max_operand: 30, ops: '+'}",
         f"policies.main.model={tiny_model_dir}",
-        "policies.main.optim.lr=5.0e-5", "policies.main.micro_batch_size=64",
-        "data.max_prompt_tokens=32", "eval.data.shuffle=false",
-        "rollout.n=4", "rollout.prompts_per_step=8", "rollout.max_new_tokens=6",
+        "policies.main.optim.lr=5.0e-5",
+        "policies.main.micro_batch_size=64",
+        "data.max_prompt_tokens=32",
+        "eval.data.shuffle=false",
+        "rollout.n=4",
+        "rollout.prompts_per_step=8",
+        "rollout.max_new_tokens=6",
         "train.steps=4",
     ]
 
@@ -72,8 +87,7 @@ def ray_cluster():
     if ray.is_initialized():  # someone else's: leave it running
         yield ray
         return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             namespace="polyrl-tests")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="polyrl-tests")
     yield ray
     ray.shutdown()
 
@@ -86,8 +100,10 @@ def logprob_gaps():
     def gaps(record, *policies) -> list:
         m = record["response_mask"].bool()
         with torch.no_grad():
-            return [(p.logprobs(record, 1.0)[0][m] - record["rollout_logprobs"][m]).abs()
-                    for p in policies]
+            return [
+                (p.logprobs(record, 1.0)[0][m] - record["rollout_logprobs"][m]).abs()
+                for p in policies
+            ]
 
     return gaps
 
@@ -101,10 +117,16 @@ def update_both():
         from polyrl.core import trainer
         from polyrl.core.algorithms import AlgorithmConfig
 
-        out_r = backend.update(remote, record.clone(), AlgorithmConfig(), temperature=1.0,
-                               generator=torch.Generator().manual_seed(0))
-        out_l = trainer.update(local, record.clone(), AlgorithmConfig(),
-                               generator=torch.Generator().manual_seed(0))
+        out_r = backend.update(
+            remote,
+            record.clone(),
+            AlgorithmConfig(),
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+        )
+        out_l = trainer.update(
+            local, record.clone(), AlgorithmConfig(), generator=torch.Generator().manual_seed(0)
+        )
         assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
 
     return update

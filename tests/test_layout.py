@@ -71,34 +71,43 @@ def test_import_parser_sees_every_form(tmp_path):
     pkg = tmp_path / "marl" / "sub"
     pkg.mkdir(parents=True)
     src = pkg / "mod.py"
-    src.write_text("import polyrl.agents.x\nfrom polyrl import diffusion\n"
-                   "def f():\n    from polyrl.multimodal.y import z\n"
-                   "from ..other import w\n# import polyrl.core\ns = 'polyrl.agents'\n")
+    src.write_text(
+        "import polyrl.agents.x\nfrom polyrl import diffusion\n"
+        "def f():\n    from polyrl.multimodal.y import z\n"
+        "from ..other import w\n# import polyrl.core\ns = 'polyrl.agents'\n"
+    )
     names = imported_modules(src, tmp_path)
     assert plugins_named(names) == {"agents", "diffusion", "multimodal", "marl"}
     assert "polyrl.marl.other.w" in names
     init = tmp_path / "core" / "__init__.py"
     init.parent.mkdir()
     init.write_text("from . import record\nfrom .tasks import arithmetic\n")
-    assert {"polyrl.core.record", "polyrl.core.tasks.arithmetic"} <= imported_modules(init, tmp_path)
+    assert {"polyrl.core.record", "polyrl.core.tasks.arithmetic"} <= imported_modules(
+        init, tmp_path
+    )
 
 
 @pytest.mark.parametrize("path", sources("core"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_core_imports_no_plugin(path):
     bad = plugins_named(imported_modules(path))
-    assert not bad, f"{path.relative_to(ROOT)} imports plugin(s) {sorted(bad)}; the core " \
-                    "must reach plugins only through registries and entry points"
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports plugin(s) {sorted(bad)}; the core "
+        "must reach plugins only through registries and entry points"
+    )
 
 
-@pytest.mark.parametrize("path", [p for pl in PLUGINS for p in sources(pl)],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "path", [p for pl in PLUGINS for p in sources(pl)], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_plugin_imports_only_core(path):
     package = path.relative_to(ROOT).parts[0]
     others = plugins_named(imported_modules(path)) - {package}
     bad = others - ALLOWED[package]
-    assert not bad, f"{path.relative_to(ROOT)} (plugin {package!r}) imports plugin(s) " \
-                    f"{sorted(bad)}; a plugin may import only polyrl.core" + \
-                    (f" and {sorted(ALLOWED[package])}" if ALLOWED[package] else "")
+    assert not bad, (
+        f"{path.relative_to(ROOT)} (plugin {package!r}) imports plugin(s) "
+        f"{sorted(bad)}; a plugin may import only polyrl.core"
+        + (f" and {sorted(ALLOWED[package])}" if ALLOWED[package] else "")
+    )
 
 
 def test_extras():
@@ -118,15 +127,21 @@ OPTIONAL_CORE_IMPORTS = {"vllm"}
 def test_core_imports_are_base_dependencies():
     """`pip install polyrl[marl]` must train: whatever the core imports is a base dependency."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    base = {re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0].lower().replace("_", "-")
-            for req in project["dependencies"]}
+    base = {
+        re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0].lower().replace("_", "-")
+        for req in project["dependencies"]
+    }
     dists = packages_distributions()
     needed: dict[str, str] = {}
     for path in sources("core"):
         for name in imported_modules(path):
             top = name.split(".")[0]
-            if not top or top in {"polyrl", "__future__"} or top in sys.stdlib_module_names \
-                    or top in OPTIONAL_CORE_IMPORTS:
+            if (
+                not top
+                or top in {"polyrl", "__future__"}
+                or top in sys.stdlib_module_names
+                or top in OPTIONAL_CORE_IMPORTS
+            ):
                 continue
             for dist in dists.get(top, [top]):
                 needed.setdefault(dist.lower().replace("_", "-"), str(path.relative_to(ROOT)))
@@ -137,8 +152,9 @@ def test_core_imports_are_base_dependencies():
 
 def test_plugin_entry_points():
     eps = {ep.name: ep for ep in entry_points(group="polyrl.plugins")}
-    assert set(PLUGINS) <= set(eps), f"missing polyrl.plugins entry points: " \
-                                     f"{sorted(set(PLUGINS) - set(eps))}"
+    assert set(PLUGINS) <= set(eps), (
+        f"missing polyrl.plugins entry points: {sorted(set(PLUGINS) - set(eps))}"
+    )
     for plugin in PLUGINS:
         assert eps[plugin].value == f"polyrl.{plugin}"
         assert eps[plugin].load().__name__ == f"polyrl.{plugin}"
@@ -152,5 +168,6 @@ def test_tests_mirror_packages():
             continue  # top-level tests (layout, examples) and conftest.py
         assert rel.parts[0] in PACKAGES, (
             f"tests/{rel} is not under a package folder; put it in tests/<package>/ for one "
-            f"of {', '.join(PACKAGES)}, or at the top of tests/")
+            f"of {', '.join(PACKAGES)}, or at the top of tests/"
+        )
     assert not list(tests.rglob("__init__.py")), "tests/ must not be a package"

@@ -93,8 +93,6 @@ def make_rows(
     return rows
 
 
-
-
 def write_dataset(
     out_dir: str | Path, n_train: int, n_eval: int, seed: int, **kw
 ) -> tuple[Path, Path]:

@@ -16,8 +16,17 @@ def grid_model_dir(tmp_path_factory) -> str:
     from polyrl.core.tiny import tiny_qwen2
 
     path = tmp_path_factory.mktemp("models") / "tiny-grid"
-    tiny_qwen2(path, corpus="gridworld", vocab_size=128, hidden_size=64, num_layers=2,
-               num_heads=1, head_dim=64, intermediate_size=256, seed=0)
+    tiny_qwen2(
+        path,
+        corpus="gridworld",
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=1,
+        head_dim=64,
+        intermediate_size=256,
+        seed=0,
+    )
     return str(path)
 
 
@@ -63,8 +72,11 @@ class ScriptedEngine:
                     ids, reason = ids[: params.max_new_tokens], "length"
                 base = -0.001 * (len(self.calls) * 1000 + i * 50)
                 logps = [base - 1e-6 * k for k in range(len(ids))]
-                outs.append(Completion(i, ids, logps, reason,
-                                       self.tokenizer.decode(ids, skip_special_tokens=True)))
+                outs.append(
+                    Completion(
+                        i, ids, logps, reason, self.tokenizer.decode(ids, skip_special_tokens=True)
+                    )
+                )
         self.calls.append((list(prompts), params, outs))
         return outs
 
@@ -85,8 +97,9 @@ def make_workflow(grid_tokenizer):
 
     def make(script, **args):
         engine = ScriptedEngine(grid_tokenizer, script)
-        ctx = Context(cfg=None, policies={"main": FakePolicy(grid_tokenizer)},
-                      engines={"main": engine})
+        ctx = Context(
+            cfg=None, policies={"main": FakePolicy(grid_tokenizer)}, engines={"main": engine}
+        )
         return MultiTurn(ctx, **args), engine
 
     return make
@@ -98,7 +111,15 @@ def items():
     from polyrl.core.data import PromptItem
 
     def make(rows):
-        return [PromptItem(uid=i, prompt_ids=[1], prompt_text=str(r.get("prompt", "")),
-                           answer=r.get("answer"), row=r) for i, r in enumerate(rows)]
+        return [
+            PromptItem(
+                uid=i,
+                prompt_ids=[1],
+                prompt_text=str(r.get("prompt", "")),
+                answer=r.get("answer"),
+                row=r,
+            )
+            for i, r in enumerate(rows)
+        ]
 
     return make

@@ -54,13 +54,27 @@ def step_record() -> torch.Tensor:
             rows["response"].append([7, 8])
             rows["uid"].append(uid)
             rows["turn"].append(t)
-            rows["meta"].append({"episode": e, "spans": [[t, 0, 2]], "anchors": anchors,
-                                 "turn_rewards": rewards, "return": sum(rewards),
-                                 "success": sum(rewards) > 0, "turns": len(anchors)})
-    rec = text_record(prompt_ids=rows["prompt"], response_ids=rows["response"],
-                      rollout_logprobs=[[0.0, 0.0]] * len(rows["uid"]),
-                      policy=["main"] * len(rows["uid"]), uid=rows["uid"], turn=rows["turn"],
-                      pad_id=0, meta=rows["meta"])
+            rows["meta"].append(
+                {
+                    "episode": e,
+                    "spans": [[t, 0, 2]],
+                    "anchors": anchors,
+                    "turn_rewards": rewards,
+                    "return": sum(rewards),
+                    "success": sum(rewards) > 0,
+                    "turns": len(anchors),
+                }
+            )
+    rec = text_record(
+        prompt_ids=rows["prompt"],
+        response_ids=rows["response"],
+        rollout_logprobs=[[0.0, 0.0]] * len(rows["uid"]),
+        policy=["main"] * len(rows["uid"]),
+        uid=rows["uid"],
+        turn=rows["turn"],
+        pad_id=0,
+        meta=rows["meta"],
+    )
     rec["reward"] = torch.tensor([m["return"] for m in rows["meta"]], dtype=torch.float32)
     return rec
 
@@ -80,13 +94,27 @@ def concat_record():
         prompts.append([5, 6])
         responses.append(ids)
         masks.append(mask)
-        metas.append({"episode": e, "spans": spans, "anchors": anchors, "turn_rewards": rewards,
-                      "return": sum(rewards), "success": sum(rewards) > 0,
-                      "turns": len(anchors)})
-    rec = text_record(prompt_ids=prompts, response_ids=responses,
-                      rollout_logprobs=[[0.0] * len(r) for r in responses],
-                      policy=["main"] * len(prompts), uid=[u for u, _, _ in EPISODES],
-                      pad_id=0, loss_mask=masks, meta=metas)
+        metas.append(
+            {
+                "episode": e,
+                "spans": spans,
+                "anchors": anchors,
+                "turn_rewards": rewards,
+                "return": sum(rewards),
+                "success": sum(rewards) > 0,
+                "turns": len(anchors),
+            }
+        )
+    rec = text_record(
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_logprobs=[[0.0] * len(r) for r in responses],
+        policy=["main"] * len(prompts),
+        uid=[u for u, _, _ in EPISODES],
+        pad_id=0,
+        loss_mask=masks,
+        meta=metas,
+    )
     rec["reward"] = torch.tensor([m["return"] for m in metas], dtype=torch.float32)
     return rec
 
@@ -103,8 +131,10 @@ def test_discounted_returns_by_hand():
 
 def test_step_groups_join_identical_anchors_of_one_task_only():
     steps, _ = _steps(step_record(), GAMMA)
-    groups = {key: sorted((steps[k].episode, steps[k].turn) for k in idx)
-              for key, idx in step_groups(steps).items()}
+    groups = {
+        key: sorted((steps[k].episode, steps[k].turn) for k in idx)
+        for key, idx in step_groups(steps).items()
+    }
     assert groups == {
         (0, "A"): [(0, 0), (1, 0), (2, 0)],
         (0, "B"): [(0, 1), (1, 2)],
@@ -118,8 +148,11 @@ def test_step_groups_join_identical_anchors_of_one_task_only():
 def test_gigpo_step_rows_match_hand_computation(omega):
     rec = step_record()
     metrics = make_gigpo(omega)(rec, algo())
-    expected = [A_EPISODE[e] + omega * A_STEP[e][t]
-                for e, (_, anchors, _) in enumerate(EPISODES) for t in range(len(anchors))]
+    expected = [
+        A_EPISODE[e] + omega * A_STEP[e][t]
+        for e, (_, anchors, _) in enumerate(EPISODES)
+        for t in range(len(anchors))
+    ]
     adv = rec["advantages"]
     for i, value in enumerate(expected):
         assert adv[i].tolist() == pytest.approx([value, value], abs=1e-4), i
@@ -136,9 +169,9 @@ def test_gigpo_concat_rows_give_each_turn_its_own_advantage_and_env_tokens_zero(
         for t in range(len(anchors)):
             start = 5 * t
             value = A_EPISODE[e] + A_STEP[e][t]
-            assert row[start:start + 2].tolist() == pytest.approx([value, value], abs=1e-4)
+            assert row[start : start + 2].tolist() == pytest.approx([value, value], abs=1e-4)
             if t < len(anchors) - 1:
-                assert row[start + 2:start + 5].tolist() == [0.0, 0.0, 0.0]  # env tokens
+                assert row[start + 2 : start + 5].tolist() == [0.0, 0.0, 0.0]  # env tokens
         n = 5 * len(anchors) - 3
         assert bool((row[n:] == 0).all())  # padding
 
@@ -188,8 +221,14 @@ def test_invalid_rows_are_left_out_and_get_zero():
 
 
 def test_rows_without_multi_turn_meta_fail_clearly():
-    rec = text_record(prompt_ids=[[1]], response_ids=[[2]], rollout_logprobs=[[0.0]],
-                      policy=["main"], uid=[0], pad_id=0)
+    rec = text_record(
+        prompt_ids=[[1]],
+        response_ids=[[2]],
+        rollout_logprobs=[[0.0]],
+        policy=["main"],
+        uid=[0],
+        pad_id=0,
+    )
     rec["reward"] = torch.ones(1)
     with pytest.raises(ValueError, match="multi_turn workflow"):
         make_gigpo(1.0)(rec, algo())

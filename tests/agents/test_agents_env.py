@@ -97,8 +97,7 @@ def test_hints_list_admissible_moves():
     assert gw.render(GRID, (0, 1), "safe").endswith("\nmoves: down left")
     env = gw.GridWorld()
     assert env.reset({"grid": GRID, "hint": "safe"}).endswith("moves: down right")
-    assert gw.GridWorld(hint="none").reset({"grid": GRID, "hint": "safe"}) == \
-        "P F H\nF F F\nH F G"
+    assert gw.GridWorld(hint="none").reset({"grid": GRID, "hint": "safe"}) == "P F H\nF F F\nH F G"
 
 
 def test_maps_are_solvable_and_respect_the_layout():
@@ -115,8 +114,9 @@ def test_maps_are_solvable_and_respect_the_layout():
 
 def test_task_writes_disjoint_train_and_eval_rows(tmp_path):
     task = TASKS.get("gridworld")
-    train, eval_ = task.write_dataset(tmp_path, seed=3, n_train=40, n_eval=20, size=4,
-                                      holes=2, fixed_goal=True, hint="exits")
+    train, eval_ = task.write_dataset(
+        tmp_path, seed=3, n_train=40, n_eval=20, size=4, holes=2, fixed_goal=True, hint="exits"
+    )
     rows = [json.loads(x) for x in train.read_text().splitlines()]
     held = [json.loads(x) for x in eval_.read_text().splitlines()]
     assert len(rows) == 40 and len(held) == 20

@@ -27,8 +27,9 @@ def test_gigpo_beats_episode_grpo_on_the_grid_world(grid_model_dir, tmp_path):
     try:
         compare = importlib.import_module("gridworld_compare")
         start = time.perf_counter()
-        result = compare.compare(tmp_path, steps=STEPS, seeds=(0, 1, 2), workers=2,
-                                 model=grid_model_dir, eval_every=5)
+        result = compare.compare(
+            tmp_path, steps=STEPS, seeds=(0, 1, 2), workers=2, model=grid_model_dir, eval_every=5
+        )
         elapsed = time.perf_counter() - start
     finally:
         sys.path.remove(str(EXAMPLES))

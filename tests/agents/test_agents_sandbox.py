@@ -19,8 +19,9 @@ from polyrl.agents.sandbox import Sandbox, SandboxLimits, capabilities, run_pyth
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
 
-LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=512, output_bytes=8192,
-                       max_processes=8)
+LIMITS = SandboxLimits(
+    cpu_seconds=2, wall_seconds=4, memory_mb=512, output_bytes=8192, max_processes=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,7 @@ def count_processes_of(uid: int) -> int:
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/status") as f:
-                    n += any(line.startswith("Uid:") and int(line.split()[1]) == uid
-                             for line in f)
+                    n += any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f)
             except OSError:
                 pass
     return n
@@ -114,8 +114,10 @@ def test_writing_outside_the_workdir_changes_nothing(tmp_path, caps, audit):
     if not audit and not os_layers(caps):
         pytest.skip("needs the mount namespace and throwaway uid")
     target = tmp_path / "pwned.txt"
-    code = (f"open({str(target)!r}, 'w').write('x')\n"
-            f"open('../escape.txt', 'w').write('x')\nprint('wrote')")
+    code = (
+        f"open({str(target)!r}, 'w').write('x')\n"
+        f"open('../escape.txt', 'w').write('x')\nprint('wrote')"
+    )
     r = box(audit).run(code)
     assert not target.exists()
     assert not os.path.exists("/tmp/escape.txt")
@@ -143,8 +145,10 @@ def test_reading_outside_the_workdir_is_refused(tmp_path, caps, audit):
 def test_network_sockets_cannot_reach_anything(caps, audit):
     if not audit and not caps["network_namespace"]:
         pytest.skip("needs a network namespace")
-    code = ("import socket\ns = socket.socket()\ns.settimeout(2)\n"
-            "s.connect(('1.1.1.1', 80))\nprint('connected')")
+    code = (
+        "import socket\ns = socket.socket()\ns.settimeout(2)\n"
+        "s.connect(('1.1.1.1', 80))\nprint('connected')"
+    )
     r = box(audit).run(code)
     assert "connected" not in r.stdout
     assert_contained(r, "blocked", "exception")
@@ -166,8 +170,10 @@ def test_killing_the_parent_or_the_trainer_fails(caps, audit):
         pytest.skip("needs the throwaway uid and a PID namespace")
     # os.getppid() is the sandbox's supervisor (0 inside a PID namespace), never this
     # process; the second attempt names this test process's pid outright.
-    code = (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
-            f"os.kill({MY_PID}, signal.SIGKILL)\nprint('still here')")
+    code = (
+        f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+        f"os.kill({MY_PID}, signal.SIGKILL)\nprint('still here')"
+    )
     r = box(audit).run(code)
     assert os.getpid() == MY_PID  # we survived
     if audit:
@@ -176,12 +182,16 @@ def test_killing_the_parent_or_the_trainer_fails(caps, audit):
         assert r.error in ("exception", "blocked"), r.stderr  # PermissionError/ProcessLookup
 
 
-@pytest.mark.parametrize("code", [
-    "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
-    "import importlib, os, signal\nimportlib.reload(os)\nimportlib.reload(signal)\n"
-    "signal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
-    "import _posixsubprocess\n_posixsubprocess.fork_exec()",
-], ids=["pidfd", "pidfd-after-reload", "fork_exec"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
+        "import importlib, os, signal\nimportlib.reload(os)\nimportlib.reload(signal)\n"
+        "signal.pidfd_send_signal(os.pidfd_open({pid}), signal.SIGKILL)",
+        "import _posixsubprocess\n_posixsubprocess.fork_exec()",
+    ],
+    ids=["pidfd", "pidfd-after-reload", "fork_exec"],
+)
 def test_calls_without_an_audit_event_are_refused_too(code):
     """Where no separate uid or namespace guards the trainer, the hook is all there is:
     signalling through a pidfd or forking through subprocess's C helper is refused."""

@@ -27,8 +27,14 @@ class Unit(enum.Enum):
 
 
 @tool
-def weather(city: str, days: int = 1, unit: Unit = Unit.C, hourly: bool | None = None,
-            tags: list[str] | None = None, mode: Literal["fast", "exact"] = "fast") -> str:
+def weather(
+    city: str,
+    days: int = 1,
+    unit: Unit = Unit.C,
+    hourly: bool | None = None,
+    tags: list[str] | None = None,
+    mode: Literal["fast", "exact"] = "fast",
+) -> str:
     """Forecast for a city.
 
     Args:
@@ -47,11 +53,16 @@ def test_schema_from_type_hints_and_docstring():
     p = s["function"]["parameters"]
     assert p["required"] == ["city"]
     assert p["properties"]["city"] == {"type": "string", "description": "the city's name"}
-    assert p["properties"]["days"] == {"type": "integer", "description": "how many days ahead (1-7)",
-                                       "default": 1}
+    assert p["properties"]["days"] == {
+        "type": "integer",
+        "description": "how many days ahead (1-7)",
+        "default": 1,
+    }
     assert p["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]
-    assert p["properties"]["hourly"] == {"anyOf": [{"type": "boolean"}, {"type": "null"}],
-                                         "default": None}
+    assert p["properties"]["hourly"] == {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "default": None,
+    }
     assert p["properties"]["tags"]["anyOf"][0] == {"type": "array", "items": {"type": "string"}}
     assert p["properties"]["mode"] == {"enum": ["fast", "exact"], "default": "fast"}
 
@@ -71,19 +82,25 @@ def test_arguments_are_validated_with_readable_errors():
 
 
 def test_hermes_parser_reads_calls_and_reports_malformed_ones():
-    text = ('Let me check. <tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
-            '</tool_call>\n<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
-            "</tool_call>")
+    text = (
+        'Let me check. <tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}'
+        '</tool_call>\n<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
+        "</tool_call>"
+    )
     parsed = TOOL_PARSERS.get("hermes")(text)
     assert [(c.name, c.arguments) for c in parsed.calls] == [
-        ("weather", {"city": "Oslo"}), ("weather", {"city": "Rome"})]
+        ("weather", {"city": "Oslo"}),
+        ("weather", {"city": "Rome"}),
+    ]
     assert parsed.text == "Let me check." and parsed.errors == []
     bad = parse_hermes('<tool_call>{"name": "weather", "arguments": {"city": }}</tool_call>')
     assert not bad.calls and "not valid JSON" in bad.errors[0] and "<tool_call>" in bad.errors[0]
-    assert "needs a string \"name\"" in parse_hermes("<tool_call>[1, 2]</tool_call>").errors[0]
+    assert 'needs a string "name"' in parse_hermes("<tool_call>[1, 2]</tool_call>").errors[0]
     assert "not closed" in parse_hermes('<tool_call>{"name": "x"').errors[0]
-    assert "must be a JSON object" in parse_hermes(
-        '<tool_call>{"name": "x", "arguments": [1]}</tool_call>').errors[0]
+    assert (
+        "must be a JSON object"
+        in parse_hermes('<tool_call>{"name": "x", "arguments": [1]}</tool_call>').errors[0]
+    )
     plain = parse_hermes("The answer is 4.")
     assert plain.calls == [] and plain.errors == [] and plain.text == "The answer is 4."
 
@@ -95,11 +112,13 @@ def test_tool_env_answers_every_problem_with_a_tool_message_not_a_crash():
         raise ZeroDivisionError("no")
 
     env = ToolEnv([weather, boom])
-    calls = ('<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
-             '<tool_call>{"name": "wether", "arguments": {}}</tool_call>'
-             '<tool_call>{"name": "weather", "arguments": {"days": 2}}</tool_call>'
-             '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>'
-             '<tool_call>{"name": "weather" "arguments": {}}</tool_call>')
+    calls = (
+        '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+        '<tool_call>{"name": "wether", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "weather", "arguments": {"days": 2}}</tool_call>'
+        '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "weather" "arguments": {}}</tool_call>'
+    )
     result = asyncio.run(env.step(calls))
     texts = [m["content"] for m in result.observation]
     assert all(m["role"] == "tool" for m in result.observation)
@@ -123,14 +142,22 @@ def tool_math_script(text, call, i):
     """Turn 0: a Python call (one episode writes broken code); turn 1: the answer."""
     if call == 0:
         code = CODE if i == 0 else "print(417 * )"
-        return '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>', \
-            True
+        return (
+            '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>',
+            True,
+        )
     return ("<answer>384891</answer>" if i == 0 else "<answer>1</answer>"), True
 
 
 def test_tool_math_episode_through_the_workflow_and_the_sandbox(make_workflow, items):
-    wf, engine = make_workflow(tool_math_script, env="tool_math", mode="concat", max_turns=3,
-                               max_turn_tokens=200, env_workers=1)
+    wf, engine = make_workflow(
+        tool_math_script,
+        env="tool_math",
+        mode="concat",
+        max_turns=3,
+        max_turn_tokens=200,
+        env_workers=1,
+    )
     rows = [{"question": "What is 417*923?", "answer": "384891"}]
     rec = wf.rollout(items(rows), SamplingParams(n=2, max_new_tokens=200))
     metas = strings(rec, "meta")

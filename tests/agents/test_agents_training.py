@@ -34,14 +34,28 @@ def test_a_raising_env_costs_only_its_episodes_and_the_batch_trains(grid_model_d
     from polyrl.core.loop import train
     from polyrl.core.recipe import Config
 
-    cfg = load(Config, str(RECIPE), [
-        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-        "run.save_every=0", "run.samples_per_step=1000", f"task.dir={tmp_path}/data", "sft.steps=0",
-        "task.args={n_train: 16, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
-        f"policies.main.model={grid_model_dir}", "policies.main.build=null",
-        "rollout.args={env: test_agents_crashing_grid, mode: step, history: 0, max_turns: 3,"
-        " max_turn_tokens: 2}",
-        "rollout.n=4", "rollout.prompts_per_step=8", "train.steps=2", "eval.every=0"])
+    cfg = load(
+        Config,
+        str(RECIPE),
+        [
+            f"run.dir={tmp_path}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.save_every=0",
+            "run.samples_per_step=1000",
+            f"task.dir={tmp_path}/data",
+            "sft.steps=0",
+            "task.args={n_train: 16, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
+            f"policies.main.model={grid_model_dir}",
+            "policies.main.build=null",
+            "rollout.args={env: test_agents_crashing_grid, mode: step, history: 0, max_turns: 3,"
+            " max_turn_tokens: 2}",
+            "rollout.n=4",
+            "rollout.prompts_per_step=8",
+            "train.steps=2",
+            "eval.every=0",
+        ],
+    )
     run = train(cfg)
     rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "episode/errors" in r and r["step"] >= 1]
@@ -52,11 +66,15 @@ def test_a_raising_env_costs_only_its_episodes_and_the_batch_trains(grid_model_d
         assert r["rollout/valid_frac"] < 1.0 or r["episode/errors"] == 0
         assert math.isfinite(r["main/loss"]) and r["main/grad_norm"] > 0  # the rest trained
     # the error text is on the rows, where the transcripts show it
-    samples = [json.loads(x) for p in sorted((run.path / "samples").glob("train_step_*"))
-               for x in p.read_text().splitlines()]
+    samples = [
+        json.loads(x)
+        for p in sorted((run.path / "samples").glob("train_step_*"))
+        for x in p.read_text().splitlines()
+    ]
     crashed = [s for s in samples if s["error"]]
-    assert crashed and all("step (turn 0) raised RuntimeError: simulator crashed" in s["error"]
-                           for s in crashed)
+    assert crashed and all(
+        "step (turn 0) raised RuntimeError: simulator crashed" in s["error"] for s in crashed
+    )
     assert crashed[0]["reward"] is None  # left out, not scored 0
     # a step-mode line is one turn; it also says which episode it is and how that went
     for line in samples:

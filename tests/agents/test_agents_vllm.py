@@ -24,13 +24,19 @@ def test_multi_turn_on_vllm_batches_rounds_and_keeps_exact_ids(grid_model_dir, i
     from polyrl.core.vllm_engine import VLLMEngine
     from polyrl.core.workflow import Context
 
-    policy = CausalLMPolicy("main", PolicyConfig(model=grid_model_dir), total_steps=1,
-                            need_reference=False)
+    policy = CausalLMPolicy(
+        "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
+    )
     engine = VLLMEngine(policy, seed=0, max_model_len=512, kv_cache_gb=0.0625)
     try:
-        wf = MultiTurn(Context(None, {"main": policy}, {"main": engine}), env="gridworld",
-                       env_args={"invalid": "slip"}, mode="concat", max_turns=4,
-                       max_turn_tokens=4)
+        wf = MultiTurn(
+            Context(None, {"main": policy}, {"main": engine}),
+            env="gridworld",
+            env_args={"invalid": "slip"},
+            mode="concat",
+            max_turns=4,
+            max_turn_tokens=4,
+        )
         rows = [{"prompt": render(g, (0, 0)), "grid": g, "answer": "0"} for g in GRIDS]
         calls_before = engine.calls
         rec = wf.rollout(items(rows), SamplingParams(n=4, temperature=1.0, max_new_tokens=4))
@@ -46,8 +52,10 @@ def test_multi_turn_on_vllm_batches_rounds_and_keeps_exact_ids(grid_model_dir, i
         mask = rec["loss_mask"].bool()
         assert int(mask.sum()) == sum(e - s for m in metas for _, s, e in m["spans"])
         diff = (lp[mask] - rec["rollout_logprobs"][mask]).abs()
-        print(f"|vLLM - trainer| over {diff.numel()} sampled tokens: mean {diff.mean():.2e}, "
-              f"max {diff.max():.2e}")
+        print(
+            f"|vLLM - trainer| over {diff.numel()} sampled tokens: mean {diff.mean():.2e}, "
+            f"max {diff.max():.2e}"
+        )
         assert diff.mean() <= 1e-3 and diff.max() <= 1e-2
         assert bool((rec["rollout_logprobs"][~mask] == 0).all())
     finally:

@@ -35,10 +35,12 @@ def rows_by_round(record, n_rounds):
     return [[r for r, t in enumerate(turns) if t > c] for c in range(n_rounds)]
 
 
-def test_concat_rows_keep_sampled_ids_and_mask_exactly_the_policy_tokens(make_workflow, items,
-                                                                         grid_tokenizer):
-    wf, engine = make_workflow(moves("right", "down", "down", "right"), env="gridworld",
-                               mode="concat", max_turns=6)
+def test_concat_rows_keep_sampled_ids_and_mask_exactly_the_policy_tokens(
+    make_workflow, items, grid_tokenizer
+):
+    wf, engine = make_workflow(
+        moves("right", "down", "down", "right"), env="gridworld", mode="concat", max_turns=6
+    )
     rec = wf.rollout(items(gw_rows()), PARAMS)
     assert rec.batch_size[0] == 4  # 2 tasks x 2 episodes, one row each
     assert len(engine.calls) == 4  # one call per turn round
@@ -69,8 +71,9 @@ def test_concat_rows_keep_sampled_ids_and_mask_exactly_the_policy_tokens(make_wo
         # the env tokens between turns read as the chat template's next user turn
         t0_end, t1_start = meta["spans"][0][2], meta["spans"][1][1]
         env_text = grid_tokenizer.decode(response[t0_end:t1_start], skip_special_tokens=False)
-        assert env_text == ("\n<|im_start|>user\n" + meta["anchors"][1]
-                            + "<|im_end|>\n<|im_start|>assistant\n")
+        assert env_text == (
+            "\n<|im_start|>user\n" + meta["anchors"][1] + "<|im_end|>\n<|im_start|>assistant\n"
+        )
     # right, down, down, right from the top-left corner reaches G: success, reward 1
     meta = strings(rec, "meta")[0]
     assert meta["actions"] == ["right", "down", "down", "right"]
@@ -78,15 +81,18 @@ def test_concat_rows_keep_sampled_ids_and_mask_exactly_the_policy_tokens(make_wo
     assert not bool(rec["truncated"].any())
 
 
-def test_an_action_cut_by_the_turn_limit_gets_its_end_token_from_the_env(make_workflow, items,
-                                                                         grid_tokenizer):
-    wf, engine = make_workflow(moves("down", stop=False), env="gridworld", mode="concat",
-                               max_turns=2)
+def test_an_action_cut_by_the_turn_limit_gets_its_end_token_from_the_env(
+    make_workflow, items, grid_tokenizer
+):
+    wf, engine = make_workflow(
+        moves("down", stop=False), env="gridworld", mode="concat", max_turns=2
+    )
     rec = wf.rollout(items(gw_rows(1)), SamplingParams(n=1, max_new_tokens=8))
     meta = strings(rec, "meta")[0]
     end0, start1 = meta["spans"][0][2], meta["spans"][1][1]
-    env = grid_tokenizer.decode(rec["response_ids"][0, end0:start1].tolist(),
-                                skip_special_tokens=False)
+    env = grid_tokenizer.decode(
+        rec["response_ids"][0, end0:start1].tolist(), skip_special_tokens=False
+    )
     assert env.startswith("<|im_end|>\n<|im_start|>user\n")  # closed for the policy, masked
     assert rec["loss_mask"][0, end0:start1].sum() == 0
 
@@ -94,8 +100,9 @@ def test_an_action_cut_by_the_turn_limit_gets_its_end_token_from_the_env(make_wo
 def test_one_engine_call_per_round_batches_all_active_episodes(make_workflow, items):
     # Episode lengths differ: the first map is solved in 4 moves, the second one ends in
     # its hole after 2.
-    wf, engine = make_workflow(moves("right", "down", "down", "right"), env="gridworld",
-                               mode="concat", max_turns=6)
+    wf, engine = make_workflow(
+        moves("right", "down", "down", "right"), env="gridworld", mode="concat", max_turns=6
+    )
     rows = gw_rows(2)
     rec = wf.rollout(items(rows), SamplingParams(n=3, max_new_tokens=8))
     turns = [m["turns"] for m in strings(rec, "meta")]
@@ -117,12 +124,14 @@ def test_turn_limit_ends_the_episode_cleanly_as_truncated(make_workflow, items):
     assert len(engine.calls) == 3
 
 
-def test_token_limit_cuts_the_last_action_and_ends_as_truncated(make_workflow, items,
-                                                                grid_tokenizer):
+def test_token_limit_cuts_the_last_action_and_ends_as_truncated(
+    make_workflow, items, grid_tokenizer
+):
     # "up" + eos is 3 sampled tokens (one per symbol); a budget of 7 allows two whole turns
     # and one token of the third, which is kept as sampled but not sent to the env.
-    wf, engine = make_workflow(moves("up"), env="gridworld", mode="concat", max_turns=10,
-                               max_tokens=7)
+    wf, engine = make_workflow(
+        moves("up"), env="gridworld", mode="concat", max_turns=10, max_tokens=7
+    )
     rec = wf.rollout(items(gw_rows(1)), SamplingParams(n=1, max_new_tokens=8))
     meta = strings(rec, "meta")[0]
     assert meta["finish"] == "max_tokens" and rec["truncated"].tolist() == [True]
@@ -131,8 +140,7 @@ def test_token_limit_cuts_the_last_action_and_ends_as_truncated(make_workflow, i
     assert len(meta["turn_rewards"]) == 3 and len(meta["actions"]) == 3
     assert engine.calls[2][1].max_new_tokens == 1  # the call asked for the budget left
     # step mode: the same limit, one row per turn, all rows marked truncated
-    wf, _ = make_workflow(moves("up"), env="gridworld", mode="step", max_turns=10,
-                          max_tokens=7)
+    wf, _ = make_workflow(moves("up"), env="gridworld", mode="step", max_turns=10, max_tokens=7)
     rec = wf.rollout(items(gw_rows(1)), SamplingParams(n=1, max_new_tokens=8))
     assert rec["turn"].tolist() == [0, 1, 2]
     assert rec["response_mask"].sum(1).tolist() == [3, 3, 1]
@@ -140,8 +148,9 @@ def test_token_limit_cuts_the_last_action_and_ends_as_truncated(make_workflow, i
 
 
 def test_context_limit_truncates_before_the_prompt_overflows(make_workflow, items):
-    wf, _ = make_workflow(moves("left"), env="gridworld", mode="concat", max_turns=50,
-                          max_context=80)
+    wf, _ = make_workflow(
+        moves("left"), env="gridworld", mode="concat", max_turns=50, max_context=80
+    )
     rec = wf.rollout(items(gw_rows(1)), SamplingParams(n=1, max_new_tokens=4))
     meta = strings(rec, "meta")[0]
     total = int(rec["prompt_mask"][0].sum() + rec["response_mask"][0].sum())
@@ -166,10 +175,10 @@ class FlakyEnv(Environment):
 
 
 @pytest.mark.parametrize("mode", ["concat", "step"])
-def test_an_env_that_raises_ends_only_its_episode_with_the_error_recorded(make_workflow, items,
-                                                                           mode):
-    wf, _ = make_workflow(moves("go"), env="test_agents_flaky",
-                          mode=mode, max_turns=5)
+def test_an_env_that_raises_ends_only_its_episode_with_the_error_recorded(
+    make_workflow, items, mode
+):
+    wf, _ = make_workflow(moves("go"), env="test_agents_flaky", mode=mode, max_turns=5)
     rows = [{"prompt": "a"}, {"prompt": "b", "boom": True}, {"prompt": "c", "boom_reset": True}]
     rec = wf.rollout(items(rows), SamplingParams(n=1, max_new_tokens=4))
     metas, errors = strings(rec, "meta"), strings(rec, "error")
@@ -195,13 +204,14 @@ def test_step_mode_rows_hold_one_turn_with_bounded_history(make_workflow, items,
     acts = moves("right", "down", "down", "right")
     rows = gw_rows(1)
     for history in (0, 1, None):
-        wf, engine = make_workflow(acts, env="gridworld", mode="step", history=history,
-                                   max_turns=6)
+        wf, engine = make_workflow(acts, env="gridworld", mode="step", history=history, max_turns=6)
         rec = wf.rollout(items(rows), SamplingParams(n=1, max_new_tokens=8))
         meta = strings(rec, "meta")
         assert rec["turn"].tolist() == [0, 1, 2, 3]
-        assert all(m["episode"] == 0 and m["spans"] == [[t, 0, int(rec["response_mask"][t].sum())]]
-                   for t, m in enumerate(meta))
+        assert all(
+            m["episode"] == 0 and m["spans"] == [[t, 0, int(rec["response_mask"][t].sum())]]
+            for t, m in enumerate(meta)
+        )
         outs = [c[2][0] for c in engine.calls]
         for t in range(4):
             prompt = rec["prompt_ids"][t][rec["prompt_mask"][t].bool()].tolist()
@@ -213,15 +223,19 @@ def test_step_mode_rows_hold_one_turn_with_bounded_history(make_workflow, items,
             elif history == 1 and t >= 1:  # previous observation, its action, the env reply
                 first = chat.first_prompt([{"role": "user", "content": anchors[t - 1]}])
                 assert prompt[: len(first)] == first
-                assert prompt[len(first): len(first) + len(outs[t - 1].token_ids)] == \
-                    outs[t - 1].token_ids
-                assert grid_tokenizer.decode(prompt).endswith(anchors[t] + "\nassistant\n") \
-                    or anchors[t] in grid_tokenizer.decode(prompt)
+                assert (
+                    prompt[len(first) : len(first) + len(outs[t - 1].token_ids)]
+                    == outs[t - 1].token_ids
+                )
+                assert grid_tokenizer.decode(prompt).endswith(
+                    anchors[t] + "\nassistant\n"
+                ) or anchors[t] in grid_tokenizer.decode(prompt)
         if history is None:  # the whole conversation: turn 3's prompt holds every action
             prompt = rec["prompt_ids"][3][rec["prompt_mask"][3].bool()].tolist()
             for out in outs[:3]:
-                assert any(prompt[k:k + len(out.token_ids)] == out.token_ids
-                           for k in range(len(prompt)))
+                assert any(
+                    prompt[k : k + len(out.token_ids)] == out.token_ids for k in range(len(prompt))
+                )
 
 
 @register_env("test_agents_slow_async")
@@ -238,8 +252,7 @@ class SlowAsyncEnv(Environment):
 
 
 def test_async_environments_step_concurrently(make_workflow, items):
-    wf, _ = make_workflow(moves("go"), env="test_agents_slow_async",
-                          mode="concat")
+    wf, _ = make_workflow(moves("go"), env="test_agents_slow_async", mode="concat")
     start = time.monotonic()
     rec = wf.rollout(items([{"prompt": "x"}] * 4), SamplingParams(n=4, max_new_tokens=4))
     assert time.monotonic() - start < 2.0  # 16 episodes x 0.2 s would take 3.2 s in series
@@ -275,11 +288,13 @@ CALL = 'left <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_cal
 BAD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": }}</tool_call>'
 
 
-def test_ids_stay_exact_around_tool_calls_and_results_are_masked(make_workflow, items,
-                                                                  grid_tokenizer):
+def test_ids_stay_exact_around_tool_calls_and_results_are_masked(
+    make_workflow, items, grid_tokenizer
+):
     script = moves(CALL, BAD_CALL, "<answer>5</answer>")
-    wf, engine = make_workflow(script, env="test_agents_add",
-                               mode="concat", max_turns=4, max_turn_tokens=120)
+    wf, engine = make_workflow(
+        script, env="test_agents_add", mode="concat", max_turns=4, max_turn_tokens=120
+    )
     rec = wf.rollout(items([{"prompt": "q"}]), SamplingParams(n=1, max_new_tokens=120))
     meta = strings(rec, "meta")[0]
     response = rec["response_ids"][0].tolist()
@@ -289,11 +304,11 @@ def test_ids_stay_exact_around_tool_calls_and_results_are_masked(make_workflow, 
         assert rec["loss_mask"][0, s:e].tolist() == [1] * (e - s)
     canonical = grid_tokenizer.encode(CALL, add_special_tokens=False)
     assert engine.calls[0][2][0].token_ids[:-1] != canonical  # would differ if re-encoded
-    env1 = grid_tokenizer.decode(response[meta["spans"][0][2]:meta["spans"][1][1]])
-    env2 = grid_tokenizer.decode(response[meta["spans"][1][2]:meta["spans"][2][1]])
+    env1 = grid_tokenizer.decode(response[meta["spans"][0][2] : meta["spans"][1][1]])
+    env2 = grid_tokenizer.decode(response[meta["spans"][1][2] : meta["spans"][2][1]])
     assert "tool\n5" in env1  # the tool result, fed back as a tool message
     assert "Error: the tool call is not valid JSON" in env2  # told, not crashed
-    assert rec["loss_mask"][0, meta["spans"][0][2]:meta["spans"][1][1]].sum() == 0
+    assert rec["loss_mask"][0, meta["spans"][0][2] : meta["spans"][1][1]].sum() == 0
 
 
 def test_real_engine_ids_and_logprobs_land_in_the_record(grid_model_dir, items):
@@ -303,8 +318,9 @@ def test_real_engine_ids_and_logprobs_land_in_the_record(grid_model_dir, items):
     from polyrl.core.policy import CausalLMPolicy, PolicyConfig
     from polyrl.core.workflow import Context
 
-    policy = CausalLMPolicy("main", PolicyConfig(model=grid_model_dir), total_steps=1,
-                            need_reference=False)
+    policy = CausalLMPolicy(
+        "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
+    )
     engine = HFEngine(policy, seed=0)
     seen = []
     real = engine.generate
@@ -315,8 +331,13 @@ def test_real_engine_ids_and_logprobs_land_in_the_record(grid_model_dir, items):
         return outs
 
     engine.generate = recording
-    wf = MultiTurn(Context(None, {"main": policy}, {"main": engine}), env="gridworld",
-                   mode="concat", max_turns=3, max_turn_tokens=3)
+    wf = MultiTurn(
+        Context(None, {"main": policy}, {"main": engine}),
+        env="gridworld",
+        mode="concat",
+        max_turns=3,
+        max_turn_tokens=3,
+    )
     rec = wf.rollout(items(gw_rows(2)), SamplingParams(n=2, max_new_tokens=3))
     active = rows_by_round(rec, len(seen))
     for r, meta in enumerate(strings(rec, "meta")):

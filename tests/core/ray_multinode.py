@@ -33,23 +33,47 @@ def main(model_dir: str) -> None:
         from polyrl.core.record import text_record
         from polyrl.core.registry import BACKENDS
 
-        cfg = load(Config, None, [
-            f"policies.main.model={model_dir}", "distributed.backend=ray",
-            "distributed.args={workers_per_policy: 2, strategy: STRICT_SPREAD, "
-            "placement_timeout_s: 60}"])
+        cfg = load(
+            Config,
+            None,
+            [
+                f"policies.main.model={model_dir}",
+                "distributed.backend=ray",
+                "distributed.args={workers_per_policy: 2, strategy: STRICT_SPREAD, "
+                "placement_timeout_s: 60}",
+            ],
+        )
         backend = BACKENDS.get("ray")(cfg)
-        policy = backend.make_policy("main", cfg.policies["main"], total_steps=1,
-                                     need_reference=False, shared={})
-        batch = text_record(prompt_ids=[[1, 2, 3], [4, 5], [6], [7, 8]],
-                            response_ids=[[9, 10], [11], [12, 13, 14], [15]],
-                            rollout_logprobs=[[0.0, 0.0], [0.0], [0.0] * 3, [0.0]],
-                            policy=["main"] * 4, uid=[0, 0, 1, 1], pad_id=0)
+        policy = backend.make_policy(
+            "main", cfg.policies["main"], total_steps=1, need_reference=False, shared={}
+        )
+        batch = text_record(
+            prompt_ids=[[1, 2, 3], [4, 5], [6], [7, 8]],
+            response_ids=[[9, 10], [11], [12, 13, 14], [15]],
+            rollout_logprobs=[[0.0, 0.0], [0.0], [0.0] * 3, [0.0]],
+            policy=["main"] * 4,
+            uid=[0, 0, 1, 1],
+            pad_id=0,
+        )
         batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * batch["loss_mask"]
-        out = backend.update(policy, batch, AlgorithmConfig(), temperature=1.0,
-                             generator=torch.Generator().manual_seed(0))
-        print(json.dumps({"workers": policy.group.nodes,
-                          "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                          "loss": out["loss"], "grad_norm": out["grad_norm"]}), flush=True)
+        out = backend.update(
+            policy,
+            batch,
+            AlgorithmConfig(),
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+        )
+        print(
+            json.dumps(
+                {
+                    "workers": policy.group.nodes,
+                    "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+                    "loss": out["loss"],
+                    "grad_norm": out["grad_norm"],
+                }
+            ),
+            flush=True,
+        )
         backend.shutdown()
     finally:
         ray.shutdown()

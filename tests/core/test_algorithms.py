@@ -59,33 +59,45 @@ def verl_reference(name, rewards, mask, group, cfg):
     eps = cfg.epsilon
     if name == "grpo":
         return core_algos.compute_grpo_outcome_advantage(
-            tok, mask, index, epsilon=eps, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std)[0]
+            tok, mask, index, epsilon=eps, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std
+        )[0]
     if name == "drgrpo":
         return core_algos.compute_grpo_outcome_advantage(
-            tok, mask, index, epsilon=eps, norm_adv_by_std_in_grpo=False)[0]
+            tok, mask, index, epsilon=eps, norm_adv_by_std_in_grpo=False
+        )[0]
     if name == "rloo":
         return core_algos.compute_rloo_outcome_advantage(tok, mask, index, epsilon=eps)[0]
     if name == "grpo_passk":
         return core_algos.compute_grpo_passk_outcome_advantage(
-            tok, mask, index, epsilon=eps, config=verl_algo(cfg))[0]
+            tok, mask, index, epsilon=eps, config=verl_algo(cfg)
+        )[0]
     if name == "reinforce_plus_plus":
         return core_algos.compute_reinforce_plus_plus_outcome_advantage(
-            tok, mask, config=verl_algo(cfg))[0]
+            tok, mask, config=verl_algo(cfg)
+        )[0]
     if name == "reinforce_plus_plus_baseline":
         return core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
-            tok, mask, index, epsilon=eps, config=verl_algo(cfg))[0]
+            tok, mask, index, epsilon=eps, config=verl_algo(cfg)
+        )[0]
     raise AssertionError(f"no verl reference for {name}")
 
 
-ESTIMATORS = ["grpo", "drgrpo", "rloo", "grpo_passk", "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline"]
+ESTIMATORS = [
+    "grpo",
+    "drgrpo",
+    "rloo",
+    "grpo_passk",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+]
 
 
 def test_expected_names_are_registered():
     assert set(ESTIMATORS) <= set(ADVANTAGES.names())
     assert {"ppo_clip", "gspo", "cispo", "sapo", "clip_cov", "kl_cov"} <= set(POLICY_LOSSES.names())
     assert {"k1", "k2", "k3", "low_var_kl", "abs", "k3+", "low_var_kl+"} <= set(
-        KL_ESTIMATORS.names())
+        KL_ESTIMATORS.names()
+    )
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
@@ -106,7 +118,8 @@ def test_grpo_matches_vectorized_verl_and_hand_computation():
     rewards, mask, group = make_batch(4)
     adv = ADVANTAGES.get("grpo")(rewards, mask, group, cfg)
     vec = core_algos.compute_grpo_vectorized_outcome_advantage(
-        last_token_rewards(rewards, mask), mask, group.numpy(), epsilon=cfg.epsilon)[0]
+        last_token_rewards(rewards, mask), mask, group.numpy(), epsilon=cfg.epsilon
+    )[0]
     torch.testing.assert_close(adv, vec)
     hand = torch.empty_like(rewards)
     for gid in group.unique():
@@ -165,8 +178,9 @@ def test_empty_masks_do_not_crash(name):
     assert torch.isfinite(adv).all() and torch.all(adv[:3] == 0)
     if name != "grpo_passk":  # pass@k is undefined for a single sample
         empty = torch.zeros(2, R)
-        out = ADVANTAGES.get(name)(torch.tensor([1.0, 0.0]), empty, torch.tensor([0, 0]),
-                                   AlgorithmConfig())
+        out = ADVANTAGES.get(name)(
+            torch.tensor([1.0, 0.0]), empty, torch.tensor([0, 0]), AlgorithmConfig()
+        )
         assert torch.equal(out, torch.zeros(2, R))
 
 
@@ -179,28 +193,56 @@ def test_grpo_singleton_group_follows_verl():
 
 # --------------------------------------------------------------------------- losses
 
-LOSSES = {"ppo_clip": "vanilla", "gspo": "gspo", "cispo": "cispo", "sapo": "sapo",
-          "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
+LOSSES = {
+    "ppo_clip": "vanilla",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    "sapo": "sapo",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
+}
 
 # non-default values everywhere, so a setting the wrapper forgot to pass shows up
-LOSS_CFG = AlgorithmConfig(clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5,
-                           tau_pos=1.3, tau_neg=1.7, clip_cov_ratio=0.2, clip_cov_lb=0.0,
-                           clip_cov_ub=50.0, kl_cov_ratio=0.2, ppo_kl_coef=0.3)
+LOSS_CFG = AlgorithmConfig(
+    clip_ratio_low=0.15,
+    clip_ratio_high=0.28,
+    clip_ratio_c=2.5,
+    tau_pos=1.3,
+    tau_neg=1.7,
+    clip_cov_ratio=0.2,
+    clip_cov_lb=0.0,
+    clip_cov_ub=50.0,
+    kl_cov_ratio=0.2,
+    ppo_kl_coef=0.3,
+)
 
 
 def verl_actor(mode, cfg, agg):
     actor = ActorConfig(
-        strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-        clip_ratio=cfg.clip_ratio_low, clip_ratio_low=cfg.clip_ratio_low,
-        clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-        tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg,
+        strategy="fsdp",
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        clip_ratio=cfg.clip_ratio_low,
+        clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
         policy_loss=PolicyLossConfig(
-            loss_mode=mode, clip_cov_ratio=cfg.clip_cov_ratio, clip_cov_lb=cfg.clip_cov_lb,
-            clip_cov_ub=cfg.clip_cov_ub, kl_cov_ratio=cfg.kl_cov_ratio,
-            ppo_kl_coef=cfg.ppo_kl_coef))
-    actor.global_batch_info.update(dp_size=1, batch_num_tokens=agg.batch_num_tokens,
-                                   global_batch_size=agg.global_batch_size,
-                                   loss_scale_factor=agg.loss_scale_factor)
+            loss_mode=mode,
+            clip_cov_ratio=cfg.clip_cov_ratio,
+            clip_cov_lb=cfg.clip_cov_lb,
+            clip_cov_ub=cfg.clip_cov_ub,
+            kl_cov_ratio=cfg.kl_cov_ratio,
+            ppo_kl_coef=cfg.ppo_kl_coef,
+        ),
+    )
+    actor.global_batch_info.update(
+        dp_size=1,
+        batch_num_tokens=agg.batch_num_tokens,
+        global_batch_size=agg.global_batch_size,
+        loss_scale_factor=agg.loss_scale_factor,
+    )
     return actor
 
 
@@ -216,8 +258,14 @@ def loss_inputs(seed=0, b=6, r=R, spread=0.4):
 
 def run_verl_loss(mode, logp, old, adv, mask, cfg, agg):
     fn = core_algos.get_policy_loss_fn(mode)
-    loss, metrics = fn(old_log_prob=old, log_prob=logp, advantages=adv, response_mask=mask,
-                       loss_agg_mode=agg.mode, config=verl_actor(mode, cfg, agg))
+    loss, metrics = fn(
+        old_log_prob=old,
+        log_prob=logp,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=agg.mode,
+        config=verl_actor(mode, cfg, agg),
+    )
     return loss, {k.removeprefix("actor/"): v for k, v in metrics.items()}
 
 
@@ -225,8 +273,9 @@ def run_verl_loss(mode, logp, old, adv, mask, cfg, agg):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_policy_loss_matches_verl(name, mode):
     logp, old, adv, mask = loss_inputs(1)
-    agg = AggInfo(mode=mode, batch_num_tokens=int(mask.sum()) + 5, global_batch_size=9,
-                  loss_scale_factor=4)
+    agg = AggInfo(
+        mode=mode, batch_num_tokens=int(mask.sum()) + 5, global_batch_size=9, loss_scale_factor=4
+    )
     torch.manual_seed(0)  # clip_cov picks its cut tokens at random
     loss, metrics = POLICY_LOSSES.get(name)(logp, old, adv, mask, LOSS_CFG, agg)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -260,7 +309,8 @@ def test_loss_settings_are_not_mixed_up_by_the_cache():
 def test_first_update_is_on_policy():
     logp, _, adv, mask = loss_inputs(3)
     loss, metrics = POLICY_LOSSES.get("ppo_clip")(
-        logp, logp.detach(), adv, mask, AlgorithmConfig(), AggInfo(mode="token-mean"))
+        logp, logp.detach(), adv, mask, AlgorithmConfig(), AggInfo(mode="token-mean")
+    )
     torch.testing.assert_close(loss, -(adv * mask).sum() / mask.sum())
     assert metrics["pg_clipfrac"] == 0.0
     assert metrics["pg_clipfrac_lower"] == 0.0
@@ -289,8 +339,10 @@ def test_micro_batches_sum_to_the_full_batch(name, mode):
     torch.testing.assert_close(total, full)
     torch.testing.assert_close(micro_grad, full_grad)
     if mode in ("token-mean", "seq-mean-token-mean"):  # and unlike naive per-micro means
-        naive = sum(loss_fn(logp[sl], old[sl], adv[sl], mask[sl], cfg, AggInfo(mode=mode))[0]
-                    for sl in (slice(0, 3), slice(3, 4), slice(4, 8)))
+        naive = sum(
+            loss_fn(logp[sl], old[sl], adv[sl], mask[sl], cfg, AggInfo(mode=mode))[0]
+            for sl in (slice(0, 3), slice(3, 4), slice(4, 8))
+        )
         assert not torch.allclose(naive, full)
 
 
@@ -302,8 +354,13 @@ def test_aggregate_matches_verl_and_splits(mode):
     mask[2] = 0
     agg = AggInfo.for_minibatch(mode, mask)
     full = aggregate(values, mask, agg)
-    ref = core_algos.agg_loss(values, mask, mode, batch_num_tokens=agg.batch_num_tokens,
-                              global_batch_size=agg.global_batch_size)
+    ref = core_algos.agg_loss(
+        values,
+        mask,
+        mode,
+        batch_num_tokens=agg.batch_num_tokens,
+        global_batch_size=agg.global_batch_size,
+    )
     torch.testing.assert_close(full, ref)
     parts = aggregate(values[:4], mask[:4], agg) + aggregate(values[4:], mask[4:], agg)
     torch.testing.assert_close(parts, full)
@@ -312,8 +369,9 @@ def test_aggregate_matches_verl_and_splits(mode):
 # ------------------------------------------------------------------------------ KL
 
 
-@pytest.mark.parametrize("name", ["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+",
-                                  "low_var_kl+"])
+@pytest.mark.parametrize(
+    "name", ["k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+"]
+)
 def test_kl_estimators_match_verl(name):
     g = torch.Generator().manual_seed(6)
     logp = torch.randn(4, R, generator=g).requires_grad_(True)
@@ -367,17 +425,23 @@ def test_every_config_field_is_documented_and_defaults_validate():
     AlgorithmConfig().validate()
 
 
-@pytest.mark.parametrize("field,bad,hint", [
-    ("advantage", "grp0", "grpo"),
-    ("advantage", "rloo0", "rloo"),
-    ("policy_loss", "ppo_clp", "ppo_clip"),
-    ("kl_estimator", "low_var", "low_var_kl"),
-])
+@pytest.mark.parametrize(
+    "field,bad,hint",
+    [
+        ("advantage", "grp0", "grpo"),
+        ("advantage", "rloo0", "rloo"),
+        ("policy_loss", "ppo_clp", "ppo_clip"),
+        ("kl_estimator", "low_var", "low_var_kl"),
+    ],
+)
 def test_unknown_names_suggest_the_nearest(field, bad, hint):
     with pytest.raises(UnknownNameError, match=repr(hint)):
         AlgorithmConfig(**{field: bad}).validate()
-    registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES,
-                "kl_estimator": KL_ESTIMATORS}[field]
+    registry = {
+        "advantage": ADVANTAGES,
+        "policy_loss": POLICY_LOSSES,
+        "kl_estimator": KL_ESTIMATORS,
+    }[field]
     with pytest.raises(UnknownNameError, match=repr(hint)):
         registry.get(bad)
 

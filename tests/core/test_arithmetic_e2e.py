@@ -27,13 +27,25 @@ RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
 def test_grpo_beats_sft_on_held_out_arithmetic(tiny_model_dir, tmp_path):
     gains = []
     for seed in (0, 1, 2):
-        cfg = load(Config, RECIPE, [
-            f"seed={seed}", f"run.dir={tmp_path}/seed{seed}", "run.progress=false",
-            "run.tensorboard=false", "run.export=false", "run.save_every=0", "eval.every=0",
-            f"policies.main.model={tiny_model_dir}"])
+        cfg = load(
+            Config,
+            RECIPE,
+            [
+                f"seed={seed}",
+                f"run.dir={tmp_path}/seed{seed}",
+                "run.progress=false",
+                "run.tensorboard=false",
+                "run.export=false",
+                "run.save_every=0",
+                "eval.every=0",
+                f"policies.main.model={tiny_model_dir}",
+            ],
+        )
         run = train(cfg)
         after_sft, after_grpo = accuracy_after_sft_and_grpo(run.path)
         gains.append(after_grpo - after_sft)
-        print(f"seed {seed}: held-out accuracy {after_sft:.3f} after SFT -> {after_grpo:.3f} after GRPO")
+        print(
+            f"seed {seed}: held-out accuracy {after_sft:.3f} after SFT -> {after_grpo:.3f} after GRPO"
+        )
     assert all(g > 0 for g in gains), gains
     assert sum(gains) / len(gains) >= 0.15, gains

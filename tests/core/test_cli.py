@@ -23,8 +23,10 @@ def write_recipe(path: Path, model: str, run_dir: Path) -> Path:
     recipe = {
         "seed": 0,
         "run": {"name": "cli", "dir": str(run_dir), "progress": False, "tensorboard": False},
-        "task": {"name": "arithmetic",
-                 "args": {"n_train": 64, "n_eval": 8, "max_operand": 30, "ops": "+"}},
+        "task": {
+            "name": "arithmetic",
+            "args": {"n_train": 64, "n_eval": 8, "max_operand": 30, "ops": "+"},
+        },
         "policies": {"main": {"model": model, "optim": {"lr": 5.0e-5}, "micro_batch_size": 64}},
         "data": {"max_prompt_tokens": 32},
         "eval": {"data": {"shuffle": False}},
@@ -62,8 +64,9 @@ def assert_loadable(path: Path, weights: dict[str, torch.Tensor] | None = None) 
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}],
-                                  add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "3+4="}], add_generation_prompt=True, return_tensors="pt"
+    )
     if not isinstance(ids, torch.Tensor):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     out = model.generate(ids, max_new_tokens=2, do_sample=False)

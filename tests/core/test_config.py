@@ -41,8 +41,16 @@ def write(tmp_path: Path, data: dict) -> Path:
 
 
 def test_yaml_and_overrides(recipe):
-    cfg = load(Config, recipe, ["train.steps=7", "policies.main.optim.lr=1e-5",
-                                "rollout.stop=['</answer>', '\\n\\n']", "run.tensorboard=false"])
+    cfg = load(
+        Config,
+        recipe,
+        [
+            "train.steps=7",
+            "policies.main.optim.lr=1e-5",
+            "rollout.stop=['</answer>', '\\n\\n']",
+            "run.tensorboard=false",
+        ],
+    )
     assert cfg.run.name == "t" and cfg.train.steps == 7
     assert cfg.policies["main"].model == "some/model"
     assert cfg.policies["main"].optim.lr == pytest.approx(1e-5)  # YAML reads "1e-5" as a string
@@ -53,10 +61,28 @@ def test_yaml_and_overrides(recipe):
 
 
 def test_overrides_parse_yaml_values():
-    out = parse_overrides(["a.list=[1, 2, x]", "a.map={k: v, n: 3}", "b=4", "c=2.5", "d=true",
-                           "e=null", "f=", "g=some text", "a.deep.er=false"])
-    assert out == {"a": {"list": [1, 2, "x"], "map": {"k": "v", "n": 3}, "deep": {"er": False}},
-                   "b": 4, "c": 2.5, "d": True, "e": None, "f": "", "g": "some text"}
+    out = parse_overrides(
+        [
+            "a.list=[1, 2, x]",
+            "a.map={k: v, n: 3}",
+            "b=4",
+            "c=2.5",
+            "d=true",
+            "e=null",
+            "f=",
+            "g=some text",
+            "a.deep.er=false",
+        ]
+    )
+    assert out == {
+        "a": {"list": [1, 2, "x"], "map": {"k": "v", "n": 3}, "deep": {"er": False}},
+        "b": 4,
+        "c": 2.5,
+        "d": True,
+        "e": None,
+        "f": "",
+        "g": "some text",
+    }
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_overrides(["no_equals_sign"])
 
@@ -74,12 +100,15 @@ def test_missing_recipe_file(tmp_path):
 # --------------------------------------------------------------------------- strict keys
 
 
-@pytest.mark.parametrize("override, where, hint", [
-    ("algoritm.advantage=grpo", "algoritm", "algorithm"),
-    ("algorithm.clip_ratoi_low=0.3", "algorithm.clip_ratoi_low", "algorithm.clip_ratio_low"),
-    ("policies.main.optim.lrr=0.1", "policies.main.optim.lrr", "policies.main.optim.lr"),
-    ("eval.data.promt_field=q", "eval.data.promt_field", "eval.data.prompt_field"),
-])
+@pytest.mark.parametrize(
+    "override, where, hint",
+    [
+        ("algoritm.advantage=grpo", "algoritm", "algorithm"),
+        ("algorithm.clip_ratoi_low=0.3", "algorithm.clip_ratoi_low", "algorithm.clip_ratio_low"),
+        ("policies.main.optim.lrr=0.1", "policies.main.optim.lrr", "policies.main.optim.lr"),
+        ("eval.data.promt_field=q", "eval.data.promt_field", "eval.data.prompt_field"),
+    ],
+)
 def test_unknown_key_names_nearest_and_file(tmp_path, override, where, hint):
     """A typo in the file fails naming the key, the closest valid key and the file."""
     data = yaml.safe_load(yaml.safe_dump(RECIPE))
@@ -107,15 +136,18 @@ def test_unknown_key_in_a_reward_term(recipe):
         load(Config, recipe, ["reward.terms=[{name: exact_match, wieght: 2}]"])
 
 
-@pytest.mark.parametrize("override, key, kind", [
-    ("train.steps=ten", "train.steps", "integer"),
-    ("train.steps=2.5", "train.steps", "integer"),
-    ("rollout.temperature=hot", "rollout.temperature", "number"),
-    ("run.resume=maybe", "run.resume", "true or false"),
-    ("rollout.stop=7", "rollout.stop", "list"),
-    ("policies.main.optim=0.1", "policies.main.optim", "mapping"),
-    ("policies.main.model=[a, b]", "policies.main.model", "string"),
-])
+@pytest.mark.parametrize(
+    "override, key, kind",
+    [
+        ("train.steps=ten", "train.steps", "integer"),
+        ("train.steps=2.5", "train.steps", "integer"),
+        ("rollout.temperature=hot", "rollout.temperature", "number"),
+        ("run.resume=maybe", "run.resume", "true or false"),
+        ("rollout.stop=7", "rollout.stop", "list"),
+        ("policies.main.optim=0.1", "policies.main.optim", "mapping"),
+        ("policies.main.model=[a, b]", "policies.main.model", "string"),
+    ],
+)
 def test_wrong_type_names_the_key(recipe, override, key, kind):
     with pytest.raises(ConfigError) as e:
         load(Config, recipe, [override])
@@ -131,15 +163,18 @@ def test_literal_rejects_bad_value_with_hint(recipe):
 # --------------------------------------------------------------------------- names at load
 
 
-@pytest.mark.parametrize("override, hint", [
-    ("reward.terms=[{name: exact_mach}]", "exact_match"),
-    ("algorithm.advantage=grpoo", "grpo"),
-    ("algorithm.policy_loss=ppo_clp", "ppo_clip"),
-    ("rollout.workflow=single_trn", "single_turn"),
-    ("policies.main.engine.name=hff", "hf"),
-    ("policies.main.kind=causal_llm", "causal_lm"),
-    ("task.name=arithmetc", "arithmetic"),
-])
+@pytest.mark.parametrize(
+    "override, hint",
+    [
+        ("reward.terms=[{name: exact_mach}]", "exact_match"),
+        ("algorithm.advantage=grpoo", "grpo"),
+        ("algorithm.policy_loss=ppo_clp", "ppo_clip"),
+        ("rollout.workflow=single_trn", "single_turn"),
+        ("policies.main.engine.name=hff", "hf"),
+        ("policies.main.kind=causal_llm", "causal_lm"),
+        ("task.name=arithmetc", "arithmetic"),
+    ],
+)
 def test_unknown_part_name_fails_at_load(recipe, override, hint):
     """Registered names are resolved by Config.validate, before anything is built."""
     with pytest.raises(UnknownNameError, match=f"did you mean {hint!r}"):
@@ -211,8 +246,12 @@ def test_every_recipe_field_has_a_doc():
     classes = config_classes(Config)
     names = {c.__name__ for c in classes}
     assert {"PolicyConfig", "OptimConfig", "RewardTerm", "DataConfig", "AlgorithmConfig"} <= names
-    missing = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c)
-               if not str(f.metadata.get("doc", "")).strip()]
+    missing = [
+        f"{c.__name__}.{f.name}"
+        for c in classes
+        for f in dataclasses.fields(c)
+        if not str(f.metadata.get("doc", "")).strip()
+    ]
     assert not missing, f"fields without a doc: {missing}"
 
 
@@ -220,8 +259,14 @@ def test_polyrl_config_lists_keys_with_docs(capsys):
     assert main(["config"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(" ")[0].rstrip(":"): line for line in out.splitlines()}
-    for key in ("seed", "algorithm.clip_ratio_low", "policies.<name>.optim.lr",
-                "reward.terms[].name", "eval.data.path", "distributed.backend"):
+    for key in (
+        "seed",
+        "algorithm.clip_ratio_low",
+        "policies.<name>.optim.lr",
+        "reward.terms[].name",
+        "eval.data.path",
+        "distributed.backend",
+    ):
         assert key in lines, f"polyrl config does not list {key}"
         assert lines[key].split(": ", 1)[1].strip(), f"{key} has no doc"
     assert "'local' | 'ray'" in lines["distributed.backend"]

@@ -31,14 +31,24 @@ def tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["what is two plus two?", "the answer is four.", "you are a helpful assistant",
-              "hello world, user and system"] * 4
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [
+        "what is two plus two?",
+        "the answer is four.",
+        "you are a helpful assistant",
+        "hello world, user and system",
+    ] * 4
     bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>",
-                                  additional_special_tokens=SPECIALS[1:])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -61,7 +71,9 @@ def test_jsonl_loads(tmp_path, tokenizer):
     item = ds[2]
     assert isinstance(item, PromptItem)
     assert item.uid == 2 and item.answer == "4" and item.row == rows(5)[2]
-    assert item.prompt_text == "<|im_start|>user\nwhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        item.prompt_text == "<|im_start|>user\nwhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert item.prompt_ids == tokenizer(item.prompt_text, add_special_tokens=False)["input_ids"]
     assert item.prompt_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.decode(item.prompt_ids) == item.prompt_text
@@ -82,8 +94,9 @@ def test_csv_loads(tmp_path, tokenizer):
 
 def test_parquet_loads_with_chat_messages(tmp_path, tokenizer):
     path = tmp_path / "train.parquet"
-    data = [{"messages": [{"role": "user", "content": f"hello {i}"}], "answer": i}
-            for i in range(3)]
+    data = [
+        {"messages": [{"role": "user", "content": f"hello {i}"}], "answer": i} for i in range(3)
+    ]
     pd.DataFrame(data).to_parquet(path)
     ds = PromptDataset(cfg(path, prompt_field="messages"), tokenizer)
     assert len(ds) == 3 and ds[1].answer == 1
@@ -94,15 +107,18 @@ def test_chat_messages_prompt(tmp_path, tokenizer):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": msgs, "answer": "x"}])
     ds = PromptDataset(cfg(path, system_prompt="ignored: row has its own"), tokenizer)
-    assert ds[0].prompt_text == ("<|im_start|>system\nbe brief<|im_end|>\n"
-                                 "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert ds[0].prompt_text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_system_prompt_applied(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", rows(2))
     ds = PromptDataset(cfg(path, system_prompt="you are a helpful assistant"), tokenizer)
     assert ds[0].prompt_text.startswith(
-        "<|im_start|>system\nyou are a helpful assistant<|im_end|>\n<|im_start|>user\n")
+        "<|im_start|>system\nyou are a helpful assistant<|im_end|>\n<|im_start|>user\n"
+    )
 
 
 def test_raw_text_without_template(tmp_path, tokenizer):
@@ -226,8 +242,10 @@ def test_all_rows_filtered_is_an_error(tmp_path, tokenizer):
 
 @pytest.fixture(scope="module")
 def items() -> list[PromptItem]:
-    return [PromptItem(uid=i, prompt_ids=[i], prompt_text=str(i), answer=None, row={})
-            for i in range(10)]
+    return [
+        PromptItem(uid=i, prompt_ids=[i], prompt_text=str(i), answer=None, row={})
+        for i in range(10)
+    ]
 
 
 def uids(batches: list[list[PromptItem]]) -> list[list[int]]:
@@ -246,7 +264,7 @@ def test_sampler_deterministic_by_seed(items):
 def test_sampler_epochs_are_permutations(items):
     sampler = PromptSampler(items, batch_size=5, seed=0)
     flat = [u for b in take(sampler, 6) for u in b]  # exactly three epochs
-    epochs = [flat[i:i + 10] for i in range(0, 30, 10)]
+    epochs = [flat[i : i + 10] for i in range(0, 30, 10)]
     assert all(sorted(e) == list(range(10)) for e in epochs)
     assert epochs[0] != epochs[1]  # reshuffled each epoch
     assert sampler.epoch == 2
@@ -261,7 +279,10 @@ def test_sampler_crosses_epoch_boundary(items):
 
 def test_sampler_without_shuffle_is_in_order(items):
     assert take(PromptSampler(items, 4, seed=0, shuffle=False), 3) == [
-        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 0, 1],
+    ]
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 5])  # 3 batches of 4 ends mid-epoch-1

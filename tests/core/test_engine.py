@@ -12,14 +12,19 @@ from polyrl.core.record import text_record
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
-    return CausalLMPolicy("main", PolicyConfig(model=tiny_model_dir), total_steps=1,
-                          need_reference=False)
+    return CausalLMPolicy(
+        "main", PolicyConfig(model=tiny_model_dir), total_steps=1, need_reference=False
+    )
 
 
 def prompts(policy, texts=("12+7=", "3+4=", "25+30=")):
     tok = policy.tokenizer
-    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                    add_generation_prompt=True) for t in texts]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
+        for t in texts
+    ]
 
 
 def encode(policy, texts):
@@ -27,17 +32,22 @@ def encode(policy, texts):
 
 
 def record_of(policy, ids, outs):
-    return text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                       response_ids=[o.token_ids for o in outs],
-                       rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * len(outs),
-                       uid=[o.prompt_index for o in outs], pad_id=policy.tokenizer.pad_token_id)
+    return text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=["main"] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_match_trainer(policy, temperature):
     ids = encode(policy, prompts(policy))
     outs = HFEngine(policy, seed=1).generate(
-        ids, SamplingParams(n=4, temperature=temperature, max_new_tokens=8))
+        ids, SamplingParams(n=4, temperature=temperature, max_new_tokens=8)
+    )
     rec = record_of(policy, ids, outs)
     with torch.no_grad():
         lp, _ = policy.logprobs(rec, temperature)
@@ -97,7 +107,8 @@ def test_stop_strings_end_the_response(policy):
         pytest.skip(f"untrained model produced too little text to cut: {text!r}")
     stop = text[1:3]
     cut = HFEngine(policy).generate(
-        ids, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop]))[0]
+        ids, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop])
+    )[0]
     assert cut.finish_reason == "stop"
     assert stop in cut.text and len(cut.token_ids) < len(free.token_ids)
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]  # same ids, never re-encoded
@@ -106,7 +117,8 @@ def test_stop_strings_end_the_response(policy):
 def test_top_p_tiny_is_greedy(policy):
     ids = encode(policy, prompts(policy))
     nucleus = HFEngine(policy, seed=0).generate(
-        ids, SamplingParams(n=2, top_p=1e-6, max_new_tokens=5))
+        ids, SamplingParams(n=2, top_p=1e-6, max_new_tokens=5)
+    )
     greedy = HFEngine(policy).generate(ids, SamplingParams(n=2, temperature=0.0, max_new_tokens=5))
     assert [o.token_ids for o in nucleus] == [o.token_ids for o in greedy]
 
@@ -124,16 +136,16 @@ def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
     again = AutoEngine(policy, seed=0)
     again.load_state_dict(state)
     assert again.choice == "hf"
-    assert [o.token_ids for o in again.generate(ids, params)] == \
-        [o.token_ids for o in auto.generate(ids, params)]
+    assert [o.token_ids for o in again.generate(ids, params)] == [
+        o.token_ids for o in auto.generate(ids, params)
+    ]
     assert auto.tokenizer is policy.tokenizer  # engine attributes pass through
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero():
     from polyrl.core.engine import draw
 
-    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.125, 0.125],
-                          [1e-3, 0.0, 0.0, 0.0, 0.0, 0.999]])
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.125, 0.125], [1e-3, 0.0, 0.0, 0.0, 0.0, 0.999]])
     gen = torch.Generator().manual_seed(0)
     picks = torch.stack([draw(probs, gen) for _ in range(20000)])  # [draws, rows]
     counts = torch.stack([torch.bincount(picks[:, r], minlength=6) for r in range(2)]).double()
@@ -154,8 +166,14 @@ def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypa
     monkeypatch.setattr(engine_mod, "reserved_cache", lambda model, room: None)  # transformers'
     theirs = HFEngine(policy, seed=5).generate(ids, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
-    assert max(abs(a - b) for o, t in zip(ours, theirs, strict=True)
-               for a, b in zip(o.logprobs, t.logprobs, strict=True)) < 1e-5
+    assert (
+        max(
+            abs(a - b)
+            for o, t in zip(ours, theirs, strict=True)
+            for a, b in zip(o.logprobs, t.logprobs, strict=True)
+        )
+        < 1e-5
+    )
 
 
 def test_reserved_cache_layers_select_repeat_and_refuse_overflow():

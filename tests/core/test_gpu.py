@@ -22,8 +22,10 @@ from polyrl.core.record import text_record
 DEVICE = os.environ.get("POLYRL_TEST_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-                       reason="needs a CUDA device (POLYRL_TEST_DEVICE=cpu runs it on the CPU)"),
+    pytest.mark.skipif(
+        DEVICE.startswith("cuda") and not torch.cuda.is_available(),
+        reason="needs a CUDA device (POLYRL_TEST_DEVICE=cpu runs it on the CPU)",
+    ),
 ]
 PROMPTS = ["3+4=", "12+5=", "7+8=", "20+1="]
 
@@ -33,24 +35,43 @@ def _policy(model_dir: str, dtype: str, *, device: str = DEVICE):
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
 
-    cfg = load(Config, None, [f"policies.main.model={model_dir}", f"policies.main.dtype={dtype}",
-                              f"policies.main.device={device}", "policies.main.optim.lr=1e-3",
-                              "policies.main.micro_batch_size=8"])
+    cfg = load(
+        Config,
+        None,
+        [
+            f"policies.main.model={model_dir}",
+            f"policies.main.dtype={dtype}",
+            f"policies.main.device={device}",
+            "policies.main.optim.lr=1e-3",
+            "policies.main.micro_batch_size=8",
+        ],
+    )
     cfg.validate()
-    return LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
-                                         need_reference=False, shared={})
+    return LocalBackend(cfg).make_policy(
+        "main", cfg.policies["main"], total_steps=10, need_reference=False, shared={}
+    )
 
 
 def _record(policy, seed: int = 0):
     tok = policy.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                              add_generation_prompt=True),
-                      add_special_tokens=False) for t in PROMPTS]
+    ids = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in PROMPTS
+    ]
     outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=4, max_new_tokens=8))
-    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                      response_ids=[o.token_ids for o in outs],
-                      rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * len(outs),
-                      uid=[o.prompt_index for o in outs], pad_id=tok.pad_token_id)
+    rec = text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=["main"] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=tok.pad_token_id,
+    )
     rec["reward"] = torch.tensor([float(k % 2) for k in range(len(outs))])
     group_credit(rec, AlgorithmConfig())
     return rec
@@ -69,14 +90,19 @@ def test_policy_and_engine_run_on_the_device_and_agree(tiny_model_dir, dtype, me
     with torch.no_grad():
         logp = policy.logprobs(rec, 1.0)[0].float().cpu()
     gap = (logp[mask] - rec["rollout_logprobs"][mask]).abs()
-    print(f"{dtype} on {DEVICE}: |trainer - engine| log-prob mean {gap.mean():.2e} "
-          f"max {gap.max():.2e}")
+    print(
+        f"{dtype} on {DEVICE}: |trainer - engine| log-prob mean {gap.mean():.2e} "
+        f"max {gap.max():.2e}"
+    )
     assert float(gap.mean()) <= mean_tol
     before = {k: v.detach().float().cpu().clone() for k, v in policy.model.named_parameters()}
     out = update(policy, rec, AlgorithmConfig(), generator=torch.Generator().manual_seed(0))
     assert math.isfinite(out["loss"]) and out["skipped_nonfinite"] == 0
-    moved = [k for k, v in policy.model.named_parameters()
-             if not torch.equal(v.detach().float().cpu(), before[k])]
+    moved = [
+        k
+        for k, v in policy.model.named_parameters()
+        if not torch.equal(v.detach().float().cpu(), before[k])
+    ]
     assert len(moved) > len(before) // 2
 
 
@@ -84,8 +110,12 @@ def test_a_run_trains_on_the_device(make_config):
     """The whole loop (rollout, reward, credit, update, eval, checkpoint) on the device."""
     from polyrl.core.loop import train
 
-    cfg = make_config(f"policies.main.device={DEVICE}", "policies.main.dtype=bfloat16",
-                      "train.steps=3", "eval.every=0")
+    cfg = make_config(
+        f"policies.main.device={DEVICE}",
+        "policies.main.dtype=bfloat16",
+        "train.steps=3",
+        "eval.every=0",
+    )
     run = train(cfg)
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["main/loss"] for r in rows if "main/loss" in r]
@@ -102,19 +132,28 @@ def test_ray_worker_on_nccl_matches_local(ray_cluster, tiny_model_dir):
 
     if ray_cluster.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("the test session's Ray cluster sees no GPU")
-    cfg = load(Config, None, [f"policies.main.model={tiny_model_dir}",
-                              "policies.main.optim.lr=1e-3", "policies.main.micro_batch_size=8",
-                              "distributed.backend=ray",
-                              "distributed.args={workers_per_policy: 1, num_gpus_per_worker: 1}"])
+    cfg = load(
+        Config,
+        None,
+        [
+            f"policies.main.model={tiny_model_dir}",
+            "policies.main.optim.lr=1e-3",
+            "policies.main.micro_batch_size=8",
+            "distributed.backend=ray",
+            "distributed.args={workers_per_policy: 1, num_gpus_per_worker: 1}",
+        ],
+    )
     local = _policy(tiny_model_dir, "float32")
     rec = _record(local)
     backend = RayBackend(cfg)
     try:
-        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
-                                     need_reference=False, shared={})
+        remote = backend.make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=False, shared={}
+        )
         algo = AlgorithmConfig()
-        r = backend.update(remote, rec.clone(), algo, temperature=1.0,
-                           generator=torch.Generator().manual_seed(0))
+        r = backend.update(
+            remote, rec.clone(), algo, temperature=1.0, generator=torch.Generator().manual_seed(0)
+        )
     finally:
         backend.shutdown()
     from polyrl.core.trainer import update

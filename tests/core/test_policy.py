@@ -12,9 +12,15 @@ def batch_with_groups(tok, n=4):
     """Three prompts of different lengths (so left padding differs), n responses each, of
     different lengths (so right padding differs), plus one row whose prompt is its own."""
     texts = ["12+7=", "3+4=", "125+30="]
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                              add_generation_prompt=True),
-                      add_special_tokens=False) for t in texts]
+    ids = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
     gen = torch.Generator().manual_seed(0)
     prompts, responses = [], []
     for i, p in enumerate(ids):
@@ -23,15 +29,23 @@ def batch_with_groups(tok, n=4):
             responses.append(torch.randint(5, 60, (2 + (i + k) % 5,), generator=gen).tolist())
     prompts.append(ids[0][:-2])
     responses.append([7, 8, 9])
-    return text_record(prompt_ids=prompts, response_ids=responses,
-                       rollout_logprobs=[[0.0] * len(r) for r in responses],
-                       policy=["main"] * len(prompts), uid=list(range(len(prompts))),
-                       pad_id=tok.pad_token_id)
+    return text_record(
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_logprobs=[[0.0] * len(r) for r in responses],
+        policy=["main"] * len(prompts),
+        uid=list(range(len(prompts))),
+        pad_id=tok.pad_token_id,
+    )
 
 
 def test_shared_prefix_equals_the_full_pass_in_values_and_gradients(tiny_model_dir):
-    policy = CausalLMPolicy("main", PolicyConfig(model=tiny_model_dir, optim=OptimConfig()),
-                            total_steps=1, need_reference=False)
+    policy = CausalLMPolicy(
+        "main",
+        PolicyConfig(model=tiny_model_dir, optim=OptimConfig()),
+        total_steps=1,
+        need_reference=False,
+    )
     batch = batch_with_groups(policy.tokenizer)
     mask = batch["response_mask"].bool()
     results = {}
@@ -50,8 +64,9 @@ def test_shared_prefix_equals_the_full_pass_in_values_and_gradients(tiny_model_d
 
 
 def test_all_distinct_prompts_take_the_full_pass_bitwise(tiny_model_dir):
-    policy = CausalLMPolicy("main", PolicyConfig(model=tiny_model_dir), total_steps=1,
-                            need_reference=False)
+    policy = CausalLMPolicy(
+        "main", PolicyConfig(model=tiny_model_dir), total_steps=1, need_reference=False
+    )
     batch = batch_with_groups(policy.tokenizer, n=1)
     with torch.no_grad():
         a, _ = response_logprobs(policy.model, batch, shared_prefix=False)
@@ -69,8 +84,9 @@ def test_warm_start_hands_the_reference_its_weights_and_checkpoints_keep_them(ti
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
     batch = batch_with_groups(policy.tokenizer)
     same = {"atol": 2e-6, "rtol": 1e-6}  # no-autograd pass: a few float32 ulps apart
-    torch.testing.assert_close(policy.ref_logprobs(batch), policy.logprobs(batch)[0].detach(),
-                               **same)
+    torch.testing.assert_close(
+        policy.ref_logprobs(batch), policy.logprobs(batch)[0].detach(), **same
+    )
     assert "reference" not in policy.state_dict()  # still the model's own initial weights
     with policy.sft_optimizer(1e-2):
         for _ in range(3):

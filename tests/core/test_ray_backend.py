@@ -29,15 +29,30 @@ def _config(model_dir: str, *extra: str):
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
 
-    return load(Config, None, [f"policies.main.model={model_dir}", "policies.main.optim.lr=1e-3",
-                               "policies.main.micro_batch_size=4", "distributed.backend=ray",
-                               "distributed.args={workers_per_policy: 2}", *extra])
+    return load(
+        Config,
+        None,
+        [
+            f"policies.main.model={model_dir}",
+            "policies.main.optim.lr=1e-3",
+            "policies.main.micro_batch_size=4",
+            "distributed.backend=ray",
+            "distributed.args={workers_per_policy: 2}",
+            *extra,
+        ],
+    )
 
 
 def _prompts(tok) -> list[list[int]]:
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True),
-                       add_special_tokens=False) for t in PROMPTS]
+    return [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in PROMPTS
+    ]
 
 
 def _record(policy, seed: int):
@@ -45,12 +60,17 @@ def _record(policy, seed: int):
     tok = policy.tokenizer
     ids = _prompts(tok)
     outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=4, max_new_tokens=6))
-    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                      response_ids=[o.token_ids for o in outs],
-                      rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * len(outs),
-                      uid=[o.prompt_index for o in outs], pad_id=tok.pad_token_id)
-    rec["reward"] = torch.randint(0, 2, (len(outs),),
-                                  generator=torch.Generator().manual_seed(seed)).float()
+    rec = text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=["main"] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=tok.pad_token_id,
+    )
+    rec["reward"] = torch.randint(
+        0, 2, (len(outs),), generator=torch.Generator().manual_seed(seed)
+    ).float()
     group_credit(rec, AlgorithmConfig())
     return rec
 
@@ -59,16 +79,24 @@ def _assert_states_close(local: dict, remote: dict) -> None:
     """Weights and optimizer state agree to float noise. The key-projection bias is left
     out: its exact gradient is zero (softmax ignores a shift shared by all keys), so Adam
     turns each backend's ~1e-10 rounding noise into steps of different sign."""
+
     def far(a, b):
         return float((a - b).abs().max()) > 1e-6 + 1e-4 * float(b.abs().max())
 
     assert set(remote["weights"]) == set(local["weights"])
-    bad = {k: float((remote["weights"][k] - v).abs().max()) for k, v in local["weights"].items()
-           if far(remote["weights"][k], v) and not k.endswith("k_proj.bias")}
+    bad = {
+        k: float((remote["weights"][k] - v).abs().max())
+        for k, v in local["weights"].items()
+        if far(remote["weights"][k], v) and not k.endswith("k_proj.bias")
+    }
     lo, ro = local["optimizer"], remote["optimizer"]
     assert set(ro["state"]) == set(lo["state"])
-    bad |= {f"optim {i}.{k}": float((ro["state"][i][k] - v).abs().max())
-            for i, st in lo["state"].items() for k, v in st.items() if far(ro["state"][i][k], v)}
+    bad |= {
+        f"optim {i}.{k}": float((ro["state"][i][k] - v).abs().max())
+        for i, st in lo["state"].items()
+        for k, v in st.items()
+        if far(ro["state"][i][k], v)
+    }
     assert not bad, bad
     assert remote["scheduler"]["last_epoch"] == local["scheduler"]["last_epoch"]
     assert set(remote.get("reference", {})) == set(local.get("reference", {}))
@@ -85,11 +113,13 @@ def pair(ray_cluster, tiny_model_dir):
     cfg = _config(tiny_model_dir)
     backend = RayBackend(cfg)
     try:
-        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
-                                     need_reference=True, shared={})
+        remote = backend.make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+        )
         engine = backend.make_engine("main", remote, cfg.policies["main"], seed=0)
-        local = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
-                                              need_reference=True, shared={})
+        local = LocalBackend(cfg).make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+        )
         yield backend, remote, engine, local
     finally:
         backend.shutdown()
@@ -100,8 +130,9 @@ def test_ray_args_are_checked():
 
     with pytest.raises(ConfigError, match="did you mean 'distributed.args.workers_per_policy'"):
         from_dict(RayArgs, {"worker_per_policy": 2}, "distributed.args")
-    args = from_dict(RayArgs, {"workers_per_policy": 2,
-                               "policies": {"critic": {"workers_per_policy": 1}}})
+    args = from_dict(
+        RayArgs, {"workers_per_policy": 2, "policies": {"critic": {"workers_per_policy": 1}}}
+    )
     assert args.for_policy("critic").workers_per_policy == 1
     assert args.for_policy("main").workers_per_policy == 2
     with pytest.raises(ConfigError, match="cannot be set per policy"):
@@ -119,8 +150,11 @@ def test_ray_backend_rejects_what_it_cannot_run(tiny_model_dir):
         RayBackend(cfg)
     pytest.importorskip("polyrl.marl")
     cfg = _config(tiny_model_dir, "policies.main.kind=lora_agent", "policies.main.lora.r=4")
-    with pytest.raises(ConfigError, match=r"policies.main: kind 'lora_agent' with lora.r=4 is "
-                                          r"not supported by distributed.backend=ray"):
+    with pytest.raises(
+        ConfigError,
+        match=r"policies.main: kind 'lora_agent' with lora.r=4 is "
+        r"not supported by distributed.backend=ray",
+    ):
         RayBackend(cfg)
     cfg = _config(tiny_model_dir, LORA)
     _check_lora_kind("main", cfg.policies["main"])
@@ -137,10 +171,12 @@ def test_updates_match_local_training(pair):
     backend, remote, _, local = pair
     assert remote.world_size == 2 and len(remote.group.nodes) == 2
     rec = _record(local, seed=0)
-    cases = [(rec, AlgorithmConfig()),
-             (rec[:1], AlgorithmConfig(loss_agg="seq-mean-token-mean")),
-             (_record(local, seed=1), AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)),
-             (_record(local, seed=2), AlgorithmConfig(ppo_epochs=2, minibatches=2))]
+    cases = [
+        (rec, AlgorithmConfig()),
+        (rec[:1], AlgorithmConfig(loss_agg="seq-mean-token-mean")),
+        (_record(local, seed=1), AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)),
+        (_record(local, seed=2), AlgorithmConfig(ppo_epochs=2, minibatches=2)),
+    ]
     for batch, algo in cases:
         g_local, g_ray = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
         out_l = trainer.update(local, batch.clone(), algo, generator=g_local)
@@ -175,11 +211,17 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     # The SFT optimizer swap is forwarded to the workers; the loss matches local.
     tok = local.tokenizer
-    targets = [tok.encode(str(a), add_special_tokens=False) + [tok.eos_token_id]
-               for a in (19, 7, 55)]
-    batch = text_record(prompt_ids=ids[:3], response_ids=targets,
-                        rollout_logprobs=[[0.0] * len(t) for t in targets], policy=["main"] * 3,
-                        uid=[0, 1, 2], pad_id=tok.pad_token_id)
+    targets = [
+        tok.encode(str(a), add_special_tokens=False) + [tok.eos_token_id] for a in (19, 7, 55)
+    ]
+    batch = text_record(
+        prompt_ids=ids[:3],
+        response_ids=targets,
+        rollout_logprobs=[[0.0] * len(t) for t in targets],
+        policy=["main"] * 3,
+        uid=[0, 1, 2],
+        pad_id=tok.pad_token_id,
+    )
     with local.sft_optimizer(1e-3):
         want_sft = trainer.sft_update(local, batch.clone())
     with remote.sft_optimizer(1e-3):
@@ -211,12 +253,14 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
 def test_placement_that_cannot_fit_says_so(ray_cluster, tiny_model_dir):
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(tiny_model_dir,
-                  "distributed.args={workers_per_policy: 64, placement_timeout_s: 1}")
+    cfg = _config(
+        tiny_model_dir, "distributed.args={workers_per_policy: 64, placement_timeout_s: 1}"
+    )
     backend = RayBackend(cfg)
     with pytest.raises(RuntimeError, match="policy 'main': Ray could not place 64 bundles"):
-        backend.make_policy("main", cfg.policies["main"], total_steps=1, need_reference=False,
-                            shared={})
+        backend.make_policy(
+            "main", cfg.policies["main"], total_steps=1, need_reference=False, shared={}
+        )
     backend.shutdown()
 
 
@@ -231,8 +275,13 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
     from polyrl.core.ray_backend import ActorError
 
     ray = ray_cluster
-    args = ["distributed.backend=ray", "distributed.args={workers_per_policy: 2}",
-            "train.steps=3", "run.save_every=1", "eval.data.limit=8"]
+    args = [
+        "distributed.backend=ray",
+        "distributed.args={workers_per_policy: 2}",
+        "train.steps=3",
+        "run.save_every=1",
+        "eval.data.limit=8",
+    ]
     opened: list = []
     save = session_mod.Session.save
 
@@ -259,8 +308,11 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "main/loss" in r]
     assert steps == [1, 2, 3]  # step 3 once, after the resume
-    assert all(math.isfinite(r["main/loss"]) and r["main/skipped_nonfinite"] == 0 for r in rows
-               if "main/loss" in r)
+    assert all(
+        math.isfinite(r["main/loss"]) and r["main/skipped_nonfinite"] == 0
+        for r in rows
+        if "main/loss" in r
+    )
     assert (run.path / "export" / "main" / "config.json").is_file()
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir())[-1] == "step_000003"
 
@@ -271,8 +323,9 @@ def test_two_node_group_trains_a_step(tiny_model_dir):
     """ray.cluster_utils.Cluster with two one-CPU nodes; STRICT_SPREAD puts one worker on
     each; one FSDP update over gloo across them succeeds."""
     script = Path(__file__).with_name("ray_multinode.py")
-    proc = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_model_dir], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["nodes"]) == 2
@@ -288,13 +341,20 @@ def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_m
     from polyrl.core import rewards
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpus: 0.5}}, "
-                                  "{name: regex_format}]")
+    cfg = _config(
+        tiny_model_dir,
+        "reward.terms=[{name: exact_match, actor: {num_cpus: 0.5}}, {name: regex_format}]",
+    )
     cfg.validate()
     texts = ["19", "7", "oops", "16"]
-    record = text_record(prompt_ids=[[5, 6]] * 4, response_ids=[[7]] * 4,
-                         rollout_logprobs=[[0.0]] * 4, policy=["main"] * 4, uid=[0, 1, 2, 3],
-                         pad_id=0)
+    record = text_record(
+        prompt_ids=[[5, 6]] * 4,
+        response_ids=[[7]] * 4,
+        rollout_logprobs=[[0.0]] * 4,
+        policy=["main"] * 4,
+        uid=[0, 1, 2, 3],
+        pad_id=0,
+    )
     from polyrl.core.record import set_strings
 
     set_strings(record, "response_text", texts)
@@ -317,7 +377,9 @@ def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_m
 
 
 def test_unknown_reward_actor_key_fails_at_config_time(tiny_model_dir):
-    with pytest.raises((ConfigError, ValueError), match=r"unknown actor keys \['num_cpu'\].*num_cpus"):
+    with pytest.raises(
+        (ConfigError, ValueError), match=r"unknown actor keys \['num_cpu'\].*num_cpus"
+    ):
         _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpu: 1}}]")
 
 
@@ -337,12 +399,14 @@ def lora_pair(ray_cluster, tiny_model_dir):
     backend = RayBackend(cfg)
     try:
         rng = torch.get_rng_state()
-        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
-                                     need_reference=True, shared={})
+        remote = backend.make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+        )
         engine = backend.make_engine("main", remote, cfg.policies["main"], seed=0)
         torch.set_rng_state(rng)  # the workers start from the driver's RNG state too
-        local = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
-                                              need_reference=True, shared={})
+        local = LocalBackend(cfg).make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+        )
         yield backend, remote, engine, local
     finally:
         backend.shutdown()
@@ -367,8 +431,9 @@ def test_lora_updates_match_local_training(lora_pair):
     for seed in (0, 1):  # the second update starts from B != 0, so the KL is not 0
         batch = _record(local, seed=seed)
         out_l = trainer.update(local, batch.clone(), algo, generator=torch.Generator())
-        out_r = backend.update(remote, batch.clone(), algo, temperature=1.0,
-                               generator=torch.Generator())
+        out_r = backend.update(
+            remote, batch.clone(), algo, temperature=1.0, generator=torch.Generator()
+        )
         assert out_r["loss"] == pytest.approx(out_l["loss"], rel=1e-4, abs=1e-7)
         assert out_r["grad_norm"] == pytest.approx(out_l["grad_norm"], rel=1e-4)
         assert out_r["kl"] == pytest.approx(out_l["kl"], rel=1e-4, abs=1e-9)
@@ -395,8 +460,11 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
     # Sync: the engine actor's plain model gets the merged weights under the base names.
     engine.sync()
     merged = dict(local.named_weights())
-    got = ray_cluster.get(remote.group.engine.__ray_call__.remote(
-        lambda self: {k: v.detach().clone() for k, v in self.policy.model.state_dict().items()}))
+    got = ray_cluster.get(
+        remote.group.engine.__ray_call__.remote(
+            lambda self: {k: v.detach().clone() for k, v in self.policy.model.state_dict().items()}
+        )
+    )
     assert set(got) == set(merged)
     for k, v in merged.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)

@@ -29,11 +29,22 @@ from polyrl.core.run import RunDir, RunDirError, rng_state, set_rng_state
 
 def _state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
-    return {"trainer": {"step": step, "sampler": {"epoch": 1, "position": step}, "rng": rng_state(),
-                        "gen": g.get_state()},
-            "policy_main": {"weights": {"w": torch.randn(3, 4, generator=g),
-                                        "b": torch.arange(step, dtype=torch.float64)},
-                            "optimizer": None, "scheduler": {"last_epoch": step}}}
+    return {
+        "trainer": {
+            "step": step,
+            "sampler": {"epoch": 1, "position": step},
+            "rng": rng_state(),
+            "gen": g.get_state(),
+        },
+        "policy_main": {
+            "weights": {
+                "w": torch.randn(3, 4, generator=g),
+                "b": torch.arange(step, dtype=torch.float64),
+            },
+            "optimizer": None,
+            "scheduler": {"last_epoch": step},
+        },
+    }
 
 
 def _steps(rd: RunDir) -> list[int]:
@@ -80,7 +91,9 @@ def test_save_load_round_trip(tmp_path):
     step, loaded = rd.load_latest()
     assert step == 3 and loaded.keys() == state.keys()
     assert loaded["trainer"]["sampler"] == {"epoch": 1, "position": 3}
-    _assert_same_tensors(loaded["policy_main"]["weights"], state["policy_main"]["weights"], "weights")
+    _assert_same_tensors(
+        loaded["policy_main"]["weights"], state["policy_main"]["weights"], "weights"
+    )
     assert loaded["policy_main"]["weights"]["b"].dtype == torch.float64
     assert torch.equal(loaded["trainer"]["gen"], state["trainer"]["gen"])
     # the saved RNG state continues every stream exactly as it was when saved
@@ -107,13 +120,17 @@ def test_checkpoints_ignore_incomplete(tmp_path):
     (rd.ckpt_dir / "notes.txt").write_text("not a checkpoint")
     assert _steps(rd) == [2]
     step, state = rd.load_latest()
-    assert step == 2 and torch.equal(state["policy_main"]["weights"]["w"],
-                                     _state(2)["policy_main"]["weights"]["w"])
+    assert step == 2 and torch.equal(
+        state["policy_main"]["weights"]["w"], _state(2)["policy_main"]["weights"]["w"]
+    )
     assert not tmp.exists()  # leftovers of a killed write are cleaned on load
     rd.save(6, _state(6))  # a new save replaces the unmarked dir
     assert _steps(rd) == [2, 6] and rd.load_latest()[0] == 6
     assert sorted(p.name for p in (rd.ckpt_dir / "step_000006").iterdir()) == [
-        "COMPLETE", "policy_main.pt", "trainer.pt"]
+        "COMPLETE",
+        "policy_main.pt",
+        "trainer.pt",
+    ]
     rd.close()
 
 
@@ -223,10 +240,16 @@ def test_cli_resume_of_missing_dir_refuses(tmp_path):
 
 LOW_DIGIT = "{name: regex_format, args: {pattern: '[0-4]', mode: search}}"
 
-RESUME_OVERRIDES = ("algorithm.minibatches=2", "eval.every=2", "eval.temperature=1.0",
-                    "run.save_every=2", "run.export=false", "rollout.prompts_per_step=4",
-                    "task.args={n_train: 40, n_eval: 8, max_operand: 30, ops: '+'}",
-                    f"reward.terms=[{LOW_DIGIT}]")
+RESUME_OVERRIDES = (
+    "algorithm.minibatches=2",
+    "eval.every=2",
+    "eval.temperature=1.0",
+    "run.save_every=2",
+    "run.export=false",
+    "rollout.prompts_per_step=4",
+    "task.args={n_train: 40, n_eval: 8, max_operand: 30, ops: '+'}",
+    f"reward.terms=[{LOW_DIGIT}]",
+)
 
 
 @pytest.fixture
@@ -262,12 +285,23 @@ STEPS = 12  # 24 prompts, 4 per step: the data stream goes into its second epoch
 def _spawn(recipe: Path, cwd: Path, *args: str, script: str | None = None) -> subprocess.Popen:
     """``polyrl train RECIPE ARGS`` in a fresh process (``script``: run this code instead of
     the CLI module, with the same arguments)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED="0")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONHASHSEED="0",
+    )
     log = open(cwd / f"log-{len(list(cwd.glob('log-*')))}.txt", "w")  # noqa: SIM115
     entry = ["-c", script] if script else ["-m", "polyrl.core.cli"]
-    proc = subprocess.Popen([sys.executable, *entry, "train", str(recipe), *args],
-                            cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, *entry, "train", str(recipe), *args],
+        cwd=cwd,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     proc.log = log  # type: ignore[attr-defined]
     return proc
 
@@ -325,8 +359,11 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     killed_after = None
     deadline = time.monotonic() + 240
     while killed_after is None and run_b.poll() is None and time.monotonic() < deadline:
-        done = [s for s in range(2, STEPS, 2)
-                if (dir_b / "checkpoints" / f"step_{s:06d}" / "COMPLETE").is_file()]
+        done = [
+            s
+            for s in range(2, STEPS, 2)
+            if (dir_b / "checkpoints" / f"step_{s:06d}" / "COMPLETE").is_file()
+        ]
         if done:
             os.kill(run_b.pid, signal.SIGKILL)
             killed_after = done[-1]
@@ -335,11 +372,15 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     rc_b = run_b.wait(timeout=60)
     run_b.log.close()
     if killed_after is None or rc_b != -signal.SIGKILL:
-        pytest.fail(f"run B was not killed mid-run (exit code {rc_b}, checkpoint seen: "
-                    f"{killed_after}); it must be killed before it finishes:\n"
-                    + Path(run_b.log.name).read_text()[-3000:])
+        pytest.fail(
+            f"run B was not killed mid-run (exit code {rc_b}, checkpoint seen: "
+            f"{killed_after}); it must be killed before it finishes:\n"
+            + Path(run_b.log.name).read_text()[-3000:]
+        )
     final = dir_b / "checkpoints" / f"step_{STEPS:06d}"
-    assert not final.exists() and not (dir_b / "summary.json").exists(), "B finished before the kill"
+    assert not final.exists() and not (dir_b / "summary.json").exists(), (
+        "B finished before the kill"
+    )
 
     # a fresh start into B's directory is refused; --resume continues it
     refused = _spawn(recipe, tmp_path, f"run.dir={dir_b}")
@@ -354,8 +395,9 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     ckpt_a = dir_a / "checkpoints" / f"step_{STEPS:06d}"
     pa, pb = _load(ckpt_a, "policy_main"), _load(final, "policy_main")
     _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
-    for (ka, sa), (kb, sb) in zip(pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(),
-                                  strict=True):
+    for (ka, sa), (kb, sb) in zip(
+        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
+    ):
         assert ka == kb
         _assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
     assert pa["scheduler"] == pb["scheduler"]
@@ -368,8 +410,11 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
 
     from safetensors.torch import load_file
 
-    _assert_same_tensors(load_file(dir_a / "export" / "main" / "model.safetensors"),
-                         load_file(dir_b / "export" / "main" / "model.safetensors"), "export")
+    _assert_same_tensors(
+        load_file(dir_a / "export" / "main" / "model.safetensors"),
+        load_file(dir_b / "export" / "main" / "model.safetensors"),
+        "export",
+    )
 
     # SFT ran once, in B's fresh start; the resume went on from the checkpoint
     lines_b = [json.loads(x) for x in (dir_b / "metrics.jsonl").read_text().splitlines()]
@@ -386,12 +431,14 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     for step in range(STEPS + 1):  # step 0: data, SFT and first eval; the last: final eval
         assert ma[step] == mb[step], f"metrics of step {step} differ"
     assert json.loads((dir_a / "summary.json").read_text()) == json.loads(
-        (dir_b / "summary.json").read_text())
+        (dir_b / "summary.json").read_text()
+    )
 
 
 @pytest.mark.slow
-def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(tiny_model_dir, tmp_path,
-                                                                         spawned):
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(
+    tiny_model_dir, tmp_path, spawned
+):
     """A real SIGKILL in the middle of writing checkpoint 6 (half a file on disk, no COMPLETE):
     --resume goes on from checkpoint 4 and ends bitwise equal to a run that was never killed."""
     steps = 6
@@ -399,16 +446,21 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(tiny_mod
     recipe.write_text(RECIPE.format(model=tiny_model_dir, steps=steps, reward=LOW_DIGIT))
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
     spawned.append(run_a := _spawn(recipe, tmp_path, f"run.dir={dir_a}"))
-    spawned.append(run_b := _spawn(recipe, tmp_path, f"run.dir={dir_b}",
-                                   script=KILL_MID_WRITE.format(step=steps)))
+    spawned.append(
+        run_b := _spawn(
+            recipe, tmp_path, f"run.dir={dir_b}", script=KILL_MID_WRITE.format(step=steps)
+        )
+    )
     rc_b = run_b.wait(timeout=240)
     run_b.log.close()
     assert rc_b == -signal.SIGKILL, Path(run_b.log.name).read_text()[-3000:]
     half = dir_b / "checkpoints" / f"step_{steps:06d}.tmp"
     written = sorted(p.name for p in half.iterdir())
     assert len(written) == 1 and "COMPLETE" not in written  # killed inside its first file
-    assert [p.name for p in sorted((dir_b / "checkpoints").glob("step_??????"))] == \
-        ["step_000002", "step_000004"]
+    assert [p.name for p in sorted((dir_b / "checkpoints").glob("step_??????"))] == [
+        "step_000002",
+        "step_000004",
+    ]
 
     spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b)))
     _finish(resume)
@@ -418,8 +470,9 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(tiny_mod
     final_a, final_b = (d / "checkpoints" / f"step_{steps:06d}" for d in (dir_a, dir_b))
     pa, pb = _load(final_a, "policy_main"), _load(final_b, "policy_main")
     _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
-    for (_, sa), (_, sb) in zip(pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(),
-                                strict=True):
+    for (_, sa), (_, sb) in zip(
+        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
+    ):
         _assert_same_tensors(sa, sb, "optimizer state")
     ma, mb = _metrics(dir_a), _metrics(dir_b)
     assert all(ma[s] == mb[s] for s in range(1, steps + 1))

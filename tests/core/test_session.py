@@ -51,6 +51,7 @@ def metrics(run_dir) -> list[dict]:
 
 def strict_json(line: str) -> dict:
     """Parse JSON as the standard defines it (no NaN / Infinity)."""
+
     def reject(token: str):
         raise ValueError(f"non-standard JSON constant {token}")
 
@@ -77,8 +78,9 @@ def test_missing_eval_dataset_names_eval(make_config, tmp_path, no_model_load):
 
 
 def test_row_without_prompt_field(make_config, tmp_path, no_model_load):
-    path = write_jsonl(tmp_path / "train.jsonl",
-                       [*arith_rows(2), {"question": "1+2=", "answer": "3"}])
+    path = write_jsonl(
+        tmp_path / "train.jsonl", [*arith_rows(2), {"question": "1+2=", "answer": "3"}]
+    )
     with pytest.raises(DataError) as e:
         train(make_config("task.name=null", f"data.path={path}"))
     msg = str(e.value)
@@ -124,24 +126,40 @@ def update_spy(monkeypatch):
 
     def spy(policy, batch, *args, **kwargs):
         n = batch.batch_size[0]
-        seen.append({"rows": n, "all_valid": bool(batch["valid"].all()) if n else True,
-                     "finite": bool(torch.isfinite(batch["reward"]).all()) if n else True})
+        seen.append(
+            {
+                "rows": n,
+                "all_valid": bool(batch["valid"].all()) if n else True,
+                "finite": bool(torch.isfinite(batch["reward"]).all()) if n else True,
+            }
+        )
         return real(policy, batch, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "update", spy)
     return seen
 
 
-@pytest.mark.parametrize("term, errors, valid_frac", [
-    ("{name: test_session_raises}", ["raised ValueError: boom on purpose"], 0.5),
-    ("{name: test_session_raises, args: {every: 1}}", ["raised ValueError: boom on purpose"], 0.0),
-    ("{name: test_session_bad_value}", ["returned None", "returned nan"], 0.5),
-], ids=["raises-half", "raises-all", "returns-none-or-nan"])
+@pytest.mark.parametrize(
+    "term, errors, valid_frac",
+    [
+        ("{name: test_session_raises}", ["raised ValueError: boom on purpose"], 0.5),
+        (
+            "{name: test_session_raises, args: {every: 1}}",
+            ["raised ValueError: boom on purpose"],
+            0.0,
+        ),
+        ("{name: test_session_bad_value}", ["returned None", "returned nan"], 0.5),
+    ],
+    ids=["raises-half", "raises-all", "returns-none-or-nan"],
+)
 def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, errors, valid_frac):
     """A reward that raises or returns None/NaN: the run finishes, the rows are left out of
     the update (never scored 0), the errors are counted and their text is in the samples."""
-    run = train(make_config(f"reward.terms=[{term}]", "train.steps=2", "run.export=false",
-                            "task.args.n_eval=4"))
+    run = train(
+        make_config(
+            f"reward.terms=[{term}]", "train.steps=2", "run.export=false", "task.args.n_eval=4"
+        )
+    )
     assert (run.path / "summary.json").is_file()
     steps = [m for m in metrics(run.path) if "reward/errors" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -153,8 +171,10 @@ def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, e
         assert steps[0]["reward/mean"] is None  # no row scored: no fake 0
     assert update_spy == [{"rows": int(rows * valid_frac), "all_valid": True, "finite": True}] * 2
 
-    samples = [strict_json(line) for line in
-               (run.path / "samples" / "train_step_000001.jsonl").read_text().splitlines()]
+    samples = [
+        strict_json(line)
+        for line in (run.path / "samples" / "train_step_000001.jsonl").read_text().splitlines()
+    ]
     failed = [s for s in samples if s["error"]]
     for error in errors:
         assert any(error in s["error"] for s in failed), f"no sample shows {error!r}"

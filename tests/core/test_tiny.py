@@ -226,8 +226,9 @@ def test_warm_start_texts_are_the_tasks_sft_conversations(tok):
 
 def test_pretrain_on_sft_learns_the_warm_start_and_keeps_the_corpus_tokenizer(built, tmp_path):
     args = {"n_train": 200, "n_eval": 20}
-    path = MODELS.get("tiny_qwen2")(tmp_path / "sft", pretrain_steps=30, pretrain_lr=3e-3,
-                                    pretrain_on="sft", task_args=args)
+    path = MODELS.get("tiny_qwen2")(
+        tmp_path / "sft", pretrain_steps=30, pretrain_lr=3e-3, pretrain_on="sft", task_args=args
+    )
     assert (path / "tokenizer.json").read_text() == (built / "tokenizer.json").read_text()
     from transformers import AutoTokenizer
 

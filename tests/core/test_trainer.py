@@ -16,8 +16,12 @@ from polyrl.core.trainer import sft_update, update
 
 
 def make_policy(model_dir, name="main", lr=1e-3, micro=64, max_grad_norm=1.0, **kw):
-    cfg = PolicyConfig(model=model_dir, optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm),
-                       micro_batch_size=micro, **kw)
+    cfg = PolicyConfig(
+        model=model_dir,
+        optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm),
+        micro_batch_size=micro,
+        **kw,
+    )
     return CausalLMPolicy(name, cfg, total_steps=10, need_reference=False)
 
 
@@ -32,14 +36,24 @@ def same(a, b):
 def rollout(policy, seed=0, n=4, name="main"):
     tok = policy.tokenizer
     texts = ["12+7=", "3+4=", "25+30=", "8+8="]
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                              add_generation_prompt=True),
-                      add_special_tokens=False) for t in texts]
+    ids = [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
     outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=n, max_new_tokens=6))
-    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                      response_ids=[o.token_ids for o in outs],
-                      rollout_logprobs=[o.logprobs for o in outs], policy=[name] * len(outs),
-                      uid=[o.prompt_index for o in outs], pad_id=tok.pad_token_id)
+    rec = text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=[name] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=tok.pad_token_id,
+    )
     gen = torch.Generator().manual_seed(seed)
     rec["reward"] = torch.randint(0, 2, (len(outs),), generator=gen).float()
     group_credit(rec, AlgorithmConfig())
@@ -92,7 +106,9 @@ def grads_at_step(policy) -> list:
     seen = []
     policy.optimizer.register_step_pre_hook(
         lambda opt, args, kwargs: seen.append(
-            [p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+            [p.grad.clone() for g in opt.param_groups for p in g["params"]]
+        )
+    )
     return seen
 
 
@@ -105,12 +121,15 @@ def test_micro_batching_matches_one_big_batch(tiny_model_dir):
     update(big, rec.clone(), AlgorithmConfig())
     update(small, rec.clone(), AlgorithmConfig())
     assert len(gb) == len(gs) == 1
-    assert all(torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(gb[0], gs[0], strict=True))
+    assert all(
+        torch.allclose(a, b, atol=1e-7, rtol=1e-4) for a, b in zip(gb[0], gs[0], strict=True)
+    )
 
 
 @pytest.mark.parametrize("loss_agg,minibatches", [("token-mean", 1), ("seq-mean-token-mean", 2)])
-def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir, loss_agg,
-                                                              minibatches):
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(
+    tiny_model_dir, loss_agg, minibatches
+):
     """Half the groups agree on their reward (advantage 0), and one row of the other half has
     no trained token: with skip_zero_advantage only the other 7 rows run forward/backward,
     and every optimizer step sees the same gradient, because the loss totals still count
@@ -125,8 +144,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir, lo
     rec["loss_mask"][8] = 0  # e.g. another policy's turn: a nonzero advantage, nothing trained
     runs = {}
     for skip in (False, True):
-        algo = AlgorithmConfig(loss_agg=loss_agg, minibatches=minibatches,
-                               skip_zero_advantage=skip)
+        algo = AlgorithmConfig(loss_agg=loss_agg, minibatches=minibatches, skip_zero_advantage=skip)
         algo.validate()
         p = make_policy(tiny_model_dir, micro=3, max_grad_norm=0.0)  # clipping hides scale
         seen = grads_at_step(p)
@@ -138,8 +156,12 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir, lo
     assert len(full) == len(skipped) == minibatches
     for a, b in zip(full, skipped, strict=True):
         assert all(torch.allclose(x, y, atol=1e-6, rtol=1e-4) for x, y in zip(a, b, strict=True))
-    for bad in ({"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"policy_loss": "kl_cov"},
-                {"loss_agg": "seq-mean-token-sum-norm"}):
+    for bad in (
+        {"kl_coef": 0.1},
+        {"entropy_coef": 0.01},
+        {"policy_loss": "kl_cov"},
+        {"loss_agg": "seq-mean-token-sum-norm"},
+    ):
         with pytest.raises(ConfigError, match="skip_zero_advantage"):
             AlgorithmConfig(skip_zero_advantage=True, **bad).validate()
         auto = AlgorithmConfig(**bad)  # the default turns it on only where it is exact
@@ -152,7 +174,8 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny_model_dir, lo
 def test_two_policies_update_only_from_their_own_rows(tiny_model_dir):
     pa, pb = make_policy(tiny_model_dir, "a"), make_policy(tiny_model_dir, "b")
     assert not {id(p) for g in pa.optimizer.param_groups for p in g["params"]} & {
-        id(p) for g in pb.optimizer.param_groups for p in g["params"]}
+        id(p) for g in pb.optimizer.param_groups for p in g["params"]
+    }
     rows_a, rows_b = rollout(pa, seed=1, name="a"), rollout(pb, seed=2, name="b")
     mixed = concat([rows_a, rows_b])
     assert strings(select_policy(mixed, "a"), "policy") == ["a"] * rows_a.batch_size[0]
@@ -183,12 +206,18 @@ def test_nonfinite_gradient_skips_the_step_and_leaves_weights(tiny_model_dir):
 def test_sft_lowers_the_loss_on_its_batch(tiny_model_dir):
     policy = make_policy(tiny_model_dir, lr=3e-3)
     tok = policy.tokenizer
-    prompt = tok.encode("<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n",
-                        add_special_tokens=False)
+    prompt = tok.encode(
+        "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     target = tok.encode("4", add_special_tokens=False) + [tok.eos_token_id]
-    batch = text_record(prompt_ids=[prompt] * 4, response_ids=[target] * 4,
-                        rollout_logprobs=[[0.0] * len(target)] * 4, policy=["main"] * 4,
-                        uid=[0] * 4, pad_id=tok.pad_token_id)
+    batch = text_record(
+        prompt_ids=[prompt] * 4,
+        response_ids=[target] * 4,
+        rollout_logprobs=[[0.0] * len(target)] * 4,
+        policy=["main"] * 4,
+        uid=[0] * 4,
+        pad_id=tok.pad_token_id,
+    )
     losses = [sft_update(policy, batch.clone())["sft_loss"] for _ in range(15)]
     assert losses[-1] < 0.5 * losses[0]
 
@@ -203,8 +232,9 @@ def test_entropy_is_reported_per_trained_token_without_a_bonus(tiny_model_dir):
     ids = torch.cat([rec["prompt_ids"], rec["response_ids"]], 1)
     mask = torch.cat([rec["prompt_mask"], rec["response_mask"]], 1)
     with torch.no_grad():
-        logits = policy.model(input_ids=ids, attention_mask=mask,
-                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = policy.model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits
     r = rec["response_ids"].shape[1]
     logp = torch.log_softmax(logits[:, -r - 1 : -1].double() / 0.7, -1)
     ent = -(logp.exp() * logp).sum(-1)

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir):
-    return CausalLMPolicy("main", PolicyConfig(model=tiny_model_dir), total_steps=1,
-                          need_reference=False)
+    return CausalLMPolicy(
+        "main", PolicyConfig(model=tiny_model_dir), total_steps=1, need_reference=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,27 @@ def engine(policy):
 
 def encode(policy, texts=("12+7=", "3+4=", "25+30=")):
     tok = policy.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True),
-                       add_special_tokens=False) for t in texts]
+    return [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
 
 
 def trainer_logprobs(policy, ids, outs, temperature):
     """(trainer's recomputed log-probs, engine's log-probs) over the response tokens."""
-    rec = text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                      response_ids=[o.token_ids for o in outs],
-                      rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * len(outs),
-                      uid=[o.prompt_index for o in outs], pad_id=policy.tokenizer.pad_token_id)
+    rec = text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=["main"] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         lp, _ = policy.logprobs(rec, temperature)
     m = rec["response_mask"].bool()
@@ -65,8 +76,10 @@ def test_logprobs_match_trainer(policy, engine, temperature):
     outs = engine.generate(ids, SamplingParams(n=4, temperature=temperature, max_new_tokens=8))
     trainer, rollout = trainer_logprobs(policy, ids, outs, temperature)
     diff = (trainer - rollout).abs()
-    print(f"T={temperature}: |vLLM - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
-          f"over {diff.numel()} tokens")
+    print(
+        f"T={temperature}: |vLLM - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
+        f"over {diff.numel()} tokens"
+    )
     assert diff.mean() <= 1e-3 and diff.max() <= 1e-2
 
 
@@ -87,8 +100,10 @@ def test_sync_pushes_new_weights_and_drops_stale_prefix_cache(policy, engine):
         moved = (stale - old_rollout).abs().mean()
         pushed = {k: v.clone() for k, v in policy.model.state_dict().items()}
         engine.sync()
-        print(f"sync of {sum(v.numel() for v in original.values())} parameters: "
-              f"{engine.last_sync_s * 1e3:.0f} ms")
+        print(
+            f"sync of {sum(v.numel() for v in original.values())} parameters: "
+            f"{engine.last_sync_s * 1e3:.0f} ms"
+        )
         # vLLM repacks weights for its CPU kernels: on its own copy, never the trainer's.
         assert all(torch.equal(v, pushed[k]) for k, v in policy.model.state_dict().items())
 
@@ -96,8 +111,10 @@ def test_sync_pushes_new_weights_and_drops_stale_prefix_cache(policy, engine):
         after = engine.generate(ids, params)
         new, rollout = trainer_logprobs(policy, ids, after, 1.0)
         follow = (new - rollout).abs()
-        print(f"old weights vs new: mean |dlogp| {moved:.3f}; after sync |vLLM - trainer| "
-              f"mean {follow.mean():.2e}, max {follow.max():.2e}")
+        print(
+            f"old weights vs new: mean |dlogp| {moved:.3f}; after sync |vLLM - trainer| "
+            f"mean {follow.mean():.2e}, max {follow.max():.2e}"
+        )
         assert moved > 0.05  # the change is visible ...
         assert follow.mean() <= 1e-3  # ... and vLLM follows it (stale prompt KV would not)
         assert token_ids(after) != token_ids(before)
@@ -209,9 +226,16 @@ def test_grpo_with_vllm_engine_learns(make_config):
         "policies.main.engine.name=vllm",
         "policies.main.engine.args={max_model_len: 64, kv_cache_gb: 0.0625}",
         "task.args={n_train: 2000, n_eval: 200, max_operand: 30, ops: '+'}",
-        "sft.steps=300", "sft.batch_size=64", "sft.lr=1.0e-3",
-        "rollout.n=8", "rollout.prompts_per_step=16", "policies.main.micro_batch_size=128",
-        "train.steps=150", "eval.every=50", "run.export=false")
+        "sft.steps=300",
+        "sft.batch_size=64",
+        "sft.lr=1.0e-3",
+        "rollout.n=8",
+        "rollout.prompts_per_step=16",
+        "policies.main.micro_batch_size=128",
+        "train.steps=150",
+        "eval.every=50",
+        "run.export=false",
+    )
     run = train(cfg)
     evals = eval_accuracy(run.path)
     after_sft, late = evals[0], sum(evals[-2:]) / 2
@@ -226,8 +250,15 @@ def test_auto_engine_probe_times_both_and_leaves_the_stream_untouched(policy):
     module: it builds a second vLLM engine.)"""
     from polyrl.core.engine import AutoEngine
 
-    eng = AutoEngine(policy, seed=3, probe=True, probe_prompts=4, probe_n=2, probe_tokens=8,
-                     vllm={"max_model_len": 256, "kv_cache_gb": 0.0625})
+    eng = AutoEngine(
+        policy,
+        seed=3,
+        probe=True,
+        probe_prompts=4,
+        probe_n=2,
+        probe_tokens=8,
+        vllm={"max_model_len": 256, "kv_cache_gb": 0.0625},
+    )
     print(f"auto probe timings: {eng.timings} -> {eng.choice}")
     assert set(eng.timings) == {"hf", "vllm"} and all(t > 0 for t in eng.timings.values())
     assert eng.choice == min(eng.timings, key=eng.timings.get)

@@ -22,8 +22,9 @@ def tiny_flux_dir(tmp_path_factory) -> str:
     from polyrl.diffusion.tiny import tiny_flux
 
     path = tmp_path_factory.mktemp("models") / "tiny-flux"
-    tiny_flux(path, image_size=16, vae_patch=2, layers=1, single_layers=1, heads=2,
-              head_dim=16, seed=0)
+    tiny_flux(
+        path, image_size=16, vae_patch=2, layers=1, single_layers=1, heads=2, head_dim=16, seed=0
+    )
     return str(path)
 
 
@@ -46,17 +47,32 @@ def make_policy(tiny_sd3_dir, one_thread):
     from polyrl.diffusion.engine import DiffusionEngine
     from polyrl.diffusion.policy import DiffusionPolicy
 
-    def make(lora: int = 0, need_reference: bool = False, lr: float = 1e-3, seed: int = 0,
-             model: str = tiny_sd3_dir, max_sequence_length: int = 1, **engine_args):
+    def make(
+        lora: int = 0,
+        need_reference: bool = False,
+        lr: float = 1e-3,
+        seed: int = 0,
+        model: str = tiny_sd3_dir,
+        max_sequence_length: int = 1,
+        **engine_args,
+    ):
         args = {"height": 16, "width": 16, "steps": 6, "guidance_scale": 3.0, "batch_size": 64}
         args.update(engine_args)
-        cfg = from_dict(PolicyConfig, {
-            "kind": "diffusion", "model": model, "lora": {"r": lora, "alpha": 2 * lora},
-            "args": {"max_sequence_length": max_sequence_length},
-            "optim": {"lr": lr}, "micro_batch_size": 64,
-            "engine": {"name": "diffusion", "args": args}})
-        policy = DiffusionPolicy("main", cfg, total_steps=10, need_reference=need_reference,
-                                 device="cpu")
+        cfg = from_dict(
+            PolicyConfig,
+            {
+                "kind": "diffusion",
+                "model": model,
+                "lora": {"r": lora, "alpha": 2 * lora},
+                "args": {"max_sequence_length": max_sequence_length},
+                "optim": {"lr": lr},
+                "micro_batch_size": 64,
+                "engine": {"name": "diffusion", "args": args},
+            },
+        )
+        policy = DiffusionPolicy(
+            "main", cfg, total_steps=10, need_reference=need_reference, device="cpu"
+        )
         return policy, DiffusionEngine(policy, seed=seed)
 
     return make
@@ -78,8 +94,13 @@ def record_of():
     def make(policy, engine, prompts=PROMPTS, n=4, **kw):
         traj = engine.sample(prompts, n=n, **kw)
         rows = [prompts[i] for i in traj.prompt_index]
-        return traj, diffusion_record(traj, policy="main", uid=traj.prompt_index.tolist(),
-                                      prompt_text=rows, meta=[{} for _ in rows])
+        return traj, diffusion_record(
+            traj,
+            policy="main",
+            uid=traj.prompt_index.tolist(),
+            prompt_text=rows,
+            meta=[{} for _ in rows],
+        )
 
     return make
 
@@ -87,6 +108,7 @@ def record_of():
 @pytest.fixture
 def diffusion_config(tiny_sd3_dir, tmp_path, one_thread):
     """diffusion_config(*overrides) -> a small text-to-image Config (colour task, tiny SD3)."""
+
     def make(*overrides: str):
         import polyrl.core  # noqa: F401
         import polyrl.diffusion  # noqa: F401
@@ -94,18 +116,27 @@ def diffusion_config(tiny_sd3_dir, tmp_path, one_thread):
         from polyrl.core.recipe import Config
 
         base = [
-            f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-            "task.name=colour", f"task.dir={tmp_path}/data",
+            f"run.dir={tmp_path}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "task.name=colour",
+            f"task.dir={tmp_path}/data",
             "task.args={n_train: 32, per_colour_eval: 1}",
-            "policies.main.kind=diffusion", f"policies.main.model={tiny_sd3_dir}",
-            "policies.main.engine.name=diffusion", "policies.main.lora.r=4",
+            "policies.main.kind=diffusion",
+            f"policies.main.model={tiny_sd3_dir}",
+            "policies.main.engine.name=diffusion",
+            "policies.main.lora.r=4",
             "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 2.0, "
             "train_steps: {mode: fraction, fraction: 0.5}}",
             "policies.main.args={max_sequence_length: 1}",
-            "rollout.workflow=text_to_image", "rollout.n=4", "rollout.prompts_per_step=3",
-            "eval.n=2", "eval.accuracy_term=colour_accuracy",
+            "rollout.workflow=text_to_image",
+            "rollout.n=4",
+            "rollout.prompts_per_step=3",
+            "eval.n=2",
+            "eval.accuracy_term=colour_accuracy",
             "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
-            "algorithm.credit=per_prompt", "train.steps=2",
+            "algorithm.credit=per_prompt",
+            "train.steps=2",
         ]
         return load(Config, None, base + list(overrides))
 

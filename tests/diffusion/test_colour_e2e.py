@@ -47,24 +47,37 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     procs = {}
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for seed in SEEDS:
-        cmd = [sys.executable, "-m", "polyrl.core.cli", "train", str(RECIPE), f"seed={seed}",
-               f"run.dir={tmp_path}/seed{seed}", "run.progress=false", "run.tensorboard=false",
-               "run.export=false", f"policies.main.model={demo_model}", "policies.main.build=null"]
-        procs[seed] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "polyrl.core.cli",
+            "train",
+            str(RECIPE),
+            f"seed={seed}",
+            f"run.dir={tmp_path}/seed{seed}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            f"policies.main.model={demo_model}",
+            "policies.main.build=null",
+        ]
+        procs[seed] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     for seed, proc in procs.items():
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    print(f"3 seeds in {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds "
-          "(parallel processes, one thread each)")
+    print(
+        f"3 seeds in {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds "
+        "(parallel processes, one thread each)"
+    )
     for seed in SEEDS:
         run = tmp_path / f"seed{seed}"
         rows = _metrics(run)
@@ -73,8 +86,10 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
         first = sum(r["reward/mean"] for r in train[:3]) / 3
         last = sum(r["reward/mean"] for r in train[-5:]) / 5
         acc = sum(r["reward/colour_accuracy/mean"] for r in train[-5:]) / 5
-        print(f"seed {seed}: reward {first:.3f} -> {last:.3f}; colour right {evals[0]:.2f} -> "
-              f"{evals[-1]:.2f} (eval, ODE), {acc:.2f} (last 5 training steps)")
+        print(
+            f"seed {seed}: reward {first:.3f} -> {last:.3f}; colour right {evals[0]:.2f} -> "
+            f"{evals[-1]:.2f} (eval, ODE), {acc:.2f} (last 5 training steps)"
+        )
         assert last > first + 0.4, (seed, first, last)
         assert evals[-1] >= 0.9 and acc >= 0.9, (seed, evals, acc)
         assert (run / "grid_before.png").is_file() and (run / "grid_after.png").is_file()

@@ -36,8 +36,9 @@ def test_without_std_only_the_prompt_mean_is_removed():
 def test_clipping_bounds_the_advantages_and_leaves_the_rest():
     adv = per_prompt_advantages(REWARDS, GROUPS, norm_by_std=False, clip=1.5)
     assert adv.tolist() == pytest.approx([-1.0, 1.0, -1.5, -1.5, 1.5], abs=1e-6)
-    assert per_prompt_advantages(REWARDS, GROUPS, norm_by_std=False, clip=0).tolist() == \
-        pytest.approx([-1.0, 1.0, -2.0, -2.0, 4.0], abs=1e-6)  # 0: no clipping
+    assert per_prompt_advantages(
+        REWARDS, GROUPS, norm_by_std=False, clip=0
+    ).tolist() == pytest.approx([-1.0, 1.0, -2.0, -2.0, 4.0], abs=1e-6)  # 0: no clipping
 
 
 def test_recipe_options_reach_the_credit(diffusion_config):
@@ -55,8 +56,9 @@ def test_recipe_options_reach_the_credit(diffusion_config):
     row = torch.where(mask.any(1), adv.sum(1) / mask.sum(1).clamp(min=1), torch.zeros(()))
     texts = strings(record, "prompt_text")
     ids = torch.tensor([sorted(set(texts)).index(t) for t in texts])
-    expected = per_prompt_advantages(record["reward"], ids, global_std=True,
-                                      eps=s.cfg.algorithm.epsilon, clip=0.5)
+    expected = per_prompt_advantages(
+        record["reward"], ids, global_std=True, eps=s.cfg.algorithm.epsilon, clip=0.5
+    )
     assert torch.allclose(row, expected, atol=1e-6)
     assert row.abs().max() <= 0.5 + 1e-6
     s.finish({})

@@ -20,15 +20,20 @@ import torch
 
 pytestmark = pytest.mark.ray
 
-RAY = ("distributed.backend=ray",
-       "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}")
-COMMON = ("algorithm.kl_coef=0.1", "algorithm.kl_estimator=gaussian_mean",
-          "algorithm.minibatches=2", "policies.main.optim.lr=5.0e-3",
-          # clipped advantages no longer sum to zero per prompt: the loss is not ~0
-          "rollout.args={adv_clip: 1.0}",
-          # the colour term on its own Ray actor (in local mode the key is ignored)
-          "reward.terms=[{name: colour, actor: {num_cpus: 0.5}}, "
-          "{name: colour_accuracy, weight: 0.0}]")
+RAY = (
+    "distributed.backend=ray",
+    "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}",
+)
+COMMON = (
+    "algorithm.kl_coef=0.1",
+    "algorithm.kl_estimator=gaussian_mean",
+    "algorithm.minibatches=2",
+    "policies.main.optim.lr=5.0e-3",
+    # clipped advantages no longer sum to zero per prompt: the loss is not ~0
+    "rollout.args={adv_clip: 1.0}",
+    # the colour term on its own Ray actor (in local mode the key is ignored)
+    "reward.terms=[{name: colour, actor: {num_cpus: 0.5}}, {name: colour_accuracy, weight: 0.0}]",
+)
 
 
 def _rollout(s):
@@ -93,8 +98,9 @@ def _check_export(lora: int, out, resumed, weights, model_dir: str) -> None:
 
 
 @pytest.mark.parametrize("lora", [4, 0], ids=["lora", "full"])
-def test_ray_update_sync_checkpoint_and_export_match_local(lora, ray_cluster, diffusion_config,
-                                                           tiny_sd3_dir, tmp_path):
+def test_ray_update_sync_checkpoint_and_export_match_local(
+    lora, ray_cluster, diffusion_config, tiny_sd3_dir, tmp_path
+):
     from polyrl.core import trainer
     from polyrl.core.algorithms import AlgorithmConfig
     from polyrl.core.session import Session
@@ -128,8 +134,12 @@ def test_ray_update_sync_checkpoint_and_export_match_local(lora, ray_cluster, di
         # a copy: the optimizer would keep (and later step) the moments' tensors themselves
         local.policies["main"].load_state_dict(copy.deepcopy(state))
         now, before = _gaps(local.policies["main"], rec2)
-        print("gap to the trained weights", float(now.max()), "to the initial ones",
-              float(before.max()))
+        print(
+            "gap to the trained weights",
+            float(now.max()),
+            "to the initial ones",
+            float(before.max()),
+        )
         assert float(now.max()) < 1e-5 and float(before.max()) > 1e-4
 
         # a Ray checkpoint resumes in local mode (weights, optimizer, engine RNG and count)
@@ -138,20 +148,26 @@ def test_ray_update_sync_checkpoint_and_export_match_local(lora, ray_cluster, di
         out = remote.policies["main"].export(tmp_path / "export")
 
         # ranks whose rows train different steps stay in step and give the local update
-        part, algo = _steps_apart(rec2), AlgorithmConfig(kl_coef=0.1,
-                                                         kl_estimator="gaussian_mean")
-        apart_l = trainer.update(local.policies["main"], part.clone(), algo,
-                                 generator=torch.Generator().manual_seed(0))
-        apart_r = remote.backend.update(remote.policies["main"], part.clone(), algo,
-                                        temperature=1.0, generator=torch.Generator())
+        part, algo = _steps_apart(rec2), AlgorithmConfig(kl_coef=0.1, kl_estimator="gaussian_mean")
+        apart_l = trainer.update(
+            local.policies["main"], part.clone(), algo, generator=torch.Generator().manual_seed(0)
+        )
+        apart_r = remote.backend.update(
+            remote.policies["main"],
+            part.clone(),
+            algo,
+            temperature=1.0,
+            generator=torch.Generator(),
+        )
         print("steps apart: local", apart_l, "\nray  ", apart_r)
         assert apart_l["kl"] > 0 and abs(apart_l["loss"]) > 1e-3
         for key in ("loss", "kl", "grad_norm"):
             assert apart_r[key] == pytest.approx(apart_l[key], rel=1e-4), key
     finally:
         remote.backend.shutdown()
-    resumed = Session.open(diffusion_config(*common, f"run.dir={tmp_path}/ray",
-                                            "run.resume=true"), record=False)
+    resumed = Session.open(
+        diffusion_config(*common, f"run.dir={tmp_path}/ray", "run.resume=true"), record=False
+    )
     restored = resumed.policies["main"].state_dict()
     assert resumed.step == 1 and restored["weights"].keys() == state["weights"].keys()
     for k, v in state["weights"].items():

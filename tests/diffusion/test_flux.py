@@ -29,8 +29,10 @@ def test_packing_is_diffusers_own_and_round_trips():
     packed = pack_latents(x)
     assert torch.equal(packed, FluxPipeline._pack_latents(x, 3, 12, 8, 6))
     assert torch.equal(unpack_latents(packed, 8, 6), x)
-    assert torch.equal(image_ids(4, 3, torch.device("cpu"), torch.float32),
-                       FluxPipeline._prepare_latent_image_ids(3, 4, 3, "cpu", torch.float32))
+    assert torch.equal(
+        image_ids(4, 3, torch.device("cpu"), torch.float32),
+        FluxPipeline._prepare_latent_image_ids(3, 4, 3, "cpu", torch.float32),
+    )
 
 
 def test_ode_reproduces_flux_pipeline_step_by_step(flux_policy, tiny_flux_dir, prompts):
@@ -52,10 +54,17 @@ def test_ode_reproduces_flux_pipeline_step_by_step(flux_policy, tiny_flux_dir, p
         return {}
 
     with torch.no_grad():
-        out = pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled,
-                   latents=pack_latents(traj.latents[:, 0]), num_inference_steps=4,
-                   guidance_scale=3.5, height=16, width=16, output_type="latent",
-                   callback_on_step_end=keep).images
+        out = pipe(
+            prompt_embeds=emb,
+            pooled_prompt_embeds=pooled,
+            latents=pack_latents(traj.latents[:, 0]),
+            num_inference_steps=4,
+            guidance_scale=3.5,
+            height=16,
+            width=16,
+            output_type="latent",
+            callback_on_step_end=keep,
+        ).images
     assert torch.equal(pipe.scheduler.sigmas, traj.sigmas[0])  # dynamic shift (mu) as diffusers
     assert torch.equal(pipe.scheduler.timesteps, traj.timesteps[0])
     for t, lat in enumerate(seen):
@@ -63,17 +72,23 @@ def test_ode_reproduces_flux_pipeline_step_by_step(flux_policy, tiny_flux_dir, p
     assert torch.equal(unpack_latents(out, 8, 8), traj.latents[:, -1])
     # the guidance value is an input of the transformer: another value, another image
     with torch.no_grad():
-        other = pipe(prompt_embeds=emb, pooled_prompt_embeds=pooled,
-                     latents=pack_latents(traj.latents[:, 0]), num_inference_steps=4,
-                     guidance_scale=1.0, height=16, width=16, output_type="latent").images
+        other = pipe(
+            prompt_embeds=emb,
+            pooled_prompt_embeds=pooled,
+            latents=pack_latents(traj.latents[:, 0]),
+            num_inference_steps=4,
+            guidance_scale=1.0,
+            height=16,
+            width=16,
+            output_type="latent",
+        ).images
     assert not torch.equal(other, out)
 
 
 @pytest.mark.parametrize("sampler,level", [("flow_sde", 0.7), ("cps", 0.7)])
 def test_recomputed_logprobs_equal_the_rollouts(flux_policy, record_of, sampler, level):
     """First PPO ratio exactly 1; the LoRA reference (adapter off) equals the policy."""
-    policy, engine = flux_policy(lora=4, need_reference=True, sampler=sampler,
-                                 noise_level=level)
+    policy, engine = flux_policy(lora=4, need_reference=True, sampler=sampler, noise_level=level)
     _, rec = record_of(policy, engine)
     mask = rec["loss_mask"].bool()
     assert mask[:, :-1].all() and not mask[:, -1].any()
@@ -90,7 +105,8 @@ def test_one_transformer_call_per_step_with_guidance(flux_policy):
     calls = []
     model = policy.model
     hook = model.register_forward_pre_hook(
-        lambda mod, args, kwargs: calls.append(kwargs["guidance"].clone()), with_kwargs=True)
+        lambda mod, args, kwargs: calls.append(kwargs["guidance"].clone()), with_kwargs=True
+    )
     emb, pooled = policy.encode(["a red blob"] * 2)
     x, t = torch.randn(2, 12, 8, 8), torch.full((2,), 500.0)
     empty = emb[:, :0]
@@ -142,20 +158,35 @@ def test_two_training_steps_through_the_workflow(tiny_flux_dir, tmp_path, one_th
     from polyrl.core.loop import train
     from polyrl.core.recipe import Config
 
-    cfg = load(Config, None, [
-        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-        "task.name=colour", f"task.dir={tmp_path}/data",
-        "task.args={n_train: 16, per_colour_eval: 1}",
-        "policies.main.kind=diffusion", f"policies.main.model={tiny_flux_dir}",
-        "policies.main.engine.name=diffusion", "policies.main.lora.r=4",
-        "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 3.5, "
-        "train_steps: {mode: window, window_start: 0, window_size: 2}}",
-        "policies.main.args={max_sequence_length: 8}",
-        "rollout.workflow=text_to_image", "rollout.n=3", "rollout.prompts_per_step=2",
-        "eval.n=1", "eval.accuracy_term=colour_accuracy",
-        "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
-        "algorithm.credit=per_prompt", "algorithm.kl_coef=0.01",
-        "algorithm.kl_estimator=gaussian_mean", "train.steps=2"])
+    cfg = load(
+        Config,
+        None,
+        [
+            f"run.dir={tmp_path}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "task.name=colour",
+            f"task.dir={tmp_path}/data",
+            "task.args={n_train: 16, per_colour_eval: 1}",
+            "policies.main.kind=diffusion",
+            f"policies.main.model={tiny_flux_dir}",
+            "policies.main.engine.name=diffusion",
+            "policies.main.lora.r=4",
+            "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 3.5, "
+            "train_steps: {mode: window, window_start: 0, window_size: 2}}",
+            "policies.main.args={max_sequence_length: 8}",
+            "rollout.workflow=text_to_image",
+            "rollout.n=3",
+            "rollout.prompts_per_step=2",
+            "eval.n=1",
+            "eval.accuracy_term=colour_accuracy",
+            "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
+            "algorithm.credit=per_prompt",
+            "algorithm.kl_coef=0.01",
+            "algorithm.kl_estimator=gaussian_mean",
+            "train.steps=2",
+        ],
+    )
     run = train(cfg)
     lines = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "main/loss" in x]

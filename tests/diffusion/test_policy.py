@@ -86,12 +86,14 @@ def test_kl_is_zero_while_the_adapter_is_unchanged(make_policy, record_of):
     assert (kl[~rec["loss_mask"].bool()] == 0).all()
 
 
-def test_text_encoders_and_vae_are_frozen_and_each_prompt_is_encoded_once(make_policy,
-                                                                          monkeypatch):
+def test_text_encoders_and_vae_are_frozen_and_each_prompt_is_encoded_once(make_policy, monkeypatch):
     policy, _ = make_policy(lora=4)
     fam = policy.family
-    frozen = [fam.vae] + [e for e in (fam.text.text_encoder, fam.text.text_encoder_2,
-                                      fam.text.text_encoder_3) if e is not None]
+    frozen = [fam.vae] + [
+        e
+        for e in (fam.text.text_encoder, fam.text.text_encoder_2, fam.text.text_encoder_3)
+        if e is not None
+    ]
     trained = {id(p) for g in policy.optimizer.param_groups for p in g["params"]}
     assert len(frozen) >= 3 and trained
     for module in frozen:
@@ -127,8 +129,12 @@ def test_cfg_unconditional_branch_is_detached(make_policy, record_of):
     velocity = policy.family.velocity
 
     def spy(model, x, t, emb, pooled):
-        calls.append((torch.is_grad_enabled(), bool(torch.equal(emb, rec["negative_prompt_embeds"][
-            : emb.shape[0]]))))
+        calls.append(
+            (
+                torch.is_grad_enabled(),
+                bool(torch.equal(emb, rec["negative_prompt_embeds"][: emb.shape[0]])),
+            )
+        )
         return velocity(model, x, t, emb, pooled)
 
     policy.family.velocity = spy
@@ -220,8 +226,9 @@ def test_export_lora_in_diffusers_format(make_policy, tmp_path, tiny_sd3_dir):
     out = policy.export(tmp_path / "lora")
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer")
-    base.load_lora_adapter(str(out), prefix="transformer",
-                           weight_name="pytorch_lora_weights.safetensors")
+    base.load_lora_adapter(
+        str(out), prefix="transformer", weight_name="pytorch_lora_weights.safetensors"
+    )
     x, t = torch.randn(1, 12, 8, 8), torch.full((1,), 500.0)
     emb, pooled = policy.encode(["a red blob"])
     with torch.no_grad():
@@ -238,9 +245,16 @@ def test_export_full_fine_tune_loads_as_a_diffusers_pipeline(make_policy, tmp_pa
         next(policy.model.parameters()).add_(0.5)
     out = policy.export(tmp_path / "full")
     pipe = StableDiffusion3Pipeline.from_pretrained(out, text_encoder_3=None, tokenizer_3=None)
-    for (k, a), (_, b) in zip(policy.model.state_dict().items(),
-                              pipe.transformer.state_dict().items(), strict=True):
+    for (k, a), (_, b) in zip(
+        policy.model.state_dict().items(), pipe.transformer.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), k
-    images = pipe(["a red blob"], height=16, width=16, num_inference_steps=2,
-                  max_sequence_length=1, output_type="pt").images
+    images = pipe(
+        ["a red blob"],
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        max_sequence_length=1,
+        output_type="pt",
+    ).images
     assert images.shape == (1, 3, 16, 16) and torch.isfinite(images).all()

@@ -13,17 +13,19 @@ from polyrl.core.rewards import RewardTerm, Sample
 from polyrl.diffusion import rewards as R
 from polyrl.diffusion.colour import BACKGROUND, PALETTE
 
-TINY_CLIP = {"embed_dim": 16,
-             "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16,
-                            "head_width": 16},
-             "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2,
-                          "layers": 1}}
+TINY_CLIP = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 16, "head_width": 16},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
 
 
 def _samples(images, prompts, answers=None):
     answers = answers or [None] * len(images)
-    return [Sample(prompt=p, response="", answer=a, meta={}, images=[im], index=i)
-            for i, (im, p, a) in enumerate(zip(images, prompts, answers, strict=True))]
+    return [
+        Sample(prompt=p, response="", answer=a, meta={}, images=[im], index=i)
+        for i, (im, p, a) in enumerate(zip(images, prompts, answers, strict=True))
+    ]
 
 
 def _flat(rgb, size=16):
@@ -39,10 +41,15 @@ def tiny_clip_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("clip")
     torch.manual_seed(0)
     model = open_clip.CLIP(**TINY_CLIP)
-    (path / "open_clip_config.json").write_text(json.dumps(
-        {"model_cfg": TINY_CLIP, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3}}))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              str(path / "open_clip_model.safetensors"))
+    (path / "open_clip_config.json").write_text(
+        json.dumps(
+            {"model_cfg": TINY_CLIP, "preprocess_cfg": {"mean": [0.5] * 3, "std": [0.5] * 3}}
+        )
+    )
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(path / "open_clip_model.safetensors"),
+    )
     return path
 
 
@@ -50,8 +57,11 @@ def test_colour_reward_and_accuracy():
     red, blue = _flat(PALETTE["red"]), _flat(PALETTE["blue"])
     half = _flat(BACKGROUND)
     half[:, :8] = torch.tensor(PALETTE["red"])[:, None, None]
-    s = _samples([red, blue, half, red], ["a red blob", "a red blob", "red", "blue"],
-                 answers=["red", None, None, None])
+    s = _samples(
+        [red, blue, half, red],
+        ["a red blob", "a red blob", "red", "blue"],
+        answers=["red", None, None, None],
+    )
     assert R.colour(s) == [1.0, 0.0, 0.5, 0.0]
     assert R.colour_accuracy(s) == [1.0, 0.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="names none of the colours"):
@@ -105,8 +115,9 @@ def test_hpsv2_loads_the_checkpoint_over_the_architecture(tiny_clip_dir, tmp_pat
     with torch.no_grad():
         f_i = other.eval().encode_image(pre(R.to_pil(img))[None])
         f_t = other.encode_text(open_clip.get_tokenizer(model)(["a red blob"]))
-    torch.testing.assert_close(torch.tensor(got), torch.nn.functional.cosine_similarity(f_i, f_t),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(got), torch.nn.functional.cosine_similarity(f_i, f_t), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_aesthetic_mlp_on_clip_embeddings(tiny_clip_dir, tmp_path):
@@ -118,8 +129,7 @@ def test_aesthetic_mlp_on_clip_embeddings(tiny_clip_dir, tmp_path):
     path = tmp_path / "mlp.pt"
     torch.save({f"layers.{k}": v for k, v in mlp.state_dict().items()}, path)
     img = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))
-    got = R.aesthetic(_samples([img], ["x"]), mlp=str(path), clip_model=model,
-                      clip_pretrained=None)
+    got = R.aesthetic(_samples([img], ["x"]), mlp=str(path), clip_model=model, clip_pretrained=None)
     net, _, pre = open_clip.create_model_and_transforms(model)
     with torch.no_grad():
         emb = torch.nn.functional.normalize(net.encode_image(pre(R.to_pil(img))[None]), dim=-1)
@@ -140,19 +150,36 @@ def test_pickscore_with_a_tiny_transformers_clip(tmp_path):
     from polyrl.diffusion.tiny import build_clip_tokenizer
 
     tok = build_clip_tokenizer(["a red blob", "a blue blob"], max_length=8)
-    cfg = CLIPConfig(text_config=CLIPTextConfig(vocab_size=len(tok), hidden_size=16,
-                                                intermediate_size=32, num_hidden_layers=1,
-                                                num_attention_heads=2, max_position_embeddings=8,
-                                                bos_token_id=0, eos_token_id=1, pad_token_id=1),
-                     vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32,
-                                                    num_hidden_layers=1, num_attention_heads=2,
-                                                    image_size=32, patch_size=16),
-                     projection_dim=8)
+    cfg = CLIPConfig(
+        text_config=CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        ),
+        vision_config=CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=16,
+        ),
+        projection_dim=8,
+    )
     torch.manual_seed(0)
     CLIPModel(cfg).save_pretrained(tmp_path / "model")
-    proc = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                            crop_size={"height": 32, "width": 32}),
-                         tokenizer=tok)
+    proc = CLIPProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        ),
+        tokenizer=tok,
+    )
     proc.save_pretrained(tmp_path / "proc")
     img = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))
     s = _samples([img, img], ["a red blob", "a blue blob"])
@@ -165,12 +192,15 @@ def test_pickscore_with_a_tiny_transformers_clip(tmp_path):
     torch.testing.assert_close(got, scaled * net.logit_scale.exp(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,args,match", [
-    ("t2i_clip_score", {"pretrained": "/nonexistent/clip.bin"}, "args.pretrained"),
-    ("aesthetic", {"mlp": "/nonexistent/mlp.pth", "clip_pretrained": None}, "args.mlp"),
-    ("hpsv2", {"checkpoint": "~/nope/HPS_v2_compressed.pt"}, "args.checkpoint"),
-    ("pickscore", {"model": "./missing-pickscore"}, "args.model"),
-])
+@pytest.mark.parametrize(
+    "name,args,match",
+    [
+        ("t2i_clip_score", {"pretrained": "/nonexistent/clip.bin"}, "args.pretrained"),
+        ("aesthetic", {"mlp": "/nonexistent/mlp.pth", "clip_pretrained": None}, "args.mlp"),
+        ("hpsv2", {"checkpoint": "~/nope/HPS_v2_compressed.pt"}, "args.checkpoint"),
+        ("pickscore", {"model": "./missing-pickscore"}, "args.model"),
+    ],
+)
 def test_missing_reward_model_path_fails_in_prepare(name, args, match):
     with pytest.raises(FileNotFoundError, match=match):
         R.prepare_rewards([RewardTerm(name, args=args)])
@@ -184,5 +214,7 @@ def test_reward_model_args_are_required():
 def test_unknown_reward_name_fails_at_config_time_naming_the_nearest():
     import polyrl.diffusion  # noqa: F401
 
-    with pytest.raises((ConfigError, KeyError, ValueError), match="did you mean 'jpeg_compressibility'"):
+    with pytest.raises(
+        (ConfigError, KeyError, ValueError), match="did you mean 'jpeg_compressibility'"
+    ):
         load(Config, None, ["policies.main.model=x", "reward.terms=[{name: jpeg_compresibility}]"])

@@ -35,8 +35,7 @@ def test_noise_off_reproduces_diffusers_euler_step(name):
         v = torch.randn(x.shape, generator=gen)
         sched._step_index = i  # diffusers tracks the step index itself; pin it
         expected = sched.step(v, sched.timesteps[i], x, return_dict=False)[0]
-        out = sampler.step(x, v, sched.sigmas[i], sched.sigmas[i + 1], noise_level=0.7,
-                           noise=False)
+        out = sampler.step(x, v, sched.sigmas[i], sched.sigmas[i + 1], noise_level=0.7, noise=False)
         assert torch.equal(out.prev_sample, expected.float()), (name, i)
         assert torch.equal(out.mean, expected.float())
         assert torch.all(out.std == 0) and torch.all(out.log_prob == 0)
@@ -107,8 +106,9 @@ def test_last_step_to_sigma_zero():
 def test_noise_switches_per_row():
     x, v = torch.randn(4, 2, 4, 4), torch.randn(4, 2, 4, 4)
     noise = torch.tensor([True, False, True, False])
-    out = get_sampler("flow_sde").step(x, v, 0.8, 0.6, noise_level=0.7, noise=noise,
-                                       generator=torch.Generator().manual_seed(0))
+    out = get_sampler("flow_sde").step(
+        x, v, 0.8, 0.6, noise_level=0.7, noise=noise, generator=torch.Generator().manual_seed(0)
+    )
     euler = x + (torch.tensor(0.6) - torch.tensor(0.8)) * v  # float32 like the sampler
     assert torch.equal(out.prev_sample[~noise], euler[~noise])
     assert torch.all(out.std[~noise] == 0) and torch.all(out.log_prob[~noise] == 0)

@@ -23,8 +23,7 @@ def test_fraction_draws_steps_per_trajectory():
 
 
 def test_fixed_window():
-    m = select_steps(StepSelection(mode="window", window_start=3, window_size=2), 2, 10,
-                     rollout=57)
+    m = select_steps(StepSelection(mode="window", window_start=3, window_size=2), 2, 10, rollout=57)
     assert m[:, 3:5].all() and m.sum() == 4
 
 
@@ -49,12 +48,15 @@ def test_noise_outside_the_window():
     assert torch.equal(noise_mask(StepSelection(noise_outside=False), trained), trained)
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"mode": "slidng"}, "did you mean 'sliding'"),
-    ({"fraction": 0.0}, "fraction"),
-    ({"mode": "window", "window_start": 9}, "window_start"),
-    ({"window_size": 0}, "window_size"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"mode": "slidng"}, "did you mean 'sliding'"),
+        ({"fraction": 0.0}, "fraction"),
+        ({"mode": "window", "window_start": 9}, "window_start"),
+        ({"window_size": 0}, "window_size"),
+    ],
+)
 def test_bad_selection_fails(kw, match):
     with pytest.raises(ConfigError, match=match):
         StepSelection(**kw).validate(10)

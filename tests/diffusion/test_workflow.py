@@ -136,8 +136,8 @@ def test_missing_reward_model_fails_before_sampling(diffusion_config, monkeypatc
         raise AssertionError("sampled before the reward model was checked")
 
     monkeypatch.setattr(DiffusionEngine, "sample", no_sampling)
-    cfg = diffusion_config("reward.terms=[{name: t2i_clip_score, args: {pretrained: "
-                           "/nonexistent/open_clip.bin}}]")
+    cfg = diffusion_config(
+        "reward.terms=[{name: t2i_clip_score, args: {pretrained: /nonexistent/open_clip.bin}}]"
+    )
     with pytest.raises(FileNotFoundError, match="/nonexistent/open_clip.bin"):
         Session.open(cfg)
-

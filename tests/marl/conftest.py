@@ -15,21 +15,42 @@ def _build(joints: list, agents: list, options: dict | None = None, shuffle: int
 
     options = options or {}
     jr = text_record(
-        prompt_ids=[[] for _ in joints], response_ids=[[] for _ in joints],
-        rollout_logprobs=[[] for _ in joints], policy=[JOINT_POLICY] * len(joints),
-        uid=[j.uid for j in joints], pad_id=0, agent_id=[-1] * len(joints),
-        turn=[j.turn for j in joints], node=[j.parent if j.tree else 0 for j in joints],
-        meta=[{"joint": j.id, "parent": j.parent, "turn": j.turn, "scored": j.scored,
-               "episode": j.episode, "credit": options} for j in joints])
+        prompt_ids=[[] for _ in joints],
+        response_ids=[[] for _ in joints],
+        rollout_logprobs=[[] for _ in joints],
+        policy=[JOINT_POLICY] * len(joints),
+        uid=[j.uid for j in joints],
+        pad_id=0,
+        agent_id=[-1] * len(joints),
+        turn=[j.turn for j in joints],
+        node=[j.parent if j.tree else 0 for j in joints],
+        meta=[
+            {
+                "joint": j.id,
+                "parent": j.parent,
+                "turn": j.turn,
+                "scored": j.scored,
+                "episode": j.episode,
+                "credit": options,
+            }
+            for j in joints
+        ],
+    )
     jr["joint_id"] = torch.tensor([j.id for j in joints])
     jr["reward"] = torch.tensor([j.reward if j.scored else float("nan") for j in joints])
     jr["valid"] = torch.tensor([j.scored for j in joints])
     ar = text_record(
-        prompt_ids=[[5, 6] for _ in agents], response_ids=[[7] * a.tokens for a in agents],
-        rollout_logprobs=[[-1.0] * a.tokens for a in agents], policy=[a.policy for a in agents],
-        uid=[a.uid for a in agents], pad_id=0, agent_id=[a.agent for a in agents],
-        turn=[a.turn for a in agents], node=[a.node for a in agents],
-        meta=[{"joints": list(a.joints), "episode": a.episode} for a in agents])
+        prompt_ids=[[5, 6] for _ in agents],
+        response_ids=[[7] * a.tokens for a in agents],
+        rollout_logprobs=[[-1.0] * a.tokens for a in agents],
+        policy=[a.policy for a in agents],
+        uid=[a.uid for a in agents],
+        pad_id=0,
+        agent_id=[a.agent for a in agents],
+        turn=[a.turn for a in agents],
+        node=[a.node for a in agents],
+        meta=[{"joints": list(a.joints), "episode": a.episode} for a in agents],
+    )
     ar["joint_id"] = torch.full((len(agents),), -1)
     ar["valid"][:] = False
     rec = concat([jr, ar])
@@ -70,8 +91,17 @@ def signaling_model_dir(tmp_path_factory) -> str:
     from polyrl.core.tiny import tiny_qwen2
 
     path = tmp_path_factory.mktemp("marl-models") / "tiny-signaling"
-    tiny_qwen2(path, corpus="signaling", vocab_size=200, hidden_size=64, num_layers=2,
-               num_heads=1, head_dim=64, intermediate_size=128, seed=0)
+    tiny_qwen2(
+        path,
+        corpus="signaling",
+        vocab_size=200,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=1,
+        head_dim=64,
+        intermediate_size=128,
+        seed=0,
+    )
     return str(path)
 
 
@@ -102,15 +132,25 @@ def marl_config(signaling_model_dir, tmp_path):
     from polyrl.core.recipe import Config
 
     base = [
-        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-        "run.export=false", "task.name=signaling", f"task.dir={tmp_path}/data",
+        f"run.dir={tmp_path}/run",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "run.export=false",
+        "task.name=signaling",
+        f"task.dir={tmp_path}/data",
         "task.args={n_train: 200, n_eval: 24, n_objects: 4, n_candidates: 3, n_symbols: 4}",
         f"policies.speaker.model={signaling_model_dir}",
         f"policies.listener.model={signaling_model_dir}",
-        "rollout.workflow=signaling", "rollout.n=4", "rollout.prompts_per_step=4",
-        "rollout.max_new_tokens=2", "algorithm.credit=magrpo", "algorithm.advantage=drgrpo",
-        "reward.terms=[{name: exact_match}]", "data.max_prompt_tokens=64",
-        "eval.data.shuffle=false", "train.steps=2",
+        "rollout.workflow=signaling",
+        "rollout.n=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=2",
+        "algorithm.credit=magrpo",
+        "algorithm.advantage=drgrpo",
+        "reward.terms=[{name: exact_match}]",
+        "data.max_prompt_tokens=64",
+        "eval.data.shuffle=false",
+        "train.steps=2",
     ]
 
     def make(*overrides: str) -> Config:
@@ -135,11 +175,14 @@ def build_workflow():
         calls: list = []
         if policies is None:
             shared: dict = {}
-            policies = {n: POLICIES.get(p.kind)(n, p, total_steps=1, need_reference=False,
-                                                shared=shared)
-                        for n, p in cfg.policies.items()}
-        engines = {n: CountingEngine(HFEngine(p, seed=i), calls, n)
-                   for i, (n, p) in enumerate(policies.items())}
+            policies = {
+                n: POLICIES.get(p.kind)(n, p, total_steps=1, need_reference=False, shared=shared)
+                for n, p in cfg.policies.items()
+            }
+        engines = {
+            n: CountingEngine(HFEngine(p, seed=i), calls, n)
+            for i, (n, p) in enumerate(policies.items())
+        }
         ctx = Context(cfg, policies, engines)
         return WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args), calls
 
@@ -149,8 +192,16 @@ def build_workflow():
 def items(rows: list[dict], prompt_field: str = "prompt"):
     from polyrl.core.data import PromptItem
 
-    return [PromptItem(uid=i, prompt_ids=[], prompt_text=str(r.get(prompt_field, "")),
-                       answer=r.get("answer"), row=r) for i, r in enumerate(rows)]
+    return [
+        PromptItem(
+            uid=i,
+            prompt_ids=[],
+            prompt_text=str(r.get(prompt_field, "")),
+            answer=r.get("answer"),
+            row=r,
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 @pytest.fixture

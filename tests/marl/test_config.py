@@ -6,46 +6,66 @@ import pytest
 
 from polyrl.core.config import ConfigError
 
-AGENTS = "rollout.args={agents: [{name: speaker, policy: speaker}, {name: listener, policy: listener}]"
+AGENTS = (
+    "rollout.args={agents: [{name: speaker, policy: speaker}, {name: listener, policy: listener}]"
+)
 
 
-@pytest.mark.parametrize("override,match", [
-    ("rollout.args={agents: [{name: speker}, {name: listener}]}", "did you mean 'speaker'"),
-    ("rollout.args={agents: [{name: speaker, policy: speakr}, {name: listener}]}",
-     "unknown policy 'speakr'; did you mean 'speaker'"),
-    ("rollout.workflow=signalling", "did you mean 'signaling'"),
-    ("rollout.args={agents: [{name: speaker}]}", "lacks 'listener'"),
-    (AGENTS + ", jiont: cross}", "did you mean 'rollout.args.joint'"),
-    (AGENTS + ", joint: cross}", "supports aligned"),
-    (AGENTS + ", credit: {counterfactual: true}}", "needs joint: cross"),
-    ("rollout.args={agents: [{name: speaker, rol: x}, {name: listener}]}", "did you mean "
-     "'rollout.args.agents[0].role'"),
-    ("algorithm.credit=group", "algorithm.credit='magrpo'"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("rollout.args={agents: [{name: speker}, {name: listener}]}", "did you mean 'speaker'"),
+        (
+            "rollout.args={agents: [{name: speaker, policy: speakr}, {name: listener}]}",
+            "unknown policy 'speakr'; did you mean 'speaker'",
+        ),
+        ("rollout.workflow=signalling", "did you mean 'signaling'"),
+        ("rollout.args={agents: [{name: speaker}]}", "lacks 'listener'"),
+        (AGENTS + ", jiont: cross}", "did you mean 'rollout.args.joint'"),
+        (AGENTS + ", joint: cross}", "supports aligned"),
+        (AGENTS + ", credit: {counterfactual: true}}", "needs joint: cross"),
+        (
+            "rollout.args={agents: [{name: speaker, rol: x}, {name: listener}]}",
+            "did you mean 'rollout.args.agents[0].role'",
+        ),
+        ("algorithm.credit=group", "algorithm.credit='magrpo'"),
+    ],
+)
 def test_bad_recipe_fails_before_models_load(marl_config, tmp_path, override, match):
     never = tmp_path / "never-built"
     with pytest.raises((ConfigError, KeyError)) as err:
-        marl_config(f"policies.speaker.model={never}", "policies.speaker.build=tiny_qwen2",
-                    override)
+        marl_config(
+            f"policies.speaker.model={never}", "policies.speaker.build=tiny_qwen2", override
+        )
     assert match in str(err.value)
     assert not never.exists()  # nothing was built or loaded
 
 
 def test_workflow_keyword_arguments_are_checked(marl_config):
-    ok = marl_config("rollout.workflow=debate", "rollout.args={rounds: 3, agents: [{name: a, "
-                     "policy: speaker}, {name: b, policy: listener}]}")
+    ok = marl_config(
+        "rollout.workflow=debate",
+        "rollout.args={rounds: 3, agents: [{name: a, "
+        "policy: speaker}, {name: b, policy: listener}]}",
+    )
     assert ok.rollout.args["rounds"] == 3
     with pytest.raises(ConfigError, match="did you mean 'rollout.args.rounds'"):
-        marl_config("rollout.workflow=debate", "rollout.args={roundz: 3, agents: [{name: a, "
-                    "policy: speaker}, {name: b, policy: listener}]}")
+        marl_config(
+            "rollout.workflow=debate",
+            "rollout.args={roundz: 3, agents: [{name: a, "
+            "policy: speaker}, {name: b, policy: listener}]}",
+        )
     with pytest.raises(ConfigError, match="at least 2 agents"):
-        marl_config("rollout.workflow=debate", "rollout.args={agents: [{name: a, policy: speaker}]}")
+        marl_config(
+            "rollout.workflow=debate", "rollout.args={agents: [{name: a, policy: speaker}]}"
+        )
 
 
 def test_a_frozen_policy_cannot_train_an_agent(marl_config):
     with pytest.raises(ConfigError, match="train: false"):
-        marl_config("policies.speaker.train=false", "rollout.args={agents: [{name: speaker, "
-                    "train: true}, {name: listener}]}")
+        marl_config(
+            "policies.speaker.train=false",
+            "rollout.args={agents: [{name: speaker, train: true}, {name: listener}]}",
+        )
     cfg = marl_config("policies.speaker.train=false")
     assert cfg.trained_policies() == ["listener"]
 
@@ -56,10 +76,13 @@ def test_agents_default_to_the_roles_and_same_named_policies(marl_config):
 
     cfg = marl_config()
     spec = WORKFLOWS.get("signaling")
-    args, kwargs = parse_args(cfg.rollout.args, workflow="signaling", fn=spec.fn,
-                              roles=spec.roles, policies=cfg.policies)
+    args, kwargs = parse_args(
+        cfg.rollout.args, workflow="signaling", fn=spec.fn, roles=spec.roles, policies=cfg.policies
+    )
     assert [(a.name, a.policy, a.train) for a in args.agents] == [
-        ("speaker", "speaker", True), ("listener", "listener", True)]
+        ("speaker", "speaker", True),
+        ("listener", "listener", True),
+    ]
     assert args.agents[0].role.startswith("You are the speaker")
     assert kwargs == {}
 

@@ -141,12 +141,18 @@ def test_cross_sum_mode_never_mixes_agents(joint_record, algo):
 
 def test_tree_returns_with_gamma(joint_record, algo):
     # turn 0: joints 1, 2 (root); turn 1: 3, 4 under 1 and 5, 6 under 2; groups = siblings
-    joints = [J(1, 1.0), J(2, 0.0),
-              J(3, 1.0, turn=1, parent=1, tree=True), J(4, 0.0, turn=1, parent=1, tree=True),
-              J(5, 1.0, turn=1, parent=2, tree=True), J(6, 1.0, turn=1, parent=2, tree=True)]
+    joints = [
+        J(1, 1.0),
+        J(2, 0.0),
+        J(3, 1.0, turn=1, parent=1, tree=True),
+        J(4, 0.0, turn=1, parent=1, tree=True),
+        J(5, 1.0, turn=1, parent=2, tree=True),
+        J(6, 1.0, turn=1, parent=2, tree=True),
+    ]
     agents = [A(a, (j,)) for a in (0, 1) for j in (1, 2)]
-    agents += [A(a, (j,), turn=1, node=p) for a in (0, 1) for j, p in ((3, 1), (4, 1), (5, 2),
-                                                                        (6, 2))]
+    agents += [
+        A(a, (j,), turn=1, node=p) for a in (0, 1) for j, p in ((3, 1), (4, 1), (5, 2), (6, 2))
+    ]
     rec = joint_record(joints, agents)
     magrpo_credit(rec, algo(gamma=0.5))
     adv = row_adv(rec)
@@ -159,15 +165,20 @@ def test_tree_returns_with_gamma(joint_record, algo):
         assert adv[(a, (5,))] == pytest.approx(0.0)
         assert adv[(a, (6,))] == pytest.approx(0.0)
     # the same numbers from the helper directly
-    info = {j.id: {"parent": j.parent, "turn": j.turn, "reward": j.reward, "error": ""}
-            for j in joints}
+    info = {
+        j.id: {"parent": j.parent, "turn": j.turn, "reward": j.reward, "error": ""} for j in joints
+    }
     assert tree_returns(info, 0.5)[1] == pytest.approx(r1)
 
 
 def test_multi_turn_chain_groups_per_turn_and_unscored_turns(joint_record, algo):
     """tree=false: lines continue one to one; turn-0 joints unscored (reward 0)."""
-    joints = [J(1, 0, scored=False), J(2, 0, scored=False),
-              J(3, 1.0, turn=1, parent=1), J(4, 0.0, turn=1, parent=2)]
+    joints = [
+        J(1, 0, scored=False),
+        J(2, 0, scored=False),
+        J(3, 1.0, turn=1, parent=1),
+        J(4, 0.0, turn=1, parent=2),
+    ]
     agents = [A(0, (1,)), A(0, (2,)), A(1, (3,), turn=1), A(1, (4,), turn=1)]
     rec = joint_record(joints, agents)
     magrpo_credit(rec, algo(gamma=0.9))
@@ -187,13 +198,23 @@ def test_counterfactual_is_zero_for_an_agent_that_does_not_matter(joint_record, 
     assert [adv[(0, tuple(a.joints))] for a in agents[:2]] == pytest.approx([1.0, -1.0])
 
 
-@pytest.mark.parametrize("name,expect", [
-    ("drgrpo", [0.5, -0.5, -0.5, 0.5]),
-    ("rloo", [2 / 3, -2 / 3, -2 / 3, 2 / 3]),
-    ("max_baseline", [0.0, -1.0, -1.0, 0.0]),
-    ("grpo", [0.5 / math.sqrt(1 / 3), -0.5 / math.sqrt(1 / 3), -0.5 / math.sqrt(1 / 3),
-              0.5 / math.sqrt(1 / 3)]),
-])
+@pytest.mark.parametrize(
+    "name,expect",
+    [
+        ("drgrpo", [0.5, -0.5, -0.5, 0.5]),
+        ("rloo", [2 / 3, -2 / 3, -2 / 3, 2 / 3]),
+        ("max_baseline", [0.0, -1.0, -1.0, 0.0]),
+        (
+            "grpo",
+            [
+                0.5 / math.sqrt(1 / 3),
+                -0.5 / math.sqrt(1 / 3),
+                -0.5 / math.sqrt(1 / 3),
+                0.5 / math.sqrt(1 / 3),
+            ],
+        ),
+    ],
+)
 def test_baselines(joint_record, algo, name, expect):
     joints, agents = aligned({0: [1, 0, 0, 1]})
     rec = joint_record(joints, agents)
@@ -232,8 +253,11 @@ def test_failed_joint_drops_its_rows_with_the_error(joint_record, algo):
     metrics = magrpo_credit(rec, algo())
     errors = strings(rec, "error")
     metas = strings(rec, "meta")
-    dropped = [i for i in range(rec.batch_size[0])
-               if int(rec["joint_id"][i]) < 0 and metas[i]["joints"] == [2]]
+    dropped = [
+        i
+        for i in range(rec.batch_size[0])
+        if int(rec["joint_id"][i]) < 0 and metas[i]["joints"] == [2]
+    ]
     assert len(dropped) == 2
     for i in dropped:
         assert not bool(rec["valid"][i]) and "boom" in errors[i]
@@ -249,7 +273,13 @@ def test_failed_joint_drops_its_rows_with_the_error(joint_record, algo):
 def test_credit_refuses_a_single_agent_record(algo):
     from polyrl.core.record import text_record
 
-    rec = text_record(prompt_ids=[[1]], response_ids=[[2]], rollout_logprobs=[[0.0]],
-                      policy=["p"], uid=[0], pad_id=0)
+    rec = text_record(
+        prompt_ids=[[1]],
+        response_ids=[[2]],
+        rollout_logprobs=[[0.0]],
+        policy=["p"],
+        uid=[0],
+        pad_id=0,
+    )
     with pytest.raises(ValueError, match="multi-agent workflow"):
         magrpo_credit(rec, algo())

@@ -16,18 +16,23 @@ from polyrl.marl.config import CriticOptions
 from polyrl.marl.critic import CentralCritic
 from polyrl.marl.signaling import make_row
 
-ROWS = [make_row("apple", ["cat", "apple", "dog"], "QXZJ"),
-        make_row("dog", ["dog", "ball", "cat"], "QXZJ")]
+ROWS = [
+    make_row("apple", ["cat", "apple", "dog"], "QXZJ"),
+    make_row("dog", ["dog", "ball", "cat"], "QXZJ"),
+]
 
 
 def critic_args(model: str, extra: str = "") -> str:
-    return ("rollout.args={agents: [{name: speaker, policy: speaker}, {name: listener, "
-            f"policy: listener}}], tree: true, critic: {{model: {model}, lr: 1.0e-3}}{extra}}}")
+    return (
+        "rollout.args={agents: [{name: speaker, policy: speaker}, {name: listener, "
+        f"policy: listener}}], tree: true, critic: {{model: {model}, lr: 1.0e-3}}{extra}}}"
+    )
 
 
 def test_critic_fits_returns_of_distinct_states(signaling_model_dir):
-    critic = CentralCritic(CriticOptions(model=signaling_model_dir, lr=3e-3, epochs=4,
-                                         micro_batch_size=8))
+    critic = CentralCritic(
+        CriticOptions(model=signaling_model_dir, lr=3e-3, epochs=4, micro_batch_size=8)
+    )
     texts = [f"Task: Target:\napple\n[t1 listener] acts {s}" for s in "QXZJ"] * 2
     returns = torch.tensor([1.0, 0.0, 0.5, 0.0] * 2)
     assert torch.equal(critic.values(texts), torch.zeros(8))  # zero head: baseline 0 at first
@@ -41,8 +46,9 @@ def test_critic_fits_returns_of_distinct_states(signaling_model_dir):
     assert after < 0.1 * before, (before, after)
 
 
-def test_critic_states_are_joint_while_agents_see_only_their_own(marl_config, build_workflow,
-                                                                make_items, signaling_model_dir):
+def test_critic_states_are_joint_while_agents_see_only_their_own(
+    marl_config, build_workflow, make_items, signaling_model_dir
+):
     wf, _ = build_workflow(marl_config(critic_args(signaling_model_dir)))
     rec = wf.rollout(make_items(ROWS[:1]), SamplingParams(n=3, max_new_tokens=2))
     metas, prompts = strings(rec, "meta"), strings(rec, "prompt_text")
@@ -57,25 +63,34 @@ def test_critic_states_are_joint_while_agents_see_only_their_own(marl_config, bu
         if int(rec["agent_id"][i]) == 1:  # ... the listener's own context never does
             assert "Target" not in prompts[i]
             assert "[t0 speaker]" in state and state.endswith("[t1 listener] acts")
-            speaker_row = next(k for k in agents if int(rec["agent_id"][k]) == 0
-                               and metas[k]["joints"][0] in
-                               [metas[j]["parent"] for j in range(len(policy))
-                                if metas[i]["joints"][0] == metas[j].get("joint")])
+            speaker_row = next(
+                k
+                for k in agents
+                if int(rec["agent_id"][k]) == 0
+                and metas[k]["joints"][0]
+                in [
+                    metas[j]["parent"]
+                    for j in range(len(policy))
+                    if metas[i]["joints"][0] == metas[j].get("joint")
+                ]
+            )
             assert f"-> {texts[speaker_row].strip()}" in state
         else:
             assert "[t0 speaker] acts" in state and "listener" not in state
 
 
-def test_credit_with_critic_is_return_minus_baseline(marl_config, build_workflow, make_items,
-                                                     signaling_model_dir):
+def test_credit_with_critic_is_return_minus_baseline(
+    marl_config, build_workflow, make_items, signaling_model_dir
+):
     from polyrl.core import rewards
     from polyrl.core.credit import assign
 
     cfg = marl_config(critic_args(signaling_model_dir), "algorithm.gamma=1.0")
     wf, _ = build_workflow(cfg)
     rec = wf.rollout(make_items(ROWS), SamplingParams(n=3, max_new_tokens=2))
-    rec["baseline"] = torch.where(torch.isnan(rec["baseline"]), rec["baseline"],
-                                  torch.linspace(-0.5, 0.5, rec.batch_size[0]))
+    rec["baseline"] = torch.where(
+        torch.isnan(rec["baseline"]), rec["baseline"], torch.linspace(-0.5, 0.5, rec.batch_size[0])
+    )
     rewards.score(rec, cfg.reward)
     assign(rec, cfg.algorithm)
     valid = rec["valid"]
@@ -103,8 +118,7 @@ def test_critic_run_resumes_exactly(marl_config, signaling_model_dir, tmp_path):
     """4 steps straight vs 2 steps, then a resume for 2 more: same critic, same metrics."""
     from polyrl.core.loop import train
 
-    common = [critic_args(signaling_model_dir), "train.steps=4", "run.save_every=2",
-              "eval.every=0"]
+    common = [critic_args(signaling_model_dir), "train.steps=4", "run.save_every=2", "eval.every=0"]
     straight = train(marl_config(*common, f"run.dir={tmp_path}/a"))
     half = train(marl_config(*common, f"run.dir={tmp_path}/b", "train.steps=2"))
     resumed = train(marl_config(*common, f"run.dir={half.path}", "run.resume=true"))

@@ -12,19 +12,31 @@ from polyrl.core.trainer import update
 def make_pair(marl_config):
     from polyrl.core.registry import POLICIES
 
-    cfg = marl_config("policies.speaker.kind=lora_agent", "policies.listener.kind=lora_agent",
-                      "policies.speaker.lora.r=4", "policies.listener.lora.r=4",
-                      "policies.speaker.optim.lr=0.05", "policies.listener.optim.lr=0.05")
+    cfg = marl_config(
+        "policies.speaker.kind=lora_agent",
+        "policies.listener.kind=lora_agent",
+        "policies.speaker.lora.r=4",
+        "policies.listener.lora.r=4",
+        "policies.speaker.optim.lr=0.05",
+        "policies.listener.optim.lr=0.05",
+    )
     shared: dict = {}
-    pols = {n: POLICIES.get(p.kind)(n, p, total_steps=4, need_reference=True, shared=shared)
-            for n, p in cfg.policies.items()}
+    pols = {
+        n: POLICIES.get(p.kind)(n, p, total_steps=4, need_reference=True, shared=shared)
+        for n, p in cfg.policies.items()
+    }
     return cfg, pols, shared
 
 
 def batch(policy_name: str, n: int = 4):
-    return text_record(prompt_ids=[[5, 6, 7]] * n, response_ids=[[8, 9]] * n,
-                       rollout_logprobs=[[0.0, 0.0]] * n, policy=[policy_name] * n,
-                       uid=list(range(n)), pad_id=0)
+    return text_record(
+        prompt_ids=[[5, 6, 7]] * n,
+        response_ids=[[8, 9]] * n,
+        rollout_logprobs=[[0.0, 0.0]] * n,
+        policy=[policy_name] * n,
+        uid=list(range(n)),
+        pad_id=0,
+    )
 
 
 def test_adapters_share_one_base_and_train_separately(marl_config):
@@ -78,8 +90,11 @@ def test_checkpoint_and_export_hold_one_adapter(marl_config, tmp_path):
 
     base = AutoModelForCausalLM.from_pretrained(speaker.cfg.model)
     loaded = PeftModel.from_pretrained(base, out)  # loadable as exported, no subfolder
-    theirs = {k.replace(".default.", ".speaker."): v for k, v in loaded.state_dict().items()
-              if "lora_" in k}
+    theirs = {
+        k.replace(".default.", ".speaker."): v
+        for k, v in loaded.state_dict().items()
+        if "lora_" in k
+    }
     assert theirs.keys() == speaker.trainable_state().keys()
     for k, v in speaker.trainable_state().items():
         assert torch.equal(theirs[k], v), k

@@ -18,9 +18,11 @@ from polyrl.marl.signaling import (
     speaker_prompt,
 )
 
-ROWS = [make_row("apple", ["cat", "apple", "dog"], "QXZJ"),
-        make_row("dog", ["dog", "ball", "cat"], "QXZJ"),
-        make_row("cat", ["apple", "ball", "cat"], "QXZJ")]
+ROWS = [
+    make_row("apple", ["cat", "apple", "dog"], "QXZJ"),
+    make_row("dog", ["dog", "ball", "cat"], "QXZJ"),
+    make_row("cat", ["apple", "ball", "cat"], "QXZJ"),
+]
 
 
 def params(n=4, max_new_tokens=2, temperature=1.0):
@@ -35,8 +37,9 @@ class Recorder:
 
     def generate(self, prompts, p):
         res = self.inner.generate(prompts, p)
-        self.out += [(list(prompts[c.prompt_index]), list(c.token_ids), list(c.logprobs))
-                     for c in res]
+        self.out += [
+            (list(prompts[c.prompt_index]), list(c.token_ids), list(c.logprobs)) for c in res
+        ]
         return res
 
     def __getattr__(self, name):
@@ -59,8 +62,10 @@ def test_one_generate_per_policy_per_round(marl_config, build_workflow, make_ite
 
 
 def test_shared_policy_two_roles_share_the_call(marl_config, build_workflow, make_items):
-    cfg = marl_config("rollout.args={agents: [{name: speaker, policy: speaker}, "
-                      "{name: listener, policy: speaker}]}")
+    cfg = marl_config(
+        "rollout.args={agents: [{name: speaker, policy: speaker}, "
+        "{name: listener, policy: speaker}]}"
+    )
     wf, calls = build_workflow(cfg)
     rec = wf.rollout(make_items(ROWS), params(n=2))
     assert calls == [("speaker", 3, 2), ("speaker", 6, 1)]
@@ -74,9 +79,11 @@ def test_shared_policy_two_roles_share_the_call(marl_config, build_workflow, mak
 
 
 def test_parallel_agents_on_one_policy_share_one_call(marl_config, build_workflow, make_items):
-    cfg = marl_config("rollout.workflow=parallel",
-                      "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: "
-                      "speaker}, {name: c, policy: listener}]}")
+    cfg = marl_config(
+        "rollout.workflow=parallel",
+        "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: "
+        "speaker}, {name: c, policy: listener}]}",
+    )
     wf, calls = build_workflow(cfg)
     wf.rollout(make_items(ROWS), params(n=3))
     assert sorted(calls) == [("listener", 3, 3), ("speaker", 6, 3)]
@@ -150,10 +157,12 @@ async def forgetful(ep, team):
     ep.joint([m, a], final=a.text)
 
 
-def test_an_episode_that_raises_is_recorded_dropped_and_counted(marl_config, build_workflow,
-                                                                make_items):
-    cfg = marl_config("rollout.workflow=test_flaky",
-                      "rollout.args={agents: [{name: speaker}, {name: listener}]}")
+def test_an_episode_that_raises_is_recorded_dropped_and_counted(
+    marl_config, build_workflow, make_items
+):
+    cfg = marl_config(
+        "rollout.workflow=test_flaky", "rollout.args={agents: [{name: speaker}, {name: listener}]}"
+    )
     wf, _ = build_workflow(cfg)
     rec = wf.rollout(make_items(ROWS), params(n=2))
     metrics = rewards.score(rec, cfg.reward)
@@ -170,8 +179,10 @@ def test_an_episode_that_raises_is_recorded_dropped_and_counted(marl_config, bui
 
 
 def test_a_message_outside_any_joint_is_an_error(marl_config, build_workflow, make_items):
-    cfg = marl_config("rollout.workflow=test_forgetful",
-                      "rollout.args={agents: [{name: speaker}, {name: listener}]}")
+    cfg = marl_config(
+        "rollout.workflow=test_forgetful",
+        "rollout.args={agents: [{name: speaker}, {name: listener}]}",
+    )
     wf, _ = build_workflow(cfg)
     rec = wf.rollout(make_items(ROWS[:1]), params(n=1))
     errors = [e for e in strings(rec, "error") if e]
@@ -179,9 +190,11 @@ def test_a_message_outside_any_joint_is_an_error(marl_config, build_workflow, ma
 
 
 def test_cross_mode_parallel_forms_every_combination(marl_config, build_workflow, make_items):
-    cfg = marl_config("rollout.workflow=parallel",
-                      "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: "
-                      "listener}], joint: cross}")
+    cfg = marl_config(
+        "rollout.workflow=parallel",
+        "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: "
+        "listener}], joint: cross}",
+    )
     wf, _ = build_workflow(cfg)
     rec = wf.rollout(make_items(ROWS[:2]), params(n=3))
     metas = strings(rec, "meta")

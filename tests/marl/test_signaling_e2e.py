@@ -32,9 +32,17 @@ def recipe(name: str, tmp_path: Path, models: Path, *overrides: str) -> Config:
 
     load_plugins()
     where = PACKAGED if (PACKAGED / name).is_file() else EXAMPLES
-    return load(Config, where / name, [
-        f"run.dir={tmp_path}/run", "run.progress=false", "run.tensorboard=false",
-        f"task.dir={tmp_path}/data", *overrides])
+    return load(
+        Config,
+        where / name,
+        [
+            f"run.dir={tmp_path}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            f"task.dir={tmp_path}/data",
+            *overrides,
+        ],
+    )
 
 
 def train_keep_session(cfg: Config, monkeypatch):
@@ -65,8 +73,19 @@ def train_through_the_cli(tmp_path: Path, models: Path, seed: int, capsys):
 
     run_dir = tmp_path / "run"
     t0, c0 = time.perf_counter(), time.process_time()
-    assert main(["train", "signaling", f"run.dir={run_dir}", f"task.dir={tmp_path}/data",
-                 f"seed={seed}", *pair(models)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "signaling",
+                f"run.dir={run_dir}",
+                f"task.dir={tmp_path}/data",
+                f"seed={seed}",
+                *pair(models),
+            ]
+        )
+        == 0
+    )
     held = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
     out = capsys.readouterr().out
     assert f"run directory: {run_dir}" in out
@@ -90,8 +109,10 @@ def models(tmp_path_factory) -> Path:
 
 
 def pair(models: Path) -> list[str]:
-    return [f"policies.speaker.model={models}/speaker",
-            f"policies.listener.model={models}/listener"]
+    return [
+        f"policies.speaker.model={models}/speaker",
+        f"policies.listener.model={models}/listener",
+    ]
 
 
 @pytest.mark.slow
@@ -105,8 +126,10 @@ def test_signaling_game_learns(seed, models, tmp_path, monkeypatch, capsys):
         run, held = train_keep_session(cfg, monkeypatch)
         run_path = run.path
     points = curve(run_path)
-    print(f"\nseed {seed}: held-out success {points} "
-          f"({held['wall_s']:.0f} s wall, {held['cpu_s']:.0f} s CPU)")
+    print(
+        f"\nseed {seed}: held-out success {points} "
+        f"({held['wall_s']:.0f} s wall, {held['cpu_s']:.0f} s CPU)"
+    )
     start, end = points[0][1], points[-1][1]
     assert start <= 0.4, f"success after the format warm start should be near 1/{K}: {start}"
     assert end >= 0.9, points
@@ -117,9 +140,16 @@ def test_signaling_game_learns(seed, models, tmp_path, monkeypatch, capsys):
     # chance -- the convention lives in the pair, not in either agent alone.
     from polyrl.core.session import Session
 
-    swap = recipe("signaling_magrpo.yaml", tmp_path / "swap", models, f"seed={seed}",
-                  f"policies.speaker.model={run.path}/export/speaker", "policies.speaker.train=false",
-                  f"policies.listener.model={models}/listener", "train.steps=0")
+    swap = recipe(
+        "signaling_magrpo.yaml",
+        tmp_path / "swap",
+        models,
+        f"seed={seed}",
+        f"policies.speaker.model={run.path}/export/speaker",
+        "policies.speaker.train=false",
+        f"policies.listener.model={models}/listener",
+        "train.steps=0",
+    )
     s = Session.open(swap)  # SFT warms up the untrained listener only (the speaker is frozen)
     swapped = s.evaluate("swap")["swap/accuracy"]
     print(f"swap: trained speaker + untrained listener: {swapped:.3f} (1/K = {1 / K:.3f})")
@@ -139,13 +169,19 @@ def test_shared_policy_with_role_prompts_learns(models, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_lora_adapters_on_a_shared_base_learn_and_leave_the_base_alone(models, tmp_path,
-                                                                      monkeypatch):
+def test_lora_adapters_on_a_shared_base_learn_and_leave_the_base_alone(
+    models, tmp_path, monkeypatch
+):
     from safetensors.torch import load_file
 
     base = models / "lora-base"
-    cfg = recipe("signaling_lora.yaml", tmp_path, models, f"policies.speaker.model={base}",
-                 f"policies.listener.model={base}")
+    cfg = recipe(
+        "signaling_lora.yaml",
+        tmp_path,
+        models,
+        f"policies.speaker.model={base}",
+        f"policies.listener.model={base}",
+    )
     run, held = train_keep_session(cfg, monkeypatch)
     points = curve(run.path)
     print(f"\nLoRA per agent: {points} ({held['wall_s']:.0f} s wall, {held['cpu_s']:.0f} s CPU)")
@@ -170,8 +206,16 @@ def test_lora_adapters_on_a_shared_base_learn_and_leave_the_base_alone(models, t
 def test_frozen_speaker_stays_bitwise_unchanged(models, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    cfg = recipe("signaling_magrpo.yaml", tmp_path, models, *pair(models),
-                 "policies.speaker.train=false", "train.steps=4", "sft.steps=4", "eval.every=0")
+    cfg = recipe(
+        "signaling_magrpo.yaml",
+        tmp_path,
+        models,
+        *pair(models),
+        "policies.speaker.train=false",
+        "train.steps=4",
+        "sft.steps=4",
+        "eval.every=0",
+    )
     run, held = train_keep_session(cfg, monkeypatch)
     s = held["s"]
     assert s.trained == ["listener"]

@@ -26,9 +26,14 @@ NAMES = ("speaker", "listener")
 
 def train(policy, target: int, steps: int = 3) -> None:
     """A few optimizer steps pushing the adapter towards ``target`` tokens (hand-made RL)."""
-    b = text_record(prompt_ids=[[5, 6, 7]] * 4, response_ids=[[target, target]] * 4,
-                    rollout_logprobs=[[0.0, 0.0]] * 4, policy=[policy.name] * 4,
-                    uid=list(range(4)), pad_id=0)
+    b = text_record(
+        prompt_ids=[[5, 6, 7]] * 4,
+        response_ids=[[target, target]] * 4,
+        rollout_logprobs=[[0.0, 0.0]] * 4,
+        policy=[policy.name] * 4,
+        uid=list(range(4)),
+        pad_id=0,
+    )
     b["advantages"] = torch.ones(4, 2)
     for _ in range(steps):
         b["rollout_logprobs"] = policy.logprobs(b)[0].detach()
@@ -42,16 +47,25 @@ def setup(signaling_model_dir):
 
     torch.manual_seed(0)  # PEFT's random lora_A init: the same adapters every run
     shared: dict = {}
-    cfgs = {n: PolicyConfig(model=signaling_model_dir, kind="lora_agent",
-                            lora=LoraConfig(r=8, alpha=16.0), optim=OptimConfig(lr=0.05))
-            for n in NAMES}
-    pols = {n: POLICIES.get(c.kind)(n, c, total_steps=10, need_reference=False, shared=shared)
-            for n, c in cfgs.items()}
+    cfgs = {
+        n: PolicyConfig(
+            model=signaling_model_dir,
+            kind="lora_agent",
+            lora=LoraConfig(r=8, alpha=16.0),
+            optim=OptimConfig(lr=0.05),
+        )
+        for n in NAMES
+    }
+    pols = {
+        n: POLICIES.get(c.kind)(n, c, total_steps=10, need_reference=False, shared=shared)
+        for n, c in cfgs.items()
+    }
     train(pols["speaker"], 8)
     train(pols["listener"], 12)
     args = {"max_model_len": 128, "kv_cache_gb": 0.0625}
-    engines = {n: ENGINES.get("vllm_lora")(p, seed=i, **args)
-               for i, (n, p) in enumerate(pols.items())}
+    engines = {
+        n: ENGINES.get("vllm_lora")(p, seed=i, **args) for i, (n, p) in enumerate(pols.items())
+    }
     print(f"shared vLLM start-up (with first adapter): {engines['speaker'].startup_s:.1f} s")
     yield pols, engines
     for e in engines.values():
@@ -63,17 +77,26 @@ def setup(signaling_model_dir):
 
 def encode(policy, texts=("object 1", "object 2 3", "pick")):
     tok = policy.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True),
-                       add_special_tokens=False) for t in texts]
+    return [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
 
 
 def record(policy, ids, outs):
-    return text_record(prompt_ids=[ids[o.prompt_index] for o in outs],
-                       response_ids=[o.token_ids for o in outs],
-                       rollout_logprobs=[o.logprobs for o in outs],
-                       policy=[policy.name] * len(outs), uid=[o.prompt_index for o in outs],
-                       pad_id=policy.tokenizer.pad_token_id)
+    return text_record(
+        prompt_ids=[ids[o.prompt_index] for o in outs],
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=[policy.name] * len(outs),
+        uid=[o.prompt_index for o in outs],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
 
 
 def trainer_vs_engine(policy, ids, outs):
@@ -110,8 +133,10 @@ def test_logprobs_match_each_adapter(setup):
         ids = encode(pols[name])
         trainer, rollout = trainer_vs_engine(pols[name], ids, engines[name].generate(ids, PARAMS))
         diff = (trainer - rollout).abs()
-        print(f"{name}: |vLLM - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
-              f"over {diff.numel()} tokens")
+        print(
+            f"{name}: |vLLM - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
+            f"over {diff.numel()} tokens"
+        )
         assert diff.mean() <= 1e-3 and diff.max() <= 1e-2
 
 
@@ -131,8 +156,10 @@ def test_adapters_route_to_different_weights(setup):
     gap_sl = (vllm_speaker - listener_lp).abs().mean()
     gap_sb = (vllm_speaker - base_lp).abs().mean()
     gap_lb = (listener_lp - base_lp).abs().mean()
-    print(f"mean |dlogp| speaker-listener {gap_sl:.3f}, speaker-base {gap_sb:.3f}, "
-          f"listener-base {gap_lb:.3f}")
+    print(
+        f"mean |dlogp| speaker-listener {gap_sl:.3f}, speaker-base {gap_sb:.3f}, "
+        f"listener-base {gap_lb:.3f}"
+    )
     assert min(gap_sl, gap_sb, gap_lb) > 0.01
     # vLLM itself gives three streams for the same seeds: each adapter's and the base's.
     base_engine = engines["speaker"].server.engine
@@ -166,8 +193,10 @@ def test_sync_follows_one_adapter_only(setup):
     after = {n: engines[n].generate(ids, PARAMS) for n in NAMES}
     new, rollout = trainer_vs_engine(speaker, ids, after["speaker"])
     follow = (new - rollout).abs()
-    print(f"speaker update moved mean |dlogp| {moved:.3f}; after sync |vLLM - trainer| mean "
-          f"{follow.mean():.2e}, max {follow.max():.2e}")
+    print(
+        f"speaker update moved mean |dlogp| {moved:.3f}; after sync |vLLM - trainer| mean "
+        f"{follow.mean():.2e}, max {follow.max():.2e}"
+    )
     assert moved > 0.01 and follow.mean() <= 1e-3
     # The listener's adapter is untouched: same seeds, same tokens and log-probs.
     assert [o.token_ids for o in after["listener"]] == [o.token_ids for o in before["listener"]]

@@ -11,8 +11,10 @@ from polyrl.core.record import strings
 from polyrl.marl import JOINT_POLICY
 
 ROWS = [{"prompt": "Target: apple", "answer": "apple"}, {"prompt": "Target: dog", "answer": "dog"}]
-THREE = ("rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: speaker}, "
-         "{name: c, policy: listener}]")
+THREE = (
+    "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: speaker}, "
+    "{name: c, policy: listener}]"
+)
 
 
 def run(marl_config, build_workflow, make_items, workflow, extra="", n=2):
@@ -51,7 +53,9 @@ def test_chain_each_agent_sees_the_previous_output(marl_config, build_workflow, 
     texts, prompts = strings(rec, "response_text"), strings(rec, "prompt_text")
     metas, ids = strings(rec, "meta"), rec["agent_id"].tolist()
     for j in joints_of(rec):
-        rows = {ids[i]: i for i in range(rec.batch_size[0]) if metas[i].get("joints") == [j["joint"]]}
+        rows = {
+            ids[i]: i for i in range(rec.batch_size[0]) if metas[i].get("joints") == [j["joint"]]
+        }
         assert texts[rows[0]] in prompts[rows[1]] and texts[rows[1]] in prompts[rows[2]]
         assert j["final"] == texts[rows[2]]
     check_trainable(rec)
@@ -85,10 +89,18 @@ def test_aggregator(marl_config, build_workflow, make_items):
 
 
 def test_workflow_arguments_reach_the_function(marl_config, build_workflow, make_items):
-    rec, _, _, _ = run(marl_config, build_workflow, make_items, "aggregator",
-                       ", aggregator: a, template: 'Q {task} {proposals}'")
+    rec, _, _, _ = run(
+        marl_config,
+        build_workflow,
+        make_items,
+        "aggregator",
+        ", aggregator: a, template: 'Q {task} {proposals}'",
+    )
     pol, prompts = strings(rec, "policy"), strings(rec, "prompt_text")
     ids = rec["agent_id"].tolist()
-    agg_rows = [i for i in range(rec.batch_size[0]) if pol[i] != JOINT_POLICY and ids[i] == 0
-                and "Q Target" in prompts[i]]
+    agg_rows = [
+        i
+        for i in range(rec.batch_size[0])
+        if pol[i] != JOINT_POLICY and ids[i] == 0 and "Q Target" in prompts[i]
+    ]
     assert len(agg_rows) == 4

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-TINY_VL = {"corpus": "vl_shapes", "hidden_size": 128, "num_layers": 2, "num_heads": 4,
-           "vision_depth": 1, "vision_hidden_size": 32, "seed": 0}
+TINY_VL = {
+    "corpus": "vl_shapes",
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "vision_depth": 1,
+    "vision_hidden_size": 32,
+    "seed": 0,
+}
 
 
 @pytest.fixture(scope="session")
@@ -52,13 +59,22 @@ def vl_rows():
         return Image.new("RGB", (w, h), colour)
 
     return [
-        {"prompt": "<image>What colour is the square?", "images": [img(56, 56, (200, 30, 30))],
-         "answer": "red"},
-        {"prompt": "Compare <image> and <image>. How many circles?",
-         "images": [img(84, 112, (30, 30, 200)), img(112, 56, (30, 160, 40))], "answer": "2"},
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [img(56, 56, (200, 30, 30))],
+            "answer": "red",
+        },
+        {
+            "prompt": "Compare <image> and <image>. How many circles?",
+            "images": [img(84, 112, (30, 30, 200)), img(112, 56, (30, 160, 40))],
+            "answer": "2",
+        },
         {"prompt": "How many circles?", "images": [], "answer": "0"},
-        {"prompt": "<image>Where is the red square?", "images": [img(140, 84, (240, 220, 20))],
-         "answer": "[1,2,3,4]"},
+        {
+            "prompt": "<image>Where is the red square?",
+            "images": [img(140, 84, (240, 220, 20))],
+            "answer": "[1,2,3,4]",
+        },
     ]
 
 

@@ -31,8 +31,11 @@ def write_rows(tmp_path: Path, rows: list[dict], name: str = "data.jsonl") -> st
 
 
 def save(tmp_path: Path, name: str, size=(56, 56), mode="RGB", colour=None) -> str:
-    colour = colour if colour is not None else {"RGB": (200, 30, 30), "L": 90, "RGBA": (0, 0, 255, 0),
-                                                "P": 3, "1": 1}[mode]
+    colour = (
+        colour
+        if colour is not None
+        else {"RGB": (200, 30, 30), "L": 90, "RGBA": (0, 0, 255, 0), "P": 3, "1": 1}[mode]
+    )
     (tmp_path / "img").mkdir(exist_ok=True)
     Image.new(mode, size, colour).save(tmp_path / "img" / name)
     return f"img/{name}"
@@ -45,9 +48,14 @@ def load(tmp_path, policy, rows, name="data.jsonl", **args) -> VLDataset:
 
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height (no pixel data follows)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(
-            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
@@ -57,12 +65,19 @@ def png_header_only(width: int, height: int) -> bytes:
 
 
 def test_paths_relative_to_the_data_file_and_multi_image(tmp_path, policy):
-    rows = [{"prompt": "<image>What colour is the square?", "images": [save(tmp_path, "a.png")],
-             "answer": "red"},
-            {"prompt": "<image> then <image>: how many circles?",
-             "images": [save(tmp_path, "b.png", (84, 56)), save(tmp_path, "c.png", (56, 112))],
-             "answer": "2"},
-            {"prompt": "How many circles?", "answer": "0"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, "a.png")],
+            "answer": "red",
+        },
+        {
+            "prompt": "<image> then <image>: how many circles?",
+            "images": [save(tmp_path, "b.png", (84, 56)), save(tmp_path, "c.png", (56, 112))],
+            "answer": "2",
+        },
+        {"prompt": "How many circles?", "answer": "0"},
+    ]
     ds = load(tmp_path, policy, rows)
     assert ds.stats["kept"] == 3 and ds.stats["images"] == 3 and ds.stats["text_only"] == 1
     two = ds[1]
@@ -74,9 +89,14 @@ def test_paths_relative_to_the_data_file_and_multi_image(tmp_path, policy):
 
 def test_loading_decodes_nothing_and_never_runs_the_processor(tmp_path, policy, monkeypatch):
     """Lazy: only headers are read; the length filter uses grid sizes, not the processor."""
-    rows = [{"prompt": "<image>What colour is the square?",
-             "images": [save(tmp_path, f"{i}.png", (56 + 28 * (i % 3), 56))], "answer": "red"}
-            for i in range(6)]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, f"{i}.png", (56 + 28 * (i % 3), 56))],
+            "answer": "red",
+        }
+        for i in range(6)
+    ]
     path = write_rows(tmp_path, rows, "lazy.jsonl")
 
     def forbidden(*a, **k):
@@ -88,12 +108,17 @@ def test_loading_decodes_nothing_and_never_runs_the_processor(tmp_path, policy, 
     assert len(ds) == 6 and ds.stats["images"] == 6
     # 56x56 -> 4 image tokens, 84x56 -> 6, 112x56 -> 8: the filter drops the longest two
     base = len(ds[0].prompt_ids) - 4
-    short = VLDataset(DataConfig(kind="vl", path=path, args=ARGS, max_prompt_tokens=base + 6),
-                      policy.tokenizer)
+    short = VLDataset(
+        DataConfig(kind="vl", path=path, args=ARGS, max_prompt_tokens=base + 6), policy.tokenizer
+    )
     assert short.stats["filtered_overlong"] == 2 and len(short) == 4
     with pytest.raises(DataError, match=r"line 3: prompt is .* \(8 of them image tokens\)"):
-        VLDataset(DataConfig(kind="vl", path=path, args=ARGS, max_prompt_tokens=base + 6,
-                             overlong="error"), policy.tokenizer)
+        VLDataset(
+            DataConfig(
+                kind="vl", path=path, args=ARGS, max_prompt_tokens=base + 6, overlong="error"
+            ),
+            policy.tokenizer,
+        )
     monkeypatch.undo()
     assert all(it.vision.refs[0].kind == "path" for it in ds)  # references, not pixels
 
@@ -101,10 +126,18 @@ def test_loading_decodes_nothing_and_never_runs_the_processor(tmp_path, policy, 
 def test_in_memory_rows_with_pil_and_bytes(policy):
     buf = io.BytesIO()
     Image.new("RGB", (56, 56), (0, 0, 200)).save(buf, format="PNG")
-    rows = [{"prompt": "<image>What colour is the square?",
-             "images": Image.new("RGB", (56, 56), (200, 0, 0)), "answer": "red"},
-            {"prompt": "<image>What colour is the square?", "images": [buf.getvalue()],
-             "answer": "blue"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": Image.new("RGB", (56, 56), (200, 0, 0)),
+            "answer": "red",
+        },
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [buf.getvalue()],
+            "answer": "blue",
+        },
+    ]
     ds = VLDataset(DataConfig(kind="vl", args=ARGS), policy.tokenizer, rows=rows)
     assert [it.vision.refs[0].kind for it in ds] == ["pil", "bytes"]
     v, images = vision.process(ds[1].vision, policy.processor.image_processor)
@@ -116,14 +149,23 @@ def test_parquet_with_embedded_images_stays_in_the_arrow_table(tmp_path, policy)
     buf = io.BytesIO()
     Image.new("RGB", (56, 56), (0, 150, 0)).save(buf, format="PNG")
     table = datasets.Dataset.from_dict(
-        {"prompt": ["<image>What colour is the square?"] * 3,
-         "images": [[{"bytes": buf.getvalue(), "path": None}]] * 3, "answer": ["green"] * 3},
-        features=datasets.Features({"prompt": datasets.Value("string"),
-                                    "images": datasets.Sequence(datasets.Image()),
-                                    "answer": datasets.Value("string")}))
+        {
+            "prompt": ["<image>What colour is the square?"] * 3,
+            "images": [[{"bytes": buf.getvalue(), "path": None}]] * 3,
+            "answer": ["green"] * 3,
+        },
+        features=datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "images": datasets.Sequence(datasets.Image()),
+                "answer": datasets.Value("string"),
+            }
+        ),
+    )
     table.to_parquet(str(tmp_path / "rows.parquet"))
-    ds = VLDataset(DataConfig(kind="vl", path=str(tmp_path / "rows.parquet"), args=ARGS),
-                   policy.tokenizer)
+    ds = VLDataset(
+        DataConfig(kind="vl", path=str(tmp_path / "rows.parquet"), args=ARGS), policy.tokenizer
+    )
     assert len(ds) == 3 and ds[0].vision.refs[0].kind == "arrow"
     assert "images" in ds[0].row and not isinstance(ds[0].row["images"][0], bytes)
     _, images = vision.process(ds[2].vision, policy.processor.image_processor)
@@ -134,13 +176,17 @@ def test_parquet_with_embedded_images_stays_in_the_arrow_table(tmp_path, policy)
 
 
 def test_missing_image_file_names_row_and_path(tmp_path, policy):
-    rows = [{"prompt": "<image>What colour is the square?", "images": ["img/nope.png"],
-             "answer": "red"}]
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": ["img/nope.png"], "answer": "red"}
+    ]
     (tmp_path / "img").mkdir()
     with pytest.raises(DataError, match=r"line 1, image 0.*img/nope\.png.*does not exist"):
         load(tmp_path, policy, rows)
-    ok = {"prompt": "<image>What colour is the square?", "images": [save(tmp_path, "a.png")],
-          "answer": "red"}
+    ok = {
+        "prompt": "<image>What colour is the square?",
+        "images": [save(tmp_path, "a.png")],
+        "answer": "red",
+    }
     ds = load(tmp_path, policy, rows + [ok], bad_images="skip")
     assert ds.stats["skipped_bad_image"] == 1 and len(ds) == 1
 
@@ -148,8 +194,9 @@ def test_missing_image_file_names_row_and_path(tmp_path, policy):
 def test_corrupt_image_names_the_file(tmp_path, policy):
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "bad.png").write_bytes(b"this is not a png at all")
-    rows = [{"prompt": "<image>What colour is the square?", "images": ["img/bad.png"],
-             "answer": "red"}]
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": ["img/bad.png"], "answer": "red"}
+    ]
     with pytest.raises(DataError, match=r"bad\.png.*not a readable image"):
         load(tmp_path, policy, rows)
 
@@ -162,8 +209,9 @@ def test_truncated_image_fails_at_decode_naming_the_file(tmp_path, policy):
     noisy.save(tmp_path / "img" / "t.png")
     data = (tmp_path / "img" / "t.png").read_bytes()
     (tmp_path / "img" / "t.png").write_bytes(data[: len(data) // 2])
-    rows = [{"prompt": "<image>What colour is the square?", "images": ["img/t.png"],
-             "answer": "red"}]
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": ["img/t.png"], "answer": "red"}
+    ]
     ds = load(tmp_path, policy, rows)
     with pytest.raises(ImageError, match=r"line 1, image 0.*t\.png.*truncated or corrupt"):
         vision.process(ds[0].vision, policy.processor.image_processor)
@@ -171,8 +219,13 @@ def test_truncated_image_fails_at_decode_naming_the_file(tmp_path, policy):
 
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "1"])
 def test_grayscale_palette_and_alpha_images_become_rgb(tmp_path, policy, mode):
-    rows = [{"prompt": "<image>What colour is the square?",
-             "images": [save(tmp_path, f"{mode}.png", mode=mode)], "answer": "red"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, f"{mode}.png", mode=mode)],
+            "answer": "red",
+        }
+    ]
     ds = load(tmp_path, policy, rows)
     assert ds.stats["converted_rgb"] == 1
     v, images = vision.process(ds[0].vision, policy.processor.image_processor)
@@ -182,8 +235,13 @@ def test_grayscale_palette_and_alpha_images_become_rgb(tmp_path, policy, mode):
 
 
 def test_one_pixel_image_is_upscaled_and_counted(tmp_path, policy):
-    rows = [{"prompt": "<image>What colour is the square?",
-             "images": [save(tmp_path, "dot.png", (1, 1))], "answer": "red"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, "dot.png", (1, 1))],
+            "answer": "red",
+        }
+    ]
     ds = load(tmp_path, policy, rows)
     assert ds.stats["upscaled"] == 1 and ds[0].vision.grids() == [(1, 4, 4)]
     v, images = vision.process(ds[0].vision, policy.processor.image_processor)
@@ -191,24 +249,32 @@ def test_one_pixel_image_is_upscaled_and_counted(tmp_path, policy):
 
 
 def test_image_over_max_pixels_is_downscaled_and_counted(tmp_path, policy):
-    rows = [{"prompt": "<image>What colour is the square?",
-             "images": [save(tmp_path, "big.png", (560, 280))], "answer": "red"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, "big.png", (560, 280))],
+            "answer": "red",
+        }
+    ]
     ds = load(tmp_path, policy, rows)
     assert ds.stats["downscaled"] == 1
-    (w, h), = [ds.rule.resized(560, 280)]
+    ((w, h),) = [ds.rule.resized(560, 280)]
     assert w * h <= 112 * 112 and w % 28 == 0 and h % 28 == 0
     v, images = vision.process(ds[0].vision, policy.processor.image_processor)
     assert images[0].size == (w, h)
-    assert sum(t == policy.processor.image_token_id for t in ds[0].prompt_ids) == \
-        int(v.image_grid_thw.prod()) // 4
+    assert (
+        sum(t == policy.processor.image_token_id for t in ds[0].prompt_ids)
+        == int(v.image_grid_thw.prod()) // 4
+    )
 
 
 def test_huge_image_is_an_error_not_a_memory_blow_up(tmp_path, policy):
     """20000x20000: refused from the header alone (1.2 GB as RGB), naming file and limit."""
     (tmp_path / "img").mkdir()
     (tmp_path / "img" / "huge.png").write_bytes(png_header_only(20000, 20000))
-    rows = [{"prompt": "<image>What colour is the square?", "images": ["img/huge.png"],
-             "answer": "red"}]
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": ["img/huge.png"], "answer": "red"}
+    ]
     with pytest.raises(DataError, match=r"huge\.png.*too large|huge\.png.*max_source_pixels"):
         load(tmp_path, policy, rows)
     # below PIL's own bomb limit but over ours: our message, with the knob to turn
@@ -239,18 +305,32 @@ def test_more_or_fewer_markers_than_images(tmp_path, policy):
 def test_raw_image_token_in_the_prompt_text_is_named(tmp_path, policy):
     """A prompt that spells the model's own image token would give the model more image
     tokens than features (a crash deep in the forward): refused at load, naming the row."""
-    rows = [{"prompt": "<image>What colour is <|image_pad|> the square?",
-             "images": [save(tmp_path, "a.png")], "answer": "red"}]
+    rows = [
+        {
+            "prompt": "<image>What colour is <|image_pad|> the square?",
+            "images": [save(tmp_path, "a.png")],
+            "answer": "red",
+        }
+    ]
     with pytest.raises(DataError, match=r"line 1: the prompt text contains .*<\|image_pad\|>"):
         load(tmp_path, policy, rows)
 
 
 def test_chat_messages_with_image_parts(tmp_path, policy):
     a = save(tmp_path, "a.png")
-    rows = [{"prompt": [{"role": "system", "content": "Answer with one word."},
-                        {"role": "user", "content": [{"type": "image"},
-                                                     {"type": "text", "text": "What colour?"}]}],
-             "images": [a], "answer": "red"}]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer with one word."},
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}],
+                },
+            ],
+            "images": [a],
+            "answer": "red",
+        }
+    ]
     ds = load(tmp_path, policy, rows)
     assert ds[0].prompt_text.startswith("<|im_start|>system\nAnswer with one word.")
     assert sum(t == policy.processor.image_token_id for t in ds[0].prompt_ids) == 4
@@ -264,8 +344,11 @@ def test_bad_options_and_fields_are_named(tmp_path, policy):
     with pytest.raises(DataError, match="Did you mean 'answer'"):
         VLDataset(cfg, policy.tokenizer)
     with pytest.raises(DataError, match="URL"):
-        VLDataset(DataConfig(kind="vl", args=ARGS), policy.tokenizer,
-                  rows=[{"prompt": "<image>x", "images": ["https://x/y.png"], "answer": "1"}])
+        VLDataset(
+            DataConfig(kind="vl", args=ARGS),
+            policy.tokenizer,
+            rows=[{"prompt": "<image>x", "images": ["https://x/y.png"], "answer": "1"}],
+        )
 
 
 def test_text_kind_rejects_dataset_args(tmp_path, tiny_model_dir):
@@ -275,5 +358,7 @@ def test_text_kind_rejects_dataset_args(tmp_path, tiny_model_dir):
 
     path = write_rows(tmp_path, [{"prompt": "1+1=", "answer": "2"}])
     with pytest.raises(DataError, match="takes no options"):
-        PromptDataset(DataConfig(path=path, args={"image_root": "x"}),
-                      AutoTokenizer.from_pretrained(tiny_model_dir))
+        PromptDataset(
+            DataConfig(path=path, args={"image_root": "x"}),
+            AutoTokenizer.from_pretrained(tiny_model_dir),
+        )

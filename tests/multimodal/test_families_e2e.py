@@ -16,8 +16,15 @@ from polyrl.core.record import set_strings, text_record
 from polyrl.multimodal import vision
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-TINY = {"corpus": "vl_shapes", "hidden_size": 64, "num_layers": 1, "num_heads": 2,
-        "vision_depth": 1, "vision_hidden_size": 32, "seed": 0}
+TINY = {
+    "corpus": "vl_shapes",
+    "hidden_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "vision_depth": 1,
+    "vision_hidden_size": 32,
+    "seed": 0,
+}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -53,16 +60,20 @@ def _rollout(policy, items, n: int = 3, max_new_tokens: int = 4):
     from polyrl.multimodal.engine import VLEngine
 
     proc = policy.processor
-    visions = [vision.process(it.vision, proc.image_processor)[0] if it.vision else None
-               for it in items]
+    visions = [
+        vision.process(it.vision, proc.image_processor)[0] if it.vision else None for it in items
+    ]
     done = VLEngine(policy, seed=0).generate_vl(
-        [it.prompt_ids for it in items], visions,
-        SamplingParams(n=n, max_new_tokens=max_new_tokens))
-    record = text_record(prompt_ids=[items[c.prompt_index].prompt_ids for c in done],
-                         response_ids=[c.token_ids for c in done],
-                         rollout_logprobs=[c.logprobs for c in done],
-                         policy=["main"] * len(done), uid=[items[c.prompt_index].uid for c in done],
-                         pad_id=policy.tokenizer.pad_token_id)
+        [it.prompt_ids for it in items], visions, SamplingParams(n=n, max_new_tokens=max_new_tokens)
+    )
+    record = text_record(
+        prompt_ids=[items[c.prompt_index].prompt_ids for c in done],
+        response_ids=[c.token_ids for c in done],
+        rollout_logprobs=[c.logprobs for c in done],
+        policy=["main"] * len(done),
+        uid=[items[c.prompt_index].uid for c in done],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
     set_strings(record, "vision", [visions[c.prompt_index] for c in done])
     return record
 
@@ -71,9 +82,14 @@ def test_loader_prompt_ids_equal_the_real_processors(family_dir, vl_rows, one_th
     family, path = family_dir
     policy = _policy(path)
     proc = policy.processor
-    assert type(proc).__name__ == {"qwen2_vl": "Qwen2VLProcessor",
-                                   "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                   "qwen3_vl": "Qwen3VLProcessor"}[family]
+    assert (
+        type(proc).__name__
+        == {
+            "qwen2_vl": "Qwen2VLProcessor",
+            "qwen2_5_vl": "Qwen2_5_VLProcessor",
+            "qwen3_vl": "Qwen3VLProcessor",
+        }[family]
+    )
     assert vision.parts(policy.model).deepstack == (family == "qwen3_vl")
     ds = _dataset(policy, vl_rows)
     assert ds.rule.patch_size == (16 if family == "qwen3_vl" else 14)
@@ -108,17 +124,25 @@ def test_engine_logprobs_equal_the_policys(family_dir, vl_rows, one_thread):
     text = item.prompt_text
     for ref in item.vision.refs:
         text = text.replace(f"<image: {ref.name}>", policy.processor.image_token, 1)
-    inputs = policy.processor(text=[text], images=images, do_resize=False, return_tensors="pt",
-                              return_mm_token_type_ids=True)
+    inputs = policy.processor(
+        text=[text],
+        images=images,
+        do_resize=False,
+        return_tensors="pt",
+        return_mm_token_type_ids=True,
+    )
     row = 3  # the first sample of prompt 1
     response = record["response_ids"][row][m[row]]
     ids = torch.cat([inputs["input_ids"][0], response])[None]
     types = torch.cat([inputs["mm_token_type_ids"][0], torch.zeros_like(response)])[None]
     with torch.no_grad():
-        logits = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              pixel_values=inputs["pixel_values"],
-                              image_grid_thw=inputs["image_grid_thw"],
-                              mm_token_type_ids=types).logits[0, -len(response) - 1:-1]
+        logits = policy.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+            mm_token_type_ids=types,
+        ).logits[0, -len(response) - 1 : -1]
     theirs = torch.log_softmax(logits.float(), -1).gather(-1, response[:, None])[:, 0]
     assert torch.allclose(logp[row][m[row]], theirs, atol=1e-5)
 
@@ -129,20 +153,29 @@ def test_one_update_changes_the_weights(family_dir, vl_rows, freeze, one_thread)
     from polyrl.core.trainer import update
 
     _, path = family_dir
-    policy = _policy(path, args={"freeze_vision": freeze},
-                     optim={"lr": 1e-3, "warmup_steps": 0})
+    policy = _policy(path, args={"freeze_vision": freeze}, optim={"lr": 1e-3, "warmup_steps": 0})
     items = [it for it in _dataset(policy, vl_rows) if it.vision is not None]
     record = _rollout(policy, items, n=2, max_new_tokens=3)
     sign = torch.tensor([1.0, -1.0]).repeat(len(items))[:, None]
     record["advantages"] = sign * record["loss_mask"].float()
     p = vision.parts(policy.model)
-    before = {"visual": [t.detach().clone() for t in p.visual.parameters()],
-              "lm": [t.detach().clone() for t in p.language_model.parameters()]}
+    before = {
+        "visual": [t.detach().clone() for t in p.visual.parameters()],
+        "lm": [t.detach().clone() for t in p.language_model.parameters()],
+    }
     out = update(policy, record, AlgorithmConfig())
     assert out["skipped_nonfinite"] == 0.0 and out["grad_norm"] > 0
-    changed = {k: any(not torch.equal(a, b) for a, b in zip(
-        before[k], (p.visual if k == "visual" else p.language_model).parameters(), strict=True))
-        for k in before}
+    changed = {
+        k: any(
+            not torch.equal(a, b)
+            for a, b in zip(
+                before[k],
+                (p.visual if k == "visual" else p.language_model).parameters(),
+                strict=True,
+            )
+        )
+        for k in before
+    }
     assert changed["lm"]
     assert changed["visual"] == (not freeze)
 
@@ -163,34 +196,68 @@ def test_videos_match_the_processor_and_the_families_forward(family_dir, one_thr
     proc = policy.processor
     frames = [Image.new("RGB", (56, 84), (40 * k, 200 - 30 * k, 60)) for k in range(5)]
     image = Image.new("RGB", (84, 56), (30, 30, 200))
-    rows = [{"prompt": "<image>Then <video>What moves?", "images": [image],
-             "videos": [frames], "video_fps": 1, "answer": "a"}]
+    rows = [
+        {
+            "prompt": "<image>Then <video>What moves?",
+            "images": [image],
+            "videos": [frames],
+            "video_fps": 1,
+            "answer": "a",
+        }
+    ]
     item = _dataset(policy, rows)[0]
     grid = item.vision.video_grids()[0]
     assert grid[0] == 3  # 5 frames: padded to 3 temporal steps
     text = proc.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Then "},
-                                      {"type": "video"}, {"type": "text", "text": "What moves?"}]}],
-        tokenize=False, add_generation_prompt=True)
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "text", "text": "Then "},
+                    {"type": "video"},
+                    {"type": "text", "text": "What moves?"},
+                ],
+            }
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     # the processor gets the frames and image as the loader resized them (its own video
     # resizing differs by family: Qwen3-VL's budgets pixels over all frames)
-    v, images, videos = vision.process_frames(item.vision, proc.image_processor,
-                                              proc.video_processor)
+    v, images, videos = vision.process_frames(
+        item.vision, proc.image_processor, proc.video_processor
+    )
     meta = VideoMetadata(total_num_frames=5, fps=1.0, frames_indices=list(range(5)))
-    ref = proc(text=[text], images=images, videos=videos, return_tensors="pt",
-               images_kwargs={"do_resize": False},
-               videos_kwargs={"video_metadata": [meta], "do_sample_frames": False, "fps": 1.0,
-                              "do_resize": False},
-               return_mm_token_type_ids=True)
+    ref = proc(
+        text=[text],
+        images=images,
+        videos=videos,
+        return_tensors="pt",
+        images_kwargs={"do_resize": False},
+        videos_kwargs={
+            "video_metadata": [meta],
+            "do_sample_frames": False,
+            "fps": 1.0,
+            "do_resize": False,
+        },
+        return_mm_token_type_ids=True,
+    )
     assert ref["input_ids"][0].tolist() == item.prompt_ids
     shown = policy.tokenizer.decode(item.prompt_ids)
     assert ("<0.5 seconds>" in shown and "<4.0 seconds>" in shown) == (family == "qwen3_vl")
     assert torch.equal(v.video_grid_thw, ref["video_grid_thw"])
-    outs = VLEngine(policy, seed=0).generate_vl([item.prompt_ids], [v],
-                                                 SamplingParams(n=2, max_new_tokens=4))
-    record = text_record(prompt_ids=[item.prompt_ids] * 2, response_ids=[o.token_ids for o in outs],
-                         rollout_logprobs=[o.logprobs for o in outs], policy=["main"] * 2,
-                         uid=[0, 0], pad_id=policy.tokenizer.pad_token_id)
+    outs = VLEngine(policy, seed=0).generate_vl(
+        [item.prompt_ids], [v], SamplingParams(n=2, max_new_tokens=4)
+    )
+    record = text_record(
+        prompt_ids=[item.prompt_ids] * 2,
+        response_ids=[o.token_ids for o in outs],
+        rollout_logprobs=[o.logprobs for o in outs],
+        policy=["main"] * 2,
+        uid=[0, 0],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
     set_strings(record, "vision", [v, v])
     with torch.no_grad():
         logp, _ = policy.logprobs(record)
@@ -199,18 +266,27 @@ def test_videos_match_the_processor_and_the_families_forward(family_dir, one_thr
     response = record["response_ids"][0][m[0]]
     ids = torch.cat([ref["input_ids"][0], response])[None]
     types = torch.cat([ref["mm_token_type_ids"][0], torch.zeros_like(response)])[None]
-    extra = {"second_per_grid_ts": torch.tensor(item.vision.second_per_grid())} \
-        if family == "qwen2_5_vl" else {}
+    extra = (
+        {"second_per_grid_ts": torch.tensor(item.vision.second_per_grid())}
+        if family == "qwen2_5_vl"
+        else {}
+    )
     with torch.no_grad():
-        full = policy.model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                            pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
-                            pixel_values_videos=ref["pixel_values_videos"],
-                            video_grid_thw=ref["video_grid_thw"], mm_token_type_ids=types,
-                            **extra).logits[0]
-        mine, _, _ = vision.vl_forward(policy.model, ids, torch.ones_like(ids), [v],
-                                       logits_to_keep=ids.shape[1])
+        full = policy.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=ref["pixel_values"],
+            image_grid_thw=ref["image_grid_thw"],
+            pixel_values_videos=ref["pixel_values_videos"],
+            video_grid_thw=ref["video_grid_thw"],
+            mm_token_type_ids=types,
+            **extra,
+        ).logits[0]
+        mine, _, _ = vision.vl_forward(
+            policy.model, ids, torch.ones_like(ids), [v], logits_to_keep=ids.shape[1]
+        )
     # every position, the vision ones too (with one LM layer, deepstack shows only there)
     assert torch.allclose(mine[0], full, atol=1e-5), (mine[0] - full).abs().max()
-    theirs = torch.log_softmax(full[-len(response) - 1:-1].float(), -1)
+    theirs = torch.log_softmax(full[-len(response) - 1 : -1].float(), -1)
     theirs = theirs.gather(-1, response[:, None])[:, 0]
     assert torch.allclose(logp[0][m[0]], theirs, atol=1e-5), (logp[0][m[0]] - theirs).abs().max()

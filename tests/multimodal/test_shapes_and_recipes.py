@@ -19,16 +19,23 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_parts_are_registered():
     assert TASKS.get("vl_shapes") is shapes
-    for registry, name in ((MODELS, "tiny_qwen2_5_vl"), (DATASETS, "vl"), (POLICIES, "qwen_vl"),
-                           (ENGINES, "hf_vl"), (WORKFLOWS, "vl_single_turn"),
-                           (REWARDS, "grounding_iou"), (REWARDS, "clip_score")):
+    for registry, name in (
+        (MODELS, "tiny_qwen2_5_vl"),
+        (DATASETS, "vl"),
+        (POLICIES, "qwen_vl"),
+        (ENGINES, "hf_vl"),
+        (WORKFLOWS, "vl_single_turn"),
+        (REWARDS, "grounding_iou"),
+        (REWARDS, "clip_score"),
+    ):
         assert name in registry.names()
 
 
 @pytest.mark.parametrize("question", ["colour", "count", "ground"])
 def test_answers_match_the_pictures(tmp_path, question):
-    train, evals = shapes.write_dataset(tmp_path, n_train=20, n_eval=5, seed=3,
-                                        question=question, size=112, distractors=1)
+    train, evals = shapes.write_dataset(
+        tmp_path, n_train=20, n_eval=5, seed=3, question=question, size=112, distractors=1
+    )
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     assert len(rows) == 20 and all(r["question"] == question for r in rows)
     for r in rows:
@@ -46,14 +53,16 @@ def test_answers_match_the_pictures(tmp_path, question):
             assert json.loads(r["answer"]) == r["box"]  # qwen2.5: absolute pixels
     # held-out images differ from the training ones; writing again gives the same data
     assert (tmp_path / "images" / "eval" / "000000.png").is_file()
-    again, _ = shapes.write_dataset(tmp_path / "again", n_train=20, n_eval=5, seed=3,
-                                    question=question, size=112, distractors=1)
+    again, _ = shapes.write_dataset(
+        tmp_path / "again", n_train=20, n_eval=5, seed=3, question=question, size=112, distractors=1
+    )
     assert again.read_text() == train.read_text()
 
 
 def test_box_conventions_and_format_targets(tmp_path):
-    rows = shapes.make_rows(30, 0, tmp_path, "train", question="ground", size=56,
-                            box_convention="qwen2")
+    rows = shapes.make_rows(
+        30, 0, tmp_path, "train", question="ground", size=56, box_convention="qwen2"
+    )
     for r in rows:
         box = json.loads(r["answer"])
         assert box == [round(c * 1000 / 56) for c in r["box"]]
@@ -68,8 +77,9 @@ def test_box_conventions_and_format_targets(tmp_path):
 
 
 def test_gradient_background_and_cells(tmp_path):
-    rows = shapes.make_rows(8, 0, tmp_path, "g", question="ground", size=112, cells=4,
-                            background="gradient")
+    rows = shapes.make_rows(
+        8, 0, tmp_path, "g", question="ground", size=112, cells=4, background="gradient"
+    )
     for r in rows:
         x1, y1, x2, y2 = r["box"]
         assert x2 - x1 == 20 and x1 % 28 == 4 and y1 % 28 == 4
@@ -79,9 +89,20 @@ def test_gradient_background_and_cells(tmp_path):
 
 def test_outlined_square_shows_the_background_inside(tmp_path):
     """outline=k: the square's border is k pixels of its colour; its middle is background."""
-    filled, framed = (shapes.make_rows(4, 0, tmp_path / name, "g", question="ground",
-                                       size=112, cells=2, background="gradient", outline=k)
-                      for name, k in (("f", 0), ("o", 6)))
+    filled, framed = (
+        shapes.make_rows(
+            4,
+            0,
+            tmp_path / name,
+            "g",
+            question="ground",
+            size=112,
+            cells=2,
+            background="gradient",
+            outline=k,
+        )
+        for name, k in (("f", 0), ("o", 6))
+    )
     for a, b in zip(filled, framed, strict=True):
         assert a["box"] == b["box"] and a["answer"] == b["answer"]
         x1, y1, x2, y2 = b["box"]
@@ -109,6 +130,9 @@ def test_vl_workflow_checks_its_engine_at_config_time():
     with pytest.raises(ConfigError, match="engine.name='hf'.*hf_vl"):
         load(Config, EXAMPLES / "vl_shapes_grpo.yaml", ["policies.main.engine.name=hf"])
     for engine in ("hf_vl", "vllm_vl"):  # both run on a Ray engine actor too
-        cfg = load(Config, EXAMPLES / "vl_shapes_grpo.yaml",
-                   ["distributed.backend=ray", f"policies.main.engine.name={engine}"])
+        cfg = load(
+            Config,
+            EXAMPLES / "vl_shapes_grpo.yaml",
+            ["distributed.backend=ray", f"policies.main.engine.name={engine}"],
+        )
         assert cfg.policies["main"].engine.name == engine

@@ -22,8 +22,10 @@ ARGS = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
 
 def frames(n: int, size=(56, 84), base=(200, 30, 30)) -> list[Image.Image]:
     """``n`` frames of one size whose colour changes over time."""
-    return [Image.new("RGB", size, ((base[0] + 17 * i) % 256, base[1], (base[2] + 29 * i) % 256))
-            for i in range(n)]
+    return [
+        Image.new("RGB", size, ((base[0] + 17 * i) % 256, base[1], (base[2] + 29 * i) % 256))
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -32,12 +34,19 @@ def video_rows():
         # one video, odd frame count (the processor repeats the last frame)
         {"prompt": "<video>What colour is the square?", "videos": [frames(3)], "answer": "red"},
         # an image and a video, markers in text order; 8 frames at 1 fps (temporal spacing)
-        {"prompt": "Look at <image> and then <video>. How many circles?",
-         "images": [Image.new("RGB", (84, 56), (30, 30, 200))],
-         "videos": [frames(8, (112, 56), (30, 160, 40))], "video_fps": 1, "answer": "2"},
+        {
+            "prompt": "Look at <image> and then <video>. How many circles?",
+            "images": [Image.new("RGB", (84, 56), (30, 30, 200))],
+            "videos": [frames(8, (112, 56), (30, 160, 40))],
+            "video_fps": 1,
+            "answer": "2",
+        },
         # two videos, no markers: put before the text
-        {"prompt": "Which one moves?", "videos": [frames(2, (56, 56)), frames(4, (84, 84))],
-         "answer": "1"},
+        {
+            "prompt": "Which one moves?",
+            "videos": [frames(2, (56, 56)), frames(4, (84, 84))],
+            "answer": "1",
+        },
         {"prompt": "How many circles?", "answer": "0"},
     ]
 
@@ -77,14 +86,13 @@ def test_video_placeholders_equal_the_processors_own(video_data, video_rows):
             assert not videos
             continue
         text = tok.decode(_collapse(item.prompt_ids, pads), skip_special_tokens=False)
-        ref = proc(text=[text], images=images or None, videos=videos or None,
-                   return_tensors="pt")
+        ref = proc(text=[text], images=images or None, videos=videos or None, return_tensors="pt")
         assert ref["input_ids"][0].tolist() == item.prompt_ids
-        v, _, got_frames = vision.process_frames(item.vision, proc.image_processor,
-                                                 proc.video_processor)
+        v, _, got_frames = vision.process_frames(
+            item.vision, proc.image_processor, proc.video_processor
+        )
         assert torch.equal(v.video_grid_thw, ref["video_grid_thw"])
-        assert item.vision.video_token_counts() == \
-            (ref["video_grid_thw"].prod(-1) // 4).tolist()
+        assert item.vision.video_token_counts() == (ref["video_grid_thw"].prod(-1) // 4).tolist()
         # these frames need no resizing: the pixels equal the processor's too
         assert torch.allclose(v.pixel_values_videos, ref["pixel_values_videos"], atol=1e-6)
         assert [len(f) for f in got_frames] == [len(f) for f in videos]
@@ -96,8 +104,15 @@ def test_max_frames_and_fps(make_policy):
     """max_frames subsamples evenly (first and last kept, counted); the kept frames' rate
     sets second_per_grid_ts; video_min/max_pixels resize the frames, not the images."""
     policy = make_policy()
-    rows = [{"prompt": "<video> and <image>?", "videos": [frames(9, (224, 224))],
-             "images": [Image.new("RGB", (224, 224))], "answer": "x", "video_fps": 3}]
+    rows = [
+        {
+            "prompt": "<video> and <image>?",
+            "videos": [frames(9, (224, 224))],
+            "images": [Image.new("RGB", (224, 224))],
+            "answer": "x",
+            "video_fps": 3,
+        }
+    ]
     args = {**ARGS, "max_frames": 4, "video_max_pixels": 56 * 56}
     ds = VLDataset(DataConfig(kind="vl", args=args), policy.tokenizer, rows=rows)
     spec = ds[0].vision
@@ -106,8 +121,7 @@ def test_max_frames_and_fps(make_policy):
     assert spec.videos[0].fps == pytest.approx(3 * 4 / 9)
     assert spec.second_per_grid() == [pytest.approx(2 / (3 * 4 / 9))]
     assert spec.video_grids() == [(2, 4, 4)] and spec.grids() == [(1, 8, 8)]
-    v, _ = vision.process(spec, policy.processor.image_processor,
-                          policy.processor.video_processor)
+    v, _ = vision.process(spec, policy.processor.image_processor, policy.processor.video_processor)
     assert v.video_resized == ((56, 56),) and v.resized == ((112, 112),)
     assert v.second_per_grid_ts.tolist() == [pytest.approx(2 / (3 * 4 / 9))]
 
@@ -118,23 +132,37 @@ def test_positions_match_get_rope_index_with_videos(video_data, grouped_sequence
     policy, ds = video_data
     proc = policy.processor
     items = list(ds)
-    visions = [vision.process(it.vision, proc.image_processor, proc.video_processor)[0]
-               if it.vision else None for it in items]
+    visions = [
+        vision.process(it.vision, proc.image_processor, proc.video_processor)[0]
+        if it.vision
+        else None
+        for it in items
+    ]
     prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
-        items, visions, [7, proc.video_token_id, proc.image_token_id])  # sampled: text
+        items, visions, [7, proc.video_token_id, proc.image_token_id]
+    )  # sampled: text
     p = vision.parts(policy.model)
-    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1],
-                                    row_visions)
+    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     none = torch.zeros_like(response_ids, dtype=torch.int32)
-    types = torch.cat([(prompt_ids == proc.image_token_id).int()
-                       + 2 * (prompt_ids == proc.video_token_id).int(), none], 1)
+    types = torch.cat(
+        [
+            (prompt_ids == proc.image_token_id).int()
+            + 2 * (prompt_ids == proc.video_token_id).int(),
+            none,
+        ],
+        1,
+    )
     grids = vision.batch_grids(row_visions)
-    want, _ = p.inner.get_rope_index(input_ids=ids, mm_token_type_ids=types,
-                                     image_grid_thw=grids.image, video_grid_thw=grids.video,
-                                     second_per_grid_ts=grids.second_per_grid,
-                                     attention_mask=mask)
+    want, _ = p.inner.get_rope_index(
+        input_ids=ids,
+        mm_token_type_ids=types,
+        image_grid_thw=grids.image,
+        video_grid_thw=grids.video,
+        second_per_grid_ts=grids.second_per_grid,
+        attention_mask=mask,
+    )
     keep = mask.bool()
     for axis in range(3):
         assert torch.equal(got[axis][keep], want[axis][keep]), axis
@@ -151,23 +179,34 @@ def test_vl_forward_with_videos_equals_the_models_own(video_data, one_thread):
     policy, ds = video_data
     proc = policy.processor
     items = [it for it in ds if it.vision is not None]
-    visions = [vision.process(it.vision, proc.image_processor, proc.video_processor)[0]
-               for it in items]
+    visions = [
+        vision.process(it.vision, proc.image_processor, proc.video_processor)[0] for it in items
+    ]
     rows = [visions[0], visions[0], visions[1], visions[2]]
-    ids, mask = pad_left([items[0].prompt_ids, items[0].prompt_ids + [7, 8],
-                          items[1].prompt_ids, items[2].prompt_ids], 0)
+    ids, mask = pad_left(
+        [
+            items[0].prompt_ids,
+            items[0].prompt_ids + [7, 8],
+            items[1].prompt_ids,
+            items[2].prompt_ids,
+        ],
+        0,
+    )
     model = policy.model
     with torch.no_grad():
         mine, _, _ = vision.vl_forward(model, ids, mask, rows, logits_to_keep=ids.shape[1])
         grids = vision.batch_grids(rows)
         theirs = model(
-            input_ids=ids, attention_mask=mask,
+            input_ids=ids,
+            attention_mask=mask,
             pixel_values=torch.cat([v.pixel_values for v in rows if v.pixel_values is not None]),
             image_grid_thw=grids.image,
             pixel_values_videos=torch.cat([v.pixel_values_videos for v in rows]),
-            video_grid_thw=grids.video, second_per_grid_ts=grids.second_per_grid,
+            video_grid_thw=grids.video,
+            second_per_grid_ts=grids.second_per_grid,
             mm_token_type_ids=(ids == proc.image_token_id).int()
-            + 2 * (ids == proc.video_token_id).int()).logits
+            + 2 * (ids == proc.video_token_id).int(),
+        ).logits
     keep = mask.bool()
     assert torch.allclose(mine[keep], theirs[keep], atol=1e-5), (mine - theirs).abs().max()
 
@@ -179,8 +218,9 @@ def test_engine_logprobs_match_and_a_group_processes_its_video_once(video_data, 
     items = list(ds)
     n_videos = sum(len(it.vision.videos) for it in items if it.vision)
     before = dict(vision.COUNTERS)
-    wf = VLSingleTurn(Context(cfg=None, policies={"main": policy},
-                              engines={"main": VLEngine(policy, seed=0)}))
+    wf = VLSingleTurn(
+        Context(cfg=None, policies={"main": policy}, engines={"main": VLEngine(policy, seed=0)})
+    )
     record = wf.rollout(items, SamplingParams(n=3, max_new_tokens=5))
     rolled = dict(vision.COUNTERS)
     assert rolled["videos_processed"] - before.get("videos_processed", 0) == n_videos
@@ -209,15 +249,19 @@ def test_engine_logprobs_match_and_a_group_processes_its_video_once(video_data, 
 
 
 def _load(policy, rows, **args) -> VLDataset:
-    return VLDataset(DataConfig(kind="vl", args={**ARGS, **args}), policy.tokenizer, name="b",
-                     rows=rows)
+    return VLDataset(
+        DataConfig(kind="vl", args={**ARGS, **args}), policy.tokenizer, name="b", rows=rows
+    )
 
 
 def test_video_markers_must_match(make_policy):
     policy = make_policy()
     two = [{"prompt": "<video> and <video>?", "videos": [frames(2)], "answer": "x"}]
-    with pytest.raises(DataError, match=r"b rows, row 0.*2 '<video>' markers.*1 videos "
-                                        r"\(field 'videos'\).*more"):
+    with pytest.raises(
+        DataError,
+        match=r"b rows, row 0.*2 '<video>' markers.*1 videos "
+        r"\(field 'videos'\).*more",
+    ):
         _load(policy, two)
     fewer = [{"prompt": "<video> which?", "videos": [frames(2), frames(2)], "answer": "x"}]
     with pytest.raises(DataError, match=r"row 0.*1 '<video>' markers.*2 videos.*fewer"):
@@ -233,8 +277,11 @@ def test_video_markers_must_match(make_policy):
 def test_bad_videos_are_named(make_policy, tmp_path):
     policy = make_policy()
     mixed = [{"prompt": "<video>?", "videos": [frames(2) + frames(1, (84, 56))], "answer": "x"}]
-    with pytest.raises(DataError, match=r"row 0, video 0: frame 2 is 84x56 but frame 0 is "
-                                        r"56x84 \(field 'videos'\)"):
+    with pytest.raises(
+        DataError,
+        match=r"row 0, video 0: frame 2 is 84x56 but frame 0 is "
+        r"56x84 \(field 'videos'\)",
+    ):
         _load(policy, mixed)
     empty = [{"prompt": "<video>?", "videos": [[]], "answer": "x"}]
     with pytest.raises(DataError, match=r"row 0, video 0: field 'videos' holds an empty video"):
@@ -253,8 +300,10 @@ def test_bad_videos_are_named(make_policy, tmp_path):
     for i, img in enumerate(frames(2)):
         img.save(tmp_path / "f" / f"{i}.png")
         paths.append(f"f/{i}.png")
-    rows = [{"prompt": "<video>?", "videos": [paths + ["f/gone.png"]], "answer": "x"},
-            {"prompt": "<video>?", "videos": [paths], "answer": "y"}]
+    rows = [
+        {"prompt": "<video>?", "videos": [paths + ["f/gone.png"]], "answer": "x"},
+        {"prompt": "<video>?", "videos": [paths], "answer": "y"},
+    ]
     data = tmp_path / "v.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(kind="vl", path=str(data), args=ARGS)
@@ -283,13 +332,20 @@ def test_parquet_video_frames_stay_in_the_arrow_table(make_policy, tmp_path):
     video = [png((0, 150, 0)), png((0, 0, 150)), png((9, 9, 9))]
     table = datasets.Dataset.from_dict(
         {"prompt": ["<video>What changes?"] * 2, "videos": [[video]] * 2, "answer": ["c"] * 2},
-        features=datasets.Features({
-            "prompt": datasets.Value("string"), "answer": datasets.Value("string"),
-            "videos": datasets.Sequence(datasets.Sequence(datasets.Image()))}))
+        features=datasets.Features(
+            {
+                "prompt": datasets.Value("string"),
+                "answer": datasets.Value("string"),
+                "videos": datasets.Sequence(datasets.Sequence(datasets.Image())),
+            }
+        ),
+    )
     table.to_parquet(str(tmp_path / "v.parquet"))
-    ds = VLDataset(DataConfig(kind="vl", path=str(tmp_path / "v.parquet"), args=ARGS),
-                   policy.tokenizer)
+    ds = VLDataset(
+        DataConfig(kind="vl", path=str(tmp_path / "v.parquet"), args=ARGS), policy.tokenizer
+    )
     assert {r.kind for r in ds[1].vision.videos[0].refs} == {"arrow"}
-    _, _, got = vision.process_frames(ds[1].vision, policy.processor.image_processor,
-                                      policy.processor.video_processor)
+    _, _, got = vision.process_frames(
+        ds[1].vision, policy.processor.image_processor, policy.processor.video_processor
+    )
     assert [f.getpixel((3, 3)) for f in got[0]] == [(0, 150, 0), (0, 0, 150), (9, 9, 9)]

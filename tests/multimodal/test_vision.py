@@ -65,22 +65,25 @@ def test_positions_match_get_rope_index(vl_dataset, grouped_sequences):
     transformers' get_rope_index over the whole left-padded sequences."""
     policy, ds = vl_dataset
     items = list(ds)
-    visions = [vision.process(it.vision, policy.processor.image_processor)[0]
-               if it.vision else None for it in items]
+    visions = [
+        vision.process(it.vision, policy.processor.image_processor)[0] if it.vision else None
+        for it in items
+    ]
     # groups of 2 sharing one VisionInputs; responses of different lengths, one holds a
     # sampled image-token id (which is text, not an image)
     image_id = policy.processor.image_token_id
     prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
-        items, visions, [7, image_id, 9])
+        items, visions, [7, image_id, 9]
+    )
     p = vision.parts(policy.model)
-    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1],
-                                    row_visions)
+    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     mm = torch.cat([prompt_ids == image_id, torch.zeros_like(response_ids, dtype=torch.bool)], 1)
     grids = torch.cat([v.image_grid_thw for v in row_visions if v is not None])
-    want, _ = p.inner.get_rope_index(input_ids=ids, mm_token_type_ids=mm.int(),
-                                     image_grid_thw=grids, attention_mask=mask)
+    want, _ = p.inner.get_rope_index(
+        input_ids=ids, mm_token_type_ids=mm.int(), image_grid_thw=grids, attention_mask=mask
+    )
     keep = mask.bool()
     for axis in range(3):
         assert torch.equal(got[axis][keep], want[axis][keep]), axis
@@ -128,19 +131,26 @@ def test_text_only_batch_trains_and_touches_the_vision_tower(make_policy, one_th
 
     policy = make_policy()
     tok = policy.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "How many circles?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "How many circles?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     prompt = tok.encode(text, add_special_tokens=False)
-    record = text_record(prompt_ids=[prompt] * 4, response_ids=[[5, 6], [7], [5], [8, 9]],
-                         rollout_logprobs=[[0.0, 0.0], [0.0], [0.0], [0.0, 0.0]],
-                         policy=["main"] * 4, uid=[0, 0, 0, 0], pad_id=tok.pad_token_id)
+    record = text_record(
+        prompt_ids=[prompt] * 4,
+        response_ids=[[5, 6], [7], [5], [8, 9]],
+        rollout_logprobs=[[0.0, 0.0], [0.0], [0.0], [0.0, 0.0]],
+        policy=["main"] * 4,
+        uid=[0, 0, 0, 0],
+        pad_id=tok.pad_token_id,
+    )
     set_strings(record, "vision", [None] * 4)
     before = vision.COUNTERS["dummy_vision_passes"]
     policy.logprobs(record)[0].sum().backward()
     assert vision.COUNTERS["dummy_vision_passes"] == before + 1
     visual = vision.parts(policy.model).visual
-    assert all(p.grad is not None and float(p.grad.abs().sum()) == 0.0
-               for p in visual.parameters())
+    assert all(p.grad is not None and float(p.grad.abs().sum()) == 0.0 for p in visual.parameters())
     policy.model.zero_grad(set_to_none=True)
     record["reward"] = torch.tensor([1.0, 0.0, 0.0, 1.0])
     algo = AlgorithmConfig()
@@ -175,13 +185,18 @@ def test_sft_batch_without_vision_column_uses_row_references(vl_dataset, one_thr
     policy, ds = vl_dataset
     items = [it for it in ds if it.vision is not None]
     tok = policy.tokenizer
-    targets = [tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id]
-               for it in items]
-    record = text_record(prompt_ids=[it.prompt_ids for it in items], response_ids=targets,
-                         rollout_logprobs=[[0.0] * len(t) for t in targets],
-                         policy=["main"] * len(items), uid=[it.uid for it in items],
-                         pad_id=tok.pad_token_id,
-                         meta=[{"answer": it.answer, "row": it.row} for it in items])
+    targets = [
+        tok.encode(str(it.answer), add_special_tokens=False) + [tok.eos_token_id] for it in items
+    ]
+    record = text_record(
+        prompt_ids=[it.prompt_ids for it in items],
+        response_ids=targets,
+        rollout_logprobs=[[0.0] * len(t) for t in targets],
+        policy=["main"] * len(items),
+        uid=[it.uid for it in items],
+        pad_id=tok.pad_token_id,
+        meta=[{"answer": it.answer, "row": it.row} for it in items],
+    )
     logp, _ = policy.logprobs(record)
     assert torch.isfinite(logp).all()
     with_column = record.clone(recurse=False)
@@ -214,8 +229,12 @@ def test_evaluation_rollouts_draw_answers_under_their_images(vl_dataset, tmp_pat
     policy, ds = vl_dataset
     recipe = Path(__file__).resolve().parents[2] / "examples" / "vl_shapes_grpo.yaml"
     cfg = load(Config, recipe, [])
-    ctx = Context(cfg=cfg, policies={"main": policy}, engines={"main": VLEngine(policy)},
-                  extras={"run_dir": tmp_path})
+    ctx = Context(
+        cfg=cfg,
+        policies={"main": policy},
+        engines={"main": VLEngine(policy)},
+        extras={"run_dir": tmp_path},
+    )
     wf = VLSingleTurn(ctx)
     items = list(ds)
     wf.rollout(items, ctx.sampling())

@@ -30,11 +30,26 @@ def _metric(run_dir: Path, key: str) -> list[float]:
 
 
 def _train(recipe: Path, run_dir: Path, model: str, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "polyrl.core.cli", "train", str(recipe),
-           f"run.dir={run_dir}", f"policies.main.model={model}", "run.progress=false",
-           "run.tensorboard=false", "run.export=false", "eval.every=0", *overrides]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "polyrl.core.cli",
+        "train",
+        str(recipe),
+        f"run.dir={run_dir}",
+        f"policies.main.model={model}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "run.export=false",
+        "eval.every=0",
+        *overrides,
+    ]
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed by the caller)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -75,8 +90,10 @@ def e2e_runs(tiny_vl_dir, tmp_path_factory) -> dict:
 def test_tiny_vlm_learns_the_colour_question(e2e_runs):
     for seed in SEEDS:
         acc = _metric(e2e_runs[seed], "eval/accuracy")
-        print(f"seed {seed}: held-out accuracy {acc[0]:.2f} after the format warm start -> "
-              f"{acc[-1]:.2f} after GRPO")
+        print(
+            f"seed {seed}: held-out accuracy {acc[0]:.2f} after the format warm start -> "
+            f"{acc[-1]:.2f} after GRPO"
+        )
     finals = []
     for seed in SEEDS:
         acc = _metric(e2e_runs[seed], "eval/accuracy")
@@ -106,14 +123,19 @@ def test_tiny_vlm_grounding_iou_rises(e2e_runs):
     start, end = [], []
     for seed in SEEDS:
         run = e2e_runs["ground", seed]
-        rows = {split: [json.loads(x) for x in
-                        (run / "data" / f"{split}.jsonl").read_text().splitlines()]
-                for split in ("train", "eval")}
+        rows = {
+            split: [
+                json.loads(x) for x in (run / "data" / f"{split}.jsonl").read_text().splitlines()
+            ]
+            for split in ("train", "eval")
+        }
         boxes, held = {tuple(r["box"]) for r in rows["train"]}, rows["eval"]
         constant = max(sum(iou(b, r["box"]) for r in held) / len(held) for b in boxes)
         ious = _metric(run, "eval/accuracy")  # the eval's accuracy term is the IoU reward
-        print(f"grounding seed {seed}: held-out mean IoU {ious[0]:.3f} after the warm start "
-              f"-> {ious[-1]:.3f} after GRPO (best constant box {constant:.3f})")
+        print(
+            f"grounding seed {seed}: held-out mean IoU {ious[0]:.3f} after the warm start "
+            f"-> {ious[-1]:.3f} after GRPO (best constant box {constant:.3f})"
+        )
         start.append(ious[0])
         end.append(ious[-1])
         assert ious[-1] >= constant + 0.25, (seed, ious, constant)

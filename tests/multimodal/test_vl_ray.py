@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "vl_shapes_grpo.yaml"
-RAY = ["distributed.backend=ray",
-       "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}"]
+RAY = [
+    "distributed.backend=ray",
+    "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}",
+]
 
 
 def _recipe(model: str, run_dir: Path, *extra: str):
@@ -34,15 +36,31 @@ def _recipe(model: str, run_dir: Path, *extra: str):
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
 
-    return load(Config, RECIPE, [
-        f"run.dir={run_dir}", f"policies.main.model={model}", "run.progress=false",
-        "run.tensorboard=false", "run.export=false", "eval.every=0", "sft.steps=0",
-        f"task.dir={run_dir}/data", "task.args.n_train=16", "task.args.n_eval=2",
-        "rollout.prompts_per_step=4", "rollout.n=4", "train.steps=2",
-        "policies.main.micro_batch_size=8", "algorithm.kl_coef=0.1",
-        # the untrained model never names a colour: a shape term gives the groups a spread
-        "reward.terms=[{name: exact_match}, {name: regex_format, "
-        "args: {pattern: '[a-m]', mode: search}}]", *extra])
+    return load(
+        Config,
+        RECIPE,
+        [
+            f"run.dir={run_dir}",
+            f"policies.main.model={model}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            "eval.every=0",
+            "sft.steps=0",
+            f"task.dir={run_dir}/data",
+            "task.args.n_train=16",
+            "task.args.n_eval=2",
+            "rollout.prompts_per_step=4",
+            "rollout.n=4",
+            "train.steps=2",
+            "policies.main.micro_batch_size=8",
+            "algorithm.kl_coef=0.1",
+            # the untrained model never names a colour: a shape term gives the groups a spread
+            "reward.terms=[{name: exact_match}, {name: regex_format, "
+            "args: {pattern: '[a-m]', mode: search}}]",
+            *extra,
+        ],
+    )
 
 
 def _metrics(run_dir: Path, step: int) -> dict:
@@ -53,8 +71,10 @@ def _metrics(run_dir: Path, step: int) -> dict:
 def _samples(run_dir: Path, step: int) -> list[tuple]:
     """(prompt, response, reward) of the step's transcripts; image paths without the run dir."""
     text = (run_dir / "samples" / f"train_step_{step:06d}.jsonl").read_text().splitlines()
-    return [(r["prompt"].replace(str(run_dir), "<run>"), r["response"], r["reward"])
-            for r in map(json.loads, text)]
+    return [
+        (r["prompt"].replace(str(run_dir), "<run>"), r["response"], r["reward"])
+        for r in map(json.loads, text)
+    ]
 
 
 KEYS = ("reward/mean", "main/loss", "main/kl", "main/grad_norm")
@@ -88,19 +108,24 @@ def _record(policy, rows: list[dict]):
     from polyrl.multimodal.engine import VLEngine
     from polyrl.multimodal.workflow import VLSingleTurn
 
-    data = VLDataset(DataConfig(kind="vl", args={"min_pixels": 56 * 56,
-                                                 "max_pixels": 112 * 112}),
-                     policy.tokenizer, name="t", rows=rows)
-    wf = VLSingleTurn(Context(cfg=None, policies={"main": policy},
-                              engines={"main": VLEngine(policy, seed=0)}))
+    data = VLDataset(
+        DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112}),
+        policy.tokenizer,
+        name="t",
+        rows=rows,
+    )
+    wf = VLSingleTurn(
+        Context(cfg=None, policies={"main": policy}, engines={"main": VLEngine(policy, seed=0)})
+    )
     rec = wf.rollout(list(data), SamplingParams(n=2, max_new_tokens=4))
     rec["reward"] = torch.tensor([1.0, 0.0] * (rec.batch_size[0] // 2))
     group_credit(rec, AlgorithmConfig())
     return rec
 
 
-def test_text_rows_on_one_rank_do_not_hang_and_match_local(ray_cluster, tiny_vl_dir, vl_rows,
-                                                           tmp_path):
+def test_text_rows_on_one_rank_do_not_hang_and_match_local(
+    ray_cluster, tiny_vl_dir, vl_rows, tmp_path
+):
     """Rank 0 scores an image row, rank 1 a text-only row (the dummy vision pass); then an
     all-text batch. Each update equals the local one, and the record's ``vision`` column
     (VisionInputs objects) reaches the workers intact (the losses would differ if not)."""
@@ -110,8 +135,9 @@ def test_text_rows_on_one_rank_do_not_hang_and_match_local(ray_cluster, tiny_vl_
 
     torch.set_num_threads(1)
     cfg = _recipe(tiny_vl_dir, tmp_path / "run", *RAY)
-    local = LocalBackend(cfg).make_policy("main", cfg.policies["main"], total_steps=10,
-                                          need_reference=True, shared={})
+    local = LocalBackend(cfg).make_policy(
+        "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+    )
     rec = _record(local, vl_rows)
     visions = strings(rec, "vision")
     image_row = next(i for i, v in enumerate(visions) if v is not None)
@@ -122,14 +148,14 @@ def test_text_rows_on_one_rank_do_not_hang_and_match_local(ray_cluster, tiny_vl_
     assert strings(mixed, "vision")[0] is not None and strings(text_only, "vision") == [None] * 2
     backend = RayBackend(cfg)
     try:
-        remote = backend.make_policy("main", cfg.policies["main"], total_steps=10,
-                                     need_reference=True, shared={})
+        remote = backend.make_policy(
+            "main", cfg.policies["main"], total_steps=10, need_reference=True, shared={}
+        )
         algo = AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)
         for batch in (mixed, text_only):
             g_local, g_ray = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
             out_l = trainer.update(local, batch.clone(), algo, generator=g_local)
-            out_r = backend.update(remote, batch.clone(), algo, temperature=1.0,
-                                   generator=g_ray)
+            out_r = backend.update(remote, batch.clone(), algo, temperature=1.0, generator=g_ray)
             for key in ("loss", "kl", "entropy", "grad_norm"):
                 assert out_r[key] == pytest.approx(out_l[key], rel=1e-4, abs=1e-7), key
         weights = remote.state_dict()["weights"]

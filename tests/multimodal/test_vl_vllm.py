@@ -37,14 +37,25 @@ def _rows() -> list[dict]:
         return im
 
     return [
-        {"prompt": "<image>What colour is the square?",
-         "images": [img(56, 56, (200, 30, 30), (10, 10, 250))], "answer": "red"},
-        {"prompt": "Compare <image> and <image>. How many circles?",
-         "images": [img(84, 112, (30, 30, 200), (250, 250, 0)),
-                    img(112, 56, (30, 160, 40), (0, 0, 0))], "answer": "2"},
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [img(56, 56, (200, 30, 30), (10, 10, 250))],
+            "answer": "red",
+        },
+        {
+            "prompt": "Compare <image> and <image>. How many circles?",
+            "images": [
+                img(84, 112, (30, 30, 200), (250, 250, 0)),
+                img(112, 56, (30, 160, 40), (0, 0, 0)),
+            ],
+            "answer": "2",
+        },
         {"prompt": "How many circles?", "images": [], "answer": "0"},
-        {"prompt": "<image>What colour is the square?",
-         "images": [img(56, 56, (20, 220, 60), (250, 250, 250))], "answer": "green"},
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [img(56, 56, (20, 220, 60), (250, 250, 250))],
+            "answer": "green",
+        },
     ]
 
 
@@ -91,13 +102,16 @@ def trainer_vs_engine(policy, record, temperature: float) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_with_images_match_the_trainer(policy, engine, items, temperature):
     n = 4
-    record = rollout(policy, engine, items, SamplingParams(n=n, temperature=temperature,
-                                                            max_new_tokens=8))
+    record = rollout(
+        policy, engine, items, SamplingParams(n=n, temperature=temperature, max_new_tokens=8)
+    )
     assert record["uid"].tolist() == [it.uid for it in items for _ in range(n)]
     trainer, rollout_lp = trainer_vs_engine(policy, record, temperature)
     diff = (trainer - rollout_lp).abs()
-    print(f"T={temperature}: |vllm_vl - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
-          f"over {diff.numel()} tokens")
+    print(
+        f"T={temperature}: |vllm_vl - trainer| mean {diff.mean():.2e}, max {diff.max():.2e} "
+        f"over {diff.numel()} tokens"
+    )
     assert diff.mean() <= 1e-3 and diff.max() <= 1e-2
 
     # The match is not vacuous: scored under another image of the same size (prompt 3's),
@@ -120,8 +134,10 @@ def test_greedy_equals_hf_vl(policy, engine, items):
     assert torch.equal(vl["response_ids"], hf["response_ids"])
     m = hf["response_mask"].bool()
     diff = (vl["rollout_logprobs"][m] - hf["rollout_logprobs"][m]).abs()
-    print(f"greedy: |vllm_vl - hf_vl| log-probs mean {diff.mean():.2e}, max {diff.max():.2e} "
-          f"over {diff.numel()} tokens")
+    print(
+        f"greedy: |vllm_vl - hf_vl| log-probs mean {diff.mean():.2e}, max {diff.max():.2e} "
+        f"over {diff.numel()} tokens"
+    )
     assert diff.max() <= 1e-3
 
 
@@ -147,11 +163,17 @@ def test_mismatched_inputs_are_errors_not_guesses(policy, engine, items):
     with pytest.raises(ValueError, match="image-pad tokens .* beyond its 0 image"):
         engine.generate_vl([with_image.prompt_ids], [None], params)
     pad = engine.image_token_id
-    assert collapse_image_pads([1, pad, pad, pad, pad, 2, pad, 3], pad, [4, 1]) == \
-        [1, pad, 2, pad, 3]
+    assert collapse_image_pads([1, pad, pad, pad, pad, 2, pad, 3], pad, [4, 1]) == [
+        1,
+        pad,
+        2,
+        pad,
+        3,
+    ]
     assert collapse_image_pads([pad, pad, pad], pad, [1, 2]) == [pad, pad]  # touching runs
-    with pytest.raises(ValueError, match="image 0 needs 4 image-pad tokens at position 0, the "
-                                         "prompt has 2"):
+    with pytest.raises(
+        ValueError, match="image 0 needs 4 image-pad tokens at position 0, the prompt has 2"
+    ):
         collapse_image_pads([pad, pad, 5], pad, [4])
     with pytest.raises(ValueError, match="for 1 image.* but 2 were given"):
         collapse_image_pads([pad, 5], pad, [1, 1])
@@ -180,9 +202,11 @@ def test_sync_pushes_the_vision_tower_and_the_language_model(policy, engine, ite
             fresh = rollout(policy, engine, items, params)
             new, rollout_lp = trainer_vs_engine(policy, fresh, 1.0)
             follow = (new - rollout_lp).abs()
-            print(f"sync ({scope or 'all weights'}, {engine.last_sync_s * 1e3:.0f} ms): before "
-                  f"sync |vLLM - trainer| on image rows {moved:.3f}; after: mean "
-                  f"{follow.mean():.2e}, max {follow.max():.2e}")
+            print(
+                f"sync ({scope or 'all weights'}, {engine.last_sync_s * 1e3:.0f} ms): before "
+                f"sync |vLLM - trainer| on image rows {moved:.3f}; after: mean "
+                f"{follow.mean():.2e}, max {follow.max():.2e}"
+            )
             assert moved > 0.02  # the change is visible ...
             assert follow.mean() <= 1e-3  # ... and vLLM follows it
     finally:
@@ -191,7 +215,9 @@ def test_sync_pushes_the_vision_tower_and_the_language_model(policy, engine, ite
 
 
 def test_importing_multimodal_does_not_import_vllm():
-    code = ("import sys, polyrl.multimodal; from polyrl.core.registry import ENGINES; "
-            "assert ENGINES.get('vllm_vl').__name__ == 'VLLMVLEngine'; "
-            "assert 'vllm' not in sys.modules, 'vllm was imported'")
+    code = (
+        "import sys, polyrl.multimodal; from polyrl.core.registry import ENGINES; "
+        "assert ENGINES.get('vllm_vl').__name__ == 'VLLMVLEngine'; "
+        "assert 'vllm' not in sys.modules, 'vllm was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -21,7 +21,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "examples" / "vl_shapes_grpo.yaml
 
 
 def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
-        ray_cluster, tiny_vl_dir, vl_rows, tmp_path, logprob_gaps, update_both):
+    ray_cluster, tiny_vl_dir, vl_rows, tmp_path, logprob_gaps, update_both
+):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
@@ -32,27 +33,40 @@ def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
     from polyrl.multimodal.data import VLDataset
     from polyrl.multimodal.workflow import VLSingleTurn
 
-    cfg = load(Config, RECIPE, [
-        f"run.dir={tmp_path}/run", f"policies.main.model={tiny_vl_dir}",
-        "policies.main.engine.name=vllm_vl", "policies.main.optim.lr=1e-2",
-        "policies.main.engine.args={max_model_len: 256, kv_cache_gb: 0.0625}",
-        "distributed.backend=ray", "distributed.args={workers_per_policy: 1}"])
+    cfg = load(
+        Config,
+        RECIPE,
+        [
+            f"run.dir={tmp_path}/run",
+            f"policies.main.model={tiny_vl_dir}",
+            "policies.main.engine.name=vllm_vl",
+            "policies.main.optim.lr=1e-2",
+            "policies.main.engine.args={max_model_len: 256, kv_cache_gb: 0.0625}",
+            "distributed.backend=ray",
+            "distributed.args={workers_per_policy: 1}",
+        ],
+    )
     backend = RayBackend(cfg)
     try:
         pcfg = cfg.policies["main"]
-        remote = backend.make_policy("main", pcfg, total_steps=10, need_reference=False,
-                                     shared={})
+        remote = backend.make_policy("main", pcfg, total_steps=10, need_reference=False, shared={})
         engine = backend.make_engine("main", remote, pcfg, seed=0)
-        local = LocalBackend(cfg).make_policy("main", pcfg, total_steps=10,
-                                              need_reference=False, shared={})
-        old = LocalBackend(cfg).make_policy("main", pcfg, total_steps=10,
-                                            need_reference=False, shared={})
+        local = LocalBackend(cfg).make_policy(
+            "main", pcfg, total_steps=10, need_reference=False, shared={}
+        )
+        old = LocalBackend(cfg).make_policy(
+            "main", pcfg, total_steps=10, need_reference=False, shared={}
+        )
         assert engine.needs_images  # the workflow hands the actor the resized images
-        items = list(VLDataset(DataConfig(kind="vl", args={"min_pixels": 56 * 56,
-                                                           "max_pixels": 112 * 112}),
-                               local.tokenizer, name="t", rows=vl_rows))
-        wf = VLSingleTurn(Context(cfg=None, policies={"main": local},
-                                  engines={"main": engine}))
+        items = list(
+            VLDataset(
+                DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112}),
+                local.tokenizer,
+                name="t",
+                rows=vl_rows,
+            )
+        )
+        wf = VLSingleTurn(Context(cfg=None, policies={"main": local}, engines={"main": engine}))
         params = SamplingParams(n=4, max_new_tokens=6)
 
         rec = wf.rollout(items, params)
@@ -65,8 +79,10 @@ def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
         update_both(backend, remote, local, rec)
         engine.sync()
         new, stale = logprob_gaps(wf.rollout(items, params), local, old)
-        print(f"after sync: mean |diff| to the trained weights {new.mean():.2e}, "
-              f"to the old ones {stale.mean():.2e}")
+        print(
+            f"after sync: mean |diff| to the trained weights {new.mean():.2e}, "
+            f"to the old ones {stale.mean():.2e}"
+        )
         assert new.mean() <= 1e-3, new
         assert stale.mean() > 10 * new.mean() + 1e-3, (stale.mean(), new.mean())
     finally:
