@@ -41,6 +41,9 @@ class AlgorithmConfig:
 
     advantage: str = doc("grpo", "advantage estimator (registered name or 'pkg.mod:fn')")
     credit: str = doc("group", "credit-assignment scheme that applies the advantage estimator")
+    credit_args: Any = doc(
+        {}, "options of the credit scheme", options=CREDIT, chooser="algorithm.credit"
+    )
     policy_loss: str = doc("ppo_clip", "policy loss (registered name or 'pkg.mod:fn')")
     clip_ratio_low: float = doc(0.2, "ratio may fall to 1 - clip_ratio_low before clipping")
     clip_ratio_high: float = doc(0.2, "ratio may rise to 1 + clip_ratio_high (DAPO clip-higher)")
@@ -86,6 +89,7 @@ class AlgorithmConfig:
 
         ADVANTAGES.check(self.advantage)
         CREDIT.check(self.credit)
+        self.credit_args = CREDIT.bind(self.credit, self.credit_args, "algorithm.credit_args")
         POLICY_LOSSES.check(self.policy_loss)
         KL_ESTIMATORS.check(self.kl_estimator)
         if self.loss_agg not in LOSS_AGG_MODES:

@@ -18,8 +18,14 @@ from typing import Any
 import yaml
 
 
-def doc(default: Any, text: str) -> Any:
-    """A dataclass field with a default and a one-line description."""
+def doc(default: Any, text: str, *, options: Any = None, chooser: str = "") -> Any:
+    """A dataclass field with a default and a one-line description.
+
+    ``options`` marks a field that holds the options of the part that the sibling field
+    ``chooser`` names, looked up in that registry (``rollout.args`` of ``rollout.workflow``);
+    ``polyrl config`` lists every part's options under it.
+    """
+    meta = {"doc": text} | ({"options": options, "chooser": chooser} if options else {})
     if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
         value = default
         factory = (
@@ -27,8 +33,8 @@ def doc(default: Any, text: str) -> Any:
             if not dataclasses.is_dataclass(value)
             else (lambda: dataclasses.replace(value))
         )
-        return field(default_factory=factory, metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def doc_factory(factory: Any, text: str) -> Any:
@@ -179,12 +185,17 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping at the top level")
         source = str(path)
+        from polyrl.core import registry  # a recipe's './my_part.py:Name' is found beside it
+
+        here = path.expanduser().resolve().parent
+        if here not in registry.search_dirs:
+            registry.search_dirs.insert(0, here)
     if overrides:
         data = deep_merge(data, parse_overrides(overrides))
         source += " (+ command-line overrides)"
     cfg = from_dict(cls, data, "", source)
     if hasattr(cfg, "validate"):
-        cfg.validate()
+        cfg.validate(source=source)
     return cfg
 
 
@@ -192,36 +203,74 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def describe(cls: type, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, type, default and doc (for ``polyrl config``)."""
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return (
+        getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+    )
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return "required"
+
+
+def _part_options(key: str, f: dataclasses.Field, seen: dict) -> list[str]:
+    """Each registered part's options under an options field (``rollout.args``)."""
+    registry, chooser = f.metadata["options"], f.metadata["chooser"]
+    if registry.kind in seen:
+        return [
+            f"{key}: {f.metadata.get('doc', '')} (options per {registry.kind}: as "
+            f"{seen[registry.kind]})"
+        ]
+    seen[registry.kind] = key
+    lines = [f"{key}: {f.metadata.get('doc', '')}; the options of each {registry.kind}:"]
+    for name in registry.names():
+        try:
+            options = registry.options(name)
+        except TypeError as e:
+            lines.append(f"  [{chooser}: {name}] options not declared ({e})")
+            continue
+        about = (options.__doc__ or "").strip().splitlines()
+        lines.append(f"  [{chooser}: {name}] " + (about[0] if about else ""))
+        sub = describe(options, key)
+        lines += [f"    {line}" for line in sub] or ["    (no options)"]
+    return lines
+
+
+def describe(cls: type, prefix: str = "", seen: dict | None = None) -> list[str]:
+    """One line per field: dotted key, type, default and doc (for ``polyrl config``).
+
+    Options fields list the options of every registered part they can hold."""
+    seen = {} if seen is None else seen
     lines = []
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a part's options annotated with names its module imports lazily
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
+        if "options" in f.metadata:
+            lines += _part_options(key, f, seen)
+            continue
         if dataclasses.is_dataclass(tp):
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
-            lines += describe(tp, key)
+            lines += describe(tp, key, seen)
             continue
         # Mappings and lists of configs (policies.<name>.*, reward.terms[].*) list their keys too.
         args = typing.get_args(tp)
         if args and dataclasses.is_dataclass(args[-1]) and typing.get_origin(tp) in (dict, list):
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
             lines += describe(
-                args[-1], f"{key}.<name>" if typing.get_origin(tp) is dict else f"{key}[]"
+                args[-1],
+                f"{key}.<name>" if typing.get_origin(tp) is dict else f"{key}[]",
+                seen,
             )
             continue
-        default = (
-            repr(f.default)
-            if f.default is not dataclasses.MISSING
-            else (
-                repr(f.default_factory())
-                if f.default_factory is not dataclasses.MISSING
-                else "required"
-            )
-        )
-        name = getattr(tp, "__name__", str(tp)).replace("typing.", "")
-        if typing.get_origin(tp) is typing.Literal:
-            name = " | ".join(repr(a) for a in typing.get_args(tp))
-        lines.append(f"{key} ({name} = {default}): {f.metadata.get('doc', '')}")
+        lines.append(f"{key} ({_type_name(tp)} = {_default(f)}): {f.metadata.get('doc', '')}")
     return lines

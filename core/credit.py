@@ -35,7 +35,9 @@ def group_credit(record: TensorDict, algo) -> dict[str, float]:
 
 
 def assign(record: TensorDict, algo) -> dict[str, float]:
-    return CREDIT.get(algo.credit)(record, algo)
+    """Advantages by the recipe's credit scheme, called with its typed options."""
+    options = CREDIT.bind(algo.credit, algo.credit_args, "algorithm.credit_args")
+    return CREDIT.get(algo.credit)(record, algo, **options)
 
 
 CREDIT.register("group", group_credit)

@@ -61,10 +61,11 @@ class DataConfig:
     )
     limit: int | None = doc(None, "use only the first N rows (null: all)")
     shuffle: bool = doc(True, "shuffle prompts each epoch (seeded)")
-    args: dict[str, Any] = doc(
+    args: Any = doc(
         {},
-        "options of the dataset kind (each plugin kind documents "
-        "its own, e.g. image root and pixel limits); text takes none",
+        "options of the dataset kind (e.g. image root and pixel limits)",
+        options=DATASETS,
+        chooser="kind",
     )
 
 

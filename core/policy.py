@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from polyrl.core.config import doc, doc_factory
 from polyrl.core.record import to_device
-from polyrl.core.registry import POLICIES
+from polyrl.core.registry import ENGINES, MODELS, POLICIES
 from polyrl.core.tiny import ensure_model
 
 
@@ -55,7 +55,7 @@ class EngineConfig:
         "args.probe=true times both on CPU), hf (transformers, works "
         "everywhere) or vllm",
     )
-    args: dict[str, Any] = doc({}, "engine-specific keyword arguments")
+    args: Any = doc({}, "options of the engine", options=ENGINES, chooser="engine.name")
 
 
 @dataclass
@@ -63,7 +63,7 @@ class PolicyConfig:
     model: str = doc("", "local path or hub id of the model")
     kind: str = doc("causal_lm", "policy kind (causal_lm; plugins add vlm, diffusion kinds)")
     build: str | None = doc(None, "model builder that creates `model` offline if it is missing")
-    build_args: dict[str, Any] = doc({}, "keyword arguments for the builder")
+    build_args: Any = doc({}, "options of the model builder", options=MODELS, chooser="build")
     dtype: str = doc("float32", "parameter dtype: float32 or bfloat16")
     device: str = doc(
         "auto",
@@ -82,10 +82,11 @@ class PolicyConfig:
         "in the update, run each distinct prompt of a micro-batch "
         "once and share its KV cache with its group's rows",
     )
-    args: dict[str, Any] = doc(
+    args: Any = doc(
         {},
-        "options of the policy kind (each plugin kind documents its "
-        "own, e.g. freezing a vision tower); causal_lm takes none",
+        "options of the policy kind (e.g. freezing a vision tower)",
+        options=POLICIES,
+        chooser="kind",
     )
 
 

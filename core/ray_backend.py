@@ -68,6 +68,7 @@ from typing import Any, Literal
 import torch
 
 from polyrl.core.config import ConfigError, doc, from_dict
+from polyrl.core.options import Options
 from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
     ActorError,
     EngineWorker,
@@ -93,7 +94,7 @@ _GROUP_FIELDS = (
 
 
 @dataclass
-class RayArgs:
+class RayArgs(Options):
     """``distributed.args`` for ``distributed.backend: ray``."""
 
     address: str | None = doc(
@@ -408,7 +409,7 @@ class RayBackend:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        self.args = from_dict(RayArgs, dict(cfg.distributed.args), "distributed.args")
+        self.args = BACKENDS.bind("ray", cfg.distributed.args, "distributed.args")
         for name in self.args.policies:
             if name not in cfg.policies:
                 hint = nearest(name, list(cfg.policies))
@@ -474,4 +475,4 @@ class RayBackend:
             self._owns_ray = False
 
 
-BACKENDS.register("ray", RayBackend)
+BACKENDS.register("ray", RayBackend, options=RayArgs)

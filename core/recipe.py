@@ -9,7 +9,18 @@ from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
 from polyrl.core.policy import PolicyConfig, resolve_device
-from polyrl.core.registry import ENGINES, POLICIES, TASKS, WORKFLOWS, nearest
+from polyrl.core.registry import (
+    BACKENDS,
+    CREDIT,
+    DATASETS,
+    ENGINES,
+    MODELS,
+    POLICIES,
+    REWARDS,
+    TASKS,
+    WORKFLOWS,
+    nearest,
+)
 from polyrl.core.rewards import RewardConfig
 
 
@@ -33,7 +44,9 @@ class TaskConfig:
         None, "built-in synthetic task that writes its data files (e.g. arithmetic)"
     )
     dir: str = doc("{run_dir}/data", "where the task writes train/eval/sft files")
-    args: dict[str, Any] = doc({}, "keyword arguments for the task's write_dataset")
+    args: Any = doc(
+        {}, "options of the task (its write_dataset's keywords)", options=TASKS, chooser="task.name"
+    )
 
 
 @dataclass
@@ -41,7 +54,7 @@ class RolloutConfig:
     workflow: str = doc(
         "single_turn", "how an episode is produced (plugins add multi-turn, multi-agent, ...)"
     )
-    args: dict[str, Any] = doc({}, "workflow keyword arguments")
+    args: Any = doc({}, "options of the workflow", options=WORKFLOWS, chooser="rollout.workflow")
     n: int = doc(8, "samples per prompt (the group size)")
     prompts_per_step: int = doc(16, "prompts per training step")
     max_new_tokens: int = doc(64, "response length limit")
@@ -83,7 +96,12 @@ class DistributedConfig:
     backend: Literal["local", "ray"] = doc(
         "local", "local: one process, no Ray; ray: worker groups"
     )
-    args: dict[str, Any] = doc({}, "backend options (placement, workers per policy, ...)")
+    args: Any = doc(
+        {},
+        "options of the backend (placement, workers per policy, ...)",
+        options=BACKENDS,
+        chooser="distributed.backend",
+    )
 
 
 @dataclass
@@ -101,10 +119,11 @@ class Config:
     train: TrainConfig = doc_factory(TrainConfig, "length of training")
     distributed: DistributedConfig = doc_factory(DistributedConfig, "local or Ray")
 
-    def validate(self) -> None:
+    def validate(self, source: str = "<config>") -> None:
         """Fail at config time, before any model loads."""
         if not self.policies:
             raise ConfigError("the recipe declares no policies; add policies: {main: {model: ...}}")
+        self.bind_options(source)
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
@@ -143,6 +162,46 @@ class Config:
                 "RL back past the warm start. Set kl_coef: 0, or warm-start without LoRA "
                 "(a full fine-tune's frozen reference takes the warmed-up weights)."
             )
+
+    def bind_options(self, source: str = "<config>") -> None:
+        """Each part's options, checked against what the chosen part declares and typed.
+
+        The mappings the recipe wrote become instances of the parts' options dataclasses
+        (they unpack as keywords and write back to YAML as the same mappings)."""
+        self.rollout.args = WORKFLOWS.bind(
+            self.rollout.workflow, self.rollout.args, "rollout.args", source
+        )
+        if self.task.name:
+            self.task.args = TASKS.bind(self.task.name, self.task.args, "task.args", source)
+        elif self.task.args:
+            raise ConfigError(f"task.args in {source} is set but task.name is empty")
+        self.distributed.args = BACKENDS.bind(
+            self.distributed.backend, self.distributed.args, "distributed.args", source
+        )
+        for name, p in self.policies.items():
+            where = f"policies.{name}"
+            p.args = POLICIES.bind(p.kind, p.args, f"{where}.args", source)
+            p.engine.args = ENGINES.bind(
+                p.engine.name, p.engine.args, f"{where}.engine.args", source
+            )
+            if p.build:
+                p.build_args = MODELS.bind(p.build, p.build_args, f"{where}.build_args", source)
+            elif p.build_args:
+                raise ConfigError(
+                    f"{where}.build_args in {source} is set but {where}.build is empty"
+                )
+        for where, data in (
+            ("data", self.data),
+            ("eval.data", self.eval.data),
+            ("sft.data", self.sft.data),
+        ):
+            data.args = DATASETS.bind(data.kind, data.args, f"{where}.args", source)
+        self.algorithm.credit_args = CREDIT.bind(
+            self.algorithm.credit, self.algorithm.credit_args, "algorithm.credit_args", source
+        )
+        for i, term in enumerate(self.reward.terms):
+            if not isinstance(term, str):
+                term.args = REWARDS.bind(term.name, term.args, f"reward.terms[{i}].args", source)
 
     def trained_policies(self) -> list[str]:
         if self.train.policies is not None:

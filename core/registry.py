@@ -8,11 +8,19 @@ imports a plugin by name.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
+
+from polyrl.core import options as opts
 
 T = TypeVar("T")
 
@@ -44,36 +52,110 @@ def load_plugins() -> list[str]:
     return names
 
 
+# Folders a relative ``./file.py:Name`` is looked up in before the working directory
+# (the recipe's own folder; set by ``polyrl.core.config.load``).
+search_dirs: list[Path] = []
+
+
+def _file_module(file: str, path: str) -> ModuleType:
+    """Import a user's ``.py`` file (once) as a module of its own, no PYTHONPATH needed."""
+    candidates = [d / file for d in search_dirs] + [Path(file)]
+    found = next((c for c in candidates if c.expanduser().is_file()), None)
+    if found is None:
+        raise UnknownNameError(
+            f"{path!r}: no file {file!r} (looked in {', '.join(str(c.parent) for c in candidates)})"
+        )
+    found = found.expanduser().resolve()
+    digest = hashlib.sha1(str(found).encode()).hexdigest()[:8]
+    module_name = f"polyrl_user.{found.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, found)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # before exec: dataclasses and pickling look it up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
 def import_path(path: str) -> Any:
-    """Resolve ``package.module:Name`` (or ``package.module.Name``) to an object."""
+    """Resolve ``package.module:Name``, ``package.module.Name`` or ``path/to/file.py:Name``."""
     if ":" in path:
-        module_name, _, attr = path.partition(":")
+        module_name, _, attr = path.rpartition(":")
     else:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"{path!r} is not an import path; write it as 'package.module:Name'")
-    module = importlib.import_module(module_name)
+    if module_name.endswith(".py"):
+        module = _file_module(module_name, path)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and module_name.split(".")[0] != e.name.split(".")[0]:
+                raise  # the module exists; something it imports is missing
+            raise UnknownNameError(
+                f"{path!r}: no module {module_name!r} can be imported ({e}). Give an "
+                "installed module, or a file path such as './my_part.py:Name'"
+            ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ImportError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})")
+            raise UnknownNameError(
+                f"{path!r}: module {module_name!r} has no attribute {attr!r}"
+                + (f"; did you mean {hint!r}?" if (hint := nearest(part, dir(obj))) else "")
+            )
         obj = getattr(obj, part)
     return obj
 
 
 class Registry(Generic[T]):
-    """A name -> object table for one kind of part (rewards, engines, losses, ...)."""
+    """A name -> object table for one kind of part (rewards, engines, losses, ...).
 
-    def __init__(self, kind: str) -> None:
+    Parts of a kind that takes recipe options (``options_key``, e.g. ``rollout.args``)
+    declare them when they register (see :mod:`polyrl.core.options`). With
+    ``keywords=True`` a part receives its options as keyword arguments after ``skip``
+    positional ones, and a part that declares none has its keyword parameters as options;
+    otherwise the part reads them from its config and takes none unless it declares them.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        options_key: str | None = None,
+        keywords: bool = True,
+        call: str | None = None,
+        skip: int = 0,
+        reserved: tuple[str, ...] = (),
+    ) -> None:
         self.kind = kind
+        self.options_key = options_key
+        self._keywords, self._call, self._skip, self._reserved = keywords, call, skip, reserved
         self._items: dict[str, T] = {}
+        self._declared: dict[int, type] = {}  # id(part) -> its declared options
 
-    def register(self, name: str, obj: T | None = None) -> Callable[[T], T] | T:
-        """Register ``obj`` under ``name``; used bare as a decorator when ``obj`` is None."""
+    def register(
+        self, name: str, obj: T | None = None, *, options: type | None = None
+    ) -> Callable[[T], T] | T:
+        """Register ``obj`` under ``name`` (with its typed ``options``, a dataclass that
+        subclasses :class:`polyrl.core.options.Options`); a decorator when ``obj`` is None."""
 
         def add(item: T) -> T:
             if name in self._items and self._items[name] is not item:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            if options is not None:
+                opts.check_declared(
+                    options,
+                    item,
+                    name=f"{self.kind} {name!r}",
+                    call=self._call,
+                    skip=self._skip if self._keywords else -1,
+                )
+                self._declared[id(item)] = options
             self._items[name] = item
             return item
 
@@ -91,12 +173,36 @@ class Registry(Generic[T]):
         msg = f"unknown {self.kind} {name!r}"
         msg += f"; did you mean {hint!r}?" if hint else "."
         msg += f" Registered: {', '.join(sorted(self._items)) or '(none)'}."
-        msg += " Or give an import path 'package.module:Name'."
+        msg += " Or give an import path 'package.module:Name' or a file './my_file.py:Name'."
         raise UnknownNameError(msg)
 
     def check(self, name: str) -> None:
         """Fail early (at config time) if ``name`` cannot be resolved."""
         self.get(name)
+
+    def options(self, name: str) -> type[opts.Options]:
+        """The options dataclass of part ``name``: declared, else (for kinds that take
+        keywords) its keyword parameters, else none."""
+        part = self.get(name)
+        declared = self._declared.get(id(part))
+        if declared is not None:
+            return declared
+        if not self._keywords:
+            return _NO_OPTIONS
+        key = (id(part), name)
+        if key not in _derived:
+            _derived[key] = opts.derive(
+                part,
+                name=name.rpartition(":")[2] if ":" in name else name,
+                call=self._call,
+                skip=self._skip,
+                reserved=self._reserved,
+            )
+        return _derived[key]
+
+    def bind(self, name: str, value: Any, where: str, source: str = "<config>") -> opts.Options:
+        """A recipe's options for part ``name``, checked and typed (see ``options``)."""
+        return opts.bind(self.options(name), value, where, source, f"{self.kind} {name!r}")
 
     def names(self) -> list[str]:
         load_plugins()
@@ -109,19 +215,51 @@ class Registry(Generic[T]):
         return iter(sorted(self._items))
 
 
+@dataclasses.dataclass
+class _NoOptions(opts.Options):
+    """Takes no options."""
+
+
+_NO_OPTIONS = _NoOptions
+_derived: dict[tuple[int, str], type] = {}
+
+
 # The core's registries. Plugins add to these; they never edit the core.
 ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
-CREDIT: Registry[Callable] = Registry("credit assignment")
+# credit(record, algorithm_config, **options)
+CREDIT: Registry[Callable] = Registry(
+    "credit assignment", options_key="algorithm.credit_args", skip=2
+)
 POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
-REWARDS: Registry[Callable] = Registry("reward")
-ENGINES: Registry[Callable] = Registry("engine")
-POLICIES: Registry[Callable] = Registry("policy kind")
-WORKFLOWS: Registry[Callable] = Registry("workflow")
-MODELS: Registry[Callable] = Registry("model builder")
-TASKS: Registry[Callable] = Registry("task")
-DATASETS: Registry[Callable] = Registry("dataset kind")
+# Parts with recipe options; the comment says how each is called.
+# reward(sample_or_samples, **options)
+REWARDS: Registry[Callable] = Registry("reward", options_key="reward.terms[].args", skip=1)
+# engine(policy, seed=..., **options)
+ENGINES: Registry[Callable] = Registry(
+    "engine", options_key="policies.<name>.engine.args", skip=1, reserved=("seed",)
+)
+# policy_kind(name, cfg, ...): reads cfg.args
+POLICIES: Registry[Callable] = Registry(
+    "policy kind", options_key="policies.<name>.args", keywords=False
+)
+# workflow(ctx, **options)
+WORKFLOWS: Registry[Callable] = Registry("workflow", options_key="rollout.args", skip=1)
+# builder(path, **options)
+MODELS: Registry[Callable] = Registry(
+    "model builder", options_key="policies.<name>.build_args", skip=1
+)
+# task.write_dataset(out_dir, seed=..., **options)
+TASKS: Registry[Callable] = Registry(
+    "task", options_key="task.args", call="write_dataset", skip=1, reserved=("seed",)
+)
+# dataset_kind(cfg, tokenizer, name=...): reads cfg.args
+DATASETS: Registry[Callable] = Registry("dataset kind", options_key="data.args", keywords=False)
+# environment(**options)
 ENVIRONMENTS: Registry[Callable] = Registry("environment")
-BACKENDS: Registry[Callable] = Registry("distributed backend")
+# backend(cfg): reads cfg.distributed.args
+BACKENDS: Registry[Callable] = Registry(
+    "distributed backend", options_key="distributed.args", keywords=False
+)
 # Recipes shipped inside a package, runnable by name (`polyrl train signaling`).
 RECIPES: Registry[Any] = Registry("packaged recipe")

@@ -88,7 +88,7 @@ class RewardTerm:
         metadata={"doc": "registered reward name or 'package.module:function'"}
     )
     weight: float = doc(1.0, "multiplier of this term in the summed reward")
-    args: dict = doc({}, "keyword arguments passed to the reward function")
+    args: Any = doc({}, "options of the reward", options=REWARDS, chooser="name")
     label: str = doc("", "key for metrics and reward_terms/<key>; defaults to name")
     actor: dict = doc(
         {},
@@ -141,32 +141,19 @@ class RewardConfig:
             raise ValueError(f"reward.concurrency must be >= 1, got {self.concurrency}")
         seen: set[str] = set()
         for term in self.terms:
-            fn = resolve(term.name)
+            resolve(term.name)
             if term.key in seen:
                 raise ValueError(f"two reward terms share the key {term.key!r}; give one a label")
             seen.add(term.key)
             if not math.isfinite(float(term.weight)):
                 raise ValueError(f"reward {term.name!r} has non-finite weight {term.weight}")
-            if not isinstance(term.args, dict):
-                raise TypeError(f"reward {term.name!r}: args must be a dict")
-            _check_args(term.name, fn, term.args)
+            term.args = REWARDS.bind(term.name, term.args, f"reward term {term.key!r} args")
             unknown = sorted(set(term.actor) - set(REWARD_ACTOR_KEYS))
             if unknown:
                 raise ValueError(
                     f"reward term {term.key!r}: unknown actor keys {unknown}; "
                     f"valid: {list(REWARD_ACTOR_KEYS)}"
                 )
-
-
-def _check_args(name: str, fn: Callable, args: dict) -> None:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # some callables have no introspectable signature
-        return
-    try:
-        sig.bind(None, **args)
-    except TypeError as e:
-        raise ValueError(f"reward {name!r} does not accept args {sorted(args)}: {e}") from None
 
 
 # ---------------------------------------------------------------------------- scoring

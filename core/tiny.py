@@ -13,7 +13,7 @@ import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import polyrl.core.tasks  # noqa: F401  (registers the tasks whose corpora we train on)
 from polyrl.core.registry import MODELS, TASKS
@@ -208,14 +208,23 @@ def is_complete(path: str | Path) -> bool:
 def tiny_qwen2(
     path: str | Path,
     *,
-    corpus: str = "arithmetic",
-    vocab_size: int = 128,
-    seed: int = 0,
-    pretrain_steps: int = 0,
-    pretrain_lr: float = 1e-3,
-    pretrain_on: str = "corpus",
-    task_args: dict | None = None,
-    **model_kwargs: Any,
+    corpus: Annotated[str, "task whose corpus() trains the tokenizer (and pretraining)"] = (
+        "arithmetic"
+    ),
+    vocab_size: Annotated[int, "BPE vocabulary size of the tokenizer"] = 128,
+    seed: Annotated[int, "initialisation and pretraining seed"] = 0,
+    pretrain_steps: Annotated[int, "next-token steps on the corpus (0: random init)"] = 0,
+    pretrain_lr: Annotated[float, "AdamW learning rate of pretraining"] = 1e-3,
+    pretrain_on: Annotated[str, "corpus, or sft: the task's format warm start"] = "corpus",
+    task_args: Annotated[dict | None, "the task's options, for pretrain_on: sft"] = None,
+    hidden_size: Annotated[int, "model width"] = 64,
+    num_layers: Annotated[int, "decoder layers"] = 2,
+    num_heads: Annotated[int, "attention heads"] = 1,
+    num_kv_heads: Annotated[int, "key/value heads"] = 1,
+    head_dim: Annotated[int, "per-head width (vLLM's CPU kernel needs 64)"] = 64,
+    intermediate_size: Annotated[int, "MLP width"] = 256,
+    max_position_embeddings: Annotated[int, "longest sequence"] = 512,
+    tie_word_embeddings: Annotated[bool, "share input and output embeddings"] = True,
 ) -> Path:
     """Build a tiny Qwen2 + tokenizer at ``path`` (once), trained on task ``corpus``'s texts.
 
@@ -239,7 +248,18 @@ def tiny_qwen2(
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
     tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
-    model = build_tiny_qwen2(tokenizer, seed=seed, **model_kwargs)
+    model = build_tiny_qwen2(
+        tokenizer,
+        seed=seed,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+    )
     if pretrain_steps:
         texts = (
             TASKS.get(corpus).corpus()

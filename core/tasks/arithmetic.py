@@ -11,6 +11,7 @@ import random
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
 
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
@@ -94,14 +95,18 @@ def make_rows(
 
 
 def write_dataset(
-    out_dir: str | Path, n_train: int, n_eval: int, seed: int, **kw
+    out_dir: str | Path,
+    n_train: Annotated[int, "training rows (problems repeat when the space is smaller)"],
+    n_eval: Annotated[int, "held-out problems, all distinct and never in train"],
+    seed: int,
+    max_operand: Annotated[int, "operands run over 0..max_operand"] = 20,
+    ops: Annotated[str, "operators to draw from, a subset of '+-*'"] = "+",
+    style: Annotated[str, "bare: '12+7='; question: 'What is 12+7?'"] = "bare",
 ) -> tuple[Path, Path]:
-    """Write train.jsonl and eval.jsonl under ``out_dir`` with disjoint problems.
-
-    ``kw`` goes to :func:`make_rows` (max_operand, ops, style). Eval problems are all
-    distinct and never appear in train.
-    """
-    total = len(_problems(kw.get("max_operand", 20), kw.get("ops", "+")))
+    """Write train.jsonl and eval.jsonl under ``out_dir`` with disjoint problems."""
+    kw = {"max_operand": max_operand, "ops": ops, "style": style}
+    _check(max_operand, ops, style)
+    total = len(_problems(max_operand, ops))
     if n_eval >= total:
         raise ValueError(f"n_eval={n_eval} leaves no training problems (only {total} exist)")
     eval_rows = make_rows(n_eval, seed + 1, **kw)

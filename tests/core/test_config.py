@@ -88,8 +88,14 @@ def test_overrides_parse_yaml_values():
 
 
 def test_override_replaces_a_mapping_value(recipe):
-    cfg = load(Config, recipe, ["task.args={n_train: 5, ops: '+-'}", "policies.main.build_args={}"])
-    assert cfg.task.args == {"n_train": 5, "ops": "+-"}
+    cfg = load(
+        Config,
+        recipe,
+        ["task.name=arithmetic", "task.args={n_train: 5, n_eval: 2, ops: '+-'}"],
+    )
+    # the whole mapping is replaced (no key of the recipe's survives), then typed
+    assert (cfg.task.args.n_train, cfg.task.args.n_eval, cfg.task.args.ops) == (5, 2, "+-")
+    assert cfg.task.args.max_operand == 20  # the task's default, not the recipe's
 
 
 def test_missing_recipe_file(tmp_path):

@@ -1,0 +1,221 @@
+"""The contracts between the core and its parts, in one place.
+
+Each kind of part is a :class:`typing.Protocol`: what the core calls on it. A part also
+may implement optional hooks; each hook is a protocol of its own, so the core asks
+``isinstance(part, Hook)`` rather than probing attribute names, and a reader finds every
+hook here. Parts register in the registries of :mod:`polyrl.core.registry`, with their
+typed options (:mod:`polyrl.core.options`).
+
+How to add each kind of part, with an example, is in ``docs/ARCHITECTURE.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+# --------------------------------------------------------------------------- tasks
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A synthetic task that writes its own data (``task.name``): a module or an object.
+
+    ``write_dataset(out_dir, seed=..., **options)`` writes train and eval JSONL files and
+    returns their paths; its keyword parameters are the task's options (``task.args``).
+    """
+
+    def write_dataset(self, out_dir: str | Path, *, seed: int, **options: Any) -> tuple: ...
+
+
+@runtime_checkable
+class HasSFTRows(Protocol):
+    """A task that can say what a supervised warm start trains on (``sft.steps`` with no
+    ``sft.data.path``): prompt -> response rows made from its training rows."""
+
+    def sft_rows(self, rows: list[dict]) -> list[dict]: ...
+
+
+@runtime_checkable
+class HasCorpus(Protocol):
+    """A task whose texts train a tiny tokenizer/model offline (``build_args.corpus``)."""
+
+    def corpus(self) -> list[str]: ...
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A trainable model with its own optimizer, schedule and checkpoint (``POLICIES``).
+
+    Constructed as ``kind(name, cfg, *, total_steps, need_reference, shared, device)``;
+    ``cfg.args`` holds the kind's declared options. ``load_tokenizer(cfg)`` is a static
+    method, so data can be checked before any weights load.
+    """
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+    def logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def export(self, out_dir: str | Path) -> Path: ...
+
+
+@runtime_checkable
+class HasReference(Protocol):
+    """A policy with a frozen KL reference (``algorithm.kl_coef > 0``)."""
+
+    reference: Any
+    reference_warmed: bool
+
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ShardsItsRoot(Protocol):
+    """A policy whose FSDP root is not ``model`` itself (a VLM's language model), so the
+    parts around it are gathered by the Ray worker."""
+
+    def fsdp_root(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class ExportsWeights(Protocol):
+    """A policy that writes its own export format from gathered weights (rank 0)."""
+
+    def export_weights(self, out_dir: str | Path, gathered: dict[str, torch.Tensor]) -> Path: ...
+
+
+@runtime_checkable
+class LoadsTrainableState(Protocol):
+    """A policy that restores only its trainable tensors (LoRA adapters) in a worker."""
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+@runtime_checkable
+class RayLoRA(Protocol):
+    """A policy kind (class) whose LoRA adapters train under the Ray backend."""
+
+    ray_lora: ClassVar[bool]
+
+
+# --------------------------------------------------------------------------- engines
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Rollout generation for one policy (``ENGINES``), built as
+    ``engine(policy, seed=..., **options)``."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Any) -> list: ...
+
+    def sync(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class RemoteMethods(Protocol):
+    """An engine class whose extra methods (beyond :class:`Engine`) the Ray backend
+    forwards to its actor, by name (e.g. a VL engine's image-aware generate)."""
+
+    remote_methods: ClassVar[tuple[str, ...]]
+
+
+@runtime_checkable
+class NeedsImages(Protocol):
+    """An engine class whose prompts carry images; its rows ship images to the actor."""
+
+    needs_images: ClassVar[bool]
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A part holding processes or memory to give back when the run ends."""
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- workflows
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    """Turns prompt items into one rollout record (``WORKFLOWS``), built as
+    ``workflow(ctx, **options)``."""
+
+    def rollout(self, items: list, params: Any) -> TensorDict: ...
+
+
+@runtime_checkable
+class ChecksConfig(Protocol):
+    """A workflow class that checks the recipe beyond its own options at config time
+    (agents that name policies, say), before any model loads."""
+
+    @staticmethod
+    def validate_config(cfg: Any) -> None: ...
+
+
+@runtime_checkable
+class Learns(Protocol):
+    """A workflow that fits parts of its own on the credited record (a critic)."""
+
+    def learn(self, record: TensorDict) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part whose state goes into the checkpoint (a workflow's critic)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class ReportsRollout(Protocol):
+    """A workflow with metrics of its last rollout (calls per engine, turns, ...)."""
+
+    def rollout_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class WritesTranscriptKeys(Protocol):
+    """A workflow whose rows carry facts (in ``meta``) worth writing to transcripts."""
+
+    transcript_keys: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+class Reward(Protocol):
+    """``reward(sample, **options) -> float`` (sync or async); batched rewards, registered
+    with ``batched=True``, take ``list[Sample]`` and return one value per sample."""
+
+    def __call__(self, sample: Any, /, **options: Any) -> Any: ...
+
+
+class Credit(Protocol):
+    """``credit(record, algorithm_config, **options) -> metrics``: writes the record's
+    ``advantages`` (``CREDIT``; options in ``algorithm.credit_args``)."""
+
+    def __call__(self, record: TensorDict, algo: Any, /, **options: Any) -> dict[str, float]: ...
