@@ -14,6 +14,29 @@ from polyrl.core.record import GROUP_KEYS, group_ids
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
 
+def group_stats(
+    values: torch.Tensor, groups: torch.Tensor, *, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's group mean, std and size, for values [B] and any integer group ids [B].
+
+    The one group-statistics helper of the core and every plugin (agents' step groups,
+    diffusion's per-prompt groups, marl's joint groups). ``unbiased`` divides the variance
+    by n - 1 (torch's and verl's GRPO convention) and gives a one-row group std 0;
+    otherwise by n (the population std Flow-GRPO uses). Computed in float64.
+    """
+    v = values.to(torch.float64)
+    if v.numel() == 0:
+        return v, v, v
+    _, dense = torch.unique(groups, return_inverse=True)
+    n_groups = int(dense.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, torch.ones_like(v))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, v) / count
+    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, (v - mean[dense]) ** 2)
+    denom = (count - 1).clamp(min=1) if unbiased else count
+    std = (sq / denom).sqrt()
+    return mean[dense], std[dense], count[dense]
+
+
 def group_credit(record: TensorDict, algo) -> dict[str, float]:
     """Advantages for valid rows from the registered estimator; invalid rows get 0."""
     mask = record["loss_mask"].float()
