@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from polyrl.core.config import ConfigError, UserError
+
 # The embedded default: what `polyrl train` with no recipe runs (the README's main job).
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "arithmetic_grpo.yaml"
 
@@ -41,7 +43,7 @@ def _latest_run(pattern_dir: str, name: str) -> str:
         key=lambda p: (p / "checkpoints").stat().st_mtime,
     )
     if not found:
-        raise SystemExit(f"--resume: no run directory with checkpoints matches {pattern}")
+        raise ConfigError(f"--resume: no run directory with checkpoints matches {pattern}")
     return str(found[-1])
 
 
@@ -50,7 +52,7 @@ def cmd_train(args) -> int:
 
     overrides = list(args.overrides)
     if args.resume and not Path(args.resume).expanduser().is_dir():  # a typo must not start afresh
-        raise SystemExit(
+        raise ConfigError(
             f"--resume: {args.resume!r} is not a directory; give the run directory "
             "to continue (or --resume alone for the newest run)"
         )
@@ -74,7 +76,7 @@ def _require_checkpoint(run_dir: str, cmd: str) -> None:
     if not ckpts.is_dir() or not any(
         CKPT_RE.match(p.name) and (p / "COMPLETE").is_file() for p in ckpts.iterdir()
     ):
-        raise SystemExit(
+        raise ConfigError(
             f"polyrl {cmd}: {run_dir!r} has no complete checkpoint "
             "(checkpoints/step_*/COMPLETE); is it a PolyRL run directory?"
         )
@@ -101,7 +103,7 @@ def cmd_plot(args) -> int:
     from polyrl.core.plot import plot_run
 
     if not (Path(args.run_dir) / "metrics.jsonl").is_file():
-        raise SystemExit(
+        raise ConfigError(
             f"polyrl plot: {args.run_dir!r} has no metrics.jsonl; is it a PolyRL run directory?"
         )
     for p in plot_run(args.run_dir):
@@ -125,6 +127,9 @@ def cmd_export(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a recipe or data error"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train from a recipe")
     t.add_argument(
@@ -160,13 +165,26 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("config", help="list every recipe key with its type, default and doc")
     h.set_defaults(fn=cmd_config)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    if args.debug:
+        return args.fn(args)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        # What the user gave is wrong: the message names file, key or row and what to do;
+        # a traceback would only bury it.
+        print(f"polyrl {args.cmd}: error: {e}", file=sys.stderr)
+        print("(run with --debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 def cmd_config(args) -> int:
+    """Every recipe key, and under each options field the options of every installed part."""
+    import polyrl.core  # noqa: F401  (registers the core's parts)
     from polyrl.core.config import describe
     from polyrl.core.recipe import Config
+    from polyrl.core.registry import load_plugins
 
+    load_plugins()
     print("\n".join(describe(Config)))
     return 0
 

@@ -45,7 +45,12 @@ def doc_factory(factory: Any, text: str) -> Any:
 # Loading: YAML + overrides -> nested dataclasses, with strict keys and type checks.
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An error in what the user gave (recipe, data, run directory), not in PolyRL: the
+    CLI prints its message alone and exits with status 2 (``--debug``: the traceback)."""
+
+
+class ConfigError(UserError, ValueError):
     """A recipe is wrong: names the key, the file and the fix."""
 
 
@@ -180,8 +185,16 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} does not exist")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"recipe {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                "save it as UTF-8"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping at the top level")
         source = str(path)
@@ -235,10 +248,13 @@ def _part_options(key: str, f: dataclasses.Field, seen: dict) -> list[str]:
         except TypeError as e:
             lines.append(f"  [{chooser}: {name}] options not declared ({e})")
             continue
+        if not dataclasses.fields(options):
+            lines.append(f"  [{chooser}: {name}] (no options)")
+            continue
         about = (options.__doc__ or "").strip().splitlines()
         lines.append(f"  [{chooser}: {name}] " + (about[0] if about else ""))
         sub = describe(options, key)
-        lines += [f"    {line}" for line in sub] or ["    (no options)"]
+        lines += [f"    {line}" for line in sub]
     return lines
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.core.config import doc
+from polyrl.core.config import UserError, doc
 from polyrl.core.registry import DATASETS
 
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -30,7 +30,7 @@ FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv
 _FILE_LIKE = {*FILE_FORMATS, ".txt", ".tsv", ".arrow", ".gz", ".zip", ".yaml", ".yml", ".xlsx"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset could not be loaded or one of its rows is unusable."""
 
 

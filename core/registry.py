@@ -21,13 +21,14 @@ from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 from polyrl.core import options as opts
+from polyrl.core.config import UserError
 
 T = TypeVar("T")
 
 _plugins_loaded = False
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(UserError, KeyError):
     """A recipe named a part that no registry holds."""
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable

@@ -22,10 +22,12 @@ import numpy as np
 import torch
 import yaml
 
+from polyrl.core.config import UserError
+
 CKPT_RE = re.compile(r"^step_(\d+)$")
 
 
-class RunDirError(OSError):
+class RunDirError(UserError, OSError):
     """The run directory cannot be used (said before any training starts)."""
 
 

@@ -112,10 +112,10 @@ def test_plot_writes_pngs(trained, capsys):
     assert is_png(run_dir / "plots" / "accuracy.png")
 
 
-def test_plot_on_a_non_run_dir_fails_clearly(tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["plot", str(tmp_path)])
-    msg = str(e.value.code)
+def test_plot_on_a_non_run_dir_fails_clearly(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    msg = capsys.readouterr().err
+    assert "Traceback" not in msg
     assert str(tmp_path) in msg and "metrics.jsonl" in msg and "run directory" in msg
     assert not (tmp_path / "plots").exists()
 
@@ -137,11 +137,12 @@ def test_export_writes_a_loadable_model(trained, tmp_path, capsys):
     assert run_record(run_dir) == before  # the run's config and metrics are left alone
 
 
-def test_export_of_a_dir_without_checkpoints_fails(trained, tmp_path):
+def test_export_of_a_dir_without_checkpoints_fails(trained, tmp_path, capsys):
     """Never export the untrained base model from a mistyped run directory."""
     recipe, _, _ = trained
-    with pytest.raises(SystemExit, match="no complete checkpoint"):
-        main(["export", str(recipe), str(tmp_path / "not-a-run"), "--out", str(tmp_path / "x")])
+    args = ["export", str(recipe), str(tmp_path / "not-a-run"), "--out", str(tmp_path / "x")]
+    assert main(args) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "not-a-run").exists()
 
 
@@ -155,10 +156,10 @@ def test_eval_prints_accuracy(trained, capsys):
     assert run_record(run_dir) == before
 
 
-def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path):
+def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path, capsys):
     recipe, _, _ = trained
-    with pytest.raises(SystemExit, match="no complete checkpoint"):
-        main(["eval", str(recipe), "--run-dir", str(tmp_path / "not-a-run")])
+    assert main(["eval", str(recipe), "--run-dir", str(tmp_path / "not-a-run")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
 
 
 def test_train_without_a_recipe_uses_the_embedded_default():
@@ -170,3 +171,53 @@ def test_train_without_a_recipe_uses_the_embedded_default():
     assert cfg.task.name == "arithmetic" and cfg.train.steps == 3
     cfg = _load("train.steps=2", ["seed=5"])  # the first override lands where a recipe would
     assert cfg.train.steps == 2 and cfg.seed == 5 and cfg.task.name == "arithmetic"
+
+
+# --------------------------------------------------------------------------- errors and config
+
+
+@pytest.mark.parametrize(
+    "recipe_text, expected",
+    [
+        ("policies: {main: {model: m}}\nrollout: {args: {polciy: main}}\n", "rollout.args.polciy"),
+        ("policies: {main: {model: m}}\ntrain: {steps: [1\n", "not valid YAML"),
+        ("policies: {main: {model: m}}\ntask: {name: arithmetic, args: {n_train: x}}\n", "integer"),
+    ],
+    ids=["unknown-option", "malformed-yaml", "wrong-type"],
+)
+def test_recipe_errors_print_one_message_and_exit_2(tmp_path, recipe_text, expected):
+    """Through the real command: the message alone on stderr, status 2; --debug: traceback."""
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(recipe_text)
+    cmd = [sys.executable, "-m", "polyrl.core.cli"]
+    out = subprocess.run([*cmd, "train", str(recipe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and str(recipe) in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    debug = subprocess.run(
+        [*cmd, "--debug", "train", str(recipe)], capture_output=True, text=True, timeout=300
+    )
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and expected in debug.stderr
+
+
+def test_config_lists_every_part_option_with_type_and_doc(capsys):
+    assert main(["config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # the Ray backend's declared options, under distributed.args
+    placement = [line for line in lines if line.strip().startswith("distributed.args.placement ")]
+    assert len(placement) == 1
+    assert "'colocate' | 'split'" in placement[0] and "engine shares worker 0" in placement[0]
+    # a task's options derived from its documented keyword parameters
+    n_eval = [line for line in lines if line.strip().startswith("task.args.n_eval ")]
+    assert n_eval and "int = required" in n_eval[0] and "never in train" in n_eval[0]
+    # a builder's options
+    assert any(
+        line.strip().startswith("policies.<name>.build_args.hidden_size (int = 64)")
+        for line in lines
+    )
+    # every options field names the parts it can hold
+    assert any("[rollout.workflow: single_turn]" in line for line in lines)
+    assert any("[task.name: arithmetic]" in line for line in lines)

@@ -219,15 +219,16 @@ def test_cli_resume_without_dir_finds_newest_run(tmp_path):
     assert _latest_run(f"{runs}/{{name}}-{{time}}", "exp") == str(runs / "exp-20240102-000000")
     (runs / "exp" / "checkpoints").mkdir(parents=True)
     assert _latest_run(f"{runs}/{{name}}", "exp") == str(runs / "exp")
-    with pytest.raises(SystemExit, match="no run directory"):
+    with pytest.raises(ConfigError, match="no run directory"):
         _latest_run(f"{runs}/{{name}}-{{time}}", "nothing")
 
 
-def test_cli_resume_of_missing_dir_refuses(tmp_path):
+def test_cli_resume_of_missing_dir_refuses(tmp_path, capsys):
     from polyrl.core.cli import main
 
-    with pytest.raises(SystemExit, match="is not a directory"):  # not a silent fresh start
-        main(["train", str(tmp_path / "recipe.yaml"), "--resume", str(tmp_path / "typo")])
+    # not a silent fresh start
+    assert main(["train", str(tmp_path / "recipe.yaml"), "--resume", str(tmp_path / "typo")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- resume after a kill
