@@ -8,6 +8,7 @@ from typing import Any, Literal
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
+from polyrl.core.interfaces import ChecksConfig
 from polyrl.core.policy import PolicyConfig, resolve_device
 from polyrl.core.registry import (
     BACKENDS,
@@ -144,9 +145,9 @@ class Config:
         WORKFLOWS.check(self.rollout.workflow)
         # A workflow may check its own rollout.args (agents, policies it names) before any
         # model loads.
-        check = getattr(WORKFLOWS.get(self.rollout.workflow), "validate_config", None)
-        if callable(check):
-            check(self)
+        workflow = WORKFLOWS.get(self.rollout.workflow)
+        if isinstance(workflow, ChecksConfig):
+            workflow.validate_config(self)
         if self.task.name:
             TASKS.check(self.task.name)
         self.algorithm.validate()
@@ -173,8 +174,6 @@ class Config:
         )
         if self.task.name:
             self.task.args = TASKS.bind(self.task.name, self.task.args, "task.args", source)
-        elif self.task.args:
-            raise ConfigError(f"task.args in {source} is set but task.name is empty")
         self.distributed.args = BACKENDS.bind(
             self.distributed.backend, self.distributed.args, "distributed.args", source
         )

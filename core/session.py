@@ -7,6 +7,7 @@ restores the last checkpoint when resuming.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -21,7 +22,14 @@ from tensordict import TensorDict
 
 from polyrl.core import rewards
 from polyrl.core.config import ConfigError, to_dict
-from polyrl.core.data import PromptSampler, load_rows, write_jsonl
+from polyrl.core.data import DataConfig, PromptSampler, load_rows, write_jsonl
+from polyrl.core.interfaces import (
+    HasSFTRows,
+    Learns,
+    ReportsRollout,
+    Stateful,
+    WritesTranscriptKeys,
+)
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
@@ -39,20 +47,40 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_task(cfg: Config, run_dir: Path) -> None:
-    """Let a synthetic task write its data, and point empty data paths at it."""
+@dataclass(frozen=True)
+class DataSources:
+    """The data configs a run reads: the recipe's, with the paths a task wrote filled in.
+    Derived here, so the config the user wrote stays as written."""
+
+    train: DataConfig
+    eval: DataConfig
+    sft: DataConfig
+
+
+def prepare_task(cfg: Config, run_dir: Path) -> DataSources:
+    """Let a synthetic task write its data; empty data paths point at what it wrote."""
+    sources = DataSources(cfg.data, cfg.eval.data, cfg.sft.data)
     if not cfg.task.name:
-        return
+        return sources
     task = TASKS.get(cfg.task.name)
     out = Path(cfg.task.dir.format(run_dir=run_dir))
     train_path, eval_path = task.write_dataset(out, seed=cfg.seed, **cfg.task.args)
-    cfg.data.path = cfg.data.path or str(train_path)
-    cfg.eval.data.path = cfg.eval.data.path or str(eval_path)
-    if cfg.sft.steps and not cfg.sft.data.path:
+    sft = cfg.sft.data
+    if cfg.sft.steps and not sft.path:
+        if not isinstance(task, HasSFTRows):
+            raise ConfigError(
+                f"sft.steps={cfg.sft.steps} with no sft.data.path, and task "
+                f"{cfg.task.name!r} has no sft_rows() to make warm-start rows from; give "
+                "sft.data.path"
+            )
         sft_path = out / "sft.jsonl"
         write_jsonl(sft_path, task.sft_rows(load_rows(str(train_path))[0]))
-        cfg.sft.data.path = str(sft_path)
-        cfg.sft.data.answer_field = "response"
+        sft = dataclasses.replace(sft, path=str(sft_path), answer_field="response")
+    return DataSources(
+        dataclasses.replace(cfg.data, path=cfg.data.path or str(train_path)),
+        dataclasses.replace(cfg.eval.data, path=cfg.eval.data.path or str(eval_path)),
+        sft,
+    )
 
 
 @dataclass
@@ -71,6 +99,7 @@ class Session:
     step: int = 0
     history: dict[str, list] = field(default_factory=dict)
     reward_runners: dict = field(default_factory=dict)  # terms scored on their own actors
+    sources: DataSources | None = None  # the data configs read (task paths filled in)
 
     @classmethod
     def open(cls, cfg: Config, *, record: bool = True) -> Session:
@@ -90,15 +119,15 @@ class Session:
             run_dir, to_dict(cfg) if record else None, tensorboard=cfg.run.tensorboard and record
         )
         seed_everything(cfg.seed)
-        prepare_task(cfg, run.path)
+        sources = prepare_task(cfg, run.path)
         # Data before weights: a bad path, row or prompt fails in seconds, before any model
         # loads. The first policy's tokenizer is loaded on its own for this.
         first = next(iter(cfg.policies.values()))
         tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
-        dataset = DATASETS.get(cfg.data.kind)(cfg.data, tokenizer, name="train")
+        dataset = DATASETS.get(sources.train.kind)(sources.train, tokenizer, name="train")
         eval_items = (
-            list(DATASETS.get(cfg.eval.data.kind)(cfg.eval.data, tokenizer, name="eval"))
-            if cfg.eval.data.path
+            list(DATASETS.get(sources.eval.kind)(sources.eval, tokenizer, name="eval"))
+            if sources.eval.path
             else []
         )
         backend = BACKENDS.get(cfg.distributed.backend)(cfg)
@@ -139,6 +168,7 @@ class Session:
             cfg.trained_policies(),
             torch.Generator().manual_seed(cfg.seed),
             reward_runners=backend.reward_runners(cfg.reward),
+            sources=sources,
         )
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
@@ -156,7 +186,8 @@ class Session:
         self.run.log(0, before)
         for name in self.trained:
             policy = self.policies[name]
-            data = DATASETS.get(cfg.sft.data.kind)(cfg.sft.data, policy.tokenizer, name="sft")
+            sft = self.sources.sft if self.sources else cfg.sft.data
+            data = DATASETS.get(sft.kind)(sft, policy.tokenizer, name="sft")
             sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
             with policy.sft_optimizer(cfg.sft.lr):
                 self._sft(name, policy, sampler)
@@ -198,8 +229,7 @@ class Session:
     def learn(self, record: TensorDict) -> dict[str, float]:
         """Let the workflow fit what it learns itself (e.g. a centralized critic) on the
         credited record; workflows without a ``learn`` method have nothing to fit."""
-        learn = getattr(self.workflow, "learn", None)
-        return learn(record) if learn is not None else {}
+        return self.workflow.learn(record) if isinstance(self.workflow, Learns) else {}
 
     def score(self, record: TensorDict) -> dict[str, float]:
         """The reward terms on the record (remote terms on their actors)."""
@@ -238,13 +268,15 @@ class Session:
 
     # --- logging helpers ----------------------------------------------------------------
     def rollout_stats(self, record: TensorDict) -> dict[str, float]:
+        """The record's lengths and validity, plus what the workflow reports of its rollout."""
         lengths = record["response_mask"].sum(-1).float()
+        own = self.workflow.rollout_metrics() if isinstance(self.workflow, ReportsRollout) else {}
         return {
             "rollout/response_len": float(lengths.mean()),
             "rollout/truncated_frac": float(record["truncated"].float().mean()),
             "rollout/valid_frac": float(record["valid"].float().mean()),
             "rollout/rows": float(record.batch_size[0]),
-        }
+        } | own
 
     def transcripts(self, record: TensorDict, k: int) -> list[dict]:
         if 0 < k < record.batch_size[0]:
@@ -252,7 +284,10 @@ class Session:
         cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
         meta = strings(record, "meta")
         rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
-        extra = getattr(self.workflow, "transcript_keys", ())  # a workflow's own row facts
+        # a workflow's own row facts
+        extra = (
+            self.workflow.transcript_keys if isinstance(self.workflow, WritesTranscriptKeys) else ()
+        )
         return [
             {
                 "policy": cols["policy"][i],
@@ -284,7 +319,7 @@ class Session:
         }
         for name, p in self.policies.items():
             state[f"policy_{name}"] = p.state_dict()
-        if hasattr(self.workflow, "state_dict"):  # e.g. a critic the workflow trains
+        if isinstance(self.workflow, Stateful):  # e.g. a critic the workflow trains
             state["workflow"] = self.workflow.state_dict()
         self.run.save(step, state, keep=self.cfg.run.keep_checkpoints)
 
@@ -296,7 +331,7 @@ class Session:
         for n, e in self.engines.items():
             e.load_state_dict(t["engines"][n])
         self.sampler.load_state_dict(t["sampler"])
-        if hasattr(self.workflow, "load_state_dict"):
+        if isinstance(self.workflow, Stateful):
             if "workflow" not in state:
                 raise ValueError(
                     f"checkpoint of step {step} holds no workflow state, but "
