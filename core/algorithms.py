@@ -12,6 +12,7 @@ row's policy generated (the loss tokens) and 0 elsewhere (padding, tool output, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -237,12 +238,10 @@ def _actor_config(loss_mode: str, *values: float) -> Any:
 
 
 def _verl_actor_config(loss_mode: str, cfg: AlgorithmConfig, agg: AggInfo) -> Any:
-    actor = _actor_config(loss_mode, *(float(getattr(cfg, f)) for f in _ACTOR_FIELDS))
-    # verl's losses read the batch totals from this dict (verl itself refills it per call).
-    info = actor.global_batch_info
-    info.clear()
-    info.update(_agg_kwargs(agg))
-    return actor
+    """verl's losses read the batch totals from ``global_batch_info``: each call gets its
+    own copy of the cached config with its own dict, so the cached one is never changed."""
+    cached = _actor_config(loss_mode, *(float(getattr(cfg, f)) for f in _ACTOR_FIELDS))
+    return dataclasses.replace(cached, global_batch_info=_agg_kwargs(agg))
 
 
 def _agg_kwargs(agg: AggInfo) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from polyrl.core.interfaces import Closable
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 
@@ -362,9 +363,8 @@ class AutoEngine:
         self.inner.load_state_dict(state["inner"])
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        if isinstance(self.inner, Closable):
+            self.inner.close()
 
 
 ENGINES.register("auto", AutoEngine)

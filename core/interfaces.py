@@ -62,12 +62,18 @@ class Policy(Protocol):
     name: str
     model: torch.nn.Module
     tokenizer: Any
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: a frozen policy (train: false)
     scheduler: Any
+    # The frozen KL reference (None: no KL, or LoRA, whose reference is the adapter-off
+    # base) and whether a warm start has moved it to the warmed-up weights.
+    reference: torch.nn.Module | None
+    reference_warmed: bool
 
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -77,13 +83,11 @@ class Policy(Protocol):
 
 
 @runtime_checkable
-class HasReference(Protocol):
-    """A policy with a frozen KL reference (``algorithm.kl_coef > 0``)."""
+class HasProcessor(Protocol):
+    """A policy whose processor (tokenizer, image processor, chat template) is what an
+    export saves beside the weights (a VLM)."""
 
-    reference: Any
-    reference_warmed: bool
-
-    def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor: ...
+    processor: Any
 
 
 @runtime_checkable

@@ -231,6 +231,7 @@ class CausalLMPolicy:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.need_reference = need_reference
+        self.reference_warmed = False  # a warm start has not moved the reference yet
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model, cfg, need_reference=need_reference, total_steps=total_steps
         )
@@ -388,7 +389,7 @@ def checkpoint_state(policy: Any) -> dict[str, Any]:
         "optimizer": policy.optimizer.state_dict() if policy.optimizer else None,
         "scheduler": policy.scheduler.state_dict() if policy.scheduler else None,
     }
-    if getattr(policy, "reference_warmed", False):
+    if policy.reference_warmed:
         state["reference"] = policy.reference.state_dict()
     return state
 
@@ -418,7 +419,7 @@ def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: floa
         yield
     finally:
         policy.optimizer, policy.scheduler = saved
-    if (reference := getattr(policy, "reference", None)) is not None:
+    if (reference := policy.reference) is not None:
         with torch.no_grad():
             reference.load_state_dict(policy.model.state_dict())
         policy.reference_warmed = True

@@ -37,11 +37,9 @@ What runs where:
   scheduler; ``export`` has rank 0 write the Hugging Face folder, or the PEFT adapter
   folder for LoRA, or what the policy's ``export_weights(out_dir, weights)`` writes from
   the gathered weights when its kind has one; so in a multi-node run the run directory must
-  be on storage rank 0's node sees). ``make_engine`` returns a proxy with the interface the
-  engine class offers: :class:`RayEngine` (``generate``), :class:`RayVLEngine` (also
-  ``generate_vl`` when the engine takes images, so a VL workflow runs unchanged; its vision
-  inputs are pickled into the call), :class:`RayTrajectoryEngine` (``sample``/``decode``,
-  an engine that samples trajectories rather than token ids, as the diffusion engine does).
+  be on storage rank 0's node sees). ``make_engine`` returns a :class:`RayEngine` proxy with
+  the engine interface plus the methods the engine class declares in ``remote_methods``
+  (core/interfaces.py), so a workflow runs unchanged against the actor.
 
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
@@ -61,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +67,7 @@ from typing import Any, Literal
 import torch
 
 from polyrl.core.config import ConfigError, doc, from_dict
+from polyrl.core.interfaces import NeedsImages, RayLoRA, RemoteMethods
 from polyrl.core.options import Options
 from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
     ActorError,
@@ -303,13 +303,20 @@ class RayPolicy:
 
 
 class RayEngine:
-    """The driver's handle on a policy's engine actor; the engine interface."""
+    """The driver's handle on a policy's engine actor: the :class:`Engine` interface, plus
+    each method the engine class declares in ``remote_methods`` (an image-aware generate,
+    whole-trajectory sampling), forwarded to the actor by name, so a workflow calls the
+    handle as it would the engine. Arguments and results are pickled into the call: for a
+    VLM's pixel values that is about 24 MB per 1-megapixel image per rollout."""
 
     def __init__(self, policy: RayPolicy, engine_cls: Any = None) -> None:
         self.policy, self.group = policy, policy.group
         self.tokenizer = policy.tokenizer
         # a workflow reads what the engine takes (vllm_vl: the resized images themselves)
-        self.needs_images = bool(getattr(engine_cls, "needs_images", False))
+        self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
+        declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
+        for method in declared:
+            setattr(self, method, functools.partial(self.group.call_engine, "call", method))
 
     def generate(self, prompts, params):
         return self.group.call_engine("generate", [list(p) for p in prompts], params)
@@ -324,33 +331,6 @@ class RayEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.group.call_engine("load_state_dict", state)
-
-
-class RayTrajectoryEngine(RayEngine):
-    """The handle on an engine actor whose engine samples whole trajectories from prompt
-    texts (it has ``sample`` and ``decode``, not ``generate``): the engine's own interface,
-    one actor call each; the results (dataclasses of tensors) are pickled back."""
-
-    def sample(self, prompts: list[str], **kwargs) -> Any:
-        return self.group.call_engine("sample", list(prompts), **kwargs)
-
-    def decode(self, outputs: torch.Tensor) -> Any:
-        return self.group.call_engine("decode", outputs)
-
-
-class RayVLEngine(RayEngine):
-    """The handle on an engine actor whose engine takes images (it has ``generate_vl``), so
-    ``hasattr(engine, "generate_vl")`` on the driver says what the actor's engine can do."""
-
-    def generate_vl(self, prompts, visions, params, **kwargs):
-        """The engine actor's ``generate_vl``. The processed vision inputs (tensors in
-        dataclasses) and any ``images`` are pickled into the call, once per prompt (its
-        group of ``n`` shares them). The cost is the ``pixel_values``: for Qwen2.5-VL one
-        row of 1176 float32 per 14x14 patch, about 24 MB for a 1-megapixel image, so a step
-        of many large images moves that much to the engine actor once per rollout."""
-        return self.group.call_engine(
-            "generate_vl", [list(p) for p in prompts], list(visions), params, **kwargs
-        )
 
 
 # --------------------------------------------------------------------------------- backend
@@ -385,7 +365,7 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
     kind = POLICIES.get(cfg.kind)
     if not (
         isinstance(kind, type)
-        and (issubclass(kind, CausalLMPolicy) or getattr(kind, "ray_lora", False))
+        and (issubclass(kind, CausalLMPolicy) or (isinstance(kind, RayLoRA) and kind.ray_lora))
     ):
         raise ConfigError(
             f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "
@@ -393,15 +373,6 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
             "that set ray_lora; a base model shared between policies, as lora_agent does, "
             "needs a per-adapter gather); use distributed.backend=local"
         )
-
-
-def _engine_handle(engine_cls: Any) -> type[RayEngine]:
-    """The driver-side handle offering the interface the engine class offers."""
-    if hasattr(engine_cls, "generate_vl"):
-        return RayVLEngine
-    if not hasattr(engine_cls, "generate") and hasattr(engine_cls, "sample"):
-        return RayTrajectoryEngine
-    return RayEngine
 
 
 class RayBackend:
@@ -440,7 +411,7 @@ class RayBackend:
     def make_engine(self, name, policy, cfg, *, seed):
         policy.group.make_engine(cfg, seed)
         engine_cls = ENGINES.get(cfg.engine.name)
-        return _engine_handle(engine_cls)(policy, engine_cls)
+        return RayEngine(policy, engine_cls)
 
     def reward_runners(self, reward_cfg: Any) -> dict:
         """Remote runners for the reward terms that ask for their own actor."""

@@ -21,6 +21,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.interfaces import (
+    ExportsWeights,
+    HasProcessor,
+    LoadsTrainableState,
+    RemoteMethods,
+    ShardsItsRoot,
+)
 from polyrl.core.registry import ENGINES, POLICIES
 
 
@@ -67,8 +74,7 @@ def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) ->
 
 def _fsdp_root(policy: Any, model: torch.nn.Module) -> torch.nn.Module | None:
     """The policy's FSDP root for ``model`` (its ``fsdp_root``), or None: the model itself."""
-    root_of = getattr(policy, "fsdp_root", None)
-    return None if root_of is None else root_of(model)
+    return policy.fsdp_root(model) if isinstance(policy, ShardsItsRoot) else None
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -239,8 +245,8 @@ class PolicyWorker:
             _broadcast_trainable(self.policy.model)
         names = _param_names(self.policy.model)
         _shard(self.policy.model, mesh, _fsdp_root(self.policy, self.policy.model))
-        if (reference := getattr(self.policy, "reference", None)) is not None:
-            _shard(reference, mesh, _fsdp_root(self.policy, reference))
+        if self.policy.reference is not None:
+            _shard(self.policy.reference, mesh, _fsdp_root(self.policy, self.policy.reference))
         _rebind_optimizer(self.policy, names)
 
     def update(
@@ -296,7 +302,7 @@ class PolicyWorker:
             weights = get_model_state_dict(p.model, options=opts)
             optim = p.optimizer.state_dict() if p.optimizer is not None else None
         # a warm start set the reference (see policy.warm_start_optimizer): keep it too
-        warmed = getattr(p, "reference_warmed", False)
+        warmed = p.reference_warmed
         reference = get_model_state_dict(p.reference, options=self._full()) if warmed else None
         if self.rank != 0:
             return None
@@ -377,14 +383,13 @@ class PolicyWorker:
         weights = get_model_state_dict(self.policy.model, options=self._full())
         if self.rank == 0:
             out = Path(out_dir)
-            if (export := getattr(self.policy, "export_weights", None)) is not None:
-                export(out, weights)
+            if isinstance(self.policy, ExportsWeights):
+                self.policy.export_weights(out, weights)
             else:
                 self.policy.model.save_pretrained(out, state_dict=weights)
                 # a VLM's processor (tokenizer, image processor, chat template) if it has one
-                (getattr(self.policy, "processor", None) or self.policy.tokenizer).save_pretrained(
-                    out
-                )
+                p = self.policy
+                (p.processor if isinstance(p, HasProcessor) else p.tokenizer).save_pretrained(out)
         dist.barrier()
 
     def close(self) -> None:
@@ -422,21 +427,22 @@ class EngineWorker:
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
-    def generate_vl(self, prompts, visions, params, **kwargs):
-        return self.engine.generate_vl(prompts, visions, params, **kwargs)
-
-    def sample(self, prompts, **kwargs):
-        """A trajectory engine's ``sample`` (the diffusion engine's: prompt texts in)."""
-        return self.engine.sample(prompts, **kwargs)
-
-    def decode(self, outputs):
-        return self.engine.decode(outputs)
+    def call(self, method: str, *args, **kwargs):
+        """A method the engine's class declares in ``remote_methods`` (RemoteMethods): the
+        engine's own interface beyond ``generate`` (images in, whole trajectories out)."""
+        declared = self.engine.remote_methods if isinstance(self.engine, RemoteMethods) else ()
+        if method not in declared:
+            raise AttributeError(
+                f"engine {type(self.engine).__name__} declares no remote method {method!r} "
+                f"(remote_methods: {declared})"
+            )
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
         if isinstance(weights, LoraFactors):
             self._merge(weights)
-        elif (load := getattr(self.policy, "load_trainable_state", None)) is not None:
-            load(weights)
+        elif isinstance(self.policy, LoadsTrainableState):
+            self.policy.load_trainable_state(weights)
         else:
             self.policy.model.load_state_dict(weights)
         self.engine.sync()

@@ -54,6 +54,9 @@ class Trajectories:
 class DiffusionEngine:
     """Samples with the policy's transformer and the configured SDE sampler."""
 
+    # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
+    remote_methods = ("sample", "decode")
+
     def __init__(self, policy: DiffusionPolicy, *, seed: int = 0, **args) -> None:
         if not isinstance(policy, DiffusionPolicy):
             raise TypeError(

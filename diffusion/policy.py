@@ -219,6 +219,7 @@ class DiffusionPolicy:
         if cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         self.reference: torch.nn.Module | None = None
+        self.reference_warmed = False  # a warm start has not moved the reference yet
         if cfg.lora.r > 0:
             from peft import LoraConfig as PeftLora
             from peft import get_peft_model

@@ -61,6 +61,7 @@ class LoraAgentPolicy:
         self.adapter = name
         self.need_reference = need_reference
         self.reference = None
+        self.reference_warmed = False  # a warm start has not moved the reference yet
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
         peft_cfg = PeftLora(

@@ -30,6 +30,9 @@ from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, 
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
+    # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
+    remote_methods = ("generate_vl",)
+
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Completion]:

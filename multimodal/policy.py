@@ -137,6 +137,7 @@ class QwenVLPolicy(CausalLMPolicy):
         if self.options.freeze_vision:
             vision.parts(model).visual.requires_grad_(False)
         self.need_reference = need_reference
+        self.reference_warmed = False  # a warm start has not moved the reference yet
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model,
             cfg,

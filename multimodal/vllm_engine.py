@@ -87,6 +87,7 @@ class VLLMVLEngine(VLLMEngine):
     """vLLM sampling with images, following a ``qwen_vl`` policy's weights (``sync``)."""
 
     needs_images = True  # generate_vl takes the resized images (the workflow passes them)
+    remote_methods = ("generate_vl",)  # forwarded to the Ray engine actor
 
     def __init__(self, policy, **kwargs: Any) -> None:
         p = parts(policy.model)
