@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc
+from polyrl.core.options import Options
 from polyrl.core.registry import ADVANTAGES, CREDIT, KL_ESTIMATORS, POLICY_LOSSES, nearest
 
 # Losses that are advantage times a function of the ratio: a zero-advantage row adds nothing.
@@ -34,6 +35,39 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+
+@dataclass
+class SapoOptions(Options):
+    """SAPO's gate temperatures."""
+
+    tau_pos: float = doc(1.0, "gate temperature for positive advantages")
+    tau_neg: float = doc(1.05, "gate temperature for non-positive advantages")
+
+
+@dataclass
+class ClipCovOptions(Options):
+    """Which tokens Clip-Cov cuts from the gradient."""
+
+    clip_cov_ratio: float = doc(0.0002, "fraction of tokens whose gradient is cut")
+    clip_cov_lb: float = doc(1.0, "lower covariance bound of cut candidates")
+    clip_cov_ub: float = doc(5.0, "upper covariance bound of cut candidates")
+
+
+@dataclass
+class KlCovOptions(Options):
+    """Which tokens KL-Cov penalises, and how much."""
+
+    kl_cov_ratio: float = doc(0.0002, "fraction of highest-covariance tokens penalised")
+    ppo_kl_coef: float = doc(0.1, "weight of the |log-ratio| penalty on those tokens")
+
+
+# What verl's ActorConfig needs beyond the clip ratios: each loss's own options' defaults.
+_LOSS_DEFAULTS = {
+    f.name: f.default
+    for options in (SapoOptions, ClipCovOptions, KlCovOptions)
+    for f in dataclasses.fields(options)
+}
 
 
 @dataclass
@@ -62,19 +96,14 @@ class AlgorithmConfig:
         "even when entropy_coef is 0: one softmax over the vocabulary per response token, "
         "no gradient through it",
     )
-    gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns)")
-    lam: float = doc(1.0, "GAE lambda (for estimators that use it)")
+    gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns, turn returns)")
     norm_adv_by_std: bool = doc(True, "grpo/grpo_passk: divide by the group std (off = Dr.GRPO)")
     epsilon: float = doc(1e-6, "added to the std before dividing, against zero-variance groups")
     ppo_epochs: int = doc(1, "passes over each rollout batch")
     minibatches: int = doc(1, "optimizer steps per rollout batch per epoch")
-    tau_pos: float = doc(1.0, "sapo: gate temperature for positive advantages")
-    tau_neg: float = doc(1.05, "sapo: gate temperature for non-positive advantages")
-    clip_cov_ratio: float = doc(0.0002, "clip_cov: fraction of tokens whose gradient is cut")
-    clip_cov_lb: float = doc(1.0, "clip_cov: lower covariance bound of cut candidates")
-    clip_cov_ub: float = doc(5.0, "clip_cov: upper covariance bound of cut candidates")
-    kl_cov_ratio: float = doc(0.0002, "kl_cov: fraction of highest-covariance tokens penalised")
-    ppo_kl_coef: float = doc(0.1, "kl_cov: weight of the |log-ratio| penalty on those tokens")
+    loss_args: Any = doc(
+        {}, "options of the policy loss", options=POLICY_LOSSES, chooser="algorithm.policy_loss"
+    )
     skip_zero_advantage: bool | None = doc(
         None,
         "forward/backward only the rows with a nonzero advantage on a trained token; "
@@ -92,6 +121,7 @@ class AlgorithmConfig:
         CREDIT.check(self.credit)
         self.credit_args = CREDIT.bind(self.credit, self.credit_args, "algorithm.credit_args")
         POLICY_LOSSES.check(self.policy_loss)
+        self.loss_args = POLICY_LOSSES.bind(self.policy_loss, self.loss_args, "algorithm.loss_args")
         KL_ESTIMATORS.check(self.kl_estimator)
         if self.loss_agg not in LOSS_AGG_MODES:
             hint = nearest(self.loss_agg, LOSS_AGG_MODES)
@@ -193,7 +223,7 @@ def _algo_config(gamma: float, lam: float, norm_adv_by_std: bool) -> Any:
 
 
 def _verl_algo_config(cfg: AlgorithmConfig) -> Any:
-    return _algo_config(float(cfg.gamma), float(cfg.lam), bool(cfg.norm_adv_by_std))
+    return _algo_config(float(cfg.gamma), 1.0, bool(cfg.norm_adv_by_std))
 
 
 _ACTOR_FIELDS = (
@@ -240,7 +270,9 @@ def _actor_config(loss_mode: str, *values: float) -> Any:
 def _verl_actor_config(loss_mode: str, cfg: AlgorithmConfig, agg: AggInfo) -> Any:
     """verl's losses read the batch totals from ``global_batch_info``: each call gets its
     own copy of the cached config with its own dict, so the cached one is never changed."""
-    cached = _actor_config(loss_mode, *(float(getattr(cfg, f)) for f in _ACTOR_FIELDS))
+    own = _LOSS_DEFAULTS | dict(POLICY_LOSSES.bind(cfg.policy_loss, cfg.loss_args, "loss_args"))
+    clips = {f: getattr(cfg, f) for f in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")}
+    cached = _actor_config(loss_mode, *(float((clips | own)[f]) for f in _ACTOR_FIELDS))
     return dataclasses.replace(cached, global_batch_info=_agg_kwargs(agg))
 
 
@@ -388,7 +420,7 @@ def _verl_policy_loss(
     return loss, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
 
 
-def _verl_loss(name: str, verl_name: str, summary: str):
+def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = None):
     """Register verl's policy loss ``verl_name`` under our name and signature."""
 
     def loss(
@@ -403,7 +435,7 @@ def _verl_loss(name: str, verl_name: str, summary: str):
 
     loss.__name__ = f"{name}_loss"
     loss.__doc__ = summary
-    return POLICY_LOSSES.register(name, loss)
+    return POLICY_LOSSES.register(name, loss, options=options)
 
 
 ppo_clip_loss = _verl_loss(
@@ -426,16 +458,19 @@ sapo_loss = _verl_loss(
     "sapo",
     "SAPO: a smooth sigmoid gate on the ratio instead of a hard clip (verl always aggregates "
     "it as seq-mean-token-mean, whatever agg.mode says).",
+    SapoOptions,
 )
 clip_cov_loss = _verl_loss(
     "clip_cov",
     "clip_cov",
     "Clip-Cov: PPO clip plus cutting the gradient of a random few high-covariance tokens.",
+    ClipCovOptions,
 )
 kl_cov_loss = _verl_loss(
     "kl_cov",
     "kl_cov",
     "KL-Cov: unclipped ratio loss plus a |log-ratio| penalty on the top-covariance tokens.",
+    KlCovOptions,
 )
 
 

@@ -17,6 +17,7 @@ from polyrl.core.registry import (
     ENGINES,
     MODELS,
     POLICIES,
+    POLICY_LOSSES,
     REWARDS,
     TASKS,
     WORKFLOWS,
@@ -195,6 +196,9 @@ class Config:
             ("sft.data", self.sft.data),
         ):
             data.args = DATASETS.bind(data.kind, data.args, f"{where}.args", source)
+        self.algorithm.loss_args = POLICY_LOSSES.bind(
+            self.algorithm.policy_loss, self.algorithm.loss_args, "algorithm.loss_args", source
+        )
         self.algorithm.credit_args = CREDIT.bind(
             self.algorithm.credit, self.algorithm.credit_args, "algorithm.credit_args", source
         )

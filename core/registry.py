@@ -231,7 +231,10 @@ ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
 CREDIT: Registry[Callable] = Registry(
     "credit assignment", options_key="algorithm.credit_args", skip=2
 )
-POLICY_LOSSES: Registry[Callable] = Registry("policy loss")
+# loss(logprobs, old_logprobs, advantages, mask, algorithm_config, agg): reads loss_args
+POLICY_LOSSES: Registry[Callable] = Registry(
+    "policy loss", options_key="algorithm.loss_args", keywords=False
+)
 KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
 # Parts with recipe options; the comment says how each is called.
 # reward(sample_or_samples, **options)

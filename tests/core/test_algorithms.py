@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def last_token_rewards(rewards, mask):
 
 
 def verl_algo(cfg):
-    return AlgoConfig(gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std)
+    return AlgoConfig(gamma=cfg.gamma, lam=1.0, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std)
 
 
 def verl_reference(name, rewards, mask, group, cfg):
@@ -202,22 +203,34 @@ LOSSES = {
     "kl_cov": "kl_cov",
 }
 
-# non-default values everywhere, so a setting the wrapper forgot to pass shows up
-LOSS_CFG = AlgorithmConfig(
-    clip_ratio_low=0.15,
-    clip_ratio_high=0.28,
-    clip_ratio_c=2.5,
-    tau_pos=1.3,
-    tau_neg=1.7,
-    clip_cov_ratio=0.2,
-    clip_cov_lb=0.0,
-    clip_cov_ub=50.0,
-    kl_cov_ratio=0.2,
-    ppo_kl_coef=0.3,
-)
+# non-default values everywhere, so a setting the wrapper forgot to pass shows up; each
+# loss's own knobs live in its loss_args
+CLIPS = {"clip_ratio_low": 0.15, "clip_ratio_high": 0.28, "clip_ratio_c": 2.5}
+OWN = {
+    "sapo": {"tau_pos": 1.3, "tau_neg": 1.7},
+    "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 50.0},
+    "kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.3},
+}
+# verl's own defaults for the knobs a loss does not take (they do not affect it)
+UNUSED = {
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 0.1,
+}
+
+
+def loss_cfg(name):
+    cfg = AlgorithmConfig(policy_loss=name, loss_args=dict(OWN.get(name, {})), **CLIPS)
+    cfg.validate()
+    return cfg
 
 
 def verl_actor(mode, cfg, agg):
+    cfg = SimpleNamespace(**CLIPS, **(UNUSED | dict(cfg.loss_args)))
     actor = ActorConfig(
         strategy="fsdp",
         ppo_micro_batch_size_per_gpu=1,
@@ -277,10 +290,11 @@ def test_policy_loss_matches_verl(name, mode):
         mode=mode, batch_num_tokens=int(mask.sum()) + 5, global_batch_size=9, loss_scale_factor=4
     )
     torch.manual_seed(0)  # clip_cov picks its cut tokens at random
-    loss, metrics = POLICY_LOSSES.get(name)(logp, old, adv, mask, LOSS_CFG, agg)
+    cfg = loss_cfg(name)
+    loss, metrics = POLICY_LOSSES.get(name)(logp, old, adv, mask, cfg, agg)
     (grad,) = torch.autograd.grad(loss, logp)
     torch.manual_seed(0)
-    ref, ref_metrics = run_verl_loss(LOSSES[name], logp, old, adv, mask, LOSS_CFG, agg)
+    ref, ref_metrics = run_verl_loss(LOSSES[name], logp, old, adv, mask, cfg, agg)
     (ref_grad,) = torch.autograd.grad(ref, logp)
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(grad, ref_grad)
@@ -290,7 +304,8 @@ def test_policy_loss_matches_verl(name, mode):
 
 def test_ppo_clip_inputs_actually_clip():
     logp, old, adv, mask = loss_inputs(1)
-    _, metrics = POLICY_LOSSES.get("ppo_clip")(logp, old, adv, mask, LOSS_CFG, AggInfo())
+    cfg = loss_cfg("ppo_clip")
+    _, metrics = POLICY_LOSSES.get("ppo_clip")(logp, old, adv, mask, cfg, AggInfo())
     assert metrics["pg_clipfrac"] > 0 and metrics["ppo_kl"] != 0
 
 
@@ -324,7 +339,7 @@ def test_first_update_is_on_policy():
 def test_micro_batches_sum_to_the_full_batch(name, mode):
     logp, old, adv, mask = loss_inputs(4, b=8)
     mask[5] = 0.0  # a second empty row, inside another micro-batch
-    cfg = LOSS_CFG
+    cfg = loss_cfg(name)
     agg = AggInfo.for_minibatch(mode, mask)
     assert agg.batch_num_tokens == int(mask.sum())
     assert agg.global_batch_size == int((mask.sum(-1) > 0).sum())
