@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -37,20 +37,6 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str = ""
-
-
-class Engine(Protocol):
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Completion]:
-        """n completions per prompt, grouped by prompt (prompt 0's first)."""
-
-    def sync(self) -> None:
-        """Pull the policy's current weights (after an update)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 def sample_next(

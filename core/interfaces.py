@@ -127,9 +127,11 @@ class Engine(Protocol):
     """Rollout generation for one policy (``ENGINES``), built as
     ``engine(policy, seed=..., **options)``."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Any) -> list: ...
+    def generate(self, prompts: Sequence[Sequence[int]], params: Any) -> list:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
 
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        """Pull the policy's current weights (after an update)."""
 
     def state_dict(self) -> dict: ...
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from tensordict import TensorDict
 
@@ -44,10 +44,6 @@ class Context:
             stop=list(r.stop),
             max_new_tokens=r.max_new_tokens if max_new_tokens is None else max_new_tokens,
         )
-
-
-class Workflow(Protocol):
-    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict: ...
 
 
 class SingleTurn:
