@@ -63,23 +63,39 @@ def cmd_train(args) -> int:
         cfg.run.dir = args.resume
     elif args.resume is not None and "{" in cfg.run.dir:
         cfg.run.dir = _latest_run(cfg.run.dir, cfg.run.name)
+    if args.resume is not None:  # an explicit --resume never starts afresh without a word
+        _require_checkpoint(cfg.run.dir, "train --resume")
     run = train(cfg)
     print(f"run directory: {run.path}")
     return 0
 
 
 def _require_checkpoint(run_dir: str, cmd: str) -> None:
-    """Stop unless ``run_dir`` holds a complete checkpoint (never fall back to the base model)."""
+    """Stop unless ``run_dir`` holds a complete checkpoint (never fall back to the base model
+    or a fresh run), saying what the directory holds instead."""
     from polyrl.core.run import CKPT_RE
 
-    ckpts = Path(run_dir).expanduser() / "checkpoints"
-    if not ckpts.is_dir() or not any(
-        CKPT_RE.match(p.name) and (p / "COMPLETE").is_file() for p in ckpts.iterdir()
-    ):
-        raise ConfigError(
-            f"polyrl {cmd}: {run_dir!r} has no complete checkpoint "
-            "(checkpoints/step_*/COMPLETE); is it a PolyRL run directory?"
+    root = Path(run_dir).expanduser()
+    ckpts = root / "checkpoints"
+    entries = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+    if any(CKPT_RE.match(n) and (ckpts / n / "COMPLETE").is_file() for n in entries):
+        return
+    if not root.is_dir():
+        why = "the directory does not exist"
+    elif not (root / "config.yaml").is_file() and not entries:
+        why = "it is not a PolyRL run directory (no config.yaml, no checkpoints/)"
+    elif entries:
+        why = (
+            f"checkpoints/ holds only incomplete checkpoints ({', '.join(entries)}: no COMPLETE "
+            "marker; the run stopped while writing them)"
         )
+    else:
+        why = "the run stopped before its first checkpoint"
+    raise ConfigError(
+        f"polyrl {cmd}: {run_dir!r} has no complete checkpoint (checkpoints/step_*/COMPLETE): "
+        f"{why}. Start a fresh run without --resume (another run.dir), or give the right "
+        "directory."
+    )
 
 
 def cmd_eval(args) -> int:

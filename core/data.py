@@ -112,13 +112,45 @@ def _missing_file_message(path: Path, what: str) -> str:
     return msg + " Fix data.path."
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's object hook: a key given twice is an error, not 'the last one wins'."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _read_text(path: Path) -> str:
+    """A data file as UTF-8 text; another encoding is named by file and line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+            f"{e.start}). Re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+        ) from None
+
+
 def _read_jsonl_text(text: str, path: Path) -> tuple[list[dict], list[str]]:
     rows, where = [], []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+        except _DuplicateKey as e:
+            raise DataError(
+                f"{path}, line {lineno}: the key {e.args[0]!r} appears twice in one row; "
+                "keep one of them."
+            ) from None
         except json.JSONDecodeError as e:
             raise DataError(
                 f"{path}, line {lineno}: malformed JSON ({e.msg} at column {e.colno}). "
@@ -130,9 +162,13 @@ def _read_jsonl_text(text: str, path: Path) -> tuple[list[dict], list[str]]:
 
 
 def _read_json(path: Path) -> tuple[list[dict], list[str]]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise DataError(
+            f"{path}: the key {e.args[0]!r} appears twice in one object; keep one of them."
+        ) from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON lines saved under a .json name
             return _read_jsonl_text(text, path)
@@ -197,7 +233,7 @@ def load_rows(
                 f"{', '.join(FILE_FORMATS)}. Convert the file or rename it."
             )
         if kind == "jsonl":
-            rows, where = _read_jsonl_text(p.read_text(encoding="utf-8"), p)
+            rows, where = _read_jsonl_text(_read_text(p), p)
         elif kind == "json":
             rows, where = _read_json(p)
         else:

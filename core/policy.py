@@ -14,7 +14,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict
@@ -32,7 +32,9 @@ class OptimConfig:
     betas: list[float] = doc([0.9, 0.999], "AdamW betas")
     eps: float = doc(1e-8, "AdamW epsilon")
     warmup_steps: int = doc(0, "linear warm-up in optimizer steps")
-    schedule: str = doc("constant", "after warm-up: constant, linear (to 0) or cosine (to 0)")
+    schedule: Literal["constant", "linear", "cosine"] = doc(
+        "constant", "after warm-up: constant, or linear / cosine decay to 0"
+    )
     max_grad_norm: float = doc(1.0, "gradient clipping norm; 0 disables clipping")
 
 
@@ -64,7 +66,7 @@ class PolicyConfig:
     kind: str = doc("causal_lm", "policy kind (causal_lm; plugins add vlm, diffusion kinds)")
     build: str | None = doc(None, "model builder that creates `model` offline if it is missing")
     build_args: Any = doc({}, "options of the model builder", options=MODELS, chooser="build")
-    dtype: str = doc("float32", "parameter dtype: float32 or bfloat16")
+    dtype: Literal["float32", "bfloat16"] = doc("float32", "parameter dtype")
     device: str = doc(
         "auto",
         "local mode: where the policy trains (auto: cuda when a GPU is "

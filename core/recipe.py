@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -106,6 +108,14 @@ class DistributedConfig:
     )
 
 
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _positive(x: float) -> bool:
+    return _finite(x) and x > 0
+
+
 @dataclass
 class Config:
     seed: int = doc(0, "seed for data order, sampling and initialisation")
@@ -125,6 +135,7 @@ class Config:
         """Fail at config time, before any model loads."""
         if not self.policies:
             raise ConfigError("the recipe declares no policies; add policies: {main: {model: ...}}")
+        self.check_ranges(source)
         self.bind_options(source)
         for name, p in self.policies.items():
             if not p.model:
@@ -153,8 +164,6 @@ class Config:
             TASKS.check(self.task.name)
         self.algorithm.validate()
         self.reward.validate()
-        if self.rollout.n < 1 or self.rollout.prompts_per_step < 1:
-            raise ConfigError("rollout.n and rollout.prompts_per_step must be >= 1")
         lora = [n for n in self.trained_policies() if self.policies[n].lora.r > 0]
         if self.sft.steps and self.algorithm.kl_coef > 0 and lora:
             raise ConfigError(
@@ -163,6 +172,100 @@ class Config:
                 "adapter disabled, i.e. the weights before the warm start, so KL would pull "
                 "RL back past the warm start. Set kl_coef: 0, or warm-start without LoRA "
                 "(a full fine-tune's frozen reference takes the warmed-up weights)."
+            )
+
+    def check_ranges(self, source: str = "<config>") -> None:
+        """Numbers a run cannot mean: each named with its key and the range it must be in."""
+        r, e = self.rollout, self.eval
+        checks: list[tuple[str, Any, bool, str]] = [
+            ("train.steps", self.train.steps, self.train.steps >= 0, ">= 0"),
+            ("rollout.n", r.n, r.n >= 1, ">= 1"),
+            ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
+            ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+            (
+                "rollout.temperature",
+                r.temperature,
+                _finite(r.temperature) and r.temperature >= 0,
+                ">= 0 (0: greedy)",
+            ),
+            ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+            ("eval.n", e.n, e.n >= 1, ">= 1"),
+            (
+                "eval.temperature",
+                e.temperature,
+                _finite(e.temperature) and e.temperature >= 0,
+                ">= 0 (0: greedy)",
+            ),
+            (
+                "eval.max_new_tokens",
+                e.max_new_tokens,
+                e.max_new_tokens is None or e.max_new_tokens >= 1,
+                ">= 1 or null",
+            ),
+            ("eval.every", e.every, e.every >= 0, ">= 0"),
+            ("sft.steps", self.sft.steps, self.sft.steps >= 0, ">= 0"),
+            ("sft.batch_size", self.sft.batch_size, self.sft.batch_size >= 1, ">= 1"),
+            (
+                "sft.lr",
+                self.sft.lr,
+                self.sft.lr is None or _positive(self.sft.lr),
+                "a finite number > 0 (or null: the policy's)",
+            ),
+            ("run.save_every", self.run.save_every, self.run.save_every >= 0, ">= 0"),
+            (
+                "run.keep_checkpoints",
+                self.run.keep_checkpoints,
+                self.run.keep_checkpoints >= 1,
+                ">= 1",
+            ),
+            ("run.log_every", self.run.log_every, self.run.log_every >= 1, ">= 1"),
+        ]
+        for name, p in self.policies.items():
+            o, lora = p.optim, p.lora
+            w = f"policies.{name}"
+            checks += [
+                (f"{w}.optim.lr", o.lr, _positive(o.lr), "a finite number > 0"),
+                (
+                    f"{w}.optim.weight_decay",
+                    o.weight_decay,
+                    _finite(o.weight_decay) and o.weight_decay >= 0,
+                    ">= 0",
+                ),
+                (f"{w}.optim.eps", o.eps, _positive(o.eps), "> 0"),
+                (f"{w}.optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+                (
+                    f"{w}.optim.max_grad_norm",
+                    o.max_grad_norm,
+                    _finite(o.max_grad_norm) and o.max_grad_norm >= 0,
+                    ">= 0 (0: no clipping)",
+                ),
+                (
+                    f"{w}.optim.betas",
+                    o.betas,
+                    len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+                    "two numbers in [0, 1)",
+                ),
+                (f"{w}.micro_batch_size", p.micro_batch_size, p.micro_batch_size >= 1, ">= 1"),
+                (f"{w}.lora.r", lora.r, lora.r >= 0, ">= 0 (0: full fine-tune, no adapter)"),
+                (f"{w}.lora.alpha", lora.alpha, _positive(lora.alpha), "> 0"),
+                (f"{w}.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)"),
+                (
+                    f"{w}.lora.target_modules",
+                    lora.target_modules,
+                    lora.r == 0 or bool(lora.target_modules),
+                    "a non-empty list when lora.r > 0",
+                ),
+            ]
+        for key, value, ok, need in checks:
+            if not ok:
+                raise ConfigError(f"{key}={value!r} in {source}: must be {need}")
+        groups = ("grpo", "drgrpo", "rloo", "grpo_passk")
+        if r.n == 1 and self.algorithm.advantage in groups and self.algorithm.credit == "group":
+            warnings.warn(
+                f"rollout.n=1 with algorithm.advantage={self.algorithm.advantage!r} ({source}): "
+                "each group has one sample, so every advantage is 0 and nothing trains; "
+                "set rollout.n >= 2",
+                stacklevel=2,
             )
 
     def bind_options(self, source: str = "<config>") -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from polyrl.core.interfaces import (
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
-from polyrl.core.run import RunDir, rng_state, set_rng_state
+from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
 
 
@@ -106,10 +107,11 @@ class Session:
         """``record=False`` opens an existing run to evaluate or export it: its config.yaml,
         metrics and TensorBoard events are left as training wrote them."""
         run_dir = resolve_run_dir(cfg)
+        ckpts = run_dir / "checkpoints"
         if (
             not cfg.run.resume
-            and (run_dir / "checkpoints").is_dir()
-            and any((run_dir / "checkpoints").iterdir())
+            and ckpts.is_dir()
+            and any(CKPT_RE.match(p.name) and (p / "COMPLETE").is_file() for p in ckpts.iterdir())
         ):
             raise ConfigError(
                 f"run directory {str(run_dir)!r} already has checkpoints; resume it "
@@ -172,10 +174,18 @@ class Session:
         )
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
-        if cfg.run.resume and (latest := run.load_latest()) is not None:
+        latest = run.load_latest() if cfg.run.resume else None
+        if latest is not None:
+            print(f"resuming {run.path} from step {latest[0]}", file=sys.stderr)
             s.restore(*latest)
-        elif cfg.sft.steps:
-            s.warm_start()
+        else:
+            if cfg.run.resume:
+                print(
+                    f"run.resume: no complete checkpoint in {run.path}; starting a fresh run",
+                    file=sys.stderr,
+                )
+            if cfg.sft.steps:
+                s.warm_start()
         return s
 
     # --- SFT warm start -----------------------------------------------------------------
