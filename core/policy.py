@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.config import doc, doc_factory
+from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
 from polyrl.core.tiny import ensure_model
@@ -310,6 +310,20 @@ class CausalLMPolicy:
         return out
 
 
+def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Each LoRA target names a linear layer of the model (PEFT's own error comes late and
+    does not list what exists)."""
+    linear = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    missing = [t for t in targets if t not in linear]
+    if missing:
+        raise ConfigError(
+            f"lora.target_modules {missing} name no linear layer of "
+            f"{type(model).__name__}; its linear layers are: {', '.join(linear)}"
+        )
+
+
 def prepare_for_training(
     model: torch.nn.Module,
     cfg: PolicyConfig,
@@ -330,6 +344,8 @@ def prepare_for_training(
         from peft import LoraConfig as PeftLora
         from peft import get_peft_model
 
+        if lora_targets is None:
+            check_lora_targets(model, cfg.lora.target_modules)
         model = get_peft_model(
             model,
             PeftLora(

@@ -98,3 +98,25 @@ def test_resume_refuses_a_directory_it_cannot_resume(tmp_path, recipe, capsys, s
     assert main(["train", str(recipe), "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_lora_targets_that_do_not_exist_list_the_linear_layers():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from polyrl.core.policy import check_lora_targets
+
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    check_lora_targets(model, ["q_proj", "down_proj"])  # real ones pass
+    with pytest.raises(ConfigError) as e:
+        check_lora_targets(model, ["q_proj", "qkv_proj"])
+    msg = str(e.value)
+    assert "['qkv_proj']" in msg and "k_proj" in msg and "lm_head" in msg
