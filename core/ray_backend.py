@@ -48,7 +48,8 @@ actors. A policy's checkpoint has the same layout as in local mode (the full wei
 the adapter weights alone under LoRA; the optimizer state keyed by parameter position;
 the schedule), so a run saved under one backend resumes under the other. Not supported
 yet: LoRA on other policy kinds (without ``ray_lora``), and base models shared between
-policies (the ``lora_agent`` kind: each group would need an adapter-aware gather per policy).
+policies (one LoRA adapter per policy on one base: each group would need an adapter-aware
+gather per policy).
 
 Actors start in the background (all policies and engines load at once); the first call
 to a group or engine waits for it. Every Ray node needs the same Python environment with
@@ -356,7 +357,7 @@ def _reduce(outs: list[dict[str, float]], world: int) -> dict[str, float]:
 def _check_lora_kind(name: str, cfg: Any) -> None:
     """LoRA runs here for causal-LM kinds and kinds that declare ``ray_lora`` (one PEFT
     adapter of plain linear layers on the policy's own model, so the gather and the
-    engine's merge apply); kinds that share a base model between policies (``lora_agent``)
+    engine's merge apply); kinds that share a base model between policies
     would need their own gather and merge."""
     from polyrl.core.policy import CausalLMPolicy
 
@@ -370,7 +371,7 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
         raise ConfigError(
             f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "
             "distributed.backend=ray yet (LoRA runs there for causal_lm-type kinds and kinds "
-            "that set ray_lora; a base model shared between policies, as lora_agent does, "
+            "that set ray_lora; a base model shared between policies "
             "needs a per-adapter gather); use distributed.backend=local"
         )
 
