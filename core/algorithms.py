@@ -211,7 +211,10 @@ def _verl() -> ModuleType:
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("polyrl.core.algorithms needs verl: pip install 'polyrl[verl]'") from err
+        raise ImportError(
+            "polyrl.core.algorithms needs verl, a dependency of polyrl that is missing: "
+            "reinstall polyrl (pip install polyrl, or ./install.sh in a checkout)"
+        ) from err
     return core_algos
 
 

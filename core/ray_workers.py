@@ -39,7 +39,10 @@ def require_ray():
     try:
         import ray
     except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("distributed.backend=ray needs Ray: pip install 'polyrl[ray]'") from err
+        raise ImportError(
+            "distributed.backend=ray needs Ray, a dependency of polyrl that is missing: "
+            "reinstall polyrl (pip install polyrl, or ./install.sh in a checkout)"
+        ) from err
     return ray
 
 
