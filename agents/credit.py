@@ -14,23 +14,26 @@ advantage, environment tokens and invalid rows get 0.
   (``algorithm.gamma``) normalised over all steps of the task's episodes.
 - ``gigpo`` (Feng et al., 2025, arXiv 2505.10978): A_t = A_episode + omega * A_step, where
   A_step normalises G_t within the *step group* of steps -- from any episode of the same
-  task -- whose anchor observation is identical. Registered with omega = 1; build
-  others with :func:`make_gigpo` (``credit: my_pkg.credit:gigpo_half``).
+  task -- whose anchor observation is identical. ``omega`` is its option
+  (``algorithm.credit_args: {omega: 0.5}``; default 1).
 
-Normalisation of step groups: (G - mean) / (std + eps) with the unbiased std
-(``algorithm.norm_adv_by_std: false`` drops the division, as Dr.GRPO does); a group of one
-step gets 0, since it has no baseline.
+The discount, the std division and its epsilon are the recipe's ``algorithm.gamma``,
+``algorithm.norm_adv_by_std`` and ``algorithm.epsilon`` (shared with the advantage
+estimators). Normalisation of step groups: (G - mean) / (std + eps) with the unbiased std
+(``norm_adv_by_std: false`` drops the division, as Dr.GRPO does); a group of one step gets
+0, since it has no baseline. Group statistics come from :func:`polyrl.core.credit.group_stats`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.credit import group_stats
 from polyrl.core.record import strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
@@ -97,27 +100,19 @@ def _steps(record: TensorDict, gamma: float) -> tuple[list[Step], dict[int, tupl
     return steps, episodes
 
 
-def _normalise(values: list[float], norm_by_std: bool, eps: float) -> list[float]:
-    if len(values) < 2:
-        return [0.0] * len(values)
-    v = torch.tensor(values, dtype=torch.float64)
-    centred = v - v.mean()
-    if norm_by_std:
-        centred = centred / (v.std() + eps)
-    return centred.tolist()
-
-
 def _grouped(keys: list, values: list[float], norm_by_std: bool, eps: float) -> list[float]:
-    groups: dict = defaultdict(list)
-    for k, key in enumerate(keys):
-        groups[key].append(k)
-    out = [0.0] * len(values)
-    for members in groups.values():
-        for k, a in zip(
-            members, _normalise([values[m] for m in members], norm_by_std, eps), strict=True
-        ):
-            out[k] = a
-    return out
+    """Each value centred on its group's mean (and divided by its std + ``eps``); a group of
+    one value gets 0."""
+    if not values:
+        return []
+    index: dict = {}
+    groups = torch.tensor([index.setdefault(k, len(index)) for k in keys])
+    v = torch.tensor(values, dtype=torch.float64)
+    mean, std, count = group_stats(v, groups)
+    centred = v - mean
+    if norm_by_std:
+        centred = centred / (std + eps)
+    return torch.where(count > 1, centred, 0.0).tolist()
 
 
 def episode_advantages(episodes: dict[int, tuple[int, float]], algo) -> dict[int, float]:
@@ -199,34 +194,34 @@ def step_groups(steps: list[Step]) -> dict[tuple[int, str], list[int]]:
     return dict(groups)
 
 
-def make_gigpo(omega: float = 1.0) -> Callable[[TensorDict, object], dict[str, float]]:
-    """GiGPO credit with step weight ``omega`` (A = A_episode + omega * A_step)."""
+def gigpo(
+    record: TensorDict,
+    algo,
+    *,
+    omega: Annotated[
+        float, "weight of the step-level advantage: A = A_episode + omega * A_step"
+    ] = 1.0,
+) -> dict[str, float]:
+    """GiGPO: each turn gets its episode's advantage plus ``omega`` times its step-group one."""
+    steps, episodes = _steps(record, float(algo.gamma))
+    a_ep = episode_advantages(episodes, algo)
+    a_step = _grouped(
+        [(s.uid, s.anchor) for s in steps],
+        [s.ret for s in steps],
+        bool(algo.norm_adv_by_std),
+        float(algo.epsilon),
+    )
+    adv = _write(
+        record, steps, [a_ep[s.episode] + omega * a for s, a in zip(steps, a_step, strict=True)]
+    )
+    metrics = _metrics(record, adv)
+    sizes = [len(g) for g in step_groups(steps).values()]
+    if sizes:
+        metrics["gigpo/step_groups"] = float(len(sizes))
+        metrics["gigpo/mean_group_size"] = sum(sizes) / len(sizes)
+        metrics["gigpo/singleton_frac"] = sum(1 for n in sizes if n == 1) / len(sizes)
+    return metrics
 
-    def gigpo(record: TensorDict, algo) -> dict[str, float]:
-        steps, episodes = _steps(record, float(algo.gamma))
-        a_ep = episode_advantages(episodes, algo)
-        a_step = _grouped(
-            [(s.uid, s.anchor) for s in steps],
-            [s.ret for s in steps],
-            bool(algo.norm_adv_by_std),
-            float(algo.epsilon),
-        )
-        adv = _write(
-            record, steps, [a_ep[s.episode] + omega * a for s, a in zip(steps, a_step, strict=True)]
-        )
-        metrics = _metrics(record, adv)
-        sizes = [len(g) for g in step_groups(steps).values()]
-        if sizes:
-            metrics["gigpo/step_groups"] = float(len(sizes))
-            metrics["gigpo/mean_group_size"] = sum(sizes) / len(sizes)
-            metrics["gigpo/singleton_frac"] = sum(1 for n in sizes if n == 1) / len(sizes)
-        return metrics
-
-    gigpo.__doc__ = f"GiGPO with omega={omega}: A = A_episode + {omega} * A_step."
-    return gigpo
-
-
-gigpo = make_gigpo(1.0)
 
 CREDIT.register("episode_grpo", episode_grpo)
 CREDIT.register("turn_return", turn_return)

@@ -13,7 +13,10 @@ multi-turn workflow builds one instance per episode, so hundreds of episodes can
 flight at once. ``info`` may carry ``success`` (bool; the episode's success flag) and
 ``anchor`` (the state key GiGPO groups steps by; default: the observation text).
 
-Register an environment under a short name, or name it in a recipe by import path::
+An environment's options are its constructor's keyword parameters (``Annotated[T, "doc"]``
+gives each its doc); a recipe sets them in ``rollout.args.env_args``, checked against the
+environment when the recipe loads. Register an environment under a short name, or name it
+in a recipe by import path::
 
     from polyrl.agents import Environment, register_env
 
@@ -27,6 +30,10 @@ Register an environment under a short name, or name it in a recipe by import pat
             return f"{self.left} left.", float(self.left == 0), self.left == 0, {}
 
     # recipe: rollout.args: {env: countdown}   or   {env: "my_pkg.envs:Countdown"}
+
+An environment that takes ``**kwargs`` declares its options instead:
+``register_env("name", options=MyOptions)`` with an :class:`~polyrl.core.options.Options`
+dataclass.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrl.core.options import Options, bind
 from polyrl.core.registry import ENVIRONMENTS
 
 Message = dict[str, Any]
@@ -61,6 +69,9 @@ class Environment:
 
     max_turns: int | None = None
 
+    def __init__(self) -> None:
+        """No options; a subclass's keyword parameters are its options."""
+
     def reset(self, task: dict[str, Any]) -> Observation:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -71,35 +82,49 @@ class Environment:
         return None
 
 
-def register_env(name: str) -> Callable[[type], type]:
-    """Class decorator: register an environment under ``name`` in ``ENVIRONMENTS``."""
+def register_env(name: str, *, options: type | None = None) -> Callable[[type], type]:
+    """Class decorator: register an environment under ``name`` in ``ENVIRONMENTS``
+    (``options``: its declared options dataclass, needed when it takes ``**kwargs``)."""
 
     def add(cls: type) -> type:
-        ENVIRONMENTS.register(name, cls)
+        ENVIRONMENTS.register(name, cls, options=options)
         return cls
 
     return add
 
 
-def make_env_factory(name: str, args: dict[str, Any] | None = None) -> Callable[[], Any]:
-    """A zero-argument callable building a fresh environment per episode.
+@dataclass
+class _NoOptions(Options):
+    """Takes no options."""
 
-    ``name`` is a registered name or ``package.module:Class``; ``args`` are passed to the
-    constructor. Unknown names fail here, at workflow construction, not mid-rollout.
-    """
+
+def env_options(
+    name: str,
+    value: Any = None,
+    where: str = "rollout.args.env_args",
+    source: str = "<config>",
+) -> Options:
+    """Environment ``name``'s options from ``value`` (a mapping, or already typed), checked
+    against what the environment declares: an unknown key names the nearest valid one, a
+    wrong type says what was expected."""
     cls = ENVIRONMENTS.get(name)
     if not callable(cls):
         raise TypeError(f"environment {name!r} resolved to {type(cls).__name__}, not a class")
-    kwargs = dict(args or {})
-    try:
-        inspect.signature(cls).bind(**kwargs)
-    except TypeError as e:
-        raise TypeError(
-            f"environment {name!r} does not accept env_args {sorted(kwargs)}: {e}"
-        ) from None
-    except ValueError:  # no introspectable signature
-        pass
-    return lambda: cls(**kwargs)
+    if isinstance(cls, type) and cls.__init__ is object.__init__:  # a class without __init__
+        return bind(_NoOptions, value, where, source, f"environment {name!r}")
+    return ENVIRONMENTS.bind(name, value, where, source)
+
+
+def make_env_factory(name: str, args: Any = None) -> Callable[[], Any]:
+    """A zero-argument callable building a fresh environment per episode.
+
+    ``name`` is a registered name or ``package.module:Class``; ``args`` are its options
+    (:func:`env_options`), passed to the constructor. Unknown names and options fail here,
+    at workflow construction, not mid-rollout.
+    """
+    cls = ENVIRONMENTS.get(name)
+    options = env_options(name, args)
+    return lambda: cls(**options)
 
 
 async def maybe_await(value: Any) -> Any:

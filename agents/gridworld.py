@@ -30,6 +30,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated, Literal
 
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.core.data import write_jsonl
@@ -82,6 +83,7 @@ def shortest_path(grid: list[str]) -> int | None:
 
 
 HINTS = ("none", "exits", "safe")
+Hint = Literal["none", "exits", "safe"]
 
 
 def moves_from(grid: list[str], pos: tuple[int, int], hint: str) -> list[str]:
@@ -123,11 +125,18 @@ class GridWorld(Environment):
 
     def __init__(
         self,
-        invalid_reward: float = 0.0,
-        step_reward: float = 0.0,
-        goal_reward: float = 1.0,
-        hint: str | None = None,
-        invalid: str = "stay",
+        invalid_reward: Annotated[float, "reward added for an answer that is not a move"] = 0.0,
+        step_reward: Annotated[float, "reward of a move that neither wins nor ends"] = 0.0,
+        goal_reward: Annotated[float, "reward for reaching the goal"] = 1.0,
+        hint: Annotated[
+            Hint | None,
+            "admissible-moves line: none, exits (moves that stay on the map), safe (that "
+            "also avoid holes); null: the task row's hint field",
+        ] = None,
+        invalid: Annotated[
+            Literal["stay", "slip"],
+            "an answer that is not a move: stay in place, or slip one cell at random",
+        ] = "stay",
     ) -> None:
         if hint is not None and hint not in HINTS:
             raise ValueError(f"hint must be one of {HINTS}, got {hint!r}")
@@ -285,12 +294,26 @@ def make_rows(
 
 
 def write_dataset(
-    out_dir: str | Path, seed: int, n_train: int = 64, n_eval: int = 32, **kw
+    out_dir: str | Path,
+    seed: int,
+    n_train: Annotated[int, "training maps"] = 64,
+    n_eval: Annotated[int, "held-out maps (never among the training maps)"] = 32,
+    size: Annotated[int, "maps are size x size cells"] = 3,
+    holes: Annotated[int, "holes per map"] = 1,
+    min_dist: Annotated[int, "fewest moves from start to goal"] = 2,
+    fixed_start: Annotated[bool, "start in the top-left corner (else at random)"] = False,
+    fixed_goal: Annotated[bool, "goal in the bottom-right corner (else at random)"] = False,
+    hint: Annotated[Hint, "admissible-moves line under each map: none, exits or safe"] = "none",
 ) -> tuple[Path, Path]:
-    """train.jsonl and eval.jsonl under ``out_dir``; eval maps never appear in train.
-
-    ``kw`` goes to :func:`make_rows` (size, holes, min_dist, fixed_start, fixed_goal, hint).
-    """
+    """train.jsonl and eval.jsonl under ``out_dir``; eval maps never appear in train."""
+    kw = dict(
+        size=size,
+        holes=holes,
+        min_dist=min_dist,
+        fixed_start=fixed_start,
+        fixed_goal=fixed_goal,
+        hint=hint,
+    )
     eval_rows = make_rows(n_eval, seed + 10_007, **kw)
     train_rows = make_rows(n_train, seed, exclude={r["uid"] for r in eval_rows}, **kw)
     out = Path(out_dir).expanduser()

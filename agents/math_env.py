@@ -21,7 +21,7 @@ import random
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from polyrl.agents.env import StepResult, register_env
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
@@ -68,12 +68,18 @@ class ToolMathEnv(ToolEnv):
 
     def __init__(
         self,
-        sandbox: dict | None = None,
-        instructions: bool = True,
-        max_turns: int | None = 4,
-        require_answer_tag: bool = False,
+        sandbox: Annotated[
+            SandboxLimits | None,
+            "limits of the python tool's sandbox (SandboxLimits fields: cpu_seconds, "
+            "wall_seconds, memory_mb, ...); null: SandboxLimits' defaults",
+        ] = None,
+        instructions: Annotated[bool, "append how to call the tool to each question"] = True,
+        max_turns: Annotated[int | None, "turns per episode (null: the workflow's limit)"] = 4,
+        require_answer_tag: Annotated[
+            bool, "a final answer without <answer>...</answer> scores 0"
+        ] = False,
     ) -> None:
-        super().__init__([python_tool(Sandbox(SandboxLimits(**(sandbox or {}))))])
+        super().__init__([python_tool(Sandbox(sandbox or SandboxLimits()))])
         self.instructions = instructions
         self.max_turns = max_turns
         self.require_answer_tag = require_answer_tag
@@ -118,8 +124,19 @@ def make_rows(n: int, seed: int, digits: int = 3, ops: str = "*+") -> list[dict]
 
 
 def write_dataset(
-    out_dir: str | Path, seed: int, n_train: int = 256, n_eval: int = 64, **kw
+    out_dir: str | Path,
+    seed: int,
+    n_train: Annotated[int, "training questions"] = 256,
+    n_eval: Annotated[int, "held-out questions"] = 64,
+    digits: Annotated[int, "digits of each operand"] = 3,
+    ops: Annotated[str, "operators to draw from, among * + -"] = "*+",
 ) -> tuple[Path, Path]:
+    """train.jsonl and eval.jsonl of arithmetic questions under ``out_dir``."""
+    if digits < 1 or not ops or set(ops) - set("*+-"):
+        raise ValueError(
+            f"tool_math: digits must be >= 1 and ops a string of * + -, got {digits}, {ops!r}"
+        )
+    kw = dict(digits=digits, ops=ops)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -31,7 +31,7 @@ import concurrent.futures
 import inspect
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from tensordict import TensorDict
 
@@ -40,6 +40,7 @@ from polyrl.agents.env import (
     Message,
     as_messages,
     as_step_result,
+    env_options,
     make_env_factory,
     observation_text,
 )
@@ -47,7 +48,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import mark_invalid, text_record
-from polyrl.core.registry import WORKFLOWS
+from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
 
 MODES = ("concat", "step")
@@ -100,18 +101,9 @@ def _describe(exc: BaseException, where: str) -> str:
 class MultiTurn:
     """Episodes against an environment; registered as workflow ``multi_turn``.
 
-    Recipe arguments (``rollout.args``):
-
-    - ``env``: registered environment name or ``package.module:Class``; ``env_args`` its
-      constructor keyword arguments.
-    - ``mode``: ``concat`` (one row per episode) or ``step`` (one row per turn).
-    - ``history``: step mode only, earlier turns kept in each prompt (null: all).
-    - ``max_turns``: turns per episode; ``max_tokens``: sampled tokens per episode
-      (null: no limit); ``max_turn_tokens``: tokens per turn (default
-      ``rollout.max_new_tokens``); ``max_context``: longest prompt + response of a turn.
-    - ``system_prompt``: system message before the first observation.
-    - ``env_workers``: threads for sync environments (1: step them inline).
-    - ``policy``: the acting policy (default: the first).
+    Its options (``rollout.args``) are the keyword parameters of ``__init__``; ``env_args``
+    are the environment's own options, checked against the environment when the recipe
+    loads (:meth:`validate_config`).
     """
 
     # What each transcript line adds (from the row's meta): a step-mode row is one turn, so
@@ -131,17 +123,35 @@ class MultiTurn:
     def __init__(
         self,
         ctx,
-        env: str = "gridworld",
-        env_args: dict | None = None,
-        mode: str = "concat",
-        history: int | None = 0,
-        max_turns: int = 8,
-        max_tokens: int | None = None,
-        max_turn_tokens: int | None = None,
-        max_context: int | None = None,
-        system_prompt: str | None = None,
-        env_workers: int = 1,
-        policy: str | None = None,
+        env: Annotated[
+            str, "environment: a registered name, package.module:Class or ./file.py:Class"
+        ] = "gridworld",
+        env_args: Annotated[
+            dict[str, Any] | None,
+            "the environment's options (its constructor's keyword parameters)",
+        ] = None,
+        mode: Annotated[
+            Literal["concat", "step"],
+            "row layout: concat (one row per episode) or step (one row per turn)",
+        ] = "concat",
+        history: Annotated[
+            int | None,
+            "step mode: earlier turns kept in each prompt (0: the current observation "
+            "only; null: all)",
+        ] = 0,
+        max_turns: Annotated[int, "turns per episode (an environment's max_turns may cut it)"] = 8,
+        max_tokens: Annotated[int | None, "sampled tokens per episode (null: no limit)"] = None,
+        max_turn_tokens: Annotated[
+            int | None, "sampled tokens per turn (null: rollout.max_new_tokens)"
+        ] = None,
+        max_context: Annotated[
+            int | None, "longest prompt + action of one turn, in tokens (null: no limit)"
+        ] = None,
+        system_prompt: Annotated[
+            str | None, "system message before the first observation (null: none)"
+        ] = None,
+        env_workers: Annotated[int, "threads stepping sync environments (1: inline)"] = 1,
+        policy: Annotated[str | None, "the acting policy (null: the first)"] = None,
     ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -189,44 +199,29 @@ class MultiTurn:
 
     @classmethod
     def validate_config(cls, cfg) -> None:
-        """Check ``rollout.args`` at config time, before any model loads."""
-        args = dict(cfg.rollout.args)
-        valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "ctx")]
-        unknown = sorted(set(args) - set(valid))
-        if unknown:
-            from polyrl.core.registry import nearest
-
-            hint = nearest(unknown[0], valid)
-            raise ConfigError(
-                f"rollout.args has unknown key {unknown[0]!r} for workflow "
-                f"multi_turn"
-                + (f"; did you mean {hint!r}?" if hint else "")
-                + f". Valid: {', '.join(valid)}."
-            )
-        defaults = {
-            p.name: p.default
-            for p in inspect.signature(cls.__init__).parameters.values()
-            if p.default is not inspect.Parameter.empty
-        }
-        merged = {**defaults, **args}
+        """At config time, before any model loads: the ranges of ``rollout.args`` (typed by
+        the recipe), the acting policy, and the environment's own options, which become
+        typed in place (``rollout.args.env_args``)."""
+        args = cfg.rollout.args
         cls._check_args(
-            **{
-                k: merged[k]
-                for k in (
-                    "mode",
-                    "history",
-                    "max_turns",
-                    "max_tokens",
-                    "max_turn_tokens",
-                    "max_context",
-                    "env_workers",
-                )
-            }
+            mode=args.mode,
+            history=args.history,
+            max_turns=args.max_turns,
+            max_tokens=args.max_tokens,
+            max_turn_tokens=args.max_turn_tokens,
+            max_context=args.max_context,
+            env_workers=args.env_workers,
         )
+        if args.policy is not None and args.policy not in cfg.policies:
+            raise ConfigError(
+                f"rollout.args.policy={args.policy!r} is not one of the recipe's policies "
+                f"{sorted(cfg.policies)}"
+            )
         try:
-            make_env_factory(merged["env"], merged["env_args"])
-        except Exception as e:
-            raise ConfigError(f"rollout.args.env: {e}") from e
+            ENVIRONMENTS.check(args.env)
+        except UnknownNameError as e:
+            raise ConfigError(f"rollout.args.env: {e}") from None
+        args.env_args = env_options(args.env, args.env_args, "rollout.args.env_args", "the recipe")
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:

@@ -11,7 +11,7 @@ from polyrl.agents.credit import (
     _steps,
     discounted_returns,
     episode_grpo,
-    make_gigpo,
+    gigpo,
     step_groups,
     turn_return,
 )
@@ -147,7 +147,7 @@ def test_step_groups_join_identical_anchors_of_one_task_only():
 @pytest.mark.parametrize("omega", [1.0, 0.5])
 def test_gigpo_step_rows_match_hand_computation(omega):
     rec = step_record()
-    metrics = make_gigpo(omega)(rec, algo())
+    metrics = gigpo(rec, algo(), omega=omega)
     expected = [
         A_EPISODE[e] + omega * A_STEP[e][t]
         for e, (_, anchors, _) in enumerate(EPISODES)
@@ -163,7 +163,7 @@ def test_gigpo_step_rows_match_hand_computation(omega):
 
 def test_gigpo_concat_rows_give_each_turn_its_own_advantage_and_env_tokens_zero():
     rec = concat_record()
-    make_gigpo(1.0)(rec, algo())
+    gigpo(rec, algo())
     for e, (_, anchors, _) in enumerate(EPISODES):
         row = rec["advantages"][e]
         for t in range(len(anchors)):
@@ -178,7 +178,7 @@ def test_gigpo_concat_rows_give_each_turn_its_own_advantage_and_env_tokens_zero(
 
 def test_gigpo_without_std_division_is_mean_centred():
     rec = step_record()
-    make_gigpo(1.0)(rec, algo(norm_adv_by_std=False))
+    gigpo(rec, algo(norm_adv_by_std=False))
     # (0,A) group: returns .5, .25, 0 -> centred +.25, 0, -.25; episode part is Dr.GRPO
     # r - mean: task 0 -> +1/3, +1/3, -2/3.
     assert rec["advantages"][0, 0].item() == pytest.approx(1 / 3 + 0.25, abs=1e-5)
@@ -188,7 +188,7 @@ def test_gigpo_without_std_division_is_mean_centred():
 def test_episode_grpo_is_gigpo_with_zero_omega_and_equals_core_group_on_concat_rows():
     a, b = step_record(), step_record()
     episode_grpo(a, algo())
-    make_gigpo(0.0)(b, algo())
+    gigpo(b, algo(), omega=0.0)
     assert torch.allclose(a["advantages"], b["advantages"])
     from polyrl.core.credit import group_credit
 
@@ -196,6 +196,26 @@ def test_episode_grpo_is_gigpo_with_zero_omega_and_equals_core_group_on_concat_r
     episode_grpo(c, algo())
     group_credit(d, algo())
     assert torch.allclose(c["advantages"], d["advantages"], atol=1e-6)
+
+
+def test_omega_comes_from_the_recipe_credit_args():
+    from polyrl.core.config import ConfigError
+    from polyrl.core.credit import assign
+
+    by_recipe, by_hand = step_record(), step_record()
+    assign(by_recipe, algo(credit="gigpo", credit_args={"omega": 0.5}))
+    gigpo(by_hand, algo(), omega=0.5)
+    assert torch.equal(by_recipe["advantages"], by_hand["advantages"])
+    assert not torch.equal(by_hand["advantages"], gigpo_default(step_record()))
+    with pytest.raises(ConfigError, match=r"algorithm.credit_args.omga.*did you mean"):
+        algo(credit="gigpo", credit_args={"omga": 0.5}).validate()
+    with pytest.raises(ConfigError, match="has no option 'omega'.*takes no options"):
+        algo(credit="episode_grpo", credit_args={"omega": 0.5}).validate()
+
+
+def gigpo_default(rec):
+    gigpo(rec, algo())
+    return rec["advantages"]
 
 
 def test_turn_return_normalises_discounted_returns_within_the_task():
@@ -212,7 +232,7 @@ def test_invalid_rows_are_left_out_and_get_zero():
     rec = step_record()
     # episode 2 (two rows: 5 and 6) failed in its environment
     mark_invalid(rec, [5, 6], ["env raised", "env raised"])
-    make_gigpo(1.0)(rec, algo())
+    gigpo(rec, algo())
     assert rec["advantages"][5:7].abs().sum().item() == 0.0
     # Without episode 2, task 0's (0,A) group is ep0 .5 and ep1 .25: +-0.7071; episodes
     # [1, 1] have no spread, so A_episode is 0.
@@ -231,4 +251,4 @@ def test_rows_without_multi_turn_meta_fail_clearly():
     )
     rec["reward"] = torch.ones(1)
     with pytest.raises(ValueError, match="multi_turn workflow"):
-        make_gigpo(1.0)(rec, algo())
+        gigpo(rec, algo())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -12,10 +13,13 @@ from polyrl.agents.env import (
     StepResult,
     as_messages,
     as_step_result,
+    env_options,
     make_env_factory,
     observation_text,
     register_env,
 )
+from polyrl.core.config import ConfigError, doc
+from polyrl.core.options import Options
 from polyrl.core.registry import ENVIRONMENTS, TASKS, UnknownNameError
 
 GRID = ["S.H", "...", "H.G"]
@@ -50,8 +54,49 @@ def test_registry_names_and_import_paths_build_fresh_instances():
 def test_bad_names_and_arguments_fail_with_a_hint():
     with pytest.raises(UnknownNameError, match="did you mean 'gridworld'"):
         make_env_factory("gridwold")
-    with pytest.raises(TypeError, match="does not accept env_args"):
+    with pytest.raises(ConfigError, match="environment 'gridworld' has no option 'size'"):
         make_env_factory("gridworld", {"size": 3})
+    with pytest.raises(ConfigError, match="invalid='fall' .* is not one of"):
+        make_env_factory("gridworld", {"invalid": "fall"})
+    with pytest.raises(ConfigError, match="target .* must be an integer"):
+        make_env_factory("test_agents_counter", {"target": "three"})
+
+
+class NoInit:
+    """An environment class that defines no ``__init__`` (and no base class)."""
+
+    def reset(self, task):
+        return "x"
+
+
+class TakesKwargs(Environment):
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+@dataclass
+class KwargsOptions(Options):
+    depth: int = doc(1, "how deep")
+
+
+register_env("test_agents_kwargs_declared", options=KwargsOptions)(TakesKwargs)
+
+
+class TakesKwargsUndeclared(TakesKwargs):
+    pass
+
+
+def test_environment_options_are_declared_by_the_constructor_or_registration():
+    assert not env_options(f"{__name__}:NoInit").keys()
+    assert isinstance(make_env_factory(f"{__name__}:NoInit")(), NoInit)
+    with pytest.raises(ConfigError, match="it takes no options"):
+        env_options(f"{__name__}:NoInit", {"x": 1})
+    grid = env_options("gridworld", {"hint": "safe"})
+    assert grid.hint == "safe" and grid.invalid == "stay"  # typed, with the defaults
+    made = make_env_factory("test_agents_kwargs_declared", {"depth": 3})()
+    assert made.kwargs == {"depth": 3}
+    with pytest.raises(TypeError, match="takes \\*\\*kwargs"):  # undeclared: cannot be checked
+        env_options(f"{__name__}:TakesKwargsUndeclared")
 
 
 def test_step_results_and_observations_are_normalised():

@@ -48,6 +48,7 @@ def test_a_raising_env_costs_only_its_episodes_and_the_batch_trains(grid_model_d
             "task.args={n_train: 16, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
             f"policies.main.model={grid_model_dir}",
             "policies.main.build=null",
+            "policies.main.build_args=null",
             "rollout.args={env: test_agents_crashing_grid, mode: step, history: 0, max_turns: 3,"
             " max_turn_tokens: 2}",
             "rollout.n=4",

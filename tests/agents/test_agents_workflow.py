@@ -4,7 +4,6 @@ environment errors, step-wise rows, async environments."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -240,22 +239,33 @@ def test_step_mode_rows_hold_one_turn_with_bounded_history(make_workflow, items,
 
 @register_env("test_agents_slow_async")
 class SlowAsyncEnv(Environment):
-    """An async environment whose steps take 0.2 s each."""
+    """An async environment whose steps yield to the event loop while they run, counting
+    how many steps are in flight at once (across all instances)."""
+
+    in_flight = 0
+    most_in_flight = 0
 
     async def reset(self, task):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
         return "ready"
 
     async def step(self, action):
-        await asyncio.sleep(0.2)
+        cls = type(self)
+        cls.in_flight += 1
+        cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        try:
+            await asyncio.sleep(0.01)
+        finally:
+            cls.in_flight -= 1
         return StepResult("done", 1.0, True, {"success": True})
 
 
 def test_async_environments_step_concurrently(make_workflow, items):
-    wf, _ = make_workflow(moves("go"), env="test_agents_slow_async", mode="concat")
-    start = time.monotonic()
+    wf, engine = make_workflow(moves("go"), env="test_agents_slow_async", mode="concat")
+    SlowAsyncEnv.most_in_flight = 0
     rec = wf.rollout(items([{"prompt": "x"}] * 4), SamplingParams(n=4, max_new_tokens=4))
-    assert time.monotonic() - start < 2.0  # 16 episodes x 0.2 s would take 3.2 s in series
+    # one engine call for the round, then all 16 episodes' steps awaited together
+    assert len(engine.calls) == 1 and SlowAsyncEnv.most_in_flight == 16
     assert rec.batch_size[0] == 16 and all(m["success"] for m in strings(rec, "meta"))
 
 
@@ -352,9 +362,23 @@ def test_real_engine_ids_and_logprobs_land_in_the_record(grid_model_dir, items):
 def test_recipe_arguments_are_checked_at_config_time(make_config):
     from polyrl.core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="did you mean 'max_turns'"):
-        make_config("rollout.workflow=multi_turn", "rollout.args={max_turn: 3}").validate()
+    with pytest.raises(ConfigError, match="did you mean rollout.args.max_turns"):
+        make_config("rollout.workflow=multi_turn", "rollout.args={max_turn: 3}")
     with pytest.raises(ConfigError, match="mode"):
-        make_config("rollout.workflow=multi_turn", "rollout.args={mode: tree}").validate()
+        make_config("rollout.workflow=multi_turn", "rollout.args={mode: tree}")
+    with pytest.raises(ConfigError, match="max_turns must be >= 1"):
+        make_config("rollout.workflow=multi_turn", "rollout.args={max_turns: 0}")
+    with pytest.raises(ConfigError, match="rollout.args.policy='critic' is not one of"):
+        make_config("rollout.workflow=multi_turn", "rollout.args={policy: critic}")
     with pytest.raises(ConfigError, match="unknown environment 'gridwrld'; did you mean"):
-        make_config("rollout.workflow=multi_turn", "rollout.args={env: gridwrld}").validate()
+        make_config("rollout.workflow=multi_turn", "rollout.args={env: gridwrld}")
+    # the environment's own options are checked against the environment, and typed
+    with pytest.raises(
+        ConfigError, match=r"rollout.args.env_args.goal in .*did you mean rollout.args.env_args"
+    ):
+        make_config("rollout.workflow=multi_turn", "rollout.args={env_args: {goal: 2.0}}")
+    cfg = make_config(
+        "rollout.workflow=multi_turn", "rollout.args={env_args: {goal_reward: 2, hint: safe}}"
+    )
+    env_args = cfg.rollout.args.env_args
+    assert env_args.goal_reward == 2.0 and env_args.hint == "safe" and env_args.invalid == "stay"
