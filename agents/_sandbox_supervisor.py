@@ -21,7 +21,14 @@ import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
+IPC_RMID = 0
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1,
     2,
@@ -141,7 +148,7 @@ def _isolate(req: dict, layers: list, notes: list) -> tuple:
     if not req["isolate"]:
         return None, os.geteuid() == 0
     root = os.geteuid() == 0
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
     try:
         if root:
             _unshare(flags)
@@ -155,6 +162,7 @@ def _isolate(req: dict, layers: list, notes: list) -> tuple:
         notes.append(f"namespaces unavailable ({e}); running without them")
         return None, root
     layers.append("network-namespace(no interfaces)")
+    layers.append("ipc-namespace(System V IPC and POSIX message queues vanish with the run)")
     layers.append("pid-namespace(killing its init kills every process the code started)")
     if not root:
         layers.append("user-namespace")
@@ -164,6 +172,75 @@ def _isolate(req: dict, layers: list, notes: list) -> tuple:
         notes.append(f"private mounts failed ({e}); using a temporary directory")
         work = None
     return work, root
+
+
+# /proc/sysvipc tables (read through a descriptor of the host's /proc, opened before the
+# worker starts): each lists the System V objects of the reader's IPC namespace.
+SYSVIPC = {"shm": "shmid", "msg": "msqid", "sem": "semid"}
+IPC_NAMES = {"shm": "shared-memory segment", "msg": "message queue", "sem": "semaphore set"}
+
+
+def _ipc_objects(proc_fd: int) -> list:
+    """(kind, id, creator uid, bytes) of every System V IPC object this process can see."""
+    out = []
+    for kind, id_col in SYSVIPC.items():
+        try:
+            fd = os.open(f"sysvipc/{kind}", os.O_RDONLY, dir_fd=proc_fd)
+        except OSError:
+            continue
+        with os.fdopen(fd) as f:
+            lines = f.read().splitlines()
+        header = lines[0].split() if lines else []
+        for line in lines[1:]:
+            row = dict(zip(header, line.split(), strict=False))
+            size = int(row.get("size", row.get("cbytes", 0)))
+            out.append((kind, int(row[id_col]), int(row["cuid"]), size))
+    return out
+
+
+def _remove_ipc(kind: str, ident: int) -> bool:
+    if kind == "shm":
+        return _libc.shmctl(ctypes.c_int(ident), IPC_RMID, None) == 0
+    if kind == "msg":
+        return _libc.msgctl(ctypes.c_int(ident), IPC_RMID, None) == 0
+    return _libc.semctl(ctypes.c_int(ident), 0, IPC_RMID) == 0
+
+
+def _cleanup_ipc(proc_fd: int, before: set, own_ns: bool, uid, notes: list) -> dict:
+    """The per-call check: System V objects the code left behind, reported and removed.
+
+    In its own IPC namespace every object is the code's (and would vanish with the
+    namespace anyway); without one, new objects created by the throwaway uid are; with
+    neither, new objects cannot be told from the host's, so they are reported, not removed.
+    """
+    left = [o for o in _ipc_objects(proc_fd) if (o[0], o[1]) not in before]
+    if not own_ns:
+        if uid is None:
+            if left:
+                notes.append(
+                    f"{len(left)} System V IPC object(s) appeared during the run; without an "
+                    "IPC namespace or a throwaway uid they cannot be attributed, so they were "
+                    "left in place"
+                )
+            return {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
+        left = [o for o in left if o[2] == uid]
+    counts = {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
+    failed = [o for o in left if not _remove_ipc(o[0], o[1])]
+    for kind, _, _, size in left:
+        counts[kind] += 1
+        counts["shm_bytes"] += size if kind == "shm" else 0
+    if left:
+        what = ", ".join(
+            f"{n} {IPC_NAMES[k]}(s)" for k, n in counts.items() if k in IPC_NAMES and n
+        )
+        notes.append(
+            f"removed System V IPC the code left behind: {what} "
+            f"({counts['shm_bytes'] / 2**20:.0f} MiB of shared memory)"
+        )
+    still = {(o[0], o[1]) for o in _ipc_objects(proc_fd)} & {(o[0], o[1]) for o in left}
+    if failed or still:
+        notes.append(f"could not remove {len(still) or len(failed)} System V IPC object(s)")
+    return counts
 
 
 def _reachable(paths: list) -> bool:
@@ -291,6 +368,9 @@ def main() -> None:
     layers.append("new session; output capped; wall-time kill")
     if req["audit"]:
         layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
+    own_ipc = any(x.startswith("ipc-namespace") for x in layers)
+    proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's view, kept
+    ipc_before = {(o[0], o[1]) for o in _ipc_objects(proc_fd)}
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     start = time.monotonic()
@@ -337,6 +417,7 @@ def main() -> None:
             time.sleep(0.01)
     elapsed = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ipc_left = _cleanup_ipc(proc_fd, ipc_before, own_ipc, uid, notes)
     if temp is not None:
         import shutil
 
@@ -354,6 +435,7 @@ def main() -> None:
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "layers": layers,
         "notes": notes,
+        "ipc_left": ipc_left,
     }
     sys.stdout.write(json.dumps(result))
     sys.stdout.flush()

@@ -22,7 +22,9 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    wall-time deadline kills sleepers and anything the CPU limit misses.
 3. **Namespaces** (``unshare``; as root, or through a user namespace where unprivileged
    ones are allowed): a *network* namespace with no interfaces (no socket can reach
-   anything), a *PID* namespace whose init is the worker (killing it kills every process
+   anything), an *IPC* namespace (System V shared memory, message queues and semaphores,
+   and POSIX message queues, die with the run instead of staying resident in the host), a
+   *PID* namespace whose init is the worker (killing it kills every process
    the code started, even ones that left the process group), and a *mount* namespace in
    which every top-level directory but the system ones (``/usr``, ``/lib``, ``/etc``,
    ``/proc``, ``/dev``, ...) is replaced by an empty tmpfs mount (homes, ``/tmp``, the
@@ -38,6 +40,10 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    installation excepted), sockets, signals, process creation and ctypes calls. It is not
    a security boundary on its own (C code can bypass it); it turns attempts into readable
    errors and backs up the layers above where they are missing.
+
+After every run the supervisor checks for System V IPC objects the code left behind,
+removes them and reports them (``SandboxResult.ipc_left`` and a note). See
+``agents/SANDBOX.md`` for the threat model.
 
 Without root or user namespaces only 1, 2 and 5 (plus a temporary directory that is
 removed afterwards) remain; ``capabilities()`` says what this machine offers.
@@ -84,6 +90,9 @@ class SandboxResult:
     output_bytes: int = 0
     layers: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # System V IPC objects the code left behind, found and removed after the run: counts
+    # per kind ("shm", "msg", "sem") and "shm_bytes" (see the per-call cleanup check)
+    ipc_left: dict[str, int] = field(default_factory=dict)
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
@@ -236,6 +245,7 @@ class Sandbox:
             rep["output_bytes"],
             rep["layers"],
             rep["notes"],
+            rep["ipc_left"],
         )
         result.error = _classify(rep, result, float(self.limits.cpu_seconds))
         return result
@@ -283,6 +293,7 @@ def capabilities() -> dict[str, bool]:
     return {
         "ran": r.ok and r.stdout.strip() == "ok",
         "network_namespace": "network-" in text,
+        "ipc_namespace": "ipc-" in text,
         "pid_namespace": "pid-" in text,
         "mount_namespace": "mount-" in text,
         "throwaway_uid": "throwaway uid" in text,

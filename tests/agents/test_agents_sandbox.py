@@ -8,6 +8,7 @@ hook-off variants run only when this machine gives the sandbox those layers.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -222,3 +223,73 @@ def test_the_sandbox_leaves_no_working_directory_behind(caps):
     box().run("open('x.txt', 'w').write('x')")
     after = {p for p in os.listdir("/tmp") if p.startswith("polyrl-sandbox-")}
     assert after <= before
+
+
+def host_ipc() -> set[tuple[str, int, int]]:
+    """(kind, id, creator uid) of every System V IPC object in this (the host's) namespace."""
+    out = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            header, *rows = f.read().splitlines()
+        cols = header.split()
+        for row in rows:
+            values = dict(zip(cols, row.split(), strict=False))
+            out.add((kind, int(row.split()[1]), int(values["cuid"])))
+    return out
+
+
+# Creates two 32 MiB shared-memory segments (attached, written, detached: resident memory
+# that outlives the process, over any RLIMIT_AS), a message queue holding a message, and
+# a semaphore set, lists the segments it can see, then returns -- leaving them all behind.
+IPC_LEAK = """
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT = 0o1000
+made = []
+for _ in range(2):
+    shmid = libc.shmget(0, ctypes.c_size_t(32 * 2**20), IPC_CREAT | 0o666)
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, 32 * 2**20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    made.append(shmid)
+queue = libc.msgget(0, IPC_CREAT | 0o666)
+msg = ctypes.create_string_buffer(b"\\x01" + b"\\x00" * 7 + b"hello", 16)
+sent = libc.msgsnd(queue, msg, ctypes.c_size_t(5), 0)
+sem = libc.semget(0, 1, IPC_CREAT | 0o666)
+seen = [int(row.split()[1]) for row in open("/proc/sysvipc/shm").read().splitlines()[1:]]
+print(json.dumps({"shm": made, "queue": queue, "sent": sent, "sem": sem, "seen": seen}))
+"""
+
+
+def test_system_v_ipc_does_not_outlive_the_call(caps):
+    """Issue 23: segments made inside a tool call stayed resident in the host after it."""
+    if not (caps["ipc_namespace"] and os_layers(caps)):
+        pytest.skip("needs an IPC namespace and a throwaway uid")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    canary = libc.shmget(0, ctypes.c_size_t(4096), 0o1000 | 0o600)  # the host's own segment
+    assert canary >= 0
+    try:
+        before = host_ipc()
+        r = box(audit=False).run(IPC_LEAK)  # ctypes: the audit hook would refuse it
+        assert r.ok, r.stderr
+        made = json.loads(r.stdout)
+        assert min(made["shm"]) >= 0 and made["queue"] >= 0 and made["sem"] >= 0, made
+        assert made["sent"] == 0
+        assert sorted(made["seen"]) == sorted(made["shm"])  # its own namespace: no canary
+        # the per-call check found them in the sandbox's namespace and removed them ...
+        assert r.ipc_left == {"shm": 2, "msg": 1, "sem": 1, "shm_bytes": 64 * 2**20}
+        assert any("removed System V IPC" in n and "64 MiB" in n for n in r.notes), r.notes
+        # ... and the host's namespace never held them
+        uid = int(re.search(r"throwaway uid (\d+)", " ".join(r.layers)).group(1))
+        after = host_ipc()
+        assert not [o for o in after if o[2] == uid]
+        assert after - before == set()
+        assert ("shm", canary, os.getuid()) in after  # the host's segment is untouched
+    finally:
+        libc.shmctl(canary, 0, None)
+    # a clean call leaves nothing to report
+    clean = box(audit=False).run("print(1)")
+    assert clean.ipc_left == {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
