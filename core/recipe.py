@@ -26,6 +26,7 @@ from polyrl.core.registry import (
     nearest,
 )
 from polyrl.core.rewards import RewardConfig
+from polyrl.core.tiny import check_build_conflicts
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Config:
             raise ConfigError("the recipe declares no policies; add policies: {main: {model: ...}}")
         self.check_ranges(source)
         self.bind_options(source)
+        check_build_conflicts(self.policies, source)
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")

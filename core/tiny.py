@@ -7,6 +7,10 @@ engine (HF, vLLM) loads them exactly as it would a real Qwen2.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import polyrl.core.tasks  # noqa: F401  (registers the tasks whose corpora we train on)
+from polyrl.core.config import ConfigError
 from polyrl.core.registry import MODELS, TASKS
 
 if TYPE_CHECKING:
@@ -31,6 +36,7 @@ CHAT_TEMPLATE = (
 )
 # Files a finished checkpoint holds; their presence means a build completed.
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+log = logging.getLogger(__name__)
 
 
 def _byte_alphabet(full: bool) -> list[str]:
@@ -238,7 +244,8 @@ def tiny_qwen2(
     still trained on the corpus, so it matches the task's other tiny models token for token.
     The checkpoint is written to a temp dir beside ``path`` and renamed into place, so a
     crash or a concurrent builder never leaves a half-written model. A complete checkpoint
-    already at ``path`` is returned untouched.
+    already at ``path`` is returned untouched (recipes build through :func:`ensure_model`,
+    which first checks the directory's build record).
     """
     if pretrain_on not in ("corpus", "sft"):
         raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
@@ -282,13 +289,198 @@ def tiny_qwen2(
     return path
 
 
-def ensure_model(path: str | Path, builder: str | None, args: dict | None = None) -> str:
+# The build record: what built a model directory, written into it with the model.
+BUILD_RECORD = "polyrl_build.json"
+
+
+def build_settings(builder: str, args: Any = None) -> dict:
+    """What ``builder`` would build with ``args``: its name and every option bound (defaults
+    included), as plain JSON values, so a record compares equal exactly when the build would."""
+    options = MODELS.bind(builder, args, "build_args")
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        raise TypeError(
+            f"model builder {builder!r}: option value {value!r} cannot be recorded as JSON"
+        )
+
+    return {"builder": builder, "options": json.loads(json.dumps(options, default=plain))}
+
+
+def setting_differences(old: dict, new: dict) -> list[str]:
+    """``key: old -> new`` for each setting two build records disagree on."""
+    missing = "(unset)"
+    out = (
+        [f"build: {old['builder']!r} -> {new['builder']!r}"]
+        if old["builder"] != new["builder"]
+        else []
+    )
+    a, b = old.get("options", {}), new.get("options", {})
+    for key in sorted(set(a) | set(b)):
+        if a.get(key, missing) != b.get(key, missing):
+            out.append(f"{key}: {a.get(key, missing)!r} -> {b.get(key, missing)!r}")
+    return out
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} - {BUILD_RECORD}
+
+
+def _read_record(path: Path) -> dict | None:
+    file = path / BUILD_RECORD
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model directory {str(path)!r}: its build record {BUILD_RECORD} cannot be read "
+            f"({e}); delete the directory to rebuild it"
+        ) from None
+    if not isinstance(record, dict) or not {"builder", "options", "files"} <= set(record):
+        raise ConfigError(
+            f"model directory {str(path)!r}: {BUILD_RECORD} is not a PolyRL build record; "
+            "delete the directory to rebuild it, or point the policy's model elsewhere"
+        )
+    return record
+
+
+def _plan(path: Path, want: dict) -> str:
+    """``build``, ``reuse`` or ``rebuild`` for ``path``; a :class:`ConfigError` where the
+    directory holds something the builder did not write and would have to be replaced."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return "build"
+    fix = "delete it to build anew, or point the policy's model at another path"
+    if not path.is_dir():
+        raise ConfigError(f"model path {str(path)!r} is a file, not a model directory; {fix}")
+    record = _read_record(path)
+    if record is None:
+        raise ConfigError(
+            f"model directory {str(path)!r} exists but has no {BUILD_RECORD}, so PolyRL "
+            f"cannot tell whether build {want['builder']!r} with these build_args made it (it "
+            "may be your own model, or one built by an older PolyRL). To use it as it is, "
+            "unset the policy's build and build_args; to have it built, delete the directory "
+            "or point the policy's model at another path"
+        )
+    present, written = _files(path), set(record["files"])
+    same = not setting_differences(record, want)
+    if same and written <= present:
+        return "reuse"
+    extra = sorted(present - written)
+    if extra:
+        changes = setting_differences(record, want) or ["files the build wrote are missing"]
+        raise ConfigError(
+            f"model directory {str(path)!r} was built with other settings "
+            f"({'; '.join(changes)}) and also holds files its builder did not write "
+            f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}), so PolyRL will not "
+            f"replace it; {fix}"
+        )
+    return "rebuild"
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """One builder at a time per model path, across processes (a policy and its engine, or
+    Ray workers on one machine, may ask for the same model at once)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(path: Path, builder: str, options: Any, want: dict) -> None:
+    """Build into a fresh directory beside ``path``, add the record, then move it into place:
+    a crash leaves either the old model or the new one with its record, never a mix."""
+    stage = path.parent / f".{path.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        MODELS.get(builder)(stage, **options)
+        files = sorted(_files(stage)) if stage.is_dir() else []
+        if not files:
+            raise RuntimeError(f"model builder {builder!r} wrote no files at {stage}")
+        record = {**want, "files": files}
+        with open(stage / BUILD_RECORD, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists() and any(path.iterdir()):
+            os.replace(path, old)  # only a directory _plan found to hold our build alone
+            try:
+                os.replace(stage, path)
+            except OSError:
+                os.replace(old, path)
+                raise
+        else:
+            os.replace(stage, path)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str:
     """Resolve a recipe's model path, building it first when a builder is named.
 
     Without a builder the path is returned as given (after ``~`` expansion), so hub ids
-    pass straight through.
+    pass straight through. With one, the directory carries a build record
+    (``polyrl_build.json``: the builder, its bound options and the files it wrote), written
+    atomically with the model:
+
+    - no directory (or an empty one): build it;
+    - a record with the same settings: reuse the model;
+    - a record with other settings, and nothing in the directory but what that build wrote:
+      rebuild (logged), so changing ``build_args`` changes the model;
+    - a record with other settings and files the build did not write, or a directory with
+      no record (a user's own model, or one built before records existed): refuse with a
+      :class:`ConfigError`, since replacing it could destroy work. A user's model is used
+      as it is by leaving ``build`` unset.
     """
     resolved = os.path.expanduser(str(path))
-    if builder and not is_complete(resolved):
-        MODELS.get(builder)(resolved, **(args or {}))
+    if not builder:
+        return resolved
+    options = MODELS.bind(builder, args, "build_args")
+    want = build_settings(builder, options)
+    target = Path(resolved)
+    with _build_lock(target):
+        plan = _plan(target, want)
+        if plan == "rebuild":
+            old = _read_record(target)
+            log.warning(
+                "rebuilding model %s: its build settings changed (%s)",
+                resolved,
+                "; ".join(setting_differences(old, want)) or "files missing",
+            )
+        if plan != "reuse":
+            _build(target, builder, options, want)
     return resolved
+
+
+def check_build_conflicts(policies: dict[str, Any], source: str = "<config>") -> None:
+    """Policies that build the same model path must build it the same way.
+
+    One directory holds one build: two policies naming one path with different ``build`` or
+    ``build_args`` (e.g. a YAML anchor, then an override that reached one of them) would
+    each rebuild it over the other."""
+    seen: dict[str, tuple[str, dict]] = {}
+    for name, p in policies.items():
+        if not p.build:
+            continue
+        key = os.path.abspath(os.path.expanduser(str(p.model)))
+        want = build_settings(p.build, p.build_args)
+        if key not in seen:
+            seen[key] = (name, want)
+            continue
+        first, had = seen[key]
+        changes = setting_differences(had, want)
+        if changes:
+            raise ConfigError(
+                f"policies.{first} and policies.{name} in {source} both build model "
+                f"{str(p.model)!r}, with different settings (policies.{first} -> "
+                f"policies.{name}: {'; '.join(changes)}). One directory holds one build: give "
+                "both the same build and build_args, or give each its own model path"
+            )
