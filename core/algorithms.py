@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from polyrl.core.config import ConfigError, doc
+from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.correction import RolloutCorrection
 from polyrl.core.options import Options
 from polyrl.core.registry import ADVANTAGES, CREDIT, KL_ESTIMATORS, POLICY_LOSSES, nearest
 
@@ -104,6 +105,11 @@ class AlgorithmConfig:
     loss_args: Any = doc(
         {}, "options of the policy loss", options=POLICY_LOSSES, chooser="algorithm.policy_loss"
     )
+    rollout_correction: RolloutCorrection = doc_factory(
+        RolloutCorrection,
+        "importance correction of the gap between the engine that sampled and the "
+        "trainer (TIS/MIS, token or sequence level; see polyrl.core.correction)",
+    )
     skip_zero_advantage: bool | None = doc(
         None,
         "forward/backward only the rows with a nonzero advantage on a trained token; "
@@ -138,6 +144,7 @@ class AlgorithmConfig:
             raise ConfigError("algorithm.kl_coef, entropy_coef and epsilon must be >= 0")
         if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
             raise ConfigError("algorithm.loss_scale_factor must be positive (or null)")
+        self.rollout_correction.check()
         if self.skip_zero_advantage and (why := self._skip_zero_advantage_inexact()):
             raise ConfigError(
                 f"algorithm.skip_zero_advantage=true {why} (null turns it on "
@@ -409,6 +416,7 @@ def _verl_policy_loss(
     mask: Tensor,
     cfg: AlgorithmConfig,
     agg: AggInfo,
+    weights: Tensor | None,
 ) -> tuple[Tensor, dict[str, float]]:
     actor = _verl_actor_config(loss_mode, cfg, agg)
     fn = _verl().get_policy_loss_fn(loss_mode)
@@ -419,6 +427,7 @@ def _verl_policy_loss(
         response_mask=mask.to(logprobs.dtype),
         loss_agg_mode=agg.mode,
         config=actor,
+        rollout_is_weights=None if weights is None else weights.to(logprobs.dtype),
     )
     return loss, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
 
@@ -433,8 +442,12 @@ def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = N
         mask: Tensor,
         cfg: AlgorithmConfig,
         agg: AggInfo,
+        *,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        return _verl_policy_loss(verl_name, logprobs, old_logprobs, advantages, mask, cfg, agg)
+        return _verl_policy_loss(
+            verl_name, logprobs, old_logprobs, advantages, mask, cfg, agg, weights
+        )
 
     loss.__name__ = f"{name}_loss"
     loss.__doc__ = summary

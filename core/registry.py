@@ -231,7 +231,8 @@ ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
 CREDIT: Registry[Callable] = Registry(
     "credit assignment", options_key="algorithm.credit_args", skip=2
 )
-# loss(logprobs, old_logprobs, advantages, mask, algorithm_config, agg): reads loss_args
+# loss(logprobs, old_logprobs, advantages, mask, algorithm_config, agg, *, weights=None):
+# reads loss_args; weights [B,R] (rollout correction) multiply each token's loss
 POLICY_LOSSES: Registry[Callable] = Registry(
     "policy loss", options_key="algorithm.loss_args", keywords=False
 )

@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
+from polyrl.core.correction import Mismatch, weights
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
 
@@ -122,11 +123,15 @@ def update(
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
     dp: tuple[int, int] | None = None,
+    correction: str | None = None,
 ) -> dict[str, float]:
     """RL update of one policy from its own rows (which carry ``advantages``).
 
     ``dp=(rank, world)``: this process is one rank of a data-parallel (FSDP) group and
     ``batch`` is the whole batch, the same on every rank (see the module docstring).
+    ``correction``: the rollout-correction level in force (``algorithm.rollout_correction``
+    resolved for the run's engines; None: ``auto`` read as exact engines, no staleness).
+    The engine/trainer mismatch metrics are reported whatever the level.
     """
     n = batch.batch_size[0]
     if n == 0 or policy.optimizer is None:
@@ -142,6 +147,22 @@ def update(
             lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp
         )
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
+    corr = algo.rollout_correction
+    level = correction or corr.resolved(exact_engines=True)
+    correct = corr.active(level)
+    mismatch = Mismatch()
+    if not reuse_old:  # the proximal policy is the pre-update recompute: weigh rows once
+        batch["is_weights"], dropped = weights(
+            batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"], corr, level
+        )
+        mismatch.add(
+            batch["old_logprobs"],
+            batch["rollout_logprobs"],
+            batch["loss_mask"],
+            corr,
+            level,
+            dropped,
+        )
     skip_zero = algo.skips_zero_advantage()
     want_entropy = algo.entropy_coef > 0 or algo.log_entropy
     stats: dict = {
@@ -170,7 +191,14 @@ def update(
                 if ent is not None and algo.entropy_coef == 0:
                     ent = ent.detach()  # metric only: free its softmax before the backward
                 old = logp.detach() if reuse_old else mb["old_logprobs"]
-                loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg)
+                if reuse_old:
+                    w, dropped = weights(old, mb["rollout_logprobs"], mask, corr, level)
+                    if real:
+                        mismatch.add(old, mb["rollout_logprobs"], mask, corr, level, dropped)
+                else:
+                    w = mb["is_weights"]
+                extra_args = {"weights": w} if correct else {}
+                loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg, **extra_args)
                 if kl_fn is not None:
                     kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, agg)
                     loss = loss + algo.kl_coef * kl
@@ -204,7 +232,7 @@ def update(
     if stats["entropy_tokens"] > 0:
         out["entropy"] = stats["entropy_sum"] / stats["entropy_tokens"]
     out.update({k: sum(v) / len(v) for k, v in extra.items()})
-    return out
+    return out | mismatch.metrics()
 
 
 def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:

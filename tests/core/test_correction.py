@@ -97,3 +97,87 @@ def test_auto_is_off_only_for_exact_synchronous_engines():
     assert opts.resolved(exact_engines=True) == "off"
     assert opts.resolved(exact_engines=False) == "token"
     assert opts.resolved(exact_engines=True, max_staleness=1) == "token"
+
+
+# --- through the trainer -------------------------------------------------------------
+
+
+def _policy_and_record(model_dir):
+    from tests.core.test_trainer import make_policy, rollout
+
+    policy = make_policy(model_dir, max_grad_norm=0.0)
+    rec = rollout(policy)
+    with torch.no_grad():  # the engine == the trainer: its log-probs, exactly
+        rec["rollout_logprobs"] = policy.logprobs(rec)[0] * rec["loss_mask"]
+    return policy, rec
+
+
+def _grads(model_dir, rec, algo, correction):
+    import copy
+
+    from polyrl.core.trainer import update
+    from tests.core.test_trainer import grads_at_step, make_policy
+
+    policy = make_policy(model_dir, max_grad_norm=0.0)
+    seen = grads_at_step(policy)
+    out = update(copy.deepcopy(policy), rec.clone(), algo, correction=correction)
+    return seen, out, policy
+
+
+def test_correction_is_a_no_op_when_engine_equals_trainer(tiny_model_dir):
+    import copy
+
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.trainer import update
+    from tests.core.test_trainer import grads_at_step
+
+    policy, rec = _policy_and_record(tiny_model_dir)
+    outs, grads = {}, {}
+    for level in ("off", "token", "sequence"):
+        p = copy.deepcopy(policy)
+        seen = grads_at_step(p)
+        algo = AlgorithmConfig(
+            rollout_correction=RolloutCorrection(level=level, mode="mask"),
+            skip_zero_advantage=False,
+        )
+        outs[level] = update(p, rec.clone(), algo, correction=level)
+        grads[level] = seen[0]
+    for level in ("token", "sequence"):
+        assert outs[level]["loss"] == outs["off"]["loss"]
+        assert all(torch.equal(a, b) for a, b in zip(grads[level], grads["off"], strict=True))
+    assert outs["off"]["mismatch/logp_abs_max"] == 0.0
+    assert outs["off"]["mismatch/rho_p10"] == outs["off"]["mismatch/rho_max"] == 1.0
+
+
+def test_truncated_weights_scale_each_tokens_gradient(tiny_model_dir):
+    """With one epoch the PPO ratio is 1, so the token-mean loss is -mean(w * A): weighting
+    the advantages by hand gives the same gradient as the correction."""
+    import copy
+
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.trainer import update
+    from tests.core.test_trainer import grads_at_step
+
+    policy, rec = _policy_and_record(tiny_model_dir)
+    mask = rec["loss_mask"].float()
+    gen = torch.Generator().manual_seed(3)
+    noise = torch.randn(mask.shape, generator=gen) * mask
+    rec["rollout_logprobs"] = rec["rollout_logprobs"] - noise  # the engine sampled elsewhere
+    algo = AlgorithmConfig(
+        rollout_correction=RolloutCorrection(level="token", max=1.5), skip_zero_advantage=False
+    )
+    a = copy.deepcopy(policy)
+    ga = grads_at_step(a)
+    out = update(a, rec.clone(), algo, correction="token")
+    by_hand = rec.clone()
+    w = torch.exp(noise).clamp(max=1.5) * mask
+    by_hand["advantages"] = rec["advantages"] * w
+    b = copy.deepcopy(policy)
+    gb = grads_at_step(b)
+    update(b, by_hand, AlgorithmConfig(skip_zero_advantage=False), correction="off")
+    assert all(
+        torch.allclose(x, y, atol=1e-7, rtol=1e-4) for x, y in zip(ga[0], gb[0], strict=True)
+    )
+    assert out["mismatch/truncated_frac"] == pytest.approx(
+        float(((noise > math.log(1.5)) & (mask > 0)).sum() / mask.sum()), abs=1e-6
+    )
