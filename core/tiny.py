@@ -347,8 +347,9 @@ def _read_record(path: Path) -> dict | None:
 
 
 def _plan(path: Path, want: dict) -> str:
-    """``build``, ``reuse`` or ``rebuild`` for ``path``; a :class:`ConfigError` where the
-    directory holds something the builder did not write and would have to be replaced."""
+    """``build``, ``reuse``, ``rebuild`` or ``foreign`` (a model PolyRL did not build) for
+    ``path``; a :class:`ConfigError` where a build of ours with other settings shares its
+    directory with files the builder did not write, so rebuilding would destroy them."""
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return "build"
     fix = "delete it to build anew, or point the policy's model at another path"
@@ -356,13 +357,7 @@ def _plan(path: Path, want: dict) -> str:
         raise ConfigError(f"model path {str(path)!r} is a file, not a model directory; {fix}")
     record = _read_record(path)
     if record is None:
-        raise ConfigError(
-            f"model directory {str(path)!r} exists but has no {BUILD_RECORD}, so PolyRL "
-            f"cannot tell whether build {want['builder']!r} with these build_args made it (it "
-            "may be your own model, or one built by an older PolyRL). To use it as it is, "
-            "unset the policy's build and build_args; to have it built, delete the directory "
-            "or point the policy's model at another path"
-        )
+        return "foreign"
     present, written = _files(path), set(record["files"])
     same = not setting_differences(record, want)
     if same and written <= present:
@@ -371,8 +366,8 @@ def _plan(path: Path, want: dict) -> str:
     if extra:
         changes = setting_differences(record, want) or ["files the build wrote are missing"]
         raise ConfigError(
-            f"model directory {str(path)!r} was built with other settings "
-            f"({'; '.join(changes)}) and also holds files its builder did not write "
+            f"model directory {str(path)!r} holds a build that does not match the recipe's "
+            f"({'; '.join(changes)}) and also files its builder did not write "
             f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}), so PolyRL will not "
             f"replace it; {fix}"
         )
@@ -435,10 +430,11 @@ def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str
     - a record with the same settings: reuse the model;
     - a record with other settings, and nothing in the directory but what that build wrote:
       rebuild (logged), so changing ``build_args`` changes the model;
-    - a record with other settings and files the build did not write, or a directory with
-      no record (a user's own model, or one built before records existed): refuse with a
-      :class:`ConfigError`, since replacing it could destroy work. A user's model is used
-      as it is by leaving ``build`` unset.
+    - a record with other settings and files the build did not write: refuse with a
+      :class:`ConfigError` (rebuilding would destroy them);
+    - a directory with no record (a user's own model, a trained export, or a model built
+      before records existed): used as it is, never touched, with a warning that ``build``
+      and ``build_args`` were not applied to it.
     """
     resolved = os.path.expanduser(str(path))
     if not builder:
@@ -455,9 +451,22 @@ def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str
                 resolved,
                 "; ".join(setting_differences(old, want)) or "files missing",
             )
-        if plan != "reuse":
+        elif plan == "foreign" and resolved not in _warned:
+            _warned.add(resolved)
+            log.warning(
+                "model %s has no %s, so PolyRL did not build it: it is used as it is, and "
+                "build %r and its build_args are not applied. If an older PolyRL built it "
+                "with other settings, delete it to have it rebuilt.",
+                resolved,
+                BUILD_RECORD,
+                builder,
+            )
+        if plan in ("build", "rebuild"):
             _build(target, builder, options, want)
     return resolved
+
+
+_warned: set[str] = set()  # paths already warned about (a run resolves its model often)
 
 
 def check_build_conflicts(policies: dict[str, Any], source: str = "<config>") -> None:
