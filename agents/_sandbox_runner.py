@@ -3,7 +3,10 @@
 This file is executed by the sandbox's own Python (``python -I -B -c <this source>``) with
 the working directory as the current directory, after the supervisor dropped privileges
 and set the resource limits. It must only use the standard library. ``argv[1]`` is "1"
-when the audit hook is on.
+when the audit hook is on; ``argv[2]`` is the status channel's descriptor (``start``
+before the code runs, ``done <nonce>`` once it returned) and ``argv[3]`` the pipe the
+per-run nonce arrives on. A failure before the code starts exits 126 with
+``sandbox setup failed`` on stderr; the supervisor trusts that only without ``start``.
 
 The audit hook (PEP 578) refuses, with a ``PermissionError`` that names the operation:
 opening files outside the working directory (reading is also allowed under the Python
@@ -162,15 +165,27 @@ def _denied(what: str):
 
 
 def _main() -> None:
-    work = os.getcwd()
-    with open(os.path.join(work, "snippet.py"), encoding="utf-8") as f:
-        source = f.read()
-    if len(sys.argv) > 1 and sys.argv[1] == "1":
-        _install(work)
-    code = compile(source, "snippet.py", "exec")
+    audit = len(sys.argv) > 1 and sys.argv[1] == "1"
+    status_fd, nonce_fd = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 3 else (-1, -1)
+    try:
+        nonce = b""
+        if nonce_fd >= 0:
+            while chunk := os.read(nonce_fd, 64):
+                nonce += chunk
+            os.close(nonce_fd)  # gone before the code runs
+        work = os.getcwd()
+        with open(os.path.join(work, "snippet.py"), encoding="utf-8") as f:
+            source = f.read()
+        if audit:
+            _install(work)
+        if status_fd >= 0:
+            os.write(status_fd, b"start\n")
+    except BaseException as e:  # the sandbox's own failure, not the code's
+        os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        os._exit(126)
     scope = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "snippet.py"}
     try:
-        exec(code, scope)
+        exec(compile(source, "snippet.py", "exec"), scope)
     except SystemExit:
         raise
     except BaseException as e:  # the user's error: print it without this runner's frame
@@ -180,6 +195,10 @@ def _main() -> None:
         traceback.print_exception(type(e), e, tb)
         sys.stderr.flush()
         sys.exit(1)
+    # The last statement returned (no exception, no exit): say so with the nonce, over a
+    # channel an early exit, an exit status or text on stdout/stderr cannot stand in for.
+    if status_fd >= 0:
+        os.write(status_fd, b"done " + nonce + b"\n")
 
 
 _main()

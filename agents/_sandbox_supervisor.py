@@ -12,6 +12,7 @@ parent" reaches the supervisor (or, in a PID namespace, nothing), never the trai
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import random
@@ -29,10 +30,11 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x40000000,
 )
 IPC_RMID = 0
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1,
     2,
     4,
+    8,
     32,
     4096,
     16384,
@@ -256,17 +258,53 @@ def _reachable(paths: list) -> bool:
     return True
 
 
-def _worker(req: dict, work: str, uid, out_w: int, err_w: int) -> None:
+def _own_proc() -> None:
+    """In the worker (PID 1 of the new PID namespace, still root): a /proc of its own.
+
+    The /proc inherited from the host lists every host process and its command line; a
+    proc mounted from inside the namespace lists only the sandbox's processes. Reports
+    what it did on the status channel (fd 3).
+    """
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    try:
+        _mount("proc", "/proc", "proc", flags)
+    except OSError as e:  # e.g. a host /proc partly masked in a container
+        _mount("tmpfs", "/proc", "tmpfs", flags, "size=1m,mode=755")
+        _status("note", f"could not mount a /proc for the PID namespace ({e}); /proc is empty")
+    else:
+        _status("layer", "own /proc (lists only the sandbox's processes)")
+    try:  # pid-namespace scoped (Linux 6.3+): no executable memfd, the noexec workdir's twin
+        _write("/proc/sys/vm/memfd_noexec", "2")
+    except OSError as e:
+        _status("note", f"memfd_noexec unavailable ({e.strerror}); memfds may be executed")
+    else:
+        _status("layer", "memfd_noexec=2 (no executable memory files)")
+
+
+def _status(kind: str, text: str) -> None:
+    os.write(STATUS_FD, f"{kind} {text}\n".encode())
+
+
+# The runner's descriptors besides stdin/stdout/stderr: the status channel (setup reports,
+# then "start" before the code runs and "done <nonce>" after it returned) and the pipe
+# the per-run nonce arrives on (read and closed before the code runs).
+STATUS_FD, NONCE_FD = 3, 4
+
+
+def _worker(req: dict, work: str, uid, pipes: tuple, own_proc: bool) -> None:
     """In the child: limits, privileges, then exec the runner. Never returns."""
     try:
         lim = req["limits"]
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in pipes]
         devnull = os.open("/dev/null", os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
+        for target, fd in zip((1, 2, STATUS_FD, NONCE_FD), high, strict=True):
+            os.dup2(fd, target)
+        if own_proc:
+            _own_proc()
         cpu = max(1, int(lim["cpu_seconds"] + 0.999))
         mem = int(lim["memory_mb"]) * 2**20
         fsize = int(lim["file_size_mb"]) * 2**20
@@ -301,7 +339,16 @@ def _worker(req: dict, work: str, uid, out_w: int, err_w: int) -> None:
         }
         os.execve(
             req["python"],
-            [req["python"], "-I", "-B", "-c", req["runner"], "1" if req["audit"] else "0"],
+            [
+                req["python"],
+                "-I",
+                "-B",
+                "-c",
+                req["runner"],
+                "1" if req["audit"] else "0",
+                str(STATUS_FD),
+                str(NONCE_FD),
+            ],
             env,
         )
     except BaseException as e:  # report setup failures on the error pipe
@@ -327,6 +374,36 @@ def _kill_all(pid: int, uid, pid_ns: bool) -> None:
             finally:
                 os._exit(0)
         os.waitpid(helper, 0)
+
+
+class _StatusChannel:
+    """Reads the status channel: setup reports, then "start", then "done <nonce>".
+
+    Reports before "start" come from the sandbox's own code (the worker, the runner's
+    setup); after it the code runs and may write anything here, so only the nonce line,
+    which it does not know, counts. ``completed``: the code ran to its last statement.
+    """
+
+    MAX_LINE = 4096
+
+    def __init__(self, nonce: str, layers: list, notes: list) -> None:
+        self.done_line = f"done {nonce}".encode()
+        self.layers, self.notes = layers, notes
+        self.started = self.completed = False
+        self.partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        *lines, self.partial = (self.partial + chunk).split(b"\n")
+        if len(self.partial) > self.MAX_LINE:
+            self.partial = b""  # nothing we wait for is this long
+        for line in lines:
+            if self.started:
+                self.completed = self.completed or line == self.done_line
+            elif line == b"start":
+                self.started = True
+            elif line.startswith((b"layer ", b"note ")):
+                kind, text = line.decode("utf-8", "replace").split(" ", 1)
+                (self.layers if kind == "layer" else self.notes).append(text)
 
 
 def main() -> None:
@@ -373,19 +450,26 @@ def main() -> None:
     ipc_before = {(o[0], o[1]) for o in _ipc_objects(proc_fd)}
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()
+    nonce_r, nonce_w = os.pipe()
+    nonce = os.urandom(16).hex()
+    os.write(nonce_w, nonce.encode())
+    os.close(nonce_w)
+    own_proc = pid_ns and private_fs
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        os.close(out_r)
-        os.close(err_r)
-        _worker(req, work, uid, out_w, err_w)
-    os.close(out_w)
-    os.close(err_w)
+        for fd in (out_r, err_r, st_r):
+            os.close(fd)
+        _worker(req, work, uid, (out_w, err_w, st_w, nonce_r), own_proc)
+    for fd in (out_w, err_w, st_w, nonce_r):
+        os.close(fd)
     buffers = {out_r: bytearray(), err_r: bytearray()}
+    channel = _StatusChannel(nonce, layers, notes)
     cap = int(lim["output_bytes"])
     deadline = start + float(lim["wall_seconds"])
     killed = ""
-    open_fds = [out_r, err_r]
+    open_fds = [out_r, err_r, st_r]
     status = None
     while True:
         now = time.monotonic()
@@ -398,6 +482,9 @@ def main() -> None:
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     open_fds.remove(fd)
+                    continue
+                if fd == st_r:
+                    channel.feed(chunk)
                     continue
                 buffers[fd] += chunk
                 if len(buffers[out_r]) + len(buffers[err_r]) > cap and not killed:
@@ -436,6 +523,8 @@ def main() -> None:
         "layers": layers,
         "notes": notes,
         "ipc_left": ipc_left,
+        "started": channel.started,
+        "completed": channel.completed,
     }
     sys.stdout.write(json.dumps(result))
     sys.stdout.flush()

@@ -25,7 +25,8 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    anything), an *IPC* namespace (System V shared memory, message queues and semaphores,
    and POSIX message queues, die with the run instead of staying resident in the host), a
    *PID* namespace whose init is the worker (killing it kills every process
-   the code started, even ones that left the process group), and a *mount* namespace in
+   the code started, even ones that left the process group) with a /proc of its own (the
+   code sees only its own processes, no host command line), and a *mount* namespace in
    which every top-level directory but the system ones (``/usr``, ``/lib``, ``/etc``,
    ``/proc``, ``/dev``, ...) is replaced by an empty tmpfs mount (homes, ``/tmp``, the
    project wherever it lives), the Python installation is mounted back read-only,
@@ -93,6 +94,11 @@ class SandboxResult:
     # System V IPC objects the code left behind, found and removed after the run: counts
     # per kind ("shm", "msg", "sem") and "shm_bytes" (see the per-call cleanup check)
     ipc_left: dict[str, int] = field(default_factory=dict)
+    # the code ran to its last statement: the runner sent the run's nonce back on its own
+    # channel after the code returned (an exit of any status, or text on stdout/stderr,
+    # cannot produce it). ``started``: the sandbox set up and began running the code.
+    completed: bool = False
+    started: bool = False
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
@@ -246,6 +252,8 @@ class Sandbox:
             rep["layers"],
             rep["notes"],
             rep["ipc_left"],
+            rep["completed"],
+            rep["started"],
         )
         result.error = _classify(rep, result, float(self.limits.cpu_seconds))
         return result
@@ -267,8 +275,8 @@ def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
         and (r.cpu_seconds >= 0.9 * cpu_limit or "cpu" in r.stderr.lower())
     ):
         return "cpu_time"
-    if r.stderr.startswith("sandbox setup failed") or r.exit_code == 126:
-        return "sandbox"
+    if not r.started and (r.stderr.startswith("sandbox setup failed") or r.exit_code == 126):
+        return "sandbox"  # before the code ran: the code cannot fake this one
     if r.exit_code == 0:
         return ""
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""

@@ -293,3 +293,37 @@ def test_system_v_ipc_does_not_outlive_the_call(caps):
     # a clean call leaves nothing to report
     clean = box(audit=False).run("print(1)")
     assert clean.ipc_left == {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
+
+
+# The audit hook resolves a relative path against the working directory, the kernel
+# against the ``dir_fd`` given: with symlinks that differ between the two, a path that
+# stays inside for the hook reaches /proc for the kernel (issue 23: the hook is no wall).
+PAST_THE_HOOK = """
+import os
+os.makedirs("deep/1/2/3/4/5/6/7")
+os.mkdir("x")
+os.symlink(".", "x/s")  # in x, s is x itself
+os.symlink("deep/1/2/3/4/5/6/7", "s")  # in the workdir, s is 8 levels down
+proc = os.open("s/" + "../" * 7 + "proc", os.O_RDONLY, dir_fd=os.open("x", os.O_RDONLY))
+"""
+LIST_PROC = """
+import json, os
+pids = sorted(int(p) for p in os.listdir(proc) if p.isdigit())
+cmds = [open(f"{p}/cmdline", "rb", opener=lambda f, m: os.open(f, m, dir_fd=proc)).read()
+        for p in pids]
+print(json.dumps([pids, [c.decode(errors="replace") for c in cmds]]))
+"""
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_proc_lists_only_the_sandboxs_own_processes(caps, audit):
+    if not (caps["pid_namespace"] and caps["mount_namespace"]):
+        pytest.skip("needs PID and mount namespaces")
+    opening = PAST_THE_HOOK if audit else "import os\nproc = os.open('/proc', os.O_RDONLY)\n"
+    r = box(audit).run(opening + LIST_PROC)
+    assert r.ok, r.stderr
+    pids, cmds = json.loads(r.stdout)
+    assert pids == [1]  # the worker, PID 1 of its namespace, is all there is
+    assert "python" in cmds[0] and "-I" in cmds[0]
+    assert not any("pytest" in c for c in cmds)  # no host command line
+    assert any(layer.startswith("own /proc") for layer in r.layers)
