@@ -21,7 +21,7 @@ Write your own workflow as an async function over the agent API::
 """
 
 from polyrl.marl import credit, critic, lora, signaling, vllm_lora, workflows
-from polyrl.marl.config import AgentSpec, CreditOptions, CriticOptions, MarlArgs
+from polyrl.marl.config import AgentSpec, CriticOptions, MarlOptions
 from polyrl.marl.runtime import (
     JOINT_POLICY,
     AgentHandle,
@@ -37,11 +37,10 @@ __all__ = [
     "JOINT_POLICY",
     "AgentHandle",
     "AgentSpec",
-    "CreditOptions",
     "CriticOptions",
     "Episode",
     "Joint",
-    "MarlArgs",
+    "MarlOptions",
     "MarlWorkflow",
     "Message",
     "Team",

@@ -1,8 +1,10 @@
-"""Typed arguments of a multi-agent workflow (``rollout.args``), checked at config time.
+"""Typed options of the multi-agent workflows (``rollout.args``), checked at config time.
 
-A recipe declares its agents and how their actions form joint actions under
-``rollout.args``; everything else there is passed to the workflow function as keyword
-arguments::
+Each ``@workflow`` gets one options dataclass (:func:`workflow_options`): the fields every
+multi-agent workflow has (:class:`MarlOptions`: ``agents``, ``critic``), ``joint`` as a
+``Literal`` of exactly the joint modes that workflow supports, ``tree`` only for
+multi-turn workflows, and the workflow function's own keyword parameters (their
+``Annotated[T, "doc"]`` docs are the options' docs)::
 
     rollout:
       workflow: signaling
@@ -11,21 +13,26 @@ arguments::
           - {name: speaker, policy: speaker}
           - {name: listener, policy: listener}
         joint: aligned
-        credit: {per_agent_norm: false}
+        tree: true
 
-``Config.validate`` calls the registered workflow's ``validate_config(cfg)``, so an unknown
-agent, policy or key fails before any model loads, naming the closest valid name.
+The core binds ``rollout.args`` to that class at load (an unknown key names the nearest
+valid one and the workflow); ``WorkflowSpec.validate_config`` then checks what needs the
+whole recipe (:func:`resolve_agents`, :func:`check_critic`) before any model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from polyrl.core.config import ConfigError, doc, doc_factory, from_dict
+from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.options import Options
 from polyrl.core.registry import nearest
 
 JOINT_MODES = ("aligned", "cross")
@@ -58,26 +65,6 @@ class AgentSpec:
 
 
 @dataclass
-class CreditOptions:
-    """How the joint structure becomes per-agent values (read by the ``magrpo`` credit)."""
-
-    cross_value: Literal["mean", "sum"] = doc(
-        "mean", "cross mode: a completion's value is the mean or the sum over its joint actions"
-    )
-    per_agent_norm: bool = doc(False, "normalise advantages to mean 0 / std 1 per agent id")
-    counterfactual: bool = doc(
-        False,
-        "leave-one-out: credit R minus the mean reward of the joint "
-        "actions where only this agent acted differently (cross mode)",
-    )
-    shaping_alpha: float = doc(
-        0.0,
-        "MAPoRL-style shaping R + alpha (R - Q), Q the agent's "
-        "counterfactual value (cross) or its group's mean return",
-    )
-
-
-@dataclass
 class CriticOptions:
     """A centralized critic: a value head over the joint transcript (see marl/critic.py)."""
 
@@ -90,33 +77,23 @@ class CriticOptions:
         None, "model builder to run first when the path is missing (e.g. tiny_qwen2)"
     )
     build_args: dict = doc({}, "arguments of the builder")
-    lr: float = doc(1e-4, "AdamW learning rate of backbone and head")
+    lr: float = doc(1e-4, "AdamW learning rate of the critic's backbone and head")
     epochs: int = doc(1, "passes over each step's (state, return) pairs")
     micro_batch_size: int = doc(64, "states per forward/backward")
-    max_grad_norm: float = doc(1.0, "gradient clipping (0: off)")
+    max_grad_norm: float = doc(1.0, "gradient clipping of the critic (0: off)")
 
 
 @dataclass
-class MarlArgs:
-    """The workflow arguments PolyRL itself reads; other keys go to the workflow function."""
+class MarlOptions(Options):
+    """What every multi-agent workflow takes; ``@workflow`` adds ``joint``, ``tree`` (if
+    multi-turn) and the workflow function's keyword parameters."""
 
     agents: list[AgentSpec] = doc(
         [],
-        "the agents; empty: one per role the workflow names, each on "
-        "the policy of that name (or the only policy)",
+        "the agents, in the order the workflow sees them; empty: one per role the "
+        "workflow names, each on the policy of that name (or the only policy)",
     )
-    joint: Literal["aligned", "cross"] = doc(
-        "aligned",
-        "aligned: the g-th sample of each agent form joint action g (G joint actions); "
-        "cross: every combination (G^N); a completion's value sums/means over them",
-    )
-    tree: bool = doc(
-        False,
-        "multi-turn: each joint action branches into G children per turn and "
-        "groups are siblings (else the G lines continue one to one and groups "
-        "are per turn)",
-    )
-    credit: CreditOptions = doc_factory(CreditOptions, "credit options (see CreditOptions)")
+    joint: str = doc("aligned", "how the agents' samples form joint actions")
     critic: CriticOptions = doc_factory(
         CriticOptions,
         "centralized critic: with a model, an agent's advantage is its return "
@@ -125,47 +102,107 @@ class MarlArgs:
     )
 
 
-MARL_KEYS = tuple(f.name for f in dataclasses.fields(MarlArgs))
+MARL_FIELDS = ("agents", "joint", "critic", "tree")
+JOINT_DOC = (
+    "aligned: the g-th sample of each agent form joint action g (G joint actions); "
+    "cross: every combination (G^N), a completion's value is the mean (or sum, "
+    "algorithm.credit_args.cross_value) over the joint actions it is in"
+)
+TREE_DOC = (
+    "multi-turn: each joint action branches into G children per turn and groups are "
+    "siblings (else the G lines continue one to one and groups are per turn)"
+)
 
 
-def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(PolyRL's keys, the workflow function's keys) of ``rollout.args``."""
-    ours = {k: v for k, v in args.items() if k in MARL_KEYS}
-    return ours, {k: v for k, v in args.items() if k not in MARL_KEYS}
+def _doc_of(hint: Any) -> tuple[Any, str]:
+    """(type, doc) of an annotation; ``Annotated[T, "doc"]`` carries the doc."""
+    if typing.get_origin(hint) is Annotated:
+        base, *extra = typing.get_args(hint)
+        return base, next((e for e in extra if isinstance(e, str)), "")
+    return hint, ""
 
 
-def parse_args(
-    raw: dict[str, Any],
+def function_params(name: str, fn: Callable) -> list[inspect.Parameter]:
+    """The keyword parameters of ``async def fn(ep, team, ...)``: the workflow's own options."""
+    params = list(inspect.signature(fn).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) < 2 or not all(p.kind in positional for p in params[:2]):
+        raise TypeError(f"workflow {name!r}: the function must take (ep, team, ...)")
+    out = []
+    for p in params[2:]:
+        if p.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+            raise TypeError(
+                f"workflow {name!r}: takes *{p.name}/**{p.name}, so its options cannot be "
+                "checked; give each option as a keyword parameter with a default"
+            )
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise TypeError(f"workflow {name!r}: option {p.name!r} must be a keyword parameter")
+        if p.name in MARL_FIELDS:
+            raise TypeError(
+                f"workflow {name!r}: parameter {p.name!r} clashes with the rollout.args "
+                f"every multi-agent workflow has ({', '.join(MARL_FIELDS)}); rename it"
+            )
+        out.append(p)
+    return out
+
+
+def workflow_options(
+    name: str, fn: Callable, joints: Sequence[str], multi_turn: bool
+) -> type[MarlOptions]:
+    """The options dataclass of one workflow: :class:`MarlOptions`, ``joint`` limited to
+    ``joints``, ``tree`` when ``multi_turn``, then ``fn``'s keyword parameters."""
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception as e:
+        raise TypeError(f"workflow {name!r}: its annotations cannot be resolved ({e})") from e
+    fields: list[tuple] = [
+        (
+            "joint",
+            Literal[tuple(joints)],
+            dataclasses.field(default=joints[0], metadata={"doc": JOINT_DOC}),
+        )
+    ]
+    if multi_turn:
+        fields.append(("tree", bool, dataclasses.field(default=False, metadata={"doc": TREE_DOC})))
+    for p in function_params(name, fn):
+        tp, text = _doc_of(hints.get(p.name, Any))
+        meta = {"doc": text}
+        if p.default is inspect.Parameter.empty:
+            f = dataclasses.field(metadata=meta)
+        elif isinstance(p.default, (list, dict, set)):
+            f = dataclasses.field(default_factory=lambda v=p.default: type(v)(v), metadata=meta)
+        else:
+            f = dataclasses.field(default=p.default, metadata=meta)
+        fields.append((p.name, tp, f))
+    title = "".join(w.capitalize() for w in name.replace("-", "_").split("_")) + "Options"
+    cls = dataclasses.make_dataclass(title, fields, bases=(MarlOptions,), kw_only=True)
+    cls.__doc__ = (inspect.getdoc(fn) or "").split("\n\n")[0]
+    # Importable as <module>.<function name>.options (the decorator leaves the spec there),
+    # so pickle finds the class by reference (Ray ships the recipe to its actors).
+    cls.__module__ = getattr(fn, "__module__", __name__)
+    cls.__qualname__ = f"{getattr(fn, '__name__', name)}.options"
+    return cls
+
+
+def resolve_agents(
+    agents: Sequence[AgentSpec],
     *,
     workflow: str,
-    fn: Any,
     roles: dict[str, str] | None,
     policies: dict[str, Any],
-    joints: tuple[str, ...] = ("aligned",),
     min_agents: int = 1,
-    source: str = "<config>",
-) -> tuple[MarlArgs, dict[str, Any]]:
-    """Parse and check ``rollout.args`` against the workflow and the recipe's policies."""
-    ours, kwargs = split_args(dict(raw))
-    accepted = _accepted_kwargs(fn)
-    if accepted is not None:
-        for key in kwargs:
-            if key not in accepted:
-                hint = nearest(key, [*MARL_KEYS, *accepted])
-                raise ConfigError(
-                    f"unknown key 'rollout.args.{key}' for workflow {workflow!r} in {source}"
-                    + (f"; did you mean 'rollout.args.{hint}'?" if hint else "")
-                    + f" Valid keys: {', '.join(sorted([*MARL_KEYS, *accepted]))}."
-                )
-    args = from_dict(MarlArgs, ours, "rollout.args", source)
-    if not args.agents:
+) -> list[AgentSpec]:
+    """The recipe's agents with every default filled in (new objects; the recipe's stay as
+    written): names checked against the workflow's roles, policies against ``policies``."""
+    if not agents:
         if not roles:
             raise ConfigError(
                 f"workflow {workflow!r} needs rollout.args.agents: a list of "
                 "{name, policy, role} entries"
             )
-        args.agents = [AgentSpec(name=r) for r in roles]
-    names = [a.name for a in args.agents]
+        agents = [AgentSpec(name=r) for r in roles]
+    out = [dataclasses.replace(a) for a in agents]
+    names = [a.name for a in out]
     for name in names:
         if names.count(name) > 1:
             raise ConfigError(f"rollout.args.agents names agent {name!r} twice")
@@ -184,12 +221,12 @@ def parse_args(
                 f"rollout.args.agents lacks {', '.join(map(repr, missing))}: "
                 f"workflow {workflow!r} needs agents {', '.join(roles)}"
             )
-    if len(args.agents) < min_agents:
+    if len(out) < min_agents:
         raise ConfigError(
             f"workflow {workflow!r} needs at least {min_agents} agents, "
-            f"rollout.args.agents has {len(args.agents)}"
+            f"rollout.args.agents has {len(out)}"
         )
-    for i, agent in enumerate(args.agents):
+    for i, agent in enumerate(out):
         where = f"rollout.args.agents[{i}] ({agent.name})"
         if not agent.policy:
             if agent.name in policies:
@@ -218,47 +255,24 @@ def parse_args(
             )
         if agent.train is None:
             agent.train = policy_trains
-    if args.joint not in joints:
-        raise ConfigError(
-            f"rollout.args.joint={args.joint!r}: workflow {workflow!r} supports {', '.join(joints)}"
-        )
-    if args.critic.model and (args.credit.counterfactual or args.credit.shaping_alpha):
-        raise ConfigError(
-            "rollout.args.critic replaces the group baseline; it does not combine "
-            "with credit.counterfactual or credit.shaping_alpha (set those off)"
-        )
-    if args.critic.model and (args.critic.epochs < 1 or args.critic.micro_batch_size < 1):
-        raise ConfigError("rollout.args.critic: epochs and micro_batch_size must be >= 1")
-    local = os.path.expanduser(args.critic.model)
-    if (
-        args.critic.model
-        and not args.critic.build
-        and local.startswith(("/", "."))
-        and not os.path.exists(local)
+    return out
+
+
+def check_critic(critic: CriticOptions) -> None:
+    """What a critic's options must hold before a model loads (``rollout.args.critic``)."""
+    if not critic.model:
+        return
+    for key, value, ok, need in (
+        ("lr", critic.lr, math.isfinite(critic.lr) and critic.lr > 0, "a finite number > 0"),
+        ("epochs", critic.epochs, critic.epochs >= 1, ">= 1"),
+        ("micro_batch_size", critic.micro_batch_size, critic.micro_batch_size >= 1, ">= 1"),
+        ("max_grad_norm", critic.max_grad_norm, critic.max_grad_norm >= 0, ">= 0 (0: off)"),
     ):
+        if not ok:
+            raise ConfigError(f"rollout.args.critic.{key}={value!r}: must be {need}")
+    local = os.path.expanduser(critic.model)
+    if not critic.build and local.startswith(("/", ".")) and not os.path.exists(local):
         raise ConfigError(
-            f"rollout.args.critic.model={args.critic.model!r} does not exist "
+            f"rollout.args.critic.model={critic.model!r} does not exist "
             "(give a model directory, a hub id, or a build: to create it)"
         )
-    if args.credit.counterfactual and args.joint != "cross":
-        raise ConfigError(
-            "rollout.args.credit.counterfactual needs joint: cross (the "
-            "alternatives of one agent with the others fixed come from the "
-            "cross product of the agents' samples)"
-        )
-    return args, kwargs
-
-
-def _accepted_kwargs(fn: Any) -> list[str] | None:
-    """Keyword arguments a workflow function takes after (ep, team); None: any."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())[2:]
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return [
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]

@@ -4,8 +4,13 @@ Registered in ``CREDIT`` as ``"magrpo"`` (``algorithm.credit: magrpo``). It read
 record a multi-agent workflow produced (see :mod:`polyrl.marl.runtime`):
 
 - joint-action rows (``joint_id >= 0``) carry the reward of one joint action ``r_J``, the
-  turn, the parent joint (``meta["parent"]``, 0 = root) and the credit options;
-- agent rows (``joint_id == -1``) list the joint actions they belong to (``meta["joints"]``).
+  turn and the parent joint (``meta["parent"]``, 0 = root);
+- agent rows (``joint_id == -1``) list the joint actions they belong to (``meta["joints"]``);
+- with a centralized critic, the ``baseline`` column (the critic's values, written at
+  rollout).
+
+Its options are keyword arguments, from ``algorithm.credit_args`` (``cross_value``,
+``per_agent_norm``, ``counterfactual``, ``shaping_alpha``); ``polyrl config`` lists them.
 
 Steps:
 
@@ -22,8 +27,9 @@ Steps:
    ``drgrpo`` = MAGRPO's mean baseline ``V - mean_G V``; ``grpo`` also divides by the std;
    ``rloo`` leaves the row out of its own baseline; ``max_baseline`` subtracts the group max.
    With a centralized critic (``rollout.args.critic``) the baseline is instead the critic's
-   value of the joint state the agent acted in (the record's ``baseline`` column, written at
-   rollout): ``A = V - baseline``; ``V`` goes to the ``returns`` column for the critic's fit.
+   value of the joint state the agent acted in (the record's ``baseline`` column, present
+   only then): ``A = V - baseline``; ``V`` goes to the ``returns`` column for the critic's
+   fit.
 4. Optional per-agent normalisation (mean 0, std 1 per agent id).
 
 Agent rows become valid here when their joint actions were scored; a failed joint (reward
@@ -34,21 +40,16 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Annotated, Literal
 
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.credit import group_stats
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid, strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
 MARL_CREDITS = ("magrpo",)
-DEFAULT_OPTIONS = {
-    "cross_value": "mean",
-    "per_agent_norm": False,
-    "counterfactual": False,
-    "shaping_alpha": 0.0,
-    "critic": False,
-}
 
 
 @ADVANTAGES.register("max_baseline")
@@ -60,13 +61,6 @@ def max_baseline_advantage(
     best = torch.full((int(group.max()) + 1 if group.numel() else 0,), -math.inf)
     best = best.scatter_reduce(0, group, r, reduce="amax", include_self=True)
     return (r - best[group])[:, None] * (mask != 0).float()
-
-
-def _group_mean(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    n = int(group.max()) + 1 if group.numel() else 0
-    sums = torch.zeros(n).index_add_(0, group, values)
-    counts = torch.zeros(n).index_add_(0, group, torch.ones_like(values))
-    return (sums / counts.clamp(min=1))[group]
 
 
 def tree_returns(joints: dict[int, dict], gamma: float) -> dict[int, float]:
@@ -89,7 +83,29 @@ def tree_returns(joints: dict[int, dict], gamma: float) -> dict[int, float]:
     return returns
 
 
-def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
+def magrpo_credit(
+    record: TensorDict,
+    algo,
+    *,
+    cross_value: Annotated[
+        Literal["mean", "sum"],
+        "cross mode: a completion's value is the mean or the sum of the returns of the "
+        "joint actions it is in",
+    ] = "mean",
+    per_agent_norm: Annotated[
+        bool, "normalise advantages to mean 0 / std 1 per agent id, over the batch"
+    ] = False,
+    counterfactual: Annotated[
+        bool,
+        "leave-one-out: an agent's advantage is R minus the mean return of the joint "
+        "actions where only this agent acted differently (needs rollout.args.joint: cross)",
+    ] = False,
+    shaping_alpha: Annotated[
+        float,
+        "MAPoRL-style shaping V + alpha (V - Q), Q the agent's counterfactual value "
+        "(cross) or its group's mean return; 0: off",
+    ] = 0.0,
+) -> dict[str, float]:
     """See the module docstring. Writes ``advantages``; agent rows' ``reward`` := value."""
     if "joint_id" not in record.keys():  # noqa: SIM118 (TensorDict)
         raise ValueError(
@@ -102,11 +118,7 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     valid = record["valid"].clone()
     reward = record["reward"].clone().float()
     joint_rows = [i for i in range(n) if jid[i] >= 0]
-    opts = dict(DEFAULT_OPTIONS)
-    stats: dict[str, float] = {}
-    if joint_rows:
-        opts |= metas[joint_rows[0]].get("credit", {})
-        stats = dict(metas[joint_rows[0]].get("stats", {}))
+    with_critic = "baseline" in record.keys()  # noqa: SIM118 (TensorDict)
 
     # 1. joint rewards and tree returns
     joints: dict[int, dict] = {}
@@ -154,7 +166,7 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
             new_errors[i] = "joint action failed: " + (bad[0] if bad else "no joint action")
             continue
         rs = [returns[j] for j in ok]
-        if opts["counterfactual"]:
+        if counterfactual:
             diffs = [
                 returns[j] - q
                 for j in ok
@@ -162,7 +174,7 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
             ]
             values[i] = sum(diffs) / len(diffs) if diffs else 0.0
             direct[i] = True
-        elif opts["cross_value"] == "sum":
+        elif cross_value == "sum":
             values[i] = sum(rs)
         else:
             values[i] = sum(rs) / len(rs)
@@ -181,18 +193,18 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
         sub = record[rows]
         groups = group_ids(sub, GROUP_KEYS)
         v = values[rows]
-        alpha = float(opts["shaping_alpha"])
+        alpha = float(shaping_alpha)
         if alpha and not bool(direct[rows].any()):
-            q = _group_mean(v, groups)
+            q = group_stats(v, groups)[0].to(v.dtype)
             v = v + alpha * (v - q)
         if bool(direct[rows].all()):
             a = v[:, None] * (sub["loss_mask"] != 0).float()
-        elif opts["critic"]:
+        elif with_critic:
             a = (v - _baseline(record, rows))[:, None] * (sub["loss_mask"] != 0).float()
             targets[rows] = v
         else:
             a = ADVANTAGES.get(algo.advantage)(v, sub["loss_mask"].float(), groups, algo)
-        if opts["per_agent_norm"]:
+        if per_agent_norm:
             a = _per_agent_norm(a, sub["loss_mask"].float(), sub["agent_id"], float(algo.epsilon))
         adv[rows] = a.float()
         values_out = reward.clone()
@@ -202,7 +214,7 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     # write back: rows invalid now carry their error; others become valid
     record["reward"] = reward
     record["advantages"] = adv
-    if opts["critic"]:
+    if with_critic:
         record["returns"] = targets
     record["valid"] = valid
     current = strings(record, "error")
@@ -216,7 +228,6 @@ def magrpo_credit(record: TensorDict, algo) -> dict[str, float]:
     scored = [j for j, info in joints.items() if not info["error"]]
     roots = [returns[j] for j in scored if joints[j]["turn"] == 0 and j in returns]
     out = {
-        **stats,
         "advantage/mean_abs": float(per_row.abs().mean()) if ok_rows else 0.0,
         "advantage/zero_frac": float((per_row == 0).float().mean()) if ok_rows else 0.0,
         "marl/joint_actions": float(len(joints)),
@@ -262,11 +273,6 @@ def _counterfactual(
 
 def _baseline(record: TensorDict, rows: torch.Tensor) -> torch.Tensor:
     """The critic's values of these agent rows' joint states (written at rollout)."""
-    if "baseline" not in record.keys():  # noqa: SIM118 (TensorDict)
-        raise ValueError(
-            "rollout.args.critic is set but the record has no 'baseline' column "
-            "(the marl workflow writes it at rollout)"
-        )
     b = record["baseline"][rows].float()
     if not bool(torch.isfinite(b).all()):
         raise ValueError("the critic gave no finite baseline for some agent rows")
@@ -276,15 +282,15 @@ def _baseline(record: TensorDict, rows: torch.Tensor) -> torch.Tensor:
 def _per_agent_norm(
     adv: torch.Tensor, mask: torch.Tensor, agent: torch.Tensor, eps: float
 ) -> torch.Tensor:
+    """Row advantages standardised per agent id over the batch (an agent with one row
+    keeps its advantage)."""
     row = adv.sum(-1) / mask.sum(-1).clamp(min=1)
     has = mask.sum(-1) > 0
     out = row.clone()
-    for a in agent.unique().tolist():
-        sel = (agent == a) & has
-        if int(sel.sum()) < 2:
-            continue
-        x = row[sel]
-        out[sel] = (x - x.mean()) / (x.std() + eps)
+    if bool(has.any()):
+        x = row[has].double()
+        mean, std, count = group_stats(x, agent[has])
+        out[has] = torch.where(count >= 2, (x - mean) / (std + eps), x).to(row.dtype)
     return out[:, None] * (mask != 0).float()
 
 

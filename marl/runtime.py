@@ -45,10 +45,18 @@ from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
+from polyrl.core.options import bind
 from polyrl.core.record import mark_invalid, strings, text_record
 from polyrl.core.registry import WORKFLOWS, nearest
 from polyrl.core.workflow import run_sync
-from polyrl.marl.config import JOINT_MODES, MarlArgs, parse_args
+from polyrl.marl.config import (
+    JOINT_MODES,
+    MarlOptions,
+    check_critic,
+    function_params,
+    resolve_agents,
+    workflow_options,
+)
 from polyrl.marl.critic import CentralCritic, joint_state
 
 JOINT_POLICY = "<joint>"  # the policy column of joint-action rows: no policy trains them
@@ -420,12 +428,18 @@ class Runtime:
 class MarlWorkflow:
     """A multi-agent workflow bound to a run: ``rollout(items, params) -> record``."""
 
-    def __init__(
-        self, spec: WorkflowSpec, ctx: Any, args: MarlArgs, kwargs: dict[str, Any]
-    ) -> None:
-        self.spec, self.ctx, self.args, self.kwargs = spec, ctx, args, kwargs
+    def __init__(self, spec: WorkflowSpec, ctx: Any, options: MarlOptions) -> None:
+        self.spec, self.ctx, self.options = spec, ctx, options
+        cfg = ctx.cfg
+        agents = resolve_agents(
+            options.agents,
+            workflow=spec.name,
+            roles=spec.roles,
+            policies=cfg.policies,
+            min_agents=spec.min_agents,
+        )
         self.agents: dict[str, AgentInfo] = {}
-        for i, a in enumerate(args.agents):
+        for i, a in enumerate(agents):
             if a.policy not in ctx.policies:
                 hint = nearest(a.policy, list(ctx.policies))
                 raise ConfigError(
@@ -442,10 +456,12 @@ class MarlWorkflow:
                 a.max_new_tokens,
                 a.temperature,
             )
-        cfg = getattr(ctx, "cfg", None)
+        # the function's own keyword arguments: the options beyond the marl fields
+        self.kwargs = {p: getattr(options, p) for p in spec.params}
+        self.tree = bool(getattr(options, "tree", False))
         self.prompt_field = getattr(getattr(cfg, "data", None), "prompt_field", "prompt")
         self.last_stats: dict[str, float] = {}
-        self.critic = CentralCritic(args.critic) if args.critic.model else None
+        self.critic = CentralCritic(options.critic) if options.critic.model else None
         self._fit_gen = torch.Generator().manual_seed(int(getattr(cfg, "seed", 0) or 0))
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
@@ -460,8 +476,8 @@ class MarlWorkflow:
                 k,
                 it,
                 group_size=params.n,
-                mode=self.args.joint,
-                tree=self.args.tree,
+                mode=self.options.joint,
+                tree=self.tree,
                 prompt_field=self.prompt_field,
                 ids=ids,
             )
@@ -479,7 +495,7 @@ class MarlWorkflow:
         }
         stats |= {f"marl/generate_calls/{p}": float(c) for p, c in runtime.calls.items()}
         self.last_stats = stats
-        record = build_record(episodes, self.agents, self.args, stats, ids)
+        record = build_record(episodes, self.agents, ids, critic=self.critic is not None)
         if self.critic is not None:
             metas = strings(record, "meta")
             rows = [i for i, m in enumerate(metas) if "critic_state" in m]
@@ -488,6 +504,11 @@ class MarlWorkflow:
                 baseline[rows] = self.critic.values([metas[i]["critic_state"] for i in rows])
             record["baseline"] = baseline
         return record
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """What the last rollout cost: episodes and their errors, generate rounds and calls
+        per policy, acts, seconds (``ReportsRollout``; the core logs it every step)."""
+        return dict(self.last_stats)
 
     def learn(self, record: TensorDict) -> dict[str, float]:
         """After credit: fit the centralized critic on this step's (joint state, return)
@@ -543,7 +564,12 @@ class MarlWorkflow:
 
 
 class WorkflowSpec:
-    """What ``@workflow`` registers: builds a :class:`MarlWorkflow` and checks recipes."""
+    """What ``@workflow`` registers: builds a :class:`MarlWorkflow` and checks recipes.
+
+    ``options`` is this workflow's options dataclass (``rollout.args``, see
+    :func:`polyrl.marl.config.workflow_options`); ``params`` the names among them that
+    go to the function as keyword arguments.
+    """
 
     def __init__(
         self,
@@ -552,44 +578,26 @@ class WorkflowSpec:
         roles: dict[str, str] | None,
         joints: tuple[str, ...],
         min_agents: int,
+        multi_turn: bool,
     ) -> None:
-        self.fn, self.name, self.roles, self.joints, self.min_agents = (
-            fn,
-            name,
-            roles,
-            joints,
-            min_agents,
-        )
+        self.fn, self.name, self.roles = fn, name, roles
+        self.joints, self.min_agents, self.multi_turn = joints, min_agents, multi_turn
+        self.params = tuple(p.name for p in function_params(name, fn))
+        self.options = workflow_options(name, fn, joints, multi_turn)
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", name)
 
-    def __call__(self, ctx: Any, **args: Any) -> MarlWorkflow:
-        cfg = ctx.cfg
-        marl, kwargs = parse_args(
-            args,
-            workflow=self.name,
-            fn=self.fn,
-            roles=self.roles,
-            policies=cfg.policies,
-            joints=self.joints,
-            min_agents=self.min_agents,
-        )
-        return MarlWorkflow(self, ctx, marl, kwargs)
+    def __call__(self, ctx: Any, **options: Any) -> MarlWorkflow:
+        """``workflow(ctx, **rollout.args)``: the core unpacks the bound options here."""
+        typed = bind(self.options, options, "rollout.args", "<workflow>", f"workflow {self.name!r}")
+        return MarlWorkflow(self, ctx, typed)
 
     def validate_config(self, cfg: Any) -> None:
-        """Called by ``Config.validate``: everything that can be checked before models load."""
+        """Called by ``Config.validate`` after the options are bound: what needs the whole
+        recipe (agents vs roles and policies, the critic, the credit) before models load."""
         for name in cfg.policies:
             if name in RESERVED_POLICY_NAMES:
                 raise ConfigError(f"policy name {name!r} is reserved for joint-action rows")
-        parse_args(
-            cfg.rollout.args,
-            workflow=self.name,
-            fn=self.fn,
-            roles=self.roles,
-            policies=cfg.policies,
-            joints=self.joints,
-            min_agents=self.min_agents,
-        )
         from polyrl.marl.credit import MARL_CREDITS
 
         if cfg.algorithm.credit not in MARL_CREDITS:
@@ -599,6 +607,29 @@ class WorkflowSpec:
                 f"{cfg.algorithm.credit!r} cannot credit them. Set algorithm.credit="
                 f"{hint or MARL_CREDITS[0]!r} (one of {', '.join(MARL_CREDITS)})."
             )
+        opts = cfg.rollout.args
+        resolve_agents(
+            opts.agents,
+            workflow=self.name,
+            roles=self.roles,
+            policies=cfg.policies,
+            min_agents=self.min_agents,
+        )
+        check_critic(opts.critic)
+        credit = cfg.algorithm.credit_args
+        if opts.critic.model and (credit.counterfactual or credit.shaping_alpha):
+            raise ConfigError(
+                "rollout.args.critic replaces the group baseline; it does not combine "
+                "with algorithm.credit_args.counterfactual or "
+                "algorithm.credit_args.shaping_alpha (set those off)"
+            )
+        if credit.counterfactual and opts.joint != "cross":
+            raise ConfigError(
+                "algorithm.credit_args.counterfactual needs rollout.args.joint: cross (the "
+                "alternatives of one agent with the others fixed come from the cross "
+                f"product of the agents' samples); workflow {self.name!r} has joint "
+                f"{opts.joint!r}"
+            )
 
 
 def workflow(
@@ -607,12 +638,18 @@ def workflow(
     agents: Sequence[str] | dict[str, str] | None = None,
     joints: Sequence[str] = ("aligned",),
     min_agents: int = 1,
+    multi_turn: bool = False,
 ) -> Callable[[Callable], WorkflowSpec]:
-    """Turn ``async def fn(ep, team, **kwargs)`` into a workflow (registered if ``name``).
+    """Turn ``async def fn(ep, team, **options)`` into a workflow registered as ``name``
+    (default: the function's name).
 
     ``agents``: the agent names the function addresses (with default role prompts when a
     dict); None for workflows over any number of agents. ``joints``: the joint modes it
-    supports (``ep.combine`` handles both "aligned" and "cross").
+    supports (``ep.combine`` handles both "aligned" and "cross"); ``rollout.args.joint``
+    accepts exactly these. ``multi_turn``: it chains joint actions over turns
+    (``ep.joint(parent=...)``), which adds the ``rollout.args.tree`` option. The function's
+    keyword parameters after ``(ep, team)`` are its other options; annotate each as
+    ``Annotated[T, "doc"]`` so ``polyrl config`` documents it.
     """
     roles = (
         dict(agents)
@@ -620,15 +657,16 @@ def workflow(
         else ({a: "" for a in agents} if agents is not None else None)
     )
     bad = [j for j in joints if j not in JOINT_MODES]
-    if bad:
-        raise ValueError(f"unknown joint modes {bad}; use {JOINT_MODES}")
+    if bad or not joints:
+        raise ValueError(f"unknown joint modes {bad or list(joints)}; use {JOINT_MODES}")
 
     def wrap(fn: Callable) -> WorkflowSpec:
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError(f"workflow {fn.__name__!r} must be an async function (ep, team)")
-        spec = WorkflowSpec(fn, name or fn.__name__, roles, tuple(joints), min_agents)
-        if name:
-            WORKFLOWS.register(name, spec)
+        spec = WorkflowSpec(
+            fn, name or fn.__name__, roles, tuple(joints), min_agents, bool(multi_turn)
+        )
+        WORKFLOWS.register(spec.name, spec, options=spec.options)
         return spec
 
     return wrap
@@ -652,16 +690,33 @@ def _transcript(joint: Joint) -> tuple[list[dict], str]:
 def build_record(
     episodes: list[Episode],
     agents: dict[str, AgentInfo],
-    args: MarlArgs,
-    stats: dict[str, float],
     ids: Iterable[int],
+    *,
+    critic: bool = False,
 ) -> TensorDict:
     """One text record: joint-action rows first (for readable samples), then agent rows.
+
+    A joint-action row (policy ``JOINT_POLICY``, ``agent_id`` -1, ``joint_id`` its id)
+    carries in ``meta`` the structure the ``magrpo`` credit reads:
+
+    - ``joint``: its id; ``parent``: the previous turn's joint id (0: a root), so returns
+      flow up the episode tree; ``turn``: its depth;
+    - ``episode``: the episode's index in the batch (counterfactuals compare joint actions
+      of one episode only); ``scored``: false for a turn declared ``score=False``, whose
+      reward counts as 0;
+
+    and, for reading and for rewards: ``final`` (the scored text, also its response),
+    ``transcript`` (every message on the path from the root, with turn, agent and
+    observation), ``answer`` and ``row`` (the dataset row), ``info`` / ``episode_info``
+    (what the workflow attached) and ``episode_error``.
+
+    An agent row carries ``agent`` (its name), ``episode`` and ``joints`` (the ids of the
+    joint actions its message is in: its value comes from their returns); with a critic
+    (``critic=True``) also ``critic_state``, the joint-state text the critic values.
 
     Padding uses id 0 for every policy: pads sit under the masks, and 0 exists in every
     vocabulary (one record, no per-policy concatenation).
     """
-    credit = dataclasses.asdict(args.credit) | {"critic": bool(args.critic.model)}
     cols: dict[str, list] = defaultdict(list)
     errors: list[tuple[int, str]] = []
     pending: list[int] = []
@@ -702,8 +757,6 @@ def build_record(
                     "info": j.info,
                     "episode_info": ep.info,
                     "episode_error": bool(ep.error),
-                    "credit": credit,
-                    "stats": stats,
                 },
             )
             if ep.error:
@@ -716,7 +769,7 @@ def build_record(
         for m in ep.messages:
             info = agents[m.agent]
             extra = {}
-            if args.critic.model and m.joints:
+            if critic and m.joints:
                 above = by_id[m.joints[0]].parent
                 lines = _transcript(above)[1].split("\n") if above is not None else []
                 extra["critic_state"] = joint_state(str(ep.task), lines, max(m.turn, 0), m.agent)

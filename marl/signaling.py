@@ -194,7 +194,7 @@ TASKS.register("signaling", sys.modules[__name__])
 RECIPES.register("signaling", Path(__file__).parent / "recipes" / "signaling_magrpo.yaml")
 
 
-@workflow("signaling", agents={"speaker": SPEAKER_ROLE, "listener": LISTENER_ROLE})
+@workflow("signaling", agents={"speaker": SPEAKER_ROLE, "listener": LISTENER_ROLE}, multi_turn=True)
 async def signaling(ep, team):
     """Speaker -> listener. CTDE: the speaker's context holds the target only; the listener's
     holds the candidates and the message, passed explicitly here. The listener's answer is

@@ -5,8 +5,9 @@ All take the recipe's agents in the order ``rollout.args.agents`` lists them, sa
 combination, in cross mode) whose ``final`` text the recipe's reward terms score.
 
 - ``parallel``: every agent answers the task at once, blind to the others.
-- ``chain``: agents in order; each sees the task and the previous agent's output.
-- ``debate``: N agents x R rounds; from round 2 each sees the others' last answers.
+- ``chain``: agents in order; each sees ``template`` filled with the task and the previous
+  agent's output text.
+- ``debate`` (multi-turn, ``tree``): N agents x R rounds; from round 2 each sees the others' last answers.
   One joint action per round (per-turn rewards), final = majority answer.
 - ``aggregator``: mixture of agents; the proposers answer, the aggregator combines.
 """
@@ -14,6 +15,7 @@ combination, in cross mode) whose ``final`` text the recipe's reward terms score
 from __future__ import annotations
 
 from collections import Counter
+from typing import Annotated, Literal
 
 from polyrl.core.rewards import extract_answer, normalize_answer
 from polyrl.marl.runtime import workflow
@@ -32,12 +34,18 @@ def majority(texts: list[str]) -> str:
 
 
 @workflow("parallel", joints=("aligned", "cross"))
-async def parallel(ep, team, final: str = "concat", separator: str = "\n"):
+async def parallel(
+    ep,
+    team,
+    final: Annotated[
+        Literal["concat", "vote", "last"],
+        "the joint action's output: concat (the agents' texts joined by separator), "
+        "vote (the majority extracted answer) or last (the last agent's text)",
+    ] = "concat",
+    separator: Annotated[str, "what joins the agents' texts when final is concat"] = "\n",
+):
     """Every agent answers the task independently (n=G each); joint actions are aligned or
-    the cross product. ``final``: concat (the agents' texts joined), vote (majority answer)
-    or last (the last agent's text)."""
-    if final not in ("concat", "vote", "last"):
-        raise ValueError(f"parallel: final must be concat, vote or last, not {final!r}")
+    the cross product."""
     names = list(team)
     samples = await ep.gather(team[n].act(_task(ep), n=ep.G) for n in names)
 
@@ -51,9 +59,23 @@ async def parallel(ep, team, final: str = "concat", separator: str = "\n"):
 
 
 @workflow("chain")
-async def chain(ep, team, template: str = "{task}\n\n{previous}"):
+async def chain(
+    ep,
+    team,
+    template: Annotated[
+        str,
+        "what each agent after the first sees: {task} is the row's prompt (as the first "
+        "agent saw it), {previous} the previous agent's output text only (not its prompt "
+        "or role); leave {task} out when later agents must not see it (a relay)",
+    ] = "{task}\n\n{previous}",
+):
     """Agents in order: the first samples G lines, each next agent continues each line
-    once, seeing the task and the previous agent's output. Final: the last output."""
+    once, seeing what ``template`` shows it. Final: the last output.
+
+    Whatever the previous agent wrote reaches the next one verbatim (secrets included);
+    the default template also repeats the task, so every agent sees the first one's
+    prompt. A relay game that hides the task from later agents uses ``template:
+    "{previous}"``."""
     names = list(team)
     lines = [[m] for m in await team[names[0]].act(_task(ep), n=ep.G)]
     for name in names[1:]:
@@ -67,9 +89,16 @@ async def chain(ep, team, template: str = "{task}\n\n{previous}"):
         ep.joint(line, final=line[-1].text)
 
 
-@workflow("debate", min_agents=2)
+@workflow("debate", min_agents=2, multi_turn=True)
 async def debate(
-    ep, team, rounds: int = 2, template: str = "{task}\n\nOther answers:\n{others}\n\nYour answer:"
+    ep,
+    team,
+    rounds: Annotated[int, "debate rounds (>= 1); each round is one scored joint action"] = 2,
+    template: Annotated[
+        str,
+        "what an agent sees from round 2: {task} the row's prompt, {others} the other "
+        "agents' previous answers in its line, one '- name: answer' line each",
+    ] = "{task}\n\nOther answers:\n{others}\n\nYour answer:",
 ):
     """N agents x R rounds. Round 1: each answers alone (G aligned lines). Later rounds:
     each agent sees the others' previous answers in its line. Every round is a joint action
@@ -101,12 +130,17 @@ async def debate(
 async def aggregator(
     ep,
     team,
-    aggregator: str = "",
-    template: str = "{task}\n\nProposals:\n{proposals}\n\nCombined answer:",
+    aggregator: Annotated[
+        str, "the agent that combines the proposals (its name); empty: the last agent"
+    ] = "",
+    template: Annotated[
+        str,
+        "what the aggregator sees: {task} the row's prompt, {proposals} the other agents' "
+        "answers in its line, one '- name: answer' line each",
+    ] = "{task}\n\nProposals:\n{proposals}\n\nCombined answer:",
 ):
-    """Mixture of agents: every proposer answers (G aligned lines); the aggregator (the
-    agent named by ``aggregator``, default the last) reads each line's proposals and writes
-    the final answer."""
+    """Mixture of agents: every proposer answers (G aligned lines); the aggregator reads
+    each line's proposals and writes the final answer."""
     names = list(team)
     agg = aggregator or names[-1]
     if agg not in team:

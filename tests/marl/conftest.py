@@ -9,11 +9,10 @@ import pytest
 import torch
 
 
-def _build(joints: list, agents: list, options: dict | None = None, shuffle: int | None = None):
+def _build(joints: list, agents: list, shuffle: int | None = None):
     from polyrl.core.record import concat, text_record
     from polyrl.marl.runtime import JOINT_POLICY
 
-    options = options or {}
     jr = text_record(
         prompt_ids=[[] for _ in joints],
         response_ids=[[] for _ in joints],
@@ -31,7 +30,6 @@ def _build(joints: list, agents: list, options: dict | None = None, shuffle: int
                 "turn": j.turn,
                 "scored": j.scored,
                 "episode": j.episode,
-                "credit": options,
             }
             for j in joints
         ],
@@ -63,7 +61,7 @@ def _build(joints: list, agents: list, options: dict | None = None, shuffle: int
 
 @pytest.fixture
 def joint_record():
-    """Build a scored multi-agent record: ``joint_record(joints, agents, options, shuffle)``.
+    """Build a scored multi-agent record: ``joint_record(joints, agents, shuffle=seed)``.
 
     Joint rows come first (as the runtime writes them) unless ``shuffle`` (a seed) permutes
     all rows; agent rows enter pending (not valid, no error) as the runtime leaves them.

@@ -101,7 +101,7 @@ def test_grouping_ignores_row_order(joint_record, algo):
         assert row_adv(rec) == pytest.approx(row_adv(base))
 
 
-def cross(matrix: list[list[float]], options: dict | None = None, uid: int = 0):
+def cross(matrix: list[list[float]], uid: int = 0):
     """Agent 0 has len(matrix) samples, agent 1 len(matrix[0]); joint (i, j) = matrix[i][j]."""
     joints, rows0, rows1 = [], {}, {}
     k = 1
@@ -119,8 +119,8 @@ def cross(matrix: list[list[float]], options: dict | None = None, uid: int = 0):
 def test_cross_values_are_means_over_joint_actions(joint_record, algo):
     m = [[1, 0], [1, 1], [0, 0]]
     joints, agents = cross(m)
-    rec = joint_record(joints, agents, {"cross_value": "mean"})
-    magrpo_credit(rec, algo())
+    rec = joint_record(joints, agents)
+    magrpo_credit(rec, algo(), cross_value="mean")
     v0 = [sum(line) / 2 for line in m]  # 0.5, 1, 0
     v1 = [sum(line[j] for line in m) / 3 for j in range(2)]  # 2/3, 1/3
     expect = {(0, tuple(a.joints)): v0[i] - sum(v0) / 3 for i, a in enumerate(agents[:3])}
@@ -132,8 +132,8 @@ def test_cross_sum_mode_never_mixes_agents(joint_record, algo):
     """With sums, agent 0's values average 1 and agent 1's 1.5: a mixed group would not."""
     m = [[1, 1], [1, 0], [0, 0]]
     joints, agents = cross(m)
-    rec = joint_record(joints, agents, {"cross_value": "sum"})
-    magrpo_credit(rec, algo())
+    rec = joint_record(joints, agents)
+    magrpo_credit(rec, algo(), cross_value="sum")
     adv = row_adv(rec)
     assert [adv[(0, tuple(a.joints))] for a in agents[:3]] == pytest.approx([1, 0, -1])
     assert [adv[(1, tuple(a.joints))] for a in agents[3:]] == pytest.approx([0.5, -0.5])
@@ -191,8 +191,8 @@ def test_multi_turn_chain_groups_per_turn_and_unscored_turns(joint_record, algo)
 def test_counterfactual_is_zero_for_an_agent_that_does_not_matter(joint_record, algo):
     m = [[1, 1], [0, 0]]  # the reward depends on agent 0 only
     joints, agents = cross(m)
-    rec = joint_record(joints, agents, {"counterfactual": True})
-    magrpo_credit(rec, algo())
+    rec = joint_record(joints, agents)
+    magrpo_credit(rec, algo(), counterfactual=True)
     adv = row_adv(rec)
     assert [adv[(1, tuple(a.joints))] for a in agents[2:]] == pytest.approx([0.0, 0.0])
     assert [adv[(0, tuple(a.joints))] for a in agents[:2]] == pytest.approx([1.0, -1.0])
@@ -226,8 +226,8 @@ def test_baselines(joint_record, algo, name, expect):
 
 def test_per_agent_normalisation(joint_record, algo):
     joints, agents = aligned({0: [1, 0, 0, 1], 1: [3, 1, 1, 1]})
-    rec = joint_record(joints, agents, {"per_agent_norm": True})
-    magrpo_credit(rec, algo())
+    rec = joint_record(joints, agents)
+    magrpo_credit(rec, algo(), per_agent_norm=True)
     adv = row_adv(rec)
     for a in (0, 1):
         x = torch.tensor([v for (agent, _), v in adv.items() if agent == a])
@@ -237,8 +237,8 @@ def test_per_agent_normalisation(joint_record, algo):
 
 def test_maporl_shaping_scales_own_influence(joint_record, algo):
     joints, agents = aligned({0: [1, 0, 0, 1]})
-    rec = joint_record(joints, agents, {"shaping_alpha": 0.5})
-    magrpo_credit(rec, algo())
+    rec = joint_record(joints, agents)
+    magrpo_credit(rec, algo(), shaping_alpha=0.5)
     # V + 0.5 (V - Q), Q = group mean 0.5, then minus the group mean
     assert row_adv(rec)[(0, (1,))] == pytest.approx(0.75)
 

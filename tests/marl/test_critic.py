@@ -108,7 +108,7 @@ def test_credit_with_critic_is_return_minus_baseline(
 
 def test_critic_rejects_what_it_does_not_combine_with(marl_config, signaling_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="does not combine"):
-        marl_config(critic_args(signaling_model_dir, ", credit: {shaping_alpha: 0.5}"))
+        marl_config(critic_args(signaling_model_dir), "algorithm.credit_args={shaping_alpha: 0.5}")
     with pytest.raises(ConfigError, match="critic.model=.*does not exist"):  # before any load
         marl_config(critic_args(str(tmp_path / "no-such-critic")))
 

@@ -55,7 +55,8 @@ def test_one_generate_per_policy_per_round(marl_config, build_workflow, make_ite
     rec = wf.rollout(make_items(ROWS), params(n=4))
     # round 1: every speaker request (3 prompts x n=4) in one call; round 2: 12 listener acts
     assert calls == [("speaker", 3, 4), ("listener", 12, 1)]
-    assert wf.last_stats["marl/generate_rounds"] == 2
+    assert wf.rollout_metrics()["marl/generate_rounds"] == 2
+    assert wf.rollout_metrics()["marl/generate_calls/speaker"] == 1
     pol = strings(rec, "policy")
     assert pol.count(JOINT_POLICY) == 12 and pol.count("speaker") == 12
     assert pol.count("listener") == 12
@@ -171,7 +172,7 @@ def test_an_episode_that_raises_is_recorded_dropped_and_counted(
     bad = [i for i in range(rec.batch_size[0]) if errors[i]]
     assert bad and all("the environment broke" in errors[i] for i in bad)
     assert all(not bool(rec["valid"][i]) for i in bad)
-    assert metrics["marl/episode_errors"] == 1
+    assert wf.rollout_metrics()["marl/episode_errors"] == 1
     assert metrics["reward/errors"] == 0  # not a reward failure, and never scored 0
     good = [i for i in range(rec.batch_size[0]) if not errors[i]]
     assert all(bool(rec["valid"][i]) for i in good)
