@@ -28,9 +28,12 @@ number of adapters on the shared PEFT model (the session builds every policy bef
 engine) and closed with the last handle. Policies on a second base in the same process are
 refused with an error; give them ``engine.name: vllm`` or ``hf``.
 
-Engine arguments (``policies.<name>.engine.args``) are ``VLLMEngine``'s and are read from the
-first policy's config (the one that starts the LLM); ``enable_sleep_mode`` is refused (one
-policy's sleep would take the engine from the others).
+Engine options (``policies.<name>.engine.args``, declared by the constructor's keyword
+parameters): ``max_model_len``, ``kv_cache_gb``, ``gpu_memory_utilization`` and ``dtype``
+as for ``engine.name: vllm``, ``max_lora_rank`` (default: the smallest rank vLLM accepts
+that holds the largest adapter) and ``llm_args`` (any other ``vllm.LLM`` keyword). They
+are read from the first policy's engine (the one that starts the LLM); sleep mode is
+refused (one policy's sleep would take the engine from the others).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import ensure_model
@@ -108,7 +111,7 @@ def shared_server(policy: Any, seed: int, engine_args: dict[str, Any]) -> _LoraS
     args = {
         "max_lora_rank": vllm_rank(rank, policy.name),
         "max_loras": max_loras,
-        **engine_args,
+        **{k: v for k, v in engine_args.items() if v is not None},
         "enable_lora": True,
     }
     _SERVER = _LoraServer(VLLMEngine(policy, seed=seed, **args), base, max_loras)
@@ -122,7 +125,42 @@ class VLLMLoraEngine(VLLMEngine):
     does not run its constructor, which would start an LLM of its own.
     """
 
-    def __init__(self, policy: Any, *, seed: int = 0, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        seed: int = 0,
+        max_model_len: Annotated[
+            int | None, "prompt + response tokens of the shared LLM (default: the model's)"
+        ] = None,
+        kv_cache_gb: Annotated[
+            float | None,
+            "KV cache of the shared LLM in GiB (CPU default 1; on GPU "
+            "gpu_memory_utilization decides unless given)",
+        ] = None,
+        gpu_memory_utilization: Annotated[
+            float, "share of the GPU's memory the shared LLM may take"
+        ] = 0.5,
+        dtype: Annotated[
+            str | None, "vLLM dtype (default float32, or bfloat16 for a bfloat16 base on GPU)"
+        ] = None,
+        max_lora_rank: Annotated[
+            int | None,
+            "vLLM's max_lora_rank (default: the smallest vLLM accepts that holds the "
+            "largest adapter's lora.r)",
+        ] = None,
+        llm_args: Annotated[
+            dict | None, "other vllm.LLM keyword arguments (sleep mode is refused)"
+        ] = None,
+    ) -> None:
+        engine_args = {
+            "max_model_len": max_model_len,
+            "kv_cache_gb": kv_cache_gb,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "dtype": dtype,
+            "max_lora_rank": max_lora_rank,
+            **(llm_args or {}),
+        }
         if not hasattr(policy, "save_adapter"):
             raise TypeError(
                 f"policy {policy.name!r}: engine vllm_lora serves kind lora_agent "
