@@ -71,7 +71,7 @@ def median_time(fn, repeats: int) -> tuple[float, float]:
 def make_policy(model: str, args, **engine):
     from polyrl.core.config import from_dict
     from polyrl.core.policy import PolicyConfig
-    from polyrl.diffusion.engine import DiffusionEngine
+    from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.policy import DiffusionPolicy
 
     sampling = {
@@ -95,7 +95,7 @@ def make_policy(model: str, args, **engine):
         },
     )
     policy = DiffusionPolicy("main", cfg, total_steps=100, need_reference=False, device=args.device)
-    return policy, DiffusionEngine(policy, seed=0)
+    return policy, DiffusionEngine(policy, seed=0, **sampling_options(cfg))
 
 
 def bench_pipeline_overhead(model: str, args) -> dict[str, float]:
@@ -185,7 +185,7 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
         c0 = time.process_time()
         t0 = time.perf_counter()
         traj = engine.sample(prompts, n=n)
-        images = policy.decode(traj.latents[:, -1])
+        images = engine.decode(traj.latents[:, -1])
         rows = [prompts[i] for i in traj.prompt_index]
         rec = diffusion_record(
             traj,

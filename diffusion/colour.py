@@ -16,6 +16,7 @@ import random
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Annotated
 
 import torch
 
@@ -99,9 +100,13 @@ def eval_rows(
 def write_dataset(
     out_dir: str | Path,
     seed: int,
-    n_train: int = 512,
-    per_colour_eval: int = 2,
-    colours: list[str] | None = None,
+    n_train: Annotated[int, "training prompts, each a random colour and template"] = 512,
+    per_colour_eval: Annotated[
+        int, "evaluation prompts per colour (the first templates, fixed)"
+    ] = 2,
+    colours: Annotated[
+        list[str] | None, "palette colours to use (null: red, green, blue, yellow)"
+    ] = None,
 ) -> tuple[Path, Path]:
     """train.jsonl (random colour prompts) and eval.jsonl (fixed ones) under ``out_dir``."""
     names = colours

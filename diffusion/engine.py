@@ -15,14 +15,57 @@ later latents are zeros, it trains nothing, and the other rows carry on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 import torch
 from torch import Tensor
 
+from polyrl.core.config import ConfigError
+from polyrl.core.policy import PolicyConfig
 from polyrl.core.registry import ENGINES
-from polyrl.diffusion.policy import ENGINE_NAME, DiffusionPolicy, DiffusionSampling
-from polyrl.diffusion.samplers import get_sampler
-from polyrl.diffusion.selection import noise_mask, select_steps
+from polyrl.diffusion.policy import ENGINE_NAME, DiffusionPolicy
+from polyrl.diffusion.samplers import SAMPLERS, get_sampler
+from polyrl.diffusion.selection import StepSelection, noise_mask, select_steps
+
+
+def check_sampling(o: Any, where: str) -> None:
+    """Fail naming the key when the engine options ``o`` (bound options, or the engine)
+    cannot sample: an unknown or deterministic sampler, too few steps, bad sizes."""
+    if o.sampler not in SAMPLERS:
+        try:
+            get_sampler(o.sampler)  # an import path may still resolve
+        except (KeyError, ImportError, ValueError, TypeError) as e:
+            raise ConfigError(f"{where}.sampler: {e}") from None
+    if o.sampler == "ode":
+        raise ConfigError(
+            f"{where}.sampler=ode samples without noise, so no step has a "
+            "log-probability to train; use flow_sde, dance_sde or cps (the "
+            "ODE is what evaluation uses at eval.temperature=0)"
+        )
+    if o.steps < 2 or (o.eval_steps is not None and o.eval_steps < 1):
+        raise ConfigError(f"{where}.steps must be >= 2 (and eval_steps >= 1)")
+    if o.noise_level < 0:
+        raise ConfigError(f"{where}.noise_level must be >= 0, got {o.noise_level}")
+    if o.sampler == "cps" and o.noise_level > 1:
+        raise ConfigError(f"{where}.noise_level must be in [0, 1] for cps")
+    if o.height <= 0 or o.width <= 0 or o.batch_size < 1 or o.decode_batch < 1:
+        raise ConfigError(f"{where}: height, width, batch_size and decode_batch must be > 0")
+    o.train_steps.validate(o.steps, f"{where}.train_steps")
+
+
+def sampling_options(cfg: PolicyConfig, name: str | None = None) -> Any:
+    """A diffusion policy's engine options, typed and checked (fails naming the bad key)."""
+    prefix = f"policies.{name}." if name else "a diffusion policy's "
+    where = f"policies.{name}.engine.args" if name else "engine.args"
+    if cfg.engine.name != ENGINE_NAME:
+        raise ConfigError(
+            f"{prefix}engine.name={cfg.engine.name!r}: a diffusion policy "
+            f"samples with the {ENGINE_NAME!r} engine; set engine.name: "
+            f"{ENGINE_NAME}"
+        )
+    options = ENGINES.bind(ENGINE_NAME, cfg.engine.args, where, "the recipe")
+    check_sampling(options, where)
+    return options
 
 
 @dataclass
@@ -52,18 +95,62 @@ class Trajectories:
 
 
 class DiffusionEngine:
-    """Samples with the policy's transformer and the configured SDE sampler."""
+    """Samples with the policy's transformer and the configured SDE sampler.
+
+    Its keyword parameters are its options (``policies.<name>.engine.args``), checked by
+    :func:`check_sampling` when the recipe loads and again here."""
 
     # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
     remote_methods = ("sample", "decode")
 
-    def __init__(self, policy: DiffusionPolicy, *, seed: int = 0, **args) -> None:
+    def __init__(
+        self,
+        policy: DiffusionPolicy,
+        *,
+        seed: int = 0,
+        sampler: Annotated[
+            str,
+            "SDE sampler: flow_sde (Flow-GRPO), dance_sde (DanceGRPO), cps "
+            "(coefficient-preserving), or 'pkg.mod:MySampler'; ode is deterministic, so "
+            "it only evaluates",
+        ] = "flow_sde",
+        noise_level: Annotated[
+            float, "flow_sde: a in g = a*sqrt(sigma/(1-sigma)); cps: a in [0, 1]; dance_sde: eta"
+        ] = 0.7,
+        steps: Annotated[int, "denoising steps per training rollout (>= 2)"] = 10,
+        eval_steps: Annotated[int | None, "denoising steps for evaluation (null: steps)"] = None,
+        guidance_scale: Annotated[
+            float,
+            "SD3: classifier-free guidance weight (<= 1 turns it off); FLUX-dev: the "
+            "guidance embedding's value (3.5 typical); FLUX-schnell: unused",
+        ] = 4.5,
+        negative_prompt: Annotated[str, "prompt of the unconditional branch (SD3)"] = "",
+        height: Annotated[int, "image height in pixels"] = 512,
+        width: Annotated[int, "image width in pixels"] = 512,
+        same_noise: Annotated[bool, "all samples of one prompt start from the same noise"] = False,
+        train_steps: Annotated[
+            StepSelection, "which denoising steps train (the last one never does)"
+        ] = StepSelection(),
+        batch_size: Annotated[int, "rows per transformer forward while sampling"] = 32,
+        cfg_batch: Annotated[
+            bool,
+            "sampling: guidance's two branches in one transformer call (as diffusers' "
+            "pipeline); false: two calls laid out as in training, so recomputed log-probs "
+            "match bit for bit",
+        ] = True,
+        decode_batch: Annotated[int, "images per VAE decode call"] = 16,
+    ) -> None:
         if not isinstance(policy, DiffusionPolicy):
             raise TypeError(
                 f"the {ENGINE_NAME!r} engine needs a diffusion policy, got {type(policy).__name__}"
             )
         self.policy = policy
-        self.cfg: DiffusionSampling = policy.sampling
+        self.sampler, self.noise_level, self.steps = sampler, noise_level, steps
+        self.eval_steps, self.guidance_scale = eval_steps, guidance_scale
+        self.negative_prompt, self.height, self.width = negative_prompt, height, width
+        self.same_noise, self.train_steps, self.batch_size = same_noise, train_steps, batch_size
+        self.cfg_batch, self.decode_batch = cfg_batch, decode_batch
+        check_sampling(self, "engine.args")
         self.seed = seed
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
@@ -74,7 +161,7 @@ class DiffusionEngine:
     def decode(self, latents: Tensor) -> Tensor:
         """Images [B, 3, H, W] in [0, 1] from final latents: the engine decodes, so under
         the Ray backend the VAE runs on the engine actor, next to the sampler."""
-        return self.policy.decode(latents)
+        return self.policy.family.decode(latents, chunk=self.decode_batch)
 
     def state_dict(self) -> dict:
         return {"rng": self.gen.get_state(), "rollouts": self.rollouts}
@@ -99,26 +186,26 @@ class DiffusionEngine:
 
         Deterministic calls draw their starting noise from a fixed seed, so every evaluation
         starts from the same noise; training calls use (and advance) the engine's RNG."""
-        cfg, policy = self.cfg, self.policy
+        policy = self.policy
         gen = torch.Generator().manual_seed(self.seed + 7919) if deterministic else self.gen
         dev = policy.device
-        sampler = get_sampler(cfg.sampler)
+        sampler = get_sampler(self.sampler)
         if steps is None:
-            steps = (cfg.eval_steps or cfg.steps) if deterministic else cfg.steps
+            steps = (self.eval_steps or self.steps) if deterministic else self.steps
         idx = torch.arange(len(prompts)).repeat_interleave(n)
         b = idx.numel()
         emb, pooled = policy.encode(list(prompts))
         emb, pooled = emb[idx], pooled[idx]
         if policy.family.classifier_free:
-            neg_emb, neg_pooled = policy.encode([cfg.negative_prompt])
+            neg_emb, neg_pooled = policy.encode([self.negative_prompt])
             neg_emb = neg_emb.expand(b, *neg_emb.shape[1:]).clone()
             neg_pooled = neg_pooled.expand(b, *neg_pooled.shape[1:]).clone()
         else:  # no unconditional branch (FLUX): empty placeholders keep the record's layout
             neg_emb, neg_pooled = emb[:, :0].clone(), pooled[:, :0].clone()
-        shape = policy.family.latent_shape(cfg.height, cfg.width)
+        shape = policy.family.latent_shape(self.height, self.width)
         sched = policy.family.schedule(steps, shape)
         sigmas, timesteps = sched.sigmas, sched.timesteps
-        if cfg.same_noise:
+        if self.same_noise:
             x = torch.randn((len(prompts), *shape), generator=gen)[idx]
         else:
             x = torch.randn((b, *shape), generator=gen)
@@ -127,18 +214,18 @@ class DiffusionEngine:
             noisy = trained.clone()
         else:
             trained = select_steps(
-                cfg.train_steps, b, steps, rollout=self.rollouts, generator=self.gen
+                self.train_steps, b, steps, rollout=self.rollouts, generator=self.gen
             )
-            noisy = noise_mask(cfg.train_steps, trained)
-        guidance = torch.full((b,), float(cfg.guidance_scale))
-        level = torch.full((b,), float(cfg.noise_level))
+            noisy = noise_mask(self.train_steps, trained)
+        guidance = torch.full((b,), float(self.guidance_scale))
+        level = torch.full((b,), float(self.noise_level))
         latents = torch.zeros((b, steps + 1, *shape), dtype=torch.float32)
         latents[:, 0] = x
         logp = torch.zeros((b, steps), dtype=torch.float32)
         stds = torch.zeros((b, steps), dtype=torch.float32)
         alive = torch.ones(b, dtype=torch.bool)
         errors = [""] * b
-        chunk = cfg.batch_size
+        chunk = self.batch_size
         for t in range(steps):
             new = torch.empty_like(x)
             for s in range(0, b, chunk):
@@ -152,7 +239,7 @@ class DiffusionEngine:
                     neg_emb[r].to(dev),
                     neg_pooled[r].to(dev),
                     guidance[r].to(dev),
-                    batched=cfg.cfg_batch,
+                    batched=self.cfg_batch,
                 )
                 if velocity_hook is not None:
                     v = velocity_hook(t, s, v)
@@ -198,7 +285,7 @@ class DiffusionEngine:
             negative_pooled_prompt_embeds=neg_pooled.cpu(),
             guidance=guidance,
             noise_level=level,
-            sampler=cfg.sampler,
+            sampler=self.sampler,
             errors=errors,
         )
 

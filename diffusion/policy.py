@@ -41,7 +41,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from polyrl.core.config import ConfigError, doc, doc_factory, from_dict
+from polyrl.core.config import ConfigError, doc
+from polyrl.core.options import Options, bind
 from polyrl.core.policy import (
     LoraConfig,
     PolicyConfig,
@@ -56,8 +57,7 @@ from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 from polyrl.diffusion.models import FAMILIES, detect_family
-from polyrl.diffusion.samplers import SAMPLERS, get_sampler
-from polyrl.diffusion.selection import StepSelection
+from polyrl.diffusion.samplers import get_sampler
 
 KL_MODES = ("logprob", "mean")
 MEANS_ATTR = "_polyrl_step_means"
@@ -70,62 +70,7 @@ PLAIN_TEMPLATE = (
 
 
 @dataclass
-class DiffusionSampling:
-    """How a diffusion policy samples (``policies.<name>.engine.args``)."""
-
-    sampler: str = doc(
-        "flow_sde",
-        "SDE sampler: flow_sde (Flow-GRPO), dance_sde (DanceGRPO), "
-        "cps (coefficient-preserving); ode is deterministic",
-    )
-    noise_level: float = doc(0.7, "flow_sde/cps: noise level a; dance_sde: constant η")
-    steps: int = doc(10, "denoising steps per training rollout")
-    eval_steps: int | None = doc(None, "denoising steps for evaluation (default: steps)")
-    guidance_scale: float = doc(
-        4.5,
-        "SD3: classifier-free guidance weight (<= 1 turns it "
-        "off); FLUX-dev: the guidance embedding's value (3.5 "
-        "typical); FLUX-schnell: unused",
-    )
-    negative_prompt: str = doc("", "prompt of the unconditional branch (SD3)")
-    height: int = doc(512, "image height in pixels")
-    width: int = doc(512, "image width in pixels")
-    same_noise: bool = doc(False, "all samples of one prompt start from the same noise")
-    train_steps: StepSelection = doc_factory(StepSelection, "which denoising steps train")
-    batch_size: int = doc(32, "rows per transformer forward while sampling")
-    cfg_batch: bool = doc(
-        True,
-        "sampling: guidance's two branches in one transformer call "
-        "(as diffusers' pipeline); false: two calls laid out as in "
-        "training, so recomputed log-probs match bit for bit",
-    )
-    decode_batch: int = doc(16, "images per VAE decode call")
-
-    def validate(self, where: str) -> None:
-        if self.sampler not in SAMPLERS:
-            try:
-                SAMPLERS.get(self.sampler)  # an import path may still resolve
-            except (KeyError, ImportError, ValueError) as e:
-                raise ConfigError(f"{where}.sampler: {e}") from None
-        if self.sampler == "ode":
-            raise ConfigError(
-                f"{where}.sampler=ode samples without noise, so no step has a "
-                "log-probability to train; use flow_sde, dance_sde or cps (the "
-                "ODE is what evaluation uses at eval.temperature=0)"
-            )
-        if self.steps < 2 or (self.eval_steps is not None and self.eval_steps < 1):
-            raise ConfigError(f"{where}.steps must be >= 2 (and eval_steps >= 1)")
-        if self.noise_level < 0:
-            raise ConfigError(f"{where}.noise_level must be >= 0, got {self.noise_level}")
-        if self.sampler == "cps" and self.noise_level > 1:
-            raise ConfigError(f"{where}.noise_level must be in [0, 1] for cps")
-        if self.height <= 0 or self.width <= 0 or self.batch_size < 1 or self.decode_batch < 1:
-            raise ConfigError(f"{where}: height, width, batch_size and decode_batch must be > 0")
-        self.train_steps.validate(self.steps, f"{where}.train_steps")
-
-
-@dataclass
-class DiffusionArgs:
+class DiffusionPolicyOptions(Options):
     """Options of the diffusion policy kind (``policies.<name>.args``)."""
 
     text_encoder_3: bool = doc(
@@ -133,7 +78,7 @@ class DiffusionArgs:
         "SD3: load the T5 text encoder (false: zeros instead, much less memory); FLUX needs its T5",
     )
     max_sequence_length: int = doc(
-        256, "T5 tokens per prompt (SD3, FLUX; FLUX-dev's pipeline uses 512)"
+        256, "T5 tokens per prompt, in [1, 512] (SD3, FLUX; FLUX-dev's pipeline uses 512)"
     )
 
     def validate(self, where: str) -> None:
@@ -141,26 +86,13 @@ class DiffusionArgs:
             raise ConfigError(f"{where}.max_sequence_length must be in [1, 512]")
 
 
-def policy_args(cfg: PolicyConfig, name: str | None = None) -> DiffusionArgs:
+def policy_options(cfg: PolicyConfig, name: str | None = None) -> DiffusionPolicyOptions:
+    """``cfg.args`` as this kind's typed options (a recipe binds them when it loads; a
+    config built in code may still hold a mapping), checked."""
     where = f"policies.{name}.args" if name else "args"
-    a = from_dict(DiffusionArgs, dict(cfg.args), where, "the recipe")
-    a.validate(where)
-    return a
-
-
-def sampling_config(cfg: PolicyConfig, name: str | None = None) -> DiffusionSampling:
-    """Parse and check a diffusion policy's engine args (fails naming the bad key/value)."""
-    prefix = f"policies.{name}." if name else "a diffusion policy's "
-    where = f"{prefix}engine.args" if name else "engine.args"
-    if cfg.engine.name != ENGINE_NAME:
-        raise ConfigError(
-            f"{prefix}engine.name={cfg.engine.name!r}: a diffusion policy "
-            f"samples with the {ENGINE_NAME!r} engine; set engine.name: "
-            f"{ENGINE_NAME}"
-        )
-    s = from_dict(DiffusionSampling, dict(cfg.engine.args), where, "the recipe")
-    s.validate(where)
-    return s
+    args = bind(DiffusionPolicyOptions, cfg.args, where, "the recipe", "policy kind 'diffusion'")
+    args.validate(where)
+    return args
 
 
 def attach_means(logp: Tensor, means: Tensor, std: Tensor) -> Tensor:
@@ -200,8 +132,7 @@ class DiffusionPolicy:
         device: str | torch.device | None = None,
     ) -> None:
         self.name, self.cfg, self.device = name, cfg, _device(device)
-        self.sampling = sampling_config(cfg, name)
-        self.args = policy_args(cfg, name)
+        self.args = policy_options(cfg, name)
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.path = path
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
@@ -271,11 +202,14 @@ class DiffusionPolicy:
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig, validate: bool = True):
-        """The first text encoder's tokenizer (for the prompt data), after checking the
-        sampling settings -- so a bad sampler name fails before any model is built."""
+        """The first text encoder's tokenizer (for the prompt data), after checking this
+        kind's options and the engine's -- so a bad sampler name fails before any model is
+        built, also for a config built in code."""
         if validate:
-            sampling_config(cfg)
-            policy_args(cfg)
+            from polyrl.diffusion.engine import sampling_options  # engine imports this module
+
+            sampling_options(cfg)
+            policy_options(cfg)
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         tok = FAMILIES[detect_family(path)].load_tokenizer(path)
         if not getattr(tok, "chat_template", None):
@@ -334,9 +268,6 @@ class DiffusionPolicy:
                 v_u = self.family.velocity(model, x, timesteps, neg_emb, neg_pooled).float()
         w = guidance.to(v_c).reshape(-1, *([1] * (v_c.dim() - 1)))
         return torch.where(guided.reshape_as(w), v_u + w * (v_c - v_u), v_c)
-
-    def decode(self, latents: Tensor) -> Tensor:
-        return self.family.decode(latents, chunk=self.sampling.decode_batch)
 
     # --- what the trainer calls ---------------------------------------------------------
     def _transitions(
@@ -530,4 +461,4 @@ class DiffusionPolicy:
         model.save_pretrained(out / "transformer")
 
 
-POLICIES.register("diffusion", DiffusionPolicy)
+POLICIES.register("diffusion", DiffusionPolicy, options=DiffusionPolicyOptions)

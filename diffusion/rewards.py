@@ -11,19 +11,20 @@ weights under ``reward.terms`` and the row reward is their weighted sum (each te
 logged on its own as ``reward/<name>/mean``).
 
 Reward models are loaded from a local path or hub id the user gives, once per process.
-A reward with a ``prepare(**args)`` attribute is prepared by the text-to-image workflow
-before the first rollout, so a checkpoint path that does not exist (or a model that will
-not load) fails before any sampling, naming the argument.
+A reward with a ``prepare(**options)`` attribute is prepared (with all of the term's
+options) by the text-to-image workflow before the first rollout, so a checkpoint path that
+does not exist (or a model that will not load) fails before any sampling, naming it.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -35,6 +36,11 @@ from polyrl.diffusion import colour as colour_task
 _LOCK = threading.Lock()
 _CACHE: dict[tuple, Any] = {}
 _PATH_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt", ".json", ".npz")
+
+# Options several rewards share.
+_DEVICE = Annotated[str | None, "where the reward model runs (null: cuda when visible, else cpu)"]
+_QUALITY = Annotated[int, "JPEG quality of the encoding whose size is measured"]
+_COLOURS = Annotated[list[str] | None, "palette colours to tell apart (null: the whole palette)"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -106,10 +112,21 @@ def cached(key: tuple, build: Callable[[], Any]) -> Any:
 
 
 def with_prepare(prepare: Callable[..., None]):
-    """Attach ``prepare(**args)``: checks (and loads) what the reward needs, before sampling."""
+    """Attach ``fn.prepare(**options)``: checks (and loads) what the reward needs, before
+    sampling. ``prepare`` has no defaults of its own: the options not given take the
+    reward's defaults (its keyword parameters are its options)."""
 
     def add(fn):
-        fn.prepare = prepare
+        defaults = {
+            k: p.default
+            for k, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+        def run(**options: Any) -> None:
+            prepare(**{**defaults, **options})
+
+        fn.prepare = run
         return fn
 
     return add
@@ -125,13 +142,13 @@ def jpeg_kb(image: Any, quality: int = 95) -> float:
 
 
 @register_reward("jpeg_compressibility", batched=True)
-def jpeg_compressibility(samples: list[Sample], quality: int = 95) -> list[float]:
+def jpeg_compressibility(samples: list[Sample], quality: _QUALITY = 95) -> list[float]:
     """Minus the JPEG size in kB (smaller files score higher)."""
     return [-jpeg_kb(first_image(s), quality) for s in samples]
 
 
 @register_reward("jpeg_incompressibility", batched=True)
-def jpeg_incompressibility(samples: list[Sample], quality: int = 95) -> list[float]:
+def jpeg_incompressibility(samples: list[Sample], quality: _QUALITY = 95) -> list[float]:
     """The JPEG size in kB (more detail scores higher)."""
     return [jpeg_kb(first_image(s), quality) for s in samples]
 
@@ -167,7 +184,7 @@ def nearest_colour(image: Any, palette: Tensor) -> Tensor:
 
 
 @register_reward("colour", batched=True)
-def colour(samples: list[Sample], colours: list[str] | None = None) -> list[float]:
+def colour(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
     """Share of pixels nearest to the colour the prompt names (answer field, else the prompt)."""
     names, pal = _palette(colours)
     return [
@@ -177,7 +194,7 @@ def colour(samples: list[Sample], colours: list[str] | None = None) -> list[floa
 
 
 @register_reward("colour_accuracy", batched=True)
-def colour_accuracy(samples: list[Sample], colours: list[str] | None = None) -> list[float]:
+def colour_accuracy(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
     """1 when the named colour is the most common non-background colour of the image."""
     names, pal = _palette(colours)
     out = []
@@ -226,12 +243,7 @@ def _clip_features(
     return (torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1))
 
 
-def _prepare_clip(
-    model: str = "ViT-B-32",
-    pretrained: str | None = None,
-    device: str | None = None,
-    scale: float = 1.0,
-) -> None:
+def _prepare_clip(*, model: str, pretrained: str | None, device: str | None, scale: float) -> None:
     _check_open_clip("t2i_clip_score", model, pretrained)
     _open_clip(model, pretrained, _device(device))
 
@@ -240,10 +252,12 @@ def _prepare_clip(
 @with_prepare(_prepare_clip)
 def clip_score(
     samples: list[Sample],
-    model: str = "ViT-B-32",
-    pretrained: str | None = None,
-    device: str | None = None,
-    scale: float = 1.0,
+    model: Annotated[
+        str, "open_clip model name, or local-dir:/path (open_clip_config.json + weights)"
+    ] = "ViT-B-32",
+    pretrained: Annotated[str | None, "open_clip checkpoint path or pretrained tag"] = None,
+    device: _DEVICE = None,
+    scale: Annotated[float, "the score is scale x cosine"] = 1.0,
 ) -> list[float]:
     """scale x cosine(CLIP image embedding, CLIP prompt embedding) via open_clip.
 
@@ -271,9 +285,7 @@ def _load_hps(model: str, checkpoint: str, device: torch.device):
     return cached(("hps", model, checkpoint, str(device)), build)
 
 
-def _prepare_hps(
-    checkpoint: str | None = None, model: str = "ViT-H-14", device: str | None = None
-) -> None:
+def _prepare_hps(*, checkpoint: str | None, model: str, device: str | None) -> None:
     check_path("hpsv2", "checkpoint", checkpoint, required=True)
     _load_hps(model, checkpoint, _device(device))
 
@@ -282,9 +294,11 @@ def _prepare_hps(
 @with_prepare(_prepare_hps)
 def hpsv2(
     samples: list[Sample],
-    checkpoint: str | None = None,
-    model: str = "ViT-H-14",
-    device: str | None = None,
+    checkpoint: Annotated[
+        str | None, "path of the HPS checkpoint (e.g. HPS_v2_compressed.pt); required"
+    ] = None,
+    model: Annotated[str, "open_clip model the checkpoint is loaded over"] = "ViT-H-14",
+    device: _DEVICE = None,
 ) -> list[float]:
     """HPSv2-style score: cosine of open_clip ``model`` (ViT-H-14) features with the HPS
     checkpoint's weights (``checkpoint``: e.g. HPS_v2_compressed.pt) loaded over it."""
@@ -334,10 +348,7 @@ def _load_mlp(path: str, device: torch.device) -> torch.nn.Sequential:
 
 
 def _prepare_aesthetic(
-    mlp: str | None = None,
-    clip_model: str = "ViT-L-14",
-    clip_pretrained: str | None = "openai",
-    device: str | None = None,
+    *, mlp: str | None, clip_model: str, clip_pretrained: str | None, device: str | None
 ) -> None:
     check_path("aesthetic", "mlp", mlp, required=True)
     _check_open_clip("aesthetic", clip_model, clip_pretrained)
@@ -350,10 +361,12 @@ def _prepare_aesthetic(
 @with_prepare(_prepare_aesthetic)
 def aesthetic(
     samples: list[Sample],
-    mlp: str | None = None,
-    clip_model: str = "ViT-L-14",
-    clip_pretrained: str | None = "openai",
-    device: str | None = None,
+    mlp: Annotated[
+        str | None, "path of the MLP head's weights (LAION predictor layout); required"
+    ] = None,
+    clip_model: Annotated[str, "open_clip model whose image embedding the MLP reads"] = "ViT-L-14",
+    clip_pretrained: Annotated[str | None, "open_clip checkpoint path or tag"] = "openai",
+    device: _DEVICE = None,
 ) -> list[float]:
     """LAION-style aesthetic score: an MLP (weights from ``mlp``) on the normalised CLIP-L
     image embedding."""
@@ -390,10 +403,7 @@ def _load_pickscore(model: str, processor: str, device: torch.device):
 
 
 def _prepare_pickscore(
-    model: str = "yuvalkirstain/PickScore_v1",
-    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-    device: str | None = None,
-    scale: float | None = None,
+    *, model: str, processor: str, device: str | None, scale: float | None
 ) -> None:
     check_path("pickscore", "model", model)
     check_path("pickscore", "processor", processor)
@@ -404,10 +414,16 @@ def _prepare_pickscore(
 @with_prepare(_prepare_pickscore)
 def pickscore(
     samples: list[Sample],
-    model: str = "yuvalkirstain/PickScore_v1",
-    processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-    device: str | None = None,
-    scale: float | None = None,
+    model: Annotated[
+        str, "transformers CLIPModel: local folder or hub id"
+    ] = "yuvalkirstain/PickScore_v1",
+    processor: Annotated[
+        str, "its processor: local folder or hub id"
+    ] = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+    device: _DEVICE = None,
+    scale: Annotated[
+        float | None, "the score is scale x cosine (null: the model's logit scale)"
+    ] = None,
 ) -> list[float]:
     """PickScore: a CLIP-H (``transformers`` CLIPModel) preference model; score =
     logit_scale x cosine(image, prompt), or ``scale`` x cosine when ``scale`` is given."""
@@ -440,10 +456,6 @@ def prepare_rewards(terms) -> None:
     from polyrl.core.rewards import resolve
 
     for term in terms:
-        fn = resolve(term.name)
-        prep = getattr(fn, "prepare", None)
+        prep = getattr(resolve(term.name), "prepare", None)
         if prep is not None:
-            try:
-                prep(**term.args)
-            except TypeError as e:
-                raise ValueError(f"reward {term.name!r}: bad args {sorted(term.args)}: {e}") from e
+            prep(**term.args)

@@ -29,9 +29,10 @@ from polyrl.core.registry import nearest
 MODES = ("all", "fraction", "window", "sliding")
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepSelection:
-    """Which denoising steps are trained (the last step never is)."""
+    """Which denoising steps are trained (the last step never is); frozen, so one default
+    instance can be shared."""
 
     mode: str = doc("all", f"one of {', '.join(MODES)}")
     fraction: float = doc(0.6, "fraction: share of the trainable steps drawn per trajectory")

@@ -33,7 +33,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
 import torch
 
@@ -127,17 +127,18 @@ def write_tiny_sd3(
     path: Path,
     texts: list[str],
     *,
-    image_size: int = 16,
-    vae_patch: int = 2,
-    layers: int = 2,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden: int = 32,
-    max_length: int = 8,
-    shift: float = 3.0,
-    seed: int = 0,
+    image_size: int,
+    vae_patch: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    max_length: int,
+    shift: float,
+    seed: int,
 ) -> None:
-    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory)."""
+    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory); the sizes'
+    defaults and docs are :func:`tiny_sd3`'s."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
     from polyrl.diffusion.patch_vae import PatchVAE
@@ -193,19 +194,20 @@ def write_tiny_flux(
     path: Path,
     texts: list[str],
     *,
-    image_size: int = 16,
-    vae_patch: int = 2,
-    layers: int = 1,
-    single_layers: int = 1,
-    heads: int = 2,
-    head_dim: int = 16,
-    text_hidden: int = 32,
-    t5_hidden: int = 32,
-    max_length: int = 8,
-    guidance_embeds: bool = True,
-    seed: int = 0,
+    image_size: int,
+    vae_patch: int,
+    layers: int,
+    single_layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    t5_hidden: int,
+    max_length: int,
+    guidance_embeds: bool,
+    seed: int,
 ) -> None:
-    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``."""
+    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``; the
+    sizes' defaults and docs are :func:`tiny_flux`'s."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     from polyrl.diffusion.patch_vae import PatchVAE
@@ -367,30 +369,61 @@ def _build_once(path: str | Path, write) -> Path:
     return path
 
 
+# What the builders' options mean (both builders share most of them).
+_IMAGE = Annotated[int, "image side in pixels"]
+_PATCH = Annotated[int, "PatchVAE patch side: latents are (3*patch^2, side/patch, side/patch)"]
+_HEADS = Annotated[int, "attention heads"]
+_HEAD_DIM = Annotated[int, "width of one attention head"]
+_TEXT = Annotated[int, "hidden size of the tiny CLIP text encoder(s)"]
+_MAX_LEN = Annotated[int, "CLIP tokens per prompt"]
+_CORPUS = Annotated[str, "task whose prompts make the tokenizers' vocabulary (corpus())"]
+_SEED = Annotated[int, "seed of the random weights (and of the pre-training)"]
+
+
 @MODELS.register("tiny_sd3")
 def tiny_sd3(
     path: str | Path,
     *,
-    corpus: str = "colour",
-    pretrain_steps: int = 0,
-    pretrain_batch: int = 64,
-    pretrain_lr: float = 2e-3,
-    label_noise: float = 0.0,
-    seed: int = 0,
-    log_every: int = 0,
-    **model_kwargs: Any,
+    corpus: _CORPUS = "colour",
+    pretrain_steps: Annotated[
+        int, "flow-matching pre-training steps on the colour task's blobs (0: untrained)"
+    ] = 0,
+    pretrain_batch: Annotated[int, "images per pre-training step"] = 64,
+    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
+    label_noise: Annotated[
+        float, "share of pre-training images whose colour disagrees with their caption"
+    ] = 0.0,
+    seed: _SEED = 0,
+    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    image_size: _IMAGE = 16,
+    vae_patch: _PATCH = 2,
+    layers: Annotated[int, "SD3 transformer blocks"] = 2,
+    heads: _HEADS = 2,
+    head_dim: _HEAD_DIM = 16,
+    text_hidden: _TEXT = 32,
+    max_length: _MAX_LEN = 8,
+    shift: Annotated[float, "the flow-matching scheduler's shift (SD3: 3)"] = 3.0,
 ) -> Path:
     """Build (once) a tiny SD3 at ``path``; pre-train it on task ``corpus``'s images.
 
-    ``model_kwargs``: image_size, vae_patch, layers, heads, head_dim, text_hidden,
-    max_length, shift. Written to a temp dir and renamed into place, so a crash never
-    leaves a half-built model; an existing complete checkpoint is returned untouched.
+    Written to a temp dir and renamed into place, so a crash never leaves a half-built
+    model; an existing complete checkpoint is returned untouched.
     """
     if corpus != "colour" and pretrain_steps:
         raise ValueError("tiny_sd3 pre-trains on the colour task only; set pretrain_steps=0")
+    shape = dict(
+        image_size=image_size,
+        vae_patch=vae_patch,
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        text_hidden=text_hidden,
+        max_length=max_length,
+        shift=shift,
+    )
 
     def write(tmp: Path) -> None:
-        write_tiny_sd3(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
+        write_tiny_sd3(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
         if pretrain_steps:
             pretrain_colour(
@@ -408,16 +441,39 @@ def tiny_sd3(
 
 @MODELS.register("tiny_flux")
 def tiny_flux(
-    path: str | Path, *, corpus: str = "colour", seed: int = 0, **model_kwargs: Any
+    path: str | Path,
+    *,
+    corpus: _CORPUS = "colour",
+    seed: _SEED = 0,
+    image_size: _IMAGE = 16,
+    vae_patch: _PATCH = 2,
+    layers: Annotated[int, "FLUX double-stream (joint) blocks"] = 1,
+    single_layers: Annotated[int, "FLUX single-stream blocks"] = 1,
+    heads: _HEADS = 2,
+    head_dim: Annotated[int, "width of one attention head (a multiple of 4, >= 8)"] = 16,
+    text_hidden: _TEXT = 32,
+    t5_hidden: Annotated[int, "hidden size of the tiny T5 encoder"] = 32,
+    max_length: _MAX_LEN = 8,
+    guidance_embeds: Annotated[
+        bool, "a guidance embedding, as FLUX-dev (false: schnell-like)"
+    ] = True,
 ) -> Path:
-    """Build (once) an untrained tiny FLUX at ``path`` (vocabulary from task ``corpus``).
-
-    ``model_kwargs``: image_size, vae_patch, layers, single_layers, heads, head_dim,
-    text_hidden, t5_hidden, max_length, guidance_embeds (false: schnell-like).
-    """
+    """Build (once) an untrained tiny FLUX at ``path`` (vocabulary from task ``corpus``)."""
+    shape = dict(
+        image_size=image_size,
+        vae_patch=vae_patch,
+        layers=layers,
+        single_layers=single_layers,
+        heads=heads,
+        head_dim=head_dim,
+        text_hidden=text_hidden,
+        t5_hidden=t5_hidden,
+        max_length=max_length,
+        guidance_embeds=guidance_embeds,
+    )
 
     def write(tmp: Path) -> None:
-        write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **model_kwargs)
+        write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
 
     return _build_once(path, write)

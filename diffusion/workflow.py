@@ -17,10 +17,10 @@ driver with the backend's handles (sampling and VAE decoding happen on the engin
 
 from __future__ import annotations
 
-import inspect
 import json
 import warnings
 from pathlib import Path
+from typing import Annotated
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -28,10 +28,10 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.registry import POLICIES, WORKFLOWS, nearest
+from polyrl.core.registry import POLICIES, WORKFLOWS
 from polyrl.core.workflow import Context
-from polyrl.diffusion.engine import Trajectories
-from polyrl.diffusion.policy import DiffusionPolicy, policy_args, sampling_config
+from polyrl.diffusion.engine import Trajectories, sampling_options
+from polyrl.diffusion.policy import DiffusionPolicy, policy_options
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
 
 RECORD_TENSORS = (
@@ -140,23 +140,10 @@ class TextToImage:
 
     @staticmethod
     def validate_config(cfg) -> None:
-        """Config-time checks (``Config.validate`` calls this before any model loads): the
-        workflow's args, and the sampling settings and options of every diffusion policy."""
+        """Config-time checks beyond the workflow's own options (``Config.validate`` calls
+        this before any model loads, after binding every part's options): the policy it
+        samples with, and the engine and kind options of every diffusion policy."""
         args = dict(cfg.rollout.args)
-        valid = [
-            p
-            for p in inspect.signature(TextToImage.__init__).parameters
-            if p not in ("self", "ctx")
-        ]
-        for key in args:
-            if key not in valid:
-                hint = nearest(key, valid)
-                raise ConfigError(
-                    f"unknown key 'rollout.args.{key}' for the text_to_image "
-                    "workflow"
-                    + (f"; did you mean 'rollout.args.{hint}'?" if hint else "")
-                    + f" Valid: {', '.join(valid)}."
-                )
         name = args.get("policy") or next(iter(cfg.policies), None)
         if name not in cfg.policies:
             raise ConfigError(
@@ -170,8 +157,8 @@ class TextToImage:
             )
         for pname, p in cfg.policies.items():
             if p.kind == "diffusion":
-                sampling_config(p, pname)
-                policy_args(p, pname)
+                sampling_options(p, pname)
+                policy_options(p, pname)
         if cfg.sft.steps:
             raise ConfigError(
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
@@ -186,11 +173,17 @@ class TextToImage:
     def __init__(
         self,
         ctx: Context,
-        policy: str | None = None,
+        policy: Annotated[
+            str | None, "the diffusion policy that samples (null: the first policy)"
+        ] = None,
         adv_clip: float = 5.0,
         global_std: bool = False,
-        grid_scale: int = 0,
-        save_grids: bool = True,
+        grid_scale: Annotated[
+            int, "evaluation grids: pixels per image pixel (0: enough for 64-pixel tiles)"
+        ] = 0,
+        save_grids: Annotated[
+            bool, "write an image grid at each evaluation (samples/, grid_before/after.png)"
+        ] = True,
     ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -209,7 +202,6 @@ class TextToImage:
         self.engine = ctx.engines[name]  # DiffusionEngine, or the Ray backend's handle on one
         if not (hasattr(self.engine, "sample") and hasattr(self.engine, "decode")):
             raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
-        self.sampling = sampling_config(self.cfg.policies[name], name)
         if self.cfg.sft.steps:
             raise ConfigError(
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
@@ -273,7 +265,8 @@ class TextToImage:
         if self.run_dir is None:
             return None
         run = Path(self.run_dir)
-        scale = self.grid_scale or max(1, 64 // max(1, self.sampling.height))
+        height = next((im.size[1] for im in images if im is not None), 64)
+        scale = self.grid_scale or max(1, 64 // max(1, height))
         grid = image_grid(images, cols=n, scale=scale)
         rollouts = int(self.engine.state_dict()["rollouts"])  # the engine may be remote
         out = run / "samples" / f"eval_rollout_{rollouts:06d}.png"

@@ -40,11 +40,11 @@ def one_thread():
 @pytest.fixture
 def make_policy(tiny_sd3_dir, one_thread):
     """make_policy(engine_args..., lora=0, need_reference=False, model=tiny SD3,
-    max_sequence_length=1) -> (policy, engine)."""
+    max_sequence_length=1) -> (policy, engine built with those engine options)."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import from_dict
     from polyrl.core.policy import PolicyConfig
-    from polyrl.diffusion.engine import DiffusionEngine
+    from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.policy import DiffusionPolicy
 
     def make(
@@ -73,7 +73,7 @@ def make_policy(tiny_sd3_dir, one_thread):
         policy = DiffusionPolicy(
             "main", cfg, total_steps=10, need_reference=need_reference, device="cpu"
         )
-        return policy, DiffusionEngine(policy, seed=seed)
+        return policy, DiffusionEngine(policy, seed=seed, **sampling_options(cfg))
 
     return make
 

@@ -20,7 +20,8 @@ def test_recipe_loads_and_validates_without_models(name, monkeypatch):
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
     from polyrl.diffusion import models
-    from polyrl.diffusion.policy import policy_args, sampling_config
+    from polyrl.diffusion.engine import sampling_options
+    from polyrl.diffusion.policy import policy_options
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded while validating a recipe")
@@ -33,8 +34,8 @@ def test_recipe_loads_and_validates_without_models(name, monkeypatch):
     main = cfg.policies["main"]
     assert main.kind == "diffusion" and main.model == model and main.lora.r > 0
     assert main.dtype == "bfloat16"
-    sampling = sampling_config(main, "main")
-    policy_args(main, "main")
+    sampling = sampling_options(main, "main")
+    policy_options(main, "main")
     assert sampling.sampler == "flow_sde" and sampling.steps >= 2
     assert cfg.rollout.workflow == "text_to_image" and cfg.algorithm.credit == "per_prompt"
     assert [t.name for t in cfg.reward.terms] == [reward]

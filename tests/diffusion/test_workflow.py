@@ -94,12 +94,15 @@ def test_nan_row_is_left_out_and_the_rest_trains(diffusion_config):
 
 BAD_SETTINGS = [
     ("policies.main.engine.args.sampler=flow_sdee", "did you mean 'flow_sde'"),
-    ("policies.main.engine.args.samplr=cps", "did you mean 'policies.main.engine.args.sampler'"),
+    ("policies.main.engine.args.samplr=cps", "did you mean policies.main.engine.args.sampler"),
     ("policies.main.engine.args.sampler=ode", "without noise"),
-    ("policies.main.engine.name=hf", "engine.name"),
+    ("policies.main.engine.name=hf", "engine 'hf' has no option 'height'"),
     ("policies.main.engine.args.train_steps.mode=windw", "did you mean 'window'"),
-    ("policies.main.args.text_encoder=false", "did you mean 'policies.main.args.text_encoder_3'"),
-    ("rollout.args.adv_clp=3", "did you mean 'rollout.args.adv_clip'"),
+    ("policies.main.args.text_encoder=false", "did you mean policies.main.args.text_encoder_3"),
+    ("policies.main.args.max_sequence_length=0", "max_sequence_length must be in"),
+    ("policies.main.engine.args.steps=1", "steps must be >= 2"),
+    ("rollout.args.grid_scal=2", "did you mean rollout.args.grid_scale"),
+    ("rollout.args.adv_clp=3", "did you mean rollout.args.adv_clip"),
     ("sft.steps=3", "sft.steps"),
 ]
 
@@ -116,13 +119,18 @@ def test_bad_settings_fail_at_config_time(diffusion_config, override, match, mon
         diffusion_config(override)  # load(Config, ...) itself
 
 
+def test_a_diffusion_policy_needs_the_diffusion_engine(diffusion_config):
+    with pytest.raises(ConfigError, match="set engine.name: diffusion"):
+        diffusion_config("policies.main.engine.name=hf", "policies.main.engine.args={}")
+
+
 def test_sampler_settings_are_checked_again_before_models_load(diffusion_config, monkeypatch):
     """A config built in code (not through load) still fails before any model loads."""
     from polyrl.core.session import Session
     from polyrl.diffusion import models
 
     cfg = diffusion_config()
-    cfg.policies["main"].engine.args["sampler"] = "cpss"
+    cfg.policies["main"].engine.args.sampler = "cpss"
     monkeypatch.setattr(models.SD3Family, "__init__", lambda *a, **k: 1 / 0)
     with pytest.raises(ConfigError, match="did you mean 'cps'"):
         Session.open(cfg)
