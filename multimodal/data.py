@@ -44,22 +44,9 @@ a row with images and no marker gets its images put before the prompt text
 (``missing_placeholders: prepend``, counted as ``placeholders_added``) or fails
 (``missing_placeholders: error``).
 
-``data.args`` (all optional):
-
-- ``image_field`` (``images``): row field holding the image(s)
-- ``image_root`` (data file's directory): where relative image paths are read from
-- ``min_pixels`` / ``max_pixels`` (the processor's): resize limits per image
-- ``max_source_pixels`` (64M): larger source images are an error, not a memory blow-up
-- ``placeholder`` (``<image>``): the image marker in prompt text
-- ``missing_placeholders`` (``prepend``): ``prepend`` or ``error``
-- ``bad_images`` (``error``): ``error`` or ``skip`` (drop rows whose images or frames are
-  missing, unreadable or too large at load time, counted as ``skipped_bad_image``)
-- ``video_field`` (``videos``): row field holding the videos (lists of frames)
-- ``video_placeholder`` (``<video>``): the video marker in prompt text
-- ``video_min_pixels`` / ``video_max_pixels`` (the image limits): resize limits per frame
-- ``max_frames`` (no cap): frames kept per video, evenly spaced
-- ``video_fps`` (2.0): frame rate of the given frames, unless the row's ``video_fps_field``
-  (``video_fps``) says otherwise
+Its options (``data.args``, also ``eval.data.args`` and ``sft.data.args``) are
+:class:`VLDataOptions`: where images and videos are, their resize limits, the markers, and
+what to do with bad images.
 """
 
 from __future__ import annotations
@@ -72,9 +59,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from polyrl.core.config import ConfigError, doc
 from polyrl.core.data import DataConfig, DataError, PromptItem, load_rows
+from polyrl.core.options import Options, bind
 from polyrl.core.registry import DATASETS
 from polyrl.multimodal.images import (
     DEFAULT_MAX_SOURCE_PIXELS,
@@ -93,64 +82,58 @@ DEFAULT_VIDEO_FPS = 2.0  # qwen_vl_utils' sample_fps for videos given as frame l
 
 
 @dataclass
-class VLDataOptions:
-    """``data.args`` of the ``vl`` dataset kind (see the module docstring)."""
+class VLDataOptions(Options):
+    """``data.args`` of the ``vl`` dataset kind."""
 
-    image_field: str = "images"
-    image_root: str | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS
-    placeholder: str = "<image>"
-    missing_placeholders: str = "prepend"
-    bad_images: str = "error"
-    video_field: str = "videos"
-    video_placeholder: str = "<video>"
-    video_min_pixels: int | None = None
-    video_max_pixels: int | None = None
-    max_frames: int | None = None
-    video_fps: float = DEFAULT_VIDEO_FPS
-    video_fps_field: str = "video_fps"
+    image_field: str = doc("images", "row field holding the image(s): one value or a list")
+    image_root: str | None = doc(
+        None, "where relative image paths are read from (null: the data file's directory)"
+    )
+    min_pixels: int | None = doc(None, "least pixels per resized image (null: the processor's)")
+    max_pixels: int | None = doc(None, "most pixels per resized image (null: the processor's)")
+    max_source_pixels: int = doc(
+        DEFAULT_MAX_SOURCE_PIXELS,
+        "a larger source image is an error, not a memory blow-up (downscale it offline)",
+    )
+    placeholder: str = doc("<image>", "the image marker in prompt text")
+    missing_placeholders: Literal["prepend", "error"] = doc(
+        "prepend",
+        "a row with images and no marker: prepend (images before the text, counted as "
+        "placeholders_added) or error",
+    )
+    bad_images: Literal["error", "skip"] = doc(
+        "error",
+        "a missing, unreadable or too large image or frame: error, or skip (drop the row "
+        "at load, counted as skipped_bad_image)",
+    )
+    video_field: str = doc("videos", "row field holding the videos, each a list of frames")
+    video_placeholder: str = doc("<video>", "the video marker in prompt text")
+    video_min_pixels: int | None = doc(None, "least pixels per resized frame (null: min_pixels)")
+    video_max_pixels: int | None = doc(None, "most pixels per resized frame (null: max_pixels)")
+    max_frames: int | None = doc(
+        None, "frames kept per video, evenly spaced, first and last included (null: all)"
+    )
+    video_fps: float = doc(
+        DEFAULT_VIDEO_FPS, "frame rate of the given frames, unless the row's video_fps_field says"
+    )
+    video_fps_field: str = doc("video_fps", "row field with a row's frame rate(s)")
 
-    @classmethod
-    def parse(cls, args: dict, where: str) -> VLDataOptions:
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in args:
-            if key not in names:
-                hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                raise DataError(
-                    f"{where}: unknown option {key!r} of the vl dataset kind"
-                    + (f"; did you mean {hint[0]!r}?" if hint else "")
-                    + f" Valid: {', '.join(names)}."
-                )
-        opts = cls(**args)
-        if opts.missing_placeholders not in ("prepend", "error"):
-            raise DataError(
-                f"{where}: missing_placeholders must be 'prepend' or 'error', not "
-                f"{opts.missing_placeholders!r}"
+    def __post_init__(self) -> None:
+        def bad(key: str, need: str) -> ConfigError:
+            return ConfigError(
+                f"data.args.{key}={getattr(self, key)!r} (vl dataset kind): must be {need}"
             )
-        if opts.bad_images not in ("error", "skip"):
-            raise DataError(
-                f"{where}: bad_images must be 'error' or 'skip', not {opts.bad_images!r}"
-            )
-        if not opts.placeholder:
-            raise DataError(f"{where}: placeholder must be a non-empty string")
-        if not opts.video_placeholder or opts.video_placeholder == opts.placeholder:
-            raise DataError(
-                f"{where}: video_placeholder must be a non-empty string other than "
-                f"placeholder ({opts.placeholder!r}), not {opts.video_placeholder!r}"
-            )
-        if opts.max_frames is not None and (
-            isinstance(opts.max_frames, bool)
-            or not isinstance(opts.max_frames, int)
-            or opts.max_frames < 1
-        ):
-            raise DataError(
-                f"{where}: max_frames must be a positive integer or null, not {opts.max_frames!r}"
-            )
-        if not _positive(opts.video_fps):
-            raise DataError(f"{where}: video_fps must be a positive number, not {opts.video_fps!r}")
-        return opts
+
+        if not self.placeholder:
+            raise bad("placeholder", "a non-empty string")
+        if not self.video_placeholder or self.video_placeholder == self.placeholder:
+            raise bad("video_placeholder", f"a non-empty string other than {self.placeholder!r}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise bad("max_frames", "a positive integer or null")
+        if not _positive(self.video_fps):
+            raise bad("video_fps", "a positive number")
+        if self.max_source_pixels < 1:
+            raise bad("max_source_pixels", "a positive integer")
 
 
 def _positive(value: Any) -> bool:
@@ -413,7 +396,10 @@ class VLDataset:
         if cfg.max_prompt_tokens <= 0:
             raise DataError(f"data.max_prompt_tokens must be positive, not {cfg.max_prompt_tokens}")
         self.cfg, self.name = cfg, name
-        self.opts = VLDataOptions.parse(dict(cfg.args), f"{name} data.args")
+        # typed by the recipe; bound here too for a config built in code
+        self.opts = bind(
+            VLDataOptions, cfg.args, f"{name} data.args", "<config>", "dataset kind 'vl'"
+        )
         self.processor = processor_of(tokenizer)
         self.tokenizer = self.processor.tokenizer
         self.rule = resize_rule(self.processor, self.opts)
@@ -859,4 +845,4 @@ class VLDataset:
         return iter(self.items)
 
 
-DATASETS.register("vl", VLDataset)
+DATASETS.register("vl", VLDataset, options=VLDataOptions)

@@ -12,6 +12,7 @@ follows the prompt.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
@@ -32,6 +33,19 @@ class VLEngine(HFEngine):
 
     # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
     remote_methods = ("generate_vl",)
+
+    def __init__(
+        self,
+        policy,
+        *,
+        batch_size: Annotated[
+            int, "sampled rows per forward pass: each chunk holds batch_size // n prompts"
+        ] = 256,
+        seed: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"hf_vl engine: batch_size must be >= 1, got {batch_size}")
+        super().__init__(policy, batch_size=batch_size, seed=seed)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

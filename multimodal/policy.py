@@ -11,19 +11,12 @@ dummy patch with weight zero (safe under FSDP). Under ``distributed.backend: ray
 shards the vision blocks and decoder layers with FSDP2, with :class:`ResponseScorer` (the
 module whose forward runs the pass) as the root unit.
 
-``policies.<name>.args`` (all optional):
-
-- ``freeze_vision`` (false): the vision tower (and its merger) takes no gradient
-- ``lora_vision`` (false): with ``lora.r > 0``, put adapters on the vision tower too; by
-  default LoRA adapts only the language model
-- ``attn_implementation`` (transformers' default): e.g. ``sdpa``, ``eager``,
-  ``flash_attention_2``
+Its options (``policies.<name>.args``) are :class:`QwenVLOptions`: ``freeze_vision``,
+``lora_vision``, ``attn_implementation``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +25,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.config import doc
+from polyrl.core.options import Options, bind
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
@@ -43,23 +38,19 @@ VISION_LORA_TARGETS = ("qkv", "proj")  # attention projections of the Qwen-VL vi
 
 
 @dataclass
-class VLPolicyOptions:
-    freeze_vision: bool = False
-    lora_vision: bool = False
-    attn_implementation: str | None = None
+class QwenVLOptions(Options):
+    """``policies.<name>.args`` of the ``qwen_vl`` policy kind."""
 
-    @classmethod
-    def parse(cls, args: dict, where: str) -> VLPolicyOptions:
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in args:
-            if key not in names:
-                hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                raise ValueError(
-                    f"{where}: unknown option {key!r} of the qwen_vl policy kind"
-                    + (f"; did you mean {hint[0]!r}?" if hint else "")
-                    + f" Valid: {', '.join(names)}."
-                )
-        return cls(**args)
+    freeze_vision: bool = doc(False, "the vision tower (and its merger) takes no gradient")
+    lora_vision: bool = doc(
+        False,
+        "with lora.r > 0, adapters on the vision tower's attention too (default: the "
+        "language model only)",
+    )
+    attn_implementation: str | None = doc(
+        None,
+        "transformers' attention kernel, e.g. sdpa, eager, flash_attention_2 (null: its default)",
+    )
 
 
 def lora_target_regex(names: list[str], with_vision: bool) -> str:
@@ -122,7 +113,10 @@ class QwenVLPolicy(CausalLMPolicy):
         from transformers import AutoModelForImageTextToText
 
         self.name, self.cfg, self.device = name, cfg, torch.device(device)
-        self.options = VLPolicyOptions.parse(dict(cfg.args), f"policies.{name}.args")
+        # typed by the recipe; bound here too for a config built in code
+        self.options = bind(
+            QwenVLOptions, cfg.args, f"policies.{name}.args", "<config>", "policy kind 'qwen_vl'"
+        )
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
         self.processor = self.tokenizer.polyrl_processor
@@ -235,4 +229,4 @@ class QwenVLPolicy(CausalLMPolicy):
         return out
 
 
-POLICIES.register("qwen_vl", QwenVLPolicy)
+POLICIES.register("qwen_vl", QwenVLPolicy, options=QwenVLOptions)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 from PIL import Image, ImageDraw
 
@@ -75,7 +76,12 @@ SYSTEM_WORDS = (
 
 
 def _check(
-    question: str, size: int, box_convention: str, sft_targets: str, outline: int = 0
+    question: str,
+    size: int,
+    box_convention: str,
+    sft_targets: str,
+    outline: int = 0,
+    shape_size: tuple[float, float] = (0.3, 0.5),
 ) -> None:
     if question not in (*QUESTIONS, "mixed"):
         raise ValueError(f"question must be one of {QUESTIONS} or 'mixed', got {question!r}")
@@ -89,6 +95,8 @@ def _check(
         raise ValueError(f"sft_targets must be 'format' or 'answers', got {sft_targets!r}")
     if outline < 0:
         raise ValueError(f"outline must be >= 0 pixels (0: a filled square), got {outline}")
+    if len(shape_size) != 2 or not 0 < shape_size[0] <= shape_size[1] < 1:
+        raise ValueError(f"shape_size must be (min, max) with 0 < min <= max < 1, got {shape_size}")
 
 
 def _place(
@@ -260,7 +268,7 @@ def make_rows(
     outline: int = 0,
 ) -> list[dict]:
     """Draw ``n`` examples, write their PNGs under ``out_dir/images/<split>/`` and return rows."""
-    _check(question, size, box_convention, sft_targets, outline)
+    _check(question, size, box_convention, sft_targets, outline, tuple(shape_size))
     rng = random.Random(f"vl_shapes/{split}/{seed}")
     image_dir = Path(out_dir) / "images" / split
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -293,14 +301,51 @@ def make_rows(
 
 
 def write_dataset(
-    out_dir: str | Path, n_train: int = 2000, n_eval: int = 200, seed: int = 0, **kw
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    n_train: Annotated[int, "training images"] = 2000,
+    n_eval: Annotated[int, "held-out images (drawn from another seed)"] = 200,
+    question: Annotated[
+        Literal["colour", "count", "ground", "mixed"],
+        "colour (of the square), count (circles), ground (box of the square), or mixed",
+    ] = "colour",
+    size: Annotated[int, "image side in pixels, a multiple of 28"] = 56,
+    distractors: Annotated[int, "other shapes per image"] = 1,
+    max_count: Annotated[int, "count: most circles per image"] = 4,
+    box_convention: Annotated[
+        Literal["qwen2.5", "qwen2", "qwen3"],
+        "box answers: qwen2.5 (absolute pixels) or qwen2 / qwen3 (a 0-1000 grid)",
+    ] = "qwen2.5",
+    sft_targets: Annotated[
+        Literal["format", "answers"],
+        "warm-start targets: format (random valid answers) or answers (the true ones)",
+    ] = "format",
+    shape_size: Annotated[
+        tuple[float, float], "side of the asked-about shape, (min, max) fraction of size"
+    ] = (0.3, 0.5),
+    cells: Annotated[
+        int, "> 0: the square sits in one cell of a cells x cells grid (0: anywhere)"
+    ] = 0,
+    background: Annotated[
+        Literal["plain", "gradient"], "plain, or a gradient that shows position by colour"
+    ] = "plain",
+    outline: Annotated[int, "> 0: the square as an outline this many pixels wide"] = 0,
 ) -> tuple[Path, Path]:
-    """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``.
-
-    ``kw``: question (colour, count, ground or mixed), size, distractors, max_count,
-    box_convention, sft_targets, shape_size, cells, background, outline (see
-    :func:`make_example`).
-    """
+    """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir`` (options: see
+    :func:`make_example`)."""
+    kw = dict(
+        question=question,
+        size=size,
+        distractors=distractors,
+        max_count=max_count,
+        box_convention=box_convention,
+        sft_targets=sft_targets,
+        shape_size=tuple(shape_size),
+        cells=cells,
+        background=background,
+        outline=outline,
+    )
     out = Path(out_dir).expanduser()
     train = make_rows(n_train, seed, out, "train", **kw)
     evals = make_rows(n_eval, seed + 10_000, out, "eval", **kw)

@@ -23,13 +23,17 @@ Configuration rules a tiny Qwen-VL must keep (a wrong one fails deep inside the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from polyrl.core.config import doc
+from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
 from polyrl.core.tiny import build_tokenizer
 
@@ -271,23 +275,48 @@ def _built_family(path: Path) -> str | None:
     return json.loads((path / "config.json").read_text()).get("model_type")
 
 
-@MODELS.register("tiny_qwen_vl")
-def tiny_qwen_vl(
-    path: str | Path,
-    *,
-    family: str = "qwen2_5_vl",
-    corpus: str = "vl_shapes",
-    vocab_size: int = 320,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 112 * 112,
-    seed: int = 0,
-    **model_kwargs: Any,
-) -> Path:
+@dataclass
+class TinyVLOptions(Options):
+    """``build_args`` of ``tiny_qwen2_vl``, ``tiny_qwen2_5_vl`` and ``tiny_qwen3_vl``."""
+
+    corpus: str = doc("vl_shapes", "task whose corpus() trains the tokenizer")
+    vocab_size: int = doc(320, "BPE vocabulary size (the vision tokens come on top)")
+    min_pixels: int = doc(56 * 56, "the processor's least pixels per resized image")
+    max_pixels: int = doc(112 * 112, "the processor's most pixels per resized image")
+    seed: int = doc(0, "initialisation seed")
+    hidden_size: int = doc(64, "language model width (the vision tower's output width too)")
+    num_layers: int = doc(2, "decoder layers")
+    num_heads: int = doc(1, "attention heads (hidden_size must divide by it)")
+    intermediate_size: int = doc(128, "language model MLP width")
+    vision_depth: int = doc(1, "vision tower blocks")
+    vision_hidden_size: int = doc(32, "vision tower width")
+    vision_heads: int = doc(1, "vision tower attention heads")
+    vision_intermediate_size: int = doc(64, "vision tower MLP width")
+    max_position_embeddings: int = doc(512, "longest sequence")
+    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
+
+
+@dataclass
+class TinyQwenVLOptions(TinyVLOptions):
+    """``build_args`` of ``tiny_qwen_vl``: a tiny model of any of the three families."""
+
+    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = doc(
+        "qwen2_5_vl", "Qwen-VL family: qwen2_vl, qwen2_5_vl or qwen3_vl"
+    )
+
+
+_PROCESSOR_OPTIONS = ("corpus", "vocab_size", "min_pixels", "max_pixels")
+
+
+@MODELS.register("tiny_qwen_vl", options=TinyQwenVLOptions)
+def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", **options: Any) -> Path:
     """Build a tiny Qwen-VL of ``family`` + its processor at ``path`` (once), its tokenizer
-    trained on the texts of task ``corpus``. Written to a temp dir and renamed into place, so
-    a crash or a concurrent builder never leaves half a model; a complete model of another
-    family at ``path`` is an error, not silently reused."""
+    trained on the texts of task ``corpus``; ``options`` are :class:`TinyVLOptions`. Written
+    to a temp dir and renamed into place, so a crash or a concurrent builder never leaves
+    half a model; a complete model of another family at ``path`` is an error, not silently
+    reused."""
     _check_family(family)
+    o = TinyVLOptions(**options)
     path = Path(path).expanduser()
     if is_complete(path):
         built = _built_family(path)
@@ -299,13 +328,18 @@ def tiny_qwen_vl(
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
     processor = build_processor(
-        TASKS.get(corpus).corpus(),
-        vocab_size=vocab_size,
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
+        TASKS.get(o.corpus).corpus(),
+        vocab_size=o.vocab_size,
+        min_pixels=o.min_pixels,
+        max_pixels=o.max_pixels,
         family=family,
     )
-    model = build_tiny_vl(processor, family=family, seed=seed, **model_kwargs)
+    model_kwargs = {
+        f.name: getattr(o, f.name)
+        for f in dataclasses.fields(o)
+        if f.name not in _PROCESSOR_OPTIONS
+    }
+    model = build_tiny_vl(processor, family=family, **model_kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -321,19 +355,19 @@ def tiny_qwen_vl(
     return path
 
 
-@MODELS.register("tiny_qwen2_vl")
-def tiny_qwen2_vl(path: str | Path, **kwargs: Any) -> Path:
+@MODELS.register("tiny_qwen2_vl", options=TinyVLOptions)
+def tiny_qwen2_vl(path: str | Path, **options: Any) -> Path:
     """A tiny Qwen2-VL (patch 14, no window attention); see :func:`tiny_qwen_vl`."""
-    return tiny_qwen_vl(path, family="qwen2_vl", **kwargs)
+    return tiny_qwen_vl(path, family="qwen2_vl", **options)
 
 
-@MODELS.register("tiny_qwen2_5_vl")
-def tiny_qwen2_5_vl(path: str | Path, **kwargs: Any) -> Path:
+@MODELS.register("tiny_qwen2_5_vl", options=TinyVLOptions)
+def tiny_qwen2_5_vl(path: str | Path, **options: Any) -> Path:
     """A tiny Qwen2.5-VL (patch 14, window attention); see :func:`tiny_qwen_vl`."""
-    return tiny_qwen_vl(path, family="qwen2_5_vl", **kwargs)
+    return tiny_qwen_vl(path, family="qwen2_5_vl", **options)
 
 
-@MODELS.register("tiny_qwen3_vl")
-def tiny_qwen3_vl(path: str | Path, **kwargs: Any) -> Path:
+@MODELS.register("tiny_qwen3_vl", options=TinyVLOptions)
+def tiny_qwen3_vl(path: str | Path, **options: Any) -> Path:
     """A tiny Qwen3-VL (patch 16, deepstack, interleaved M-RoPE); see :func:`tiny_qwen_vl`."""
-    return tiny_qwen_vl(path, family="qwen3_vl", **kwargs)
+    return tiny_qwen_vl(path, family="qwen3_vl", **options)

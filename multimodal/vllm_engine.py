@@ -34,7 +34,7 @@ Importing this module does not import vllm (the engine does, when it is built).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from polyrl.core.engine import Completion, SamplingParams
 from polyrl.core.registry import ENGINES
@@ -89,12 +89,50 @@ class VLLMVLEngine(VLLMEngine):
     needs_images = True  # generate_vl takes the resized images (the workflow passes them)
     remote_methods = ("generate_vl",)  # forwarded to the Ray engine actor
 
-    def __init__(self, policy, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        policy,
+        *,
+        seed: int = 0,
+        max_model_len: Annotated[
+            int | None, "longest prompt + response vLLM plans for (null: the model's)"
+        ] = None,
+        kv_cache_gb: Annotated[
+            float | None, "KV cache size in GiB (null: 1 on CPU; on GPU from the utilisation)"
+        ] = None,
+        gpu_memory_utilization: Annotated[float, "share of the GPU's memory vLLM may take"] = 0.5,
+        enable_sleep_mode: Annotated[
+            bool, "free vLLM's GPU memory between rollouts (GPU only)"
+        ] = False,
+        sleep_level: Annotated[int, "1: keep weights in CPU memory; 2: drop them"] = 1,
+        dtype: Annotated[
+            str | None, "vLLM's dtype (null: bfloat16 for a bfloat16 policy on GPU, else float32)"
+        ] = None,
+        mm_processor_kwargs: Annotated[
+            dict[str, Any] | None,
+            "options of vLLM's multimodal processor (do_resize is always false: images "
+            "arrive resized)",
+        ] = None,
+        llm_args: Annotated[
+            dict[str, Any] | None, "further keyword arguments of vllm.LLM (e.g. enforce_eager)"
+        ] = None,
+    ) -> None:
         p = parts(policy.model)
         self.image_token_id, self.merge_size = p.image_token_id, p.merge_size
         # The images arrive resized (vision.process): keep vLLM from resizing them again.
-        mm_kwargs = {**kwargs.pop("mm_processor_kwargs", {}), "do_resize": False}
-        super().__init__(policy, mm_processor_kwargs=mm_kwargs, **kwargs)
+        mm_kwargs = {**(mm_processor_kwargs or {}), "do_resize": False}
+        super().__init__(
+            policy,
+            seed=seed,
+            max_model_len=max_model_len,
+            kv_cache_gb=kv_cache_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            sleep_level=sleep_level,
+            dtype=dtype,
+            mm_processor_kwargs=mm_kwargs,
+            **(llm_args or {}),
+        )
 
     def generate_vl(
         self,

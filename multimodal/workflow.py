@@ -20,6 +20,7 @@ in the run directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from tensordict import TensorDict
 
@@ -35,7 +36,13 @@ SHEET_PROMPTS = 32  # prompts drawn per evaluation sheet
 
 
 class VLSingleTurn:
-    def __init__(self, ctx: Context, policy: str | None = None) -> None:
+    """One VL policy answers each image prompt ``n`` times; registered as ``vl_single_turn``."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        policy: Annotated[str | None, "the answering policy (null: the first)"] = None,
+    ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
             raise KeyError(f"vl_single_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
@@ -59,7 +66,7 @@ class VLSingleTurn:
         from polyrl.core.config import ConfigError
         from polyrl.core.registry import ENGINES
 
-        name = cfg.rollout.args.get("policy") or next(iter(cfg.policies))
+        name = cfg.rollout.args.policy or next(iter(cfg.policies))
         if name not in cfg.policies:
             raise ConfigError(
                 f"rollout.args.policy={name!r} is not one of the recipe's "

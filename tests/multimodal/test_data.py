@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from polyrl.core.config import ConfigError
 from polyrl.core.data import DataConfig, DataError
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import VLDataset
@@ -338,8 +339,14 @@ def test_chat_messages_with_image_parts(tmp_path, policy):
 
 def test_bad_options_and_fields_are_named(tmp_path, policy):
     rows = [{"prompt": "<image>x", "images": [save(tmp_path, "a.png")], "answer": "red"}]
-    with pytest.raises(DataError, match="did you mean 'max_pixels'"):
+    with pytest.raises(ConfigError, match=r"train data.args.max_pixel .*did you mean .*max_pixels"):
         load(tmp_path, policy, rows, max_pixel=100)
+    with pytest.raises(
+        ConfigError, match=r"bad_images='drop' .* is not one of \['error', 'skip'\]"
+    ):
+        load(tmp_path, policy, rows, bad_images="drop")
+    with pytest.raises(ConfigError, match="min_pixels .* must be an integer"):
+        load(tmp_path, policy, rows, min_pixels="many")
     cfg = DataConfig(kind="vl", path=write_rows(tmp_path, rows), answer_field="anwser", args=ARGS)
     with pytest.raises(DataError, match="Did you mean 'answer'"):
         VLDataset(cfg, policy.tokenizer)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from polyrl.core.config import ConfigError
 from polyrl.core.data import DataConfig, DataError
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import pad_left, strings
@@ -292,7 +293,7 @@ def test_bad_videos_are_named(make_policy, tmp_path):
     fps = [{"prompt": "<video>?", "videos": [frames(2)], "video_fps": [1, 2], "answer": "x"}]
     with pytest.raises(DataError, match=r"row 0: field 'video_fps'"):
         _load(policy, fps)
-    with pytest.raises(DataError, match="max_frames must be a positive integer"):
+    with pytest.raises(ConfigError, match="max_frames=0 .*must be a positive integer"):
         _load(policy, empty, max_frames=0)
     # a missing frame file, from a JSONL file: named by line, video, frame and path
     (tmp_path / "f").mkdir()
