@@ -115,7 +115,10 @@ def _exposed_paths(python_paths: list) -> list:
 def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
     """Private mounts: hide user/project directories, expose Python read-only; returns workdir."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_mb}m,mode=1777")
+    # noexec: nothing the code writes can be executed or mapped executable (no dropped
+    # binaries, no extension modules loaded from the working directory)
+    noexec = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    _mount("tmpfs", "/tmp", "tmpfs", noexec, f"size={work_mb}m,mode=1777")
     stage = "/tmp/.stage"
     os.mkdir(stage, 0o700)
     exposed = _exposed_paths(python_paths)
@@ -126,7 +129,7 @@ def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
     for h in _to_hide():
         if h == "/tmp":
             continue
-        _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+        _mount("tmpfs", h, "tmpfs", noexec, "size=1m,mode=755")
         hidden.append(h)
     for k, p in enumerate(exposed):
         under = [h for h in hidden + ["/tmp"] if p.startswith(h + "/")]
@@ -141,7 +144,9 @@ def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
     os.rmdir(stage)
     work = "/tmp/work"
     os.mkdir(work, 0o700)
-    layers.append("mount-namespace(hidden: " + " ".join(hidden) + "; private tmpfs workdir)")
+    layers.append(
+        "mount-namespace(hidden: " + " ".join(hidden) + "; private tmpfs workdir, noexec)"
+    )
     return work
 
 

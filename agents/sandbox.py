@@ -30,7 +30,9 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    which every top-level directory but the system ones (``/usr``, ``/lib``, ``/etc``,
    ``/proc``, ``/dev``, ...) is replaced by an empty tmpfs mount (homes, ``/tmp``, the
    project wherever it lives), the Python installation is mounted back read-only,
-   and the working directory is a fresh, size-limited tmpfs that vanishes with the run.
+   and the working directory is a fresh, size-limited tmpfs that vanishes with the run,
+   mounted ``noexec``: a binary, script or extension module the code writes there cannot
+   be executed or loaded (and ``vm.memfd_noexec`` keeps memory files from standing in).
 4. **A throwaway uid** (as root): the worker drops to a random unused uid with no
    groups and ``no_new_privs``. It owns no file, so it can write nothing outside the
    working directory and read nothing that is not world-readable; it cannot signal the
@@ -56,6 +58,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -264,6 +267,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+# The OS refused an operation: EPERM, EACCES, EROFS, or the loader's refusal to map a library
+# from a noexec mount (the errno text of that one is lost in dlopen's message).
+_OS_REFUSAL = re.compile(
+    r"^\w*(Error|Exception): (\[Errno (1|13|30)\] |.*failed to map segment from shared object)"
+)
+
+
 def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
     if rep["killed"]:
         return rep["killed"]
@@ -282,8 +292,12 @@ def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     if last.startswith("MemoryError"):
         return "memory"
-    if last.startswith("PermissionError: sandbox:") or (
-        last.startswith(("PermissionError", "OSError", "ConnectionError")) and "sandbox" in last
+    if (
+        last.startswith("PermissionError: sandbox:")
+        or (
+            last.startswith(("PermissionError", "OSError", "ConnectionError")) and "sandbox" in last
+        )
+        or _OS_REFUSAL.match(last)
     ):
         return "blocked"
     if r.signal is not None:

@@ -327,3 +327,104 @@ def test_proc_lists_only_the_sandboxs_own_processes(caps, audit):
     assert "python" in cmds[0] and "-I" in cmds[0]
     assert not any("pytest" in c for c in cmds)  # no host command line
     assert any(layer.startswith("own /proc") for layer in r.layers)
+
+
+def an_extension_module() -> str:
+    """The file of a C extension module of the standard library (a real ELF .so)."""
+    import importlib
+
+    for name in ("_json", "_csv", "_bisect", "_struct", "math"):
+        path = getattr(importlib.import_module(name), "__file__", None)
+        if path and path.endswith(".so"):
+            return path
+    pytest.skip("no standard-library extension module is a separate .so here")
+
+
+# Copies an extension module into the working directory under a new name and imports it
+# (no audit event covers that), then tries to execute a copied binary and a script.
+LOAD_AND_EXEC = """
+import importlib.util, os, shutil
+data = open({so!r}, "rb").read()
+open("mine.so", "wb").write(data)
+spec = importlib.util.spec_from_file_location({name!r}, "mine.so")
+try:
+    importlib.util.module_from_spec(spec)
+    print("imported")
+except ImportError as e:
+    print("import refused:", e)
+for path, body in (("mytrue", open("/bin/true", "rb").read()), ("script", b"#!/bin/sh\\n")):
+    open(path, "wb").write(body)
+    os.chmod(path, 0o755)
+    try:
+        os.execv(path, [path])
+    except OSError as e:
+        print("exec refused:", e.errno)
+"""
+
+
+def test_code_written_to_the_workdir_cannot_be_loaded_or_executed(caps, tmp_path):
+    if not (caps["mount_namespace"] and os_layers(caps)):
+        pytest.skip("needs the private noexec working directory")
+    so = an_extension_module()
+    name = os.path.basename(so).split(".")[0]
+    # the same file loads fine from an ordinary directory: the refusal is the mount's
+    import importlib.util
+    import shutil
+
+    copy = tmp_path / "mine.so"
+    shutil.copy(so, copy)
+    assert importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, copy))
+    r = box(audit=False).run(LOAD_AND_EXEC.format(so=so, name=name))
+    assert r.ok, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("import refused:") and "failed to map segment" in lines[0]
+    assert lines[1:] == ["exec refused: 13", "exec refused: 13"]  # EACCES, twice
+    assert any("noexec" in layer for layer in r.layers)
+    # with the hook on, the import is refused the same way and reported as blocked
+    r = box().run(
+        "import importlib.util\n"
+        f"open('mine.so', 'wb').write(open({so!r}, 'rb').read())\n"
+        f"importlib.util.module_from_spec(importlib.util.spec_from_file_location({name!r}, 'mine.so'))"
+    )
+    assert_contained(r, "blocked")
+
+
+MEMFD_EXEC = """
+import os
+fd = os.memfd_create("payload")
+os.write(fd, open("/bin/true", "rb").read())
+try:
+    os.fchmod(fd, 0o755)
+    os.execv(f"/proc/self/fd/{fd}", ["payload"])
+except OSError as e:
+    print("refused:", e.errno)
+"""
+
+
+def test_memory_files_cannot_be_executed_either(caps):
+    r = box(audit=False).run("print(1)")
+    if not any(layer.startswith("memfd_noexec") for layer in r.layers):
+        pytest.skip("vm.memfd_noexec needs Linux 6.3+ and a PID namespace")
+    r = box(audit=False).run(MEMFD_EXEC)
+    assert r.stdout.startswith("refused:"), (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "open('/etc/polyrl-was-here', 'w')",  # EACCES: the throwaway uid owns nothing there
+        "import os\nos.setuid(0)",  # EPERM
+        "import os\nopen(os.__file__, 'a')",  # the Python installation: read-only mount
+    ],
+    ids=["write-etc", "setuid", "write-python"],
+)
+def test_refusals_by_the_os_are_reported_as_blocked(caps, code):
+    """With the hook off, what stops the code is the OS: still "blocked", not "exception"."""
+    if not os_layers(caps):
+        pytest.skip("needs the throwaway uid")
+    assert_contained(box(audit=False).run(code), "blocked")
+
+
+def test_an_error_the_code_raises_itself_is_an_exception():
+    r = box().run("raise PermissionError('my own rule')")
+    assert_contained(r, "exception")
