@@ -32,6 +32,7 @@ class Backend(Protocol):
         *,
         temperature: float,
         generator: torch.Generator,
+        correction: str | None = None,
     ) -> dict[str, float]: ...
 
     def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
@@ -60,8 +61,10 @@ class LocalBackend:
     def make_engine(self, name, policy, cfg, *, seed):
         return ENGINES.get(cfg.engine.name)(policy, seed=seed, **cfg.engine.args)
 
-    def update(self, policy, batch, algo, *, temperature, generator):
-        return trainer.update(policy, batch, algo, temperature=temperature, generator=generator)
+    def update(self, policy, batch, algo, *, temperature, generator, correction=None):
+        return trainer.update(
+            policy, batch, algo, temperature=temperature, generator=generator, correction=correction
+        )
 
     def sft_update(self, policy, batch):
         return trainer.sft_update(policy, batch)

@@ -149,6 +149,8 @@ class HFEngine:
         self.tokenizer = policy.tokenizer
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
+    exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
+
     def sync(self) -> None:  # same module as the trainer's
         return None
 

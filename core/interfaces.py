@@ -147,6 +147,15 @@ class RemoteMethods(Protocol):
 
 
 @runtime_checkable
+class ExactLogprobs(Protocol):
+    """An engine whose log-probs are the trainer's own computation (the same module in
+    the same dtype, e.g. the HF engine): ``algorithm.rollout_correction.level: auto``
+    leaves its rows uncorrected when it is also not stale."""
+
+    exact_logprobs: bool
+
+
+@runtime_checkable
 class NeedsImages(Protocol):
     """An engine class whose prompts carry images; its rows ship images to the actor."""
 

@@ -15,14 +15,14 @@ from polyrl.core.session import Session
 def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
-    run, sampler, workflow = s.run, s.sampler, s.workflow
+    run, rollouts = s.run, s.rollouts
     first = s.evaluate("eval") if s.step == 0 else {}
     run.log(s.step, first)
     with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar:
         bar.update(s.step, first)
         for step in range(s.step + 1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            record = workflow.rollout(sampler.next_batch(), s.ctx.sampling())
+            record, own = rollouts.next(step)  # made now, or by a producer k versions ahead
             metrics = s.score(record)
             metrics |= assign(record, cfg.algorithm)
             metrics |= s.learn(record)  # a workflow's own learned parts (a critic), if any
@@ -30,8 +30,8 @@ def train(cfg: Config) -> RunDir:
             for name in s.trained:
                 upd = s.update(name, select_policy(valid, name))
                 metrics |= {f"{name}/{k}": v for k, v in upd.items()}
-                s.engines[name].sync()
-            metrics |= s.rollout_stats(record) | {"time/step_s": time.perf_counter() - t0}
+                rollouts.publish(name, step)  # its engine gets the new weights
+            metrics |= s.rollout_stats(record, own) | {"time/step_s": time.perf_counter() - t0}
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics |= s.evaluate("eval", step)
             if step % cfg.run.log_every == 0 or step == cfg.train.steps:

@@ -423,9 +423,11 @@ class RayBackend:
                 self.reward_actors.append(actor)
         return runners
 
-    def update(self, policy, batch, algo, *, temperature, generator):
+    def update(self, policy, batch, algo, *, temperature, generator, correction=None):
         ref = require_ray().put(batch)
-        results = policy.group.call("update", ref, algo, temperature, generator.get_state())
+        results = policy.group.call(
+            "update", ref, algo, temperature, generator.get_state(), correction
+        )
         generator.set_state(results[0][1])  # the same stream as local mode
         return _reduce([r[0] for r in results], policy.group.world)
 

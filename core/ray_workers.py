@@ -253,7 +253,12 @@ class PolicyWorker:
         _rebind_optimizer(self.policy, names)
 
     def update(
-        self, batch: TensorDict, algo: Any, temperature: float, gen_state: torch.Tensor
+        self,
+        batch: TensorDict,
+        algo: Any,
+        temperature: float,
+        gen_state: torch.Tensor,
+        correction: str | None = None,
     ) -> tuple[dict[str, float], torch.Tensor]:
         from polyrl.core import trainer
 
@@ -266,6 +271,7 @@ class PolicyWorker:
             temperature=temperature,
             generator=gen,
             dp=(self.rank, self.world),
+            correction=correction,
         )
         return out, gen.get_state()
 

@@ -66,6 +66,13 @@ class RolloutConfig:
     temperature: float = doc(1.0, "sampling temperature (also used for training log-probs)")
     top_p: float = doc(1.0, "nucleus sampling")
     stop: list[str] = doc([], "extra stop strings")
+    max_staleness: int = doc(
+        0,
+        "0: synchronous (each rollout uses the newest weights). k >= 1: the engines "
+        "generate the next batches in the background on their own copy of the weights "
+        "while the trainer updates; batch b uses the weights after update b-1-k (local "
+        "backend). See polyrl.core.rollouts",
+    )
 
 
 @dataclass
@@ -156,6 +163,12 @@ class Config:
                     f"train.policies names unknown policy {name!r}"
                     + (f"; did you mean {hint!r}?" if hint else "")
                 )
+        if self.rollout.max_staleness and self.distributed.backend != "local":
+            raise ConfigError(
+                f"rollout.max_staleness={self.rollout.max_staleness} runs on the local "
+                f"backend only for now; distributed.backend is {self.distributed.backend!r} "
+                "(set max_staleness: 0, or distributed.backend: local)"
+            )
         WORKFLOWS.check(self.rollout.workflow)
         # A workflow may check its own rollout.args (agents, policies it names) before any
         # model loads.
@@ -183,6 +196,7 @@ class Config:
             ("train.steps", self.train.steps, self.train.steps >= 0, ">= 0"),
             ("rollout.n", r.n, r.n >= 1, ">= 1"),
             ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
+            ("rollout.max_staleness", r.max_staleness, r.max_staleness >= 0, ">= 0"),
             ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
             (
                 "rollout.temperature",

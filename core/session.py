@@ -25,15 +25,16 @@ from polyrl.core import rewards
 from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.data import DataConfig, PromptSampler, load_rows, write_jsonl
 from polyrl.core.interfaces import (
+    ExactLogprobs,
     HasSFTRows,
     Learns,
-    ReportsRollout,
     Stateful,
     WritesTranscriptKeys,
 )
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
+from polyrl.core.rollouts import Ahead, InStep, shadow
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
 
@@ -101,6 +102,8 @@ class Session:
     history: dict[str, list] = field(default_factory=dict)
     reward_runners: dict = field(default_factory=dict)  # terms scored on their own actors
     sources: DataSources | None = None  # the data configs read (task paths filled in)
+    rollouts: Any = None  # where each step's batch comes from (polyrl.core.rollouts)
+    correction: str = "off"  # the rollout-correction level in force for this run's engines
 
     @classmethod
     def open(cls, cfg: Config, *, record: bool = True) -> Session:
@@ -146,8 +149,11 @@ class Session:
             )
             for name, p in cfg.policies.items()
         }
+        k = cfg.rollout.max_staleness
+        # async: the engines generate on their own copy of each trained policy's weights
+        shadows = {n: shadow(policies[n]) for n in cfg.trained_policies()} if k else {}
         engines = {
-            name: backend.make_engine(name, policies[name], p, seed=cfg.seed + i)
+            name: backend.make_engine(name, shadows.get(name, policies[name]), p, seed=cfg.seed + i)
             for i, (name, p) in enumerate(cfg.policies.items())
         }
         sampler = PromptSampler(
@@ -172,6 +178,9 @@ class Session:
             reward_runners=backend.reward_runners(cfg.reward),
             sources=sources,
         )
+        s.rollouts = Ahead(s, k, shadows) if k else InStep(s)
+        exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
+        s.correction = cfg.algorithm.rollout_correction.resolved(exact, k)
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
         latest = run.load_latest() if cfg.run.resume else None
@@ -201,7 +210,7 @@ class Session:
             sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
             with policy.sft_optimizer(cfg.sft.lr):
                 self._sft(name, policy, sampler)
-            self.engines[name].sync()
+            self.rollouts.publish(name, 0)  # the warmed-up weights are version 0
 
     def _sft(self, name: str, policy: Any, sampler: PromptSampler) -> None:
         tok = policy.tokenizer
@@ -234,6 +243,7 @@ class Session:
             self.cfg.algorithm,
             temperature=self.cfg.rollout.temperature,
             generator=self.gen,
+            correction=self.correction,
         )
 
     def learn(self, record: TensorDict) -> dict[str, float]:
@@ -252,15 +262,15 @@ class Session:
         if not self.eval_items:
             return {}
         cfg = self.cfg
-        saved = {
-            n: e.state_dict() for n, e in self.engines.items()
-        }  # eval never moves training RNG
         params = self.ctx.sampling(
             n=cfg.eval.n, temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens
         )
-        record = self.workflow.rollout(self.eval_items, params)
-        for n, e in self.engines.items():
-            e.load_state_dict(saved[n])
+        # async: the newest weights, the producer paused; eval never moves training RNG
+        with self.rollouts.exclusive():
+            saved = {n: e.state_dict() for n, e in self.engines.items()}
+            record = self.workflow.rollout(self.eval_items, params)
+            for n, e in self.engines.items():
+                e.load_state_dict(saved[n])
         metrics = self.score(record)
         term = cfg.eval.accuracy_term or cfg.reward.terms[0].name
         values = record.get(f"reward_terms/{term}")
@@ -277,10 +287,10 @@ class Session:
         return out
 
     # --- logging helpers ----------------------------------------------------------------
-    def rollout_stats(self, record: TensorDict) -> dict[str, float]:
-        """The record's lengths and validity, plus what the workflow reports of its rollout."""
+    def rollout_stats(self, record: TensorDict, own: dict[str, float]) -> dict[str, float]:
+        """The record's lengths and validity, plus what the workflow reported of its rollout
+        (``own``, taken when the record was made: an async producer may be further on)."""
         lengths = record["response_mask"].sum(-1).float()
-        own = self.workflow.rollout_metrics() if isinstance(self.workflow, ReportsRollout) else {}
         return {
             "rollout/response_len": float(lengths.mean()),
             "rollout/truncated_frac": float(record["truncated"].float().mean()),
@@ -331,6 +341,8 @@ class Session:
             state[f"policy_{name}"] = p.state_dict()
         if isinstance(self.workflow, Stateful):  # e.g. a critic the workflow trains
             state["workflow"] = self.workflow.state_dict()
+        if ahead := self.rollouts.state_dict(step):  # async: resume before the batches in flight
+            state["rollouts"] = ahead
         self.run.save(step, state, keep=self.cfg.run.keep_checkpoints)
 
     def restore(self, step: int, state: dict[str, Any]) -> None:
@@ -351,11 +363,19 @@ class Session:
             self.workflow.load_state_dict(state["workflow"])
         set_rng_state(t["rng"])
         self.gen.set_state(t["gen"])
+        if isinstance(self.rollouts, Ahead):
+            if "rollouts" not in state:
+                raise ValueError(
+                    f"checkpoint of step {step} was written with rollout.max_staleness: 0; "
+                    f"resume it with max_staleness 0, not {self.cfg.rollout.max_staleness}"
+                )
+            self.rollouts.load_state_dict(state["rollouts"], step)
         self.step = step
 
     def finish(self, final: dict[str, float]) -> None:
         from polyrl.core.plot import plot_run
 
+        self.rollouts.close()
         if self.cfg.run.export:
             for name, p in self.policies.items():
                 p.export(self.run.path / "export" / name)

@@ -350,12 +350,16 @@ def spawned():
 
 
 @pytest.mark.slow
-def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness):
+    """Also with async rollouts (max_staleness 2): the batches in flight at the kill are
+    made again from the checkpoint, identically."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(model=tiny_model_dir, steps=STEPS, reward=LOW_DIGIT))
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
-    run_a = _spawn(recipe, tmp_path, f"run.dir={dir_a}")  # uninterrupted, alongside B
-    run_b = _spawn(recipe, tmp_path, f"run.dir={dir_b}")
+    k = f"rollout.max_staleness={staleness}"
+    run_a = _spawn(recipe, tmp_path, f"run.dir={dir_a}", k)  # uninterrupted, alongside B
+    run_b = _spawn(recipe, tmp_path, f"run.dir={dir_b}", k)
     spawned += [run_a, run_b]
     killed_after = None
     deadline = time.monotonic() + 240
@@ -384,12 +388,12 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned):
     )
 
     # a fresh start into B's directory is refused; --resume continues it
-    refused = _spawn(recipe, tmp_path, f"run.dir={dir_b}")
+    refused = _spawn(recipe, tmp_path, f"run.dir={dir_b}", k)
     spawned.append(refused)
     assert refused.wait(timeout=120) != 0
     refused.log.close()
     assert "already has checkpoints" in Path(refused.log.name).read_text()
-    spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b)))
+    spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b), k))
     _finish(resume)
     _finish(run_a)
 

@@ -1,0 +1,234 @@
+"""Where each step's rollout comes from: generated in the step, or by a producer ahead.
+
+``rollout.max_staleness: 0`` (:class:`InStep`) is the synchronous loop: the batch of step
+``s`` is generated with the weights after update ``s - 1``, and each update is synced
+into the engine before the next rollout.
+
+``max_staleness: k >= 1`` (:class:`Ahead`, local backend) overlaps the two. The engines
+run on their own copy of each trained policy's weights (a *shadow*), in a background
+thread that generates batch ``b`` with the weights of version ``max(0, b - 1 - k)``
+(version ``v`` = the weights after update ``v``) while the trainer updates. The schedule
+is fixed, not timing-dependent: every batch is generated with exactly the same weights,
+RNG state and data whichever side is slower, so a run is reproducible and resumable, and
+in steady state each batch is exactly ``k`` versions old. The producer waits for the
+version it needs, so it is never more than ``k + 1`` batches ahead.
+
+Each row records ``policy_version [B]`` (the weights version its tokens were sampled
+with). At update time a group (a prompt's rows) with a row more than ``k`` versions old
+is dropped whole and counted; with this schedule none is, and the check guards every
+source of rows alike.
+
+Resume: a checkpoint at step ``s`` holds the data position and engine RNG as they were
+before batch ``s + 1`` was generated, and the weights of versions ``s - k .. s - 1`` that
+batches ``s + 1 .. s + k`` need. Batches in flight when a run is killed are discarded and
+generated again from that state, identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.interfaces import ReportsRollout
+from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
+
+
+def _own_metrics(workflow: Any) -> dict[str, float]:
+    return dict(workflow.rollout_metrics()) if isinstance(workflow, ReportsRollout) else {}
+
+
+class InStep:
+    """max_staleness 0: generate in the step, sync each update before the next rollout."""
+
+    def __init__(self, session: Any) -> None:
+        self.s = session
+
+    def next(self, step: int) -> tuple[TensorDict, dict[str, float]]:
+        s = self.s
+        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+        return record, _own_metrics(s.workflow)
+
+    def publish(self, name: str, step: int) -> None:
+        self.s.engines[name].sync()
+
+    def exclusive(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def shadow(policy: Any) -> Any:
+    """A copy of ``policy`` for an engine: same object, its own (frozen) model weights."""
+    twin = copy.copy(policy)
+    twin.model = copy.deepcopy(policy.model)
+    twin.model.requires_grad_(False)
+    twin.model.train(False)
+    return twin
+
+
+def _trainable(policy: Any) -> dict[str, torch.Tensor]:
+    """The weights an update can change (the rest never moves from the shadow's copy)."""
+    return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+
+
+class Ahead:
+    """max_staleness k >= 1: a background producer generates batch b with version b-1-k."""
+
+    def __init__(self, session: Any, k: int, shadows: dict[str, Any]) -> None:
+        self.s, self.k, self.shadows = session, k, shadows
+        self.snapshots = {n: {0: _trainable(session.policies[n])} for n in shadows}
+        self.published = 0  # the newest version every trained policy has published
+        self._pending: dict[int, set[str]] = {}
+        self.loaded: dict[str, int | None] = dict.fromkeys(shadows, 0)
+        self.cond = threading.Condition()
+        self.engine_lock = threading.Lock()  # the engines serve one caller at a time
+        self.out: queue.Queue = queue.Queue()
+        self.first = 1  # the first batch the producer makes
+        self.prestates: dict[int, dict[str, Any]] = {}
+        self.thread: threading.Thread | None = None
+        self.stop = False
+        self.dropped_groups = 0
+
+    # --- producer -----------------------------------------------------------------------
+    def _load(self, version: int) -> None:
+        """Put weights ``version`` into every shadow and sync its engine."""
+        for name, twin in self.shadows.items():
+            if self.loaded[name] == version:
+                continue
+            with self.cond:
+                snap = self.snapshots[name][version]
+            params = dict(twin.model.named_parameters())
+            with torch.no_grad():
+                for key, value in snap.items():
+                    params[key].copy_(value)
+            self.s.engines[name].sync()
+            self.loaded[name] = version
+
+    def _capture(self) -> dict[str, Any]:
+        s = self.s
+        return copy.deepcopy(
+            {
+                "sampler": s.sampler.state_dict(),
+                "engines": {n: e.state_dict() for n, e in s.engines.items()},
+            }
+        )
+
+    def _produce(self) -> None:
+        s = self.s
+        try:
+            for b in range(self.first, s.cfg.train.steps + 1):
+                need = max(0, b - 1 - self.k)
+                with self.cond:
+                    self.cond.wait_for(lambda n=need: self.published >= n or self.stop)
+                    if self.stop:
+                        return
+                with self.engine_lock:
+                    self._load(need)
+                    self.prestates[b] = self._capture()
+                    record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+                    own = _own_metrics(s.workflow)
+                record["policy_version"] = torch.full((record.batch_size[0],), need)
+                self.out.put((b, record, own))
+        except BaseException as e:  # surfaces in the trainer's next()
+            self.out.put((None, e, None))
+
+    # --- trainer side -------------------------------------------------------------------
+    def next(self, step: int) -> tuple[TensorDict, dict[str, float]]:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._produce, name="polyrl-rollouts")
+            self.thread.daemon = True
+            self.thread.start()
+        b, record, own = self.out.get()
+        if b is None:
+            raise record
+        if b != step:
+            raise RuntimeError(f"rollout producer made batch {b} for step {step}")
+        with self.cond:
+            for old in [v for v in self.prestates if v <= step]:
+                del self.prestates[old]
+        return record, own | self._drop_stale(record, step)
+
+    def _drop_stale(self, record: TensorDict, step: int) -> dict[str, float]:
+        """Rows more than k versions behind the weights they update invalidate their group."""
+        age = (step - 1) - record["policy_version"]
+        groups = group_ids(record, GROUP_KEYS[:1])  # a prompt's rows
+        stale_groups = torch.unique(groups[age > self.k])
+        rows = torch.isin(groups, stale_groups).nonzero().flatten().tolist()
+        if rows:
+            mark_invalid(record, rows, ["stale: more than max_staleness versions old"] * len(rows))
+        self.dropped_groups += len(stale_groups)
+        hist = {f"async/staleness_{a}": float((age == a).sum()) for a in range(self.k + 1)}
+        return hist | {
+            "async/staleness_mean": float(age.float().mean()) if age.numel() else 0.0,
+            "async/staleness_max": float(age.max()) if age.numel() else 0.0,
+            "async/dropped_groups": float(len(stale_groups)),
+            "async/dropped_groups_total": float(self.dropped_groups),
+        }
+
+    def publish(self, name: str, step: int) -> None:
+        """Update ``step`` of policy ``name`` is done: its weights become version ``step``."""
+        if name not in self.shadows:
+            return
+        with self.cond:
+            self.snapshots[name][step] = _trainable(self.s.policies[name])
+            if step == 0:  # a warm start replaced version 0: the shadow must reload it
+                self.loaded[name] = None
+            waiting = self._pending.setdefault(step, set(self.shadows))
+            waiting.discard(name)
+            if not waiting:
+                del self._pending[step]
+                self.published = step
+                for snaps in self.snapshots.values():  # later batches need >= step - k
+                    for v in [v for v in snaps if v < step - self.k]:
+                        del snaps[v]
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engines with the newest weights, the producer paused (evaluation)."""
+        with self.engine_lock:
+            self._load(self.published)
+            yield
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """What resuming at ``step`` needs: the state before batch step+1, and the older
+        weights batches step+1 .. step+k are generated with."""
+        with self.engine_lock, self.cond:
+            pre = self.prestates.get(step + 1)
+            if pre is None:  # not started: the producer holds no state past step
+                pre = self._capture()
+            versions = range(max(0, step - self.k), step)
+            snaps = {n: {v: s[v] for v in versions} for n, s in self.snapshots.items()}
+        return {"before_next": pre, "snapshots": snaps}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        s = self.s
+        s.sampler.load_state_dict(state["before_next"]["sampler"])
+        for n, e in s.engines.items():
+            e.load_state_dict(state["before_next"]["engines"][n])
+        for name in self.shadows:
+            self.snapshots[name] = dict(state["snapshots"][name])
+            self.snapshots[name][step] = _trainable(s.policies[name])
+        self.loaded = dict.fromkeys(self.shadows)
+        self.published, self.first = step, step + 1
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        if self.thread is not None:
+            self.thread.join()
