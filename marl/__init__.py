@@ -8,6 +8,14 @@ vLLM serving every adapter) and the ``signaling`` task. A recipe
 may add a centralized critic (``rollout.args.critic``, :mod:`polyrl.marl.critic`): a value
 head over the joint transcript that replaces group baselines with ``R - V(joint state)``.
 
+Modules: :mod:`~polyrl.marl.api` (the agent API workflows are written in),
+:mod:`~polyrl.marl.runtime` (``@workflow``, its spec and the workflow bound to a run),
+:mod:`~polyrl.marl.batching` (one generate per policy per round), :mod:`~polyrl.marl.record`
+(episodes -> record), :mod:`~polyrl.marl.config` (typed options), :mod:`~polyrl.marl.credit`
+(``magrpo``), :mod:`~polyrl.marl.critic`, :mod:`~polyrl.marl.lora`,
+:mod:`~polyrl.marl.vllm_lora`, :mod:`~polyrl.marl.workflows` (the built-ins) and
+:mod:`~polyrl.marl.signaling` (the demo task). See ``marl/README.md``.
+
 Write your own workflow as an async function over the agent API::
 
     from polyrl.marl import workflow
@@ -21,17 +29,10 @@ Write your own workflow as an async function over the agent API::
 """
 
 from polyrl.marl import credit, critic, lora, signaling, vllm_lora, workflows
+from polyrl.marl.api import AgentHandle, Episode, Joint, Message, Team
 from polyrl.marl.config import AgentSpec, CriticOptions, MarlOptions
-from polyrl.marl.runtime import (
-    JOINT_POLICY,
-    AgentHandle,
-    Episode,
-    Joint,
-    MarlWorkflow,
-    Message,
-    Team,
-    workflow,
-)
+from polyrl.marl.record import JOINT_POLICY
+from polyrl.marl.runtime import MarlWorkflow, WorkflowSpec, workflow
 
 __all__ = [
     "JOINT_POLICY",
@@ -44,6 +45,7 @@ __all__ = [
     "MarlWorkflow",
     "Message",
     "Team",
+    "WorkflowSpec",
     "credit",
     "critic",
     "lora",

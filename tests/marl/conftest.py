@@ -11,7 +11,7 @@ import torch
 
 def _build(joints: list, agents: list, shuffle: int | None = None):
     from polyrl.core.record import concat, text_record
-    from polyrl.marl.runtime import JOINT_POLICY
+    from polyrl.marl.record import JOINT_POLICY
 
     jr = text_record(
         prompt_ids=[[] for _ in joints],

@@ -1,0 +1,182 @@
+"""From played episodes to one rollout record.
+
+Each completion of an ``act()`` is one row: the agent's policy, agent id, prompt ids, the
+exact sampled ids with the engine's log-probs, a loss mask over the response, and group
+keys (prompt uid, agent id, turn, node). Each joint action declared with ``ep.joint`` is
+one more row (policy ``"<joint>"``, never trained) whose response is the joint's final
+output and whose prompt is the readable transcript: the recipe's reward terms score these
+rows, once per joint action. Agent rows enter the record *pending* (not valid, no error)
+so rewards skip them; the ``magrpo`` credit turns joint rewards into per-agent values and
+advantages and makes them valid. An episode that raises has its error written on all its
+rows, which leave the update and are counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.record import mark_invalid, text_record
+from polyrl.marl.api import AgentInfo, Episode, Joint
+from polyrl.marl.critic import joint_state
+
+JOINT_POLICY = "<joint>"  # the policy column of joint-action rows: no policy trains them
+RESERVED_POLICY_NAMES = (JOINT_POLICY,)
+
+
+def _transcript(joint: Joint) -> tuple[list[dict], str]:
+    turns, lines = [], []
+    for node in joint.path():
+        for m in node.messages:
+            turns.append(
+                {"turn": node.turn, "agent": m.agent, "observation": m.observation, "text": m.text}
+            )
+            obs = m.observation.replace("\n", " / ")
+            lines.append(f"[t{node.turn} {m.agent}] {obs} -> {m.text.strip()}")
+    return turns, "\n".join(lines)
+
+
+def build_record(
+    episodes: list[Episode],
+    agents: dict[str, AgentInfo],
+    ids: Iterable[int],
+    *,
+    critic: bool = False,
+) -> TensorDict:
+    """One text record: joint-action rows first (for readable samples), then agent rows.
+
+    A joint-action row (policy ``JOINT_POLICY``, ``agent_id`` -1, ``joint_id`` its id)
+    carries in ``meta`` the structure the ``magrpo`` credit reads:
+
+    - ``joint``: its id; ``parent``: the previous turn's joint id (0: a root), so returns
+      flow up the episode tree; ``turn``: its depth;
+    - ``episode``: the episode's index in the batch (counterfactuals compare joint actions
+      of one episode only); ``scored``: false for a turn declared ``score=False``, whose
+      reward counts as 0;
+
+    and, for reading and for rewards: ``final`` (the scored text, also its response),
+    ``transcript`` (every message on the path from the root, with turn, agent and
+    observation), ``answer`` and ``row`` (the dataset row), ``info`` / ``episode_info``
+    (what the workflow attached) and ``episode_error``.
+
+    An agent row carries ``agent`` (its name), ``episode`` and ``joints`` (the ids of the
+    joint actions its message is in: its value comes from their returns); with a critic
+    (``critic=True``) also ``critic_state``, the joint-state text the critic values.
+
+    Padding uses id 0 for every policy: pads sit under the masks, and 0 exists in every
+    vocabulary (one record, no per-policy concatenation).
+    """
+    cols: dict[str, list] = defaultdict(list)
+    errors: list[tuple[int, str]] = []
+    pending: list[int] = []
+
+    def add(**row: Any) -> int:
+        for k, v in row.items():
+            cols[k].append(v)
+        return len(cols["uid"]) - 1
+
+    for ep in episodes:
+        joints = ep.joints or ([Joint(next(ids), 0, None, [], "", {}, True)] if ep.error else [])
+        for j in joints:
+            turns, text = _transcript(j)
+            k = add(
+                prompt_ids=[],
+                response_ids=[],
+                logprobs=[],
+                loss_mask=[],
+                policy=JOINT_POLICY,
+                uid=ep.uid,
+                agent_id=-1,
+                turn=j.turn,
+                node=j.parent.id if (j.parent is not None and ep.tree) else 0,
+                joint_id=j.id,
+                prompt_text=text,
+                response_text=j.final,
+                truncated=False,
+                meta={
+                    "answer": ep.answer,
+                    "row": ep.row,
+                    "final": j.final,
+                    "transcript": turns,
+                    "joint": j.id,
+                    "parent": j.parent.id if j.parent is not None else 0,
+                    "turn": j.turn,
+                    "episode": ep.index,
+                    "scored": j.score,
+                    "info": j.info,
+                    "episode_info": ep.info,
+                    "episode_error": bool(ep.error),
+                },
+            )
+            if ep.error:
+                errors.append((k, ep.error))
+            elif not j.score:
+                pending.append(k)
+    agent_rows = []
+    for ep in episodes:
+        by_id = {j.id: j for j in ep.joints}
+        for m in ep.messages:
+            info = agents[m.agent]
+            extra = {}
+            if critic and m.joints:
+                above = by_id[m.joints[0]].parent
+                lines = _transcript(above)[1].split("\n") if above is not None else []
+                extra["critic_state"] = joint_state(str(ep.task), lines, max(m.turn, 0), m.agent)
+            k = add(
+                prompt_ids=m.prompt_ids,
+                response_ids=m.token_ids,
+                logprobs=m.logprobs,
+                loss_mask=[1 if info.train else 0] * len(m.token_ids),
+                policy=info.policy,
+                uid=ep.uid,
+                agent_id=info.agent_id,
+                turn=max(m.turn, 0),
+                node=m.node,
+                joint_id=-1,
+                prompt_text=m.prompt_text,
+                response_text=m.text,
+                truncated=m.finish_reason == "length",
+                meta={
+                    "answer": ep.answer,
+                    "agent": m.agent,
+                    "episode": ep.index,
+                    "joints": list(m.joints),
+                    **extra,
+                },
+            )
+            agent_rows.append(k)
+            err = ep.error or (
+                "" if m.joints else f"agent {m.agent!r}: message is in no joint action (ep.joint)"
+            )
+            if err:
+                errors.append((k, err))
+            else:
+                pending.append(k)  # the credit validates rows whose joints were scored
+    if not cols["uid"]:
+        raise RuntimeError("the workflow produced no rows")
+    rec = text_record(
+        prompt_ids=cols["prompt_ids"],
+        response_ids=cols["response_ids"],
+        rollout_logprobs=cols["logprobs"],
+        policy=cols["policy"],
+        uid=cols["uid"],
+        pad_id=0,
+        loss_mask=cols["loss_mask"],
+        agent_id=cols["agent_id"],
+        turn=cols["turn"],
+        node=cols["node"],
+        prompt_text=cols["prompt_text"],
+        response_text=cols["response_text"],
+        meta=cols["meta"],
+        truncated=cols["truncated"],
+    )
+    rec["joint_id"] = torch.tensor(cols["joint_id"], dtype=torch.long)
+    if pending:
+        rec["valid"][torch.tensor(pending)] = False
+    if errors:
+        mark_invalid(rec, [k for k, _ in errors], [e for _, e in errors])
+    return rec
