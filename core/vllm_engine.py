@@ -49,6 +49,7 @@ counted as start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -63,7 +64,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from polyrl.core.config import doc
 from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import ensure_model
 
@@ -113,6 +116,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         sleep_level: int = 1,
         dtype: str | None = None,
+        llm_args: dict[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         # vLLM's engine core in this process (read when an LLM starts; see the module notes).
@@ -156,7 +160,8 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
             if kv_cache_gb:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        kwargs.update(llm_kwargs)
+        kwargs.update(llm_kwargs)  # what an engine built on this one sets (LoRA, images)
+        kwargs.update(llm_args or {})
 
         t0 = time.perf_counter()
         with _GlobalRNG():
@@ -304,4 +309,21 @@ class VLLMEngine:
         return result
 
 
-ENGINES.register("vllm", VLLMEngine)
+@dataclasses.dataclass
+class VLLMOptions(Options):
+    """Options of the vllm engine (``policies.<name>.engine.args``)."""
+
+    max_model_len: int | None = doc(None, "prompt + response token limit; null: the model's")
+    kv_cache_gb: float | None = doc(
+        None, "KV-cache size in GiB (CPU: default 1; GPU: overrides gpu_memory_utilization)"
+    )
+    gpu_memory_utilization: float = doc(0.5, "GPU: share of device memory vLLM may take")
+    enable_sleep_mode: bool = doc(
+        False, "GPU: free the engine's memory while the trainer updates (sleep/wake)"
+    )
+    sleep_level: int = doc(1, "1: offload weights to CPU while asleep; 2: discard them")
+    dtype: str | None = doc(None, "weights dtype in vLLM (e.g. bfloat16); null: the policy's")
+    llm_args: dict = doc({}, "further keyword arguments of vllm.LLM, passed as given")
+
+
+ENGINES.register("vllm", VLLMEngine, options=VLLMOptions)
