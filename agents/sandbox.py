@@ -16,10 +16,13 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    a crash, ``sys.exit`` or ``os._exit`` ends the worker, not the trainer. Signals the
    code sends to "its parent" reach the supervisor (or nothing, see 3), never the trainer.
 2. **Resource limits** (``setrlimit`` in the worker): CPU seconds (``RLIMIT_CPU``: an
-   infinite loop is killed by SIGXCPU), address space (``RLIMIT_AS``: allocating 10 GB
+   infinite loop is killed at the limit), address space (``RLIMIT_AS``: allocating 10 GB
    raises MemoryError), file size, open files, no core dumps. Output is read by the
    supervisor and capped (printing 100 MB stops at the cap and the tree is killed); a
-   wall-time deadline kills sleepers and anything the CPU limit misses.
+   wall-time deadline kills sleepers and anything the CPU limit misses. Time the code
+   waited for a CPU on a loaded machine is added to the deadline (up to
+   ``load_grace_seconds``), so a busy loop ends on its CPU limit, not on wall time;
+   ``error`` and a note say which limit fired.
 3. **Namespaces** (``unshare``; as root, or through a user namespace where unprivileged
    ones are allowed): a *network* namespace with no interfaces (no socket can reach
    anything), an *IPC* namespace (System V shared memory, message queues and semaphores,
@@ -74,6 +77,9 @@ _HERE = Path(__file__).resolve().parent
 class SandboxLimits:
     cpu_seconds: float = 5.0  # CPU time of the code's process
     wall_seconds: float = 10.0  # wall time of the whole run
+    # most extra wall time granted for time the code waited for a CPU (a loaded machine),
+    # so that a busy loop ends on its CPU limit rather than on wall time
+    load_grace_seconds: float = 10.0
     memory_mb: int = 512  # address space of each process
     output_bytes: int = 16_384  # stdout + stderr kept; more kills the run
     max_processes: int = 16  # processes the throwaway uid may own (fork-bomb cap)
@@ -214,7 +220,8 @@ class Sandbox:
         )
         try:
             out, err = proc.communicate(
-                json.dumps(request).encode(), timeout=self.limits.wall_seconds + 30
+                json.dumps(request).encode(),
+                timeout=self.limits.wall_seconds + self.limits.load_grace_seconds + 30,
             )
         except subprocess.TimeoutExpired:
             _kill_group(proc)
@@ -259,6 +266,11 @@ class Sandbox:
             rep["started"],
         )
         result.error = _classify(rep, result, float(self.limits.cpu_seconds))
+        if result.error == "cpu_time":
+            result.notes.append(
+                f"stopped by the CPU-time limit (RLIMIT_CPU) after {result.cpu_seconds:.1f} s "
+                "of CPU"
+            )
         return result
 
 

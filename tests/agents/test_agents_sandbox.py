@@ -428,3 +428,37 @@ def test_refusals_by_the_os_are_reported_as_blocked(caps, code):
 def test_an_error_the_code_raises_itself_is_an_exception():
     r = box().run("raise PermissionError('my own rule')")
     assert_contained(r, "exception")
+
+
+def test_a_busy_loop_on_a_loaded_machine_ends_on_cpu_time():
+    """Issue 23: under load the wall clock fired before RLIMIT_CPU. Time spent waiting
+    for a CPU no longer counts against the wall-time limit."""
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("the kernel keeps no scheduler statistics")
+    import subprocess
+
+    load = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        limits = dict(cpu_seconds=1, wall_seconds=1.5, memory_mb=512)
+        # without the grace, the run gets well under 1 s of CPU in 1.5 s: wall time fires
+        # (which shows the machine is loaded) ...
+        r = Sandbox(SandboxLimits(**limits, load_grace_seconds=0)).run("while True:\n    pass")
+        assert_contained(r, "wall_time")
+        assert r.cpu_seconds < 1
+        assert any("wall-time limit after" in n for n in r.notes), r.notes
+        # ... with it, the CPU limit does, and says so
+        r = Sandbox(SandboxLimits(**limits, load_grace_seconds=60)).run("while True:\n    pass")
+        assert_contained(r, "cpu_time")
+        assert r.cpu_seconds >= 0.9
+        assert any("waiting for a CPU" in n for n in r.notes), r.notes
+        assert any("CPU-time limit (RLIMIT_CPU)" in n for n in r.notes), r.notes
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    # a sleeper does not wait for a CPU while it sleeps: the wall-time limit still fires
+    r = Sandbox(SandboxLimits(wall_seconds=1.0)).run("import time\ntime.sleep(60)")
+    assert_contained(r, "wall_time")
