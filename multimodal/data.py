@@ -7,26 +7,9 @@ file's directory), encoded bytes, ``datasets`` image values or PIL images. The p
 one ``<image>`` placeholder per image, where the image goes (multi-image prompts work);
 chat-message prompts may use ``{"type": "image"}`` parts instead.
 
-**Videos** are lists of frames: a row's ``data.args.video_field`` (``videos``) is a list of
-videos, each a list of frame references of the kinds images accept (video files are not
-decoded: extract frames offline), marked by ``<video>`` (or ``{"type": "video"}`` parts) with
-the same rules as images. All frames of a video must have one size (a different size is an
-error naming the row, video and frame: resizing some frames silently would distort what the
-model sees, and transformers' video processor needs one size per video). Frames are resized
-like images with ``video_min_pixels`` / ``video_max_pixels`` (default: the image limits).
-``max_frames`` caps the frames per video, keeping evenly spaced ones (first and last
-included; dropped frames counted as ``frames_dropped``); only kept frames are probed. Qwen's
-vision tower merges ``temporal_patch_size`` (2) frames per temporal step; an odd count is
-padded by the video processor repeating the last frame (as transformers does; counted
-``videos_padded``), so a video of F frames takes ``ceil(F/2)*h*w / merge^2`` tokens. The
-frame rate (``video_fps_field`` of the row: one number or one per video, else
-``video_fps``, 2.0 as in ``qwen_vl_utils``) times kept/total frames gives
-``second_per_grid_ts = temporal_patch_size / fps``, the M-RoPE temporal spacing of
-Qwen2.5-VL. Qwen3-VL instead reads time as text: each temporal step of a video is written
-``<{seconds:.1f} seconds><|vision_start|>`` + its tokens + ``<|vision_end|>`` (seconds: the
-mean time of the step's first and last frame, a kept frame's time being its source index /
-frame rate), exactly as transformers' processor does; those text tokens count towards the
-length filter.
+**Videos** are lists of frames (``data.args.video_field``, default ``videos``), marked by
+``<video>`` (or ``{"type": "video"}`` parts) with the same rules as images; how frames are
+capped, sized, timed and counted is in :mod:`polyrl.multimodal.video`.
 
 **Lazy.** Loading reads each image's header only (size and mode): nothing is decoded and
 no pixels are kept. Parquet and hub rows stay in the memory-mapped Arrow table, so the
@@ -51,7 +34,6 @@ what to do with bad images.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import re
@@ -73,12 +55,18 @@ from polyrl.multimodal.images import (
     make_ref,
     probe,
 )
+from polyrl.multimodal.video import (
+    DEFAULT_VIDEO_FPS,
+    load_videos,
+    positive,
+    token_expansions,
+    video_resize_rule,
+)
 from polyrl.multimodal.vision import VideoSpec, VisionSpec
 
 VISION_FIELD = "_vision"  # where a VL item's row keeps its VisionSpec (policies read it)
 QWEN_IMAGE_SEQUENCE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_VIDEO_SEQUENCE = "<|vision_start|><|video_pad|><|vision_end|>"
-DEFAULT_VIDEO_FPS = 2.0  # qwen_vl_utils' sample_fps for videos given as frame lists
 
 
 @dataclass
@@ -130,19 +118,10 @@ class VLDataOptions(Options):
             raise bad("video_placeholder", f"a non-empty string other than {self.placeholder!r}")
         if self.max_frames is not None and self.max_frames < 1:
             raise bad("max_frames", "a positive integer or null")
-        if not _positive(self.video_fps):
+        if not positive(self.video_fps):
             raise bad("video_fps", "a positive number")
         if self.max_source_pixels < 1:
             raise bad("max_source_pixels", "a positive integer")
-
-
-def _positive(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
 
 
 @dataclass
@@ -190,19 +169,6 @@ def resize_rule(processor: Any, opts: VLDataOptions) -> ResizeRule:
         )
     except ValueError as e:
         raise DataError(f"data.args: {e}") from None
-
-
-def video_resize_rule(rule: ResizeRule, opts: VLDataOptions) -> ResizeRule:
-    """The frames' resize rule: ``video_min_pixels`` / ``video_max_pixels``, each defaulting
-    to the image rule's limit (frames are resized like images, one size per video)."""
-    try:
-        return dataclasses.replace(
-            rule,
-            min_pixels=opts.video_min_pixels or rule.min_pixels,
-            max_pixels=opts.video_max_pixels or rule.max_pixels,
-        )
-    except ValueError as e:
-        raise DataError(f"data.args (video_min_pixels / video_max_pixels): {e}") from None
 
 
 # --------------------------------------------------------------------------- row sources
@@ -368,15 +334,6 @@ def _prepend_parts(messages: list[dict], k: int, kind: str = "image") -> None:
     target["content"] = [{"type": kind} for _ in range(k)] + target["content"]
 
 
-def _frame_indices(total: int, cap: int | None) -> list[int]:
-    """``cap`` frame indices spread evenly over ``total`` (first and last kept), or all."""
-    if cap is None or total <= cap:
-        return list(range(total))
-    if cap == 1:
-        return [0]
-    return [round(i * (total - 1) / (cap - 1)) for i in range(cap)]
-
-
 # --------------------------------------------------------------------------- dataset
 
 
@@ -405,7 +362,9 @@ class VLDataset:
         self.rule = resize_rule(self.processor, self.opts)
         self.image_token = getattr(self.processor, "image_token", "<|image_pad|>")
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_rule = video_resize_rule(self.rule, self.opts)
+        self.video_rule = video_resize_rule(
+            self.rule, self.opts.video_min_pixels, self.opts.video_max_pixels
+        )
         self.video_token = getattr(self.processor, "video_token", "<|video_pad|>")
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
         # Qwen3-VL's processor writes each video's frame times into the prompt
@@ -531,30 +490,16 @@ class VLDataset:
             )
 
     def _video_expansions(self, spec: VisionSpec | None) -> list[list[int]]:
-        """Each video placeholder token's replacement: its ``t*h*w/merge^2`` video tokens,
-        or for Qwen3-VL, per temporal step, ``<{seconds:.1f} seconds>`` as text then
-        ``<|vision_start|>``, that step's ``h*w/merge^2`` video tokens and ``<|vision_end|>``
-        (what transformers' Qwen3-VL processor writes in place of the token; the template's
-        own start/end pair stays around the whole video)."""
-        if spec is None:
-            return []
-        if not self.timestamps:
-            return [[self.video_token_id] * c for c in spec.video_token_counts()]
-        out = []
-        tokens = self.tokenizer.convert_tokens_to_ids
-        start, end = (
-            tokens(self.processor.vision_start_token),
-            tokens(self.processor.vision_end_token),
+        """Each video placeholder token's replacement (:func:`video.token_expansions`)."""
+        ids = self.tokenizer.convert_tokens_to_ids
+        return token_expansions(
+            spec,
+            video_token_id=self.video_token_id,
+            timestamps=self.timestamps,
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            vision_start_id=ids(self.processor.vision_start_token) if self.timestamps else None,
+            vision_end_id=ids(self.processor.vision_end_token) if self.timestamps else None,
         )
-        step = self.video_rule.temporal_patch_size
-        for video, count in zip(spec.videos, spec.video_token_counts(), strict=True):
-            times = video.group_times(step)
-            per_step, ids = count // len(times), []
-            for t in times:
-                ids += self.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False)
-                ids += [start] + [self.video_token_id] * per_step + [end]
-            out.append(ids)
-        return out
 
     def _row(self, row: Any, loc: str, uid: int, arrow: bool):
         cfg, opts = self.cfg, self.opts
@@ -731,76 +676,23 @@ class VLDataset:
             self._count_resize(self.rule, header.width, header.height)
         return refs, sizes
 
-    def _fps(self, row: dict, loc: str, n: int) -> list[float]:
-        """Frames per second of each of the row's ``n`` videos (row field, else the option)."""
-        field = self.opts.video_fps_field
-        raw = row.get(field)
-        if raw is None:
-            return [float(self.opts.video_fps)] * n
-        values = list(raw) if isinstance(raw, (list, tuple)) else [raw] * n
-        if len(values) != n or not all(_positive(v) for v in values):
-            raise DataError(
-                f"{loc}: field {field!r} is {raw!r:.80}; give one positive frame "
-                f"rate for all the row's videos, or a list of {n} (one per video)."
-            )
-        return [float(v) for v in values]
-
     def _videos(self, row: dict, loc: str, uid: int, arrow: bool) -> list[VideoSpec] | None:
-        """The row's videos: frame references (capped by ``max_frames``), one header size per
-        video, frame rates (None: skip the row)."""
+        """The row's videos (:func:`video.load_videos`; None: skip the row)."""
         opts, field = self.opts, self.opts.video_field
-        raw = row.get(field)
-        if raw is None:
-            return []
-        if not isinstance(raw, (list, tuple)) or any(not isinstance(v, (list, tuple)) for v in raw):
-            raise DataError(
-                f"{loc}: field {field!r} must be a list of videos, each a list of "
-                f"frames (paths, bytes or PIL images), not {raw!r:.80}; for one "
-                "video write [[frame0, frame1, ...]]. Video files are not decoded: "
-                "extract their frames offline."
-            )
-        fps = self._fps(row, loc, len(raw))
-        videos = []
-        for j, frames in enumerate(raw):
-            at = f"{loc}, video {j}"
-            if not frames:
-                raise DataError(
-                    f"{at}: field {field!r} holds an empty video (no frames); give "
-                    "its frames or drop it (and its marker)."
-                )
-            keep = _frame_indices(len(frames), opts.max_frames)
-            refs = [
-                self._ref(frames[f], f"{at}, frame {f}", uid, field, (j, f), arrow) for f in keep
-            ]
-            size = None
-            for f, ref in zip(keep, refs, strict=True):
-                header = self._probe(ref)
-                if header is None:
-                    return None
-                if size is None:
-                    size, first = (header.width, header.height), f
-                elif (header.width, header.height) != size:
-                    raise DataError(
-                        f"{at}: frame {f} is {header.width}x{header.height} but "
-                        f"frame {first} is {size[0]}x{size[1]} (field {field!r}); "
-                        "all frames of a video must have one size. Resize them "
-                        "offline."
-                    )
-            self.stats["videos"] += 1
-            self.stats["video_frames"] += len(refs)
-            self.stats["frames_dropped"] += len(frames) - len(refs)
-            if len(refs) % self.video_rule.temporal_patch_size:
-                self.stats["videos_padded"] += 1
-            self._count_resize(self.video_rule, *size)
-            videos.append(
-                VideoSpec(
-                    tuple(refs),
-                    size,
-                    fps[j] * len(refs) / len(frames),
-                    at,
-                    tuple(f / fps[j] for f in keep),
-                )
-            )
+        videos = load_videos(
+            row,
+            field=field,
+            fps_field=opts.video_fps_field,
+            default_fps=opts.video_fps,
+            loc=loc,
+            max_frames=opts.max_frames,
+            rule=self.video_rule,
+            ref=lambda value, at, index: self._ref(value, at, uid, field, index, arrow),
+            probe=self._probe,
+            stats=self.stats,
+        )
+        for video in videos or ():
+            self._count_resize(self.video_rule, *video.size)
         return videos
 
     @property

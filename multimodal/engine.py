@@ -5,7 +5,7 @@ videos: ``generate_vl(prompts, visions, params)`` prefills each prompt *once* (i
 and videos through the vision tower once), then repeats the KV cache for the prompt's ``n``
 samples, so a group of ``n`` never processes its images or videos ``n`` times. Decoding
 continues the M-RoPE positions after the prompt's last position
-(:func:`~polyrl.multimodal.vision.next_positions`), as ``get_rope_index`` does for text that
+(:func:`~polyrl.multimodal.forward.next_positions`), as ``get_rope_index`` does for text that
 follows the prompt.
 """
 
@@ -25,7 +25,8 @@ from polyrl.core.engine import (
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
-from polyrl.multimodal.vision import VisionInputs, decode_step, next_positions, vl_forward
+from polyrl.multimodal.forward import decode_step, next_positions, vl_forward
+from polyrl.multimodal.vision import VisionInputs
 
 
 class VLEngine(HFEngine):

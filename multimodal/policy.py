@@ -31,7 +31,7 @@ from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_trainin
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
-from polyrl.multimodal import vision
+from polyrl.multimodal import forward, vision
 from polyrl.multimodal.data import VISION_FIELD
 
 VISION_LORA_TARGETS = ("qkv", "proj")  # attention projections of the Qwen-VL vision blocks
@@ -84,7 +84,7 @@ class ResponseScorer(torch.nn.Module):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return vision.response_logprobs(
+        return forward.response_logprobs(
             self.model,
             batch["prompt_ids"],
             batch["prompt_mask"],
@@ -125,11 +125,11 @@ class QwenVLPolicy(CausalLMPolicy):
         if self.options.attn_implementation:
             kwargs["attn_implementation"] = self.options.attn_implementation
         model = AutoModelForImageTextToText.from_pretrained(path, **kwargs).to(self.device)
-        vision.parts(model)  # fail now, with a clear message, if this is not a Qwen-VL model
+        forward.parts(model)  # fail now, with a clear message, if this is not a Qwen-VL model
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.options.freeze_vision:
-            vision.parts(model).visual.requires_grad_(False)
+            forward.parts(model).visual.requires_grad_(False)
         self.need_reference = need_reference
         self.reference_warmed = False  # a warm start has not moved the reference yet
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(

@@ -39,7 +39,8 @@ from typing import Annotated, Any
 from polyrl.core.engine import Completion, SamplingParams
 from polyrl.core.registry import ENGINES
 from polyrl.core.vllm_engine import VLLMEngine, row_seed
-from polyrl.multimodal.vision import VisionInputs, parts
+from polyrl.multimodal.forward import parts
+from polyrl.multimodal.vision import VisionInputs
 
 
 def collapse_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:

@@ -1,6 +1,6 @@
 """The VL forward pass against each family's own ``forward``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
 
-Tiny random models of each family: logits from :func:`vision.vl_forward` (features once
+Tiny random models of each family: logits from :func:`forward.vl_forward` (features once
 per distinct prompt, positions from get_rope_index, Qwen3-VL's deepstack features placed
 by hand) must equal ``model(input_ids, pixel_values, image_grid_thw, ...)``.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from polyrl.core.record import pad_left
-from polyrl.multimodal import vision
+from polyrl.multimodal import forward, vision
 
 VOCAB, IMG, VID, START, END = 64, 60, 61, 62, 63
 
@@ -129,7 +129,7 @@ def test_vl_forward_equals_the_models_own(build, one_thread):
     torch.manual_seed(0)
     model, patch = build()
     model.eval()
-    p = vision.parts(model)
+    p = forward.parts(model)
     assert p.deepstack == (build is _qwen3_vl)
     dim = 3 * 2 * patch * patch
     grids = {"a": torch.tensor([[1, 4, 6]]), "b": torch.tensor([[1, 2, 2], [1, 4, 2]])}
@@ -149,7 +149,7 @@ def test_vl_forward_equals_the_models_own(build, one_thread):
     ids, mask = pad_left(seqs, 0)
     before = vision.COUNTERS["vision_passes"]
     with torch.no_grad():
-        mine, _, _ = vision.vl_forward(model, ids, mask, rows, logits_to_keep=ids.shape[1])
+        mine, _, _ = forward.vl_forward(model, ids, mask, rows, logits_to_keep=ids.shape[1])
         assert vision.COUNTERS["vision_passes"] == before + 1  # a, b: one pass for both
         pv = torch.cat(
             [inputs["a"].pixel_values, inputs["a"].pixel_values, inputs["b"].pixel_values]

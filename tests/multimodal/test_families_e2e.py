@@ -13,7 +13,7 @@ import torch
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import set_strings, text_record
-from polyrl.multimodal import vision
+from polyrl.multimodal import forward, vision
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 TINY = {
@@ -90,7 +90,7 @@ def test_loader_prompt_ids_equal_the_real_processors(family_dir, vl_rows, one_th
             "qwen3_vl": "Qwen3VLProcessor",
         }[family]
     )
-    assert vision.parts(policy.model).deepstack == (family == "qwen3_vl")
+    assert forward.parts(policy.model).deepstack == (family == "qwen3_vl")
     ds = _dataset(policy, vl_rows)
     assert ds.rule.patch_size == (16 if family == "qwen3_vl" else 14)
     for item in ds:
@@ -158,7 +158,7 @@ def test_one_update_changes_the_weights(family_dir, vl_rows, freeze, one_thread)
     record = _rollout(policy, items, n=2, max_new_tokens=3)
     sign = torch.tensor([1.0, -1.0]).repeat(len(items))[:, None]
     record["advantages"] = sign * record["loss_mask"].float()
-    p = vision.parts(policy.model)
+    p = forward.parts(policy.model)
     before = {
         "visual": [t.detach().clone() for t in p.visual.parameters()],
         "lm": [t.detach().clone() for t in p.language_model.parameters()],
@@ -282,7 +282,7 @@ def test_videos_match_the_processor_and_the_families_forward(family_dir, one_thr
             mm_token_type_ids=types,
             **extra,
         ).logits[0]
-        mine, _, _ = vision.vl_forward(
+        mine, _, _ = forward.vl_forward(
             policy.model, ids, torch.ones_like(ids), [v], logits_to_keep=ids.shape[1]
         )
     # every position, the vision ones too (with one LM layer, deepstack shows only there)

@@ -13,7 +13,7 @@ from polyrl.core.data import DataConfig, DataError
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import pad_left, strings
 from polyrl.core.workflow import Context
-from polyrl.multimodal import vision
+from polyrl.multimodal import forward, vision
 from polyrl.multimodal.data import VLDataset
 from polyrl.multimodal.engine import VLEngine
 from polyrl.multimodal.workflow import VLSingleTurn
@@ -142,8 +142,8 @@ def test_positions_match_get_rope_index_with_videos(video_data, grouped_sequence
     prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
         items, visions, [7, proc.video_token_id, proc.image_token_id]
     )  # sampled: text
-    p = vision.parts(policy.model)
-    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
+    p = forward.parts(policy.model)
+    got = forward.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     none = torch.zeros_like(response_ids, dtype=torch.int32)
@@ -155,7 +155,7 @@ def test_positions_match_get_rope_index_with_videos(video_data, grouped_sequence
         ],
         1,
     )
-    grids = vision.batch_grids(row_visions)
+    grids = forward.batch_grids(row_visions)
     want, _ = p.inner.get_rope_index(
         input_ids=ids,
         mm_token_type_ids=types,
@@ -195,8 +195,8 @@ def test_vl_forward_with_videos_equals_the_models_own(video_data, one_thread):
     )
     model = policy.model
     with torch.no_grad():
-        mine, _, _ = vision.vl_forward(model, ids, mask, rows, logits_to_keep=ids.shape[1])
-        grids = vision.batch_grids(rows)
+        mine, _, _ = forward.vl_forward(model, ids, mask, rows, logits_to_keep=ids.shape[1])
+        grids = forward.batch_grids(rows)
         theirs = model(
             input_ids=ids,
             attention_mask=mask,

@@ -8,7 +8,7 @@ import torch
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import set_strings, strings, text_record
 from polyrl.core.workflow import Context
-from polyrl.multimodal import vision
+from polyrl.multimodal import forward, vision
 from polyrl.multimodal.engine import VLEngine
 from polyrl.multimodal.tiny import mrope_section
 from polyrl.multimodal.workflow import VLSingleTurn
@@ -75,8 +75,8 @@ def test_positions_match_get_rope_index(vl_dataset, grouped_sequences):
     prompt_ids, prompt_mask, response_ids, response_mask, row_visions = grouped_sequences(
         items, visions, [7, image_id, 9]
     )
-    p = vision.parts(policy.model)
-    got = vision.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
+    p = forward.parts(policy.model)
+    got = forward.sequence_positions(p, prompt_ids, prompt_mask, response_ids.shape[1], row_visions)
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, response_mask], 1)
     mm = torch.cat([prompt_ids == image_id, torch.zeros_like(response_ids, dtype=torch.bool)], 1)
@@ -149,7 +149,7 @@ def test_text_only_batch_trains_and_touches_the_vision_tower(make_policy, one_th
     before = vision.COUNTERS["dummy_vision_passes"]
     policy.logprobs(record)[0].sum().backward()
     assert vision.COUNTERS["dummy_vision_passes"] == before + 1
-    visual = vision.parts(policy.model).visual
+    visual = forward.parts(policy.model).visual
     assert all(p.grad is not None and float(p.grad.abs().sum()) == 0.0 for p in visual.parameters())
     policy.model.zero_grad(set_to_none=True)
     record["reward"] = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -161,9 +161,9 @@ def test_text_only_batch_trains_and_touches_the_vision_tower(make_policy, one_th
 
 def test_freeze_vision_and_lora_targets(make_policy):
     frozen = make_policy(args={"freeze_vision": True})
-    visual = vision.parts(frozen.model).visual
+    visual = forward.parts(frozen.model).visual
     assert not any(p.requires_grad for p in visual.parameters())
-    assert any(p.requires_grad for p in vision.parts(frozen.model).language_model.parameters())
+    assert any(p.requires_grad for p in forward.parts(frozen.model).language_model.parameters())
     in_optimizer = {id(p) for g in frozen.optimizer.param_groups for p in g["params"]}
     assert not any(id(p) in in_optimizer for p in visual.parameters())
     lora = make_policy(lora={"r": 4})
@@ -210,7 +210,7 @@ def test_export_reloads_as_a_hugging_face_vl_model(make_policy, tmp_path):
     out = make_policy().export(tmp_path / "export")
     model = AutoModelForImageTextToText.from_pretrained(out)
     processor = AutoProcessor.from_pretrained(out)
-    assert vision.parts(model).image_token_id == processor.image_token_id
+    assert forward.parts(model).image_token_id == processor.image_token_id
     lora_out = make_policy(lora={"r": 4}).export(tmp_path / "lora")
     assert (lora_out / "adapter_config.json").is_file()
     assert (lora_out / "processor_config.json").is_file()
