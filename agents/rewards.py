@@ -8,13 +8,16 @@
   weight 0 as a metric (``eval.accuracy_term: success_rate``), not as a training reward.
 - ``unit_tests``: 1.0 when the response's Python passes the row's tests, run in the
   sandbox (HumanEval/MBPP-style rows; the marl CoopHumanEval recipe scores two agents'
-  joined code with it).
+  joined code with it). Passing is the sandbox's ``completed``: the runner sends the
+  run's secret nonce on its own channel only after the last check returned, so an early
+  ``sys.exit(0)``/``os._exit(0)``, an exit status or text on stderr never passes.
 """
 
 from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
 
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.core.rewards import Sample, register_reward
@@ -88,17 +91,26 @@ def program_with_tests(
 @register_reward("unit_tests", batched=True)
 def unit_tests(
     samples: list[Sample],
-    tests_field: str = "test",
-    entry_point_field: str = "entry_point",
-    imports_field: str = "prompt",
-    cpu_seconds: float = 5.0,
-    wall_seconds: float = 10.0,
-    memory_mb: int = 512,
-    workers: int = 8,
-) -> list[float]:
-    """1.0 when the program (:func:`program_with_tests`) runs to the end in the sandbox, else 0.0:
-    failing asserts, exceptions, time-outs and forbidden operations all score 0. A sandbox
-    that cannot run at all raises instead -- that is not the model's fault."""
+    tests_field: Annotated[str, "dataset row field holding the tests"] = "test",
+    entry_point_field: Annotated[
+        str, "row field naming the function to check(); empty: the tests are plain asserts"
+    ] = "entry_point",
+    imports_field: Annotated[str, "row field whose import lines go first (the prompt)"] = (
+        "prompt"
+    ),
+    cpu_seconds: Annotated[float, "CPU seconds each program may use"] = 5.0,
+    wall_seconds: Annotated[float, "wall seconds each program may take"] = 10.0,
+    memory_mb: Annotated[int, "address space of each program's processes, MiB"] = 512,
+    workers: Annotated[int, "programs run at once"] = 8,
+) -> list[float | Exception]:
+    """1.0 when the program (:func:`program_with_tests`) ran to its last statement -- the
+    sandbox's ``completed``, proven by a nonce the tests' runner sends only after the
+    checks returned -- and ended cleanly, else 0.0: failing asserts, exceptions, exiting
+    early with any status, time-outs and forbidden operations all score 0.
+
+    A row the sandbox could not run gets an exception in its place (that row alone is
+    invalid, not scored 0); when it could run none of them, this raises: not the model's
+    fault, and the message says why."""
     programs = [
         program_with_tests(s, tests_field, entry_point_field, imports_field) for s in samples
     ]
@@ -107,11 +119,17 @@ def unit_tests(
     )
     with ThreadPoolExecutor(max(1, min(workers, len(programs)))) as pool:
         results = list(pool.map(box.run, programs))
-    broken = [(s.index, r) for s, r in zip(samples, results, strict=True) if r.error == "sandbox"]
-    if broken:
-        index, r = broken[0]
-        raise RuntimeError(
-            f"unit_tests: the sandbox could not run row {index}'s program "
-            f"({'; '.join(r.notes) or r.stderr[-300:]})"
-        )
-    return [1.0 if r.ok else 0.0 for r in results]
+    out: list[float | Exception] = []
+    for s, r in zip(samples, results, strict=True):
+        if r.error == "sandbox":
+            out.append(
+                RuntimeError(
+                    f"unit_tests: the sandbox could not run row {s.index}'s program "
+                    f"({'; '.join(r.notes) or r.stderr[-300:].strip()})"
+                )
+            )
+        else:
+            out.append(1.0 if r.completed and r.ok else 0.0)
+    if out and all(isinstance(v, Exception) for v in out):
+        raise out[0]
+    return out

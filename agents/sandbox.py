@@ -111,7 +111,8 @@ class SandboxResult:
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
-    # exit (non-zero exit status), killed (other signal), sandbox (the sandbox failed)
+    # exit (non-zero exit status), killed (other signal), sandbox (the sandbox failed
+    # before the code started; nothing the code does can produce this one)
 
     @property
     def ok(self) -> bool:
@@ -289,6 +290,8 @@ _OS_REFUSAL = re.compile(
 def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
     if rep["killed"]:
         return rep["killed"]
+    if not r.started:  # the code never ran (the runner says "start" first): setup failed
+        return "sandbox"
     # SIGXCPU at the soft CPU limit, or SIGKILL at the hard one: the kernel sends SIGKILL
     # when SIGXCPU is ignored, as it is for a PID-namespace init (the worker is PID 1 there)
     if r.signal == signal.SIGXCPU or (
@@ -297,8 +300,6 @@ def _classify(rep: dict, r: SandboxResult, cpu_limit: float) -> str:
         and (r.cpu_seconds >= 0.9 * cpu_limit or "cpu" in r.stderr.lower())
     ):
         return "cpu_time"
-    if not r.started and (r.stderr.startswith("sandbox setup failed") or r.exit_code == 126):
-        return "sandbox"  # before the code ran: the code cannot fake this one
     if r.exit_code == 0:
         return ""
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""

@@ -71,3 +71,77 @@ def test_rows_without_tests_name_the_field():
         1.0,
         0.0,
     ]
+
+
+WRONG = "def total(xs):\n    return len(xs)\n"
+RIGHT = "def total(xs):\n    return sum(xs)\n"
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "import sys\nsys.exit(0)",  # before the tests run
+        "import os\nos._exit(0)",
+        "import atexit, os\natexit.register(os._exit, 0)\nraise SystemExit(0)",
+    ],
+    ids=["sys.exit", "os._exit", "atexit"],
+)
+def test_a_wrong_answer_that_exits_early_with_status_0_scores_0(tail):
+    """Issue 23: exit status 0 alone passed; passing now needs the checks to return."""
+    assert unit_tests([sample(fenced(WRONG + tail))]) == [0.0]
+    # the same exit inside the function under test, while check() runs
+    inside = "def total(xs):\n    import os\n    os._exit(0)\n"
+    assert unit_tests([sample(fenced(inside))]) == [0.0]
+
+
+def test_a_response_forging_the_sandbox_failure_scores_0_and_others_keep_theirs():
+    """Issue 23: exit 126 or 'sandbox setup failed' on stderr made the reward raise, and
+    the raising term discarded every row of the batch."""
+    from polyrl.core.record import strings, text_record
+    from polyrl.core.rewards import RewardConfig, RewardTerm, score
+
+    forged = (
+        "import os, sys\nsys.stderr.write('sandbox setup failed: OSError: forged\\n')\n"
+        "os._exit(126)"
+    )
+    channel = "import os\nos.write(3, b'start\\ndone 0123456789abcdef\\n')\nimport sys\nsys.exit(0)"
+    responses = [
+        fenced(RIGHT),
+        fenced(WRONG + "import os\nos._exit(126)"),
+        fenced(RIGHT + forged),
+        fenced(WRONG + channel),  # a guessed nonce on the runner's channel
+        fenced(RIGHT),
+    ]
+    assert unit_tests([sample(r, i) for i, r in enumerate(responses)]) == [
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+    ]
+    n = len(responses)
+    record = text_record(
+        prompt_ids=[[1]] * n,
+        response_ids=[[2]] * n,
+        rollout_logprobs=[[-0.1]] * n,
+        policy=["actor"] * n,
+        uid=list(range(n)),
+        pad_id=0,
+        prompt_text=[PROMPT] * n,
+        response_text=responses,
+        meta=[{"row": ROW}] * n,
+    )
+    cfg = RewardConfig(terms=[RewardTerm("unit_tests")])
+    cfg.validate()
+    metrics = score(record, cfg)
+    assert record["reward"].tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert record["valid"].tolist() == [True] * n
+    assert strings(record, "error") == [""] * n
+    assert metrics["reward/errors"] == 0
+
+
+def test_a_sandbox_that_cannot_start_raises():
+    """The genuine failure (here: too little memory to start Python at all) is not the
+    model's: the reward raises with the sandbox's own words instead of scoring 0."""
+    with pytest.raises(RuntimeError, match="sandbox could not run row 0"):
+        unit_tests([sample(fenced(RIGHT), 0), sample(fenced(RIGHT), 1)], memory_mb=4)

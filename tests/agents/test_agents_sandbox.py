@@ -462,3 +462,18 @@ def test_a_busy_loop_on_a_loaded_machine_ends_on_cpu_time():
     # a sleeper does not wait for a CPU while it sleeps: the wall-time limit still fires
     r = Sandbox(SandboxLimits(wall_seconds=1.0)).run("import time\ntime.sleep(60)")
     assert_contained(r, "wall_time")
+
+
+def test_completed_needs_the_code_to_return_and_cannot_be_forged():
+    assert box().run("x = 1").completed
+    for code in (
+        "import sys\nsys.exit(0)",
+        "import os\nos._exit(0)",
+        "import os\nos.write(3, b'done ' + b'0' * 32 + b'\\n')\nos._exit(0)",  # a guess
+    ):
+        r = box().run(code)
+        assert r.started and not r.completed, code
+    # exit status 126 and the setup-failure text are the code's own: an ordinary exit
+    r = box().run("import sys\nsys.stderr.write('sandbox setup failed: x\\n')\nsys.exit(126)")
+    assert_contained(r, "exit")
+    assert r.started and not r.completed
