@@ -11,6 +11,7 @@ from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
 from polyrl.core.interfaces import ChecksConfig
+from polyrl.core.loggers import LoggerName, check_loggers
 from polyrl.core.policy import PolicyConfig, resolve_device
 from polyrl.core.registry import (
     BACKENDS,
@@ -39,6 +40,12 @@ class RunConfig:
     samples_per_step: int = doc(8, "transcripts written to samples/ each logged step")
     log_every: int = doc(1, "write metrics every N steps")
     tensorboard: bool = doc(True, "write TensorBoard events")
+    loggers: list[LoggerName] = doc(
+        ["tensorboard"],
+        "where metrics go besides metrics.jsonl, all under run.dir: tensorboard, wandb "
+        "(offline run in wandb/; `wandb sync` uploads it), mlflow (file store in mlruns/); "
+        "wandb and mlflow need pip install 'polyrl[loggers]'",
+    )
     progress: bool = doc(True, "show a progress bar")
     export: bool = doc(True, "export final models in Hugging Face format to run.dir/export")
 
@@ -146,6 +153,7 @@ class Config:
         self.check_ranges(source)
         self.bind_options(source)
         check_build_conflicts(self.policies, source)
+        check_loggers(self.run.loggers, source)
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")

@@ -1,4 +1,4 @@
-"""The run directory: resolved config, metrics, TensorBoard events, samples, checkpoints.
+"""The run directory: resolved config, metrics and its loggers' files, samples, checkpoints.
 
 Checkpoints are written to ``step_N.tmp`` and renamed only when complete, so a run
 killed mid-write resumes from the previous one. A checkpoint carries everything that
@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import yaml
 
 from polyrl.core.config import UserError
+from polyrl.core.loggers import open_loggers
 
 CKPT_RE = re.compile(r"^step_(\d+)$")
 
@@ -63,7 +65,17 @@ def set_rng_state(state: dict) -> None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, config: dict | None = None, *, tensorboard: bool = True):
+    """``loggers`` (``run.loggers``) receive every logged step besides ``metrics.jsonl``;
+    ``tensorboard=False`` (``run.tensorboard``) leaves TensorBoard out of them."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        config: dict | None = None,
+        *,
+        tensorboard: bool = True,
+        loggers: Sequence[str] = ("tensorboard",),
+    ):
         self.path = Path(path).expanduser()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -82,11 +94,8 @@ class RunDir:
         if config is not None:
             (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         self._metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.path / "tensorboard"))
+        names = [n for n in loggers if tensorboard or n != "tensorboard"]
+        self._loggers = open_loggers(names, self.path, self.path.name, config)
 
     # --- logs ---------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -96,11 +105,9 @@ class RunDir:
         }
         self._metrics.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._metrics.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                if v is not None:
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        finite = {k: v for k, v in clean.items() if v is not None}
+        for logger in self._loggers:
+            logger.log(finite, step)
 
     def write_samples(self, step: int, rows: list[dict], tag: str = "train") -> Path:
         out = self.samples_dir / f"{tag}_step_{step:06d}.jsonl"
@@ -111,8 +118,8 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
-        if self._tb is not None:
-            self._tb.close()
+        for logger in self._loggers:
+            logger.close()
 
     # --- checkpoints --------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -120,8 +120,9 @@ def test_extras():
         assert plugin in everything, f"the 'all' extra does not include {plugin!r}"
 
 
-# Core modules whose third-party import is optional: the vLLM engine is picked by name.
-OPTIONAL_CORE_IMPORTS = {"vllm"}
+# Core modules whose third-party import is optional: the vLLM engine is picked by name,
+# and run.loggers' wandb / mlflow come with the `loggers` extra (checked at recipe load).
+OPTIONAL_CORE_IMPORTS = {"vllm", "wandb", "mlflow"}
 
 
 def test_core_imports_are_base_dependencies():
