@@ -119,6 +119,38 @@ class RayLoRA(Protocol):
     ray_lora: ClassVar[bool]
 
 
+@runtime_checkable
+class OwnsKL(Protocol):
+    """A policy whose KL to its reference is not a function of per-token log-probs (say,
+    two Gaussians compared through their means), for the estimators it names.
+
+    When ``algorithm.kl_estimator`` is one of ``kl_estimators`` the trainer stores
+    ``reference_terms`` as the batch's ``ref_logprobs`` (once per update, no gradient) and
+    gets log-probs, entropy and the per-token KL from one forward of ``logprobs_and_kl``;
+    for any other estimator it uses ``ref_logprobs`` and ``KL_ESTIMATORS``, as for every
+    policy.
+    """
+
+    kl_estimators: ClassVar[tuple[str, ...]]
+
+    def reference_terms(
+        self, batch: TensorDict, temperature: float, estimator: str
+    ) -> torch.Tensor:
+        """What ``estimator`` needs from the reference, one entry per row of ``batch``."""
+
+    def logprobs_and_kl(
+        self,
+        batch: TensorDict,
+        temperature: float,
+        *,
+        with_entropy: bool,
+        estimator: str,
+        reference: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(log-probs [B,T], entropy [B,T] or None, KL [B,T]) from one forward, where
+        ``reference`` is this batch's ``reference_terms``."""
+
+
 # --------------------------------------------------------------------------- engines
 
 

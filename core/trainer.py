@@ -3,7 +3,9 @@
 ``update`` is the same for every policy kind: it asks the policy for log-probs of the
 record's tokens and combines them with the registered loss. With one epoch and one
 mini-batch the old log-probs are the detached current ones, so the first ratio is
-exactly 1 and no extra forward pass is spent.
+exactly 1 and no extra forward pass is spent. The KL term uses the registered per-token
+estimator on log-probs, unless the policy computes the recipe's estimator itself
+(:class:`~polyrl.core.interfaces.OwnsKL`, e.g. from Gaussian means), in the same forward.
 
 Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
 ``dp=(rank, world)``: every rank receives the whole batch, draws the same mini-batches,
@@ -26,6 +28,7 @@ from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.correction import Mismatch, weights
+from polyrl.core.interfaces import OwnsKL
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
 
@@ -142,11 +145,25 @@ def update(
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
     if not reuse_old:
         batch["old_logprobs"] = _logprobs_no_grad(policy, batch, mb_size, temperature, dp)
-    if algo.kl_coef > 0:
+    # a policy may compute the recipe's KL estimator itself (OwnsKL): the reference terms
+    # it needs (e.g. means) are stored where ref_logprobs would be
+    owns_kl = (
+        algo.kl_coef > 0
+        and isinstance(policy, OwnsKL)
+        and algo.kl_estimator in policy.kl_estimators
+    )
+    if owns_kl:
+        batch["ref_logprobs"] = _per_row(
+            lambda mb: policy.reference_terms(mb, temperature, algo.kl_estimator),
+            batch,
+            mb_size,
+            dp,
+        )
+    elif algo.kl_coef > 0:
         batch["ref_logprobs"] = _per_row(
             lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp
         )
-    kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 else None
+    kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 and not owns_kl else None
     corr = algo.rollout_correction
     level = correction or corr.resolved(exact_engines=True)
     correct = corr.active(level)
@@ -187,7 +204,17 @@ def update(
             kl_sum = 0.0  # micro-batch terms sum to the mini-batch's value
             for mb, real in _rank_micro_batches(mini_batch, mb_size, dp):
                 mask = mb["loss_mask"].float()
-                logp, ent = policy.logprobs(mb, temperature, with_entropy=want_entropy)
+                kl_tokens = None
+                if owns_kl:
+                    logp, ent, kl_tokens = policy.logprobs_and_kl(
+                        mb,
+                        temperature,
+                        with_entropy=want_entropy,
+                        estimator=algo.kl_estimator,
+                        reference=mb["ref_logprobs"],
+                    )
+                else:
+                    logp, ent = policy.logprobs(mb, temperature, with_entropy=want_entropy)
                 if ent is not None and algo.entropy_coef == 0:
                     ent = ent.detach()  # metric only: free its softmax before the backward
                 old = logp.detach() if reuse_old else mb["old_logprobs"]
@@ -200,7 +227,9 @@ def update(
                 extra_args = {"weights": w} if correct else {}
                 loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg, **extra_args)
                 if kl_fn is not None:
-                    kl = aggregate(kl_fn(logp, mb["ref_logprobs"]), mask, agg)
+                    kl_tokens = kl_fn(logp, mb["ref_logprobs"])
+                if kl_tokens is not None:
+                    kl = aggregate(kl_tokens, mask, agg)
                     loss = loss + algo.kl_coef * kl
                     kl_sum += float(kl.detach()) if real else 0.0
                 if ent is not None and algo.entropy_coef > 0:
@@ -215,7 +244,7 @@ def update(
                 stats["loss"].append(float(loss.detach()))
                 for k, v in metrics.items():
                     extra.setdefault(k, []).append(float(v))
-            if kl_fn is not None:
+            if algo.kl_coef > 0:
                 stats["kl"].append(kl_sum)
             _step(policy, stats)
     policy.model.train(False)

@@ -1,40 +1,35 @@
 """Per-prompt advantages and the Gaussian-mean KL, for diffusion rows.
 
-``per_prompt`` (CREDIT): Flow-GRPO's per-prompt statistics. Rows are grouped by prompt
-*text* (and agent), so repeated prompts in a batch share one group whatever their dataset
-row; ``A = (r - mean_prompt) / (std + eps)`` with the population std of the prompt's
-rewards, or of the whole batch (``global_std``), or no division when
+``per_prompt`` (CREDIT): Flow-GRPO's per-prompt statistics (arXiv 2505.05470). Rows are
+grouped by prompt *text* (and agent), so repeated prompts in a batch share one group
+whatever their dataset row; ``A = (r - mean_prompt) / (std + eps)`` with the population
+std of the prompt's rewards, or of the whole batch (``global_std``), or no division when
 ``algorithm.norm_adv_by_std`` is false; then clipped to ``[-adv_clip, adv_clip]``. The
-advantage is spread over the row's trained steps (``loss_mask``). The options travel on
-the record (``credit_args``, set by the text-to-image workflow from its ``adv_clip`` and
-``global_std`` arguments), because credit assignment reads only the record.
+advantage is spread over the row's trained steps (``loss_mask``). Its options are its
+keyword parameters, set in ``algorithm.credit_args``.
 
-``gaussian_mean`` (KL_ESTIMATORS): the exact KL between the policy's and the reference's
-Gaussian step, ``mean((μθ - μref)²) / (2·std²)`` per step, from the means a diffusion
-policy attaches to its log-prob tensor and the reference means its ``ref_logprobs``
-returns (see :mod:`.policy`).
+``gaussian_mean``: the exact KL between the policy's and the reference's Gaussian step
+(both have the step's std), ``mean((μθ - μref)²) / (2·std²)`` per step. It needs the
+steps' means, which only the policy has, so the diffusion policy computes it itself
+(:class:`polyrl.core.interfaces.OwnsKL`, with :func:`gaussian_mean_kl`); the name is
+registered in ``KL_ESTIMATORS`` so recipes naming it validate, and calling it as a
+log-prob estimator (for a policy that does not own it) fails saying so.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
-from tensordict import NonTensorData, TensorDict
+from tensordict import TensorDict
 from torch import Tensor
 
+from polyrl.core.config import ConfigError
+from polyrl.core.credit import group_stats
 from polyrl.core.record import strings
 from polyrl.core.registry import CREDIT, KL_ESTIMATORS
-from polyrl.diffusion.policy import MEANS_ATTR, STD_ATTR
 
-DEFAULT_CREDIT_ARGS = {"adv_clip": 5.0, "global_std": False}
-
-
-def credit_args(record: TensorDict) -> dict:
-    args = dict(DEFAULT_CREDIT_ARGS)
-    if "credit_args" in record.keys():  # noqa: SIM118 (TensorDict)
-        value = record.get("credit_args")
-        data = value.data if isinstance(value, NonTensorData) else strings(record, "credit_args")[0]
-        args.update(data or {})
-    return args
+GAUSSIAN_MEAN = "gaussian_mean"
 
 
 def per_prompt_advantages(
@@ -46,28 +41,35 @@ def per_prompt_advantages(
     eps: float = 1e-6,
     clip: float | None = None,
 ) -> Tensor:
-    """[B] advantages from rewards [B] and dense group ids [B] (population std)."""
-    rewards = rewards.float()
-    n_groups = int(groups.max()) + 1 if groups.numel() else 0
-    count = torch.zeros(n_groups).index_add_(0, groups, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups).index_add_(0, groups, rewards) / count
-    centred = rewards - mean[groups]
+    """[B] float32 advantages from rewards [B] and integer group ids [B] (population std)."""
+    mean, std, _ = group_stats(rewards, groups, unbiased=False)
+    centred = rewards.to(mean) - mean
     if norm_by_std:
         if global_std:
-            std = rewards.std(unbiased=False) if rewards.numel() else torch.tensor(0.0)
-        else:
-            var = torch.zeros(n_groups).index_add_(0, groups, centred**2) / count
-            std = var.sqrt()[groups]
+            _, std, _ = group_stats(rewards, torch.zeros_like(groups), unbiased=False)
         centred = centred / (std + eps)
     if clip is not None and clip > 0:
         centred = centred.clamp(-clip, clip)
-    return centred
+    return centred.float()
 
 
 @CREDIT.register("per_prompt")
-def per_prompt_credit(record: TensorDict, algo) -> dict[str, float]:
+def per_prompt_credit(
+    record: TensorDict,
+    algo,
+    *,
+    adv_clip: Annotated[
+        float, "clip advantages to [-adv_clip, adv_clip] (0: no clipping; Flow-GRPO: 5)"
+    ] = 5.0,
+    global_std: Annotated[
+        bool, "divide by the std of the whole batch's rewards instead of the prompt's"
+    ] = False,
+) -> dict[str, float]:
     """Per-prompt (text) mean/std advantages, clipped, on every trained step of a row."""
-    args = credit_args(record)
+    if adv_clip < 0:
+        raise ConfigError(
+            f"algorithm.credit_args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}"
+        )
     mask = record["loss_mask"].float()
     valid = record["valid"]
     adv_row = torch.zeros(record.batch_size[0])
@@ -84,9 +86,9 @@ def per_prompt_credit(record: TensorDict, algo) -> dict[str, float]:
             record["reward"][valid],
             torch.tensor(ids),
             norm_by_std=bool(algo.norm_adv_by_std),
-            global_std=bool(args["global_std"]),
+            global_std=global_std,
             eps=float(algo.epsilon),
-            clip=args["adv_clip"],
+            clip=adv_clip,
         )
     record["advantages"] = adv_row[:, None] * mask
     rows = adv_row[valid]
@@ -96,19 +98,21 @@ def per_prompt_credit(record: TensorDict, algo) -> dict[str, float]:
     }
 
 
-def gaussian_mean_kl(logprobs: Tensor, ref: Tensor) -> Tensor:
-    """Per-step KL(πθ || πref) = mean over latent elements of (μθ - μref)² / (2·std²)."""
-    means = getattr(logprobs, MEANS_ATTR, None)
-    std = getattr(logprobs, STD_ATTR, None)
-    if means is None or std is None or ref.dim() < 3:
-        raise ValueError(
-            "kl_estimator=gaussian_mean needs a diffusion policy's step means "
-            "(policy kind 'diffusion' with the text_to_image workflow); use k1/k3 "
-            "estimators for other policies"
-        )
-    sq = ((means - ref.to(means)) ** 2).flatten(2).mean(-1)
+def gaussian_mean_kl(means: Tensor, ref_means: Tensor, std: Tensor) -> Tensor:
+    """Per-step KL(πθ || πref) [B,T] of two Gaussian steps sharing the std [B,T]: the mean
+    over latent elements of (μθ - μref)² / (2·std²), from means [B,T,*L]; 0 where std is 0."""
+    sq = ((means - ref_means.to(means)) ** 2).flatten(2).mean(-1)
     var = std.to(sq) ** 2
     return torch.where(var > 0, sq / (2 * var.clamp(min=1e-30)), torch.zeros_like(sq))
 
 
-KL_ESTIMATORS.register("gaussian_mean", gaussian_mean_kl)
+def _gaussian_mean_needs_its_policy(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Reached only for a policy that does not compute this KL itself."""
+    raise ConfigError(
+        f"algorithm.kl_estimator={GAUSSIAN_MEAN} is the KL between two Gaussian denoising "
+        "steps, computed from their means by a policy that owns it (policy kind 'diffusion'); "
+        "this policy gives only log-probs: use a log-prob estimator (k1, k3, low_var_kl)"
+    )
+
+
+KL_ESTIMATORS.register(GAUSSIAN_MEAN, _gaussian_mean_needs_its_policy)

@@ -13,14 +13,14 @@ guidance embedding: one transformer call per step, no unconditional branch. LoRA
 come from PEFT; the reference policy is the same network with the adapter disabled (no
 second copy). With a full fine-tune and a KL term the reference is a frozen copy.
 
-KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's form)
-``ref_logprobs`` returns the reference *means* of the trained steps and the KL estimator
-computes ``mean((μθ - μref)²) / (2·std²)`` per step from the means this policy attaches to
-its log-prob tensor. With the core's log-prob estimators (k1, k3, ...) it returns the
-reference log-probs of the recorded transitions, as a text policy does. The workflow, which
-knows the algorithm, writes that choice into the record (``kl_mode``), so the policy reads
-it wherever it runs (in this process or on a Ray worker); a record without it uses the
-policy's ``kl_mode`` attribute.
+KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's form,
+arXiv 2505.05470) the policy owns its KL (:class:`polyrl.core.interfaces.OwnsKL`): the
+trainer stores :meth:`DiffusionPolicy.reference_terms` (the reference's step means) and
+gets log-probs and ``mean((μθ - μref)²) / (2·std²)`` per step from one forward of
+:meth:`DiffusionPolicy.logprobs_and_kl`. The trainer passes the estimator to every call,
+so the same holds in this process and on a Ray worker. With the core's log-prob
+estimators (k1, k3, ...) ``ref_logprobs`` gives the reference log-probs of the recorded
+transitions, as a text policy does.
 
 Under ``distributed.backend: ray`` the transformer is sharded with FSDP2 over the ranks of
 a worker group, and every call of a sharded model is a collective: the ranks agree on the
@@ -34,7 +34,7 @@ import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -56,12 +56,10 @@ from polyrl.core.policy import (
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
+from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
 from polyrl.diffusion.models import FAMILIES, detect_family
 from polyrl.diffusion.samplers import get_sampler
 
-KL_MODES = ("logprob", "mean")
-MEANS_ATTR = "_polyrl_step_means"
-STD_ATTR = "_polyrl_step_std"
 ENGINE_NAME = "diffusion"
 # A tokenizer without a chat template gets this one: the prompt text itself.
 PLAIN_TEMPLATE = (
@@ -95,13 +93,6 @@ def policy_options(cfg: PolicyConfig, name: str | None = None) -> DiffusionPolic
     return args
 
 
-def attach_means(logp: Tensor, means: Tensor, std: Tensor) -> Tensor:
-    """Hang the per-step means [B,T,*L] and stds [B,T] on a log-prob tensor for the KL."""
-    setattr(logp, MEANS_ATTR, means)
-    setattr(logp, STD_ATTR, std)
-    return logp
-
-
 def _device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,6 +111,8 @@ class DiffusionPolicy:
     # LoRA is one PEFT adapter on this policy's own transformer (plain linear layers), so
     # the Ray backend can gather its factors and merge them into the engine's weights.
     ray_lora = True
+    # KL estimators this policy computes itself from its step means (core OwnsKL)
+    kl_estimators: ClassVar[tuple[str, ...]] = (GAUSSIAN_MEAN,)
 
     def __init__(
         self,
@@ -176,9 +169,6 @@ class DiffusionPolicy:
         self.model = model
         self.model.train(False)
         self.need_reference = need_reference
-        # "mean": ref_logprobs gives reference means (gaussian_mean KL); a record's own
-        # kl_mode column (set by the workflow) takes precedence
-        self.kl_mode = "logprob"
         if not cfg.train:
             self.model.requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -340,14 +330,21 @@ class DiffusionPolicy:
             flags[0] = 1  # every rank keeps a graph through the model for backward()
         return flags.bool()
 
-    def _kl_mode(self, batch: TensorDict) -> str:
-        """The record's ``kl_mode`` (the workflow's choice), else this policy's attribute."""
-        if "kl_mode" not in batch.keys():  # noqa: SIM118 (TensorDict)
-            return self.kl_mode
-        mode = strings(batch, "kl_mode")[0] if batch.batch_size[0] else self.kl_mode
-        if mode not in KL_MODES:
-            raise ValueError(f"record column kl_mode={mode!r}; expected one of {KL_MODES}")
-        return mode
+    def _check_estimator(self, estimator: str) -> None:
+        if estimator not in self.kl_estimators:
+            raise ValueError(
+                f"policy {self.name!r} computes the KL estimators {self.kl_estimators}, not "
+                f"{estimator!r} (log-prob estimators go through ref_logprobs)"
+            )
+
+    def _with_graph(self, logp: Tensor) -> Tensor:
+        """``logp``, with a (zero) graph through the trained parameters when no step of the
+        micro-batch trains, so backward() still runs (and, under FSDP, its collectives)."""
+        if not logp.requires_grad and torch.is_grad_enabled():
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            if params:
+                logp = logp + 0.0 * sum(p.reshape(-1)[0] for p in params)
+        return logp
 
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
@@ -357,15 +354,31 @@ class DiffusionPolicy:
         ``temperature`` does not apply to diffusion (the noise level is in the record);
         no entropy is returned.
         """
-        logp, means, std = self._transitions(batch, None, want_means=self._kl_mode(batch) == "mean")
-        if not logp.requires_grad and torch.is_grad_enabled():
-            # no trained step in this micro-batch: keep a (zero) graph for backward()
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            if params:
-                logp = logp + 0.0 * sum(p.reshape(-1)[0] for p in params)
-        if means is not None:
-            attach_means(logp, means, std)
-        return logp, None
+        logp, _, _ = self._transitions(batch, None, want_means=False)
+        return self._with_graph(logp), None
+
+    def logprobs_and_kl(
+        self,
+        batch: TensorDict,
+        temperature: float = 1.0,
+        *,
+        with_entropy: bool = False,
+        estimator: str,
+        reference: Tensor,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(log-probs [B,T], None, KL [B,T]) from one forward: the KL of each trained step's
+        Gaussian to the reference's, from ``reference`` (:meth:`reference_terms`)."""
+        self._check_estimator(estimator)
+        logp, means, std = self._transitions(batch, None, want_means=True)
+        return self._with_graph(logp), None, gaussian_mean_kl(means, reference, std)
+
+    @torch.no_grad()
+    def reference_terms(self, batch: TensorDict, temperature: float, estimator: str) -> Tensor:
+        """The reference's step means [B,T,*L] of the trained steps (0 elsewhere)."""
+        self._check_estimator(estimator)
+        with self._reference() as ref:
+            _, means, _ = self._transitions(batch, ref, want_means=True)
+        return means
 
     @contextlib.contextmanager
     def _reference(self):
@@ -382,11 +395,10 @@ class DiffusionPolicy:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> Tensor:
-        """Reference log-probs [B,T] -- or, for the gaussian_mean KL, reference means."""
-        mean = self._kl_mode(batch) == "mean"
+        """Reference log-probs [B,T] of the recorded transitions (log-prob KL estimators)."""
         with self._reference() as ref:
-            logp, means, _ = self._transitions(batch, ref, want_means=mean)
-        return means if mean else logp
+            logp, _, _ = self._transitions(batch, ref, want_means=False)
+        return logp
 
     # --- state --------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, Tensor]:

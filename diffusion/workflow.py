@@ -62,8 +62,6 @@ def diffusion_record(
     uid: list[int],
     prompt_text: list[str],
     meta: list[dict],
-    credit_args: dict | None = None,
-    kl_mode: str | None = None,
 ) -> TensorDict:
     """The rollout record of diffusion trajectories (``B`` rows, ``N`` steps).
 
@@ -74,9 +72,7 @@ def diffusion_record(
     ``guidance [B]``, ``noise_level [B]``, the group keys ``uid/agent_id/turn/node``,
     ``reward`` (NaN until scored), ``valid``, ``truncated``. Non-tensor: ``policy``,
     ``prompt_text``, ``response_text``, ``error``, ``meta`` (with ``images``),
-    ``sampler``, ``credit_args`` (per-prompt advantage options) and, when given,
-    ``kl_mode`` (what the policy's ``ref_logprobs`` returns: ``mean`` for the gaussian_mean
-    KL, else ``logprob``).
+    ``sampler`` (the step rule the policy recomputes log-probs with).
     """
     b, n = traj.logprobs.shape
     valid = traj.alive
@@ -112,9 +108,6 @@ def diffusion_record(
     td["error"] = _stack(list(traj.errors))
     td["meta"] = _stack(list(meta))
     td["sampler"] = _stack([traj.sampler] * b)
-    td["credit_args"] = NonTensorData(dict(credit_args or {}))
-    if kl_mode is not None:
-        td["kl_mode"] = NonTensorData(kl_mode)
     return td
 
 
@@ -164,11 +157,6 @@ class TextToImage:
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
                 "policy has no supervised warm start)"
             )
-        clip = args.get("adv_clip", 5.0)
-        if clip is not None and (not isinstance(clip, (int, float)) or clip < 0):
-            raise ConfigError(
-                f"rollout.args.adv_clip must be a number >= 0 (0: no clipping), got {clip!r}"
-            )
 
     def __init__(
         self,
@@ -176,8 +164,6 @@ class TextToImage:
         policy: Annotated[
             str | None, "the diffusion policy that samples (null: the first policy)"
         ] = None,
-        adv_clip: float = 5.0,
-        global_std: bool = False,
         grid_scale: Annotated[
             int, "evaluation grids: pixels per image pixel (0: enough for 64-pixel tiles)"
         ] = 0,
@@ -207,10 +193,6 @@ class TextToImage:
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
                 "policy has no supervised warm start)"
             )
-        if adv_clip is not None and adv_clip < 0:
-            raise ConfigError(
-                f"rollout.args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}"
-            )
         algo = self.cfg.algorithm
         if algo.credit == "group":
             warnings.warn(
@@ -218,11 +200,6 @@ class TextToImage:
                 "per_prompt (Flow-GRPO's per-prompt statistics) is the usual choice",
                 stacklevel=2,
             )
-        # written into each record, so the policy reads it wherever it trains
-        self.kl_mode = (
-            "mean" if (algo.kl_coef > 0 and algo.kl_estimator == "gaussian_mean") else "logprob"
-        )
-        self.credit_args = {"adv_clip": adv_clip, "global_std": bool(global_std)}
         prepare_rewards(self.cfg.reward.terms)  # reward paths/models fail before sampling
         self.run_dir = ctx.extras.get("run_dir")
         self.grid_scale = grid_scale
@@ -254,8 +231,6 @@ class TextToImage:
             uid=[it.uid for it in rows],
             prompt_text=[it.prompt_text for it in rows],
             meta=meta,
-            credit_args=self.credit_args,
-            kl_mode=self.kl_mode,
         )
         if not training and self.save_grids:
             self.write_grid(images, [it.prompt_text for it in items], params.n)

@@ -42,13 +42,14 @@ def test_clipping_bounds_the_advantages_and_leaves_the_rest():
 
 
 def test_recipe_options_reach_the_credit(diffusion_config):
-    """rollout.args.adv_clip / global_std travel on the record to ``per_prompt`` credit."""
+    """algorithm.credit_args.adv_clip / global_std reach the ``per_prompt`` credit as its
+    keyword options (nothing travels on the record)."""
     from polyrl.core import rewards
     from polyrl.core.credit import assign
     from polyrl.core.record import strings
     from polyrl.core.session import Session
 
-    s = Session.open(diffusion_config("rollout.args={adv_clip: 0.5, global_std: true}"))
+    s = Session.open(diffusion_config("algorithm.credit_args={adv_clip: 0.5, global_std: true}"))
     record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
     rewards.score(record, s.cfg.reward)
     assign(record, s.cfg.algorithm)
@@ -62,3 +63,14 @@ def test_recipe_options_reach_the_credit(diffusion_config):
     assert torch.allclose(row, expected, atol=1e-6)
     assert row.abs().max() <= 0.5 + 1e-6
     s.finish({})
+
+
+def test_a_negative_clip_is_refused_naming_the_key():
+    from tensordict import TensorDict
+
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.config import ConfigError
+    from polyrl.diffusion.credit import per_prompt_credit
+
+    with pytest.raises(ConfigError, match="algorithm.credit_args.adv_clip must be >= 0"):
+        per_prompt_credit(TensorDict({}, batch_size=[0]), AlgorithmConfig(), adv_clip=-1.0)

@@ -30,7 +30,7 @@ COMMON = (
     "algorithm.minibatches=2",
     "policies.main.optim.lr=5.0e-3",
     # clipped advantages no longer sum to zero per prompt: the loss is not ~0
-    "rollout.args={adv_clip: 1.0}",
+    "algorithm.credit_args={adv_clip: 1.0}",
     # the colour term on its own Ray actor (in local mode the key is ignored)
     "reward.terms=[{name: colour, actor: {num_cpus: 0.5}}, {name: colour_accuracy, weight: 0.0}]",
 )
@@ -50,12 +50,11 @@ def _rollout(s):
 def _gaps(policy, record) -> tuple[torch.Tensor, torch.Tensor]:
     """|log-prob - rollout log-prob| on the trained steps, under the policy's weights and
     under its reference (the initial weights: what an engine never synced would give)."""
-    plain = record.exclude("kl_mode")  # log-probs, not the gaussian_mean KL's means
-    mask = plain["loss_mask"].bool()
+    mask = record["loss_mask"].bool()
     with torch.no_grad():
-        now = policy.logprobs(plain)[0]
-    ref = policy.ref_logprobs(plain)
-    rollout = plain["rollout_logprobs"]
+        now = policy.logprobs(record)[0]
+    ref = policy.ref_logprobs(record)
+    rollout = record["rollout_logprobs"]
     return (now - rollout)[mask].abs(), (ref - rollout)[mask].abs()
 
 

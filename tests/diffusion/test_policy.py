@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.config import ConfigError
+from polyrl.core.interfaces import OwnsKL
+from polyrl.core.registry import KL_ESTIMATORS
 from polyrl.core.trainer import update
 from polyrl.diffusion.credit import gaussian_mean_kl, per_prompt_credit
 
@@ -65,25 +70,74 @@ def test_recomputed_logprobs_match_in_other_micro_batches(make_policy, record_of
 
 def test_kl_is_zero_while_the_adapter_is_unchanged(make_policy, record_of):
     policy, engine = make_policy(lora=4, need_reference=True, lr=1e-2)
-    policy.kl_mode = "mean"
+    assert isinstance(policy, OwnsKL) and policy.kl_estimators == ("gaussian_mean",)
     _, rec = record_of(policy, engine)
-    ref = policy.ref_logprobs(rec)
-    logp, _ = policy.logprobs(rec)
+    ref = policy.reference_terms(rec, 1.0, "gaussian_mean")
     assert ref.shape == rec["latents"][:, :-1].shape  # reference means of each step
-    assert torch.equal(gaussian_mean_kl(logp, ref), torch.zeros_like(logp))
+    logp, _, kl = policy.logprobs_and_kl(rec, estimator="gaussian_mean", reference=ref)
+    assert torch.equal(kl, torch.zeros_like(logp))
+    assert torch.equal(logp, policy.logprobs(rec)[0])  # one forward gives both
     # k1/k3 on log-probs: the adapter-off reference gives the same log-probs
-    policy.kl_mode = "logprob"
     assert torch.equal(policy.ref_logprobs(rec), policy.logprobs(rec)[0].detach())
     # one optimizer step on the adapter: the policy moves away from the reference
-    policy.kl_mode = "mean"
     rec["reward"] = torch.arange(rec.batch_size[0], dtype=torch.float32)
     per_prompt_credit(rec, AlgorithmConfig())
     out = update(policy, rec, AlgorithmConfig(kl_coef=0.1, kl_estimator="gaussian_mean"))
     assert out["kl"] == 0.0  # measured before the step, as the first ratio
-    logp, _ = policy.logprobs(rec)
-    kl = gaussian_mean_kl(logp, ref)
+    _, _, kl = policy.logprobs_and_kl(rec, estimator="gaussian_mean", reference=ref)
     assert torch.isfinite(kl).all() and kl[rec["loss_mask"].bool()].min() > 0
     assert (kl[~rec["loss_mask"].bool()] == 0).all()
+    with pytest.raises(ValueError, match="not 'k3'"):
+        policy.reference_terms(rec, 1.0, "k3")
+
+
+# the record's per-row inputs of DiffusionPolicy.velocity, in its order
+ROW_INPUTS = (
+    "prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+    "guidance",
+)
+
+
+def _flow_sde_step(x, v, sigma, sigma_next, a):
+    """Flow-GRPO's SDE step (arXiv 2505.05470), written out: (mean, std)."""
+    g = a * math.sqrt(sigma / (1 - (sigma_next if sigma >= 1 else sigma)))
+    dt = sigma_next - sigma
+    return x + dt * (v + g**2 / (2 * sigma) * (x + (1 - sigma) * v)), g * math.sqrt(-dt)
+
+
+def test_trainer_gaussian_mean_kl_equals_a_hand_computation(make_policy, record_of):
+    """With kl_estimator gaussian_mean the update's KL (the policy owns it) is the mean over
+    trained steps of mean over latent elements of (mu - mu_ref)^2 / (2 std^2), each step's
+    mu, mu_ref and std recomputed here row by row from the velocities."""
+    policy, engine = make_policy(lora=4, train_steps={"mode": "fraction", "fraction": 0.5})
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # move the adapter off zero: the policy differs from its reference
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    _, rec = record_of(policy, engine)
+    rec["reward"] = torch.rand(rec.batch_size[0], generator=gen)
+    per_prompt_credit(rec, AlgorithmConfig())
+    terms = []
+    with torch.no_grad():
+        for i, t in rec["loss_mask"].nonzero().tolist():
+            x = rec["latents"][i : i + 1, t]
+            inputs = (x, rec["timesteps"][i : i + 1, t], *(rec[k][i : i + 1] for k in ROW_INPUTS))
+            v = policy.velocity(*inputs)
+            with policy.model.disable_adapter():
+                v_ref = policy.velocity(*inputs)
+            s, s_next = float(rec["sigmas"][i, t]), float(rec["sigmas"][i, t + 1])
+            a = float(rec["noise_level"][i])
+            mu, std = _flow_sde_step(x, v, s, s_next, a)
+            mu_ref, _ = _flow_sde_step(x, v_ref, s, s_next, a)
+            terms.append(float(((mu - mu_ref) ** 2).mean()) / (2 * std**2))
+    expected = sum(terms) / len(terms)  # token-mean over the trained steps
+    assert expected > 1e-6
+    out = update(policy, rec, AlgorithmConfig(kl_coef=0.1, kl_estimator="gaussian_mean"))
+    assert out["kl"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_text_encoders_and_vae_are_frozen_and_each_prompt_is_encoded_once(make_policy, monkeypatch):
@@ -112,14 +166,12 @@ def test_gaussian_mean_kl_formula():
     means = torch.randn(2, 3, 4, 2, 2)
     ref = torch.randn(2, 3, 4, 2, 2)
     std = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.1, 0.0]])
-    logp = torch.zeros(2, 3)
-    from polyrl.diffusion.policy import attach_means
-
-    kl = gaussian_mean_kl(attach_means(logp, means, std), ref)
+    kl = gaussian_mean_kl(means, ref, std)
     expected = ((means - ref) ** 2).flatten(2).mean(-1) / (2 * std**2)
     assert torch.allclose(kl[:, :2], expected[:, :2]) and (kl[:, 2] == 0).all()
-    with pytest.raises(ValueError, match="gaussian_mean"):
-        gaussian_mean_kl(torch.zeros(2, 3), torch.zeros(2, 3))
+    # as a log-prob estimator (a policy that does not own it) it refuses, saying why
+    with pytest.raises(ConfigError, match=r"kl_estimator=gaussian_mean .*\(k1, k3"):
+        KL_ESTIMATORS.get("gaussian_mean")(torch.zeros(2, 3), torch.zeros(2, 3))
 
 
 def test_cfg_unconditional_branch_is_detached(make_policy, record_of):

@@ -102,7 +102,8 @@ BAD_SETTINGS = [
     ("policies.main.args.max_sequence_length=0", "max_sequence_length must be in"),
     ("policies.main.engine.args.steps=1", "steps must be >= 2"),
     ("rollout.args.grid_scal=2", "did you mean rollout.args.grid_scale"),
-    ("rollout.args.adv_clp=3", "did you mean rollout.args.adv_clip"),
+    ("algorithm.credit_args.adv_clp=3", "did you mean algorithm.credit_args.adv_clip"),
+    ("rollout.args.adv_clip=3", "workflow 'text_to_image' has no option 'adv_clip'"),
     ("sft.steps=3", "sft.steps"),
 ]
 
