@@ -23,7 +23,7 @@ import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 
@@ -38,6 +38,9 @@ CONVENTIONS = {
     "source_pixels": "source_pixels",
     "normalized": "normalized",
 }
+Convention = Literal[
+    "qwen2.5", "qwen2", "qwen3", "resized_pixels", "relative1000", "source_pixels", "normalized"
+]
 _NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
 # "[x1,y1,x2,y2]", "x1,y1,x2,y2", "(x1,y1),(x2,y2)" or "[[x1,y1],[x2,y2]]", nothing else
 _BOX = re.compile(
@@ -105,11 +108,17 @@ def _size(meta: dict, key: str, index: int) -> tuple[int, int] | None:
 @register_reward("grounding_iou")
 def grounding_iou(
     sample: Sample,
-    pred_convention: str = "qwen2.5",
-    answer_convention: str | None = None,
-    answer_field: str | None = None,
-    image_index: int = 0,
-    unparsable: float = 0.0,
+    pred_convention: Annotated[
+        Convention, "how the model writes boxes (see the module docstring)"
+    ] = "qwen2.5",
+    answer_convention: Annotated[
+        Convention | None, "how the ground truth is written (null: pred_convention)"
+    ] = None,
+    answer_field: Annotated[
+        str | None, "dataset row field holding the ground-truth box (null: the answer)"
+    ] = None,
+    image_index: Annotated[int, "which of the row's images the boxes refer to"] = 0,
+    unparsable: Annotated[float, "score of a response with no box"] = 0.0,
 ) -> float:
     """IoU of the response's box with the ground-truth box, conventions made explicit.
 
@@ -188,15 +197,22 @@ def _caption(sample: Sample, text: str, template: str) -> str:
 @torch.no_grad()
 def clip_score(
     samples: list[Sample],
-    model: str = "ViT-B-32",
-    pretrained: str | None = None,
-    text: str = "response",
-    template: str = "{}",
-    image_index: int = 0,
-    scale: float = 1.0,
-    clip_negative: bool = False,
-    device: str = "cpu",
-    batch_size: int = 64,
+    model: Annotated[
+        str, "open_clip model name, or the path of a model config <name>.json"
+    ] = "ViT-B-32",
+    pretrained: Annotated[
+        str | None, "local checkpoint path or open_clip pretrained tag (null: random init)"
+    ] = None,
+    text: Annotated[
+        Literal["response", "answer", "prompt"],
+        "the caption: the response's <answer> block, the ground truth, or the prompt",
+    ] = "response",
+    template: Annotated[str, "wraps the caption, e.g. 'a photo of {}'"] = "{}",
+    image_index: Annotated[int, "which of the sample's images is scored"] = 0,
+    scale: Annotated[float, "the cosine is multiplied by this (CLIPScore: 2.5)"] = 1.0,
+    clip_negative: Annotated[bool, "negative cosines score 0 (CLIPScore: true)"] = False,
+    device: Annotated[str, "where the CLIP model runs"] = "cpu",
+    batch_size: Annotated[int, "images (and captions) per encoder pass"] = 64,
 ) -> list[float]:
     """Cosine similarity between each sample's image and its caption, times ``scale``.
 
