@@ -1,10 +1,11 @@
 """Stochastic samplers for flow-matching models that record per-step log-probabilities.
 
-Conventions (ARCHITECTURE.md, section 5): the noise level σ runs from 1 (pure noise) to 0
-(data); ``x = (1 - σ)·x0 + σ·ε``; the model predicts the velocity ``v = ε - x0``; one step
-goes from σ to σ' < σ with ``dt = σ' - σ < 0``. A step is Gaussian,
-``x' ~ N(μ(x, v), std²)``, and its log-probability is the Gaussian log-density of ``x'``
-averaged over the latent's elements, computed in float32.
+Conventions (those of diffusers' flow-matching scheduler and of Flow-GRPO, arXiv
+2505.05470; diffusion/README.md, "Samplers", lists the same formulas): the noise level σ
+runs from 1 (pure noise) to 0 (data); ``x = (1 - σ)·x0 + σ·ε``; the model predicts the
+velocity ``v = ε - x0``; one step goes from σ to σ' < σ with ``dt = σ' - σ < 0``. A step
+is Gaussian, ``x' ~ N(μ(x, v), std²)``, and its log-probability is the Gaussian
+log-density of ``x'`` averaged over the latent's elements, computed in float32.
 
 Samplers (registered in :data:`SAMPLERS`):
 

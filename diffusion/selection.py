@@ -1,7 +1,8 @@
 """Which denoising steps of a trajectory are trained.
 
 Training every step costs one transformer forward/backward per step, so recipes train a
-subset (ARCHITECTURE.md section 5):
+subset (Flow-GRPO, arXiv 2505.05470, trains a random fraction of the steps; the modes are
+listed in diffusion/README.md, "Recipe keys"):
 
 - ``all``: every step but the last.
 - ``fraction`` (Flow-GRPO ``timestep_fraction``): ``round(fraction·(N-1))`` steps drawn at

@@ -52,7 +52,8 @@ def test_zero_noise_level_is_euler_too(name):
 
 
 def _reference_mean_std(name, x, v, s, s1, a):
-    """The formulas of ARCHITECTURE.md section 5, written out independently."""
+    """The formulas of polyrl.diffusion.samplers' docstring (flow_sde: Flow-GRPO, arXiv
+    2505.05470), written out independently."""
     dt = s1 - s
     if name == "cps":
         std = s1 * math.sin(a * math.pi / 2)
