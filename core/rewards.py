@@ -8,7 +8,16 @@ import path (``"my_pkg.rewards:score"``).
 
 A reward that raises, or returns None, NaN, inf or something that is not a number, does
 *not* score the row 0: :func:`score` records the error text on the row, marks it invalid so
-the update leaves it out, and counts it in the metrics.
+the update leaves it out, and counts it in the metrics. Only the rows a term could not
+score fail: a per-row reward fails for the rows it raised on; a batched reward that cannot
+score some rows puts an exception in their place in the list it returns (a batched call
+that raises scored none of its rows, so all of them fail).
+
+Every call has a time limit, the term's ``timeout_s`` (default 60 s; a batched call of
+``n`` rows gets ``n * timeout_s``; null: none). A call past it fails its rows with a
+timeout error -- never a 0. Sync rewards with a limit run on a helper thread, one call at
+a time per term; a call past its limit cannot be stopped, so its thread is left to finish
+on its own and the next call gets a new one.
 
 :func:`score` writes into the record:
 
@@ -21,11 +30,14 @@ the update leaves it out, and counts it in the metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import math
 import numbers
+import queue
 import re
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +102,11 @@ class RewardTerm:
     weight: float = doc(1.0, "multiplier of this term in the summed reward")
     args: Any = doc({}, "options of the reward", options=REWARDS, chooser="name")
     label: str = doc("", "key for metrics and reward_terms/<key>; defaults to name")
+    timeout_s: float | None = doc(
+        60.0,
+        "seconds one call may take before its rows fail with a timeout error (never 0); "
+        "a batched call of n rows gets n * timeout_s; null: no limit",
+    )
     actor: dict = doc(
         {},
         "Ray mode: score this term on its own Ray actor with these resources, "
@@ -147,6 +164,16 @@ class RewardConfig:
             seen.add(term.key)
             if not math.isfinite(float(term.weight)):
                 raise ValueError(f"reward {term.name!r} has non-finite weight {term.weight}")
+            limit = term.timeout_s
+            if limit is not None and (
+                isinstance(limit, bool)
+                or not isinstance(limit, int | float)
+                or not 0 < limit < math.inf
+            ):
+                raise ValueError(
+                    f"reward term {term.key!r}: timeout_s must be a positive number of "
+                    f"seconds or null (no limit), got {term.timeout_s!r}"
+                )
             term.args = REWARDS.bind(term.name, term.args, f"reward term {term.key!r} args")
             unknown = sorted(set(term.actor) - set(REWARD_ACTOR_KEYS))
             if unknown:
@@ -211,45 +238,161 @@ async def _bounded(sem: asyncio.Semaphore, awaitable: Awaitable) -> Any:
         return await awaitable
 
 
+class _Timeout(Exception):
+    """A reward call ran past its term's ``timeout_s``."""
+
+
+class _SyncCaller:
+    """Runs one term's sync calls one at a time on a daemon thread, so that a call can be
+    given up on: a call past its limit keeps that thread (a thread cannot be stopped) and
+    the next call gets a fresh one. Daemon, so a hung reward never holds up exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue | None = None
+
+    async def call(self, fn: Callable, arg: Any, kwargs: dict, timeout: float) -> Any:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            state = (torch.is_grad_enabled(), _cuda_device())
+            threading.Thread(
+                target=_serve, args=(self._jobs, state), name="polyrl-reward", daemon=True
+            ).start()
+        self._jobs.put((fn, arg, kwargs, loop, done))
+        try:
+            return await asyncio.wait_for(done, timeout)
+        except TimeoutError:
+            self.close()  # the thread is stuck in this call; leave it
+            raise _Timeout from None
+
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+
+def _cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _serve(jobs: queue.SimpleQueue, state: tuple) -> None:
+    """The helper thread: the caller's grad mode and CUDA device (both per thread), then
+    calls until told to stop."""
+    grad, device = state
+    torch.set_grad_enabled(grad)
+    if device is not None:
+        torch.cuda.set_device(device)
+    while (job := jobs.get()) is not None:
+        fn, arg, kwargs, loop, done = job
+        try:
+            outcome = (True, fn(arg, **kwargs))
+        except BaseException as e:  # handed to the caller, which decides
+            outcome = (False, e)
+        # a closed loop means the caller gave up on this call: nobody to tell
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_settle, done, outcome)
+
+
+def _settle(done: asyncio.Future, outcome: tuple) -> None:
+    if not done.done():
+        ok, value = outcome
+        done.set_result(value) if ok else done.set_exception(value)
+
+
+async def _start(
+    fn: Callable, arg: Any, kwargs: dict, timeout: float | None, caller: _SyncCaller
+) -> Any:
+    """``fn(arg, **kwargs)``: a sync reward with a limit runs on the term's helper thread
+    within it; otherwise in place. An async reward's awaitable is returned unawaited."""
+    if timeout is not None and not inspect.iscoroutinefunction(fn):
+        return await caller.call(fn, arg, kwargs, timeout)
+    return fn(arg, **kwargs)
+
+
+async def _limited(awaitable: Awaitable, timeout: float | None) -> Any:
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except TimeoutError:
+        raise _Timeout from None
+
+
+def _error(term: RewardTerm, exc: BaseException, rows: int = 1) -> str:
+    if isinstance(exc, _Timeout):
+        limit = term.timeout_s * rows
+        what = f"a batched call of {rows} rows" if rows > 1 else "a call"
+        return (
+            f"reward {term.name!r} timed out: {what} took more than {limit:g} s "
+            f"(reward term timeout_s = {term.timeout_s:g})"
+        )
+    return _raised(term.name, exc)
+
+
 async def _run_term(
     term: RewardTerm, fn: Callable, samples: list[Sample], sem: asyncio.Semaphore
 ) -> list[float | str]:
     """One value (or error text) per sample; async calls of this term run concurrently."""
-    name = term.name
-    if is_batched(fn):
-        try:
-            values = fn(samples, **term.args)
-            if inspect.isawaitable(values):
-                values = await _bounded(sem, values)
-        except Exception as e:
-            return [_raised(name, e)] * len(samples)
-        if isinstance(values, torch.Tensor):
-            values = values.tolist()
-        if not isinstance(values, Sequence) or isinstance(values, str | bytes):
-            err = f"reward {name!r} (batched) returned {type(values).__name__}, not a list"
-            return [err] * len(samples)
-        if len(values) != len(samples):
-            err = f"reward {name!r} (batched) returned {len(values)} values for {len(samples)}"
-            return [err] * len(samples)
-        return [_check_value(name, v) for v in values]
+    caller = _SyncCaller()
+    try:
+        if is_batched(fn):
+            return await _run_batched(term, fn, samples, sem, caller)
+        return await _run_rows(term, fn, samples, sem, caller)
+    finally:
+        caller.close()
 
+
+async def _run_batched(
+    term: RewardTerm,
+    fn: Callable,
+    samples: list[Sample],
+    sem: asyncio.Semaphore,
+    caller: _SyncCaller,
+) -> list[float | str]:
+    name = term.name
+    timeout = None if term.timeout_s is None else term.timeout_s * max(1, len(samples))
+    try:
+        values = await _start(fn, samples, term.args, timeout, caller)
+        if inspect.isawaitable(values):
+            values = await _bounded(sem, _limited(values, timeout))
+    except Exception as e:
+        return [_error(term, e, len(samples))] * len(samples)
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes):
+        err = f"reward {name!r} (batched) returned {type(values).__name__}, not a list"
+        return [err] * len(samples)
+    if len(values) != len(samples):
+        err = f"reward {name!r} (batched) returned {len(values)} values for {len(samples)}"
+        return [err] * len(samples)
+    # an exception in a row's place: the reward could not score that row
+    return [_raised(name, v) if isinstance(v, Exception) else _check_value(name, v) for v in values]
+
+
+async def _run_rows(
+    term: RewardTerm,
+    fn: Callable,
+    samples: list[Sample],
+    sem: asyncio.Semaphore,
+    caller: _SyncCaller,
+) -> list[float | str]:
+    name = term.name
     out: list[float | str] = [""] * len(samples)
     pending: list[tuple[int, Awaitable]] = []
     for j, sample in enumerate(samples):
         try:
-            value = fn(sample, **term.args)
+            value = await _start(fn, sample, term.args, term.timeout_s, caller)
         except Exception as e:
-            out[j] = _raised(name, e)
+            out[j] = _error(term, e)
             continue
         if inspect.isawaitable(value):
-            pending.append((j, _bounded(sem, value)))
+            pending.append((j, _bounded(sem, _limited(value, term.timeout_s))))
         else:
             out[j] = _check_value(name, value)
     if pending:
         results = await asyncio.gather(*(a for _, a in pending), return_exceptions=True)
         for (j, _), value in zip(pending, results, strict=True):
             if isinstance(value, Exception):
-                out[j] = _raised(name, value)
+                out[j] = _error(term, value)
             elif isinstance(value, BaseException):  # cancellation, interrupts: not a score
                 raise value
             else:

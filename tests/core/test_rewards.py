@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
+import threading
 
 import pytest
 import torch
@@ -52,10 +52,56 @@ def _str_on_bad(sample: Sample) -> object:
     return "oops" if sample.response == "bad" else 1.0
 
 
-@register_reward("test_sleepy")
-async def _sleepy(sample: Sample, delay: float = 0.2) -> float:
-    await asyncio.sleep(delay)
+IN_FLIGHT = {"now": 0, "peak": 0}
+
+
+@register_reward("test_in_flight")
+async def _in_flight(sample: Sample) -> float:
+    """Counts the calls running at once (they overlap at their awaits)."""
+    IN_FLIGHT["now"] += 1
+    IN_FLIGHT["peak"] = max(IN_FLIGHT["peak"], IN_FLIGHT["now"])
+    for _ in range(3):
+        await asyncio.sleep(0)
+    IN_FLIGHT["now"] -= 1
     return float(sample.index)
+
+
+RELEASE = threading.Event()  # set by a test to let a stuck sync reward finish
+
+
+@register_reward("test_hangs_on_slow")
+def _hangs_on_slow(sample: Sample) -> float:
+    if sample.response == "slow":
+        RELEASE.wait(60)
+    return 1.0
+
+
+@register_reward("test_async_hangs_on_slow")
+async def _async_hangs_on_slow(sample: Sample) -> float:
+    if sample.response == "slow":
+        await asyncio.sleep(60)
+    return 2.0
+
+
+@register_reward("test_batched_hangs", batched=True)
+def _batched_hangs(samples: list[Sample]) -> list[float]:
+    if any(s.response == "slow" for s in samples):
+        RELEASE.wait(60)
+    return [1.0] * len(samples)
+
+
+@register_reward("test_batched_row_error", batched=True)
+def _batched_row_error(samples: list[Sample]) -> list:
+    return [ValueError("cannot score 'bad'") if s.response == "bad" else 3.0 for s in samples]
+
+
+@register_reward("test_where")
+def _where(sample: Sample) -> float:
+    """Records the thread and grad mode each call ran with."""
+    CALLS.setdefault("where", []).append(
+        (threading.current_thread() is threading.main_thread(), torch.is_grad_enabled())
+    )
+    return 0.0
 
 
 @register_reward("test_async_raise")
@@ -305,21 +351,84 @@ def test_rows_already_invalid_are_not_scored() -> None:
     assert metrics["reward/errors"] == 0 and metrics["reward/error_rate"] == 0
 
 
-def test_async_rewards_run_concurrently() -> None:
+@pytest.mark.parametrize(("concurrency", "peak"), [(256, 8), (3, 3), (1, 1)])
+def test_async_rewards_overlap_up_to_the_concurrency_limit(concurrency: int, peak: int) -> None:
     td = make_record([f"r{i}" for i in range(8)])
-    start = time.perf_counter()
-    score(td, cfg(RewardTerm("test_sleepy", args={"delay": 0.2})))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"8 async calls of 0.2 s took {elapsed:.2f} s"
+    IN_FLIGHT.update(now=0, peak=0)
+    c = RewardConfig(terms=[RewardTerm("test_in_flight")], concurrency=concurrency)
+    c.validate()
+    score(td, c)
+    assert IN_FLIGHT["peak"] == peak
     assert td["reward"].tolist() == [float(i) for i in range(8)]
 
 
-def test_concurrency_limit_bounds_async_calls() -> None:
-    td = make_record([f"r{i}" for i in range(4)])
-    c = RewardConfig(terms=[RewardTerm("test_sleepy", args={"delay": 0.1})], concurrency=1)
-    start = time.perf_counter()
-    score(td, c)
-    assert time.perf_counter() - start >= 0.35
+@pytest.mark.parametrize(
+    ("name", "good"), [("test_hangs_on_slow", 1.0), ("test_async_hangs_on_slow", 2.0)]
+)
+def test_a_reward_past_its_timeout_fails_its_row_not_zero(name: str, good: float) -> None:
+    """Issue 23: a reward that hangs held up the whole run. Now the call's row fails with
+    a timeout error (never 0) and the other rows are scored."""
+    RELEASE.clear()
+    td = make_record(["fast", "slow", "fast"])
+    try:
+        metrics = score(td, cfg(RewardTerm(name, timeout_s=0.3)))
+    finally:
+        RELEASE.set()  # the abandoned sync call may finish now
+    assert td["reward"][0].item() == good and td["reward"][2].item() == good
+    assert math.isnan(td["reward"][1].item())
+    assert td["valid"].tolist() == [True, False, True]
+    error = strings(td, "error")[1]
+    assert error.startswith(f"reward {name!r} timed out: a call took more than 0.3 s")
+    assert "timeout_s" in error
+    assert metrics["reward/errors"] == 1
+
+
+def test_a_batched_call_past_its_timeout_fails_the_rows_it_was_given() -> None:
+    RELEASE.clear()
+    td = make_record(["a", "slow"])
+    mark_invalid(td, [0], ["engine failed"])
+    try:
+        score(td, cfg(RewardTerm("test_batched_hangs", timeout_s=0.3)))
+    finally:
+        RELEASE.set()
+    assert td["valid"].tolist() == [False, False]
+    assert strings(td, "error")[0] == "engine failed"  # not given to the call
+    assert "timed out: a call took more than 0.3 s" in strings(td, "error")[1]
+    td = make_record(["a", "b", "slow"])
+    RELEASE.clear()
+    try:  # a batched call of n rows gets n * timeout_s
+        score(td, cfg(RewardTerm("test_batched_hangs", timeout_s=0.1)))
+    finally:
+        RELEASE.set()
+    assert "a batched call of 3 rows took more than 0.3 s" in strings(td, "error")[2]
+
+
+def test_a_batched_reward_fails_only_the_rows_it_could_not_score() -> None:
+    td = make_record(["good", "bad", "good"])
+    metrics = score(td, cfg(RewardTerm("test_batched_row_error")))
+    assert td["valid"].tolist() == [True, False, True]
+    assert td["reward"][0].item() == 3.0 and td["reward"][2].item() == 3.0
+    assert strings(td, "error")[1] == (
+        "reward 'test_batched_row_error' raised ValueError: cannot score 'bad'"
+    )
+    assert metrics["reward/errors"] == 1
+
+
+def test_sync_rewards_with_a_timeout_keep_the_callers_grad_mode() -> None:
+    CALLS["where"] = []
+    td = make_record(["a", "b"])
+    with torch.no_grad():
+        score(td, cfg(RewardTerm("test_where")))  # default timeout: on a helper thread
+        score(td, cfg(RewardTerm("test_where", timeout_s=None)))  # no limit: in place
+    assert CALLS["where"] == [(False, False)] * 2 + [(True, False)] * 2
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), "10", True])
+def test_timeout_must_be_positive_seconds_or_null(bad: object) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        cfg(RewardTerm("exact_match", timeout_s=bad))
+    assert cfg(RewardTerm("exact_match", timeout_s=None)).terms[0].timeout_s is None
+    assert RewardTerm("exact_match").timeout_s == 60.0
 
 
 def test_score_inside_running_loop_and_ascore() -> None:
@@ -410,7 +519,7 @@ def test_default_config_is_exact_match_and_terms_are_not_shared() -> None:
 def test_config_accepts_dicts_and_names() -> None:
     c = RewardConfig(terms=[{"name": "gsm8k", "weight": 0.5}, "regex_format"])
     c.validate()
-    assert c.terms == [RewardTerm("gsm8k", 0.5), RewardTerm("regex_format")]
+    assert [(t.name, t.weight) for t in c.terms] == [("gsm8k", 0.5), ("regex_format", 1.0)]
     with pytest.raises(ValueError, match="unknown keys"):
         RewardConfig(terms=[{"name": "gsm8k", "wieght": 1.0}])
 
@@ -422,7 +531,7 @@ def test_unknown_reward_name_hints_nearest() -> None:
 
 
 def test_bad_args_fail_at_config_time() -> None:
-    with pytest.raises(ValueError, match="does not accept args"):
+    with pytest.raises(ValueError, match="has no option 'patern'"):
         RewardConfig(terms=[RewardTerm("regex_format", args={"patern": "x"})]).validate()
 
 
