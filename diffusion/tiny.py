@@ -377,7 +377,6 @@ _HEAD_DIM = Annotated[int, "width of one attention head"]
 _TEXT = Annotated[int, "hidden size of the tiny CLIP text encoder(s)"]
 _MAX_LEN = Annotated[int, "CLIP tokens per prompt"]
 _CORPUS = Annotated[str, "task whose prompts make the tokenizers' vocabulary (corpus())"]
-_SEED = Annotated[int, "seed of the random weights (and of the pre-training)"]
 
 
 @MODELS.register("tiny_sd3")
@@ -393,7 +392,7 @@ def tiny_sd3(
     label_noise: Annotated[
         float, "share of pre-training images whose colour disagrees with their caption"
     ] = 0.0,
-    seed: _SEED = 0,
+    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
     log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
     image_size: _IMAGE = 16,
     vae_patch: _PATCH = 2,
@@ -444,7 +443,7 @@ def tiny_flux(
     path: str | Path,
     *,
     corpus: _CORPUS = "colour",
-    seed: _SEED = 0,
+    seed: Annotated[int, "seed of the random weights"] = 0,
     image_size: _IMAGE = 16,
     vae_patch: _PATCH = 2,
     layers: Annotated[int, "FLUX double-stream (joint) blocks"] = 1,
