@@ -280,10 +280,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-# The OS refused an operation: EPERM, EACCES, EROFS, or the loader's refusal to map a library
-# from a noexec mount (the errno text of that one is lost in dlopen's message).
+# The OS refused an operation: EPERM, EACCES, EROFS, ENETUNREACH (no network in the
+# namespace), or the loader's refusal to map a library from a noexec mount (the errno
+# text of that one is lost in dlopen's message).
 _OS_REFUSAL = re.compile(
-    r"^\w*(Error|Exception): (\[Errno (1|13|30)\] |.*failed to map segment from shared object)"
+    r"^\w*(Error|Exception): (\[Errno (1|13|30|101)\] |.*failed to map segment from shared object)"
 )
 
 

@@ -152,7 +152,7 @@ def test_network_sockets_cannot_reach_anything(caps, audit):
     )
     r = box(audit).run(code)
     assert "connected" not in r.stdout
-    assert_contained(r, "blocked", "exception")
+    assert_contained(r, "blocked")  # by the hook, or by the OS (no route: ENETUNREACH)
     if audit:
         assert "socket" in r.stderr
 
