@@ -199,10 +199,23 @@ class Ahead:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """The engines with the newest weights, the producer paused (evaluation)."""
+        """The engines with the newest weights and the RNG state they had before the next
+        batch (as in the synchronous loop, whatever the producer has drawn since), the
+        producer paused (evaluation)."""
         with self.engine_lock:
             self._load(self.published)
-            yield
+            engines = self.s.engines
+            now = {n: e.state_dict() for n, e in engines.items()}
+            with self.cond:
+                pre = self.prestates.get(self.published + 1)
+            if pre is not None:
+                for n, e in engines.items():
+                    e.load_state_dict(copy.deepcopy(pre["engines"][n]))
+            try:
+                yield
+            finally:
+                for n, e in engines.items():
+                    e.load_state_dict(now[n])
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What resuming at ``step`` needs: the state before batch step+1, and the older

@@ -393,7 +393,7 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
     assert refused.wait(timeout=120) != 0
     refused.log.close()
     assert "already has checkpoints" in Path(refused.log.name).read_text()
-    spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b), k))
+    spawned.append(resume := _spawn(recipe, tmp_path, k, "--resume", str(dir_b)))
     _finish(resume)
     _finish(run_a)
 
