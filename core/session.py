@@ -121,7 +121,10 @@ class Session:
                 "(run.resume=true / --resume) or choose another run.dir"
             )
         run = RunDir(
-            run_dir, to_dict(cfg) if record else None, tensorboard=cfg.run.tensorboard and record
+            run_dir,
+            to_dict(cfg) if record else None,
+            tensorboard=cfg.run.tensorboard and record,
+            loggers=cfg.run.loggers if record else (),
         )
         seed_everything(cfg.seed)
         sources = prepare_task(cfg, run.path)

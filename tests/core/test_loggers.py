@@ -120,3 +120,17 @@ def test_a_logger_whose_package_is_missing_fails_at_load_naming_the_extra(monkey
         load(Config, None, ["policies.main.model=m", "run.loggers=[wandb]"])
     msg = str(err.value)
     assert "run.loggers" in msg and "'wandb'" in msg and "pip install 'polyrl[loggers]'" in msg
+
+
+def test_a_training_run_logs_to_the_loggers_its_recipe_names(make_config):
+    pytest.importorskip("mlflow", reason="mlflow is not installed (pip install 'polyrl[loggers]')")
+    from mlflow.tracking import MlflowClient
+
+    from polyrl.core.loop import train
+
+    run = train(make_config("train.steps=2", "run.loggers=[mlflow]"))
+    client = MlflowClient(tracking_uri=(run.path / "mlruns").resolve().as_uri())
+    (found,) = client.search_runs([client.get_experiment_by_name("polyrl").experiment_id])
+    steps = [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")]
+    assert steps == [1, 2]
+    assert not (run.path / "tensorboard").exists()
