@@ -63,16 +63,16 @@ class RolloutCorrection(Options):
         "[0.5, 5]); null: no token rejection",
     )
 
-    def check(self, where: str = "algorithm.rollout_correction") -> None:
+    def check(self, where: str = "algorithm.rollout_correction", source: str = "<config>") -> None:
         if not (self.max > 1 and math.isfinite(self.max)):
-            raise ConfigError(f"{where}.max={self.max}: must be a finite number > 1")
+            raise ConfigError(f"{where}.max={self.max} in {source}: must be a finite number > 1")
         if not 0 <= self.min < 1:
-            raise ConfigError(f"{where}.min={self.min}: must be in [0, 1)")
+            raise ConfigError(f"{where}.min={self.min} in {source}: must be in [0, 1)")
         if self.reject_band is not None:
             band = self.reject_band
             if len(band) != 2 or not (0 <= band[0] < 1 < band[1]):
                 raise ConfigError(
-                    f"{where}.reject_band={band}: give [lo, hi] with 0 <= lo < 1 < hi"
+                    f"{where}.reject_band={band} in {source}: give [lo, hi] with 0 <= lo < 1 < hi"
                 )
 
     def resolved(self, exact_engines: bool, max_staleness: int = 0) -> str:

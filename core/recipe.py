@@ -151,6 +151,7 @@ class Config:
         if not self.policies:
             raise ConfigError("the recipe declares no policies; add policies: {main: {model: ...}}")
         self.check_ranges(source)
+        self.algorithm.rollout_correction.check(source=source)
         self.bind_options(source)
         check_build_conflicts(self.policies, source)
         check_loggers(self.run.loggers, source)
@@ -171,11 +172,11 @@ class Config:
                     f"train.policies names unknown policy {name!r}"
                     + (f"; did you mean {hint!r}?" if hint else "")
                 )
-        if self.rollout.max_staleness and self.distributed.backend != "local":
+        if self.rollout.max_staleness and self.distributed.backend == "ray":
             raise ConfigError(
-                f"rollout.max_staleness={self.rollout.max_staleness} runs on the local "
-                f"backend only for now; distributed.backend is {self.distributed.backend!r} "
-                "(set max_staleness: 0, or distributed.backend: local)"
+                f"rollout.max_staleness={self.rollout.max_staleness} runs in one process "
+                "(distributed.backend: local) for now, not under Ray: set max_staleness: 0 "
+                "or distributed.backend: local"
             )
         WORKFLOWS.check(self.rollout.workflow)
         # A workflow may check its own rollout.args (agents, policies it names) before any

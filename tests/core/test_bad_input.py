@@ -40,12 +40,20 @@ def recipe(tmp_path):
         ("policies.main.dtype=float17", "is not one of ['float32', 'bfloat16']"),
         ("policies.main.optim.schedule=cosin", "did you mean 'cosine'"),
         ("sft.batch_size=0", "sft.batch_size=0 in"),
+        ("rollout.max_staleness=-1", "rollout.max_staleness=-1 in"),
+        ("algorithm.rollout_correction.max=0.5", "rollout_correction.max=0.5"),
+        ("algorithm.rollout_correction.level=tokens", "did you mean 'token'"),
     ],
 )
 def test_numbers_a_run_cannot_mean_fail_at_load(recipe, override, message):
     with pytest.raises(ConfigError) as e:
         load(Config, recipe, [override])
     assert message in str(e.value) and str(recipe) in str(e.value)
+
+
+def test_async_rollouts_under_ray_are_refused_at_load(recipe):
+    with pytest.raises(ConfigError, match="max_staleness=1 runs in one process"):
+        load(Config, recipe, ["rollout.max_staleness=1", "distributed.backend=ray"])
 
 
 def test_a_group_of_one_under_grpo_warns(recipe):
