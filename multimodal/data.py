@@ -52,6 +52,7 @@ from polyrl.multimodal.images import (
     ImageError,
     ImageRef,
     ResizeRule,
+    check_pixels,
     make_ref,
     probe,
 )
@@ -91,8 +92,9 @@ class VLDataOptions(Options):
     )
     bad_images: Literal["error", "skip"] = doc(
         "error",
-        "a missing, unreadable or too large image or frame: error, or skip (drop the row "
-        "at load, counted as skipped_bad_image)",
+        "a missing, unreadable, truncated or too large image or frame: error, or skip "
+        "(drop the row at load, counted as skipped_bad_image; skip decodes each image "
+        "once at load to find truncated data)",
     )
     video_field: str = doc("videos", "row field holding the videos, each a list of frames")
     video_placeholder: str = doc("<video>", "the video marker in prompt text")
@@ -635,9 +637,13 @@ class VLDataset:
         return ref
 
     def _probe(self, ref: ImageRef):
-        """The header, or None for a bad image when ``bad_images: skip`` (counted)."""
+        """The header, or None for a bad image when ``bad_images: skip`` (counted). With
+        skip, the pixels are decoded once too (and dropped): an image whose data is truncated
+        or corrupt past its header is found here, not when a rollout needs it."""
         try:
             header = probe(ref, self.opts.max_source_pixels)
+            if self.opts.bad_images == "skip":
+                check_pixels(ref)
         except ImageError as e:
             if self.opts.bad_images == "skip":
                 self.stats["skipped_bad_image"] += 1

@@ -11,7 +11,11 @@ the file and the dataset row, or a fix that is documented here and counted by th
 
 ========================  ===================================================================
 missing / unreadable file  error (or, with ``bad_images: skip``, the row is dropped, counted)
-corrupt / truncated data   error naming the file (header problems are found at load time)
+corrupt / truncated data   error naming the file (header problems are found at load time);
+                           with ``bad_images: skip`` the pixels are decoded once at load
+                           (:func:`check_pixels`) and such a row is dropped, counted
+``data:`` URI              decoded (base64 or percent-encoded) to the image's bytes; a URI
+                           that is not an image, or bad base64, is an error
 grayscale, RGBA, palette   converted to RGB (RGBA over white), counted as ``converted_rgb``
 tiny (even 1x1)            upscaled to ``min_pixels`` by ``smart_resize``, counted ``upscaled``
 over ``max_pixels``        downscaled to fit, counted ``downscaled``
@@ -23,8 +27,11 @@ aspect ratio over 200      error (Qwen-VL's resize rule cannot keep such an imag
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import os
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +108,8 @@ def _classify(value: Any, where: str, name: str, root: Path | None) -> tuple[str
         if value.get("path"):
             return _classify(value["path"], where, name, root)
         raise ImageError(f"{where}: image value {sorted(value)} has neither 'bytes' nor 'path'")
+    if isinstance(value, str) and value[:5].lower() == "data:":
+        return "bytes", _data_uri(value, where)
     if isinstance(value, (str, os.PathLike)):
         text = str(value)
         if text.startswith("file://"):
@@ -117,6 +126,26 @@ def _classify(value: Any, where: str, name: str, root: Path | None) -> tuple[str
     raise ImageError(
         f"{where}: an image must be a path, bytes or a PIL image, not {type(value).__name__}"
     )
+
+
+def _data_uri(text: str, where: str) -> bytes:
+    """The bytes of a ``data:[<media type>][;base64],<data>`` image URI (RFC 2397)."""
+    header, comma, payload = text[5:].partition(",")
+    if not comma:
+        raise ImageError(
+            f"{where}: the data: URI {text[:40]!r}... has no ',' before its data; write "
+            "it as data:image/png;base64,<data>"
+        )
+    params = [p.strip().lower() for p in header.split(";")]
+    media = params[0] or "text/plain"
+    if not media.startswith("image/"):
+        raise ImageError(f"{where}: the data: URI holds {media!r}, not an image (image/...)")
+    if "base64" in params[1:]:
+        try:
+            return base64.b64decode("".join(payload.split()), validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ImageError(f"{where}: the data: URI's base64 data is invalid ({e})") from None
+    return urllib.parse.unquote_to_bytes(payload)
 
 
 def make_ref(value: Any, where: str, root: Path | None) -> ImageRef:
@@ -189,6 +218,31 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def _undecodable(ref: ImageRef, e: BaseException) -> ImageError:
+    return ImageError(
+        f"{_describe(ref)}: the image header is fine but its pixel data cannot "
+        f"be decoded ({type(e).__name__}: {e}); the file is truncated or "
+        "corrupt. Replace it or drop the row."
+    )
+
+
+def check_pixels(ref: ImageRef) -> None:
+    """Decode the image's pixels once and drop them: an ImageError when the data is
+    truncated or corrupt beyond its header. A JPEG is decoded at 1/8 scale (its DCT allows
+    it), which still reads every byte of its compressed data."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = _open(ref)
+            if ref.kind == "pil":
+                return  # already in memory: decoded by whoever made it
+            if img.format == "JPEG":
+                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+            img.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise _undecodable(ref, e) from None
+
+
 def decode(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) -> Image.Image:
     """The image's pixels as RGB; errors name the file and row."""
     header = probe(ref, max_source_pixels)
@@ -198,11 +252,7 @@ def decode(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) ->
             img = _open(ref)
             img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ImageError(
-            f"{_describe(ref)}: the image header is fine but its pixel data cannot "
-            f"be decoded ({type(e).__name__}: {e}); the file is truncated or "
-            "corrupt. Replace it or drop the row."
-        ) from None
+        raise _undecodable(ref, e) from None
     if (img.width, img.height) != (header.width, header.height):  # pragma: no cover (defensive)
         raise ImageError(f"{_describe(ref)}: decoded size {img.size} differs from the header")
     return to_rgb(img)

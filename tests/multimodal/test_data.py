@@ -218,6 +218,76 @@ def test_truncated_image_fails_at_decode_naming_the_file(tmp_path, policy):
         vision.process(ds[0].vision, policy.processor.image_processor)
 
 
+def test_truncated_jpeg_is_skipped_and_counted_in_skip_mode(tmp_path, policy):
+    """With bad_images: skip, a JPEG whose header is fine but whose data is cut short is
+    found at load (its pixels decoded once) and its row dropped and counted, so no rollout
+    meets it; the other rows load and process as usual."""
+    (tmp_path / "img").mkdir()
+    noisy = Image.effect_noise((112, 112), 64).convert("RGB")
+    noisy.save(tmp_path / "img" / "cut.jpg", quality=90)
+    data = (tmp_path / "img" / "cut.jpg").read_bytes()
+    (tmp_path / "img" / "cut.jpg").write_bytes(data[: len(data) * 2 // 3])
+    rows = [
+        {"prompt": "<image>What colour is the square?", "images": ["img/cut.jpg"], "answer": "x"},
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": [save(tmp_path, "a.png")],
+            "answer": "red",
+        },
+    ]
+    ds = load(tmp_path, policy, rows, bad_images="skip")
+    assert len(ds) == 1 and ds.stats["skipped_bad_image"] == 1
+    assert ds[0].row["images"] == [str(tmp_path / "img" / "a.png")]
+    _, images = vision.process(ds[0].vision, policy.processor.image_processor)
+    assert images[0].getpixel((5, 5)) == (200, 30, 30)
+    # without skip, loading stays lazy and the decode names the file
+    lazy = load(tmp_path, policy, rows)
+    with pytest.raises(ImageError, match=r"line 1, image 0.*cut\.jpg.*truncated or corrupt"):
+        vision.process(lazy[0].vision, policy.processor.image_processor)
+
+
+def png_bytes(colour, size=(56, 56)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_data_uri_images_are_decoded(tmp_path, policy):
+    import base64
+    import urllib.parse
+
+    red, green = png_bytes((200, 30, 30)), png_bytes((30, 160, 40), (84, 56))
+    rows = [
+        {
+            "prompt": "<image>What colour is the square?",
+            "images": ["data:image/png;base64," + base64.b64encode(red).decode()],
+            "answer": "red",
+        },
+        {  # percent-encoded instead of base64
+            "prompt": "<image>What colour is the square?",
+            "images": ["data:image/png," + urllib.parse.quote_from_bytes(green)],
+            "answer": "green",
+        },
+    ]
+    ds = load(tmp_path, policy, rows)
+    assert [it.vision.refs[0].kind for it in ds] == ["bytes", "bytes"]
+    assert [it.vision.sizes[0] for it in ds] == [(56, 56), (84, 56)]
+    _, images = vision.process(ds[0].vision, policy.processor.image_processor)
+    assert images[0].getpixel((5, 5)) == (200, 30, 30)
+    _, images = vision.process(ds[1].vision, policy.processor.image_processor)
+    assert images[0].getpixel((5, 5)) == (30, 160, 40)
+    wrapped = base64.encodebytes(red).decode()  # 76-character lines
+    ds = load(tmp_path, policy, [{**rows[0], "images": ["data:image/png;base64," + wrapped]}])
+    assert ds[0].vision.sizes[0] == (56, 56)
+    for uri, message in (
+        ("data:text/plain;base64,aGVsbG8=", "URI holds 'text/plain', not an image"),
+        ("data:image/png;base64,not*base64", "URI's base64 data is invalid"),
+        ("data:image/png;base64", "URI 'data:image/png;base64'... has no ','"),
+    ):
+        with pytest.raises(DataError, match=rf"line 1, image 0: the data: {message}"):
+            load(tmp_path, policy, [{**rows[0], "images": [uri]}])
+
+
 @pytest.mark.parametrize("mode", ["L", "RGBA", "P", "1"])
 def test_grayscale_palette_and_alpha_images_become_rgb(tmp_path, policy, mode):
     rows = [
