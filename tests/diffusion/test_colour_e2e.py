@@ -64,7 +64,8 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
             "run.tensorboard=false",
             "run.export=false",
             f"policies.main.model={demo_model}",
-            "policies.main.build=null",
+            "policies.main.build=null",  # built above, once for the three seeds
+            "policies.main.build_args=null",
         ]
         procs[seed] = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
