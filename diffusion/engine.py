@@ -155,6 +155,8 @@ class DiffusionEngine:
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
 
+    exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
+
     def sync(self) -> None:  # same module as the trainer's
         return None
 
