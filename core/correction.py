@@ -64,6 +64,7 @@ class RolloutCorrection(Options):
     )
 
     def check(self, where: str = "algorithm.rollout_correction", source: str = "<config>") -> None:
+        """Bounds that make a weight: max > 1, min in [0, 1), a band around 1."""
         if not (self.max > 1 and math.isfinite(self.max)):
             raise ConfigError(f"{where}.max={self.max} in {source}: must be a finite number > 1")
         if not 0 <= self.min < 1:

@@ -47,6 +47,10 @@ class Options:
     def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key) if key in self.keys() else default
 
+    def check(self, where: str, source: str = "<config>") -> None:
+        """Ranges and combinations the types cannot say; raise ConfigError naming
+        ``where`` (the recipe key of these options) and ``source``. Run at load time."""
+
 
 def _doc_of(hint: Any) -> tuple[Any, str]:
     """(type, doc) of an annotation; ``Annotated[T, "doc"]`` carries the doc."""
@@ -164,4 +168,6 @@ def bind(options: type, value: Any, where: str, source: str, part: str) -> Optio
             + (f"; did you mean {where}.{hint}?" if hint else "")
             + f" ({takes}; `polyrl config` lists each with its type and doc)."
         )
-    return from_dict(options, value, where, source)
+    bound = from_dict(options, value, where, source)
+    bound.check(where, source)
+    return bound

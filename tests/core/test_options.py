@@ -234,3 +234,24 @@ def test_verl_actor_config_is_not_mutated_between_calls():
     assert first.global_batch_info["batch_num_tokens"] == 10
     assert second.global_batch_info["batch_num_tokens"] == 99
     assert _actor_config.cache_info().currsize >= 1  # the settings are still built once
+
+
+def test_an_options_check_runs_when_a_recipe_binds_them():
+    import dataclasses
+
+    import pytest
+
+    from polyrl.core.config import ConfigError, doc
+    from polyrl.core.options import Options, bind
+
+    @dataclasses.dataclass
+    class Clip(Options):
+        clip: float = doc(5.0, "advantage clip (> 0)")
+
+        def check(self, where, source="<config>"):
+            if self.clip <= 0:
+                raise ConfigError(f"{where}.clip={self.clip} in {source}: must be > 0")
+
+    assert bind(Clip, {"clip": 2.0}, "algorithm.credit_args", "r.yaml", "credit 'x'").clip == 2.0
+    with pytest.raises(ConfigError, match=r"algorithm.credit_args.clip=-1.0 in r.yaml"):
+        bind(Clip, {"clip": -1.0}, "algorithm.credit_args", "r.yaml", "credit 'x'")
