@@ -108,11 +108,11 @@ class VLDataOptions(Options):
     )
     video_fps_field: str = doc("video_fps", "row field with a row's frame rate(s)")
 
-    def __post_init__(self) -> None:
+    def check(self, where: str = "data.args", source: str = "<config>") -> None:
+        """Values the types cannot say, checked when the recipe binds them."""
+
         def bad(key: str, need: str) -> ConfigError:
-            return ConfigError(
-                f"data.args.{key}={getattr(self, key)!r} (vl dataset kind): must be {need}"
-            )
+            return ConfigError(f"{where}.{key}={getattr(self, key)!r} in {source}: must be {need}")
 
         if not self.placeholder:
             raise bad("placeholder", "a non-empty string")

@@ -293,7 +293,9 @@ def test_bad_videos_are_named(make_policy, tmp_path):
     fps = [{"prompt": "<video>?", "videos": [frames(2)], "video_fps": [1, 2], "answer": "x"}]
     with pytest.raises(DataError, match=r"row 0: field 'video_fps'"):
         _load(policy, fps)
-    with pytest.raises(ConfigError, match="max_frames=0 .*must be a positive integer"):
+    with pytest.raises(
+        ConfigError, match="b data.args.max_frames=0 in .*must be a positive integer"
+    ):
         _load(policy, empty, max_frames=0)
     # a missing frame file, from a JSONL file: named by line, video, frame and path
     (tmp_path / "f").mkdir()
