@@ -172,7 +172,7 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
     from polyrl.core.algorithms import AlgorithmConfig
     from polyrl.core.rewards import RewardConfig, RewardTerm, score
     from polyrl.core.trainer import update
-    from polyrl.diffusion.credit import per_prompt_credit
+    from polyrl.diffusion.credit import PerPromptOptions, per_prompt_credit
     from polyrl.diffusion.workflow import diffusion_record
 
     policy, engine = make_policy(model, args, train_steps=selection)
@@ -196,7 +196,7 @@ def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
         )
         t1 = time.perf_counter()
         score(rec, reward_cfg)
-        per_prompt_credit(rec, algo)
+        per_prompt_credit(rec, algo, **PerPromptOptions())
         t2 = time.perf_counter()
         update(policy, rec, algo)
         t3 = time.perf_counter()

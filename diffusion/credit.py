@@ -18,14 +18,15 @@ log-prob estimator (for a policy that does not own it) fails saying so.
 
 from __future__ import annotations
 
-from typing import Annotated
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from polyrl.core.config import ConfigError
+from polyrl.core.config import ConfigError, doc
 from polyrl.core.credit import group_stats
+from polyrl.core.options import Options
 from polyrl.core.record import strings
 from polyrl.core.registry import CREDIT, KL_ESTIMATORS
 
@@ -53,23 +54,28 @@ def per_prompt_advantages(
     return centred.float()
 
 
-@CREDIT.register("per_prompt")
+@dataclass
+class PerPromptOptions(Options):
+    """Options of the ``per_prompt`` credit (``algorithm.credit_args``)."""
+
+    adv_clip: float = doc(
+        5.0, "clip advantages to [-adv_clip, adv_clip] (0: no clipping; Flow-GRPO: 5)"
+    )
+    global_std: bool = doc(
+        False, "divide by the std of the whole batch's rewards instead of the prompt's"
+    )
+
+    def check(self, where: str, source: str = "<config>") -> None:
+        if self.adv_clip < 0:
+            raise ConfigError(
+                f"{where}.adv_clip={self.adv_clip} in {source}: must be >= 0 (0: no clipping)"
+            )
+
+
 def per_prompt_credit(
-    record: TensorDict,
-    algo,
-    *,
-    adv_clip: Annotated[
-        float, "clip advantages to [-adv_clip, adv_clip] (0: no clipping; Flow-GRPO: 5)"
-    ] = 5.0,
-    global_std: Annotated[
-        bool, "divide by the std of the whole batch's rewards instead of the prompt's"
-    ] = False,
+    record: TensorDict, algo, *, adv_clip: float, global_std: bool
 ) -> dict[str, float]:
     """Per-prompt (text) mean/std advantages, clipped, on every trained step of a row."""
-    if adv_clip < 0:
-        raise ConfigError(
-            f"algorithm.credit_args.adv_clip must be >= 0 (0: no clipping), got {adv_clip}"
-        )
     mask = record["loss_mask"].float()
     valid = record["valid"]
     adv_row = torch.zeros(record.batch_size[0])
@@ -115,4 +121,5 @@ def _gaussian_mean_needs_its_policy(logprobs: Tensor, ref_logprobs: Tensor) -> T
     )
 
 
+CREDIT.register("per_prompt", per_prompt_credit, options=PerPromptOptions)
 KL_ESTIMATORS.register(GAUSSIAN_MEAN, _gaussian_mean_needs_its_policy)

@@ -65,12 +65,9 @@ def test_recipe_options_reach_the_credit(diffusion_config):
     s.finish({})
 
 
-def test_a_negative_clip_is_refused_naming_the_key():
-    from tensordict import TensorDict
-
-    from polyrl.core.algorithms import AlgorithmConfig
+def test_a_negative_clip_is_refused_at_load_naming_the_key():
     from polyrl.core.config import ConfigError
-    from polyrl.diffusion.credit import per_prompt_credit
+    from polyrl.core.registry import CREDIT
 
-    with pytest.raises(ConfigError, match="algorithm.credit_args.adv_clip must be >= 0"):
-        per_prompt_credit(TensorDict({}, batch_size=[0]), AlgorithmConfig(), adv_clip=-1.0)
+    with pytest.raises(ConfigError, match=r"algorithm.credit_args.adv_clip=-1.0 in r.yaml"):
+        CREDIT.bind("per_prompt", {"adv_clip": -1.0}, "algorithm.credit_args", "r.yaml")

@@ -12,7 +12,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.interfaces import OwnsKL
 from polyrl.core.registry import KL_ESTIMATORS
 from polyrl.core.trainer import update
-from polyrl.diffusion.credit import gaussian_mean_kl, per_prompt_credit
+from polyrl.diffusion.credit import PerPromptOptions, gaussian_mean_kl, per_prompt_credit
 
 
 @pytest.mark.parametrize("sampler,level", [("flow_sde", 0.7), ("dance_sde", 0.3), ("cps", 0.7)])
@@ -52,7 +52,7 @@ def test_first_ratio_is_exactly_one_with_the_default_batched_guidance(make_polic
     assert new.requires_grad
     assert torch.all(torch.exp(new[mask] - old[mask]) == 1.0)
     rec["reward"] = torch.rand(rec.batch_size[0])
-    per_prompt_credit(rec, AlgorithmConfig())
+    per_prompt_credit(rec, AlgorithmConfig(), **PerPromptOptions())
     out = update(policy, rec, AlgorithmConfig())
     assert out["ppo_kl"] == 0.0 and out["pg_clipfrac"] == 0.0
 
@@ -81,7 +81,7 @@ def test_kl_is_zero_while_the_adapter_is_unchanged(make_policy, record_of):
     assert torch.equal(policy.ref_logprobs(rec), policy.logprobs(rec)[0].detach())
     # one optimizer step on the adapter: the policy moves away from the reference
     rec["reward"] = torch.arange(rec.batch_size[0], dtype=torch.float32)
-    per_prompt_credit(rec, AlgorithmConfig())
+    per_prompt_credit(rec, AlgorithmConfig(), **PerPromptOptions())
     out = update(policy, rec, AlgorithmConfig(kl_coef=0.1, kl_estimator="gaussian_mean"))
     assert out["kl"] == 0.0  # measured before the step, as the first ratio
     _, _, kl = policy.logprobs_and_kl(rec, estimator="gaussian_mean", reference=ref)
@@ -120,7 +120,7 @@ def test_trainer_gaussian_mean_kl_equals_a_hand_computation(make_policy, record_
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     _, rec = record_of(policy, engine)
     rec["reward"] = torch.rand(rec.batch_size[0], generator=gen)
-    per_prompt_credit(rec, AlgorithmConfig())
+    per_prompt_credit(rec, AlgorithmConfig(), **PerPromptOptions())
     terms = []
     with torch.no_grad():
         for i, t in rec["loss_mask"].nonzero().tolist():
@@ -252,7 +252,7 @@ def test_update_moves_the_weights_and_state_round_trips(make_policy, record_of):
     policy, engine = make_policy(lora=4, lr=1e-2)
     _, rec = record_of(policy, engine)
     rec["reward"] = torch.rand(rec.batch_size[0])
-    per_prompt_credit(rec, AlgorithmConfig())
+    per_prompt_credit(rec, AlgorithmConfig(), **PerPromptOptions())
     before = {k: v.clone() for k, v in policy.trainable_state().items()}
     assert all("lora" in k for k in before)
     out = update(policy, rec, AlgorithmConfig(clip_ratio_low=1e-4, clip_ratio_high=1e-4))
