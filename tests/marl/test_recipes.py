@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from polyrl.core.config import load
 from polyrl.core.recipe import Config
@@ -34,7 +35,7 @@ def test_coop_humaneval_recipe_validates_without_models():
         "main": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
     }
     assert cfg.rollout.workflow == "parallel" and cfg.rollout.args["final"] == "concat"
-    assert [a["name"] for a in cfg.rollout.args["agents"]] == ["helper", "main"]
+    assert [a.name for a in cfg.rollout.args.agents] == ["helper", "main"]
     assert [t.name for t in cfg.reward.terms] == ["unit_tests"]
     assert cfg.data.split == "test[:132]" and cfg.eval.data.split == "test[132:]"
 
@@ -54,9 +55,19 @@ def tiny(cfg_policies: list[str], model: str) -> list[str]:
         out += [
             f"policies.{name}.model={model}",
             f"policies.{name}.dtype=float32",
-            f"policies.{name}.engine.name=hf",
             f"policies.{name}.gradient_checkpointing=false",
         ]
+    return out
+
+
+def hf_engines(path: Path, policies: list[str], tmp_path: Path) -> Path:
+    """The recipe with each policy's vLLM engine (and its vLLM options) replaced by hf:
+    overrides merge into the recipe's engine.args, they cannot drop them."""
+    data = yaml.safe_load(path.read_text())
+    for name in policies:
+        data["policies"][name]["engine"] = {"name": "hf"}
+    out = tmp_path / path.name
+    out.write_text(yaml.safe_dump(data))
     return out
 
 
@@ -64,7 +75,7 @@ def run_small(path: Path, policies: list[str], model: str, data: Path, tmp_path:
     from polyrl.core.loop import train
 
     cfg = recipe(
-        path,
+        hf_engines(path, policies, tmp_path),
         *tiny(policies, model),
         f"run.dir={tmp_path}/run",
         "run.progress=false",
@@ -84,8 +95,6 @@ def run_small(path: Path, policies: list[str], model: str, data: Path, tmp_path:
         "eval.every=0",
         *extra,
     )
-    for name in policies:
-        cfg.policies[name].engine.args = {}  # the recipe's are vLLM's (overrides only merge)
     run = train(cfg)
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     return run, rows
