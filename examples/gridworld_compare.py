@@ -88,6 +88,7 @@ def compare(
                     f"algorithm.credit={scheme}",
                     f"policies.main.model={warm}",
                     "policies.main.build=null",
+                    "policies.main.build_args=null",
                     "sft.steps=0",
                     "run.export=false",
                     f"eval.every={eval_every}",
