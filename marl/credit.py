@@ -1,7 +1,7 @@
 """MAGRPO credit assignment: joint rewards -> per-agent values -> group advantages.
 
 Registered in ``CREDIT`` as ``"magrpo"`` (``algorithm.credit: magrpo``). It reads only the
-record a multi-agent workflow produced (see :mod:`polyrl.marl.runtime`):
+record a multi-agent workflow produced (see :mod:`polyrl.marl.record`):
 
 - joint-action rows (``joint_id >= 0``) carry the reward of one joint action ``r_J``, the
   turn and the parent joint (``meta["parent"]``, 0 = root);
