@@ -3,13 +3,13 @@ not depend on which side is slower."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
 from polyrl.core.engine import HFEngine
 from polyrl.core.registry import ENGINES, REWARDS
+from tests.core.test_run import _metrics
 
 LOW_DIGIT = "{name: regex_format, args: {pattern: '[0-4]', mode: search}}"
 
@@ -30,16 +30,6 @@ def slow_reward(sample) -> float:
 
 ENGINES.register("test_slow_hf", SlowEngine)
 REWARDS.register("test_slow_low_digit", slow_reward)
-
-
-def _metrics(run_dir) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        step = row.pop("step")
-        row.pop("time")
-        out.setdefault(step, {}).update({k: v for k, v in row.items() if not k.startswith("time/")})
-    return out
 
 
 def _run(make_config, tmp_path, name, *overrides):
