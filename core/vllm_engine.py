@@ -50,6 +50,7 @@ counted as start-up.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -163,6 +164,9 @@ class VLLMEngine:
         kwargs.update(llm_kwargs)  # what an engine built on this one sets (LoRA, images)
         kwargs.update(llm_args or {})
 
+        # An unreachable engine collected while this one starts would tear down the
+        # distributed state this one just set up (see the module notes): reap it first.
+        gc.collect()
         t0 = time.perf_counter()
         with _GlobalRNG():
             self.llm = LLM(**kwargs)
