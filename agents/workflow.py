@@ -1,9 +1,11 @@
-"""The multi-turn workflow: many episodes against environments, one engine call per turn round.
+"""The multi-turn workflow: many episodes against environments, batched into engine calls.
 
 Every step, each dataset row (a task) starts ``rollout.n`` episodes, each with its own
-environment instance. Episodes advance in rounds: one ``engine.generate`` call samples the
-next action of *every* active episode at once, then all environments step concurrently
-(async environments are awaited together; sync ones run inline or on a thread pool).
+environment instance. With ``schedule: round`` episodes advance in rounds: one
+``engine.generate`` call samples the next action of *every* active episode at once, then
+all environments step concurrently (async environments are awaited together; sync ones run
+inline or on a thread pool). With ``schedule: episode`` each episode goes back to the engine
+when its own step is done (:class:`~polyrl.core.batching.FlushBatcher`).
 An episode ends when its environment says done, at the turn limit, or when its token
 budget runs out (the last two mark it ``truncated``).
 
@@ -44,6 +46,7 @@ from polyrl.agents.env import (
     make_env_factory,
     observation_text,
 )
+from polyrl.core.batching import FlushBatcher
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
@@ -152,6 +155,13 @@ class MultiTurn:
         ] = None,
         env_workers: Annotated[int, "threads stepping sync environments (1: inline)"] = 1,
         policy: Annotated[str | None, "the acting policy (null: the first)"] = None,
+        schedule: Annotated[
+            Literal["round", "episode"],
+            "round: all active episodes act in lock-step, one engine call per turn round "
+            "(reproducible whatever the environments' timing); episode: each episode goes "
+            "back to the engine as soon as its own step is done and the engine serves "
+            "whatever waits (faster with slow tools; batches then depend on timing)",
+        ] = "round",
     ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -174,7 +184,9 @@ class MultiTurn:
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.max_turn_tokens, self.max_context = max_turn_tokens, max_context
         self.env_workers = env_workers
-        self.generate_calls = 0  # engine calls so far (one per turn round)
+        self.schedule = schedule
+        self.generate_calls = 0  # engine calls so far (one per turn round or flush)
+        self.flush_sizes: list[int] = []  # schedule episode: requests per engine call
 
     # ------------------------------------------------------------------ config checks
     @staticmethod
@@ -237,17 +249,29 @@ class MultiTurn:
         )
         try:
             await asyncio.gather(*(self._reset(ep, pool) for ep in episodes))
-            while True:
-                active = [ep for ep in episodes if not ep.done]
-                if not active:
-                    break
-                stepping = self._generate(active, params)
-                await asyncio.gather(*(self._step(ep, pool) for ep in stepping))
+            if self.schedule == "episode":
+                batcher = FlushBatcher(
+                    self.engine,
+                    self._call_params(params, params.max_new_tokens),
+                    on_flush=self._count,
+                )
+                await batcher.drive([self._episode(ep, params, batcher, pool) for ep in episodes])
+                self.flush_sizes = batcher.sizes
+            else:
+                while True:
+                    active = [ep for ep in episodes if not ep.done]
+                    if not active:
+                        break
+                    stepping = self._generate(active, params)
+                    await asyncio.gather(*(self._step(ep, pool) for ep in stepping))
             await asyncio.gather(*(self._close(ep, pool) for ep in episodes))
         finally:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         return self._record(episodes)
+
+    def _count(self, prompts: list[list[int]]) -> None:
+        self.generate_calls += 1
 
     async def _call(self, fn, pool, *args) -> Any:
         if inspect.iscoroutinefunction(fn) or pool is None:
@@ -293,49 +317,73 @@ class MultiTurn:
             ids += turn.action_ids + turn.env_ids
         return ids
 
-    def _generate(self, active: list[Episode], params: SamplingParams) -> list[Episode]:
-        """One engine call for the next action of every active episode; returns those to step."""
-        per_turn = self.max_turn_tokens or params.max_new_tokens
-        batch: list[tuple[Episode, list[int], int, str]] = []
-        for ep in active:
-            prompt = self._prompt(ep)
-            allowed, bound = per_turn, "turn"
-            if self.max_tokens is not None and self.max_tokens - ep.tokens < allowed:
-                allowed, bound = self.max_tokens - ep.tokens, "max_tokens"
-            if self.max_context is not None and self.max_context - len(prompt) < allowed:
-                allowed, bound = self.max_context - len(prompt), "max_context"
-            if allowed <= 0:
-                ep.end(bound, truncated=True)
-                continue
-            batch.append((ep, prompt, allowed, bound))
-        if not batch:
-            return []
-        sp = SamplingParams(
+    def _budget(self, ep: Episode, per_turn: int) -> tuple[list[int], int, str] | None:
+        """The next turn's prompt and token allowance, or None (and the episode ended) when
+        a budget leaves no room for it."""
+        prompt = self._prompt(ep)
+        allowed, bound = per_turn, "turn"
+        if self.max_tokens is not None and self.max_tokens - ep.tokens < allowed:
+            allowed, bound = self.max_tokens - ep.tokens, "max_tokens"
+        if self.max_context is not None and self.max_context - len(prompt) < allowed:
+            allowed, bound = self.max_context - len(prompt), "max_context"
+        if allowed <= 0:
+            ep.end(bound, truncated=True)
+            return None
+        return prompt, allowed, bound
+
+    def _take(self, ep: Episode, prompt: list[int], allowed: int, bound: str, out) -> bool:
+        """Append the sampled action as a turn; True when the environment should step it."""
+        ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+        if len(ids) > allowed:  # a shorter budget than the call's: keep the sampled prefix
+            ids, logps, finish = ids[:allowed], logps[:allowed], "length"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ep.turns.append(Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish))
+        ep.tokens += len(ids)
+        if finish == "length" and bound != "turn":
+            ep.end(bound, truncated=True)  # cut mid-action by the budget: do not act on it
+            return False
+        return True
+
+    @staticmethod
+    def _call_params(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            max_new_tokens=max(b[2] for b in batch),
+            max_new_tokens=max_new_tokens,
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
         )
-        outs = self.engine.generate([b[1] for b in batch], sp)
+
+    def _generate(self, active: list[Episode], params: SamplingParams) -> list[Episode]:
+        """One engine call for the next action of every active episode; returns those to step."""
+        per_turn = self.max_turn_tokens or params.max_new_tokens
+        batch = [(ep, b) for ep in active if (b := self._budget(ep, per_turn)) is not None]
+        if not batch:
+            return []
+        sp = self._call_params(params, max(b[1] for _, b in batch))
+        outs = self.engine.generate([b[0] for _, b in batch], sp)
         self.generate_calls += 1
         if len(outs) != len(batch):
             raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
         stepping = []
         for out in outs:
-            ep, prompt, allowed, bound = batch[out.prompt_index]
-            ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
-            if len(ids) > allowed:  # a shorter budget than the call's: keep the sampled prefix
-                ids, logps, finish = ids[:allowed], logps[:allowed], "length"
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            ep.turns.append(Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish))
-            ep.tokens += len(ids)
-            if finish == "length" and bound != "turn":
-                ep.end(bound, truncated=True)  # cut mid-action by the budget: do not act on it
-            else:
+            ep, b = batch[out.prompt_index]
+            if self._take(ep, *b, out):
                 stepping.append(ep)
         return stepping
+
+    async def _episode(self, ep: Episode, params: SamplingParams, batcher, pool) -> None:
+        """``schedule: episode``: this episode's turns, each sent to the engine as soon as
+        its previous step is done."""
+        per_turn = self.max_turn_tokens or params.max_new_tokens
+        while not ep.done:
+            b = self._budget(ep, per_turn)
+            if b is None:
+                return
+            out = await batcher.generate(ep.id, b[0], b[1])
+            if self._take(ep, *b, out):
+                await self._step(ep, pool)
 
     async def _step(self, ep: Episode, pool) -> None:
         turn = ep.turns[-1]
