@@ -12,9 +12,12 @@ warm-up and left out of the rate.
     for a GPU engine on its own device. Target: async >= 1.7x sync (2x is the ideal).
 
     .venv/bin/python benchmarks/async_overlap.py [--steps 14] [--k 1] [--model demo|wide]
+                                                 [--backend local|ray]
 
-Multi-turn per-episode scheduling (part (c) of the async issue) is not built yet; this
-benchmark does not measure it.
+``--backend local``: the engine works on a thread of the trainer's process (sharing its
+cores and the GIL); ``--backend ray``: the update runs on a one-worker FSDP group and the
+engine on its own actor, one core each. Multi-turn per-episode scheduling (part (c)):
+``multi_turn_overlap.py``.
 """
 
 from __future__ import annotations
@@ -39,40 +42,31 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET = 1.7
 
 
-class Timed:
-    """Durations of generate calls, and the latencies injected on either side."""
+HERE = Path(__file__).resolve().parent
+TIMES = Path(tempfile.mkdtemp(prefix="polyrl-async-bench-")) / "generate.jsonl"
+os.environ["POLYRL_BENCH_TIMES"] = str(TIMES)  # BenchHF appends each call's duration
 
-    generate: list[float] = []
+
+class Timed:
+    """The latencies injected on either side."""
+
     engine_latency_s = 0.0
     update_latency_s = 0.0
 
 
 def _register() -> None:
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.registry import ENGINES
     from polyrl.core.rewards import register_reward
-
-    class BenchHF(HFEngine):
-        def generate(self, prompts, params):
-            t0 = time.perf_counter()
-            if Timed.engine_latency_s:
-                time.sleep(Timed.engine_latency_s)  # busy on its own device: holds no core
-            out = super().generate(prompts, params)
-            Timed.generate.append(time.perf_counter() - t0)
-            return out
 
     def bench_reward(samples):
         """Whether the response has a digit 0-4: varies within every group of the
         untrained model, so every update runs (the demo's exact match would be all 0
         without the SFT warm start, and skip the update). Scored in the trainer's
-        thread, with the trainer-side latency."""
+        process, with the trainer-side latency."""
         if Timed.update_latency_s:
             time.sleep(Timed.update_latency_s)
         return [float(any(c in "01234" for c in s.response)) for s in samples]
 
-    if "bench_hf" not in ENGINES:
-        ENGINES.register("bench_hf", BenchHF)
-        register_reward("bench_reward", batched=True)(bench_reward)
+    register_reward("bench_reward", batched=True)(bench_reward)
 
 
 # --model: the demo's tiny model, or a wider one whose update and generate are mostly
@@ -86,6 +80,17 @@ MODELS = {
     ],
 }
 MODEL = "demo"
+# --backend: everything in this process (the engine on a thread), or Ray: the update on a
+# one-worker FSDP group and the engine on its own actor, each a process with one core
+BACKENDS = {
+    "local": [],
+    "ray": [
+        "distributed.backend=ray",
+        "distributed.args={workers_per_policy: 1, placement: split, num_cpus_per_worker: 1, "
+        "num_cpus_per_engine: 1, threads_per_worker: 1}",
+    ],
+}
+BACKEND = "local"
 
 
 def run(steps: int, k: int, tmp: Path, tag: str) -> dict[str, float]:
@@ -107,18 +112,22 @@ def run(steps: int, k: int, tmp: Path, tag: str) -> dict[str, float]:
             "task.args={n_train: 2000, n_eval: 16, max_operand: 30, ops: '+'}",
             f"train.steps={steps}",
             f"rollout.max_staleness={k}",
-            "policies.main.engine.name=bench_hf",
+            "policies.main.engine.name=_bench_parts:BenchHF",
+            f"policies.main.engine.args={{latency_s: {Timed.engine_latency_s}}}",
+            *BACKENDS[BACKEND],
             "reward.terms=[{name: bench_reward}]",
             *MODELS[MODEL],
         ],
     )
-    Timed.generate = []
+    TIMES.write_text("")
     path = train(cfg).path
+    calls = [json.loads(x) for x in TIMES.read_text().splitlines()]
+    generate = [c[0] for c in calls]
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
     ends = sorted(r["time"] for r in rows if r.get("step", 0) >= 1 and "time/step_s" in r)
     # steady rate: the steps after the first two (warm-up), end to end
     rate = (len(ends) - 2) / (ends[-1] - ends[1])
-    gen = statistics.median(Timed.generate[3:-1])  # not: the evals, two warm-up batches
+    gen = statistics.median(generate[3:-1])  # not: the evals, two warm-up batches
     step_s = statistics.median(r["time/step_s"] for r in rows if "time/step_s" in r)
     # what a step spends beyond generating (reward, credit, update, sync): exact when
     # synchronous; async steps overlap the two, so there it is only step time - generate
@@ -156,13 +165,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=1, help="max_staleness of the async runs")
     ap.add_argument("--rounds", type=int, default=2, help="alternated sync/async pairs")
     ap.add_argument("--model", choices=sorted(MODELS), default="demo")
+    ap.add_argument("--backend", choices=sorted(BACKENDS), default="local")
     args = ap.parse_args(argv)
-    global MODEL
-    MODEL = args.model
+    global MODEL, BACKEND
+    MODEL, BACKEND = args.model, args.backend
+    sys.path.insert(0, str(HERE))  # _bench_parts, named in the recipe
+    if BACKEND == "ray":
+        import ray
+
+        path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path, "POLYRL_BENCH_TIMES": str(TIMES)}},
+        )
     _register()
     print(
         f"torch threads: {torch.get_num_threads()}, steps: {args.steps}, k: {args.k}, "
-        f"model: {args.model}"
+        f"model: {args.model}, backend: {args.backend}"
     )
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from polyrl.core import trainer
 from polyrl.core.policy import resolve_device
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
+from polyrl.core.rollouts import LocalVersions, Versions
 
 
 class Backend(Protocol):
@@ -38,6 +39,8 @@ class Backend(Protocol):
     def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
 
     def reward_runners(self, reward_cfg: Any) -> dict: ...
+
+    def versioned(self, policy: Any) -> Versions: ...  # async rollouts: the engine's copy
 
     def shutdown(self) -> None: ...
 
@@ -71,6 +74,9 @@ class LocalBackend:
 
     def reward_runners(self, reward_cfg):
         return {}  # every reward term runs in this process
+
+    def versioned(self, policy: Any) -> LocalVersions:
+        return LocalVersions(policy)
 
     def shutdown(self) -> None:
         return None

@@ -334,6 +334,27 @@ class RayEngine:
         self.group.call_engine("load_state_dict", state)
 
 
+class RayVersions:
+    """Async rollouts under Ray: a version is the gathered weights (or LoRA factors) in
+    the object store, put there by rank 0; the engine actor loads one by reference, so
+    versions never pass through the driver except into a checkpoint."""
+
+    def __init__(self, policy: RayPolicy) -> None:
+        self.policy = self.engine_policy = policy
+
+    def capture(self) -> Any:
+        return next(r for r in self.policy.group.call("full_weights") if r is not None)[0]
+
+    def load(self, engine: RayEngine, version: Any) -> None:
+        engine.group.call_engine("sync", version)
+
+    def saved(self, version: Any) -> Any:
+        return require_ray().get(version)
+
+    def restored(self, saved: Any) -> Any:
+        return require_ray().put(saved)
+
+
 # --------------------------------------------------------------------------------- backend
 
 
@@ -413,6 +434,9 @@ class RayBackend:
         policy.group.make_engine(cfg, seed)
         engine_cls = ENGINES.get(cfg.engine.name)
         return RayEngine(policy, engine_cls)
+
+    def versioned(self, policy: RayPolicy) -> RayVersions:
+        return RayVersions(policy)
 
     def reward_runners(self, reward_cfg: Any) -> dict:
         """Remote runners for the reward terms that ask for their own actor."""

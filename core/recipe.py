@@ -78,7 +78,7 @@ class RolloutConfig:
         "0: synchronous (each rollout uses the newest weights). k >= 1: the engines "
         "generate the next batches in the background on their own copy of the weights "
         "while the trainer updates; batch b uses the weights after update b-1-k (local "
-        "backend). See polyrl.core.rollouts",
+        "and Ray). See polyrl.core.rollouts",
     )
 
 
@@ -172,12 +172,6 @@ class Config:
                     f"train.policies names unknown policy {name!r}"
                     + (f"; did you mean {hint!r}?" if hint else "")
                 )
-        if self.rollout.max_staleness and self.distributed.backend == "ray":
-            raise ConfigError(
-                f"rollout.max_staleness={self.rollout.max_staleness} runs in one process "
-                "(distributed.backend: local) for now, not under Ray: set max_staleness: 0 "
-                "or distributed.backend: local"
-            )
         WORKFLOWS.check(self.rollout.workflow)
         # A workflow may check its own rollout.args (agents, policies it names) before any
         # model loads.

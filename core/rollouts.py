@@ -4,9 +4,10 @@
 ``s`` is generated with the weights after update ``s - 1``, and each update is synced
 into the engine before the next rollout.
 
-``max_staleness: k >= 1`` (:class:`Ahead`, local backend) overlaps the two. The engines
-run on their own copy of each trained policy's weights (a *shadow*), in a background
-thread that generates batch ``b`` with the weights of version ``max(0, b - 1 - k)``
+``max_staleness: k >= 1`` (:class:`Ahead`) overlaps the two. The engines run on their own
+copy of each trained policy's weights (local mode: a *shadow* copy in this process; Ray:
+the engine actor's own model), driven by a background thread that generates batch ``b``
+with the weights of version ``max(0, b - 1 - k)``
 (version ``v`` = the weights after update ``v``) while the trainer updates. The schedule
 is fixed, not timing-dependent: every batch is generated with exactly the same weights,
 RNG state and data whichever side is slower, so a run is reproducible and resumable, and
@@ -31,7 +32,7 @@ import copy
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -85,15 +86,53 @@ def _trainable(policy: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
 
 
+class Versions(Protocol):
+    """How a backend keeps versions of a trained policy's weights for its engine."""
+
+    engine_policy: Any  # what the engine is built on (its own copy of the weights)
+
+    def capture(self) -> Any: ...  # the policy's weights now, as a version
+
+    def load(self, engine: Any, version: Any) -> None: ...  # into the engine's copy
+
+    def saved(self, version: Any) -> Any: ...  # for a checkpoint
+
+    def restored(self, saved: Any) -> Any: ...  # from a checkpoint
+
+
+class LocalVersions:
+    """Local mode: versions are clones of the trainable weights; the engine runs on a
+    shadow copy of the policy, and loading a version copies it in."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy, self.engine_policy = policy, shadow(policy)
+
+    def capture(self) -> dict[str, torch.Tensor]:
+        return _trainable(self.policy)
+
+    def load(self, engine: Any, version: dict[str, torch.Tensor]) -> None:
+        params = dict(self.engine_policy.model.named_parameters())
+        with torch.no_grad():
+            for key, value in version.items():
+                params[key].copy_(value)
+        engine.sync()
+
+    def saved(self, version: Any) -> Any:
+        return version
+
+    def restored(self, saved: Any) -> Any:
+        return saved
+
+
 class Ahead:
     """max_staleness k >= 1: a background producer generates batch b with version b-1-k."""
 
-    def __init__(self, session: Any, k: int, shadows: dict[str, Any]) -> None:
-        self.s, self.k, self.shadows = session, k, shadows
-        self.snapshots = {n: {0: _trainable(session.policies[n])} for n in shadows}
+    def __init__(self, session: Any, k: int, versions: dict[str, Versions]) -> None:
+        self.s, self.k, self.versions = session, k, versions
+        self.snapshots = {n: {0: v.capture()} for n, v in versions.items()}
         self.published = 0  # the newest version every trained policy has published
         self._pending: dict[int, set[str]] = {}
-        self.loaded: dict[str, int | None] = dict.fromkeys(shadows, 0)
+        self.loaded: dict[str, int | None] = dict.fromkeys(versions, 0)
         self.cond = threading.Condition()
         self.engine_lock = threading.Lock()  # the engines serve one caller at a time
         self.out: queue.Queue = queue.Queue()
@@ -105,17 +144,13 @@ class Ahead:
 
     # --- producer -----------------------------------------------------------------------
     def _load(self, version: int) -> None:
-        """Put weights ``version`` into every shadow and sync its engine."""
-        for name, twin in self.shadows.items():
+        """Put weights ``version`` into every trained policy's engine."""
+        for name, versions in self.versions.items():
             if self.loaded[name] == version:
                 continue
             with self.cond:
                 snap = self.snapshots[name][version]
-            params = dict(twin.model.named_parameters())
-            with torch.no_grad():
-                for key, value in snap.items():
-                    params[key].copy_(value)
-            self.s.engines[name].sync()
+            versions.load(self.s.engines[name], snap)
             self.loaded[name] = version
 
     def _capture(self) -> dict[str, Any]:
@@ -181,13 +216,14 @@ class Ahead:
 
     def publish(self, name: str, step: int) -> None:
         """Update ``step`` of policy ``name`` is done: its weights become version ``step``."""
-        if name not in self.shadows:
+        if name not in self.versions:
             return
+        snap = self.versions[name].capture()
         with self.cond:
-            self.snapshots[name][step] = _trainable(self.s.policies[name])
+            self.snapshots[name][step] = snap
             if step == 0:  # a warm start replaced version 0: the shadow must reload it
                 self.loaded[name] = None
-            waiting = self._pending.setdefault(step, set(self.shadows))
+            waiting = self._pending.setdefault(step, set(self.versions))
             waiting.discard(name)
             if not waiting:
                 del self._pending[step]
@@ -225,7 +261,10 @@ class Ahead:
             if pre is None:  # not started: the producer holds no state past step
                 pre = self._capture()
             versions = range(max(0, step - self.k), step)
-            snaps = {n: {v: s[v] for v in versions} for n, s in self.snapshots.items()}
+            snaps = {
+                n: {v: self.versions[n].saved(s[v]) for v in versions}
+                for n, s in self.snapshots.items()
+            }
         return {"before_next": pre, "snapshots": snaps}
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
@@ -233,10 +272,11 @@ class Ahead:
         s.sampler.load_state_dict(state["before_next"]["sampler"])
         for n, e in s.engines.items():
             e.load_state_dict(state["before_next"]["engines"][n])
-        for name in self.shadows:
-            self.snapshots[name] = dict(state["snapshots"][name])
-            self.snapshots[name][step] = _trainable(s.policies[name])
-        self.loaded = dict.fromkeys(self.shadows)
+        for name, versions in self.versions.items():
+            saved = state["snapshots"][name]
+            self.snapshots[name] = {v: versions.restored(w) for v, w in saved.items()}
+            self.snapshots[name][step] = versions.capture()
+        self.loaded = dict.fromkeys(self.versions)
         self.published, self.first = step, step + 1
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from polyrl.core.interfaces import (
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
-from polyrl.core.rollouts import Ahead, InStep, shadow
+from polyrl.core.rollouts import Ahead, InStep
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
 
@@ -154,9 +154,14 @@ class Session:
         }
         k = cfg.rollout.max_staleness
         # async: the engines generate on their own copy of each trained policy's weights
-        shadows = {n: shadow(policies[n]) for n in cfg.trained_policies()} if k else {}
+        versions = {n: backend.versioned(policies[n]) for n in cfg.trained_policies()} if k else {}
         engines = {
-            name: backend.make_engine(name, shadows.get(name, policies[name]), p, seed=cfg.seed + i)
+            name: backend.make_engine(
+                name,
+                versions[name].engine_policy if name in versions else policies[name],
+                p,
+                seed=cfg.seed + i,
+            )
             for i, (name, p) in enumerate(cfg.policies.items())
         }
         sampler = PromptSampler(
@@ -181,7 +186,7 @@ class Session:
             reward_runners=backend.reward_runners(cfg.reward),
             sources=sources,
         )
-        s.rollouts = Ahead(s, k, shadows) if k else InStep(s)
+        s.rollouts = Ahead(s, k, versions) if k else InStep(s)
         exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
         s.correction = cfg.algorithm.rollout_correction.resolved(exact, k)
         if record:

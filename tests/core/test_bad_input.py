@@ -51,11 +51,6 @@ def test_numbers_a_run_cannot_mean_fail_at_load(recipe, override, message):
     assert message in str(e.value) and str(recipe) in str(e.value)
 
 
-def test_async_rollouts_under_ray_are_refused_at_load(recipe):
-    with pytest.raises(ConfigError, match="max_staleness=1 runs in one process"):
-        load(Config, recipe, ["rollout.max_staleness=1", "distributed.backend=ray"])
-
-
 def test_a_group_of_one_under_grpo_warns(recipe):
     with pytest.warns(UserWarning, match="rollout.n=1 .* every advantage is 0"):
         load(Config, recipe, ["rollout.n=1"])
