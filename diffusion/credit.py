@@ -8,8 +8,9 @@ std of the prompt's rewards, or of the whole batch (``global_std``), or no divis
 advantage is spread over the row's trained steps (``loss_mask``). Its options are its
 keyword parameters, set in ``algorithm.credit_args``.
 
-``gaussian_mean``: the exact KL between the policy's and the reference's Gaussian step
-(both have the step's std), ``mean((μθ - μref)²) / (2·std²)`` per step. It needs the
+``gaussian_mean``: the KL between the policy's and the reference's Gaussian step (both have
+the step's std), ``mean((μθ - μref)²) / (2·c²)`` per step, with ``c`` the step's std (exact)
+or Flow-GRPO's ``std_dev_t`` (``policies.<name>.args.kl_form``). It needs the
 steps' means, which only the policy has, so the diffusion policy computes it itself
 (:class:`polyrl.core.interfaces.OwnsKL`, with :func:`gaussian_mean_kl`); the name is
 registered in ``KL_ESTIMATORS`` so recipes naming it validate, and calling it as a
@@ -106,7 +107,8 @@ def per_prompt_credit(
 
 def gaussian_mean_kl(means: Tensor, ref_means: Tensor, std: Tensor) -> Tensor:
     """Per-step KL(πθ || πref) [B,T] of two Gaussian steps sharing the std [B,T]: the mean
-    over latent elements of (μθ - μref)² / (2·std²), from means [B,T,*L]; 0 where std is 0."""
+    over latent elements of (μθ - μref)² / (2·std²), from means [B,T,*L]; 0 where std is 0.
+    Flow-GRPO's form passes its ``std_dev_t`` as ``std`` (see ``Sampler.noise_coefficient``)."""
     sq = ((means - ref_means.to(means)) ** 2).flatten(2).mean(-1)
     var = std.to(sq) ** 2
     return torch.where(var > 0, sq / (2 * var.clamp(min=1e-30)), torch.zeros_like(sq))

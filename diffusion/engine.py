@@ -24,7 +24,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.policy import PolicyConfig
 from polyrl.core.registry import ENGINES
 from polyrl.diffusion.policy import ENGINE_NAME, DiffusionPolicy
-from polyrl.diffusion.samplers import SAMPLERS, get_sampler
+from polyrl.diffusion.samplers import LOGPROB_FORMS, SAMPLERS, get_sampler
 from polyrl.diffusion.selection import StepSelection, noise_mask, select_steps
 
 
@@ -48,6 +48,11 @@ def check_sampling(o: Any, where: str) -> None:
         raise ConfigError(f"{where}.noise_level must be >= 0, got {o.noise_level}")
     if o.sampler == "cps" and o.noise_level > 1:
         raise ConfigError(f"{where}.noise_level must be in [0, 1] for cps")
+    if o.logprob not in LOGPROB_FORMS:
+        raise ConfigError(
+            f"{where}.logprob={o.logprob!r} is not a log-prob convention; use one of "
+            f"{', '.join(LOGPROB_FORMS)}"
+        )
     if o.height <= 0 or o.width <= 0 or o.batch_size < 1 or o.decode_batch < 1:
         raise ConfigError(f"{where}: height, width, batch_size and decode_batch must be > 0")
     o.train_steps.validate(o.steps, f"{where}.train_steps")
@@ -139,6 +144,13 @@ class DiffusionEngine:
             "match bit for bit",
         ] = True,
         decode_batch: Annotated[int, "images per VAE decode call"] = 16,
+        logprob: Annotated[
+            str,
+            "log-prob of a noisy step: gaussian (the Gaussian log-density averaged over "
+            "latent elements; Flow-GRPO's flow_sde, DanceGRPO) or neg_mse (-mean((x' - mu)^2), "
+            "no 1/(2 std^2) factor nor constants; Flow-GRPO's cps). The trainer recomputes "
+            "with the same convention",
+        ] = "gaussian",
     ) -> None:
         if not isinstance(policy, DiffusionPolicy):
             raise TypeError(
@@ -150,6 +162,7 @@ class DiffusionEngine:
         self.negative_prompt, self.height, self.width = negative_prompt, height, width
         self.same_noise, self.train_steps, self.batch_size = same_noise, train_steps, batch_size
         self.cfg_batch, self.decode_batch = cfg_batch, decode_batch
+        self.logprob = logprob
         check_sampling(self, "engine.args")
         self.seed = seed
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -253,6 +266,7 @@ class DiffusionEngine:
                     noise_level=level[r].to(dev),
                     noise=(noisy[r, t] & alive[r]).to(dev),
                     generator=gen,
+                    logprob=self.logprob,
                 )
                 new[r] = out.prev_sample.cpu()
                 logp[r, t] = out.log_prob.cpu()

@@ -13,11 +13,13 @@ guidance embedding: one transformer call per step, no unconditional branch. LoRA
 come from PEFT; the reference policy is the same network with the adapter disabled (no
 second copy). With a full fine-tune and a KL term the reference is a frozen copy.
 
-KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (Flow-GRPO's form,
-arXiv 2505.05470) the policy owns its KL (:class:`polyrl.core.interfaces.OwnsKL`): the
-trainer stores :meth:`DiffusionPolicy.reference_terms` (the reference's step means) and
-gets log-probs and ``mean((μθ - μref)²) / (2·std²)`` per step from one forward of
-:meth:`DiffusionPolicy.logprobs_and_kl`. The trainer passes the estimator to every call,
+KL to the reference: with ``algorithm.kl_estimator: gaussian_mean`` (arXiv 2505.05470) the
+policy owns its KL (:class:`polyrl.core.interfaces.OwnsKL`): the trainer stores
+:meth:`DiffusionPolicy.reference_terms` (the reference's step means) and gets log-probs and
+``mean((μθ - μref)²) / (2·c²)`` per step from one forward of
+:meth:`DiffusionPolicy.logprobs_and_kl`. ``c`` is the step's std (``kl_form: step``, the
+exact KL of the two Gaussian steps) or Flow-GRPO's ``std_dev_t`` (``kl_form: flow_grpo``:
+the SDE's g before the √(-dt) factor, so that KL is the exact one times |dt|; CPS's std). The trainer passes the estimator to every call,
 so the same holds in this process and on a Ray worker. With the core's log-prob
 estimators (k1, k3, ...) ``ref_logprobs`` gives the reference log-probs of the recorded
 transitions, as a text policy does.
@@ -61,6 +63,8 @@ from polyrl.diffusion.models import FAMILIES, detect_family
 from polyrl.diffusion.samplers import get_sampler
 
 ENGINE_NAME = "diffusion"
+# gaussian_mean's divisor: the step's std, or Flow-GRPO's std_dev_t (see DiffusionPolicyOptions)
+KL_FORMS = ("step", "flow_grpo")
 # A tokenizer without a chat template gets this one: the prompt text itself.
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
@@ -78,10 +82,22 @@ class DiffusionPolicyOptions(Options):
     max_sequence_length: int = doc(
         256, "T5 tokens per prompt, in [1, 512] (SD3, FLUX; FLUX-dev's pipeline uses 512)"
     )
+    kl_form: str = doc(
+        "step",
+        "gaussian_mean KL's divisor: step (mean((mu - mu_ref)^2) / (2 std^2) with the step's "
+        "std: the exact KL of the two Gaussian steps) or flow_grpo (/ (2 c^2) with "
+        "Flow-GRPO's std_dev_t c: g = std / sqrt(-dt) for flow_sde and dance_sde, the std "
+        "for cps; = step x |dt| for the SDEs, as Flow-GRPO's train_sd3.py kl_loss)",
+    )
 
     def validate(self, where: str) -> None:
         if not 1 <= self.max_sequence_length <= 512:
             raise ConfigError(f"{where}.max_sequence_length must be in [1, 512]")
+        if self.kl_form not in KL_FORMS:
+            raise ConfigError(
+                f"{where}.kl_form={self.kl_form!r} is not a KL form; use one of "
+                f"{', '.join(KL_FORMS)}"
+            )
 
 
 def policy_options(cfg: PolicyConfig, name: str | None = None) -> DiffusionPolicyOptions:
@@ -126,6 +142,10 @@ class DiffusionPolicy:
     ) -> None:
         self.name, self.cfg, self.device = name, cfg, _device(device)
         self.args = policy_options(cfg, name)
+        from polyrl.diffusion.engine import sampling_options  # engine imports this module
+
+        # recomputed log-probs follow the engine's convention (engine.args.logprob)
+        self.logprob_form = sampling_options(cfg, name).logprob
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.path = path
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
@@ -263,7 +283,8 @@ class DiffusionPolicy:
     def _transitions(
         self, batch: TensorDict, model: torch.nn.Module | None, want_means: bool
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """(log-probs [B,T], means [B,T,*L] or None, stds [B,T]) of the trained steps."""
+        """(log-probs [B,T], means [B,T,*L] or None, KL scales [B,T]) of the trained steps;
+        the KL scale is the std the KL divides by (``kl_form``)."""
         batch = batch.to(self.device)
         mask = batch["loss_mask"].bool()
         b, n = mask.shape
@@ -305,13 +326,19 @@ class DiffusionPolicy:
                 noise_level=batch["noise_level"][rows],
                 noise=True,
                 prev_sample=lat[rows, t + 1],
+                logprob=self.logprob_form,
             )
             if stand_in:  # weight zero, but in the graph: its backward is a collective too
                 logp = logp + 0.0 * out.log_prob.sum()
                 continue
             cols = torch.full_like(rows, t)
             logp = logp.index_put((rows, cols), out.log_prob)
-            std = std.index_put((rows, cols), out.std.detach())
+            scale = out.std.detach()
+            if self.args.kl_form == "flow_grpo":
+                scale = sampler.noise_coefficient(
+                    scale, batch["sigmas"][rows, t], batch["sigmas"][rows, t + 1]
+                )
+            std = std.index_put((rows, cols), scale)
             if means is not None:
                 means = means.index_put((rows, cols), out.mean)
         return logp, means, std

@@ -22,6 +22,11 @@ For the SDEs, ``μ = x + dt·[v + g²/(2σ)·(x + (1 - σ)·v)]`` and ``std = g�
 Noise is switched per row and step (``noise`` mask): a step without noise is the plain
 Euler step, has std 0 and log-probability 0, so one trajectory can mix ODE and SDE steps
 (MixGRPO, Flow-GRPO-Fast). A step with std 0 is never trained.
+
+Log-prob conventions (``logprob``, :data:`LOGPROB_FORMS`): ``gaussian`` is the density above
+(Flow-GRPO's ``sde`` step, DanceGRPO); ``neg_mse`` is ``-mean((x' - μ)²)``, without the
+``1/(2·std²)`` factor and the constants, as Flow-GRPO's ``cps`` step
+(``sd3_sde_with_logprob``, ``sde_type='cps'``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from polyrl.core.registry import Registry
 SAMPLERS: Registry = Registry("sampler")
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+# log-prob of a noisy step: the Gaussian log-density, or Flow-GRPO CPS's negative MSE
+LOGPROB_FORMS = ("gaussian", "neg_mse")
 
 
 @dataclass
@@ -71,6 +78,26 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return lp.flatten(1).mean(1)
 
 
+def neg_mse_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """-mean((x - mean)²) in float32 over all but the first dim; 0 where std == 0.
+
+    Flow-GRPO's CPS log-prob: the density's exponent without ``1/(2·std²)`` and constants.
+    """
+    x, mean = x.float(), mean.float()
+    positive = _rows(std, x) > 0
+    lp = torch.where(positive, -((x.detach() - mean) ** 2), torch.zeros_like(x))
+    return lp.flatten(1).mean(1)
+
+
+def step_log_prob(x: Tensor, mean: Tensor, std: Tensor, form: str = "gaussian") -> Tensor:
+    """The log-prob of ``x`` under a step, in the convention ``form`` (:data:`LOGPROB_FORMS`)."""
+    if form == "gaussian":
+        return gaussian_log_prob(x, mean, std)
+    if form == "neg_mse":
+        return neg_mse_log_prob(x, mean, std)
+    raise ValueError(f"log-prob form {form!r} is not one of {LOGPROB_FORMS}")
+
+
 class Sampler:
     """A Gaussian step rule: subclasses give the mean and std of a noisy step."""
 
@@ -82,6 +109,13 @@ class Sampler:
     ) -> tuple[Tensor, Tensor]:
         """(μ [B,*L], std [B,1,..]) of a noisy step; all inputs float32, σ's as [B,1,..]."""
         raise NotImplementedError
+
+    def noise_coefficient(self, std: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+        """Flow-GRPO's ``std_dev_t`` of a step with std ``std`` ([B]; σ's [B]): the diffusion
+        coefficient g before the √(-dt) factor of an Euler–Maruyama step, ``std / √(-dt)``.
+        Its KL divides by its square (``policies.<name>.args.kl_form: flow_grpo``)."""
+        dt = (sigma - sigma_next).float().clamp(min=0)
+        return torch.where(dt > 0, std / dt.clamp(min=1e-30).sqrt(), torch.zeros_like(std))
 
     def step(
         self,
@@ -95,12 +129,14 @@ class Sampler:
         generator: torch.Generator | None = None,
         prev_sample: Tensor | None = None,
         eps: Tensor | None = None,
+        logprob: str = "gaussian",
     ) -> StepOutput:
         """One step from ``x`` (at σ) to σ'. With ``prev_sample`` given (recomputing a
         recorded transition) nothing is sampled and its log-probability is returned.
 
         ``noise`` (bool or [B] bool): rows that take a stochastic step; the others take the
-        deterministic Euler step. ``eps`` overrides the standard normal draw.
+        deterministic Euler step. ``eps`` overrides the standard normal draw. ``logprob``:
+        the log-prob convention (:data:`LOGPROB_FORMS`).
         """
         x32, v32 = x.float(), v.float()
         s, s_next = _rows(sigma, x32), _rows(sigma_next, x32)
@@ -132,7 +168,7 @@ class Sampler:
                 prev_sample = mean
         prev_sample = prev_sample.float().detach()
         return StepOutput(
-            prev_sample, mean, std.flatten(), gaussian_log_prob(prev_sample, mean, std)
+            prev_sample, mean, std.flatten(), step_log_prob(prev_sample, mean, std, logprob)
         )
 
 
@@ -179,6 +215,10 @@ class CPS(Sampler):
         mean = x0 * (1 - sigma_next) + x1 * torch.sqrt((sigma_next**2 - std**2).clamp(min=0))
         return mean, std
 
+    def noise_coefficient(self, std, sigma, sigma_next):
+        """CPS's ``std_dev_t`` in Flow-GRPO is the step's std itself (no √(-dt) factor)."""
+        return std
+
 
 class ODE(Sampler):
     """The deterministic Euler step (no noise, log-probability 0)."""
@@ -207,6 +247,7 @@ def get_sampler(name: str) -> Sampler:
 
 __all__ = [
     "CPS",
+    "LOGPROB_FORMS",
     "ODE",
     "SAMPLERS",
     "DanceSDE",
@@ -215,4 +256,6 @@ __all__ = [
     "StepOutput",
     "gaussian_log_prob",
     "get_sampler",
+    "neg_mse_log_prob",
+    "step_log_prob",
 ]

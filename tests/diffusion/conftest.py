@@ -40,7 +40,8 @@ def one_thread():
 @pytest.fixture
 def make_policy(tiny_sd3_dir, one_thread):
     """make_policy(engine_args..., lora=0, need_reference=False, model=tiny SD3,
-    max_sequence_length=1) -> (policy, engine built with those engine options)."""
+    max_sequence_length=1, policy_args=None) -> (policy, engine built with those engine
+    options); ``policy_args`` adds to the policy kind's options."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import from_dict
     from polyrl.core.policy import PolicyConfig
@@ -54,6 +55,7 @@ def make_policy(tiny_sd3_dir, one_thread):
         seed: int = 0,
         model: str = tiny_sd3_dir,
         max_sequence_length: int = 1,
+        policy_args: dict | None = None,
         **engine_args,
     ):
         args = {"height": 16, "width": 16, "steps": 6, "guidance_scale": 3.0, "batch_size": 64}
@@ -64,7 +66,7 @@ def make_policy(tiny_sd3_dir, one_thread):
                 "kind": "diffusion",
                 "model": model,
                 "lora": {"r": lora, "alpha": 2 * lora},
-                "args": {"max_sequence_length": max_sequence_length},
+                "args": {"max_sequence_length": max_sequence_length, **(policy_args or {})},
                 "optim": {"lr": lr},
                 "micro_batch_size": 64,
                 "engine": {"name": "diffusion", "args": args},

@@ -45,31 +45,37 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train(model: str, run_dir: Path, seed: int, *overrides: str, recipe: Path = RECIPE):
+    """``polyrl train recipe`` as a child process (one thread) on the pre-built model."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "polyrl.core.cli",
+        "train",
+        str(recipe),
+        f"seed={seed}",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        "run.tensorboard=false",
+        "run.export=false",
+        f"policies.main.model={model}",
+        "policies.main.build=null",  # built once by the fixture
+        "policies.main.build_args=null",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 @pytest.mark.slow
 def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     procs = {}
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for seed in SEEDS:
-        cmd = [
-            sys.executable,
-            "-m",
-            "polyrl.core.cli",
-            "train",
-            str(RECIPE),
-            f"seed={seed}",
-            f"run.dir={tmp_path}/seed{seed}",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "run.export=false",
-            f"policies.main.model={demo_model}",
-            "policies.main.build=null",  # built above, once for the three seeds
-            "policies.main.build_args=null",
-        ]
-        procs[seed] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        procs[seed] = _train(demo_model, tmp_path / f"seed{seed}", seed)
     for seed, proc in procs.items():
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
@@ -94,3 +100,33 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
         assert last > first + 0.4, (seed, first, last)
         assert evals[-1] >= 0.9 and acc >= 0.9, (seed, evals, acc)
         assert (run / "grid_before.png").is_file() and (run / "grid_after.png").is_file()
+
+
+@pytest.mark.slow
+def test_flow_grpo_conventions_with_its_published_kl_and_clip_learn(demo_model, tmp_path):
+    """The colour recipe with Flow-GRPO's KL form (kl_form: flow_grpo) and its published
+    kl_coef (beta 0.04) and clip range (1e-4) still learns the colour (one seed)."""
+    t0 = time.perf_counter()
+    proc = _train(
+        demo_model,
+        tmp_path / "run",
+        0,
+        "policies.main.args.kl_form=flow_grpo",
+        "algorithm.kl_coef=0.04",
+        "algorithm.clip_ratio_low=1.0e-4",
+        "algorithm.clip_ratio_high=1.0e-4",
+    )
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    rows = _metrics(tmp_path / "run")
+    train = [r for r in rows if r.get("reward/mean") is not None]
+    kl = [r["main/kl"] for r in train if r.get("main/kl") is not None]
+    first = sum(r["reward/mean"] for r in train[:3]) / 3
+    last = sum(r["reward/mean"] for r in train[-5:]) / 5
+    acc = sum(r["reward/colour_accuracy/mean"] for r in train[-5:]) / 5
+    print(
+        f"flow_grpo KL 0.04: reward {first:.3f} -> {last:.3f}, colour right {acc:.2f} (last 5 "
+        f"steps), KL max {max(kl):.2e}, {time.perf_counter() - t0:.0f}s"
+    )
+    assert len(kl) == len(train) and max(kl) > 0  # the KL term was on
+    assert last > first + 0.4 and acc >= 0.9, (first, last, acc)

@@ -10,6 +10,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RECIPES = {
     "sd35m_pickscore_lora.yaml": ("stabilityai/stable-diffusion-3.5-medium", "pickscore"),
     "flux1dev_hps_lora.yaml": ("black-forest-labs/FLUX.1-dev", "hpsv2"),
+    "diffusion_sd35m_flow_grpo.yaml": ("stabilityai/stable-diffusion-3.5-medium", "pickscore"),
 }
 
 
@@ -55,3 +56,29 @@ def test_hps_placeholder_path_fails_before_sampling():
         pytest.skip(f"{placeholder} exists on this machine: preparing would load ViT-H-14")
     with pytest.raises(FileNotFoundError, match=placeholder):
         prepare_rewards(cfg.reward.terms)
+
+
+def test_flow_grpo_port_uses_flow_grpo_conventions_and_values():
+    """The Flow-GRPO port (config/grpo.py pickscore_sd3) sets its KL form and log-prob
+    convention, and its published values: beta 0.01, clip range 1e-4, adv clip 5."""
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.diffusion.engine import sampling_options
+    from polyrl.diffusion.policy import policy_options
+
+    cfg = load(Config, EXAMPLES / "diffusion_sd35m_flow_grpo.yaml")
+    main = cfg.policies["main"]
+    assert policy_options(main, "main").kl_form == "flow_grpo"
+    sampling = sampling_options(main, "main")
+    assert (sampling.sampler, sampling.logprob, sampling.noise_level) == (
+        "flow_sde",
+        "gaussian",
+        0.7,
+    )
+    assert (sampling.steps, sampling.guidance_scale, sampling.train_steps.mode) == (10, 4.5, "all")
+    algo = cfg.algorithm
+    assert (algo.kl_coef, algo.kl_estimator) == (0.01, "gaussian_mean")
+    assert algo.clip_ratio_low == algo.clip_ratio_high == 1e-4
+    assert algo.credit_args.adv_clip == 5.0 and algo.credit_args.global_std
+    assert (cfg.rollout.n, cfg.rollout.prompts_per_step, algo.minibatches) == (24, 48, 2)
