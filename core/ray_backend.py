@@ -361,7 +361,8 @@ class RayVersions:
 def _reduce(outs: list[dict[str, float]], world: int) -> dict[str, float]:
     """Per-rank metrics -> the single-process ones: losses (scaled by ``dp_size`` on each rank)
     are summed and divided by ``world``; global values (lr, grad norm, skips) come from rank
-    0; the rest are averaged over the ranks that report them."""
+    0; maxima (``*_max``) are the largest rank's; the rest are averaged over the ranks that
+    report them (for the mismatch means and quantiles, an average of per-rank values)."""
     keys = list(dict.fromkeys(k for o in outs for k in o))
     out: dict[str, float] = {}
     for k in keys:
@@ -370,6 +371,8 @@ def _reduce(outs: list[dict[str, float]], world: int) -> dict[str, float]:
             out[k] = sum(vals) / world
         elif k in ("lr", "grad_norm", "skipped_nonfinite") and k in outs[0]:
             out[k] = outs[0][k]
+        elif k.endswith("_max"):
+            out[k] = max(vals)
         else:
             out[k] = sum(vals) / len(vals)
     return out

@@ -483,3 +483,17 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
     assert configs[0] == configs[1]
     w_r, w_l = (load_file(o / "adapter_model.safetensors") for o in (out_r, out_l))
     assert set(w_r) == set(w_l) and all(torch.equal(w_r[k], w_l[k]) for k in w_l)
+
+
+def test_rank_metrics_reduce_to_the_single_process_ones():
+    from polyrl.core.ray_backend import _reduce
+
+    ranks = [
+        {"loss": 0.2, "lr": 1e-3, "mismatch/rho_max": 1.5, "mismatch/rho_p50": 1.0},
+        {"loss": 0.4, "lr": 2e-3, "mismatch/rho_max": 3.0, "mismatch/rho_p50": 0.5},
+    ]
+    out = _reduce(ranks, world=2)
+    assert out["loss"] == pytest.approx(0.3)  # each rank's loss is scaled by dp_size
+    assert out["lr"] == 1e-3  # global: rank 0's
+    assert out["mismatch/rho_max"] == 3.0  # a maximum over all tokens, not an average
+    assert out["mismatch/rho_p50"] == pytest.approx(0.75)
