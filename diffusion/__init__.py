@@ -1,7 +1,7 @@
 """polyrl.diffusion: text-to-image RL (Flow-GRPO / DanceGRPO style) on diffusers models.
 
-Importing it registers its parts in the core's registries: the ``diffusion`` policy kind
-and engine, the ``text_to_image`` workflow, the ``per_prompt`` credit scheme, the
+Importing it registers its parts in the core's registries: the ``diffusion`` and
+``diffusion_nft`` policy kinds, the ``diffusion`` engine, the ``diffusion_nft`` policy loss, the ``text_to_image`` workflow, the ``per_prompt`` credit scheme, the
 ``gaussian_mean`` KL estimator, image rewards (``colour``, ``colour_accuracy``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``, ``aesthetic``,
 ``pickscore``, ``hpsv2``), the ``tiny_sd3`` and ``tiny_flux`` model builders and the
@@ -15,6 +15,7 @@ from polyrl.diffusion import (  # noqa: F401
     credit,
     engine,
     models,
+    nft,
     policy,
     rewards,
     samplers,

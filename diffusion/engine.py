@@ -22,21 +22,22 @@ from torch import Tensor
 
 from polyrl.core.config import ConfigError
 from polyrl.core.policy import PolicyConfig
-from polyrl.core.registry import ENGINES
+from polyrl.core.registry import ENGINES, POLICIES
 from polyrl.diffusion.policy import ENGINE_NAME, DiffusionPolicy
 from polyrl.diffusion.samplers import LOGPROB_FORMS, SAMPLERS, get_sampler
 from polyrl.diffusion.selection import StepSelection, noise_mask, select_steps
 
 
-def check_sampling(o: Any, where: str) -> None:
+def check_sampling(o: Any, where: str, forward_process: bool = False) -> None:
     """Fail naming the key when the engine options ``o`` (bound options, or the engine)
-    cannot sample: an unknown or deterministic sampler, too few steps, bad sizes."""
+    cannot sample: an unknown or deterministic sampler, too few steps, bad sizes. A policy
+    trained on the forward process (``forward_process``: DiffusionNFT) may sample with the ODE."""
     if o.sampler not in SAMPLERS:
         try:
             get_sampler(o.sampler)  # an import path may still resolve
         except (KeyError, ImportError, ValueError, TypeError) as e:
             raise ConfigError(f"{where}.sampler: {e}") from None
-    if o.sampler == "ode":
+    if o.sampler == "ode" and not forward_process:
         raise ConfigError(
             f"{where}.sampler=ode samples without noise, so no step has a "
             "log-probability to train; use flow_sde, dance_sde or cps (the "
@@ -69,7 +70,8 @@ def sampling_options(cfg: PolicyConfig, name: str | None = None) -> Any:
             f"{ENGINE_NAME}"
         )
     options = ENGINES.bind(ENGINE_NAME, cfg.engine.args, where, "the recipe")
-    check_sampling(options, where)
+    kind = POLICIES.get(cfg.kind) if cfg.kind in POLICIES else None
+    check_sampling(options, where, bool(getattr(kind, "forward_process", False)))
     return options
 
 
@@ -93,6 +95,8 @@ class Trajectories:
     noise_level: Tensor  # [B]
     sampler: str
     errors: list[str] = field(default_factory=list)  # "" = fine
+    # forward-process policies (NFT): each row's seed of its training noise
+    train_seed: Tensor | None = None
 
     @property
     def alive(self) -> Tensor:
@@ -163,7 +167,7 @@ class DiffusionEngine:
         self.same_noise, self.train_steps, self.batch_size = same_noise, train_steps, batch_size
         self.cfg_batch, self.decode_batch = cfg_batch, decode_batch
         self.logprob = logprob
-        check_sampling(self, "engine.args")
+        check_sampling(self, "engine.args", policy.forward_process)
         self.seed = seed
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
@@ -283,9 +287,15 @@ class DiffusionEngine:
             logp[~alive, t] = 0.0
             latents[:, t + 1] = new
             x = new
+        train_seed = None
+        if policy.forward_process:  # trained steps need no noise; seeds from the count
+            loss_mask = trained & alive[:, None]
+            base = (self.seed * 1_000_003 + self.rollouts) * 65_536
+            train_seed = base + torch.arange(b, dtype=torch.long)
+        else:
+            loss_mask = trained & (stds > 0) & alive[:, None]
         if not deterministic:
             self.rollouts += 1
-        loss_mask = trained & (stds > 0) & alive[:, None]
         return Trajectories(
             latents=latents,
             sigmas=sigmas.expand(b, -1).clone(),
@@ -303,6 +313,7 @@ class DiffusionEngine:
             noise_level=level,
             sampler=self.sampler,
             errors=errors,
+            train_seed=train_seed,
         )
 
 

@@ -104,7 +104,12 @@ def policy_options(cfg: PolicyConfig, name: str | None = None) -> DiffusionPolic
     """``cfg.args`` as this kind's typed options (a recipe binds them when it loads; a
     config built in code may still hold a mapping), checked."""
     where = f"policies.{name}.args" if name else "args"
-    args = bind(DiffusionPolicyOptions, cfg.args, where, "the recipe", "policy kind 'diffusion'")
+    options = DiffusionPolicyOptions
+    if cfg.kind in POLICIES:  # a kind built on this one (diffusion_nft) extends its options
+        declared = POLICIES.options(cfg.kind)
+        if isinstance(declared, type) and issubclass(declared, DiffusionPolicyOptions):
+            options = declared
+    args = bind(options, cfg.args, where, "the recipe", f"policy kind {cfg.kind!r}")
     args.validate(where)
     return args
 
@@ -129,6 +134,9 @@ class DiffusionPolicy:
     ray_lora = True
     # KL estimators this policy computes itself from its step means (core OwnsKL)
     kl_estimators: ClassVar[tuple[str, ...]] = (GAUSSIAN_MEAN,)
+    # True: trained on the forward process (DiffusionNFT), not on the sampler's log-probs, so
+    # the engine trains the selected steps of any sampler (the ODE too) and records seeds
+    forward_process: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ from polyrl.core.engine import SamplingParams
 from polyrl.core.registry import POLICIES, WORKFLOWS
 from polyrl.core.workflow import Context
 from polyrl.diffusion.engine import Trajectories, sampling_options
+from polyrl.diffusion.nft import NFT_LOSS
 from polyrl.diffusion.policy import DiffusionPolicy, policy_options
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
 
@@ -108,6 +109,8 @@ def diffusion_record(
     td["error"] = _stack(list(traj.errors))
     td["meta"] = _stack(list(meta))
     td["sampler"] = _stack([traj.sampler] * b)
+    if traj.train_seed is not None:  # forward-process training (NFT): its noise seeds
+        td["train_seed"] = traj.train_seed
     return td
 
 
@@ -128,6 +131,39 @@ def image_grid(images: list, cols: int, scale: int = 1, pad: int = 2):
     return grid
 
 
+def _diffusion_kind(kind: str) -> bool:
+    part = POLICIES.get(kind) if kind in POLICIES else None
+    return isinstance(part, type) and issubclass(part, DiffusionPolicy)
+
+
+def _check_forward_process(cfg) -> None:
+    """A forward-process policy (diffusion_nft) trains with its own loss, one optimizer step
+    per rollout (its old velocity is the sampling weights') and no KL; and only it can."""
+    algo = cfg.algorithm
+    nft = [
+        n
+        for n, p in cfg.policies.items()
+        if _diffusion_kind(p.kind) and POLICIES.get(p.kind).forward_process
+    ]
+    if nft and algo.policy_loss != NFT_LOSS:
+        raise ConfigError(
+            f"policies.{nft[0]}.kind={cfg.policies[nft[0]].kind!r} trains on the forward "
+            f"process: set algorithm.policy_loss: {NFT_LOSS} (got {algo.policy_loss!r})"
+        )
+    if algo.policy_loss == NFT_LOSS and not nft:
+        raise ConfigError(
+            f"algorithm.policy_loss={NFT_LOSS} needs a policy of kind diffusion_nft, which "
+            "computes it; set policies.<name>.kind: diffusion_nft"
+        )
+    if nft and (algo.ppo_epochs != 1 or algo.minibatches != 1 or algo.kl_coef != 0):
+        raise ConfigError(
+            f"algorithm.policy_loss={NFT_LOSS} takes one optimizer step per rollout "
+            "(ppo_epochs: 1, minibatches: 1: its old velocity is the sampling weights') and "
+            f"no KL term (kl_coef: 0); got ppo_epochs={algo.ppo_epochs}, "
+            f"minibatches={algo.minibatches}, kl_coef={algo.kl_coef}"
+        )
+
+
 class TextToImage:
     """Sample ``n`` images per prompt with a diffusion policy; one row per image."""
 
@@ -142,16 +178,17 @@ class TextToImage:
             raise ConfigError(
                 f"rollout.args.policy={name!r} is not a policy; have {sorted(cfg.policies)}"
             )
-        if cfg.policies[name].kind != "diffusion":
+        if not _diffusion_kind(cfg.policies[name].kind):
             raise ConfigError(
                 f"the text_to_image workflow samples with policy {name!r}, whose "
                 f"kind is {cfg.policies[name].kind!r}; set policies.{name}.kind: "
                 "diffusion"
             )
         for pname, p in cfg.policies.items():
-            if p.kind == "diffusion":
+            if _diffusion_kind(p.kind):
                 sampling_options(p, pname)
                 policy_options(p, pname)
+        _check_forward_process(cfg)
         if cfg.sft.steps:
             raise ConfigError(
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
