@@ -82,7 +82,14 @@ class PolicyConfig:
     shared_prefix: bool = doc(
         True,
         "in the update, run each distinct prompt of a micro-batch "
-        "once and share its KV cache with its group's rows",
+        "once and share its KV cache with its group's rows (padded passes: pack false, "
+        "or a model pack does not serve)",
+    )
+    pack: bool = doc(
+        True,
+        "padding-free log-prob passes: a micro-batch's rows packed into one sequence "
+        "(position ids restart per row; sdpa, eager and flash attention). Same values "
+        "as the padded pass; causal_lm and lora_agent kinds (VLM kinds stay padded)",
     )
     args: Any = doc(
         {},
@@ -108,6 +115,13 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+def packs(model: torch.nn.Module, pack: bool) -> bool:
+    """Whether ``model``'s log-prob passes run packed: ``pack`` asked for, and an attention
+    implementation that keeps packed rows apart (see :func:`packed_logprobs`)."""
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    return pack and (impl in ("sdpa", "eager") or "flash" in impl)
+
+
 def lr_lambda(cfg: OptimConfig, total_steps: int):
     """Warm-up then constant/linear/cosine decay, as a LambdaLR factor."""
     if cfg.schedule not in ("constant", "linear", "cosine"):
@@ -131,8 +145,11 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     shared_prefix: bool = True,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
+
+    ``pack`` runs :func:`packed_logprobs` (no padding; ``shared_prefix`` is then unused).
 
     Only the response positions reach the LM head (``logits_to_keep``), which saves
     the vocabulary projection over the prompt. With ``shared_prefix`` the rows that share
@@ -141,6 +158,8 @@ def response_logprobs(
     responses attend to it -- equal to the full pass up to float rounding, and about
     (n-1)/n of the prompt compute cheaper.
     """
+    if pack:
+        return packed_logprobs(model, batch, temperature, with_entropy)
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
     inverse = None
@@ -187,6 +206,79 @@ def response_logprobs(
         ).logits
         logits = torch.cat([head.logits[inverse], tail[:, :-1]], dim=1).float()
     return token_logprobs(logits, batch["response_ids"], temperature, with_entropy)
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: TensorDict,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_logprobs` without padding: the rows' real tokens (prompt then
+    response) are packed end to end, with position ids restarting at 0 on each row. With
+    no attention mask and no cache, transformers reads the restarts as sequence boundaries
+    (``masking_utils.find_packed_sequence_indices`` for sdpa/eager, flash-attention's
+    varlen path), so no row attends to another and the padded computation's values come
+    out. Flash attention takes one sequence ``[1, total]`` (its varlen kernel costs the
+    sum of squared row lengths). sdpa and eager build a dense mask over their whole input,
+    so for them the rows are packed first-fit-decreasing into bins as wide as the longest
+    row: the attention then costs at most what the padded batch's does, and the rest of
+    the model runs on about the real tokens. Only positions that predict a response token
+    reach the LM head. Padded response slots hold 0.
+    """
+    prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
+    rmask = batch["response_mask"].bool()
+    if not bool(rmask.any()):
+        zeros = torch.zeros(rmask.shape, device=prompt.device)
+        return zeros, (zeros.clone() if with_entropy else None)
+    mask = torch.cat([pmask.bool(), rmask], dim=1)
+    lengths = mask.sum(-1).tolist()
+    if not bool(pmask.bool().any(-1).all()):
+        raise ValueError("packed log-probs: a row has no prompt token to predict its response")
+    one_sequence = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+    row_bin, row_start, bins, width = pack_rows(lengths, None if one_sequence else max(lengths))
+    device = prompt.device
+    pos = mask.long().cumsum(-1) - 1  # each row's own positions, as in the padded pass
+    token_bin = torch.as_tensor(row_bin, device=device)[:, None].expand_as(mask)
+    token_col = torch.as_tensor(row_start, device=device)[:, None] + pos
+    ids = torch.zeros(bins, width, dtype=prompt.dtype, device=device)
+    ids[token_bin[mask], token_col[mask]] = torch.cat([prompt, batch["response_ids"]], 1)[mask]
+    positions = torch.zeros(bins, width, dtype=torch.long, device=device)  # fillers: 0 each
+    positions[token_bin[mask], token_col[mask]] = pos[mask]
+    # a response token is predicted by the token before it in its row
+    r_bin = token_bin[:, prompt.shape[1] :][rmask]
+    r_col = token_col[:, prompt.shape[1] :][rmask] - 1
+    keep, slot = torch.unique(r_col, return_inverse=True) if bins > 1 else (r_col, None)
+    logits = model(
+        input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False
+    ).logits
+    logits = logits[0] if slot is None else logits[r_bin, slot]
+    logp, ent = token_logprobs(
+        logits.float(), batch["response_ids"][rmask], temperature, with_entropy
+    )
+    out = torch.zeros(rmask.shape, dtype=logp.dtype, device=device).masked_scatter(rmask, logp)
+    if ent is not None:
+        ent = torch.zeros_like(out).masked_scatter(rmask, ent)
+    return out, ent
+
+
+def pack_rows(lengths: list[int], width: int | None) -> tuple[list, list, int, int]:
+    """First-fit-decreasing packing of rows of ``lengths`` into bins of ``width`` tokens
+    (None: one bin holding every row). Returns each row's bin and start column, the number
+    of bins and their width."""
+    if width is None:
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return [0] * len(lengths), starts, 1, sum(lengths)
+    row_bin, row_start, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, u in enumerate(used) if u + lengths[i] <= width), len(used))
+        if b == len(used):
+            used.append(0)
+        row_bin[i], row_start[i] = b, used[b]
+        used[b] += lengths[i]
+    return row_bin, row_start, len(used), width
 
 
 def token_logprobs(
@@ -260,19 +352,22 @@ class CausalLMPolicy:
             temperature,
             with_entropy,
             self.cfg.shared_prefix and not self.cfg.gradient_checkpointing,
+            pack=packs(self.model, self.cfg.pack),
         )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Reference log-probs: the frozen copy, or the base with the adapter disabled."""
         batch = to_device(batch, self.device)
+        model = self.model if self.reference is None else self.reference
+        pack = packs(model, self.cfg.pack)
         if self.reference is not None:
             return response_logprobs(
-                self.reference, batch, temperature, shared_prefix=self.cfg.shared_prefix
+                model, batch, temperature, shared_prefix=self.cfg.shared_prefix, pack=pack
             )[0]
         with self.model.disable_adapter():
             return response_logprobs(
-                self.model, batch, temperature, shared_prefix=self.cfg.shared_prefix
+                model, batch, temperature, shared_prefix=self.cfg.shared_prefix, pack=pack
             )[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from polyrl.core.policy import (
     checkpoint_state,
     load_checkpoint_state,
     lr_lambda,
+    packs,
     response_logprobs,
     warm_start_optimizer,
 )
@@ -120,15 +121,22 @@ class LoraAgentPolicy:
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = self.model
         return response_logprobs(
-            self.model, to_device(batch, self.device), temperature, with_entropy
+            model,
+            to_device(batch, self.device),
+            temperature,
+            with_entropy,
+            pack=packs(model, self.cfg.pack),
         )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         model = self.model
         with model.disable_adapter():
-            return response_logprobs(model, to_device(batch, self.device), temperature)[0]
+            return response_logprobs(
+                model, to_device(batch, self.device), temperature, pack=packs(model, self.cfg.pack)
+            )[0]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._own.items()}
