@@ -151,6 +151,16 @@ class OwnsKL(Protocol):
         ``reference`` is this batch's ``reference_terms``."""
 
 
+@runtime_checkable
+class PacksRows(Protocol):
+    """A policy whose log-prob pass drops padding (rows packed into one sequence), so the
+    trainer may form micro-batches by a token budget instead of a row count."""
+
+    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
+        """(tokens per row of ``batch``, tokens per micro-batch), or None for row-count
+        micro-batches (packing off, or not exact for this model)."""
+
+
 # --------------------------------------------------------------------------- engines
 
 

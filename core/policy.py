@@ -91,6 +91,12 @@ class PolicyConfig:
         "(position ids restart per row; sdpa, eager and flash attention). Same values "
         "as the padded pass; causal_lm and lora_agent kinds (VLM kinds stay padded)",
     )
+    max_tokens_per_micro_batch: int | None = doc(
+        None,
+        "with pack: micro-batches by real tokens (rows grouped by length up to this "
+        "many; a longer row goes alone) instead of micro_batch_size rows; null: "
+        "micro_batch_size x the longest row, never more than a padded micro-batch",
+    )
     args: Any = doc(
         {},
         "options of the policy kind (e.g. freezing a vision tower)",
@@ -120,6 +126,20 @@ def packs(model: torch.nn.Module, pack: bool) -> bool:
     implementation that keeps packed rows apart (see :func:`packed_logprobs`)."""
     impl = str(getattr(model.config, "_attn_implementation", None))
     return pack and (impl in ("sdpa", "eager") or "flash" in impl)
+
+
+def token_budget(
+    batch: TensorDict, cfg: PolicyConfig, packed: bool
+) -> tuple[torch.Tensor, int] | None:
+    """Real tokens per row of ``batch`` and the micro-batch token budget, for packed passes
+    (None: micro-batches of ``micro_batch_size`` rows)."""
+    if not packed:
+        return None
+    lengths = batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)
+    budget = cfg.max_tokens_per_micro_batch
+    if budget is None:
+        budget = cfg.micro_batch_size * int(lengths.max()) if len(lengths) else 1
+    return lengths.cpu(), budget
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -369,6 +389,10 @@ class CausalLMPolicy:
             return response_logprobs(
                 model, batch, temperature, shared_prefix=self.cfg.shared_prefix, pack=pack
             )[0]
+
+    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
+        """Tokens per row and per micro-batch when the passes are packed (PacksRows)."""
+        return token_budget(batch, self.cfg, packs(self.model, self.cfg.pack))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""

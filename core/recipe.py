@@ -265,6 +265,13 @@ class Config:
                     "two numbers in [0, 1)",
                 ),
                 (f"{w}.micro_batch_size", p.micro_batch_size, p.micro_batch_size >= 1, ">= 1"),
+                (
+                    f"{w}.max_tokens_per_micro_batch",
+                    p.max_tokens_per_micro_batch,
+                    p.max_tokens_per_micro_batch is None
+                    or (p.pack and p.max_tokens_per_micro_batch >= 1),
+                    "null, or >= 1 with pack: true (a token budget needs packed passes)",
+                ),
                 (f"{w}.lora.r", lora.r, lora.r >= 0, ">= 0 (0: full fine-tune, no adapter)"),
                 (f"{w}.lora.alpha", lora.alpha, _positive(lora.alpha), "> 0"),
                 (f"{w}.lora.dropout", lora.dropout, 0 <= lora.dropout < 1, "in [0, 1)"),

@@ -7,10 +7,15 @@ exactly 1 and no extra forward pass is spent. The KL term uses the registered pe
 estimator on log-probs, unless the policy computes the recipe's estimator itself
 (:class:`~polyrl.core.interfaces.OwnsKL`, e.g. from Gaussian means), in the same forward.
 
+Micro-batches hold ``micro_batch_size`` rows, or, for a policy whose passes are packed
+(:class:`~polyrl.core.interfaces.PacksRows`), up to a budget of real tokens, rows grouped
+by length. Either way each micro-batch loss is divided by mini-batch totals, so the
+gradient does not depend on how the rows are split.
+
 Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
 ``dp=(rank, world)``: every rank receives the whole batch, draws the same mini-batches,
 takes the loss totals (``AggInfo``) from the whole mini-batch and then computes only its
-own share of the rows. Every rank runs the same number of forward/backward passes (a
+own share of the rows (by tokens, balanced across ranks, under a token budget). Every rank runs the same number of forward/backward passes (a
 rank short of rows runs a zero-weighted pass), because FSDP's collectives need all ranks.
 The returned metrics are this rank's; the single-process values are ``loss`` summed over
 ranks and divided by ``world``, and ``kl`` (each optimizer step's mini-batch value) and
@@ -28,14 +33,10 @@ from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.correction import Mismatch, weights
-from polyrl.core.interfaces import OwnsKL
+from polyrl.core.interfaces import OwnsKL, PacksRows
+from polyrl.core.policy import pack_rows
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
-
-
-def _micro_batches(batch: TensorDict, size: int):
-    for start in range(0, batch.batch_size[0], size):
-        yield batch[start : start + size]
 
 
 def _agg_info(
@@ -45,50 +46,95 @@ def _agg_info(
     return dataclasses.replace(agg, dp_size=dp[1]) if dp else agg
 
 
-def _rank_micro_batches(
-    batch: TensorDict, size: int, dp: tuple[int, int] | None
-) -> Iterator[tuple[TensorDict, bool]]:
-    """(micro-batch, is_real) pairs of this rank's share of ``batch``.
+def _micro_batch_rows(
+    n: int, size: int, dp: tuple[int, int] | None, budget: tuple[torch.Tensor, int] | None
+) -> list[torch.Tensor | None]:
+    """Row indices of this rank's micro-batches (None: a stand-in, weighted by zero).
 
-    Without ``dp``: the plain micro-batches. With it: this rank's contiguous share of the
-    rows, in as many micro-batches as the largest share needs; a rank with fewer rows gets
-    stand-in micro-batches (the batch's first row, ``is_real`` False) to weight by zero.
+    Row counts (``budget`` None): consecutive rows, ``size`` at a time; under ``dp`` each
+    rank takes its contiguous share. Token budget (``(tokens per row, budget)``, packed
+    passes): rows first go to ranks longest first, each to the rank with the fewest
+    tokens so far, then each rank packs its rows first-fit-decreasing into micro-batches of
+    at most ``budget`` tokens. Every rank runs as many micro-batches as the busiest one, so
+    the ranks with fewer get stand-ins.
     """
-    if dp is None:
-        for mb in _micro_batches(batch, size):
-            yield mb, True
-        return
-    rank, world = dp
-    sizes = [len(share) for share in torch.tensor_split(torch.arange(batch.batch_size[0]), world)]
-    start = sum(sizes[:rank])
-    count = math.ceil(sizes[0] / size)  # the first share is the largest
-    for k in range(count):
-        lo, hi = start + k * size, start + min((k + 1) * size, sizes[rank])
-        yield (batch[lo:hi], True) if hi > lo else (batch[:1], False)
+    if budget is None:
+        if dp is None:
+            return [torch.arange(lo, min(lo + size, n)) for lo in range(0, n, size)]
+        rank, world = dp
+        sizes = [len(share) for share in torch.tensor_split(torch.arange(n), world)]
+        start = sum(sizes[:rank])
+        count = math.ceil(sizes[0] / size)  # the first share is the largest
+        return [
+            torch.arange(start + k * size, start + min((k + 1) * size, sizes[rank]))
+            if k * size < sizes[rank]
+            else None
+            for k in range(count)
+        ]
+    tokens, limit = budget
+    lengths = [int(t) for t in tokens]
+    rank, world = dp or (0, 1)
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        r = min(range(world), key=load.__getitem__)
+        shares[r].append(i)
+        load[r] += lengths[i]
+    plans = []
+    for share in shares:
+        row_bin, _, bins, _ = pack_rows([lengths[i] for i in share], limit)
+        members: list[list[int]] = [[] for _ in range(bins)]
+        for i, b in zip(share, row_bin, strict=True):
+            members[b].append(i)
+        plans.append([torch.tensor(sorted(m)) for m in members])
+    count = max(len(plan) for plan in plans)
+    return plans[rank] + [None] * (count - len(plans[rank]))
+
+
+def _rank_micro_batches(
+    batch: TensorDict,
+    size: int,
+    dp: tuple[int, int] | None,
+    budget: tuple[torch.Tensor, int] | None = None,
+) -> Iterator[tuple[TensorDict, bool]]:
+    """(micro-batch, is_real) pairs of this rank's share of ``batch`` (see
+    :func:`_micro_batch_rows`); a stand-in is the batch's first row, ``is_real`` False."""
+    for rows in _micro_batch_rows(batch.batch_size[0], size, dp, budget):
+        yield (batch[rows], True) if rows is not None else (batch[:1], False)
 
 
 @torch.no_grad()
-def _per_row(fn, batch: TensorDict, size: int, dp: tuple[int, int] | None) -> torch.Tensor:
-    """``fn`` over every row of ``batch``; under ``dp`` each rank computes its share and the
-    shares are gathered, so every rank ends with the whole result."""
-    parts = []
-    for mb, real in _rank_micro_batches(batch, size, dp):
-        out = fn(mb)  # stand-ins run too: the collectives inside need every rank
-        if real:
-            parts.append(out)
-    local = torch.cat(parts) if parts else None
-    if dp is None:
-        return local
-    gathered: list = [None] * dp[1]
-    torch.distributed.all_gather_object(gathered, local)
-    return torch.cat([g for g in gathered if g is not None])
-
-
-@torch.no_grad()
-def _logprobs_no_grad(
-    policy, batch: TensorDict, size: int, temperature: float, dp: tuple[int, int] | None = None
+def _per_row(
+    fn,
+    batch: TensorDict,
+    size: int,
+    dp: tuple[int, int] | None,
+    budget: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    return _per_row(lambda mb: policy.logprobs(mb, temperature)[0], batch, size, dp)
+    """``fn`` over every row of ``batch``, in row order; under ``dp`` each rank computes its
+    share and the shares are gathered, so every rank ends with the whole result."""
+    parts = []
+    for rows in _micro_batch_rows(batch.batch_size[0], size, dp, budget):
+        out = fn(batch[rows] if rows is not None else batch[:1])  # stand-ins run too:
+        if rows is not None:  # the collectives inside need every rank
+            parts.append((rows, out))
+    if dp is not None:
+        gathered: list = [None] * dp[1]
+        torch.distributed.all_gather_object(gathered, parts)
+        parts = [part for rank_parts in gathered for part in rank_parts]
+    rows = torch.cat([r for r, _ in parts])
+    local = torch.cat([o for _, o in parts])
+    if torch.equal(rows, torch.arange(len(rows))):
+        return local
+    return torch.empty_like(local).index_copy_(0, rows.to(local.device), local)
+
+
+def _token_budget(policy):
+    """``batch -> (tokens per row, budget) or None``: the policy's token budget when its
+    passes are packed (:class:`~polyrl.core.interfaces.PacksRows`), else row counts."""
+    if isinstance(policy, PacksRows):
+        return policy.token_budget
+    return lambda batch: None
 
 
 def _rows_with_signal(batch: TensorDict) -> tuple[TensorDict, int]:
@@ -143,8 +189,11 @@ def update(
     mb_size = policy.cfg.micro_batch_size
     loss_fn = POLICY_LOSSES.get(algo.policy_loss)
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
+    tokens = _token_budget(policy)
     if not reuse_old:
-        batch["old_logprobs"] = _logprobs_no_grad(policy, batch, mb_size, temperature, dp)
+        batch["old_logprobs"] = _per_row(
+            lambda mb: policy.logprobs(mb, temperature)[0], batch, mb_size, dp, tokens(batch)
+        )
     # a policy may compute the recipe's KL estimator itself (OwnsKL): the reference terms
     # it needs (e.g. means) are stored where ref_logprobs would be
     owns_kl = (
@@ -158,10 +207,11 @@ def update(
             batch,
             mb_size,
             dp,
+            tokens(batch),
         )
     elif algo.kl_coef > 0:
         batch["ref_logprobs"] = _per_row(
-            lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp
+            lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp, tokens(batch)
         )
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 and not owns_kl else None
     corr = algo.rollout_correction
@@ -202,7 +252,7 @@ def update(
                 mini_batch, skipped = _rows_with_signal(mini_batch)
                 stats["rows_skipped"] += skipped
             kl_sum = 0.0  # micro-batch terms sum to the mini-batch's value
-            for mb, real in _rank_micro_batches(mini_batch, mb_size, dp):
+            for mb, real in _rank_micro_batches(mini_batch, mb_size, dp, tokens(mini_batch)):
                 mask = mb["loss_mask"].float()
                 kl_tokens = None
                 if owns_kl:
@@ -271,7 +321,8 @@ def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> 
     stats: dict = {"skipped_nonfinite": 0, "grad_norm": []}
     total = 0.0
     policy.model.train(True)
-    for mb, real in _rank_micro_batches(batch, policy.cfg.micro_batch_size, dp):
+    tokens = _token_budget(policy)(batch)
+    for mb, real in _rank_micro_batches(batch, policy.cfg.micro_batch_size, dp, tokens):
         logp, _ = policy.logprobs(mb)
         loss = aggregate(-logp, mb["loss_mask"].float(), agg)
         (loss if real else loss * 0.0).backward()

@@ -28,6 +28,7 @@ from polyrl.core.policy import (
     lr_lambda,
     packs,
     response_logprobs,
+    token_budget,
     warm_start_optimizer,
 )
 from polyrl.core.record import to_device
@@ -137,6 +138,10 @@ class LoraAgentPolicy:
             return response_logprobs(
                 model, to_device(batch, self.device), temperature, pack=packs(model, self.cfg.pack)
             )[0]
+
+    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
+        """Tokens per row and per micro-batch when the passes are packed (PacksRows)."""
+        return token_budget(batch, self.cfg, packs(self._peft, self.cfg.pack))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._own.items()}

@@ -1,10 +1,13 @@
-"""Padding-free (packed) log-prob passes.
+"""Padding-free (packed) log-prob passes and token-budget micro-batches.
 
 The padded pass (``pack=False``, no shared prefix) is the reference: packing must give its
-log-probs, entropies and gradients to float tolerance.
+log-probs, entropies, losses and gradients to float tolerance, and forming micro-batches by
+a token budget must leave the optimizer's gradient what the row-count micro-batches give.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from polyrl.core.policy import (
     response_logprobs,
 )
 from polyrl.core.record import text_record
+from polyrl.core.trainer import _micro_batch_rows, update
+from tests.core.test_trainer import grads_at_step
 
 # response lengths: most short, some long (the workload packing is for)
 LENGTHS = [1, 2, 40, 3, 1, 2, 33, 4, 2, 1, 3, 27]
@@ -123,10 +128,103 @@ def test_pack_rows_first_fit_decreasing():
     assert pack_rows([3, 12, 2], 8) == ([1, 0, 1], [0, 0, 3], 2, 8)  # too long: alone
 
 
+def test_token_budget_micro_batches_cover_every_row_within_budget():
+    lengths = torch.tensor([30, 5, 7, 60, 6, 5, 31, 8, 5, 9, 70, 4, 6, 5])
+    budget = 64
+    single = _micro_batch_rows(len(lengths), 4, None, (lengths, budget))
+    rows = torch.cat(single)
+    assert sorted(rows.tolist()) == list(range(len(lengths)))
+    for mb in single:  # within budget, or one row longer than it
+        assert lengths[mb].sum() <= budget or len(mb) == 1
+    assert len(single) == 4  # 251 tokens: 70 | 60+4 | 31+30 | the 9 short rows (56)
+    plans = [_micro_batch_rows(len(lengths), 4, (r, 2), (lengths, budget)) for r in range(2)]
+    assert len(plans[0]) == len(plans[1])  # same number of passes on every rank
+    real = [[mb for mb in plan if mb is not None] for plan in plans]
+    every = sorted(torch.cat([mb for plan in real for mb in plan]).tolist())
+    assert every == list(range(len(lengths)))
+    loads = [sum(int(lengths[mb].sum()) for mb in plan) for plan in real]
+    assert abs(loads[0] - loads[1]) <= int(lengths.max())  # balanced to within one row
+    assert loads == [124, 127]  # by hand, longest first to the lighter rank (ties: rank 0):
+    # rank 0: 70, 30, 8, 6, 5, 5; rank 1: 60, 31, 9, 7, 6, 5, 5, 4
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_update_keeps_the_gradient(tiny_model_dir, loss_agg):
+    """One optimizer step from the same weights: padded row-count micro-batches (3 rows),
+    packed row-count-sized budget (the default), a small budget (many micro-batches) and
+    one budget over everything see the same gradient and report the same loss."""
+    base = make_policy(tiny_model_dir)
+    batch = variable_batch(base.tokenizer)
+    algo = AlgorithmConfig(loss_agg=loss_agg)
+    runs = {}
+    for name, kw in {
+        "padded rows": dict(pack=False, shared_prefix=False, micro_batch_size=3),
+        "packed default": dict(micro_batch_size=3),
+        "packed 60": dict(max_tokens_per_micro_batch=60),
+        "packed all": dict(max_tokens_per_micro_batch=10_000),
+    }.items():
+        policy = copy.deepcopy(base)
+        policy.cfg = PolicyConfig(**{**vars(base.cfg), **kw})
+        seen = grads_at_step(policy)
+        out = update(policy, batch.clone(), algo)
+        runs[name] = (seen[0], out["loss"])
+    ref, ref_loss = runs.pop("padded rows")
+    for name, (grads, loss) in runs.items():
+        assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), name
+        for a, b in zip(grads, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4, msg=name)
+
+
+def test_token_budget_ranks_sum_to_the_single_process_gradient(tiny_model_dir):
+    """Two data-parallel ranks (each its share by tokens; no collectives are needed with
+    one epoch and no reference): the ranks' gradients average to the single-process one,
+    as FSDP's reduction would make them."""
+    base = make_policy(tiny_model_dir, max_tokens_per_micro_batch=50)
+    batch = variable_batch(base.tokenizer)
+    grads = []
+    for dp in (None, (0, 2), (1, 2)):
+        policy = copy.deepcopy(base)
+        seen = grads_at_step(policy)
+        update(policy, batch.clone(), AlgorithmConfig(), dp=dp)
+        grads.append(seen[0])
+    single, r0, r1 = grads
+    for s, a, b in zip(single, r0, r1, strict=True):
+        torch.testing.assert_close((a + b) / 2, s, atol=1e-7, rtol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(r0, r1, strict=True))
+
+
 def test_packing_is_off_where_rows_could_mix(tiny_model_dir):
     """An attention implementation that does not read packed position ids keeps the padded
     pass (and row-count micro-batches)."""
     policy = make_policy(tiny_model_dir)
-    assert packs(policy.model, True) and not packs(policy.model, False)
+    batch = variable_batch(policy.tokenizer)
+    assert policy.token_budget(batch)[1] == policy.cfg.micro_batch_size * int(
+        (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).max()
+    )
     policy.model.config._attn_implementation = "some_kernel"
     assert not packs(policy.model, True)
+    assert policy.token_budget(batch) is None
+    policy.cfg.pack = False
+    policy.model.config._attn_implementation = "sdpa"
+    assert policy.token_budget(batch) is None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["policies.main.max_tokens_per_micro_batch=0"],
+        ["policies.main.pack=false", "policies.main.max_tokens_per_micro_batch=4096"],
+    ],
+)
+def test_a_token_budget_without_packing_fails_at_load(tmp_path, overrides):
+    import polyrl.core  # noqa: F401  (registers the core's parts)
+    from polyrl.core.config import ConfigError, load
+    from polyrl.core.recipe import Config
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("policies: {main: {model: some/model}}\ntrain: {steps: 3}\n")
+    with pytest.raises(ConfigError, match="policies.main.max_tokens_per_micro_batch=") as e:
+        load(Config, recipe, overrides)
+    assert "pack: true" in str(e.value) and str(recipe) in str(e.value)
+    cfg = load(Config, recipe, ["policies.main.max_tokens_per_micro_batch=4096"])
+    assert cfg.policies["main"].max_tokens_per_micro_batch == 4096
