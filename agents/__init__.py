@@ -1,12 +1,12 @@
 """polyrl.agents: multi-turn agentic RL -- environments, tools, a sandbox, step-level credit.
 
 Importing the package registers its parts in the core's registries: the ``multi_turn``
-workflow, the ``gridworld`` and ``tool_math`` environments and tasks, the ``episode_grpo``, ``turn_return``
+and ``gateway`` workflows, the ``gridworld`` and ``tool_math`` environments and tasks, the ``episode_grpo``, ``turn_return``
 and ``gigpo`` credit schemes and the ``env_return`` / ``env_success`` / ``success_rate``
 rewards.
 """
 
-from polyrl.agents import credit, gridworld, math_env, rewards, tools, workflow  # noqa: F401
+from polyrl.agents import credit, gateway, gridworld, math_env, rewards, tools, workflow  # noqa: F401
 from polyrl.agents.chat import ChatFormat
 from polyrl.agents.env import Environment, StepResult, make_env_factory, register_env
 from polyrl.agents.sandbox import Sandbox, SandboxLimits, SandboxResult

@@ -1,0 +1,961 @@
+"""The agent gateway: train agents written against the OpenAI client, unchanged.
+
+The ``gateway`` workflow starts a real HTTP server (FastAPI on uvicorn, on 127.0.0.1, a
+random port and a random per-run API key) serving the OpenAI Chat Completions API in front
+of the run's engines, then runs the user's agent once per task row and group sample,
+concurrently. ``model`` in a request names a policy, so one program can call several
+trainable models. Every completion an agent asked for becomes rows of the record (one per
+choice, step-style), with the exact prompt ids the engine was given, the ids it sampled
+and its log-probs; ``meta`` carries the episode id and turn so credit can group them.
+
+Each episode gets its own base URL (``/ep/<token>/v1``), which is how the gateway knows
+which episode a request belongs to. Concurrent requests wait in one queue; the engine
+serves whatever waits in one ``generate`` per flush (requests with the same sampling
+settings share a call), on a worker thread, so the server keeps accepting requests while
+the engine runs.
+
+Multi-turn stitching: a request whose messages are an earlier completion's messages, then
+that completion's reply exactly as the gateway returned it, then new messages, is given
+that completion's prompt ids + sampled ids + the new messages rendered on their own
+(:class:`~polyrl.agents.chat.ChatFormat`). No sampled token is ever decoded and encoded
+again. An agent that edits its history (changes an earlier message, rewrites or drops a
+reply, reorders) gets the conversation rendered afresh by the chat template: that row is
+still exact (its prompt is what the engine saw) but its earlier replies are re-tokenised
+text, and ``meta["stitched"]`` is false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import inspect
+import json
+import math
+import secrets
+import socket
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from tensordict import TensorDict
+
+from polyrl.agents.chat import ChatFormat
+from polyrl.agents.tools import parse_hermes
+from polyrl.core.config import ConfigError
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.registry import WORKFLOWS, import_path
+from polyrl.core.workflow import run_sync
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = 16
+MAX_STOP = 4
+
+
+class RequestError(Exception):
+    """An OpenAI-style error answer: HTTP status, message, type and code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "invalid_request_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+@dataclass
+class Choice:
+    ids: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length | tool_calls
+    message: dict  # what the gateway answered (role, content, tool_calls)
+    key: tuple  # the normalised message, matched when the agent sends it back
+
+
+@dataclass
+class Call:
+    """One chat completion request of an episode and what the engine answered."""
+
+    model: str
+    keys: list[tuple]  # the request's messages, normalised
+    tools_key: str
+    prompt_ids: list[int]
+    choices: list[Choice]
+    stitched: bool
+    anchor: str  # the last non-assistant message (GiGPO-style grouping)
+    temperature: float
+
+
+@dataclass
+class EpisodeState:
+    id: int
+    token: str
+    item: PromptItem
+    sample: int
+    calls: list[Call] = field(default_factory=list)
+    open: bool = True
+    error: str = ""
+    result: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _content(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for k, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise RequestError(
+                    400,
+                    f"{where}.content[{k}]: only text parts are supported "
+                    "(type 'text'), not images or audio",
+                    param=f"{where}.content",
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise RequestError(400, f"{where}.content must be a string or a list of text parts")
+
+
+def _tool_calls_key(calls: Any, where: str) -> tuple:
+    if not calls:
+        return ()
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(400, f"{where}.tool_calls[{k}] needs function.name")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            parsed = args
+        out.append((fn["name"], json.dumps(parsed, sort_keys=True)))
+    return tuple(out)
+
+
+def normalise_messages(messages: Any) -> tuple[list[dict], list[tuple]]:
+    """Messages as the chat template gets them, and their comparison keys."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", param="messages")
+    rendered, keys = [], []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(400, f"{where} must be an object", param="messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise RequestError(
+                400, f"{where}.role={role!r}: use one of {', '.join(ROLES)}", param="messages"
+            )
+        if role == "developer":
+            role = "system"
+        text = _content(m.get("content"), where)
+        calls = _tool_calls_key(m.get("tool_calls"), where) if role == "assistant" else ()
+        msg = {"role": role, "content": text}
+        if calls:
+            msg["tool_calls"] = [
+                {"type": "function", "function": {"name": n, "arguments": json.loads(a)}}
+                for n, a in calls
+            ]
+        if role == "tool" and m.get("name"):
+            msg["name"] = str(m["name"])
+        rendered.append(msg)
+        keys.append((role, text, calls, str(m.get("name") or "") if role == "tool" else ""))
+    return rendered, keys
+
+
+# --------------------------------------------------------------------------- request checks
+
+
+def _number(body: dict, key: str, default, lo: float, hi: float, *, integer=False):
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or not (lo <= value <= hi):
+        kind = "an integer" if integer else "a number"
+        raise RequestError(400, f"{key} must be {kind} in [{lo}, {hi}], got {value!r}", param=key)
+    return value
+
+
+@dataclass
+class Request:
+    model: str
+    messages: list[dict]
+    keys: list[tuple]
+    temperature: float
+    top_p: float
+    max_tokens: int
+    n: int
+    stop: list[str]
+    logprobs: bool
+    tools: list[dict] | None
+
+
+def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Request:
+    """Check a Chat Completions body; a :class:`RequestError` says what is wrong."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError(
+            400, "stream: true is not supported by the gateway; leave stream unset", param="stream"
+        )
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError(400, "model is required (a policy name)", param="model")
+    if model not in models:
+        raise RequestError(
+            404,
+            f"The model {model!r} does not exist; this gateway serves: {', '.join(models)}",
+            code="model_not_found",
+            param="model",
+        )
+    messages, keys = normalise_messages(body.get("messages"))
+    cap = defaults.max_new_tokens
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = _number({key: max_tokens}, key, cap, 1, cap, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(
+            400, "stop must be a string or a list of non-empty strings", param="stop"
+        )
+    if len(stop) > MAX_STOP:
+        raise RequestError(400, f"stop takes at most {MAX_STOP} sequences", param="stop")
+    if body.get("top_logprobs"):
+        raise RequestError(
+            400,
+            "top_logprobs is not supported (logprobs: true gives the sampled tokens')",
+            param="top_logprobs",
+        )
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise RequestError(400, "logprobs must be true or false", param="logprobs")
+    if body.get("seed") is not None and not isinstance(body.get("seed"), int):
+        raise RequestError(400, "seed must be an integer", param="seed")
+    tools = body.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list)
+        or not all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
+        raise RequestError(
+            400, "tools must be a list of {type: function, function: {name, ...}}", param="tools"
+        )
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(
+            400, "tool_choice: only 'auto' and 'none' are supported", param="tool_choice"
+        )
+    if choice == "none":
+        tools = None
+    return Request(
+        model=model,
+        messages=messages,
+        keys=keys,
+        temperature=float(_number(body, "temperature", defaults.temperature, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", defaults.top_p, 1e-9, 1.0)),
+        max_tokens=int(max_tokens),
+        n=int(_number(body, "n", 1, 1, MAX_N, integer=True)),
+        stop=stop,
+        logprobs=logprobs,
+        tools=tools or None,
+    )
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@dataclass
+class _Pending:
+    model: str
+    prompt: list[int]
+    params: SamplingParams  # n=1; max_new_tokens is this request's own budget
+    future: asyncio.Future
+
+
+class Batcher:
+    """Requests wait in one queue; each flush serves all of them, one ``generate`` per
+    (model, temperature, top_p, stop) group, on a worker thread. A flush starts when the
+    engine is idle and ``wait`` seconds passed since the first request arrived."""
+
+    def __init__(self, engines: dict[str, Any], wait: float) -> None:
+        self.engines, self.wait = engines, wait
+        self.pending: list[_Pending] = []
+        self.sizes: list[int] = []  # requests per engine call
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, model: str, prompt: list[int], params: SamplingParams):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(model, prompt, params, fut))
+        self._wake.set()
+        return await fut
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.wait:
+                await asyncio.sleep(self.wait)
+            batch = [p for p in self.pending if not p.future.done()]
+            self.pending = []
+            groups: dict[tuple, list[_Pending]] = {}
+            for p in batch:
+                sp = p.params
+                key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop))
+                groups.setdefault(key, []).append(p)
+            for (model, temperature, top_p, stop), reqs in groups.items():
+                params = SamplingParams(
+                    n=1,
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_new_tokens=max(r.params.max_new_tokens for r in reqs),
+                    stop=list(stop),
+                )
+                self.sizes.append(len(reqs))
+                try:
+                    outs = await asyncio.to_thread(
+                        self.engines[model].generate, [r.prompt for r in reqs], params
+                    )
+                    if len(outs) != len(reqs):
+                        raise RuntimeError(
+                            f"engine returned {len(outs)} completions for {len(reqs)} prompts"
+                        )
+                except Exception as e:  # every waiting request learns it (500), none hangs
+                    for r in reqs:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    continue
+                for out in outs:
+                    r = reqs[out.prompt_index]
+                    if not r.future.done():
+                        r.future.set_result(out)
+            if self.pending:
+                self._wake.set()
+
+
+# --------------------------------------------------------------------------- server
+
+
+class GatewayServer:
+    """OpenAI Chat Completions over the run's engines, on its own thread and event loop."""
+
+    def __init__(
+        self,
+        engines: dict[str, Any],
+        tokenizers: dict[str, Any],
+        *,
+        host: str = "127.0.0.1",
+        request_timeout: float = 60.0,
+        batch_wait: float = 0.005,
+    ) -> None:
+        self.engines, self.tokenizers = engines, tokenizers
+        self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
+        self.host = host
+        self.api_key = "pk-" + secrets.token_urlsafe(24)
+        self.request_timeout = request_timeout
+        self.batcher = Batcher(engines, batch_wait)
+        self.defaults = SamplingParams()
+        self.episodes: dict[str, EpisodeState] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self.port = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30
+        )
+        self._server = uvicorn.Server(config)
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                asyncio.run(self._serve(sock))
+            except BaseException as e:  # reported by start()
+                failed.append(e)
+
+        self._thread = threading.Thread(target=serve, name="polyrl-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if failed or not self._thread.is_alive():
+                raise RuntimeError(f"the gateway server did not start: {failed}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway server did not start within 30 s")
+            time.sleep(0.01)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self.batcher.start()
+        await self._server.serve(sockets=[sock])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._thread = self._server = None
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---------------------------------------------------------------- episodes
+    def open_episode(self, ep: EpisodeState) -> str:
+        with self._lock:
+            self.episodes[ep.token] = ep
+        return f"{self.base}/ep/{ep.token}/v1"
+
+    def close_episode(self, ep: EpisodeState) -> None:
+        with ep.lock:
+            ep.open = False
+        with self._lock:
+            self.episodes.pop(ep.token, None)
+
+    # ---------------------------------------------------------------- http
+    def app(self):
+        """The ASGI app: Starlette (FastAPI's core) with three routes."""
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        def error(e: RequestError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        def check_key(request) -> None:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                raise RequestError(
+                    401,
+                    "Incorrect API key provided (use the key the run gave the agent)",
+                    code="invalid_api_key",
+                )
+
+        def episode(request) -> EpisodeState:
+            with self._lock:
+                ep = self.episodes.get(request.path_params["token"])
+            if ep is None:
+                raise RequestError(
+                    404, "unknown or finished episode: use the base_url the run gave this agent"
+                )
+            return ep
+
+        async def models(request):
+            try:
+                check_key(request)
+                episode(request)
+            except RequestError as e:
+                return error(e)
+            data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
+            return JSONResponse({"object": "list", "data": data})
+
+        async def chat(request):
+            try:
+                check_key(request)
+                ep = episode(request)
+                try:
+                    body = json.loads(await request.body())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise RequestError(400, "the request body is not valid JSON") from None
+                req = parse_request(body, list(self.engines), self.defaults)
+                return JSONResponse(await self._complete(ep, req))
+            except RequestError as e:
+                return error(e)
+            except TimeoutError:
+                msg = f"the engine did not answer within {self.request_timeout} s"
+                return error(RequestError(504, msg, code="timeout"))
+            except Exception as e:
+                msg = f"the engine failed: {type(e).__name__}: {e}"
+                return error(RequestError(500, msg, code="engine_error"))
+
+        async def other(request):
+            return error(
+                RequestError(
+                    404,
+                    f"{request.url.path} is not served; the gateway serves POST "
+                    "<base_url>/chat/completions and GET <base_url>/models",
+                )
+            )
+
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        return Starlette(
+            routes=[
+                Route("/ep/{token}/v1/chat/completions", chat, methods=["POST"]),
+                Route("/ep/{token}/v1/models", models, methods=["GET"]),
+                Route("/{path:path}", other, methods=methods),
+            ]
+        )
+
+    # ---------------------------------------------------------------- completion
+    def prompt_ids(self, ep: EpisodeState, req: Request) -> tuple[list[int], bool]:
+        """The request's prompt: stitched onto an earlier completion when the messages
+        extend it, else rendered afresh."""
+        chat = self.chats[req.model]
+        tools_key = json.dumps(req.tools, sort_keys=True)
+        best = None
+        with ep.lock:
+            calls = list(ep.calls)
+        for call in calls:
+            n = len(call.keys)
+            if call.model != req.model or call.tools_key != tools_key or len(req.keys) <= n + 1:
+                continue
+            if best is not None and n <= len(best[0].keys):
+                continue
+            if req.keys[:n] != call.keys:
+                continue
+            for choice in call.choices:
+                if choice.key == req.keys[n]:
+                    best = (call, choice)
+                    break
+        if best is not None:
+            call, choice = best
+            ended = bool(choice.ids) and choice.ids[-1] == chat.eos_id
+            try:
+                rest = chat.env_turn(req.messages[len(call.keys) + 1 :], ended)
+            except ValueError:
+                rest = None
+            if rest is not None:
+                return call.prompt_ids + choice.ids + rest, True
+        return chat.first_prompt(req.messages, req.tools), False
+
+    async def _complete(self, ep: EpisodeState, req: Request) -> dict:
+        prompt, stitched = self.prompt_ids(ep, req)
+        params = SamplingParams(
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=req.max_tokens,
+            stop=req.stop,
+        )
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(self.batcher.generate(req.model, prompt, params) for _ in range(req.n))
+            ),
+            self.request_timeout,
+        )
+        tok = self.tokenizers[req.model]
+        choices = []
+        for out in outs:
+            ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            if len(ids) > req.max_tokens:  # a longer call in the same flush
+                ids, logps, finish = ids[: req.max_tokens], logps[: req.max_tokens], "length"
+            text = tok.decode(ids, skip_special_tokens=True)
+            if req.stop:  # the answer leaves the stop sequence out, as OpenAI's does
+                cuts = [text.find(s) for s in req.stop if s in text]
+                if cuts:
+                    text, finish = text[: min(cuts)], "stop"
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.tools:
+                parsed = parse_hermes(text)
+                if parsed.calls:
+                    message["content"] = parsed.text or None
+                    message["tool_calls"] = [
+                        {
+                            "id": "call_" + uuid.uuid4().hex[:24],
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                        }
+                        for c in parsed.calls
+                    ]
+                    finish = "tool_calls"
+            key = (
+                "assistant",
+                message["content"] or "",
+                _tool_calls_key(message.get("tool_calls"), "reply"),
+                "",
+            )
+            choices.append(Choice(ids, logps, finish, message, key))
+        anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
+        call = Call(
+            req.model,
+            req.keys,
+            json.dumps(req.tools, sort_keys=True),
+            prompt,
+            choices,
+            stitched,
+            anchor,
+            req.temperature,
+        )
+        with ep.lock:
+            if not ep.open:
+                raise RequestError(409, "the episode is over (it ended or timed out)")
+            ep.calls.append(call)
+        return self._answer(req, call, tok)
+
+    @staticmethod
+    def _answer(req: Request, call: Call, tok) -> dict:
+        choices = []
+        for i, c in enumerate(call.choices):
+            entry: dict[str, Any] = {
+                "index": i,
+                "message": c.message,
+                "finish_reason": c.finish,
+                "logprobs": None,
+            }
+            if req.logprobs:
+                content = []
+                for tid, lp in zip(c.ids, c.logprobs, strict=True):
+                    piece = tok.decode([tid], skip_special_tokens=False)
+                    content.append(
+                        {
+                            "token": piece,
+                            "logprob": lp,
+                            "bytes": list(piece.encode()),
+                            "top_logprobs": [],
+                        }
+                    )
+                entry["logprobs"] = {"content": content, "refusal": None}
+            choices.append(entry)
+        completion = sum(len(c.ids) for c in call.choices)
+        return {
+            "id": "chatcmpl-" + uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(call.prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(call.prompt_ids) + completion,
+            },
+        }
+
+
+# --------------------------------------------------------------------------- the workflow
+
+
+@dataclass
+class Endpoint:
+    """What an agent gets besides its task row: where the gateway is and how to call it."""
+
+    base_url: str
+    api_key: str
+    model: str  # the default policy
+    models: list[str]
+    episode: int
+    sample: int
+    timeout: float
+
+    def openai(self):
+        """A synchronous ``openai.OpenAI`` client for this episode (no retries)."""
+        import openai
+
+        return openai.OpenAI(
+            base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout
+        )
+
+    def async_openai(self):
+        """An ``openai.AsyncOpenAI`` client for this episode (no retries)."""
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    loc = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"the agent raised {type(exc).__name__}: {exc}{loc}"
+
+
+def _as_result(value: Any) -> tuple[float | None, bool | None]:
+    """An agent's return: a number (the episode's reward), None (a recipe reward scores
+    the rows), or a mapping with ``reward`` and optionally ``success``."""
+    success = None
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise TypeError(f"the agent returned a mapping without 'reward': {sorted(value)}")
+        success = None if value.get("success") is None else bool(value["success"])
+        value = value["reward"]
+    if value is None:
+        return None, success
+    if isinstance(value, (bool, int, float)):
+        reward = float(value)
+        if math.isnan(reward):
+            raise ValueError("the agent returned a NaN reward")
+        return reward, success
+    raise TypeError(
+        f"the agent returned {type(value).__name__}; return a number, None or "
+        "{'reward': ..., 'success': ...}"
+    )
+
+
+class Gateway:
+    """Runs a user's agent against an OpenAI-compatible gateway; registered as ``gateway``.
+
+    The agent is ``agent(row, endpoint)``, sync or async: ``row`` is the task row,
+    ``endpoint`` an :class:`Endpoint` (``base_url``, ``api_key``, ``model``, ``openai()``).
+    It returns the episode's reward (a number, broadcast to its rows as ``meta["return"]``
+    for the ``env_return`` reward), a mapping ``{"reward", "success"}``, or None when a
+    recipe reward scores the rows. An agent that raises or runs past ``episode_timeout``
+    marks its episode's rows invalid (counted, left out of the update), never reward 0.
+    """
+
+    transcript_keys = ("episode", "sample", "turn", "choice", "model", "stitched", "return")
+
+    def __init__(
+        self,
+        ctx,
+        agent: Annotated[
+            str, "the agent: package.module:function or ./file.py:function, sync or async"
+        ],
+        concurrency: Annotated[int, "episodes running at once"] = 64,
+        request_timeout: Annotated[float, "seconds a request may wait for the engine"] = 60.0,
+        episode_timeout: Annotated[float, "seconds an episode may run"] = 300.0,
+        batch_wait: Annotated[
+            float, "seconds the first waiting request gives others to join an engine call"
+        ] = 0.005,
+        host: Annotated[str, "the address the server binds (keep 127.0.0.1 unless needed)"] = (
+            "127.0.0.1"
+        ),
+        policy: Annotated[str | None, "the default model for agents (null: the first)"] = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
+        for key, value in (
+            ("request_timeout", request_timeout),
+            ("episode_timeout", episode_timeout),
+        ):
+            if not value > 0:
+                raise ConfigError(f"rollout.args.{key} must be > 0, got {value}")
+        if batch_wait < 0:
+            raise ConfigError(f"rollout.args.batch_wait must be >= 0, got {batch_wait}")
+        self.name = policy or next(iter(ctx.policies))
+        if self.name not in ctx.policies:
+            raise ConfigError(
+                f"rollout.args.policy={self.name!r} is not one of {sorted(ctx.policies)}"
+            )
+        try:
+            self.agent = import_path(agent) if isinstance(agent, str) else agent
+        except Exception as e:
+            raise ConfigError(
+                f"rollout.args.agent={agent!r} cannot be imported ({type(e).__name__}: {e}); "
+                "give package.module:function or ./file.py:function"
+            ) from None
+        if not callable(self.agent):
+            raise ConfigError(f"rollout.args.agent={agent!r} is not callable")
+        self.concurrency = concurrency
+        self.request_timeout, self.episode_timeout = request_timeout, episode_timeout
+        self.server = GatewayServer(
+            dict(ctx.engines),
+            {name: p.tokenizer for name, p in ctx.policies.items()},
+            host=host,
+            request_timeout=request_timeout,
+            batch_wait=batch_wait,
+        )
+        self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
+        self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
+        self._next_episode = 0
+        self.failed_episodes = 0  # over the run
+
+    def close(self) -> None:
+        self.server.close()
+
+    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        return run_sync(self.arollout(items, params))
+
+    async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        if self.server.port == 0:
+            self.server.start()
+        self.server.defaults = params
+        episodes = []
+        for item in items:
+            for g in range(params.n):
+                episodes.append(
+                    EpisodeState(self._next_episode, secrets.token_urlsafe(12), item, g)
+                )
+                self._next_episode += 1
+        gate = asyncio.Semaphore(self.concurrency)
+        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, "polyrl-agent")
+        try:
+            await asyncio.gather(*(self._episode(ep, gate, pool) for ep in episodes))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return self._record(episodes)
+
+    async def _episode(self, ep: EpisodeState, gate: asyncio.Semaphore, pool) -> None:
+        async with gate:
+            endpoint = Endpoint(
+                self.server.open_episode(ep),
+                self.server.api_key,
+                self.name,
+                list(self.server.engines),
+                ep.id,
+                ep.sample,
+                self.request_timeout,
+            )
+            try:
+                if inspect.iscoroutinefunction(self.agent):
+                    run = self.agent(ep.item.row, endpoint)
+                else:
+                    run = asyncio.get_running_loop().run_in_executor(
+                        pool, self.agent, ep.item.row, endpoint
+                    )
+                value = await asyncio.wait_for(run, self.episode_timeout)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, self.episode_timeout)
+                ep.result = _as_result(value)
+            except TimeoutError:
+                ep.error = f"the agent ran past episode_timeout={self.episode_timeout} s"
+            except Exception as e:
+                ep.error = _describe(e)
+            finally:
+                self.server.close_episode(ep)
+            if not ep.error and not ep.calls:
+                ep.error = "the agent returned without asking the gateway for a completion"
+
+    def _add(self, cols, errors, ep, base, prompt, response, logps, policy, turn, text) -> None:
+        if ep.error:
+            errors.append((len(cols["uid"]), ep.error))
+        cols["prompt_ids"].append(prompt)
+        cols["response_ids"].append(response)
+        cols["rollout_logprobs"].append(logps)
+        cols["policy"].append(policy)
+        cols["uid"].append(ep.item.uid)
+        cols["turn"].append(turn)
+        tok = self.decoders[policy]
+        cols["prompt_text"].append(tok.decode(prompt, skip_special_tokens=False))
+        cols["response_text"].append(text)
+        cols["meta"].append(dict(base))
+
+    def _record(self, episodes: list[EpisodeState]) -> TensorDict:
+        cols: dict[str, list] = {
+            k: []
+            for k in (
+                "prompt_ids",
+                "response_ids",
+                "rollout_logprobs",
+                "policy",
+                "uid",
+                "turn",
+                "prompt_text",
+                "response_text",
+                "meta",
+                "truncated",
+            )
+        }
+        errors: list[tuple[int, str]] = []
+        valid_eps = sum(1 for ep in episodes if not ep.error)
+        rows_of = {ep.id: max(1, sum(len(c.choices) for c in ep.calls)) for ep in episodes}
+        valid_rows = sum(rows_of[ep.id] for ep in episodes if not ep.error)
+        for ep in episodes:
+            reward, success = ep.result if ep.result is not None else (None, None)
+            turns = len(ep.calls)
+            turn_rewards = [0.0] * turns
+            if reward is not None and turns:
+                turn_rewards[-1] = reward  # the agent's return, credited at the last turn
+            base = {
+                "answer": ep.item.answer,
+                "row": ep.item.row,
+                "episode": ep.id,
+                "sample": ep.sample,
+                "turns": turns,
+                "anchors": [c.anchor for c in ep.calls],
+                "turn_rewards": turn_rewards,
+                "episode_rows": rows_of[ep.id],
+                "episode_weight": (
+                    valid_rows / (valid_eps * rows_of[ep.id]) if valid_eps and not ep.error else 0.0
+                ),
+                "finish": "error" if ep.error else "done",
+            }
+            if reward is not None:
+                base["return"] = reward
+                base["success"] = bool(success if success is not None else reward > 0)
+            elif success is not None:
+                base["success"] = success
+
+            def add(prompt, response, logps, policy, turn, text, extra, ep=ep, base=base):
+                self._add(cols, errors, ep, base, prompt, response, logps, policy, turn, text)
+                cols["meta"][-1].update(extra)
+
+            if not ep.calls:
+                add(list(ep.item.prompt_ids), [], [], self.name, 0, "", {"turn": 0, "spans": []})
+            for t, call in enumerate(ep.calls):
+                for j, c in enumerate(call.choices):
+                    add(
+                        call.prompt_ids,
+                        c.ids,
+                        c.logprobs,
+                        call.model,
+                        t,
+                        self.decoders[call.model].decode(c.ids, skip_special_tokens=True),
+                        {
+                            "turn": t,
+                            "choice": j,
+                            "model": call.model,
+                            "stitched": call.stitched,
+                            "temperature": call.temperature,
+                            "completion_finish": c.finish,
+                            "spans": [[t, 0, len(c.ids)]],
+                        },
+                    )
+                    cols["truncated"].append(c.finish == "length")
+            if not ep.calls:
+                cols["truncated"].append(False)
+        record = text_record(
+            prompt_ids=cols["prompt_ids"],
+            response_ids=cols["response_ids"],
+            rollout_logprobs=cols["rollout_logprobs"],
+            policy=cols["policy"],
+            uid=cols["uid"],
+            turn=cols["turn"],
+            pad_id=self.pad_id,
+            prompt_text=cols["prompt_text"],
+            response_text=cols["response_text"],
+            meta=cols["meta"],
+            truncated=cols["truncated"],
+        )
+        failed = {ep.id for ep in episodes if ep.error}
+        self.failed_episodes += len(failed)
+        if errors:
+            mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
+        return record
+
+
+WORKFLOWS.register("gateway", Gateway)

@@ -1,0 +1,376 @@
+"""The agent gateway: a real server, the real ``openai`` client, the real HF engine.
+
+Agents below are what a user writes: functions that get a task row and an endpoint and
+talk to it only through the ``openai`` package. The record is checked against what the
+engine sampled (a spy around the real engine keeps its answers) and against the chat
+template rendered independently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import strings
+
+RESULTS: dict = {}
+HERE = "tests.agents.test_gateway"
+
+
+class SpyEngine:
+    """The real engine, keeping every (prompt, completion) it served."""
+
+    def __init__(self, engine):
+        self.engine, self.log = engine, []
+
+    def generate(self, prompts, params):
+        outs = self.engine.generate(prompts, params)
+        self.log += [(list(prompts[o.prompt_index]), o) for o in outs]
+        return outs
+
+
+@pytest.fixture(scope="module")
+def models(grid_model_dir):
+    from polyrl.core.engine import HFEngine
+    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+
+    policies, engines = {}, {}
+    for seed, name in enumerate(("main", "checker")):
+        policies[name] = CausalLMPolicy(
+            name, PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
+        )
+        engines[name] = SpyEngine(HFEngine(policies[name], seed=seed))
+    return policies, engines
+
+
+@pytest.fixture
+def gateway(models):
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+
+    made = []
+
+    def make(agent, **args):
+        policies, engines = models
+        for e in engines.values():
+            e.log.clear()
+        wf = Gateway(Context(None, policies, engines), agent=f"{HERE}:{agent}", **args)
+        made.append(wf)
+        return wf
+
+    yield make
+    for wf in made:
+        wf.close()
+
+
+def rows(*prompts, **extra):
+    return [{"prompt": p, **extra} for p in prompts]
+
+
+def first(messages, tokenizer):
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def by_episode(rec):
+    out: dict[int, list[int]] = {}
+    for i, m in enumerate(strings(rec, "meta")):
+        out.setdefault(m["episode"], []).append(i)
+    return out
+
+
+def ids(rec, key, i):
+    mask = rec["loss_mask"][i].bool()
+    if key == "prompt_ids":
+        return rec["prompt_ids"][i][rec["prompt_mask"][i].bool()].tolist()
+    return rec[key][i][mask].tolist()
+
+
+# --------------------------------------------------------------------------- agents
+
+
+def chat_agent(row, ep):
+    client = ep.openai()
+    r = client.chat.completions.create(
+        model=row["model"],
+        messages=[{"role": "user", "content": row["prompt"]}],
+        n=3,
+        logprobs=True,
+        max_tokens=5,
+        seed=7,
+    )
+    RESULTS[("chat", ep.episode)] = r
+    return {"reward": 0.25, "success": True}
+
+
+def stop_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    full = client.chat.completions.create(model="main", messages=msgs, temperature=0, max_tokens=8)
+    text = full.choices[0].message.content
+    stop = text[2:4]
+    cut = client.chat.completions.create(
+        model="main", messages=msgs, temperature=0, max_tokens=8, stop=[stop]
+    )
+    RESULTS[("stop", ep.episode)] = (full, cut, stop)
+    return 1.0
+
+
+def error_agent(row, ep):
+    seen = {}
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    wrong = openai.OpenAI(base_url=ep.base_url, api_key="sk-wrong", max_retries=0)
+    client = ep.openai()
+    cases = {
+        "wrong_key": lambda: wrong.chat.completions.create(model="main", messages=msgs),
+        "unknown_model": lambda: client.chat.completions.create(model="gpt-4o", messages=msgs),
+        "no_messages": lambda: client.chat.completions.create(model="main", messages=[]),
+        "bad_role": lambda: client.chat.completions.create(
+            model="main", messages=[{"role": "robot", "content": "hi"}]
+        ),
+        "hot": lambda: client.chat.completions.create(model="main", messages=msgs, temperature=7),
+        "n0": lambda: client.chat.completions.create(model="main", messages=msgs, n=0),
+        "long": lambda: client.chat.completions.create(
+            model="main", messages=msgs, max_tokens=10_000
+        ),
+        "stream": lambda: client.chat.completions.create(model="main", messages=msgs, stream=True),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            seen[name] = (200, "")
+        except openai.APIStatusError as e:
+            seen[name] = (e.status_code, str(e.message))
+    raw = httpx.post(
+        ep.base_url + "/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {ep.api_key}"},
+    )
+    seen["not_json"] = (raw.status_code, raw.json()["error"]["message"])
+    listed = client.models.list()
+    seen["models"] = sorted(m.id for m in listed.data)
+    client.chat.completions.create(model="main", messages=msgs, max_tokens=2)
+    RESULTS[("errors", ep.episode)] = seen
+    return 1.0
+
+
+async def concurrent_agent(row, ep):
+    client = ep.async_openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    for t in range(2):
+        r = await client.chat.completions.create(model="main", messages=msgs, max_tokens=4)
+        msgs += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"again {t}"},
+        ]
+    await client.close()
+    return float(row["k"])
+
+
+def five_turn_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    for t in range(5):
+        r = client.chat.completions.create(
+            model="main", messages=msgs, max_tokens=6, temperature=1.0
+        )
+        msgs += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"turn {t}"},
+        ]
+    return 0.5
+
+
+def unruly_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    kind = row["kind"]
+    if kind == "silent":
+        return 1.0
+    r = client.chat.completions.create(model="main", messages=msgs, max_tokens=4)
+    if kind == "fail":
+        raise ValueError("the agent gave up")
+    if kind == "slow":
+        time.sleep(1.5)
+        return 1.0
+    # "edit": the agent rewrites its own earlier reply before the next request
+    msgs += [
+        {"role": "assistant", "content": "EDITED " + r.choices[0].message.content},
+        {"role": "user", "content": "next"},
+    ]
+    client.chat.completions.create(model="main", messages=msgs, max_tokens=4)
+    RESULTS[("edit", ep.episode)] = msgs
+    return 1.0
+
+
+async def async_slow_agent(row, ep):
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        RESULTS[("cancelled", ep.episode)] = True
+        raise
+    return 1.0
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_chat_n_logprobs_and_two_models(gateway, models, items):
+    policies, _ = models
+    tok = policies["main"].tokenizer
+    wf = gateway("chat_agent")
+    data = rows("grid S.G", model="main") + rows("grid G.S", model="checker")
+    rec = wf.rollout(items(data), SamplingParams(n=2, max_new_tokens=8))
+    metas, policy = strings(rec, "meta"), strings(rec, "policy")
+    episodes = by_episode(rec)
+    assert len(episodes) == 4 and rec.batch_size[0] == 12
+    assert rec["valid"].all()
+    for e, idx in episodes.items():
+        r = RESULTS[("chat", e)]
+        row = metas[idx[0]]["row"]
+        assert r.model == row["model"] and len(r.choices) == 3
+        assert [metas[i]["choice"] for i in idx] == [0, 1, 2]
+        prompt = first([{"role": "user", "content": row["prompt"]}], tok)
+        assert r.usage.prompt_tokens == len(prompt)
+        for i, choice in zip(idx, r.choices, strict=True):
+            assert policy[i] == row["model"]
+            assert ids(rec, "prompt_ids", i) == prompt
+            resp = ids(rec, "response_ids", i)
+            assert 1 <= len(resp) <= 5
+            assert choice.message.content == tok.decode(resp, skip_special_tokens=True)
+            lps = [c.logprob for c in choice.logprobs.content]
+            assert "".join(c.token for c in choice.logprobs.content) == tok.decode(resp)
+            assert torch.equal(
+                torch.tensor(lps, dtype=torch.float32), rec["rollout_logprobs"][i][: len(resp)]
+            )
+            ended = resp[-1] == tok.eos_token_id
+            assert choice.finish_reason == ("stop" if ended else "length")
+            assert metas[i]["return"] == 0.25 and metas[i]["success"] is True
+            assert metas[i]["turn_rewards"] == [0.25]
+    # each model's requests went to its own engine
+    _, engines = models
+    served = {name: {tuple(p) for p, _ in e.log} for name, e in engines.items()}
+    main_prompt = tuple(first([{"role": "user", "content": "grid S.G"}], tok))
+    assert main_prompt in served["main"] and main_prompt not in served["checker"]
+
+
+def test_stop_sequences_cut_the_answer(gateway, items):
+    wf = gateway("stop_agent")
+    rec = wf.rollout(items(rows("grid S.G", "grid G.S")), SamplingParams(n=1, max_new_tokens=8))
+    assert rec["valid"].all()
+    for e, idx in by_episode(rec).items():
+        full, cut, stop = RESULTS[("stop", e)]
+        text = full.choices[0].message.content
+        assert len(stop) == 2 and stop in text
+        assert cut.choices[0].message.content == text[: text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        a, b = ids(rec, "response_ids", idx[0]), ids(rec, "response_ids", idx[1])
+        assert len(b) < len(a) and a[: len(b)] == b  # greedy: the same tokens, cut sooner
+
+
+def test_bad_requests_get_openai_errors(gateway, items):
+    wf = gateway("error_agent")
+    rec = wf.rollout(items(rows("grid S.G")), SamplingParams(n=1, max_new_tokens=8))
+    assert rec["valid"].all() and rec.batch_size[0] == 1
+    seen = RESULTS[("errors", 0 + by_episode(rec).popitem()[0])]
+    assert seen["wrong_key"][0] == 401
+    status, msg = seen["unknown_model"]
+    assert status == 404 and "gpt-4o" in msg and "main" in msg and "checker" in msg
+    for case, needle in (
+        ("no_messages", "messages"),
+        ("bad_role", "role"),
+        ("hot", "temperature"),
+        ("n0", "n must be"),
+        ("long", "max_tokens"),
+        ("stream", "not supported"),
+        ("not_json", "not valid JSON"),
+    ):
+        status, msg = seen[case]
+        assert status == 400 and needle in msg, (case, status, msg)
+    assert seen["models"] == ["checker", "main"]
+
+
+def test_64_concurrent_async_episodes_share_engine_calls(gateway, items, models):
+    _, engines = models
+    wf = gateway("concurrent_agent", concurrency=64)
+    data = [{"prompt": f"grid {k}", "k": k % 2} for k in range(16)]
+    rec = wf.rollout(items(data), SamplingParams(n=4, max_new_tokens=4))
+    metas = strings(rec, "meta")
+    episodes = by_episode(rec)
+    assert len(episodes) == 64 and rec.batch_size[0] == 128
+    assert rec["valid"].all()
+    for idx in episodes.values():
+        assert [metas[i]["turn"] for i in idx] == [0, 1]
+        assert [metas[i]["stitched"] for i in idx] == [False, True]
+        assert metas[idx[0]]["return"] == float(metas[idx[0]]["row"]["k"])
+    sizes = wf.server.batcher.sizes
+    print("requests per engine call:", sizes)
+    assert sum(sizes) == 128 and len(sizes) < 64 and max(sizes) >= 16
+    assert len(engines["main"].log) == 128
+
+
+def test_five_turns_are_token_exact(gateway, models, items):
+    policies, engines = models
+    tok = policies["main"].tokenizer
+    wf = gateway("five_turn_agent")
+    rec = wf.rollout(items(rows("grid S.G", "grid .SG")), SamplingParams(n=1, max_new_tokens=8))
+    metas = strings(rec, "meta")
+    assert rec["valid"].all() and rec.batch_size[0] == 10
+    served = [(p, o.token_ids, o.logprobs) for p, o in engines["main"].log]
+    for idx in by_episode(rec).values():
+        assert [metas[i]["turn"] for i in idx] == [0, 1, 2, 3, 4]
+        assert [metas[i]["stitched"] for i in idx] == [False, True, True, True, True]
+        for t, i in enumerate(idx):
+            prompt, resp = ids(rec, "prompt_ids", i), ids(rec, "response_ids", i)
+            lps = rec["rollout_logprobs"][i][: len(resp)]
+            # the row is exactly a (prompt, completion) the engine produced
+            match = [s for s in served if s[0] == prompt and s[1] == resp]
+            assert match, f"row {i} is not what the engine sampled"
+            assert torch.equal(torch.tensor(match[0][2], dtype=torch.float32), lps)
+            if t == 0:
+                continue
+            prev = idx[t - 1]
+            before = ids(rec, "prompt_ids", prev) + ids(rec, "response_ids", prev)
+            close = "" if before[-1] == tok.eos_token_id else "<|im_end|>\n"
+            joint = f"{close}<|im_start|>user\nturn {t - 1}<|im_end|>\n<|im_start|>assistant\n"
+            assert prompt == before + tok.encode(joint, add_special_tokens=False)
+    recomputed, _ = policies["main"].logprobs(rec, 1.0)
+    mask = rec["loss_mask"].bool()
+    gap = (recomputed.detach() - rec["rollout_logprobs"])[mask].abs().max().item()
+    print("max |trainer - engine| log-prob:", gap)
+    assert gap < 1e-5
+
+
+def test_failed_slow_silent_and_editing_agents(gateway, models, items):
+    tok = models[0]["main"].tokenizer
+    wf = gateway("unruly_agent", episode_timeout=0.8)
+    data = [{"prompt": f"grid {k}", "kind": k} for k in ("edit", "fail", "slow", "silent")]
+    rec = wf.rollout(items(data), SamplingParams(n=1, max_new_tokens=8))
+    metas, errors = strings(rec, "meta"), strings(rec, "error")
+    kind = [m["row"]["kind"] for m in metas]
+    valid = rec["valid"].tolist()
+    assert kind == ["edit", "edit", "fail", "slow", "silent"]
+    assert valid == [True, True, False, False, False]
+    assert "ValueError: the agent gave up" in errors[2]
+    assert "episode_timeout=0.8" in errors[3]
+    assert "without asking the gateway" in errors[4]
+    assert all(metas[i]["episode_weight"] == 0.0 for i in (2, 3, 4))
+    assert wf.failed_episodes == 3
+    # the edited history is rendered afresh: exact for what the engine saw, not stitched
+    assert metas[1]["stitched"] is False
+    msgs = RESULTS[("edit", metas[1]["episode"])]
+    assert ids(rec, "prompt_ids", 1) == first(msgs, tok)
+
+
+def test_an_async_agent_past_its_timeout_is_cancelled(gateway, items):
+    wf = gateway("async_slow_agent", episode_timeout=0.3)
+    rec = wf.rollout(items(rows("grid S.G")), SamplingParams(n=2, max_new_tokens=4))
+    assert not rec["valid"].any()
+    assert all(RESULTS.get(("cancelled", e)) for e in by_episode(rec))  # cancelled, not awaited
+    assert all("episode_timeout" in e for e in strings(rec, "error"))
