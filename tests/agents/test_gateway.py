@@ -337,7 +337,7 @@ def test_five_turns_are_token_exact(gateway, models, items):
                 continue
             prev = idx[t - 1]
             before = ids(rec, "prompt_ids", prev) + ids(rec, "response_ids", prev)
-            close = "" if before[-1] == tok.eos_token_id else "<|im_end|>\n"
+            close = "\n" if before[-1] == tok.eos_token_id else "<|im_end|>\n"
             joint = f"{close}<|im_start|>user\nturn {t - 1}<|im_end|>\n<|im_start|>assistant\n"
             assert prompt == before + tok.encode(joint, add_special_tokens=False)
     recomputed, _ = policies["main"].logprobs(rec, 1.0)
@@ -374,3 +374,69 @@ def test_an_async_agent_past_its_timeout_is_cancelled(gateway, items):
     assert not rec["valid"].any()
     assert all(RESULTS.get(("cancelled", e)) for e in by_episode(rec))  # cancelled, not awaited
     assert all("episode_timeout" in e for e in strings(rec, "error"))
+
+
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        },
+    },
+}
+
+
+def tool_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    first_reply = client.chat.completions.create(model="main", messages=msgs, tools=[CALC])
+    msg = first_reply.choices[0].message
+    call = msg.tool_calls[0]
+    args = __import__("json").loads(call.function.arguments)
+    msgs += [
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])},
+    ]
+    final = client.chat.completions.create(model="main", messages=msgs, tools=[CALC])
+    RESULTS[("tools", ep.episode)] = (first_reply, final)
+    return 1.0
+
+
+def test_tool_calls_are_parsed_and_the_tool_turn_is_stitched(grid_tokenizer, items):
+    """The tiny model never writes a tool call, so a scripted engine (conftest) answers
+    with one; the server, the client and the record are the real ones."""
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+    from tests.agents.conftest import FakePolicy, ScriptedEngine
+
+    call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    def script(text, call, i):
+        return (call_text if "<|im_start|>tool" not in text else "it is 5"), True
+
+    tok = grid_tokenizer
+    engine = ScriptedEngine(tok, script)
+    ctx = Context(None, {"main": FakePolicy(tok)}, {"main": engine})
+    wf = Gateway(ctx, agent=f"{HERE}:tool_agent")
+    try:
+        rec = wf.rollout(items(rows("what is 2 + 3?")), SamplingParams(n=1, max_new_tokens=80))
+    finally:
+        wf.close()
+    assert rec["valid"].all() and rec.batch_size[0] == 2
+    first_reply, final = RESULTS[("tools", 0)]
+    choice = first_reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("add", '{"a": 2, "b": 3}')
+    ]
+    assert final.choices[0].message.content == "it is 5"
+    metas = strings(rec, "meta")
+    assert [m["stitched"] for m in metas] == [False, True]
+    before = ids(rec, "prompt_ids", 0) + ids(rec, "response_ids", 0)
+    assert before[-1] == tok.eos_token_id  # the scripted call ends with the end token
+    tool_turn = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert ids(rec, "prompt_ids", 1) == before + tok.encode(tool_turn, add_special_tokens=False)
+    assert ids(rec, "response_ids", 0) == engine.calls[0][2][0].token_ids  # scripted, exact
