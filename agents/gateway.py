@@ -304,12 +304,14 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams  # n=1; max_new_tokens is this request's own budget
     future: asyncio.Future
+    episode: EpisodeState
 
 
 class Batcher:
     """Requests wait in one queue; each flush serves all of them, one ``generate`` per
     (model, temperature, top_p, stop) group, on a worker thread. A flush starts when the
-    engine is idle and ``wait`` seconds passed since the first request arrived."""
+    engine is idle and ``wait`` seconds passed since the first request arrived. Requests of
+    episodes that ended meanwhile (timed out) are dropped, never sent to the engine."""
 
     def __init__(self, engines: dict[str, Any], wait: float) -> None:
         self.engines, self.wait = engines, wait
@@ -317,14 +319,15 @@ class Batcher:
         self.sizes: list[int] = []  # requests per engine call
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self.flushing = False  # read by the workflow's thread: an engine call may be running
 
     def start(self) -> None:
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, model: str, prompt: list[int], params: SamplingParams):
+    async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params):
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(model, prompt, params, fut))
+        self.pending.append(_Pending(model, prompt, params, fut, ep))
         self._wake.set()
         return await fut
 
@@ -334,41 +337,53 @@ class Batcher:
             self._wake.clear()
             if self.wait:
                 await asyncio.sleep(self.wait)
-            batch = [p for p in self.pending if not p.future.done()]
-            self.pending = []
-            groups: dict[tuple, list[_Pending]] = {}
-            for p in batch:
-                sp = p.params
-                key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop))
-                groups.setdefault(key, []).append(p)
-            for (model, temperature, top_p, stop), reqs in groups.items():
-                params = SamplingParams(
-                    n=1,
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_new_tokens=max(r.params.max_new_tokens for r in reqs),
-                    stop=list(stop),
-                )
-                self.sizes.append(len(reqs))
-                try:
-                    outs = await asyncio.to_thread(
-                        self.engines[model].generate, [r.prompt for r in reqs], params
-                    )
-                    if len(outs) != len(reqs):
-                        raise RuntimeError(
-                            f"engine returned {len(outs)} completions for {len(reqs)} prompts"
-                        )
-                except Exception as e:  # every waiting request learns it (500), none hangs
-                    for r in reqs:
-                        if not r.future.done():
-                            r.future.set_exception(e)
-                    continue
-                for out in outs:
-                    r = reqs[out.prompt_index]
-                    if not r.future.done():
-                        r.future.set_result(out)
+            self.flushing = True
+            try:
+                await self._flush()
+            finally:
+                self.flushing = False
             if self.pending:
                 self._wake.set()
+
+    async def _flush(self) -> None:
+        batch = []
+        for p in self.pending:
+            if not p.episode.open and not p.future.done():
+                p.future.set_exception(RequestError(404, "the episode is over (it timed out)"))
+            elif not p.future.done():
+                batch.append(p)
+        self.pending = []
+        groups: dict[tuple, list[_Pending]] = {}
+        for p in batch:
+            sp = p.params
+            key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop))
+            groups.setdefault(key, []).append(p)
+        for (model, temperature, top_p, stop), reqs in groups.items():
+            params = SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max(r.params.max_new_tokens for r in reqs),
+                stop=list(stop),
+            )
+            self.sizes.append(len(reqs))
+            try:
+                outs = await asyncio.to_thread(
+                    self.engines[model].generate, [r.prompt for r in reqs], params
+                )
+                if len(outs) != len(reqs):
+                    raise RuntimeError(
+                        f"engine returned {len(outs)} completions for {len(reqs)} prompts"
+                    )
+            except Exception as e:  # every waiting request learns it (500), none hangs
+                for r in reqs:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            for out in outs:
+                r = reqs[out.prompt_index]
+                if not r.future.done():
+                    r.future.set_result(out)
 
 
 # --------------------------------------------------------------------------- server
@@ -574,7 +589,7 @@ class GatewayServer:
         )
         outs = await asyncio.wait_for(
             asyncio.gather(
-                *(self.batcher.generate(req.model, prompt, params) for _ in range(req.n))
+                *(self.batcher.generate(ep, req.model, prompt, params) for _ in range(req.n))
             ),
             self.request_timeout,
         )
@@ -817,6 +832,10 @@ class Gateway:
             await asyncio.gather(*(self._episode(ep, gate, pool) for ep in episodes))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+        # Every episode is closed now, so no new engine call starts; wait for one still
+        # running (a timed-out agent's request) before the trainer touches the weights.
+        while self.server.batcher.flushing:
+            await asyncio.sleep(0.005)
         return self._record(episodes)
 
     async def _episode(self, ep: EpisodeState, gate: asyncio.Semaphore, pool) -> None:

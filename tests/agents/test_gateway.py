@@ -197,7 +197,12 @@ def unruly_agent(row, ep):
     if kind == "fail":
         raise ValueError("the agent gave up")
     if kind == "slow":
-        time.sleep(1.5)
+        time.sleep(1.5)  # past the episode's timeout: the run has moved on
+        try:
+            client.chat.completions.create(model="main", messages=msgs, max_tokens=4)
+            RESULTS[("late", ep.episode)] = 200
+        except openai.APIStatusError as e:
+            RESULTS[("late", ep.episode)] = e.status_code
         return 1.0
     # "edit": the agent rewrites its own earlier reply before the next request
     msgs += [
@@ -348,7 +353,7 @@ def test_five_turns_are_token_exact(gateway, models, items):
 
 
 def test_failed_slow_silent_and_editing_agents(gateway, models, items):
-    tok = models[0]["main"].tokenizer
+    tok, engine = models[0]["main"].tokenizer, models[1]["main"]
     wf = gateway("unruly_agent", episode_timeout=0.8)
     data = [{"prompt": f"grid {k}", "kind": k} for k in ("edit", "fail", "slow", "silent")]
     rec = wf.rollout(items(data), SamplingParams(n=1, max_new_tokens=8))
@@ -366,6 +371,14 @@ def test_failed_slow_silent_and_editing_agents(gateway, models, items):
     assert metas[1]["stitched"] is False
     msgs = RESULTS[("edit", metas[1]["episode"])]
     assert ids(rec, "prompt_ids", 1) == first(msgs, tok)
+    # the abandoned agent's later request is refused and never reaches the engine
+    served = len(engine.log)
+    for _ in range(400):
+        if ("late", metas[3]["episode"]) in RESULTS:
+            break
+        time.sleep(0.01)
+    assert RESULTS[("late", metas[3]["episode"])] == 404
+    assert len(engine.log) == served
 
 
 def test_an_async_agent_past_its_timeout_is_cancelled(gateway, items):
