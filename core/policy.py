@@ -391,8 +391,11 @@ class CausalLMPolicy:
             )[0]
 
     def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
-        """Tokens per row and per micro-batch when the passes are packed (PacksRows)."""
-        return token_budget(batch, self.cfg, packs(self.model, self.cfg.pack))
+        """Tokens per row and per micro-batch when the passes are packed (PacksRows). A
+        kind that replaces :meth:`logprobs` (a VLM's own pass) is not packed by it, so it
+        keeps row-count micro-batches unless it says otherwise."""
+        packed = type(self).logprobs is CausalLMPolicy.logprobs and packs(self.model, self.cfg.pack)
+        return token_budget(batch, self.cfg, packed)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""

@@ -195,7 +195,7 @@ def test_token_budget_ranks_sum_to_the_single_process_gradient(tiny_model_dir):
 
 def test_packing_is_off_where_rows_could_mix(tiny_model_dir):
     """An attention implementation that does not read packed position ids keeps the padded
-    pass (and row-count micro-batches)."""
+    pass, and row-count micro-batches; so does a kind that brings its own pass."""
     policy = make_policy(tiny_model_dir)
     batch = variable_batch(policy.tokenizer)
     assert policy.token_budget(batch)[1] == policy.cfg.micro_batch_size * int(
@@ -204,6 +204,15 @@ def test_packing_is_off_where_rows_could_mix(tiny_model_dir):
     policy.model.config._attn_implementation = "some_kernel"
     assert not packs(policy.model, True)
     assert policy.token_budget(batch) is None
+    policy.model.config._attn_implementation = "sdpa"
+
+    class OwnPass(CausalLMPolicy):  # a kind with its own (padded) pass, as the VLM kind
+        def logprobs(self, batch, temperature=1.0, with_entropy=False):
+            return super().logprobs(batch, temperature, with_entropy)
+
+    policy.__class__ = OwnPass
+    assert policy.token_budget(batch) is None
+    policy.__class__ = CausalLMPolicy
     policy.cfg.pack = False
     policy.model.config._attn_implementation = "sdpa"
     assert policy.token_budget(batch) is None
