@@ -771,30 +771,10 @@ class Gateway:
         ),
         policy: Annotated[str | None, "the default model for agents (null: the first)"] = None,
     ) -> None:
-        if concurrency < 1:
-            raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
-        for key, value in (
-            ("request_timeout", request_timeout),
-            ("episode_timeout", episode_timeout),
-        ):
-            if not value > 0:
-                raise ConfigError(f"rollout.args.{key} must be > 0, got {value}")
-        if batch_wait < 0:
-            raise ConfigError(f"rollout.args.batch_wait must be >= 0, got {batch_wait}")
+        self.agent = self._check(
+            agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, ctx.policies
+        )
         self.name = policy or next(iter(ctx.policies))
-        if self.name not in ctx.policies:
-            raise ConfigError(
-                f"rollout.args.policy={self.name!r} is not one of {sorted(ctx.policies)}"
-            )
-        try:
-            self.agent = import_path(agent) if isinstance(agent, str) else agent
-        except Exception as e:
-            raise ConfigError(
-                f"rollout.args.agent={agent!r} cannot be imported ({type(e).__name__}: {e}); "
-                "give package.module:function or ./file.py:function"
-            ) from None
-        if not callable(self.agent):
-            raise ConfigError(f"rollout.args.agent={agent!r} is not callable")
         self.concurrency = concurrency
         self.request_timeout, self.episode_timeout = request_timeout, episode_timeout
         self.server = GatewayServer(
@@ -809,7 +789,50 @@ class Gateway:
         self._next_episode = 0
         self.failed_episodes = 0  # over the run
 
+    @staticmethod
+    def _check(agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, names):
+        """The options' ranges, the policy name and the agent; returns the agent callable."""
+        if concurrency < 1:
+            raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
+        for key, value in (
+            ("request_timeout", request_timeout),
+            ("episode_timeout", episode_timeout),
+        ):
+            if not value > 0:
+                raise ConfigError(f"rollout.args.{key} must be > 0, got {value}")
+        if batch_wait < 0:
+            raise ConfigError(f"rollout.args.batch_wait must be >= 0, got {batch_wait}")
+        if policy is not None and policy not in names:
+            raise ConfigError(
+                f"rollout.args.policy={policy!r} is not one of the policies {sorted(names)}"
+            )
+        try:
+            fn = import_path(agent) if isinstance(agent, str) else agent
+        except Exception as e:
+            raise ConfigError(
+                f"rollout.args.agent={agent!r} cannot be imported ({type(e).__name__}: {e}); "
+                "give package.module:function or ./file.py:function"
+            ) from None
+        if not callable(fn):
+            raise ConfigError(f"rollout.args.agent={agent!r} is not callable")
+        return fn
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        """At config time, before any model loads: ranges, the policy and the agent."""
+        a = cfg.rollout.args
+        cls._check(
+            a.agent,
+            a.concurrency,
+            a.request_timeout,
+            a.episode_timeout,
+            a.batch_wait,
+            a.policy,
+            list(cfg.policies),
+        )
+
     def close(self) -> None:
+        """Stop the server (the run's end; a daemon thread otherwise)."""
         self.server.close()
 
     def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -470,25 +471,38 @@ def grid_agent(row, ep):
     return named / 2
 
 
+def gateway_recipe(tmp_path, agent: str) -> str:
+    """The grid-world GiGPO example with its workflow swapped for the gateway."""
+    import yaml
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
+    recipe = yaml.safe_load(example.read_text())
+    recipe["rollout"]["workflow"] = "gateway"
+    recipe["rollout"]["args"] = {"agent": agent, "episode_timeout": 60.0}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_a_recipe_naming_a_missing_agent_fails_at_load(tmp_path):
+    from polyrl.core.config import ConfigError, load
+    from polyrl.core.recipe import Config
+
+    with pytest.raises(ConfigError, match=r"rollout.args.agent=.*no_such_agent.*cannot be"):
+        load(Config, gateway_recipe(tmp_path, f"{HERE}:no_such_agent"), [])
+
+
 def test_the_core_loop_trains_on_gateway_episodes_with_gigpo(grid_model_dir, tmp_path):
     import json
     import math
-    from pathlib import Path
-
-    import yaml
 
     from polyrl.core.config import load
     from polyrl.core.loop import train
     from polyrl.core.recipe import Config
 
-    example = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
-    recipe = yaml.safe_load(example.read_text())
-    recipe["rollout"]["workflow"] = "gateway"
-    recipe["rollout"]["args"] = {"agent": f"{HERE}:grid_agent", "episode_timeout": 60.0}
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     cfg = load(
         Config,
-        str(tmp_path / "recipe.yaml"),
+        gateway_recipe(tmp_path, f"{HERE}:grid_agent"),
         [
             f"run.dir={tmp_path}/run",
             "run.progress=false",
