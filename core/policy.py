@@ -83,13 +83,14 @@ class PolicyConfig:
         True,
         "in the update, run each distinct prompt of a micro-batch "
         "once and share its KV cache with its group's rows (padded passes: pack false, "
-        "or a model pack does not serve)",
+        "or an attention implementation pack cannot use)",
     )
     pack: bool = doc(
         True,
-        "padding-free log-prob passes: a micro-batch's rows packed into one sequence "
-        "(position ids restart per row; sdpa, eager and flash attention). Same values "
-        "as the padded pass; causal_lm and lora_agent kinds (VLM kinds stay padded)",
+        "padding-free log-prob passes: a micro-batch's rows packed end to end, position "
+        "ids restarting per row (sdpa/eager: bins as wide as the longest row; flash "
+        "attention: one sequence). Same values as the padded pass; causal_lm and "
+        "lora_agent kinds (VLM kinds stay padded)",
     )
     max_tokens_per_micro_batch: int | None = doc(
         None,
@@ -254,7 +255,10 @@ def packed_logprobs(
     mask = torch.cat([pmask.bool(), rmask], dim=1)
     lengths = mask.sum(-1).tolist()
     if not bool(pmask.bool().any(-1).all()):
-        raise ValueError("packed log-probs: a row has no prompt token to predict its response")
+        raise ValueError(
+            "packed log-probs: a row has no prompt token to predict its first response "
+            "token from; give every row a prompt, or set the policy's pack: false"
+        )
     one_sequence = "flash" in str(getattr(model.config, "_attn_implementation", ""))
     row_bin, row_start, bins, width = pack_rows(lengths, None if one_sequence else max(lengths))
     device = prompt.device

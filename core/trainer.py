@@ -15,8 +15,9 @@ gradient does not depend on how the rows are split.
 Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
 ``dp=(rank, world)``: every rank receives the whole batch, draws the same mini-batches,
 takes the loss totals (``AggInfo``) from the whole mini-batch and then computes only its
-own share of the rows (by tokens, balanced across ranks, under a token budget). Every rank runs the same number of forward/backward passes (a
-rank short of rows runs a zero-weighted pass), because FSDP's collectives need all ranks.
+own share of the rows (under a token budget: shares balanced by tokens). Every rank runs
+the same number of forward/backward passes (a rank short of rows runs a zero-weighted
+pass), because FSDP's collectives need all ranks.
 The returned metrics are this rank's; the single-process values are ``loss`` summed over
 ranks and divided by ``world``, and ``kl`` (each optimizer step's mini-batch value) and
 ``entropy`` (mean per trained token of the rows this rank ran) averaged over ranks.
