@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -310,11 +311,16 @@ class _Pending:
 class Batcher:
     """Requests wait in one queue; each flush serves all of them, one ``generate`` per
     (model, temperature, top_p, stop) group, on a worker thread. A flush starts when the
-    engine is idle and ``wait`` seconds passed since the first request arrived. Requests of
-    episodes that ended meanwhile (timed out) are dropped, never sent to the engine."""
+    engine is idle and either every open episode has a request waiting (nothing more can
+    come) or no request arrived for ``wait`` seconds (the others are busy elsewhere).
+    Requests of episodes that ended meanwhile (timed out) are dropped, never sent to the
+    engine. ``open_episodes()`` counts the episodes that may still send requests."""
 
-    def __init__(self, engines: dict[str, Any], wait: float) -> None:
-        self.engines, self.wait = engines, wait
+    def __init__(
+        self, engines: dict[str, Any], wait: float, open_episodes: Callable[[], int]
+    ) -> None:
+        self.engines, self.wait, self.open_episodes = engines, wait, open_episodes
+        self._arrived = 0  # requests so far (the quiet-time check compares it)
         self.pending: list[_Pending] = []
         self.sizes: list[int] = []  # requests per engine call
         self._wake: asyncio.Event | None = None
@@ -328,6 +334,7 @@ class Batcher:
     async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params):
         fut = asyncio.get_running_loop().create_future()
         self.pending.append(_Pending(model, prompt, params, fut, ep))
+        self._arrived += 1
         self._wake.set()
         return await fut
 
@@ -335,8 +342,7 @@ class Batcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self.wait:
-                await asyncio.sleep(self.wait)
+            await self._gather()
             self.flushing = True
             try:
                 await self._flush()
@@ -344,6 +350,18 @@ class Batcher:
                 self.flushing = False
             if self.pending:
                 self._wake.set()
+
+    async def _gather(self) -> None:
+        """Wait until every open episode has a request waiting, or ``wait`` seconds pass
+        without a new one."""
+        step = min(self.wait, 0.001)
+        quiet, seen = 0.0, self._arrived
+        while quiet < self.wait:
+            if len({id(p.episode) for p in self.pending}) >= self.open_episodes():
+                return
+            await asyncio.sleep(step)
+            quiet = 0.0 if self._arrived != seen else quiet + step
+            seen = self._arrived
 
     async def _flush(self) -> None:
         batch = []
@@ -399,14 +417,14 @@ class GatewayServer:
         *,
         host: str = "127.0.0.1",
         request_timeout: float = 60.0,
-        batch_wait: float = 0.005,
+        batch_wait: float = 0.02,
     ) -> None:
         self.engines, self.tokenizers = engines, tokenizers
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
         self.host = host
         self.api_key = "pk-" + secrets.token_urlsafe(24)
         self.request_timeout = request_timeout
-        self.batcher = Batcher(engines, batch_wait)
+        self.batcher = Batcher(engines, batch_wait, lambda: len(self.episodes))
         self.defaults = SamplingParams()
         self.episodes: dict[str, EpisodeState] = {}
         self._lock = threading.Lock()
@@ -779,8 +797,10 @@ class Gateway:
         request_timeout: Annotated[float, "seconds a request may wait for the engine"] = 60.0,
         episode_timeout: Annotated[float, "seconds an episode may run"] = 300.0,
         batch_wait: Annotated[
-            float, "seconds the first waiting request gives others to join an engine call"
-        ] = 0.005,
+            float,
+            "an engine call starts when every open episode has a request waiting, or when "
+            "no request arrived for this many seconds",
+        ] = 0.02,
         host: Annotated[str, "the address the server binds (keep 127.0.0.1 unless needed)"] = (
             "127.0.0.1"
         ),
