@@ -77,6 +77,9 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r} ({source})")
     if origin is typing.Literal:
+        # YAML 1.1 reads an unquoted off/on as a boolean: a choice named so is what was meant
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            return "on" if value else "off"
         if value not in args:
             hint = _nearest_key(str(value), [str(a) for a in args])
             raise ConfigError(

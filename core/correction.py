@@ -153,8 +153,8 @@ class Mismatch:
         d = (proximal.detach().float() - behaviour.float())[live]  # log pi_old - log mu
         self.abs_sum += float(d.abs().sum())
         self.abs_max = max(self.abs_max, float(d.abs().max()))
-        # KL(mu || pi_old) under mu's samples, k3: e^{-d} - 1 + d >= 0
-        self.k3_sum += float((torch.expm1(-d) + d).sum())
+        # KL(mu || pi_old) under mu's samples, k3 with r = pi_old / mu = e^d: r - 1 - log r
+        self.k3_sum += float((torch.expm1(d) - d).sum())
         self.tokens += float(live.sum())
         shown = level if level != "off" else "token"
         lr = log_rho(proximal, behaviour, mask.float(), shown)[live]

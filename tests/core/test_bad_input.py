@@ -51,6 +51,11 @@ def test_numbers_a_run_cannot_mean_fail_at_load(recipe, override, message):
     assert message in str(e.value) and str(recipe) in str(e.value)
 
 
+def test_an_unquoted_off_means_the_choice_off_not_false(recipe):
+    cfg = load(Config, recipe, ["algorithm.rollout_correction.level=off"])
+    assert cfg.algorithm.rollout_correction.level == "off"  # YAML 1.1 read it as False
+
+
 def test_a_group_of_one_under_grpo_warns(recipe):
     with pytest.warns(UserWarning, match="rollout.n=1 .* every advantage is 0"):
         load(Config, recipe, ["rollout.n=1"])

@@ -78,11 +78,28 @@ def test_mismatch_metrics_match_hand_computation():
     got = m.metrics()
     assert got["mismatch/logp_abs_mean"] == pytest.approx(sum(abs(x) for x in d) / 5, rel=1e-6)
     assert got["mismatch/logp_abs_max"] == pytest.approx(2.0, rel=1e-6)
-    k3 = sum(math.exp(-x) - 1 + x for x in d) / 5
+    k3 = sum(math.exp(x) - 1 - x for x in d) / 5  # r = pi_old / mu = e^d: r - 1 - log r
     assert got["mismatch/kl_engine_trainer"] == pytest.approx(k3, rel=1e-5)
     assert got["mismatch/truncated_frac"] == pytest.approx(1 / 5)  # only e^1 > 2
     assert got["mismatch/rho_max"] == pytest.approx(math.exp(1.0), rel=1e-6)
     assert got["mismatch/rho_p50"] == pytest.approx(math.exp(0.1), rel=1e-6)
+
+
+def test_the_kl_metric_estimates_kl_of_engine_from_trainer_under_engine_samples():
+    """Tokens drawn from the engine's distribution mu: the metric converges to the exact
+    KL(mu || pi_old) = sum mu log(mu / pi_old), not to the reverse KL."""
+    g = torch.Generator().manual_seed(0)
+    mu = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64) * 2, 0)
+    pi = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64) * 2, 0)
+    exact = float((mu * (mu / pi).log()).sum())
+    reverse = float((pi * (pi / mu).log()).sum())
+    tokens = torch.multinomial(mu, 400_000, replacement=True, generator=g).view(400, 1000)
+    m = Mismatch()
+    opts = RolloutCorrection(level="token")
+    m.add(pi.log()[tokens], mu.log()[tokens], torch.ones(400, 1000), opts, "off", None)
+    got = m.metrics()["mismatch/kl_engine_trainer"]
+    assert got == pytest.approx(exact, rel=0.03)
+    assert abs(exact - reverse) > 0.1 * exact  # the test tells the two apart
 
 
 def test_bad_options_are_config_errors():
