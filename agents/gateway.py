@@ -344,8 +344,13 @@ class Batcher:
             self._wake.clear()
             await self._gather()
             self.flushing = True
+            batch = self._take()
             try:
-                await self._flush()
+                await self._flush(batch)
+            except Exception as e:  # a bug here must not leave requests waiting forever
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
             finally:
                 self.flushing = False
             if self.pending:
@@ -363,7 +368,8 @@ class Batcher:
             quiet = 0.0 if self._arrived != seen else quiet + step
             seen = self._arrived
 
-    async def _flush(self) -> None:
+    def _take(self) -> list[_Pending]:
+        """The waiting requests of episodes still open (the others are refused)."""
         batch = []
         for p in self.pending:
             if not p.episode.open and not p.future.done():
@@ -371,6 +377,9 @@ class Batcher:
             elif not p.future.done():
                 batch.append(p)
         self.pending = []
+        return batch
+
+    async def _flush(self, batch: list[_Pending]) -> None:
         groups: dict[tuple, list[_Pending]] = {}
         for p in batch:
             sp = p.params
