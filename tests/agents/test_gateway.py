@@ -536,3 +536,36 @@ def test_the_core_loop_trains_on_gateway_episodes_with_gigpo(grid_model_dir, tmp
     ]
     assert len(samples) == 2 * 4 * 4 * 2  # steps x prompts x samples x turns
     assert all(s["reward"] in (0.0, 0.5, 1.0) for s in samples)
+
+
+def plain_agent(row, ep):
+    r = ep.openai().chat.completions.create(
+        model="main", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    return float(bool(r.choices[0].message.content))
+
+
+def test_an_engine_error_is_a_500_for_its_call_and_the_server_goes_on(grid_tokenizer, items):
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+    from tests.agents.conftest import FakePolicy, ScriptedEngine
+
+    def script(text, call, i):
+        if "boom" in text:
+            raise RuntimeError("engine fell over")
+        return "up", True
+
+    engine = ScriptedEngine(grid_tokenizer, script)
+    ctx = Context(None, {"main": FakePolicy(grid_tokenizer)}, {"main": engine})
+    wf = Gateway(ctx, agent=f"{HERE}:plain_agent")
+    params = SamplingParams(n=2, max_new_tokens=8)
+    try:
+        failed = wf.rollout(items(rows("boom")), params)
+        fine = wf.rollout(items(rows("fine")), params)
+    finally:
+        wf.close()
+    assert not failed["valid"].any()  # both episodes' requests were in the failing call
+    for error in strings(failed, "error"):
+        assert "InternalServerError" in error and "engine fell over" in error
+    assert fine["valid"].all()
+    assert [m["return"] for m in strings(fine, "meta")] == [1.0, 1.0]
