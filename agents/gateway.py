@@ -1,6 +1,6 @@
 """The agent gateway: train agents written against the OpenAI client, unchanged.
 
-The ``gateway`` workflow starts a real HTTP server (FastAPI on uvicorn, on 127.0.0.1, a
+The ``gateway`` workflow starts a real HTTP server (Starlette on uvicorn, on 127.0.0.1, a
 random port and a random per-run API key) serving the OpenAI Chat Completions API in front
 of the run's engines, then runs the user's agent once per task row and group sample,
 concurrently. ``model`` in a request names a policy, so one program can call several
