@@ -55,6 +55,9 @@ def per_prompt_advantages(
     return centred.float()
 
 
+STEP_WEIGHTS = ("uniform", "inv_dt")
+
+
 @dataclass
 class PerPromptOptions(Options):
     """Options of the ``per_prompt`` credit (``algorithm.credit_args``)."""
@@ -65,41 +68,184 @@ class PerPromptOptions(Options):
     global_std: bool = doc(
         False, "divide by the std of the whole batch's rewards instead of the prompt's"
     )
+    terms: dict[str, float] = doc(
+        {},
+        "per-term advantages: {reward term key: weight}; each term's raw value "
+        "(reward_terms/<key>) is normalised within its prompt group, then weighted and "
+        "summed (empty: one advantage from the combined reward)",
+    )
+    step_weight: str = doc(
+        "uniform",
+        "weight of each trained step's advantage: uniform, or inv_dt (GRPO-Guard: 1/|dt|, "
+        "divided by its mean over the row's trained steps)",
+    )
+    diversity_floor: float = doc(
+        0.0,
+        "diversity guard: a prompt group whose images' mean pairwise RMS pixel distance is "
+        "below this gets diversity_weight x its rows' normalised distance to the others "
+        "added to their advantages (0: off; the diversity metrics are logged either way)",
+    )
+    diversity_weight: float = doc(
+        1.0, "weight of the diversity term in a group the guard fires on (>= 0)"
+    )
 
     def check(self, where: str, source: str = "<config>") -> None:
         if self.adv_clip < 0:
             raise ConfigError(
                 f"{where}.adv_clip={self.adv_clip} in {source}: must be >= 0 (0: no clipping)"
             )
+        if self.step_weight not in STEP_WEIGHTS:
+            raise ConfigError(
+                f"{where}.step_weight={self.step_weight!r} in {source}: use one of "
+                f"{', '.join(STEP_WEIGHTS)}"
+            )
+        if self.diversity_floor < 0 or self.diversity_weight < 0:
+            raise ConfigError(
+                f"{where}.diversity_floor and diversity_weight in {source} must be >= 0"
+            )
+        for key, w in self.terms.items():
+            if not isinstance(w, (int, float)) or isinstance(w, bool):
+                raise ConfigError(
+                    f"{where}.terms.{key}={w!r} in {source}: a term's weight is a number"
+                )
+
+
+def per_term_advantages(
+    terms: dict[str, Tensor],
+    weights: dict[str, float],
+    groups: Tensor,
+    *,
+    norm_by_std: bool = True,
+    global_std: bool = False,
+    eps: float = 1e-6,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(sum of ``weights[k]`` x each term's per-prompt advantage [B], those advantages by
+    key); each term [B] is normalised within its group as :func:`per_prompt_advantages`."""
+    each = {
+        k: per_prompt_advantages(
+            terms[k], groups, norm_by_std=norm_by_std, global_std=global_std, eps=eps
+        )
+        for k in weights
+    }
+    total = sum((float(weights[k]) * each[k] for k in weights), torch.zeros(groups.shape[0]))
+    return total.float(), each
+
+
+def _group_ids(record: TensorDict, valid: Tensor) -> Tensor:
+    texts = strings(record, "prompt_text")
+    agents = record["agent_id"].tolist()
+    keys: dict[tuple, int] = {}
+    ids = [
+        keys.setdefault((texts[i], agents[i]), len(keys))
+        for i in range(len(texts))
+        if bool(valid[i])
+    ]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _term_values(record: TensorDict, valid: Tensor, keys) -> dict[str, Tensor]:
+    out = {}
+    for k in keys:
+        col = f"reward_terms/{k}"
+        names = list(record.keys())  # TensorDict: `in` needs keys()
+        if col not in names:
+            have = sorted(n.split("/", 1)[1] for n in names if n.startswith("reward_terms/"))
+            raise ConfigError(
+                f"algorithm.credit_args.terms names {k!r}, which is not a reward term of this "
+                f"record (reward.terms keys: {have}); name terms by their label or name"
+            )
+        out[k] = record[col][valid].float()
+    return out
+
+
+def _images(record: TensorDict, valid: Tensor) -> list | None:
+    """The first image of each valid row (None when some row has none)."""
+    if "meta" not in record.keys():  # noqa: SIM118 (TensorDict)
+        return None
+    metas = [m for m, ok in zip(strings(record, "meta"), valid.tolist(), strict=True) if ok]
+    images = [m.get("images") if isinstance(m, dict) else None for m in metas]
+    if not images or any(not im for im in images):
+        return None
+    return [im[0] for im in images]
+
+
+def diversity_guard(
+    images: list, groups: Tensor, floor: float, weight: float, norm_eps: float = 1e-6
+) -> tuple[Tensor, dict[str, float]]:
+    """(advantage term [B] of the diversity guard, diversity metrics) for images [B] in
+    groups [B]. In a group whose diversity (:func:`group_diversity`) is below ``floor``, each
+    row gets ``weight`` x its distance to the others, normalised within the group (centred,
+    divided by the std + eps); elsewhere 0."""
+    from polyrl.diffusion.guards import group_diversity
+    from polyrl.diffusion.rewards import image_tensor
+
+    pix = torch.stack([image_tensor(im) for im in images])
+    term = torch.zeros(groups.shape[0], dtype=torch.float64)
+    values, fired = [], 0
+    for g in groups.unique().tolist():
+        rows = (groups == g).nonzero().flatten()
+        div, per = group_diversity(pix[rows])
+        if rows.numel() < 2:
+            continue
+        values.append(div)
+        if floor > 0 and div < floor:
+            fired += 1
+            centred = per - per.mean()
+            term[rows] = weight * centred / (centred.pow(2).mean().sqrt() + norm_eps)
+    metrics = {}
+    if values:
+        metrics = {
+            "diversity/mean": sum(values) / len(values),
+            "diversity/min": min(values),
+            "guard/fired_frac": fired / len(values),
+        }
+    return term.float(), metrics
 
 
 def per_prompt_credit(
-    record: TensorDict, algo, *, adv_clip: float, global_std: bool
+    record: TensorDict,
+    algo,
+    *,
+    adv_clip: float,
+    global_std: bool,
+    terms: dict[str, float] | None = None,
+    step_weight: str = "uniform",
+    diversity_floor: float = 0.0,
+    diversity_weight: float = 1.0,
 ) -> dict[str, float]:
-    """Per-prompt (text) mean/std advantages, clipped, on every trained step of a row."""
+    """Per-prompt (text) mean/std advantages (of the combined reward, or per term), the
+    diversity guard's term, clipped, on every trained step of a row (optionally weighted)."""
     mask = record["loss_mask"].float()
     valid = record["valid"]
     adv_row = torch.zeros(record.batch_size[0])
+    metrics: dict[str, float] = {}
     if bool(valid.any()):
-        texts = strings(record, "prompt_text")
-        agents = record["agent_id"].tolist()
-        keys: dict[tuple, int] = {}
-        ids = [
-            keys.setdefault((texts[i], agents[i]), len(keys))
-            for i in range(len(texts))
-            if bool(valid[i])
-        ]
-        adv_row[valid] = per_prompt_advantages(
-            record["reward"][valid],
-            torch.tensor(ids),
-            norm_by_std=bool(algo.norm_adv_by_std),
-            global_std=global_std,
-            eps=float(algo.epsilon),
-            clip=adv_clip,
-        )
-    record["advantages"] = adv_row[:, None] * mask
+        ids = _group_ids(record, valid)
+        norm = {"norm_by_std": bool(algo.norm_adv_by_std), "global_std": global_std}
+        eps = float(algo.epsilon)
+        if terms:
+            adv, each = per_term_advantages(
+                _term_values(record, valid, terms), terms, ids, eps=eps, **norm
+            )
+            metrics |= {f"advantage/{k}/mean_abs": float(a.abs().mean()) for k, a in each.items()}
+        else:
+            adv = per_prompt_advantages(record["reward"][valid], ids, eps=eps, **norm)
+        images = _images(record, valid)
+        if images is not None:
+            guard, div = diversity_guard(images, ids, diversity_floor, diversity_weight)
+            adv = adv + guard
+            metrics |= div
+        if adv_clip > 0:
+            adv = adv.clamp(-adv_clip, adv_clip)
+        adv_row[valid] = adv
+    steps = mask
+    if step_weight == "inv_dt":
+        from polyrl.diffusion.guards import inverse_dt_weights
+
+        steps = inverse_dt_weights(record["sigmas"], mask)
+    record["advantages"] = adv_row[:, None] * steps
     rows = adv_row[valid]
-    return {
+    return metrics | {
         "advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,
         "advantage/zero_frac": float((rows == 0).float().mean()) if rows.numel() else 0.0,
     }

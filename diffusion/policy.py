@@ -59,6 +59,7 @@ from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
+from polyrl.diffusion.guards import ratio_scale
 from polyrl.diffusion.models import FAMILIES, detect_family
 from polyrl.diffusion.samplers import get_sampler
 
@@ -88,6 +89,17 @@ class DiffusionPolicyOptions(Options):
         "std: the exact KL of the two Gaussian steps) or flow_grpo (/ (2 c^2) with "
         "Flow-GRPO's std_dev_t c: g = std / sqrt(-dt) for flow_sde and dance_sde, the std "
         "for cps; = step x |dt| for the SDEs, as Flow-GRPO's train_sd3.py kl_loss)",
+    )
+    ratio_norm: bool = doc(
+        False,
+        "GRPO-Guard's ratio normalisation: every step's log-prob (recomputed and recorded) "
+        "times s (gaussian) or 1/(2s) (neg_mse), s the step's std, so log-ratios have one "
+        "scale across steps (diffusion/guards.py); needs kl_estimator gaussian_mean for a KL",
+    )
+    train_cfg: bool = doc(
+        True,
+        "false: train without classifier-free guidance (the conditional velocity alone) "
+        "while the engine samples with guidance_scale, as Flow-GRPO-Fast and DiffusionNFT",
     )
 
     def validate(self, where: str) -> None:
@@ -316,6 +328,9 @@ class DiffusionPolicy:
             stand_in = rows.numel() == 0  # another rank trains step t: call the model too
             if stand_in:
                 rows = torch.zeros(1, dtype=torch.long, device=self.device)
+            guidance = batch["guidance"][rows]
+            if not self.args.train_cfg and self.family.classifier_free:
+                guidance = torch.ones_like(guidance)  # the conditional velocity alone
             v = self.velocity(
                 lat[rows, t],
                 batch["timesteps"][rows, t],
@@ -323,7 +338,7 @@ class DiffusionPolicy:
                 batch["pooled_prompt_embeds"][rows],
                 batch["negative_prompt_embeds"][rows],
                 batch["negative_pooled_prompt_embeds"][rows],
-                batch["guidance"][rows],
+                guidance,
                 model=model,
             )
             out = sampler.step(
@@ -340,7 +355,10 @@ class DiffusionPolicy:
                 logp = logp + 0.0 * out.log_prob.sum()
                 continue
             cols = torch.full_like(rows, t)
-            logp = logp.index_put((rows, cols), out.log_prob)
+            lp = out.log_prob
+            if self.args.ratio_norm:
+                lp = lp * ratio_scale(out.std.detach(), self.logprob_form)
+            logp = logp.index_put((rows, cols), lp)
             scale = out.std.detach()
             if self.args.kl_form == "flow_grpo":
                 scale = sampler.noise_coefficient(

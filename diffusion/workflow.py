@@ -30,7 +30,9 @@ from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
 from polyrl.core.registry import POLICIES, WORKFLOWS
 from polyrl.core.workflow import Context
+from polyrl.diffusion.credit import GAUSSIAN_MEAN
 from polyrl.diffusion.engine import Trajectories, sampling_options
+from polyrl.diffusion.guards import ratio_scale
 from polyrl.diffusion.nft import NFT_LOSS
 from polyrl.diffusion.policy import DiffusionPolicy, policy_options
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
@@ -164,6 +166,30 @@ def _check_forward_process(cfg) -> None:
         )
 
 
+def _check_guards(cfg) -> None:
+    """GRPO-Guard's scaled log-probs make log-prob KL estimators meaningless, and the
+    per-term credit must name reward terms the recipe has."""
+    algo = cfg.algorithm
+    for pname, p in cfg.policies.items():
+        if not _diffusion_kind(p.kind) or not policy_options(p, pname).ratio_norm:
+            continue
+        if algo.kl_coef > 0 and algo.kl_estimator != GAUSSIAN_MEAN:
+            raise ConfigError(
+                f"policies.{pname}.args.ratio_norm scales the log-probs (GRPO-Guard), so a "
+                f"KL from them (algorithm.kl_estimator={algo.kl_estimator!r}) would be "
+                f"scaled too: use kl_estimator: {GAUSSIAN_MEAN} (from the step means)"
+            )
+    if algo.credit == "per_prompt":
+        terms = dict(algo.credit_args).get("terms") or {}
+        keys = [t.key for t in cfg.reward.terms]
+        missing = [k for k in terms if k not in keys]
+        if missing:
+            raise ConfigError(
+                f"algorithm.credit_args.terms names {missing}, not reward terms of this "
+                f"recipe (reward.terms keys: {keys})"
+            )
+
+
 class TextToImage:
     """Sample ``n`` images per prompt with a diffusion policy; one row per image."""
 
@@ -189,6 +215,7 @@ class TextToImage:
                 sampling_options(p, pname)
                 policy_options(p, pname)
         _check_forward_process(cfg)
+        _check_guards(cfg)
         if cfg.sft.steps:
             raise ConfigError(
                 "sft.steps must be 0 with the text_to_image workflow (a diffusion "
@@ -238,6 +265,9 @@ class TextToImage:
                 stacklevel=2,
             )
         prepare_rewards(self.cfg.reward.terms)  # reward paths/models fail before sampling
+        pcfg = self.cfg.policies[name]
+        self.ratio_norm = policy_options(pcfg, name).ratio_norm
+        self.logprob_form = sampling_options(pcfg, name).logprob
         self.run_dir = ctx.extras.get("run_dir")
         self.grid_scale = grid_scale
         self.save_grids = save_grids
@@ -251,6 +281,8 @@ class TextToImage:
         traj = self.engine.sample(
             [it.prompt_text for it in items], n=params.n, deterministic=params.temperature == 0
         )
+        if self.ratio_norm:  # GRPO-Guard: recorded as the policy recomputes them
+            traj.logprobs = traj.logprobs * ratio_scale(traj.stds, self.logprob_form)
         alive = traj.alive
         images: list = [None] * len(traj.errors)
         if bool(alive.any()):
