@@ -8,7 +8,10 @@ An environment is any object with three methods; each may be a plain or an ``asy
 
 An *observation* is the text the policy reads next: a string (sent as a user message), a
 chat message ``{"role": ..., "content": ...}`` (``role: "tool"`` for tool results) or a
-list of them. The environment keeps its state on the instance, never globally: the
+list of them. For a vision-language policy it may carry images: a ``PIL.Image``, a list
+mixing strings and images (one user message), or a message whose ``content`` is a list of
+parts (a string, an image, ``{"type": "text", "text": ...}``, ``{"type": "image", "image":
+<PIL.Image>}``); the multi-turn workflow keeps them in the conversation. The environment keeps its state on the instance, never globally: the
 multi-turn workflow builds one instance per episode, so hundreds of episodes can be in
 flight at once. ``info`` may carry ``success`` (bool; the episode's success flag) and
 ``anchor`` (the state key GiGPO groups steps by; default: the observation text).
@@ -157,26 +160,83 @@ def as_step_result(value: Any, where: str = "step") -> StepResult:
     return result
 
 
+def is_image(value: Any) -> bool:
+    """Whether ``value`` is an image an observation may carry (a ``PIL.Image``)."""
+    from PIL import Image
+
+    return isinstance(value, Image.Image)
+
+
+def _is_part(value: Any) -> bool:
+    return (
+        isinstance(value, str) or is_image(value) or (isinstance(value, dict) and "type" in value)
+    )
+
+
+def content_parts(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string as it is, else a list of ``{"type": "text", "text"}``
+    and ``{"type": "image", "image"}`` parts (the image is checked where it is used)."""
+    if isinstance(content, str):
+        return content
+    items = content if isinstance(content, list) else [content]
+    parts = []
+    for p in items:
+        if isinstance(p, str):
+            parts.append({"type": "text", "text": p})
+        elif is_image(p):
+            parts.append({"type": "image", "image": p})
+        elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif isinstance(p, dict) and p.get("type") == "image":
+            parts.append({"type": "image", "image": p.get("image")})
+        else:
+            raise TypeError(
+                f"{where}: a content part must be a string, a PIL image, {{'type': 'text', "
+                f"'text': ...}} or {{'type': 'image', 'image': ...}}, not {p!r:.80}"
+            )
+    return parts
+
+
 def as_messages(obs: Observation, where: str = "observation", role: str = "user") -> list[Message]:
-    """An observation as a list of chat messages (a string becomes one ``role`` message)."""
+    """An observation as a list of chat messages (a string, an image or a list of strings
+    and images becomes one ``role`` message)."""
     if isinstance(obs, str):
         return [{"role": role, "content": obs}]
+    if is_image(obs) or (
+        isinstance(obs, list) and obs and all(_is_part(p) for p in obs) and not _messages(obs)
+    ):
+        return [{"role": role, "content": content_parts(obs, where)}]
     if isinstance(obs, dict):
         obs = [obs]
-    if (
-        isinstance(obs, list)
-        and obs
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in obs
-        )
-    ):
-        return [dict(m) for m in obs]
+    if _messages(obs):
+        return [{**m, "content": content_parts(m["content"], where)} for m in obs]
     raise TypeError(
-        f"{where}: an observation must be a string, a message "
+        f"{where}: an observation must be a string, an image, a message "
         f"{{'role', 'content'}} or a non-empty list of messages, not {obs!r:.80}"
     )
 
 
+def _messages(obs: Any) -> bool:
+    return (
+        isinstance(obs, list)
+        and bool(obs)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in obs
+        )
+    )
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(
+            p["text"] if p.get("type") == "text" else "<image>"
+            for p in content
+            if isinstance(p, dict)
+        )
+    return str(content)
+
+
 def observation_text(obs: Observation) -> str:
-    """The observation's text (message contents joined), used as the default GiGPO anchor."""
-    return "\n".join(str(m["content"]) for m in as_messages(obs))
+    """The observation's text (message contents joined; an image reads ``<image>``), used as
+    the default GiGPO anchor."""
+    return "\n".join(_text(m["content"]) for m in as_messages(obs))

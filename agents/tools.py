@@ -21,6 +21,11 @@ policy's turn holds tool calls it runs them and answers with one ``role: "tool"`
 per call; a turn without tool calls is the final answer, scored by ``finish``. A
 malformed call (bad JSON, unknown tool, wrong arguments) or a tool that raises is answered
 with an error message the model can read and fix, never a crash.
+
+A tool may return images for a vision-language policy: a ``PIL.Image``, or a list of
+strings and images (the tool message then carries them as content parts). A tool whose
+return type names an image (``-> Image.Image``) and returns none, or returns an image part
+that is no image, is answered with an error message and counted like any failed call.
 """
 
 from __future__ import annotations
@@ -36,7 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyrl.agents.env import Environment, Message, StepResult, maybe_await
+from polyrl.agents.env import (
+    Environment,
+    Message,
+    StepResult,
+    content_parts,
+    is_image,
+    maybe_await,
+)
 from polyrl.core.registry import Registry
 
 TOOL_PARSERS: Registry[Callable[[str], ParsedAction]] = Registry("tool-call parser")
@@ -181,6 +193,7 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments object
     fn: Callable[..., Any]
+    returns_image: bool = False  # its return type names an image: it must return one
 
     def schema(self) -> dict[str, Any]:
         return {
@@ -260,7 +273,9 @@ def tool(
                 required.append(p.name)
             props[p.name] = schema
         params = {"type": "object", "properties": props, "required": required}
-        return Tool(name or f.__name__, description or doc or f.__name__, params, f)
+        returns = hints.get("return")
+        image = returns is not None and "Image" in getattr(returns, "__name__", str(returns))
+        return Tool(name or f.__name__, description or doc or f.__name__, params, f, image)
 
     return build(fn) if fn is not None else build
 
@@ -339,8 +354,35 @@ def parse_hermes(text: str) -> ParsedAction:
 # --------------------------------------------------------------------------- environments
 
 
-def tool_message(name: str, content: str) -> Message:
+def tool_message(name: str, content: str | list) -> Message:
     return {"role": "tool", "name": name, "content": content}
+
+
+def _image_result(name: str, result: Any, expected: bool) -> tuple[Any, bool] | None:
+    """A tool result with images as content parts, an error text when an image was
+    expected and is missing or wrong, or None for a result without images."""
+    items = result if isinstance(result, list) else [result]
+    has_image = any(
+        is_image(p) or (isinstance(p, dict) and p.get("type") == "image") for p in items
+    )
+    if not has_image:
+        if expected:
+            return (
+                f"Error: tool {name!r} should return an image but returned a "
+                f"{type(result).__name__}"
+            ), False
+        return None
+    try:
+        parts = content_parts(items, f"tool {name!r}")
+    except TypeError as e:
+        return f"Error: {e}", False
+    for p in parts:
+        if p["type"] == "image" and not is_image(p["image"]):
+            return (
+                f"Error: tool {name!r} returned an image part holding a "
+                f"{type(p['image']).__name__}, not an image"
+            ), False
+    return parts, True
 
 
 class ToolEnv(Environment):
@@ -366,8 +408,9 @@ class ToolEnv(Environment):
     def finish(self, text: str, parsed: ParsedAction) -> StepResult:  # pragma: no cover
         raise NotImplementedError
 
-    async def run_call(self, call: ToolCall) -> tuple[str, bool]:
-        """(result text, ok) of one call; every failure becomes a readable error text."""
+    async def run_call(self, call: ToolCall) -> tuple[str | list, bool]:
+        """(result text or content parts, ok) of one call; every failure becomes a readable
+        error text."""
         by_name = {t.name: t for t in self.tools}
         t = by_name.get(call.name)
         if t is None:
@@ -385,7 +428,11 @@ class ToolEnv(Environment):
             return f"Error: tool {call.name!r} raised {type(e).__name__}: {e}", False
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bool):
             text, ok = result
-            return str(text), ok
+            image = _image_result(call.name, text, t.returns_image) if ok else None
+            return image if image is not None else (str(text), ok)
+        image = _image_result(call.name, result, t.returns_image)
+        if image is not None:
+            return image
         return result if isinstance(result, str) else json.dumps(result, default=str), True
 
     async def step(self, action: str) -> StepResult:

@@ -19,6 +19,16 @@ layouts, chosen per recipe with ``mode``:
   earlier turns (0: only the current observation), the response is that turn's action;
   ``turn`` holds the turn index.
 
+Observations and tool results may carry images (:mod:`polyrl.agents.env`) when the acting
+policy takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`, e.g. a
+``qwen_vl`` policy on the ``hf_vl`` engine): each turn is rendered with one placeholder per
+image, the policy expands the placeholders once (the images are processed once), and the
+conversation's ids grow by appending. Every row carries its images joined into one object
+in the record's ``vision`` column. ``max_images`` and ``max_pixels`` bound an episode's
+images; an image past them is replaced by a note and counted (``images_truncated``), and
+an image part that is no image or alone exceeds ``max_pixels`` becomes an error the model
+reads (``bad_images``); the episode goes on.
+
 An environment that raises in ``reset`` or ``step`` ends that episode: its rows keep the
 error text and are marked invalid (counted, left out of the update); the rest of the
 batch trains. Each row's ``meta`` carries what rewards and credit need: the episode id,
@@ -43,6 +53,7 @@ from polyrl.agents.env import (
     as_messages,
     as_step_result,
     env_options,
+    is_image,
     make_env_factory,
     observation_text,
 )
@@ -50,7 +61,8 @@ from polyrl.core.batching import FlushBatcher
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.interfaces import TakesImageTurns
+from polyrl.core.record import mark_invalid, set_strings, text_record
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
 
@@ -68,6 +80,9 @@ class Turn:
     reward: float = 0.0
     env_ids: list[int] = field(default_factory=list)  # env tokens spliced after the action
     info: dict = field(default_factory=dict)
+    vision: Any = None  # the prompt's images, joined (TakesImageTurns); None: none
+    env_vision: Any = None  # the images of env_ids (one per-turn handle)
+    env_starts: list[int] = field(default_factory=list)  # each image's first token in env_ids
 
 
 @dataclass
@@ -89,6 +104,12 @@ class Episode:
     final_observation: str = ""
     max_turns: int = 0
     tools: list[dict] | None = None  # tool schemas the env offers (rendered in first prompts)
+    # per observation: (each kept image's placeholder ids, the turn's handle) or None
+    obs_images: list[tuple[list[list[int]], Any] | None] = field(default_factory=list)
+    first_vision: Any = None  # the images of first_ids
+    first_starts: list[int] = field(default_factory=list)
+    images: int = 0  # images kept so far
+    pixels: int = 0  # their source pixels
 
     def end(self, finish: str, *, truncated: bool = False, error: str = "") -> None:
         self.done, self.finish, self.truncated = True, finish, truncated
@@ -162,6 +183,14 @@ class MultiTurn:
             "back to the engine as soon as its own step is done and the engine serves "
             "whatever waits (faster with slow tools; batches then depend on timing)",
         ] = "round",
+        max_images: Annotated[
+            int, "images kept per episode (a VL policy); later ones are replaced by a note"
+        ] = 16,
+        max_pixels: Annotated[
+            int,
+            "source pixels (width * height, summed) kept per episode; an image that alone "
+            "exceeds it is an error the model reads",
+        ] = 4096 * 4096,
     ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -174,8 +203,15 @@ class MultiTurn:
             max_turn_tokens=max_turn_tokens,
             max_context=max_context,
             env_workers=env_workers,
+            max_images=max_images,
+            max_pixels=max_pixels,
         )
         self.name, self.engine = name, ctx.engines[name]
+        policy_obj = ctx.policies[name]
+        self.vision = policy_obj if isinstance(policy_obj, TakesImageTurns) else None
+        self.max_images, self.max_pixels = max_images, max_pixels
+        self.image_counts = {"images_kept": 0, "images_truncated": 0, "bad_images": 0}
+        self._rollouts = 0
         self.tokenizer = ctx.policies[name].tokenizer
         self.chat = ChatFormat(self.tokenizer, system_prompt)
         self.make_env = make_env_factory(env, env_args)
@@ -191,7 +227,16 @@ class MultiTurn:
     # ------------------------------------------------------------------ config checks
     @staticmethod
     def _check_args(
-        *, mode, history, max_turns, max_tokens, max_turn_tokens, max_context, env_workers
+        *,
+        mode,
+        history,
+        max_turns,
+        max_tokens,
+        max_turn_tokens,
+        max_context,
+        env_workers,
+        max_images=0,
+        max_pixels=1,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"rollout.args.mode={mode!r}: use one of {', '.join(MODES)}")
@@ -208,6 +253,10 @@ class MultiTurn:
                 raise ConfigError(f"rollout.args.{key} must be >= 1 or null, got {value}")
         if env_workers < 1:
             raise ConfigError(f"rollout.args.env_workers must be >= 1, got {env_workers}")
+        if max_images < 0:
+            raise ConfigError(f"rollout.args.max_images must be >= 0, got {max_images}")
+        if max_pixels < 1:
+            raise ConfigError(f"rollout.args.max_pixels must be >= 1, got {max_pixels}")
 
     @classmethod
     def validate_config(cls, cfg) -> None:
@@ -223,6 +272,8 @@ class MultiTurn:
             max_turn_tokens=args.max_turn_tokens,
             max_context=args.max_context,
             env_workers=args.env_workers,
+            max_images=args.max_images,
+            max_pixels=args.max_pixels,
         )
         if args.policy is not None and args.policy not in cfg.policies:
             raise ConfigError(
@@ -239,7 +290,15 @@ class MultiTurn:
     def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
         return run_sync(self.arollout(items, params))
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last rollout's image counts (when the policy takes images or any came)."""
+        if self.vision is None and not any(self.image_counts.values()):
+            return {}
+        return {k: float(v) for k, v in self.image_counts.items()}
+
     async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+        self._rollouts += 1
+        self.image_counts = dict.fromkeys(self.image_counts, 0)
         pairs = [(item, g) for item in items for g in range(params.n)]
         episodes = [Episode(k, item, g, None) for k, (item, g) in enumerate(pairs)]
         pool = (
@@ -288,11 +347,16 @@ class MultiTurn:
         except Exception as e:
             ep.end("error", error=_describe(e, "reset"))
             return
-        ep.observations.append(messages)
         ep.anchors.append(observation_text(messages))
+        messages, images = self._images(ep, messages)
+        ep.observations.append(messages)
         schemas = getattr(ep.env, "tool_schemas", None)
         ep.tools = schemas() if callable(schemas) else None
-        ep.first_ids = self.chat.first_prompt(messages, ep.tools)
+        ep.first_ids, ep.first_starts = self._splice(
+            self.chat.first_prompt(messages, ep.tools), images, "reset"
+        )
+        ep.first_vision = images[1] if images else None
+        ep.obs_images.append(images)
         env_limit = getattr(ep.env, "max_turns", None)
         ep.max_turns = min(self.max_turns, env_limit) if env_limit else self.max_turns
 
@@ -305,22 +369,126 @@ class MultiTurn:
         except Exception as e:  # the trajectory is complete; keep the note, not the row out
             ep.final_observation += f"\n[close failed: {type(e).__name__}: {e}]"
 
-    def _prompt(self, ep: Episode) -> list[int]:
+    # ------------------------------------------------------------------ images
+    def _images(
+        self, ep: Episode, messages: list[Message]
+    ) -> tuple[list[Message], tuple[list[list[int]], Any] | None]:
+        """The messages as the chat template renders them (an image part without its
+        pixels) and the kept images encoded by the policy (None: none); episode limits and
+        bad images applied and counted."""
+        out, kept = [], []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, str):
+                out.append(m)
+                continue
+            parts = []
+            for part in content:
+                if part["type"] != "image":
+                    parts.append(part)
+                    continue
+                note = self._image_note(ep, part["image"])
+                if note:
+                    parts.append({"type": "text", "text": note})
+                else:
+                    parts.append({"type": "image"})
+                    kept.append(part["image"])
+            if all(p["type"] == "text" for p in parts):  # text only: a plain string
+                out.append({**m, "content": "".join(p["text"] for p in parts)})
+            else:
+                out.append({**m, "content": parts})
+        if not kept:
+            return out, None
+        if self.vision is None:
+            raise TypeError(
+                f"multi_turn: the environment {self.env_name!r} returned an image but "
+                f"policy {self.name!r} ({type(self.engine).__name__} engine) cannot take "
+                "images; use a vision-language policy (policies.<name>.kind=qwen_vl with "
+                "engine.name=hf_vl) or an environment without images"
+            )
+        if not hasattr(self.engine, "generate_vl"):
+            raise TypeError(
+                f"multi_turn: the engine of policy {self.name!r} "
+                f"({type(self.engine).__name__}) has no generate_vl, so it cannot take "
+                f"images; set policies.{self.name}.engine.name=hf_vl"
+            )
+        return out, self.vision.encode_images(kept)
+
+    def _image_note(self, ep: Episode, image: Any) -> str:
+        """Why ``image`` is not shown (counted), or "" when it is kept (and counted)."""
+        if not is_image(image):
+            self.image_counts["bad_images"] += 1
+            return f"Error: expected an image, got a {type(image).__name__}; nothing was shown"
+        pixels = image.width * image.height
+        if pixels > self.max_pixels:
+            self.image_counts["bad_images"] += 1
+            return (
+                f"Error: the image is {image.width}x{image.height} ({pixels} pixels), over "
+                f"the limit of {self.max_pixels} pixels; it was not shown"
+            )
+        if ep.images >= self.max_images or ep.pixels + pixels > self.max_pixels:
+            self.image_counts["images_truncated"] += 1
+            what = "images" if ep.images >= self.max_images else "pixels"
+            limit = self.max_images if what == "images" else self.max_pixels
+            return f"[image not shown: the episode's limit of {limit} {what} is reached]"
+        ep.images += 1
+        ep.pixels += pixels
+        self.image_counts["images_kept"] += 1
+        return ""
+
+    def _splice(
+        self, ids: list[int], images: tuple[list[list[int]], Any] | None, where: str
+    ) -> tuple[list[int], list[int]]:
+        """``ids`` with each image placeholder replaced by the image's tokens, and where
+        each image's tokens start."""
+        if images is None:
+            return ids, []
+        expansions = images[0]
+        token = self.vision.image_token_id
+        at = [i for i, t in enumerate(ids) if t == token]
+        if len(at) != len(expansions):
+            raise ValueError(
+                f"multi_turn ({where}): the chat template rendered {len(at)} image "
+                f"placeholders for {len(expansions)} images; does the observation text "
+                "itself contain the image token?"
+            )
+        out: list[int] = []
+        starts, prev = [], 0
+        for i, expansion in zip(at, expansions, strict=True):
+            out += ids[prev:i]
+            starts.append(len(out))
+            out += expansion
+            prev = i + 1
+        return out + ids[prev:], starts
+
+    def _join(self, handles: list, starts: list[int], key: str) -> Any:
+        if self.vision is None or not starts:
+            return None
+        return self.vision.join_images(handles, starts, f"{self._rollouts}:{key}")
+
+    def _prompt(self, ep: Episode) -> tuple[list[int], Any]:
+        """The next turn's prompt ids and its images joined (None: no image)."""
         t = len(ep.turns)
         start = 0 if self.mode == "concat" or self.history is None else max(0, t - self.history)
-        ids = (
-            list(ep.first_ids)
-            if start == 0
-            else self.chat.first_prompt(ep.observations[start], ep.tools)
-        )
+        if start == 0:
+            ids, starts, handles = list(ep.first_ids), list(ep.first_starts), [ep.first_vision]
+        else:
+            images = ep.obs_images[start]
+            ids, starts = self._splice(
+                self.chat.first_prompt(ep.observations[start], ep.tools), images, "history"
+            )
+            handles = [images[1] if images else None]
         for turn in ep.turns[start:]:
-            ids += turn.action_ids + turn.env_ids
-        return ids
+            ids += turn.action_ids
+            starts += [len(ids) + s for s in turn.env_starts]
+            handles.append(turn.env_vision)
+            ids += turn.env_ids
+        return ids, self._join(handles, starts, f"{ep.id}:{t}")
 
-    def _budget(self, ep: Episode, per_turn: int) -> tuple[list[int], int, str] | None:
-        """The next turn's prompt and token allowance, or None (and the episode ended) when
-        a budget leaves no room for it."""
-        prompt = self._prompt(ep)
+    def _budget(self, ep: Episode, per_turn: int) -> tuple[list[int], int, str, Any] | None:
+        """The next turn's prompt, token allowance, bound and images, or None (and the
+        episode ended) when a budget leaves no room for it."""
+        prompt, vision = self._prompt(ep)
         allowed, bound = per_turn, "turn"
         if self.max_tokens is not None and self.max_tokens - ep.tokens < allowed:
             allowed, bound = self.max_tokens - ep.tokens, "max_tokens"
@@ -329,15 +497,18 @@ class MultiTurn:
         if allowed <= 0:
             ep.end(bound, truncated=True)
             return None
-        return prompt, allowed, bound
+        return prompt, allowed, bound, vision
 
-    def _take(self, ep: Episode, prompt: list[int], allowed: int, bound: str, out) -> bool:
+    def _take(
+        self, ep: Episode, prompt: list[int], allowed: int, bound: str, vision: Any, out
+    ) -> bool:
         """Append the sampled action as a turn; True when the environment should step it."""
         ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
         if len(ids) > allowed:  # a shorter budget than the call's: keep the sampled prefix
             ids, logps, finish = ids[:allowed], logps[:allowed], "length"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        ep.turns.append(Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish))
+        turn = Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish, vision=vision)
+        ep.turns.append(turn)
         ep.tokens += len(ids)
         if finish == "length" and bound != "turn":
             ep.end(bound, truncated=True)  # cut mid-action by the budget: do not act on it
@@ -362,7 +533,11 @@ class MultiTurn:
         if not batch:
             return []
         sp = self._call_params(params, max(b[1] for _, b in batch))
-        outs = self.engine.generate([b[0] for _, b in batch], sp)
+        visions = [b[3] for _, b in batch]
+        if any(v is not None for v in visions):
+            outs = self.engine.generate_vl([b[0] for _, b in batch], visions, sp)
+        else:
+            outs = self.engine.generate([b[0] for _, b in batch], sp)
         self.generate_calls += 1
         if len(outs) != len(batch):
             raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
@@ -381,6 +556,11 @@ class MultiTurn:
             b = self._budget(ep, per_turn)
             if b is None:
                 return
+            if b[3] is not None:
+                raise ValueError(
+                    "multi_turn: schedule=episode does not carry images yet; set "
+                    "rollout.args.schedule=round for environments that return images"
+                )
             out = await batcher.generate(ep.id, b[0], b[1])
             if self._take(ep, *b, out):
                 await self._step(ep, pool)
@@ -410,7 +590,12 @@ class MultiTurn:
             ep.end("max_tokens", truncated=True)
             return
         ended_with_eos = bool(turn.action_ids) and turn.action_ids[-1] == self.chat.eos_id
-        turn.env_ids = self.chat.env_turn(messages, ended_with_eos)
+        messages, images = self._images(ep, messages)
+        turn.env_ids, turn.env_starts = self._splice(
+            self.chat.env_turn(messages, ended_with_eos), images, f"turn {len(ep.turns) - 1}"
+        )
+        turn.env_vision = images[1] if images else None
+        ep.obs_images.append(images)
         ep.observations.append(messages)
         ep.anchors.append(str(result.info.get("anchor", text)))
 
@@ -429,13 +614,16 @@ class MultiTurn:
                 "response_text",
                 "meta",
                 "truncated",
+                "vision",
             )
         }
         errors: list[tuple[int, str]] = []
         row_episode: list[Episode] = []
         decode = self.tokenizer.decode
 
-        def add(ep: Episode, prompt, response, logps, mask, turn, response_text, spans) -> None:
+        def add(
+            ep: Episode, prompt, response, logps, mask, turn, response_text, spans, vision=None
+        ) -> None:
             if ep.error:
                 errors.append((len(rows["uid"]), ep.error))
             row_episode.append(ep)
@@ -449,10 +637,12 @@ class MultiTurn:
             rows["response_text"].append(response_text)
             rows["truncated"].append(ep.truncated)
             rows["meta"].append({"spans": spans, "turn": turn})
+            rows["vision"].append(vision)
 
         for ep in episodes:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
-                add(ep, ep.first_ids or list(ep.item.prompt_ids), [], [], [], 0, "", [])
+                vision = self._join([ep.first_vision], ep.first_starts, f"{ep.id}:row")
+                add(ep, ep.first_ids or list(ep.item.prompt_ids), [], [], [], 0, "", [], vision)
             elif self.mode == "step":
                 for t, turn in enumerate(ep.turns):
                     n = len(turn.action_ids)
@@ -465,9 +655,11 @@ class MultiTurn:
                         t,
                         turn.action_text,
                         [[t, 0, n]],
+                        turn.vision,
                     )
             else:
                 response, logps, mask, spans = [], [], [], []
+                handles, starts = [ep.first_vision], list(ep.first_starts)
                 for t, turn in enumerate(ep.turns):
                     start = len(response)
                     response += turn.action_ids
@@ -476,6 +668,8 @@ class MultiTurn:
                     spans.append([t, start, len(response)])
                     if t == len(ep.turns) - 1:
                         break  # no action follows the last reply: leave it out of the row
+                    starts += [len(ep.first_ids) + len(response) + s for s in turn.env_starts]
+                    handles.append(turn.env_vision)
                     response += turn.env_ids
                     logps += [0.0] * len(turn.env_ids)
                     mask += [0] * len(turn.env_ids)
@@ -488,6 +682,7 @@ class MultiTurn:
                     0,
                     decode(response, skip_special_tokens=False),
                     spans,
+                    self._join(handles, starts, f"{ep.id}:row"),
                 )
 
         # Per-episode facts, shared by all of an episode's rows.
@@ -535,6 +730,8 @@ class MultiTurn:
             meta=rows["meta"],
             truncated=rows["truncated"],
         )
+        if any(v is not None for v in rows["vision"]):
+            set_strings(record, "vision", rows["vision"])
         if errors:
             mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
         return record

@@ -91,6 +91,29 @@ class HasProcessor(Protocol):
 
 
 @runtime_checkable
+class TakesImageTurns(Protocol):
+    """A policy whose conversations may carry images turn after turn (a VLM), as a
+    multi-turn workflow uses it without knowing the model family.
+
+    The workflow renders each turn's messages with one ``image_token_id`` per image (the
+    chat template's placeholder), then calls ``encode_images`` once per turn: each image's
+    token ids to splice in place of its placeholder (expanded once, never re-encoded) and
+    one opaque per-turn handle. ``join_images(handles, starts, key)`` joins a prompt's (or a
+    row's) handles, in order, into the one object the engine's ``generate_vl`` and the
+    policy's log-prob pass take from the record's ``vision`` column; ``starts`` are each
+    image's first spliced token, counted from the row's first prompt token, so the model's
+    placeholders are known by position (a sampled placeholder id stays text). ``key``
+    names the joined object (rows sharing a key share it). Errors name what was wrong.
+    """
+
+    image_token_id: int
+
+    def encode_images(self, images: list[Any]) -> tuple[list[list[int]], Any]: ...
+
+    def join_images(self, handles: list[Any], starts: list[int], key: str) -> Any: ...
+
+
+@runtime_checkable
 class ShardsItsRoot(Protocol):
     """A policy whose FSDP root is not ``model`` itself (a VLM's language model), so the
     parts around it are gathered by the Ray worker."""
@@ -205,6 +228,18 @@ class NeedsImages(Protocol):
 
 
 @runtime_checkable
+class PartialRollouts(Protocol):
+    """An engine class that takes newer weights in the middle of a call
+    (``rollout.partial``): when ``refresh`` is set, the engine calls it before each
+    decoding step; it loads any newer weights and returns their version, and the requests in
+    flight go on under them with the KV cache they have. Each :class:`Completion` then
+    carries ``versions``, the weights version of every token."""
+
+    partial_rollouts: ClassVar[bool]
+    refresh: Any  # Callable[[], int] | None
+
+
+@runtime_checkable
 class Closable(Protocol):
     """A part holding processes or memory to give back when the run ends."""
 
@@ -220,6 +255,15 @@ class Workflow(Protocol):
     ``workflow(ctx, **options)``."""
 
     def rollout(self, items: list, params: Any) -> TensorDict: ...
+
+
+@runtime_checkable
+class RecordsTokenVersions(Protocol):
+    """A workflow class that passes each completion's per-token ``versions`` on to the
+    record's ``token_version`` column (``text_record(token_version=...)``), as
+    ``rollout.partial`` needs."""
+
+    token_versions: ClassVar[bool]
 
 
 @runtime_checkable

@@ -25,7 +25,14 @@ from polyrl.core.engine import (
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
-from polyrl.multimodal.forward import decode_step, next_positions, vl_forward
+from polyrl.multimodal.forward import (
+    decode_step,
+    image_masks,
+    next_positions,
+    parts,
+    token_mask,
+    vl_forward,
+)
 from polyrl.multimodal.vision import VisionInputs
 
 
@@ -34,6 +41,7 @@ class VLEngine(HFEngine):
 
     # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
     remote_methods = ("generate_vl",)
+    partial_rollouts = False  # generate_vl takes weights between calls only
 
     def __init__(
         self,
@@ -89,6 +97,11 @@ class VLEngine(HFEngine):
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
+        image_mask = None
+        if any(v is not None and v.image_starts is not None for v in visions):
+            # multi-turn prompts: images by position, a sampled placeholder id stays text
+            p = parts(model)
+            image_mask = image_masks(p, ids, mask, visions, token_mask(p, ids))
         logits, cache, pos = vl_forward(
             model,
             ids,
@@ -98,6 +111,7 @@ class VLEngine(HFEngine):
             dummy_if_empty=False,
             use_cache=True,
             cache=reserved_cache(model, params.max_new_tokens),
+            image_mask=image_mask,
         )
         next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from polyrl.core.policy import token_logprobs
+from polyrl.multimodal.turns import placeholder_mask
 from polyrl.multimodal.vision import COUNTERS, VisionInputs
 
 
@@ -379,6 +380,20 @@ def decode_step(
     return p.lm_head(out.last_hidden_state[:, -1:]), out.past_key_values
 
 
+def image_masks(
+    p: Parts,
+    ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    rows: list[VisionInputs | None],
+    default: torch.Tensor,
+) -> torch.Tensor:
+    """``default`` (image placeholders by token id) with the multi-turn rows' images taken
+    from their ``image_starts`` instead (:func:`polyrl.multimodal.turns.placeholder_mask`);
+    ``ids`` start with the left-padded prompts."""
+    left_pad = prompt_mask.shape[1] - prompt_mask.sum(-1)
+    return placeholder_mask(ids, left_pad, rows, default, p.merge_size, p.image_token_id)
+
+
 def next_positions(prompt_positions: torch.Tensor) -> torch.Tensor:
     """``[B]``: where text after left-padded prompts starts, given their positions ``[3, B, P]``.
 
@@ -411,8 +426,8 @@ def sequence_positions(
     device = prompt_ids.device
     pos = ((prompt_mask.cumsum(-1) - 1).clamp(min=0) * prompt_mask).unsqueeze(0).repeat(3, 1, 1)
     first: dict[str, int] = {}
-    for i, v in enumerate(rows):
-        if v is not None and v.key not in first:
+    for i, v in enumerate(rows):  # multi-turn rows (image_starts) get theirs over the row
+        if v is not None and v.image_starts is None and v.key not in first:
             first[v.key] = i
     if first:
         reps = list(first.values())
@@ -422,11 +437,45 @@ def sequence_positions(
         )
         slot = {key: k for k, key in enumerate(first)}
         for i, v in enumerate(rows):
-            if v is not None:
+            if v is not None and v.key in slot:
                 pos[:, i] = rep_pos[:, slot[v.key]]
     start = next_positions(pos)  # [B]
     resp = start[:, None] + torch.arange(response_len, device=device)[None, :]
     return torch.cat([pos, resp.unsqueeze(0).expand(3, b, response_len)], dim=2)
+
+
+def row_positions(
+    p: Parts,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[VisionInputs | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """M-RoPE positions ``[3, B, L]`` and the image and video masks of left-padded prompts
+    followed by their responses (``ids``, ``mask``: both joined).
+
+    Only the prompt holds vision placeholders (a sampled image-token id is text), except
+    in multi-turn rows (``image_starts``), whose images sit anywhere in the row: there the
+    images are placed by position and ``get_rope_index`` runs over the whole row.
+    """
+    r = ids.shape[1] - prompt_ids.shape[1]
+    no = torch.zeros((ids.shape[0], r), dtype=torch.bool, device=ids.device)
+    image_mask = torch.cat([token_mask(p, prompt_ids), no], dim=1)
+    video_mask = torch.cat([token_mask(p, prompt_ids, video=True), no], dim=1)
+    positions = sequence_positions(p, prompt_ids, prompt_mask, r, rows)
+    turns = [i for i, v in enumerate(rows) if v is not None and v.image_starts is not None]
+    if turns:
+        image_mask = image_masks(p, ids, prompt_mask, rows, image_mask)
+        positions[:, turns] = rope_index(
+            p,
+            ids[turns],
+            mask[turns],
+            batch_grids([rows[i] for i in turns], ids.device),
+            image_mask[turns],
+            video_mask[turns],
+        )
+    return positions, image_mask, video_mask
 
 
 def response_logprobs(
@@ -446,11 +495,7 @@ def response_logprobs(
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     r = response_ids.shape[1]
     p = parts(model)
-    # only the prompt holds vision placeholders; a sampled image/video-token id is text
-    no = torch.zeros_like(response_ids, dtype=torch.bool)
-    image_mask = torch.cat([token_mask(p, prompt_ids), no], dim=1)
-    video_mask = torch.cat([token_mask(p, prompt_ids, video=True), no], dim=1)
-    positions = sequence_positions(p, prompt_ids, prompt_mask, r, rows)
+    positions, image_mask, video_mask = row_positions(p, prompt_ids, prompt_mask, ids, mask, rows)
     logits, _, _ = vl_forward(
         model,
         ids,

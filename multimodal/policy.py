@@ -31,7 +31,7 @@ from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_trainin
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
-from polyrl.multimodal import forward, vision
+from polyrl.multimodal import forward, turns, vision
 from polyrl.multimodal.data import VISION_FIELD
 
 VISION_LORA_TARGETS = ("qkv", "proj")  # attention projections of the Qwen-VL vision blocks
@@ -170,6 +170,17 @@ class QwenVLPolicy(CausalLMPolicy):
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.polyrl_processor = processor
         return tokenizer
+
+    # --- images across turns (core/interfaces.py TakesImageTurns) ------------------------
+    @property
+    def image_token_id(self) -> int:
+        return turns.image_token_id(self.processor)
+
+    def encode_images(self, images: list) -> tuple[list[list[int]], vision.VisionInputs]:
+        return turns.encode_images(self.processor, images)
+
+    def join_images(self, handles: list, starts: list[int], key: str) -> vision.VisionInputs | None:
+        return turns.join_images(handles, starts, key)
 
     # --- per-row images ----------------------------------------------------------------
     def vision_rows(self, batch: TensorDict) -> list[vision.VisionInputs | None]:

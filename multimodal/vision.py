@@ -111,6 +111,9 @@ class VisionInputs:
     video_sizes: tuple[tuple[int, int], ...] = ()  # source (width, height) per video
     video_resized: tuple[tuple[int, int], ...] = ()  # (width, height) of its frames, resized
     video_frames: tuple[int, ...] = ()  # frames per video (before the processor's padding)
+    # multi-turn rows (multimodal/turns.py): each image's first placeholder token, counted
+    # from the row's first prompt token; None: every image-token id in the prompt is one
+    image_starts: tuple[int, ...] | None = None
 
     @property
     def num_images(self) -> int:

@@ -1,0 +1,293 @@
+"""Images across the turns of a multi-turn episode, exact (issue 21, part 1).
+
+A 3-turn conversation with an image in the first observation and a tool-returned image in
+the second, on tiny Qwen2.5-VL and Qwen3-VL (the real processor and model classes, built
+offline), sampled by the real ``hf_vl`` engine through agents' ``multi_turn`` workflow:
+
+- each row's ids equal the real processor's on the whole conversation (its own resize,
+  placeholder expansion and chat template; the sampled actions as the assistant turns);
+- the trainer's M-RoPE positions equal the model's own ``get_rope_index`` on those ids;
+- the trainer's log-probs equal the engine's (1e-5, float32), concat and step rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from polyrl.agents.env import Environment, StepResult
+from polyrl.agents.tools import ToolCall, ToolEnv, tool, tool_message
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.record import strings
+from polyrl.core.registry import ENVIRONMENTS
+from polyrl.core.workflow import Context
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+TINY = {
+    "corpus": "vl_shapes",
+    "hidden_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "vision_depth": 1,
+    "vision_hidden_size": 32,
+    "seed": 0,
+}
+
+
+def _image(w: int, h: int, seed: int) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+IMAGE_1, IMAGE_2 = _image(70, 50, 1), _image(40, 90, 2)  # resized by the processor
+QUESTION = "What colour is the square?"
+
+
+class LookTwice(Environment):
+    """Turn 1: an image and a question; turn 2: a tool message with an image; turn 3: text."""
+
+    max_turns = 3
+
+    def reset(self, task):
+        self.t = 0
+        return [IMAGE_1, QUESTION]
+
+    def step(self, action):
+        self.t += 1
+        if self.t == 1:
+            obs = {"role": "tool", "name": "zoom", "content": [IMAGE_2, "zoomed in"]}
+            return StepResult(obs)
+        if self.t == 2:
+            return StepResult("Answer now.")
+        return StepResult("bye", 1.0, True)
+
+
+if "test_look_twice" not in ENVIRONMENTS:
+    ENVIRONMENTS.register("test_look_twice", LookTwice)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_policy(request, tmp_path_factory):
+    import polyrl.multimodal  # noqa: F401
+    from polyrl.core.config import from_dict
+    from polyrl.core.policy import PolicyConfig
+    from polyrl.multimodal.policy import QwenVLPolicy
+    from polyrl.multimodal.tiny import tiny_qwen_vl
+
+    path = tmp_path_factory.mktemp("turns") / request.param
+    tiny_qwen_vl(path, family=request.param, **TINY)
+    cfg = from_dict(PolicyConfig, {"model": str(path), "kind": "qwen_vl"})
+    return QwenVLPolicy("main", cfg, total_steps=10, need_reference=False)
+
+
+def _rollout(policy, mode: str, seed: int = 0, n: int = 2, **args):
+    from polyrl.agents.workflow import MultiTurn
+    from polyrl.multimodal.engine import VLEngine
+
+    torch.manual_seed(seed)
+    engine = VLEngine(policy, seed=seed)
+    ctx = Context(None, {"main": policy}, {"main": engine})
+    wf = MultiTurn(ctx, env="test_look_twice", mode=mode, max_turns=3, history=None, **args)
+    item = PromptItem(uid=0, prompt_ids=[], prompt_text="", answer=None, row={})
+    record = wf.rollout([item], SamplingParams(n=n, temperature=1.0, max_new_tokens=3))
+    return wf, record
+
+
+def _row_ids(record, i: int) -> list[int]:
+    p = record["prompt_ids"][i][record["prompt_mask"][i].bool()].tolist()
+    r = record["response_ids"][i][record["response_mask"][i].bool()].tolist()
+    return p + r
+
+
+def _processor_ids(processor, actions: list[list[int]]):
+    """The real processor on the whole conversation, the sampled actions in the assistant
+    turns: rendered with empty assistant contents, then each action's ids put where its
+    content goes (sampled ids are kept, never decoded and re-encoded); the last action
+    ends the row."""
+    tok = processor.tokenizer
+    eos = tok.eos_token_id
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "zoomed in"}]},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Answer now."},
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = processor(
+        text=[text], images=[IMAGE_1, IMAGE_2], return_tensors="pt", return_mm_token_type_ids=True
+    )
+    ids = out["input_ids"][0].tolist()
+    types = out["mm_token_type_ids"][0].tolist()
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    at = [
+        i + len(header)
+        for i in range(len(ids) - len(header) + 1)
+        if ids[i : i + len(header)] == header
+    ]
+    assert len(at) == 3 and at[-1] == len(ids)  # two closed assistant turns, then the header
+    for where, action in reversed(list(zip(at[:2], actions[:2], strict=True))):
+        assert ids[where] == eos  # the empty content: the template closes the turn at once
+        body = action[:-1] if action[-1] == eos else action  # the policy's own end token
+        ids[where:where] = body
+        types[where:where] = [0] * len(body)
+    ids += actions[2]
+    types += [0] * len(actions[2])
+    return ids, torch.tensor([types]), out
+
+
+def test_concat_rows_equal_the_processor_rope_index_and_engine(family_policy, one_thread):
+    from polyrl.multimodal import forward
+
+    policy = family_policy
+    wf, record = _rollout(policy, "concat")
+    visions = list(strings(record, "vision"))
+    assert wf.rollout_metrics() == {"images_kept": 4.0, "images_truncated": 0.0, "bad_images": 0.0}
+    p = forward.parts(policy.model)
+    for i in range(record.batch_size[0]):
+        meta = strings(record, "meta")[i]
+        assert meta["turns"] == 3 and meta["finish"] == "done"
+        v = visions[i]
+        assert v.num_images == 2 and v.image_starts is not None
+        actions = [list(a) for a in _actions(record, i)]
+        ref_ids, types, ref = _processor_ids(policy.processor, actions)
+        ids = _row_ids(record, i)
+        assert ids == ref_ids
+        assert torch.equal(v.image_grid_thw, ref["image_grid_thw"])
+        assert torch.allclose(v.pixel_values, ref["pixel_values"])
+        # positions: the trainer's against the model's own get_rope_index on the processor's ids
+        full = torch.tensor([ids])
+        own, _ = p.inner.get_rope_index(
+            input_ids=full,
+            image_grid_thw=ref["image_grid_thw"],
+            attention_mask=torch.ones_like(full),
+            mm_token_type_ids=types,
+        )
+        plen = int(record["prompt_mask"][i].sum())
+        pos, image_mask, _ = forward.row_positions(
+            p,
+            full[:, :plen],
+            torch.ones(1, plen, dtype=torch.long),
+            full,
+            torch.ones_like(full),
+            [v],
+        )
+        assert torch.equal(pos, own)
+        assert torch.equal(image_mask[0], types[0] == 1)
+    _check_logprobs(policy, record)
+
+
+def test_step_rows_keep_every_image_and_match_the_engine(family_policy, one_thread):
+    policy = family_policy
+    _, record = _rollout(policy, "step", seed=1)
+    visions = list(strings(record, "vision"))
+    turns = record["turn"].tolist()
+    assert sorted(set(turns)) == [0, 1, 2]
+    for t, v in zip(turns, visions, strict=True):
+        assert v.num_images == (1 if t == 0 else 2)  # turn 2's prompt keeps both images
+    _check_logprobs(policy, record)
+
+
+def _actions(record, i: int) -> list[list[int]]:
+    meta = strings(record, "meta")[i]
+    resp = record["response_ids"][i].tolist()
+    return [resp[a:b] for _, a, b in meta["spans"]]
+
+
+def _check_logprobs(policy, record) -> None:
+    with torch.no_grad():
+        lp, _ = policy.logprobs(record)
+    m = record["loss_mask"].bool() & record["response_mask"].bool()
+    assert int(m.sum()) > 0
+    torch.testing.assert_close(lp[m], record["rollout_logprobs"][m], atol=1e-5, rtol=0)
+
+
+class BadImages(ToolEnv):
+    """Tools that return images, run whatever the action: one that returns text where an
+    image is declared, one whose image is too large, one returning two images of which the
+    episode's image limit keeps one."""
+
+    max_turns = 3
+
+    def __init__(self) -> None:
+        def not_image() -> Image.Image:
+            """Declared to return an image; returns text."""
+            return "no picture today"
+
+        def big() -> Image.Image:
+            """An image over the episode's pixel limit."""
+            return _image(200, 200, 3)
+
+        def two() -> list:
+            """Two small images."""
+            return ["two views", _image(40, 90, 4), _image(40, 90, 5)]
+
+        super().__init__([tool(not_image), tool(big), tool(two)])
+        self.t = 0
+
+    def reset(self, task):
+        return [IMAGE_1, QUESTION]
+
+    async def step(self, action):
+        self.t += 1
+        if self.t == 1:
+            results = [await self.run_call(ToolCall(n, {})) for n in ("not_image", "big")]
+            self.tool_errors += sum(not ok for _, ok in results)
+            return StepResult(
+                [
+                    tool_message(n, r)
+                    for n, (r, _) in zip(("not_image", "big"), results, strict=True)
+                ],
+                0.0,
+                False,
+                {"tool_errors": sum(not ok for _, ok in results)},
+            )  # noqa: E501
+        if self.t == 2:
+            text, ok = await self.run_call(ToolCall("two", {}))
+            return StepResult(tool_message("two", text), 0.0, False, {"tool_errors": int(not ok)})
+        return StepResult("bye", 1.0, True)
+
+
+if "test_bad_images" not in ENVIRONMENTS:
+    ENVIRONMENTS.register("test_bad_images", BadImages)
+
+
+def test_bad_and_surplus_images_are_told_counted_and_the_episode_goes_on(family_policy, one_thread):
+    from polyrl.agents.workflow import MultiTurn
+    from polyrl.multimodal.engine import VLEngine
+
+    policy = family_policy
+    ctx = Context(None, {"main": policy}, {"main": VLEngine(policy, seed=0)})
+    wf = MultiTurn(ctx, env="test_bad_images", max_turns=3, max_images=2, max_pixels=150 * 150)
+    item = PromptItem(uid=0, prompt_ids=[], prompt_text="", answer=None, row={})
+    record = wf.rollout([item], SamplingParams(n=2, temperature=1.0, max_new_tokens=3))
+    assert wf.rollout_metrics() == {"images_kept": 4.0, "images_truncated": 2.0, "bad_images": 2.0}
+    metas = strings(record, "meta")
+    for i, v in enumerate(strings(record, "vision")):
+        assert metas[i]["finish"] == "done" and metas[i]["turns"] == 3
+        assert v.num_images == 2  # the first observation's and the first of the two
+        text = policy.tokenizer.decode(_row_ids(record, i))
+        assert "Error: tool 'not_image' should return an image but returned a str" in text
+        assert "Error: the image is 200x200 (40000 pixels), over the limit of 22500" in text
+        assert "[image not shown: the episode's limit of 2 images is reached]" in text
+    _check_logprobs(policy, record)
+
+
+def test_an_image_for_a_text_only_policy_is_a_clear_error(tmp_path, one_thread):
+    from polyrl.agents.workflow import MultiTurn
+    from polyrl.core.config import from_dict
+    from polyrl.core.engine import HFEngine
+    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+    from polyrl.core.tiny import tiny_qwen2
+
+    tiny_qwen2(tmp_path / "m", corpus="vl_shapes", hidden_size=32, num_layers=1, num_heads=1)
+    cfg = from_dict(PolicyConfig, {"model": str(tmp_path / "m")})
+    policy = CausalLMPolicy("main", cfg, total_steps=1, need_reference=False)
+    ctx = Context(None, {"main": policy}, {"main": HFEngine(policy, seed=0)})
+    wf = MultiTurn(ctx, env="test_look_twice")
+    item = PromptItem(uid=0, prompt_ids=[], prompt_text="", answer=None, row={})
+    with pytest.raises(TypeError, match="returned an image but policy 'main'.*cannot take images"):
+        wf.rollout([item], SamplingParams(n=1, max_new_tokens=2))
