@@ -44,9 +44,11 @@ What runs where:
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
 from its last checkpoint (``run.resume=true`` / ``polyrl train --resume``) with fresh
-actors. A policy's checkpoint has the same layout as in local mode (the full weights, or
-the adapter weights alone under LoRA; the optimizer state keyed by parameter position;
-the schedule), so a run saved under one backend resumes under the other. Not supported
+actors. A policy's checkpoint is sharded by default (``checkpoint: sharded``; see
+:mod:`polyrl.core.checkpoint`): each rank writes its own shards, with no full gather, and
+the directory loads into any world size and into local mode. ``checkpoint: full`` has
+rank 0 gather the local layout instead (the full weights, or the adapter weights alone
+under LoRA; the optimizer state keyed by parameter position; the schedule). Not supported
 yet: LoRA on other policy kinds (without ``ray_lora``), and base models shared between
 policies (one LoRA adapter per policy on one base: each group would need an adapter-aware
 gather per policy).
@@ -116,6 +118,11 @@ class RayArgs(Options):
     num_cpus_per_engine: float = doc(1.0, "CPUs reserved for the engine actor (split placement)")
     num_gpus_per_engine: float = doc(0.0, "GPUs for the engine actor (split placement)")
     threads_per_worker: int = doc(1, "torch threads in each worker and engine actor")
+    checkpoint: Literal["sharded", "full"] = doc(
+        "sharded",
+        "sharded: each rank writes its own shards of a policy (torch.distributed.checkpoint; "
+        "loads into any world size and into local mode); full: rank 0 gathers the local layout",
+    )
     collective_timeout_s: float = doc(1800.0, "timeout of the group's torch.distributed calls")
     placement_timeout_s: float = doc(120.0, "how long to wait for Ray to place a policy's group")
     policies: dict[str, dict[str, Any]] = doc(
@@ -286,6 +293,18 @@ class RayPolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ref = require_ray().put(state)  # one copy in the object store, read by every rank
         self.group.call("load_state_dict", ref)
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        return self.group.args.checkpoint == "sharded"
+
+    def save_sharded(self, path: Path) -> None:
+        """Each rank writes its own shards into ``path`` (see :mod:`polyrl.core.checkpoint`);
+        the directory must be on storage every rank's node sees."""
+        self.group.call("save_sharded", str(path))
+
+    def load_sharded(self, path: Path) -> None:
+        self.group.call("load_sharded", str(path))
 
     @contextlib.contextmanager
     def sft_optimizer(self, lr: float | None):

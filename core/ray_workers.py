@@ -357,6 +357,18 @@ class PolicyWorker:
         )
         p.scheduler.load_state_dict(state["scheduler"])
 
+    def save_sharded(self, path: str) -> None:
+        """Write this rank's shards into ``path`` (DCP; a collective): no full gather."""
+        from polyrl.core.checkpoint import save_policy
+
+        save_policy(self.policy, Path(path), lora=self.lora, rank=self.rank)
+
+    def load_sharded(self, path: str) -> None:
+        """Read this rank's shards from a sharded checkpoint of any world size."""
+        from polyrl.core.checkpoint import load_policy
+
+        load_policy(self.policy, Path(path), lora=self.lora, name=self.name)
+
     def _trainable_names(self) -> set[str]:
         return {n for n, q in self.policy.model.named_parameters() if q.requires_grad}
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import yaml
 
+from polyrl.core.checkpoint import DirectoryPart, SavedDirectory
 from polyrl.core.config import UserError
 from polyrl.core.loggers import open_loggers
 
@@ -139,6 +140,9 @@ class RunDir:
             shutil.rmtree(tmp)
         tmp.mkdir()
         for name, part in state.items():
+            if isinstance(part, DirectoryPart):  # e.g. a policy's shards, one file per rank
+                part.write(tmp / name)
+                continue
             with open(tmp / f"{name}.pt", "wb") as f:
                 torch.save(part, f)
                 f.flush()
@@ -160,5 +164,8 @@ class RunDir:
         if not ckpts:
             return None
         step, path = ckpts[-1]
-        state = {p.stem: torch.load(p, weights_only=False) for p in path.glob("*.pt")}
+        state: dict[str, Any] = {
+            p.stem: torch.load(p, weights_only=False) for p in path.glob("*.pt")
+        }
+        state |= {p.name: SavedDirectory(p) for p in path.iterdir() if p.is_dir()}
         return step, state

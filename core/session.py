@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import rewards
+from polyrl.core.checkpoint import load_part, policy_part
 from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.data import DataConfig, PromptSampler, load_rows, write_jsonl
 from polyrl.core.interfaces import (
@@ -346,7 +347,7 @@ class Session:
             }
         }
         for name, p in self.policies.items():
-            state[f"policy_{name}"] = p.state_dict()
+            state[f"policy_{name}"] = policy_part(p)
         if isinstance(self.workflow, Stateful):  # e.g. a critic the workflow trains
             state["workflow"] = self.workflow.state_dict()
         if ahead := self.rollouts.state_dict(step):  # async: resume before the batches in flight
@@ -356,7 +357,7 @@ class Session:
     def restore(self, step: int, state: dict[str, Any]) -> None:
         t = state["trainer"]
         for name, p in self.policies.items():
-            p.load_state_dict(state[f"policy_{name}"])
+            load_part(p, state[f"policy_{name}"], name)
             self.engines[name].sync()
         for n, e in self.engines.items():
             e.load_state_dict(t["engines"][n])

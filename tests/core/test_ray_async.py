@@ -25,6 +25,7 @@ def test_ray_async_follows_the_local_schedule_and_resumes_exactly(
     ray_cluster, make_config, tmp_path, monkeypatch
 ):
     import polyrl.core.session as session_mod
+    from polyrl.core.checkpoint import SavedDirectory, read_full
     from polyrl.core.loop import train
     from polyrl.core.ray_backend import ActorError
 
@@ -66,8 +67,10 @@ def test_ray_async_follows_the_local_schedule_and_resumes_exactly(
         assert b[step]["reward/mean"] == a[step]["reward/mean"], step
         assert b[step]["main/loss"] == a[step]["main/loss"], step
     ckpt = "checkpoints/step_000004"
-    pa, pb = _load(run_a / ckpt, "policy_main"), _load(run_b / ckpt, "policy_main")
-    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    pa, pb = (read_full(SavedDirectory(r / ckpt / "policy_main")) for r in (run_a, run_b))
+    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")  # sharded (the default)
+    for k, moments in pa["optimizer"]["state"].items():
+        _assert_same_tensors(moments, pb["optimizer"]["state"][k], f"optimizer {k}")
     ra, rb = _load(run_a / ckpt, "rollouts"), _load(run_b / ckpt, "rollouts")
     assert ra["before_next"]["sampler"] == rb["before_next"]["sampler"]
     assert torch.equal(
