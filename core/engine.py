@@ -37,6 +37,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str = ""
+    versions: list[int] | None = None  # weights version per token (rollout.partial), else None
 
 
 def sample_next(
@@ -150,6 +151,8 @@ class HFEngine:
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
+    partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
+    refresh: Any = None  # set by the async producer in partial mode: newer weights mid-call
 
     def sync(self) -> None:  # same module as the trainer's
         return None
@@ -187,6 +190,8 @@ class HFEngine:
         ids, mask = ids.to(device), mask.to(device)
         b = len(rows)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        refresh = self.refresh
+        version = refresh() if refresh is not None else 0  # of the weights that make `logits`
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -206,6 +211,7 @@ class HFEngine:
             mask, pos, logits = mask[expand], pos[expand], logits[expand]
         can_drop = self.drop_finished and can_select
         next_pos = pos[:, -1] + 1
+        versions = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)  # per row of `rows`
@@ -214,7 +220,7 @@ class HFEngine:
         done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(logits, params, self.gen)
-            tokens[live, t], logps[live, t] = tok, lp
+            tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[live, : t + 1], done, params.stop)
@@ -231,6 +237,8 @@ class HFEngine:
             mask = torch.cat(
                 [mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1
             )
+            if refresh is not None:  # newer weights go on from the cache the old ones made
+                version = refresh()
             out = model(
                 input_ids=tok[:, None],
                 attention_mask=mask,
@@ -246,7 +254,8 @@ class HFEngine:
             tid = tokens[k, :n].tolist()
             reason = "stop" if bool(stopped[k]) else "length"
             text = self.tokenizer.decode(tid, skip_special_tokens=True)
-            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text))
+            vers = versions[k, :n].tolist() if refresh is not None else None
+            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers))
         return result
 
     def _hit_stop_string(
@@ -335,6 +344,16 @@ class AutoEngine:
 
     def sync(self) -> None:
         self.inner.sync()
+
+    partial_rollouts = True  # both engines take newer weights mid-call
+
+    @property
+    def refresh(self) -> Any:
+        return self.inner.refresh
+
+    @refresh.setter
+    def refresh(self, fn: Any) -> None:
+        self.inner.refresh = fn
 
     def __getattr__(self, name: str) -> Any:  # engine-specific extras (sleep, wake, tokenizer)
         if name in ("inner", "spare"):

@@ -80,6 +80,13 @@ class RolloutConfig:
         "while the trainer updates; batch b uses the weights after update b-1-k (local "
         "and Ray). See polyrl.core.rollouts",
     )
+    partial: bool = doc(
+        False,
+        "with max_staleness >= 1 (local mode): a batch starts with the newest weights and "
+        "takes newer ones between decoding steps as the trainer publishes them, so a sync "
+        "never waits for generations in flight; rows record each token's version "
+        "(token_version). Timing decides the versions, so runs are not bitwise reproducible",
+    )
 
 
 @dataclass
@@ -178,6 +185,8 @@ class Config:
         workflow = WORKFLOWS.get(self.rollout.workflow)
         if isinstance(workflow, ChecksConfig):
             workflow.validate_config(self)
+        if self.rollout.partial:
+            self.check_partial(workflow, source)
         if self.task.name:
             TASKS.check(self.task.name)
         self.algorithm.validate()
@@ -191,6 +200,36 @@ class Config:
                 "RL back past the warm start. Set kl_coef: 0, or warm-start without LoRA "
                 "(a full fine-tune's frozen reference takes the warmed-up weights)."
             )
+
+    def check_partial(self, workflow: Any, source: str) -> None:
+        """``rollout.partial`` needs a producer ahead, engines that take weights mid-call
+        (interfaces.PartialRollouts) and a workflow that records token versions."""
+        where = f"rollout.partial in {source}"
+        if self.rollout.max_staleness < 1:
+            raise ConfigError(
+                f"{where} needs rollout.max_staleness >= 1: weights change during a "
+                "rollout only when the engines generate ahead of the trainer"
+            )
+        if self.distributed.backend != "local":
+            raise ConfigError(
+                f"{where}: partial rollouts run in local mode; under "
+                f"distributed.backend={self.distributed.backend!r} the engine actors take "
+                "weights between calls. Set rollout.partial: false"
+            )
+        if not getattr(workflow, "token_versions", False):
+            raise ConfigError(
+                f"{where}: rollout.workflow={self.rollout.workflow!r} does not record "
+                "per-token weights versions (interfaces.RecordsTokenVersions); use "
+                "single_turn or set rollout.partial: false"
+            )
+        for name in self.trained_policies():
+            engine = self.policies[name].engine.name
+            if not getattr(ENGINES.get(engine), "partial_rollouts", False):
+                raise ConfigError(
+                    f"{where}: policies.{name}.engine.name={engine!r} cannot take new "
+                    "weights mid-call (interfaces.PartialRollouts); use hf or vllm, or "
+                    "set rollout.partial: false"
+                )
 
     def check_ranges(self, source: str = "<config>") -> None:
         """Numbers a run cannot mean: each named with its key and the range it must be in."""

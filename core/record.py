@@ -12,6 +12,8 @@ Text rows carry (``P`` prompt length, ``R`` response length):
 - ``response_mask [B,R]``: real (non-pad) response tokens
 - ``loss_mask [B,R]``: tokens this row's policy generated; a subset of response_mask
 - ``rollout_logprobs [B,R]``: the engine's log-probs of the sampled ids (0 elsewhere)
+- async mode: ``policy_version [B]``, the oldest weights version among the row's tokens;
+  with ``rollout.partial`` also ``token_version [B,R]``, each token's version (-1: padding)
 - group key parts ``uid`` (prompt), ``agent_id``, ``turn``, ``node`` (int64 ``[B]``)
 - ``reward [B]`` (NaN until scored, or when scoring failed), ``valid [B]`` (bool)
 - non-tensor ``policy``, ``prompt_text``, ``response_text``, ``error`` (str; "" = none),
@@ -31,6 +33,15 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 GROUP_KEYS = ("uid", "agent_id", "turn", "node")
+# per-response-token columns, with the value their padding takes
+RESPONSE_COLUMNS = {
+    "response_ids": 0,
+    "response_mask": 0,
+    "loss_mask": 0,
+    "rollout_logprobs": 0,
+    "advantages": 0,
+    "token_version": -1,
+}
 NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
 
 
@@ -89,8 +100,13 @@ def text_record(
     response_text: Sequence[str] | None = None,
     meta: Sequence[dict] | None = None,
     truncated: Sequence[bool] | None = None,
+    token_version: Sequence[Sequence[int] | None] | None = None,
 ) -> TensorDict:
-    """Build a text record from per-row lists (what engines and workflows produce)."""
+    """Build a text record from per-row lists (what engines and workflows produce).
+
+    ``token_version``: the weights version of each response token (``Completion.versions``,
+    set in ``rollout.partial`` mode); the record gets a ``token_version [B, T]`` column
+    (-1 past the response) when every row has them."""
     n = len(prompt_ids)
     for name, value in (
         ("response_ids", response_ids),
@@ -125,6 +141,10 @@ def text_record(
         },
         batch_size=[n],
     )
+    if token_version is not None and all(v is not None for v in token_version):
+        if [len(v) for v in token_version] != [len(r) for r in response_ids]:
+            raise ValueError("text_record: token_version needs one version per response token")
+        td["token_version"] = pad_right(token_version, -1, torch.long)
     td["policy"] = _stack_non_tensor(list(policy))
     td["prompt_text"] = _stack_non_tensor(list(prompt_text or [""] * n))
     td["response_text"] = _stack_non_tensor(list(response_text or [""] * n))
@@ -202,7 +222,7 @@ def trim(td: TensorDict) -> TensorDict:
     out = shallow(td)
     for key in ("prompt_ids", "prompt_mask"):
         out[key] = td[key][:, td[key].shape[1] - p_keep :]
-    for key in ("response_ids", "response_mask", "loss_mask", "rollout_logprobs", "advantages"):
+    for key in RESPONSE_COLUMNS:
         if key in td.keys():  # noqa: SIM118 (TensorDict)
             out[key] = td[key][:, :r_keep]
     return out
@@ -225,15 +245,9 @@ def concat(records: Sequence[TensorDict]) -> TensorDict:
             for key in ("prompt_ids", "prompt_mask"):  # pad value is hidden by the mask
                 r[key] = torch.nn.functional.pad(r[key], (dp, 0), value=0)
         if dr:
-            for key in (
-                "response_ids",
-                "response_mask",
-                "loss_mask",
-                "rollout_logprobs",
-                "advantages",
-            ):
+            for key, pad in RESPONSE_COLUMNS.items():
                 if key in r.keys():  # noqa: SIM118 (TensorDict)
-                    r[key] = torch.nn.functional.pad(r[key], (0, dr), value=0)
+                    r[key] = torch.nn.functional.pad(r[key], (0, dr), value=pad)
         fixed.append(r)
     return torch.cat(fixed)
 

@@ -19,6 +19,16 @@ with). At update time a group (a prompt's rows) with a row more than ``k`` versi
 is dropped whole and counted; with this schedule none is, and the check guards every
 source of rows alike.
 
+``rollout.partial`` (AReaL's partial rollouts) drops the fixed schedule for speed: batch
+``b`` still waits for version ``b - 1 - k``, but starts with the newest published weights,
+and the engine asks for newer ones before every decoding step
+(:class:`~polyrl.core.interfaces.PartialRollouts`), so a publish never waits for the
+generations in flight: they go on under the new weights, with the KV cache the old ones
+made. Each row's ``token_version [B, R]`` says which version sampled each token, and
+``policy_version`` is its oldest; the bound holds because a batch starts no older than
+``b - 1 - k``. Which token gets which version depends on timing, so such a run (and its
+resume) is not bitwise reproducible.
+
 Resume: a checkpoint at step ``s`` holds the data position and engine RNG as they were
 before batch ``s + 1`` was generated, and the weights of versions ``s - k .. s - 1`` that
 batches ``s + 1 .. s + k`` need. Batches in flight when a run is killed are discarded and
@@ -127,8 +137,10 @@ class LocalVersions:
 class Ahead:
     """max_staleness k >= 1: a background producer generates batch b with version b-1-k."""
 
-    def __init__(self, session: Any, k: int, versions: dict[str, Versions]) -> None:
-        self.s, self.k, self.versions = session, k, versions
+    def __init__(
+        self, session: Any, k: int, versions: dict[str, Versions], partial: bool = False
+    ) -> None:
+        self.s, self.k, self.versions, self.partial = session, k, versions, partial
         self.snapshots = {n: {0: v.capture()} for n, v in versions.items()}
         self.published = 0  # the newest version every trained policy has published
         self._pending: dict[int, set[str]] = {}
@@ -153,6 +165,41 @@ class Ahead:
             versions.load(self.s.engines[name], snap)
             self.loaded[name] = version
 
+    def _refresh(self, name: str) -> int:
+        """Partial mode, between decoding steps: the newest published weights into
+        ``name``'s engine; returns their version."""
+        with self.cond:
+            newest = self.published
+            snap = self.snapshots[name][newest]
+        if self.loaded[name] != newest:
+            self.versions[name].load(self.s.engines[name], snap)
+            self.loaded[name] = newest
+        return newest
+
+    def _partial_rollout(self, items: list, start: int) -> TensorDict:
+        """One batch with engines that take newer weights mid-call (from version
+        ``start``); ``policy_version`` is each row's oldest token version."""
+        s = self.s
+        for name in self.versions:
+            s.engines[name].refresh = lambda n=name: self._refresh(n)
+        try:
+            record = s.workflow.rollout(items, s.ctx.sampling())
+        finally:
+            for name in self.versions:
+                s.engines[name].refresh = None
+        if "token_version" not in record.keys():  # noqa: SIM118 (TensorDict)
+            raise RuntimeError(
+                f"rollout.partial: workflow {type(s.workflow).__name__} gave no "
+                "token_version column (interfaces.RecordsTokenVersions)"
+            )
+        tv = record["token_version"]
+        real = tv >= 0
+        oldest = torch.where(real, tv, torch.iinfo(torch.long).max).amin(1)
+        newest = torch.where(real, tv, -1).amax(1)
+        record["policy_version"] = torch.where(real.any(1), oldest, start)
+        self.mixed_rows = int((real.any(1) & (newest > oldest)).sum())
+        return record
+
     def _capture(self) -> dict[str, Any]:
         s = self.s
         return copy.deepcopy(
@@ -172,11 +219,19 @@ class Ahead:
                     if self.stop:
                         return
                 with self.engine_lock:
+                    if self.partial:
+                        with self.cond:
+                            need = self.published  # the newest; newer ones come mid-call
                     self._load(need)
                     self.prestates[b] = self._capture()
-                    record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+                    if self.partial:
+                        record = self._partial_rollout(s.sampler.next_batch(), need)
+                    else:
+                        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+                        record["policy_version"] = torch.full((record.batch_size[0],), need)
                     own = _own_metrics(s.workflow)
-                record["policy_version"] = torch.full((record.batch_size[0],), need)
+                if self.partial:
+                    own["async/mixed_version_rows"] = float(self.mixed_rows)
                 self.out.put((b, record, own))
         except BaseException as e:  # surfaces in the trainer's next()
             self.out.put((None, e, None))

@@ -187,7 +187,7 @@ class Session:
             reward_runners=backend.reward_runners(cfg.reward),
             sources=sources,
         )
-        s.rollouts = Ahead(s, k, versions) if k else InStep(s)
+        s.rollouts = Ahead(s, k, versions, cfg.rollout.partial) if k else InStep(s)
         exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
         s.correction = cfg.algorithm.rollout_correction.resolved(exact, k)
         if record:

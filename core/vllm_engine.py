@@ -105,6 +105,8 @@ class VLLMEngine:
     """Sampling with a vLLM ``LLM`` that follows the policy's weights (``sync``)."""
 
     lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
+    partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
+    refresh: Any = None  # set by the async producer in partial mode: newer weights mid-call
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class VLLMEngine:
         self.sleeping = False
         self._stale = False  # weights changed while asleep: push them on wake
         self._warned_top_p = False
+        self._in_flight = self._reset_after = False  # a partial call is stepping the engine
         self.last_sync_s = float("nan")
 
         cfg = policy.cfg
@@ -194,10 +197,16 @@ class VLLMEngine:
         index = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = [row_seed(self.seed, self.calls, k) for k in range(len(rows))]
         self.calls += 1
+        decode = self.tokenizer.decode
+        if self.refresh is not None:
+            partial = self._generate_partial(rows, params, seeds)
+            return [
+                Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
+                for i, (ids, lps, reason, vers) in zip(index, partial, strict=True)
+            ]
         outs = self._generate_rows(rows, params, seeds)
         if self.sleep_enabled:
             self.sleep()
-        decode = self.tokenizer.decode
         return [
             Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
             for i, (ids, lps, reason) in zip(index, outs, strict=True)
@@ -209,7 +218,8 @@ class VLLMEngine:
             self._stale = True  # pushed by wake(), into memory that exists again
             return
         t0 = time.perf_counter()
-        self._push_weights()
+        self._push_weights(reset_cache=not self._in_flight)
+        self._reset_after |= self._in_flight
         self.last_sync_s = time.perf_counter() - t0
 
     def state_dict(self) -> dict:
@@ -260,7 +270,7 @@ class VLLMEngine:
         )
         return self._gen_dir.name
 
-    def _push_weights(self) -> None:
+    def _push_weights(self, reset_cache: bool = True) -> None:
         # LLM.collective_rpc (public) runs the worker's reload_weights in this process: it
         # loads checkpoint-format (name, tensor) pairs through the model's own load_weights
         # inside vLLM's layer-wise reload, which re-runs the post-load processing (the CPU
@@ -268,16 +278,54 @@ class VLLMEngine:
         # / update_weights) has only NCCL and CUDA-IPC backends in 0.31, so not on CPU.
         weights = ((name, t.detach()) for name, t in self.policy.named_weights())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        if reset_cache:  # cached prompt KV was computed with the old weights
+            self.llm.reset_prefix_cache()
 
-    def _generate_rows(
-        self, rows: list, params: SamplingParams, seeds: list[int], check: Any = None
-    ) -> list[tuple[list[int], list[float], str]]:
-        """One sample per row. ``rows``: token-id lists, or prepared vLLM prompts (dicts,
-        e.g. with ``multi_modal_data``); ``check(k, output)`` may inspect each output."""
+    def _generate_partial(
+        self, rows: list, params: SamplingParams, seeds: list[int]
+    ) -> list[tuple[list[int], list[float], str, list[int]]]:
+        """One sample per row, calling ``refresh()`` before every engine step: a weight
+        sync it makes lands between two decoding steps, and the requests in flight go on
+        under the new weights with the KV cache they have (AReaL's partial rollouts).
+        Returns each row's (ids, log-probs, finish reason, version of each token)."""
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
+        engine = self.llm.llm_engine
+        ids = [f"polyrl-{self.calls}-{k}" for k in range(len(rows))]
+        got: dict[str, tuple[list[int], list[float], list[int]]] = {i: ([], [], []) for i in ids}
+        reason: dict[str, str] = {}
+        for rid, row, seed in zip(ids, rows, seeds, strict=True):
+            sp = VLLMParams(**self._vllm_params(params), seed=seed)
+            sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=row), sp, lora_request=self.lora_request
+            )
+        self._in_flight, self._reset_after = True, False
+        try:
+            while engine.has_unfinished_requests():
+                version = self.refresh()
+                for out in engine.step():
+                    c = out.outputs[0]
+                    toks, lps, vers = got[out.request_id]
+                    new = list(c.token_ids)
+                    toks += new
+                    lps += [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(new)]
+                    vers += [version] * len(new)
+                    if out.finished:
+                        reason[out.request_id] = "length" if c.finish_reason == "length" else "stop"
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            self._in_flight = False
+            if self._reset_after:  # prompts cached before a mid-call sync are stale now
+                self.llm.reset_prefix_cache()
+        return [(*got[i][:2], reason[i], got[i][2]) for i in ids]
+
+    def _vllm_params(self, params: SamplingParams) -> dict[str, Any]:
+        """vLLM's sampling settings for ``params`` (one sample; the caller adds the seed)."""
         if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
             self._warned_top_p = True
             log.warning(
@@ -290,7 +338,7 @@ class VLLMEngine:
         stop_ids = list(dict.fromkeys(params.stop_token_ids))
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop_ids:
             stop_ids.append(self.tokenizer.eos_token_id)
-        base = dict(
+        return dict(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -299,6 +347,16 @@ class VLLMEngine:
             stop_token_ids=stop_ids,
             logprobs=0,
         )
+
+    def _generate_rows(
+        self, rows: list, params: SamplingParams, seeds: list[int], check: Any = None
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One sample per row. ``rows``: token-id lists, or prepared vLLM prompts (dicts,
+        e.g. with ``multi_modal_data``); ``check(k, output)`` may inspect each output."""
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
+        base = self._vllm_params(params)
         sampling = [VLLMParams(**base, seed=s) for s in seeds]
         prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
         outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)

@@ -49,6 +49,8 @@ class Context:
 class SingleTurn:
     """One policy answers each prompt ``n`` times; one row per answer."""
 
+    token_versions = True  # interfaces.RecordsTokenVersions
+
     def __init__(self, ctx: Context, policy: str | None = None) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -70,6 +72,7 @@ class SingleTurn:
             response_text=[o.text for o in outs],
             meta=[{"answer": it.answer, "row": it.row} for it in rows],
             truncated=[o.finish_reason == "length" for o in outs],
+            token_version=[o.versions for o in outs],
         )
 
 

@@ -89,6 +89,7 @@ class VLLMVLEngine(VLLMEngine):
 
     needs_images = True  # generate_vl takes the resized images (the workflow passes them)
     remote_methods = ("generate_vl",)  # forwarded to the Ray engine actor
+    partial_rollouts = False  # generate_vl takes weights between calls only
 
     def __init__(
         self,

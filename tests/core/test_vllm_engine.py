@@ -205,6 +205,56 @@ def test_stop_strings_end_the_response_without_reencoding(policy, engine):
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)]
 
 
+def test_partial_call_takes_new_weights_between_steps(policy, engine):
+    """rollout.partial: a sync from ``refresh`` lands between two engine steps; the requests
+    in flight go on under the new weights, and each token's version says which it had."""
+    from tests.core.partial_reference import mixed_logprobs, moved
+    from tests.core.test_partial_rollouts import SWITCH, switching_refresh
+
+    ids = encode(policy)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    original = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    new = moved(original, 0.05, seed=1)
+    start = engine.state_dict()
+    plain = engine.generate(ids, params)
+    calls: list[int] = []
+
+    def refresh() -> int:  # what the async producer's refresh does: load, then sync
+        version = switching_refresh(policy.model, new, calls)()
+        if len(calls) == SWITCH + 1:
+            engine.sync()
+        return version
+
+    try:
+        engine.load_state_dict(start)
+        engine.refresh = refresh
+        outs = engine.generate(ids, params)
+    finally:
+        engine.refresh = None
+        policy.model.load_state_dict(original)
+        engine.sync()
+    assert any(len(o.token_ids) > SWITCH for o in outs)
+    for o, p in zip(outs, plain, strict=True):
+        n = len(o.token_ids)
+        assert o.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        assert o.token_ids[:SWITCH] == p.token_ids[:SWITCH]
+    ref = CausalLMPolicy(
+        "ref", PolicyConfig(model=policy.cfg.model), total_steps=1, need_reference=False
+    ).model
+    states = {0: original, 1: new}
+    gaps = torch.cat(
+        [
+            mixed_logprobs(ref, states, ids[o.prompt_index], o.token_ids, o.versions)
+            - torch.tensor(o.logprobs)
+            for o in outs
+        ]
+    ).abs()
+    print(f"partial call: |vLLM - reference| mean {gaps.mean():.2e}, max {gaps.max():.2e}")
+    assert gaps.mean() <= 1e-3 and gaps.max() <= 1e-2
+    engine.load_state_dict(start)  # the prefix cache was reset: the old weights again
+    assert token_ids(engine.generate(ids, params)) == token_ids(plain)
+
+
 def eval_accuracy(run_dir) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]

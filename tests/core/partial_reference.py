@@ -1,0 +1,45 @@
+"""An independent reference for partial rollouts: the log-probs of a response whose tokens
+were sampled under changing weights, computed step by step with the model's own cache.
+
+Token ``t``'s distribution comes from the forward pass that produced its logits: the prompt
+pass for ``t = 0``, the pass over token ``t - 1`` otherwise, made with the weights of
+``versions[t]`` on the KV cache the earlier passes (with their own weights) left.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+@torch.no_grad()
+def mixed_logprobs(
+    model: torch.nn.Module,
+    states: dict[int, dict[str, torch.Tensor]],
+    prompt: list[int],
+    tokens: list[int],
+    versions: list[int],
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of ``tokens`` after ``prompt``, token ``t`` under ``states[versions[t]]``
+    (float32, the temperature-scaled distribution). Leaves ``model`` with the last state."""
+    cache = DynamicCache()
+    out: list[torch.Tensor] = []
+    inputs = torch.tensor([prompt])
+    for t, (tok, v) in enumerate(zip(tokens, versions, strict=True)):
+        model.load_state_dict(states[v])
+        pos = torch.arange(len(prompt) + t - inputs.shape[1], len(prompt) + t)[None]
+        logits = model(input_ids=inputs, position_ids=pos, past_key_values=cache, use_cache=True)
+        row = torch.log_softmax(logits.logits[0, -1].float() / temperature, -1)
+        out.append(row[tok])
+        inputs = torch.tensor([[tok]])
+    return torch.stack(out)
+
+
+def moved(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """``state`` with every floating tensor moved by Gaussian noise (a big update)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+        for k, v in state.items()
+    }

@@ -1,0 +1,174 @@
+"""Partial rollouts (``rollout.partial``): newer weights taken between decoding steps, the
+version of every token recorded, and the staleness bound kept."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from polyrl.core.config import ConfigError
+from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+from polyrl.core.record import concat, text_record, trim
+from polyrl.core.registry import ENGINES, WORKFLOWS
+from polyrl.core.rollouts import shadow
+from polyrl.core.workflow import SingleTurn
+from tests.core.partial_reference import mixed_logprobs, moved
+from tests.core.test_engine import encode, prompts
+from tests.core.test_run import _metrics
+
+SWITCH = 3  # tokens 0..2 come from the old weights, the rest from the new
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    return CausalLMPolicy(
+        "main", PolicyConfig(model=tiny_model_dir), total_steps=1, need_reference=False
+    )
+
+
+def switching_refresh(model: torch.nn.Module, new_state: dict, calls: list[int]):
+    """A refresh that loads ``new_state`` at its (SWITCH + 1)-th call: the version the next
+    token is sampled with, as the async producer's refresh returns it."""
+
+    def refresh() -> int:
+        calls.append(1)
+        if len(calls) == SWITCH + 1:
+            model.load_state_dict(new_state)
+        return int(len(calls) > SWITCH)
+
+    return refresh
+
+
+def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(policy):
+    twin = shadow(policy)
+    old = {k: v.clone() for k, v in twin.model.state_dict().items()}
+    new = moved(old, 0.05, seed=1)
+    ids = encode(policy, prompts(policy))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    engine = HFEngine(twin, seed=3)
+    start = engine.state_dict()
+    plain = engine.generate(ids, params)
+    assert all(o.versions is None for o in plain)  # no refresh: no versions
+
+    engine.load_state_dict(start)
+    calls: list[int] = []
+    engine.refresh = switching_refresh(twin.model, new, calls)
+    outs = engine.generate(ids, params)
+    engine.refresh = None
+    assert any(len(o.token_ids) > SWITCH for o in outs)
+    for o, p in zip(outs, plain, strict=True):
+        n = len(o.token_ids)
+        assert o.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        # before the switch the same RNG and weights draw the same tokens
+        assert o.token_ids[:SWITCH] == p.token_ids[:SWITCH]
+        assert o.logprobs[:SWITCH] == p.logprobs[:SWITCH]
+
+    ref_model = shadow(policy).model
+    gaps, shifts = [], []
+    for o in outs:
+        mixed = mixed_logprobs(
+            ref_model, {0: old, 1: new}, ids[o.prompt_index], o.token_ids, o.versions
+        )
+        gaps.append((mixed - torch.tensor(o.logprobs)).abs().max())
+        if len(o.token_ids) > SWITCH:  # what the old weights alone would have given
+            stale = mixed_logprobs(
+                ref_model, {0: old}, ids[o.prompt_index], o.token_ids, [0] * len(o.token_ids)
+            )
+            shifts.append((stale - mixed)[SWITCH:].abs().max())
+    print(f"|engine - reference| max {max(gaps):.2e}; new vs old weights {max(shifts):.3f}")
+    assert max(gaps) < 1e-4  # tokens after the switch: new weights over the old KV cache
+    assert max(shifts) > 1e-2  # ... and the new weights did change them
+
+
+def test_token_versions_survive_record_padding_trim_and_concat():
+    def rec(responses, versions):
+        return text_record(
+            prompt_ids=[[1, 2]] * len(responses),
+            response_ids=responses,
+            rollout_logprobs=[[0.0] * len(r) for r in responses],
+            policy=["main"] * len(responses),
+            uid=list(range(len(responses))),
+            pad_id=0,
+            token_version=versions,
+        )
+
+    a = rec([[5, 6, 7], [5]], [[0, 0, 1], [1]])
+    assert a["token_version"].tolist() == [[0, 0, 1], [1, -1, -1]]
+    b = rec([[5, 6, 7, 8, 9]], [[2, 2, 2, 3, 3]])
+    both = concat([a, b])
+    assert both["token_version"].tolist() == [
+        [0, 0, 1, -1, -1],
+        [1, -1, -1, -1, -1],
+        [2, 2, 2, 3, 3],
+    ]
+    assert trim(both[:2])["token_version"].tolist() == [[0, 0, 1], [1, -1, -1]]
+    assert "token_version" not in rec([[5]], [None]).keys()  # noqa: SIM118 (TensorDict)
+    with pytest.raises(ValueError, match="one version per response token"):
+        rec([[5, 6]], [[0]])
+
+
+class CrawlingEngine(HFEngine):
+    """The HF engine with a pause before each decoding step: a rollout spans an update."""
+
+    _refresh = None
+
+    @property
+    def refresh(self):
+        if self._refresh is None:
+            return None
+
+        def slow():
+            time.sleep(0.5)
+            return self._refresh()
+
+        return slow
+
+    @refresh.setter
+    def refresh(self, fn):
+        self._refresh = fn
+
+
+class Versionless(SingleTurn):
+    token_versions = False
+
+
+ENGINES.register("test_crawling_hf", CrawlingEngine)
+WORKFLOWS.register("test_versionless", Versionless)
+
+
+def test_partial_rollouts_mix_versions_within_the_bound(make_config, tmp_path):
+    from polyrl.core.loop import train
+
+    cfg = make_config(
+        f"run.dir={tmp_path}/partial",
+        "train.steps=4",
+        "rollout.prompts_per_step=4",
+        "rollout.max_staleness=1",
+        "rollout.partial=true",
+        "policies.main.engine.name=test_crawling_hf",
+    )
+    m = _metrics(train(cfg).path)
+    for step in range(1, 5):
+        assert m[step]["async/staleness_max"] <= 1
+        assert m[step]["async/dropped_groups"] == 0
+    # batches 2.. start on an older version and take the newer one mid-call
+    assert sum(m[s]["async/mixed_version_rows"] for s in range(2, 5)) > 0
+    assert m[1]["async/mixed_version_rows"] == 0  # nothing is published before update 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["rollout.max_staleness=0"], "max_staleness >= 1"),
+        (["rollout.workflow=test_versionless"], "does not record"),
+        (["distributed.backend=ray"], "local mode"),
+    ],
+)
+def test_partial_needs_a_producer_engines_and_workflow_that_support_it(
+    make_config, overrides, match
+):
+    with pytest.raises(ConfigError, match=match):
+        make_config("rollout.partial=true", "rollout.max_staleness=1", *overrides).validate()
