@@ -218,8 +218,8 @@ class TextToImage:
         _check_guards(cfg)
         if cfg.sft.steps:
             raise ConfigError(
-                "sft.steps must be 0 with the text_to_image workflow (a diffusion "
-                "policy has no supervised warm start)"
+                "sft.steps must be 0 with the text_to_image workflow (text targets); a "
+                "diffusion warm start on images is rollout.args.sft_steps / sft_data"
             )
 
     def __init__(
@@ -234,6 +234,17 @@ class TextToImage:
         save_grids: Annotated[
             bool, "write an image grid at each evaluation (samples/, grid_before/after.png)"
         ] = True,
+        sft_data: Annotated[
+            str | None,
+            "warm start: JSON lines of {prompt, image} (image paths relative to the file)",
+        ] = None,
+        sft_steps: Annotated[
+            int, "flow-matching warm-start steps on sft_data before the first rollout (0: none)"
+        ] = 0,
+        sft_batch_size: Annotated[int, "warm start: (prompt, image) pairs per step"] = 16,
+        sft_lr: Annotated[
+            float | None, "warm start: constant learning rate (null: the policy's optim.lr)"
+        ] = None,
     ) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -254,8 +265,8 @@ class TextToImage:
             raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
         if self.cfg.sft.steps:
             raise ConfigError(
-                "sft.steps must be 0 with the text_to_image workflow (a diffusion "
-                "policy has no supervised warm start)"
+                "sft.steps must be 0 with the text_to_image workflow (text targets); a "
+                "diffusion warm start on images is rollout.args.sft_steps / sft_data"
             )
         algo = self.cfg.algorithm
         if algo.credit == "group":
@@ -272,6 +283,41 @@ class TextToImage:
         self.grid_scale = grid_scale
         self.save_grids = save_grids
         self._grids = 0
+        self.sft_losses: list[float] = []
+        if sft_steps:
+            self.sft_losses = self._warm_start(sft_data, sft_steps, sft_batch_size, sft_lr)
+
+    def _warm_start(
+        self, data: str | None, steps: int, batch_size: int, lr: float | None
+    ) -> list[float]:
+        """Flow matching on the given images (diffusion/sft.py) in this process: the policy
+        object is here only with the local backend."""
+        from polyrl.diffusion.sft import load_pairs, warm_start
+
+        if steps < 0 or batch_size < 1 or not data:
+            raise ConfigError(
+                f"rollout.args.sft_steps={steps} needs sft_steps >= 0, sft_batch_size >= 1 "
+                f"(got {batch_size}) and sft_data (a JSON-lines file of prompt/image rows)"
+            )
+        policy = self.ctx.policies[self.name]
+        if not isinstance(policy, DiffusionPolicy):
+            raise ConfigError(
+                "rollout.args.sft_steps: the diffusion warm start runs in the driver process, "
+                "so it needs distributed.backend: local"
+            )
+        if self.cfg.algorithm.kl_coef > 0 and self.cfg.policies[self.name].lora.r > 0:
+            raise ConfigError(
+                "rollout.args.sft_steps with algorithm.kl_coef > 0 and LoRA: the reference "
+                "(the adapter switched off) would be the weights before the warm start"
+            )
+        prompts, images = load_pairs(data)
+        losses = warm_start(
+            policy, prompts, images, steps=steps, batch_size=batch_size, lr=lr, seed=self.cfg.seed
+        )
+        if self.run_dir is not None:
+            out = Path(self.run_dir) / "sft_warm_start.json"
+            out.write_text(json.dumps({"data": data, "losses": losses}))
+        return losses
 
     def is_training(self, params: SamplingParams) -> bool:
         return params == self.ctx.sampling()
