@@ -116,8 +116,9 @@ def save_policy(policy: Any, path: Path, *, lora: bool, rank: int = 0) -> None:
 
     optim = policy.optimizer
     stepped = optim is not None and bool(optim.state)
-    warmed = bool(policy.reference_warmed)
-    dcp.save(_state(policy, lora, stepped, warmed), checkpoint_id=str(path))
+    warmed = bool(policy.reference_warmed) and policy.reference is not None
+    with _single_process_ok():
+        dcp.save(_state(policy, lora, stepped, warmed), checkpoint_id=str(path))
     if rank == 0:
         meta = {
             "lora": lora,

@@ -100,3 +100,49 @@ def test_shards_load_into_another_world_size(trained, tmp_path):
         _assert_same_state(full, fresh.state_dict())
     finally:
         fresh.group.shutdown()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_local_policy_round_trips_through_shards(tiny_model_dir, tmp_path, lora):
+    """Without a process group the same code writes and reads one process's whole state:
+    under LoRA the adapter alone (the base is not in the files), after a warm start the
+    reference too; an unstepped optimizer stays unstepped."""
+    from polyrl.core import trainer
+    from polyrl.core.backend import LocalBackend
+    from polyrl.core.checkpoint import SavedDirectory, load_part, read_full, save_policy
+    from tests.core.test_ray_backend import LORA
+
+    cfg = _config(tiny_model_dir, *([LORA] if lora else []))
+    kw = {"total_steps": 10, "need_reference": True, "shared": {}}
+
+    def fresh():
+        return LocalBackend(cfg).make_policy("main", cfg.policies["main"], **kw)
+
+    a = fresh()
+    save_policy(a, tmp_path / "start", lora=lora)
+    trainer.update(a, _record(a, seed=0), AlgorithmConfig(), generator=torch.Generator())
+    if not lora:  # (under LoRA the reference is the base with the adapter off)
+        a.reference.load_state_dict(a.model.state_dict())  # as a warm start's end does
+        a.reference_warmed = True
+    save_policy(a, tmp_path / "trained", lora=lora)
+
+    files = read_full(SavedDirectory(tmp_path / "trained"))
+    assert set(files["weights"]) == set(a.trainable_state())
+    assert all(("lora_" in k) == lora for k in files["weights"])
+
+    b = fresh()
+    load_part(b, SavedDirectory(tmp_path / "trained"), "main")
+    _assert_same_state(a.state_dict(), b.state_dict())
+    assert b.reference_warmed != lora
+    if not lora:
+        assert set(files["reference"]) == set(a.reference.state_dict())
+        for k, v in a.reference.state_dict().items():
+            assert torch.equal(b.reference.state_dict()[k], v), k
+
+    c = fresh()
+    load_part(c, SavedDirectory(tmp_path / "start"), "main")
+    assert c.optimizer.state_dict()["state"] == {} and not c.reference_warmed
+    other = _config(tiny_model_dir, *([] if lora else [LORA]))
+    d = LocalBackend(other).make_policy("main", other.policies["main"], **kw)
+    with pytest.raises(RuntimeError, match="written (with|without) LoRA"):
+        load_part(d, SavedDirectory(tmp_path / "trained"), "main")
