@@ -75,9 +75,12 @@ def inverse_dt_weights(sigmas: Tensor, mask: Tensor) -> Tensor:
 
 
 def pairwise_distances(images: Tensor) -> Tensor:
-    """[K,K] RMS distances between K images [K,*] (float64)."""
+    """[K,K] RMS distances between K images [K,*] (float64, from the Gram matrix: no
+    [K,K,pixels] intermediate for large images)."""
     flat = images.double().flatten(1)
-    sq = ((flat[:, None, :] - flat[None, :, :]) ** 2).mean(-1)
+    norms = (flat * flat).sum(1)
+    sq = (norms[:, None] + norms[None, :] - 2 * flat @ flat.T) / flat.shape[1]
+    sq.fill_diagonal_(0.0)
     return sq.clamp(min=0).sqrt()
 
 

@@ -263,3 +263,12 @@ def test_guard_options_that_cannot_work_fail_at_load(diffusion_config, overrides
 
     with pytest.raises(ConfigError, match=match):
         Config.validate(diffusion_config(*overrides))
+
+
+def test_pairwise_distances_match_a_direct_float64_computation():
+    from polyrl.diffusion.guards import pairwise_distances
+
+    ims = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    a = ims.double().flatten(1).numpy()
+    direct = np.sqrt(((a[:, None, :] - a[None, :, :]) ** 2).mean(-1))
+    np.testing.assert_allclose(pairwise_distances(ims).numpy(), direct, rtol=1e-9, atol=1e-12)
