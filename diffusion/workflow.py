@@ -173,6 +173,11 @@ def _check_guards(cfg) -> None:
     for pname, p in cfg.policies.items():
         if not _diffusion_kind(p.kind) or not policy_options(p, pname).ratio_norm:
             continue
+        if POLICIES.get(p.kind).forward_process:
+            raise ConfigError(
+                f"policies.{pname}.args.ratio_norm: kind {p.kind!r} trains on the forward "
+                "process, without log-ratios to normalise; set ratio_norm: false"
+            )
         if algo.kl_coef > 0 and algo.kl_estimator != GAUSSIAN_MEAN:
             raise ConfigError(
                 f"policies.{pname}.args.ratio_norm scales the log-probs (GRPO-Guard), so a "

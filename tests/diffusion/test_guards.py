@@ -253,6 +253,14 @@ def test_recipe_with_ratio_norm_records_what_the_policy_recomputes(diffusion_con
             r"ratio_norm.*kl_estimator='k3'.*gaussian_mean",
         ),
         (
+            (
+                "policies.main.kind=diffusion_nft",
+                "policies.main.args={max_sequence_length: 1, ratio_norm: true}",
+                "algorithm.policy_loss=diffusion_nft",
+            ),
+            r"ratio_norm: kind 'diffusion_nft' trains on the forward process",
+        ),
+        (
             ("algorithm.credit_args={terms: {colour: 1.0, jpeg: 1.0}}",),
             r"credit_args.terms names \['jpeg'\].*\['colour', 'colour_accuracy'\]",
         ),

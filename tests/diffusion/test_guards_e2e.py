@@ -1,8 +1,9 @@
-"""Reward hacking on the colour demo: JPEG compressibility alone collapses each prompt's
-images to one flat image (diversity falls), and the diversity guard keeps them apart.
+"""Guards end to end on the colour demo (child processes on the pre-trained tiny SD3).
 
-``examples/diffusion_colour_hacking.yaml`` runs twice in parallel child processes on the
-pre-trained tiny SD3: with its guard, and with ``diversity_floor=0`` (off).
+Reward hacking: ``examples/diffusion_colour_hacking.yaml`` (JPEG compressibility alone)
+collapses each prompt's images to one flat image (diversity falls); its diversity guard
+keeps them apart. GRPO-Guard: the colour recipe with ratio normalisation, 1/|dt| step
+weights and two mini-batches (so the clip acts) learns the colour.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import pytest
 from tests.diffusion.test_colour_e2e import _metrics, _train
 
 RECIPE = Path(__file__).parents[2] / "examples" / "diffusion_colour_hacking.yaml"
+COLOUR = RECIPE.with_name("diffusion_colour_grpo.yaml")
+GUARD = (
+    "policies.main.args={max_sequence_length: 1, ratio_norm: true}",
+    "algorithm.credit_args={adv_clip: 5.0, step_weight: inv_dt}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +96,38 @@ def test_reward_hacking_and_the_guard_three_seeds(demo_model, tmp_path):
     for seed in (0, 1, 2):
         guard, off = _run_pair(demo_model, tmp_path / f"seed{seed}", seed, steps=30)
         _check(guard, off, f"seed {seed}, 30 steps")
+
+
+@pytest.mark.seeds
+def test_grpo_guard_learns_the_colour_three_seeds(demo_model, tmp_path):
+    """ratio_norm + inv_dt with two mini-batches per update (the second is off-policy, so
+    the clip acts) learns the colour as the plain recipe does: >= 0.9 over the last 5 of
+    40 steps on each seed."""
+    for seed in (0, 1, 2):
+        runs = {
+            name: _train(
+                demo_model,
+                tmp_path / f"seed{seed}" / name,
+                seed,
+                "train.steps=40",
+                "eval.every=0",
+                "algorithm.minibatches=2",
+                *extra,
+                recipe=COLOUR,
+            )
+            for name, extra in (("guard", GUARD), ("plain", ()))
+        }
+        last = {}
+        for name, proc in runs.items():
+            out, _ = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{name} failed:\n{out[-3000:]}"
+            rows = _metrics(tmp_path / f"seed{seed}" / name)
+            rewards = [r["reward/mean"] for r in rows if r.get("diversity/mean") is not None]
+            clip = [r["main/pg_clipfrac"] for r in rows if r.get("main/pg_clipfrac") is not None]
+            last[name] = (_mean(rewards[:3]), _mean(rewards[-5:]), _mean(clip))
+        print(
+            f"seed {seed}: GRPO-Guard reward {last['guard'][0]:.3f} -> {last['guard'][1]:.3f} "
+            f"(clip fraction {last['guard'][2]:.3f}); plain {last['plain'][0]:.3f} -> "
+            f"{last['plain'][1]:.3f} (clip fraction {last['plain'][2]:.3f})"
+        )
+        assert last["guard"][1] >= 0.9, (seed, last)
