@@ -97,11 +97,13 @@ class VLEngine(HFEngine):
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
-        image_mask = None
-        if any(v is not None and v.image_starts is not None for v in visions):
-            # multi-turn prompts: images by position, a sampled placeholder id stays text
+        image_mask = video_mask = None
+        turns = [i for i, v in enumerate(visions) if v is not None and v.image_starts is not None]
+        if turns:  # multi-turn prompts: images by position, a sampled vision token is text
             p = parts(model)
             image_mask = image_masks(p, ids, mask, visions, token_mask(p, ids))
+            video_mask = token_mask(p, ids, video=True)
+            video_mask[turns] = False
         logits, cache, pos = vl_forward(
             model,
             ids,
@@ -112,6 +114,7 @@ class VLEngine(HFEngine):
             use_cache=True,
             cache=reserved_cache(model, params.max_new_tokens),
             image_mask=image_mask,
+            video_mask=video_mask,
         )
         next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n

@@ -467,6 +467,7 @@ def row_positions(
     turns = [i for i, v in enumerate(rows) if v is not None and v.image_starts is not None]
     if turns:
         image_mask = image_masks(p, ids, prompt_mask, rows, image_mask)
+        video_mask[turns] = False  # multi-turn rows carry no video: a sampled id is text
         positions[:, turns] = rope_index(
             p,
             ids[turns],
