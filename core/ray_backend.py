@@ -118,6 +118,11 @@ class RayArgs(Options):
     num_cpus_per_engine: float = doc(1.0, "CPUs reserved for the engine actor (split placement)")
     num_gpus_per_engine: float = doc(0.0, "GPUs for the engine actor (split placement)")
     threads_per_worker: int = doc(1, "torch threads in each worker and engine actor")
+    cpu_offload: bool = doc(
+        False,
+        "GPU workers: FSDP2 keeps parameter, gradient and optimizer-state shards in host "
+        "memory (CPUOffloadPolicy; the optimizer step runs on the CPU)",
+    )
     checkpoint: Literal["sharded", "full"] = doc(
         "sharded",
         "sharded: each rank writes its own shards of a policy (torch.distributed.checkpoint; "
@@ -197,6 +202,7 @@ class _Group:
                 gpu=self.gpu,
                 timeout_s=args.collective_timeout_s,
                 rng=rng,
+                cpu_offload=args.cpu_offload,
             )
             for w in self.workers
         ]
@@ -448,6 +454,11 @@ class RayBackend:
         args = self.args.for_policy(name)
         if args.workers_per_policy < 1:
             raise ConfigError(f"distributed.args: policy {name!r} needs workers_per_policy >= 1")
+        if args.cpu_offload and not args.num_gpus_per_worker:
+            raise ConfigError(
+                f"distributed.args.cpu_offload: policy {name!r} trains on CPU workers, whose "
+                "state is in host memory already; set num_gpus_per_worker > 0 or drop it"
+            )
         group = _Group(name, args, cfg, total_steps=total_steps, need_reference=need_reference)
         self.groups[name] = group
         return RayPolicy(name, cfg, group)

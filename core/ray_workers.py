@@ -53,7 +53,9 @@ def resources_of(cpus: float, gpus: float) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- actors
 
 
-def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) -> None:
+def _shard(
+    model: torch.nn.Module, mesh, root: torch.nn.Module | None = None, offload: bool = False
+) -> None:
     """FSDP2: each decoder layer (the model's ``_no_split_modules``) is a unit, then the root.
 
     ``root`` (default: the model) is the module whose forward runs the model in training. A
@@ -61,8 +63,9 @@ def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) ->
     language model and head) names a wrapper module holding the model (``fsdp_root``): the
     root unit's parameters are gathered, and their gradients reduced, around *its* forward.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -71,8 +74,8 @@ def _shard(model: torch.nn.Module, mesh, root: torch.nn.Module | None = None) ->
             "(it declares no _no_split_modules)"
         )
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model if root is None else root, mesh=mesh)
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model if root is None else root, mesh=mesh, offload_policy=policy)
 
 
 def _fsdp_root(policy: Any, model: torch.nn.Module) -> torch.nn.Module | None:
@@ -148,6 +151,34 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _local_bytes(t: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def memory_report(policy: Any) -> dict[str, int]:
+    """Peak (``VmHWM``) and current (``VmRSS``) resident bytes of this process, and the
+    bytes this process holds of the policy's parameters, gradients (during a step) and
+    optimizer state: its shards under FSDP, everything in local mode."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in status if ln.startswith("Vm")}
+    params = list(policy.model.parameters())
+    optim = policy.optimizer.state.values() if policy.optimizer is not None else []
+    return {
+        "peak_rss": kib.get("VmHWM", 0) * 1024,
+        "rss": kib.get("VmRSS", 0) * 1024,
+        "params": sum(_local_bytes(p) for p in params),
+        # what backward allocates (the update frees them again): one per trainable weight
+        "grads": sum(_local_bytes(p) for p in params if p.requires_grad),
+        "optimizer": sum(_local_bytes(v) for st in optim for v in st.values()),
+    }
+
+
 @dataclass
 class LoraFactors:
     """A LoRA policy's engine sync: per adapted linear layer, the name of its weight in
@@ -221,6 +252,7 @@ class PolicyWorker:
         gpu: bool,
         timeout_s: float,
         rng: torch.Tensor,
+        cpu_offload: bool = False,
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -247,7 +279,8 @@ class PolicyWorker:
         if self.lora:
             _broadcast_trainable(self.policy.model)
         names = _param_names(self.policy.model)
-        _shard(self.policy.model, mesh, _fsdp_root(self.policy, self.policy.model))
+        root = _fsdp_root(self.policy, self.policy.model)
+        _shard(self.policy.model, mesh, root, offload=cpu_offload)
         if self.policy.reference is not None:
             _shard(self.policy.reference, mesh, _fsdp_root(self.policy, self.policy.reference))
         _rebind_optimizer(self.policy, names)
@@ -368,6 +401,15 @@ class PolicyWorker:
         from polyrl.core.checkpoint import load_policy
 
         load_policy(self.policy, Path(path), lora=self.lora, name=self.name)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's peak and current resident memory and the bytes of its shards of
+        the parameters, gradients and optimizer state (see :func:`memory_report`)."""
+        return memory_report(self.policy)
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak: ``VmHWM`` drops to the current resident size (Linux)."""
+        Path("/proc/self/clear_refs").write_text("5")
 
     def _trainable_names(self) -> set[str]:
         return {n for n, q in self.policy.model.named_parameters() if q.requires_grad}

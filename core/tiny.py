@@ -106,11 +106,14 @@ def build_tiny_qwen2(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = True,
     seed: int = 0,
+    vocab_rows: int = 0,
 ) -> Qwen2ForCausalLM:
     """A float32 Qwen2 sized to ``tokenizer``, initialised deterministically from ``seed``.
 
     ``head_dim`` is written to the config explicitly (default 64) because vLLM's CPU
     attention kernel rejects smaller heads; it need not equal hidden_size / num_heads.
+    ``vocab_rows`` (0: the tokenizer's size) pads the embedding to a real model's vocabulary
+    (rows the tokenizer never emits), so the model has that model's shape and memory.
     The global torch RNG is left as it was.
     """
     import torch
@@ -120,8 +123,10 @@ def build_tiny_qwen2(
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    if vocab_rows and vocab_rows < len(tokenizer):
+        raise ValueError(f"vocab_rows={vocab_rows} is below the tokenizer's {len(tokenizer)}")
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_rows or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -231,6 +236,7 @@ def tiny_qwen2(
     intermediate_size: Annotated[int, "MLP width"] = 256,
     max_position_embeddings: Annotated[int, "longest sequence"] = 512,
     tie_word_embeddings: Annotated[bool, "share input and output embeddings"] = True,
+    vocab_rows: Annotated[int, "embedding rows (0: the tokenizer's size; more pads it)"] = 0,
 ) -> Path:
     """Build a tiny Qwen2 + tokenizer at ``path`` (once), trained on task ``corpus``'s texts.
 
@@ -266,6 +272,7 @@ def tiny_qwen2(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
+        vocab_rows=vocab_rows,
     )
     if pretrain_steps:
         texts = (
@@ -287,6 +294,35 @@ def tiny_qwen2(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+# Qwen2.5-0.5B's shape (its config.json): 494M parameters, tied embeddings.
+QWEN25_05B = {
+    "hidden_size": 896,
+    "num_layers": 24,
+    "num_heads": 14,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 4864,
+    "vocab_rows": 151936,
+    "tie_word_embeddings": True,
+}
+
+
+@MODELS.register("qwen2_5_0_5b_shape")
+def qwen2_5_0_5b_shape(
+    path: str | Path,
+    *,
+    corpus: Annotated[str, "task whose corpus() trains the tokenizer"] = "arithmetic",
+    seed: Annotated[int, "initialisation seed"] = 0,
+    num_layers: Annotated[int, "decoder layers (24 in the real model; fewer for tests)"] = 24,
+    vocab_rows: Annotated[int, "embedding rows (151936 in the real model)"] = 151936,
+) -> Path:
+    """A randomly initialised model of Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 KV
+    heads, MLP 4864, vocabulary 151936) with the task's tiny tokenizer: for memory and
+    scale runs without a download. It has not learned anything."""
+    shape = QWEN25_05B | {"num_layers": num_layers, "vocab_rows": vocab_rows}
+    return tiny_qwen2(path, corpus=corpus, seed=seed, **shape)
 
 
 # The build record: what built a model directory, written into it with the model.
