@@ -5,7 +5,9 @@ Importing it registers its parts in the core's registries: the ``diffusion`` and
 ``gaussian_mean`` KL estimator, image rewards (``colour``, ``colour_accuracy``,
 ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``, ``aesthetic``,
 ``pickscore``, ``hpsv2``), the ``tiny_sd3`` and ``tiny_flux`` model builders and the
-``colour`` task.
+``colour`` task; for video (:mod:`.wan`): the ``text_to_video`` workflow, the
+``colour_video`` task, the ``video_colour``, ``video_colour_accuracy`` and
+``temporal_consistency`` rewards and the ``tiny_wan`` builder.
 Samplers live in this plugin's own registry, :data:`SAMPLERS` (``flow_sde``,
 ``dance_sde``, ``cps``, ``ode``).
 """
@@ -21,6 +23,7 @@ from polyrl.diffusion import (  # noqa: F401
     samplers,
     selection,
     tiny,
+    wan,
     workflow,
 )
 from polyrl.diffusion.samplers import SAMPLERS  # noqa: F401

@@ -56,6 +56,8 @@ def check_sampling(o: Any, where: str, forward_process: bool = False) -> None:
         )
     if o.height <= 0 or o.width <= 0 or o.batch_size < 1 or o.decode_batch < 1:
         raise ConfigError(f"{where}: height, width, batch_size and decode_batch must be > 0")
+    if o.frames < 0:
+        raise ConfigError(f"{where}.frames must be >= 0 (0: an image model), got {o.frames}")
     o.train_steps.validate(o.steps, f"{where}.train_steps")
 
 
@@ -136,6 +138,9 @@ class DiffusionEngine:
         negative_prompt: Annotated[str, "prompt of the unconditional branch (SD3)"] = "",
         height: Annotated[int, "image height in pixels"] = 512,
         width: Annotated[int, "image width in pixels"] = 512,
+        frames: Annotated[
+            int, "video frames per sample (a video model: Wan); 0 for an image model"
+        ] = 0,
         same_noise: Annotated[bool, "all samples of one prompt start from the same noise"] = False,
         train_steps: Annotated[
             StepSelection, "which denoising steps train (the last one never does)"
@@ -164,10 +169,17 @@ class DiffusionEngine:
         self.sampler, self.noise_level, self.steps = sampler, noise_level, steps
         self.eval_steps, self.guidance_scale = eval_steps, guidance_scale
         self.negative_prompt, self.height, self.width = negative_prompt, height, width
+        self.frames = frames
         self.same_noise, self.train_steps, self.batch_size = same_noise, train_steps, batch_size
         self.cfg_batch, self.decode_batch = cfg_batch, decode_batch
         self.logprob = logprob
         check_sampling(self, "engine.args", policy.forward_process)
+        video = bool(getattr(policy.family, "video", False))
+        if video != (frames > 0):
+            raise ConfigError(
+                f"engine.args.frames={frames}, but {policy.path!r} is "
+                + ("a video model: set frames (e.g. 5)" if video else "an image model: set 0")
+            )
         self.seed = seed
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
@@ -178,8 +190,9 @@ class DiffusionEngine:
         return None
 
     def decode(self, latents: Tensor) -> Tensor:
-        """Images [B, 3, H, W] in [0, 1] from final latents: the engine decodes, so under
-        the Ray backend the VAE runs on the engine actor, next to the sampler."""
+        """Images [B, 3, H, W] (videos: [B, 3, frames, H, W]) in [0, 1] from final latents:
+        the engine decodes, so under the Ray backend the VAE runs on the engine actor, next
+        to the sampler."""
         return self.policy.family.decode(latents, chunk=self.decode_batch)
 
     def state_dict(self) -> dict:
@@ -221,7 +234,10 @@ class DiffusionEngine:
             neg_pooled = neg_pooled.expand(b, *neg_pooled.shape[1:]).clone()
         else:  # no unconditional branch (FLUX): empty placeholders keep the record's layout
             neg_emb, neg_pooled = emb[:, :0].clone(), pooled[:, :0].clone()
-        shape = policy.family.latent_shape(self.height, self.width)
+        if self.frames:
+            shape = policy.family.latent_shape(self.height, self.width, self.frames)
+        else:
+            shape = policy.family.latent_shape(self.height, self.width)
         sched = policy.family.schedule(steps, shape)
         sigmas, timesteps = sched.sigmas, sched.timesteps
         if self.same_noise:

@@ -2,7 +2,7 @@
 
 A family loads the trainable transformer plus its frozen parts (text encoders, VAE,
 scheduler) and offers four operations: encode prompts, predict the velocity, give the
-σ schedule, decode latents to images. Two families:
+σ schedule, decode latents to images. Three families:
 
 - :class:`SD3Family`: Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline`` components:
   ``SD3Transformer2DModel``, CLIP-L/G + optional T5 text encoders, ``AutoencoderKL``,
@@ -10,8 +10,11 @@ scheduler) and offers four operations: encode prompts, predict the velocity, giv
 - :class:`FluxFamily`: FLUX.1 (``FluxPipeline`` components: ``FluxTransformer2DModel``,
   CLIP-L pooled + T5 sequence embeddings); ``guidance_scale`` is the value given to the
   guidance embedding (FLUX-dev; schnell has none), never classifier-free guidance.
+- :class:`WanFamily`: Wan 2.1 text-to-video (``WanPipeline`` components:
+  ``WanTransformer3DModel``, UMT5, ``AutoencoderKLWan``); latents ``[C, F, h, w]``.
 
-Latents are always ``[C, h, w]`` in the VAE's layout. FLUX packs 2x2 patches into tokens
+Latents are always in the VAE's layout: ``[C, h, w]`` (images), ``[C, F, h, w]`` (Wan's
+videos). FLUX packs 2x2 patches into tokens
 inside :meth:`FluxFamily.velocity` only (a pure permutation), so samplers, records and
 log-probs (averages over elements) never see the packing.
 
@@ -426,7 +429,184 @@ class FluxFamily:
         return encode_images(self.vae, images, self.device)
 
 
-FAMILIES = {"sd3": SD3Family, "flux": FluxFamily}
+def load_video_vae(path: str, dtype: torch.dtype) -> nn.Module:
+    """A video checkpoint's VAE: diffusers' ``AutoencoderKLWan`` or, in tiny CPU demos, the
+    frame-wise :class:`~polyrl.diffusion.wan.PatchVideoVAE`."""
+    from diffusers import AutoencoderKLWan
+
+    cfg = AutoencoderKLWan.load_config(path, subfolder="vae")
+    if cfg.get("_class_name") == "PatchVideoVAE":
+        from polyrl.diffusion.wan import PatchVideoVAE
+
+        return PatchVideoVAE.from_pretrained(path, subfolder="vae")
+    return AutoencoderKLWan.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
+
+
+class WanFamily:
+    """Wan 2.1 text-to-video from a local folder or hub id in ``WanPipeline``'s layout.
+
+    Latents are ``[C, F, h, w]`` (``F = (frames - 1) / temporal factor + 1`` latent
+    frames), the layout ``WanTransformer3DModel`` reads and ``AutoencoderKLWan`` decodes;
+    samplers and log-probs treat them like image latents (averages over every element).
+    Prompts: UMT5 token embeddings, zero-padded to ``max_sequence_length`` (no pooled
+    embedding: an empty one keeps the record's layout). Guidance is classifier-free, each
+    branch its own transformer call, as ``WanPipeline`` does. The VAE's latents are
+    normalised per channel by its ``latents_mean`` / ``latents_std``.
+
+    The σ schedule is the flow-matching Euler scheduler's with the checkpoint's shift
+    (``shift`` of a ``FlowMatchEulerDiscreteScheduler``, which ``WanPipeline`` then steps
+    exactly; ``flow_shift`` of the UniPC scheduler Wan's hub checkpoints ship, whose
+    multistep updates an SDE sampler does not use).
+    """
+
+    name = "wan"
+    classifier_free = True
+    video = True  # latents carry a frame axis; engine.args.frames is required
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_t5: bool = True,
+        max_sequence_length: int = 512,
+    ) -> None:
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+        if not load_t5:
+            raise ValueError(
+                f"{path!r} is a Wan checkpoint: its prompt embeddings come from UMT5, so "
+                "policies.<name>.args.text_encoder_3 cannot be false"
+            )
+        self.path, self.device, self.dtype = path, device, dtype
+        self.max_sequence_length = max_sequence_length
+        quiet_diffusers()
+        self.transformer = WanTransformer3DModel.from_pretrained(
+            path, subfolder="transformer", **dtype_kw(dtype)
+        ).to(device)
+        cfg = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
+        if cfg.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
+            self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg)
+        else:  # UniPC (Wan's hub checkpoints): the Euler scheduler with its flow shift
+            self.scheduler = FlowMatchEulerDiscreteScheduler(
+                num_train_timesteps=cfg.get("num_train_timesteps", 1000),
+                shift=cfg.get("flow_shift", 3.0),
+            )
+        self.vae = load_video_vae(path, dtype).to(device).eval().requires_grad_(False)
+        # The pipeline object only encodes prompts; no VAE in it.
+        self.text = WanPipeline.from_pretrained(
+            path,
+            transformer=self.transformer,
+            vae=None,
+            scheduler=self.scheduler,
+            **dtype_kw(dtype),
+        )
+        self.text.to(device)
+        self.text.text_encoder.eval().requires_grad_(False)
+        self.text.set_progress_bar_config(disable=True)
+        vc = self.vae.config
+        self.temporal = int(vc.scale_factor_temporal)
+        self.vae_scale = int(vc.scale_factor_spatial)
+        p = self.transformer.config.patch_size
+        self.multiple = self.vae_scale * p[1]
+        self.latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32)
+        self.latents_std = torch.tensor(vc.latents_std, dtype=torch.float32)
+
+    @staticmethod
+    def load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import WanPipeline
+
+        return WanPipeline
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """(UMT5 embeddings [n, S, D], an empty pooled [n, 0]) in float32 on the device."""
+        emb, _ = self.text.encode_prompt(
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        return emb.float(), emb.new_zeros((emb.shape[0], 0)).float()
+
+    def velocity(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        timesteps: Tensor,
+        emb: Tensor,
+        pooled: Tensor,
+        guidance: Tensor | None = None,
+    ) -> Tensor:
+        """v for latents ``x`` [B, C, F, h, w] (``pooled`` and ``guidance`` unused)."""
+        return model(
+            hidden_states=x.to(self.dtype),
+            timestep=timesteps.to(self.dtype),
+            encoder_hidden_states=emb.to(self.dtype),
+            return_dict=False,
+        )[0]
+
+    def latent_frames(self, frames: int) -> int:
+        if frames < 1 or (frames - 1) % self.temporal:
+            raise ValueError(
+                f"engine.args.frames={frames}: this VAE folds {self.temporal} frames into one "
+                f"latent frame after the first, so frames must be 1 + a multiple of "
+                f"{self.temporal}"
+            )
+        return (frames - 1) // self.temporal + 1
+
+    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, ...]:
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"height and width must be multiples of {self.multiple} (VAE factor "
+                f"{self.vae_scale} x patch size), got {height}x{width}"
+            )
+        c = self.transformer.config.in_channels
+        return c, self.latent_frames(frames), height // self.vae_scale, width // self.vae_scale
+
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> Schedule:
+        """The σ's of ``WanPipeline``'s ``scheduler.set_timesteps(steps)`` (Euler, shifted)."""
+        self.scheduler.set_timesteps(steps, device="cpu")
+        return Schedule(
+            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
+        )
+
+    def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (1, -1, 1, 1, 1)
+        return (
+            self.latents_mean.view(shape).to(like.device),
+            self.latents_std.view(shape).to(like.device),
+        )
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
+        """Videos [B, 3, frames, H, W] in [0, 1] (float32, CPU) from final latents, as
+        ``WanPipeline`` decodes them (``latents * std + mean``)."""
+        out = []
+        for start in range(0, latents.shape[0], chunk):
+            z = latents[start : start + chunk].to(self.device).float()
+            mean, std = self._stats(z)
+            video = self.vae.decode((z * std + mean).to(self.vae.dtype), return_dict=False)[0]
+            out.append((video.float() / 2 + 0.5).clamp(0, 1).cpu())
+        return torch.cat(out) if out else torch.zeros((0, 3, 1, 1, 1))
+
+    @torch.no_grad()
+    def encode_videos(self, videos: Tensor) -> Tensor:
+        """Normalised latents of videos [B, 3, frames, H, W] in [0, 1] (the posterior's mode)."""
+        z = self.vae.encode((videos * 2 - 1).to(self.device, self.vae.dtype)).latent_dist.mode()
+        mean, std = self._stats(z)
+        return (z.float() - mean) / std
+
+
+FAMILIES = {"sd3": SD3Family, "flux": FluxFamily, "wan": WanFamily}
 
 
 def detect_family(path: str) -> str:
@@ -445,7 +625,9 @@ def detect_family(path: str) -> str:
         return "sd3"
     if name == "FluxTransformer2DModel":
         return "flux"
+    if name == "WanTransformer3DModel":
+        return "wan"
     raise ValueError(
         f"{path!r}: unsupported transformer class {name!r} (supported: "
-        "SD3Transformer2DModel, FluxTransformer2DModel)"
+        "SD3Transformer2DModel, FluxTransformer2DModel, WanTransformer3DModel)"
     )

@@ -28,6 +28,7 @@ GRPO has something to fix.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -271,6 +272,108 @@ def write_tiny_flux(
     (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
+def _umt5_encoder(vocab_size: int, hidden: int, seed: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    cfg = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=hidden,
+        d_kv=hidden // 2,
+        d_ff=2 * hidden,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return UMT5EncoderModel(cfg).eval()
+
+
+def write_tiny_wan(
+    path: Path,
+    texts: list[str],
+    *,
+    vae: str,
+    vae_patch: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    shift: float,
+    seed: int,
+) -> None:
+    """Write an untrained tiny Wan 2.1 checkpoint (``WanPipeline`` layout) to ``path``; the
+    sizes' defaults and docs are :func:`tiny_wan`'s."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+
+    from polyrl.diffusion.wan import PatchVideoVAE
+
+    if head_dim < 6 or head_dim % 2:
+        raise ValueError(f"tiny_wan head_dim must be even and >= 6, got {head_dim}")
+    tok = build_t5_tokenizer(texts)
+    enc = _umt5_encoder(len(tok), text_hidden, seed + 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 3)
+        if vae == "patch":
+            vae_model, vae_class = PatchVideoVAE(patch=vae_patch), "polyrl.diffusion.wan"
+        elif vae == "wan":  # random weights: a layout check, not a usable autoencoder
+            levels = int(math.log2(vae_patch))
+            if 2**levels != vae_patch or levels < 1:
+                raise ValueError(f"tiny_wan vae_patch must be a power of 2 >= 2, got {vae_patch}")
+            vae_model = AutoencoderKLWan(
+                base_dim=8,
+                z_dim=4,
+                dim_mult=[1] + [2] * levels,
+                num_res_blocks=1,
+                temperal_downsample=[False] * levels,
+                # per-channel statistics like Wan's own (not 0 and 1), so the
+                # normalisation is exercised
+                latents_mean=[round(0.1 * k - 0.15, 2) for k in range(4)],
+                latents_std=[round(1.0 + 0.25 * k, 2) for k in range(4)],
+                scale_factor_temporal=1,
+                scale_factor_spatial=vae_patch,
+            )
+            vae_class = "diffusers"
+        else:
+            raise ValueError(f"tiny_wan vae must be 'patch' or 'wan', got {vae!r}")
+        channels = vae_model.config.z_dim
+        torch.manual_seed(seed)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            in_channels=channels,
+            out_channels=channels,
+            text_dim=text_hidden,
+            freq_dim=32,
+            ffn_dim=2 * heads * head_dim,
+            num_layers=layers,
+            rope_max_seq_len=64,
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    transformer.save_pretrained(path / "transformer")
+    scheduler.save_pretrained(path / "scheduler")
+    vae_model.save_pretrained(path / "vae")
+    enc.save_pretrained(path / "text_encoder")
+    tok.save_pretrained(path / "tokenizer")
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "vae": [vae_class, type(vae_model).__name__],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "boundary_ratio": None,
+        "expand_timesteps": False,
+    }
+    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
+
+
 def pretrain_colour(
     path: Path,
     *,
@@ -474,5 +577,81 @@ def tiny_flux(
     def write(tmp: Path) -> None:
         write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
+
+    return _build_once(path, write)
+
+
+@MODELS.register("tiny_wan")
+def tiny_wan(
+    path: str | Path,
+    *,
+    corpus: _CORPUS = "colour_video",
+    vae: Annotated[
+        str,
+        "patch: the frame-wise PatchVideoVAE (exact, no weights; demos); wan: a tiny "
+        "AutoencoderKLWan with random weights (layout tests only)",
+    ] = "patch",
+    pretrain_steps: Annotated[
+        int, "flow-matching pre-training steps on colour_video's videos (0: untrained)"
+    ] = 0,
+    pretrain_batch: Annotated[int, "videos per pre-training step"] = 32,
+    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
+    label_noise: Annotated[
+        float, "share of pre-training videos whose colours disagree with their caption"
+    ] = 0.0,
+    frames: Annotated[int, "frames of the pre-training videos"] = 4,
+    both_orders: Annotated[
+        bool, "pre-train on each colour pair in both orders (colour_video's task option)"
+    ] = True,
+    colours: Annotated[
+        list[str] | None, "palette colours of the pre-training videos (null: all four)"
+    ] = None,
+    blob: Annotated[bool, "pre-training videos show a blob (false: whole coloured frames)"] = False,
+    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
+    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    image_size: _IMAGE = 16,
+    vae_patch: Annotated[int, "VAE spatial factor: latents are (C, frames, side/p, side/p)"] = 2,
+    layers: Annotated[int, "Wan transformer blocks"] = 2,
+    heads: _HEADS = 2,
+    head_dim: Annotated[int, "width of one attention head (even, >= 6; rotary axes t, h, w)"] = 24,
+    text_hidden: Annotated[int, "hidden size of the tiny UMT5 text encoder"] = 32,
+    shift: Annotated[float, "the flow-matching scheduler's shift (Wan 480p: 3)"] = 3.0,
+) -> Path:
+    """Build (once) a tiny Wan 2.1 at ``path``; pre-train it on task ``corpus``'s videos."""
+    if pretrain_steps and (corpus != "colour_video" or vae != "patch"):
+        raise ValueError(
+            "tiny_wan pre-trains on the colour_video task with vae: patch only; set "
+            "pretrain_steps=0"
+        )
+    shape = dict(
+        vae=vae,
+        vae_patch=vae_patch,
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        text_hidden=text_hidden,
+        shift=shift,
+    )
+
+    def write(tmp: Path) -> None:
+        write_tiny_wan(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
+        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
+        if pretrain_steps:
+            from polyrl.diffusion.wan import pretrain_colour_video
+
+            pretrain_colour_video(
+                tmp,
+                steps=pretrain_steps,
+                frames=frames,
+                size=image_size,
+                both_orders=both_orders,
+                colours=colours,
+                blob=blob,
+                batch_size=pretrain_batch,
+                lr=pretrain_lr,
+                label_noise=label_noise,
+                seed=seed,
+                log_every=log_every,
+            )
 
     return _build_once(path, write)
