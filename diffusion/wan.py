@@ -18,7 +18,8 @@ sets the video length.
 - Workflow ``text_to_video``: ``text_to_image`` with frames; each evaluation writes an
   animated GIF grid (one tile per sample) and a PNG film strip (one row per sample, one
   column per frame) to ``<run>/samples/``; the first and latest are also
-  ``video_before.gif`` / ``video_after.gif`` (and ``.png``) in the run directory.
+  ``video_before.gif`` / ``video_after.gif`` (and ``.png``) in the run directory; with
+  ``rollout.args.mp4`` also H.264 MP4s (PyAV).
 """
 
 from __future__ import annotations
@@ -322,6 +323,25 @@ def save_gif(frames: list, path: Path, ms_per_frame: int = 250) -> None:
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=ms_per_frame, loop=0)
 
 
+def save_mp4(frames: list, path: Path, ms_per_frame: int = 250) -> None:
+    """H.264 (yuv420p) through PyAV; odd sides are padded by one pixel (the codec's rule)."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    w, h = frames[0].size
+    with av.open(str(path), mode="w") as out:
+        stream = out.add_stream("libx264", rate=Fraction(1000, ms_per_frame))
+        stream.width, stream.height, stream.pix_fmt = w + w % 2, h + h % 2, "yuv420p"
+        stream.options = {"crf": "18"}
+        for im in frames:
+            arr = np.zeros((stream.height, stream.width, 3), dtype=np.uint8)
+            arr[:h, :w] = np.asarray(im.convert("RGB"))
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")))
+        out.mux(stream.encode())
+
+
 class TextToVideo(TextToImage):
     """Sample ``n`` videos per prompt with a Wan policy; one row per video, its frames in
     ``meta["images"]`` (so ``sample.images`` is the list of frames)."""
@@ -348,10 +368,23 @@ class TextToVideo(TextToImage):
         save_grids: Annotated[
             bool, "write a GIF grid and a PNG film strip at each evaluation"
         ] = True,
-        ms_per_frame: Annotated[int, "GIF frame duration in milliseconds"] = 250,
+        ms_per_frame: Annotated[int, "GIF (and MP4) frame duration in milliseconds"] = 250,
+        mp4: Annotated[
+            bool, "also write each grid as an H.264 MP4 (needs PyAV: pip install av)"
+        ] = False,
     ) -> None:
         super().__init__(ctx, policy=policy, grid_scale=grid_scale, save_grids=save_grids)
-        self.ms_per_frame = ms_per_frame
+        if ms_per_frame < 1:
+            raise ConfigError(f"rollout.args.ms_per_frame must be >= 1, got {ms_per_frame}")
+        if mp4:
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "rollout.args.mp4=true needs PyAV (pip install av); or set mp4: false "
+                    "(the GIF grids are always written)"
+                ) from None
+        self.ms_per_frame, self.mp4 = ms_per_frame, mp4
 
     def rollout(self, items: list[PromptItem], params: SamplingParams):
         training = self.is_training(params)
@@ -403,6 +436,8 @@ class TextToVideo(TextToImage):
         out = run / "samples" / f"eval_rollout_{rollouts:06d}.gif"
         out.parent.mkdir(parents=True, exist_ok=True)
         save_gif(per_frame, out, self.ms_per_frame)
+        if self.mp4:
+            save_mp4(per_frame, out.with_suffix(".mp4"), self.ms_per_frame)
         strip.save(out.with_suffix(".png"))
         out.with_suffix(".json").write_text(
             json.dumps({"rows": prompts, "per_row": n, "frames": frames})
@@ -411,6 +446,8 @@ class TextToVideo(TextToImage):
             save_gif(per_frame, run / "video_before.gif", self.ms_per_frame)
             strip.save(run / "video_before.png")
         save_gif(per_frame, run / "video_after.gif", self.ms_per_frame)
+        if self.mp4:
+            save_mp4(per_frame, run / "video_after.mp4", self.ms_per_frame)
         strip.save(run / "video_after.png")
         self._grids += 1
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,7 +220,6 @@ def test_temporal_consistency_by_hand():
     # frames 1 and 3 have their first row raised by 0.2 (clamped at 1): the change between
     # frames 0-1 and 2-3 counts, the prompted change 1-2 does not
     flick = _sample("red, then blue", _video("red", "red", "blue", "blue", flicker=0.2))
-    import numpy as np
 
     px = [np.asarray(f, dtype=np.float64) / 255 for f in flick.images]
     assert np.abs(px[1] - px[0]).max() > 0.1  # the flicker is there
@@ -294,6 +294,7 @@ def test_two_training_steps_write_video_grids(tiny_wan_patch_dir, tmp_path, one_
             "guidance_scale: 2.0, train_steps: {mode: window, window_start: 0, window_size: 2}}",
             "policies.main.args={max_sequence_length: 8}",
             "rollout.workflow=text_to_video",
+            "rollout.args={mp4: true}",
             "rollout.n=3",
             "rollout.prompts_per_step=2",
             "eval.n=2",
@@ -318,6 +319,18 @@ def test_two_training_steps_write_video_grids(tiny_wan_patch_dir, tmp_path, one_
     strip = Image.open(run.path / "video_after.png")  # 4 rows (samples) x 4 frames
     assert strip.size == (4 * 66 + 2, 4 * 66 + 2)
     assert (run.path / "video_before.gif").is_file()
+    import av
+
+    with av.open(str(run.path / "video_after.mp4")) as mp4:
+        frames = [f.to_ndarray(format="rgb24") for f in mp4.decode(video=0)]
+    assert len(frames) == 4 and frames[0].shape == (134, 134, 3)
+    # H.264 (4:2:0) is lossy: each MP4 frame is nearest to the GIF frame of its own time
+    gifs = []
+    for k in range(4):
+        gif.seek(k)
+        gifs.append(np.asarray(gif.convert("RGB"), dtype=np.float64))
+    dist = np.array([[np.abs(m - g).mean() for g in gifs] for m in frames])
+    assert (dist.argmin(1) == np.arange(4)).all(), dist
     assert (run.path / "export" / "main" / "pytorch_lora_weights.safetensors").is_file()
 
 
