@@ -85,6 +85,7 @@ def _check(guard: dict, off: dict, label: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # about 2 minutes on 2 idle cores; a loaded machine is far slower
 def test_jpeg_reward_collapses_diversity_and_the_guard_reacts(demo_model, tmp_path):
     t0 = time.perf_counter()
     guard, off = _run_pair(demo_model, tmp_path, 0, steps=15)
@@ -92,6 +93,7 @@ def test_jpeg_reward_collapses_diversity_and_the_guard_reacts(demo_model, tmp_pa
 
 
 @pytest.mark.seeds
+@pytest.mark.timeout(3600)
 def test_reward_hacking_and_the_guard_three_seeds(demo_model, tmp_path):
     for seed in (0, 1, 2):
         guard, off = _run_pair(demo_model, tmp_path / f"seed{seed}", seed, steps=30)
@@ -99,6 +101,7 @@ def test_reward_hacking_and_the_guard_three_seeds(demo_model, tmp_path):
 
 
 @pytest.mark.seeds
+@pytest.mark.timeout(3600)
 def test_grpo_guard_learns_the_colour_three_seeds(demo_model, tmp_path):
     """ratio_norm + inv_dt with two mini-batches per update (the second is off-policy, so
     the clip acts) learns the colour as the plain recipe does: >= 0.9 over the last 5 of
