@@ -115,6 +115,7 @@ class EpisodeState:
     open: bool = True
     error: str = ""
     result: Any = None
+    posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -188,6 +189,20 @@ def normalise_messages(messages: Any) -> tuple[list[dict], list[tuple]]:
     return rendered, keys
 
 
+def _fold_calls(msg: dict) -> dict:
+    """An assistant message's tool calls written into its content as Hermes blocks (the
+    form the gateway parses replies in), for chat templates that ignore ``tool_calls``."""
+    if not msg.get("tool_calls"):
+        return msg
+    blocks = [
+        "<tool_call>"
+        + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        + "</tool_call>"
+        for c in msg["tool_calls"]
+    ]
+    return {"role": msg["role"], "content": msg["content"] + "\n".join(blocks)}
+
+
 # --------------------------------------------------------------------------- request checks
 
 
@@ -214,15 +229,21 @@ class Request:
     stop: list[str]
     logprobs: bool
     tools: list[dict] | None
+    stream: bool = False
+    usage_chunk: bool = False  # stream_options.include_usage
 
 
 def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Request:
     """Check a Chat Completions body; a :class:`RequestError` says what is wrong."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    if body.get("stream"):
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(400, "stream must be true or false", param="stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
         raise RequestError(
-            400, "stream: true is not supported by the gateway; leave stream unset", param="stream"
+            400, "stream_options needs stream: true and an object", param="stream_options"
         )
     model = body.get("model")
     if not isinstance(model, str):
@@ -293,6 +314,8 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
         stop=stop,
         logprobs=logprobs,
         tools=tools or None,
+        stream=bool(stream),
+        usage_chunk=bool((options or {}).get("include_usage")),
     )
 
 
@@ -430,6 +453,12 @@ class GatewayServer:
     ) -> None:
         self.engines, self.tokenizers = engines, tokenizers
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
+        # Templates that never mention tool_calls would drop an assistant's calls when a
+        # conversation is rendered afresh; those get the calls as Hermes text instead.
+        self.fold_calls = {
+            name: "tool_calls" not in str(getattr(tok, "chat_template", None) or "")
+            for name, tok in tokenizers.items()
+        }
         self.host = host
         self.api_key = "pk-" + secrets.token_urlsafe(24)
         self.request_timeout = request_timeout
@@ -505,7 +534,7 @@ class GatewayServer:
     def app(self):
         """The ASGI app: Starlette (FastAPI's core) with three routes."""
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
         def error(e: RequestError) -> JSONResponse:
@@ -548,7 +577,12 @@ class GatewayServer:
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     raise RequestError(400, "the request body is not valid JSON") from None
                 req = parse_request(body, list(self.engines), self.defaults)
-                return JSONResponse(await self._complete(ep, req))
+                answer = await self._complete(ep, req)
+                if req.stream:
+                    return StreamingResponse(
+                        _sse(answer, req.usage_chunk), media_type="text/event-stream"
+                    )
+                return JSONResponse(answer)
             except RequestError as e:
                 return error(e)
             except TimeoutError:
@@ -558,12 +592,25 @@ class GatewayServer:
                 msg = f"the engine failed: {type(e).__name__}: {e}"
                 return error(RequestError(500, msg, code="engine_error"))
 
+        async def rewards(request):
+            try:
+                check_key(request)
+                ep = episode(request)
+                try:
+                    body = json.loads(await request.body())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise RequestError(400, "the request body is not valid JSON") from None
+                return JSONResponse(self._post_reward(ep, body))
+            except RequestError as e:
+                return error(e)
+
         async def other(request):
             return error(
                 RequestError(
                     404,
                     f"{request.url.path} is not served; the gateway serves POST "
-                    "<base_url>/chat/completions and GET <base_url>/models",
+                    "<base_url>/chat/completions, POST <base_url>/rewards and GET "
+                    "<base_url>/models",
                 )
             )
 
@@ -572,9 +619,41 @@ class GatewayServer:
             routes=[
                 Route("/ep/{token}/v1/chat/completions", chat, methods=["POST"]),
                 Route("/ep/{token}/v1/models", models, methods=["GET"]),
+                Route("/ep/{token}/v1/rewards", rewards, methods=["POST"]),
                 Route("/{path:path}", other, methods=methods),
             ]
         )
+
+    @staticmethod
+    def _post_reward(ep: EpisodeState, body: Any) -> dict:
+        """``{"reward": r, "turn": t}``: r added to turn t's reward (default: the latest
+        completion's turn); several posts to one turn add up."""
+        if not isinstance(body, dict):
+            raise RequestError(400, 'post {"reward": number, "turn": optional int}')
+        reward, turn = body.get("reward"), body.get("turn")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RequestError(400, "reward must be a number", param="reward")
+        if not math.isfinite(reward):
+            raise RequestError(400, "reward must be finite", param="reward")
+        with ep.lock:
+            if not ep.open:
+                raise RequestError(409, "the episode is over (it ended or timed out)")
+            turns = len(ep.calls)
+            if turn is None:
+                if not turns:
+                    raise RequestError(
+                        400, "no completion yet in this episode to credit the reward to", "turn"
+                    )
+                turn = turns - 1
+            if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < turns:
+                raise RequestError(
+                    400,
+                    f"turn={turn!r}: give the index of one of this episode's {turns} "
+                    "completions (0 is the first), or leave it out for the latest",
+                    param="turn",
+                )
+            ep.posted[turn] = ep.posted.get(turn, 0.0) + float(reward)
+        return {"object": "reward", "turn": turn, "reward": float(reward)}
 
     # ---------------------------------------------------------------- completion
     def prompt_ids(self, ep: EpisodeState, req: Request) -> tuple[list[int], bool]:
@@ -606,7 +685,10 @@ class GatewayServer:
                 rest = None
             if rest is not None:
                 return call.prompt_ids + choice.ids + rest, True
-        return chat.first_prompt(req.messages, req.tools), False
+        messages = req.messages
+        if self.fold_calls[req.model]:
+            messages = [_fold_calls(m) for m in messages]
+        return chat.first_prompt(messages, req.tools), False
 
     async def _complete(self, ep: EpisodeState, req: Request) -> dict:
         prompt, stitched = self.prompt_ids(ep, req)
@@ -711,6 +793,28 @@ class GatewayServer:
         }
 
 
+def _sse(answer: dict, usage: bool):
+    """A finished completion as Server-Sent Events ``chat.completion.chunk``s: per choice
+    its whole message in one delta, then its finish reason; usage last if asked. The engine
+    samples a call's tokens together, so there is nothing to send earlier."""
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def event(choices: list, **extra) -> bytes:
+        return f"data: {json.dumps(head | {'choices': choices} | extra)}\n\n".encode()
+
+    for c in answer["choices"]:
+        delta = {"role": "assistant", "content": c["message"]["content"]}
+        if c["message"].get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": k} | call for k, call in enumerate(c["message"]["tool_calls"])
+            ]
+        yield event([{"index": c["index"], "delta": delta, "logprobs": c["logprobs"]}])
+        yield event([{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}])
+    if usage:
+        yield event([], usage=answer["usage"])
+    yield b"data: [DONE]\n\n"
+
+
 # --------------------------------------------------------------------------- the workflow
 
 
@@ -753,6 +857,21 @@ class Endpoint:
             timeout=self.timeout,
             http_client=httpx.AsyncClient(verify=False, timeout=self.timeout),
         )
+
+    def reward(self, value: float, turn: int | None = None) -> None:
+        """Post a reward for one turn (default: the latest completion); rewards add up
+        with each other and with the agent's return value (see the README)."""
+        import httpx
+
+        body = {"reward": value} if turn is None else {"reward": value, "turn": turn}
+        r = httpx.post(
+            self.base_url + "/rewards",
+            json=body,
+            headers={"Authorization": f"Bearer {self.api_key}"},
+            timeout=self.timeout,
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"the gateway refused the reward: {r.json()['error']['message']}")
 
 
 def _describe(exc: BaseException) -> str:
@@ -973,9 +1092,12 @@ class Gateway:
         for ep in episodes:
             reward, success = ep.result if ep.result is not None else (None, None)
             turns = len(ep.calls)
-            turn_rewards = [0.0] * turns
+            turn_rewards = [ep.posted.get(t, 0.0) for t in range(turns)]
             if reward is not None and turns:
-                turn_rewards[-1] = reward  # the agent's return, credited at the last turn
+                turn_rewards[-1] += reward  # the agent's return, credited at the last turn
+            if ep.posted and turns:  # the return is the sum of what was credited
+                success = success if success is not None else sum(turn_rewards) > 0
+                reward = sum(turn_rewards)
             base = {
                 "answer": ep.item.answer,
                 "row": ep.item.row,

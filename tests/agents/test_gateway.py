@@ -140,7 +140,9 @@ def error_agent(row, ep):
         "long": lambda: client.chat.completions.create(
             model="main", messages=msgs, max_tokens=10_000
         ),
-        "stream": lambda: client.chat.completions.create(model="main", messages=msgs, stream=True),
+        "stream_options": lambda: client.chat.completions.create(
+            model="main", messages=msgs, stream_options={"include_usage": True}
+        ),
     }
     for name, call in cases.items():
         try:
@@ -294,7 +296,7 @@ def test_bad_requests_get_openai_errors(gateway, items):
         ("hot", "temperature"),
         ("n0", "n must be"),
         ("long", "max_tokens"),
-        ("stream", "not supported"),
+        ("stream_options", "stream: true"),
         ("not_json", "not valid JSON"),
     ):
         status, msg = seen[case]
@@ -569,3 +571,125 @@ def test_an_engine_error_is_a_500_for_its_call_and_the_server_goes_on(grid_token
         assert "InternalServerError" in error and "engine fell over" in error
     assert fine["valid"].all()
     assert [m["return"] for m in strings(fine, "meta")] == [1.0, 1.0]
+
+
+def rewarding_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    r = client.chat.completions.create(model="main", messages=msgs, max_tokens=3)
+    ep.reward(0.5)  # the latest completion: turn 0
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content},
+        {"role": "user", "content": "more"},
+    ]
+    client.chat.completions.create(model="main", messages=msgs, max_tokens=3)
+    ep.reward(0.25, turn=0)  # adds up with the first post
+    refused = {}
+    for turn, value in ((5, 1.0), (None, "high")):
+        try:
+            ep.reward(value, turn=turn)
+        except RuntimeError as e:
+            refused[turn] = str(e)
+    RESULTS[("posted", ep.episode)] = refused
+    return row["ret"]
+
+
+def test_rewards_posted_per_turn_add_to_the_return(gateway, items):
+    from polyrl.agents.credit import _steps
+
+    wf = gateway("rewarding_agent")
+    data = [{"prompt": "grid S.G", "ret": 1.0}, {"prompt": "grid G.S", "ret": None}]
+    rec = wf.rollout(items(data), SamplingParams(n=1, max_new_tokens=8))
+    metas = strings(rec, "meta")
+    assert rec["valid"].all() and rec.batch_size[0] == 4, strings(rec, "error")
+    for idx in by_episode(rec).values():
+        m = metas[idx[0]]
+        ret = m["row"]["ret"]
+        want = [0.75, 1.0] if ret == 1.0 else [0.75, 0.0]
+        assert m["turn_rewards"] == want and m["return"] == sum(want)
+        assert m["success"] is True
+        refused = RESULTS[("posted", m["episode"])]
+        assert "turn=5" in refused[5] and "2 completions" in refused[5]
+        assert "must be a number" in refused[None]
+    # per-turn credit sees the posted rewards: turn 0's return-to-go is its own reward
+    # plus gamma times turn 1's
+    rec.set("reward", torch.tensor([float(m["return"]) for m in metas]))
+    rets = {(metas[s.row]["row"]["ret"], s.turn): s.ret for s in _steps(rec, 0.5)[0]}
+    assert rets == {(1.0, 0): 0.75 + 0.5 * 1.0, (1.0, 1): 1.0, (None, 0): 0.75, (None, 1): 0.0}
+
+
+def folding_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    reply = client.chat.completions.create(model="main", messages=msgs, tools=[CALC])
+    msg = reply.choices[0].message
+    msgs += [
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"},
+    ]
+    client.chat.completions.create(model="checker", messages=msgs)
+    return 1.0
+
+
+def test_another_model_sees_earlier_tool_calls_as_hermes_text(grid_tokenizer, items):
+    """The tiny chat template ignores ``tool_calls``; a conversation rendered afresh for
+    another model gets them as the same ``<tool_call>`` text the first model wrote."""
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+    from tests.agents.conftest import FakePolicy, ScriptedEngine
+
+    call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    tok = grid_tokenizer
+    main = ScriptedEngine(tok, lambda text, call, i: (call_text, True))
+    checker = ScriptedEngine(tok, lambda text, call, i: ("5", True))
+    policies = {"main": FakePolicy(tok), "checker": FakePolicy(tok)}
+    wf = Gateway(
+        Context(None, policies, {"main": main, "checker": checker}), agent=f"{HERE}:folding_agent"
+    )
+    try:
+        rec = wf.rollout(items(rows("what is 2 + 3?")), SamplingParams(n=1, max_new_tokens=80))
+    finally:
+        wf.close()
+    assert rec["valid"].all() and strings(rec, "policy") == ["main", "checker"]
+    assert [m["stitched"] for m in strings(rec, "meta")] == [False, False]
+    want = [
+        {"role": "user", "content": "what is 2 + 3?"},
+        {"role": "assistant", "content": call_text},
+        {"role": "tool", "content": "5"},
+    ]
+    assert ids(rec, "prompt_ids", 1) == first(want, tok)
+
+
+def streaming_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+    stream = client.chat.completions.create(
+        model="main",
+        messages=msgs,
+        n=2,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finish, usage = {}, {}, None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    RESULTS[("stream", ep.episode)] = (texts, finish, usage)
+    return 1.0
+
+
+def test_streamed_answers_are_the_recorded_completions(gateway, items):
+    wf = gateway("streaming_agent")
+    rec = wf.rollout(items(rows("grid S.G")), SamplingParams(n=1, max_new_tokens=8))
+    assert rec["valid"].all() and rec.batch_size[0] == 2
+    texts, finish, usage = RESULTS[("stream", by_episode(rec).popitem()[0])]
+    assert texts == {0: strings(rec, "response_text")[0], 1: strings(rec, "response_text")[1]}
+    for i in (0, 1):
+        ended = ids(rec, "response_ids", i)[-1] == wf.server.chats["main"].eos_id
+        assert finish[i] == ("stop" if ended else "length")
+    assert usage.completion_tokens == int(rec["loss_mask"].sum())
