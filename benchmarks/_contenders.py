@@ -98,6 +98,42 @@ def stop_plan_lp():
     return StopPlanLP
 
 
+# ------------------------------------------------------------------------------ rewards
+
+AGREE_PERCENT = 45  # share of prompts whose group agrees under the realistic reward
+AGREE_NAME = "bench_agree"
+
+
+def agrees(answer: Any) -> bool:
+    """Whether a prompt's group all gets the same reward (a fixed ~45% of prompts)."""
+    import zlib
+
+    return zlib.crc32(str(answer).encode()) % 100 < AGREE_PERCENT
+
+
+def agree_reward(sample) -> float:
+    """The realistic workload's reward, the same function for every contender: 0 for every
+    sample of ~45% of the prompts (a group an untrained model gets all wrong, as in math
+    and code RL: no signal), ``digit_share`` (varies within the group) for the rest."""
+    return 0.0 if agrees(sample.answer) else digit_share(sample)
+
+
+def register_agree_reward() -> str:
+    from polyrl.core.rewards import register_reward
+
+    register_reward(AGREE_NAME)(agree_reward)
+    return AGREE_NAME
+
+
+REWARDS = {"digits": digit_share, "agree": agree_reward}
+
+
+def agree_frac(rewards, n: int) -> float:
+    """Share of groups (``n`` consecutive rows) whose rewards are all equal."""
+    groups = rewards.view(-1, n)
+    return float((groups == groups[:, :1]).all(-1).float().mean())
+
+
 # ------------------------------------------------------------------------------ contenders
 
 
@@ -140,6 +176,7 @@ class PolyRLStepper:
         mode: str = "step",
         device: str = "cpu",
         dtype: str = "float32",
+        reward: str = "digits",
     ) -> None:
         from types import SimpleNamespace
 
@@ -187,7 +224,8 @@ class PolyRLStepper:
             SimpleNamespace(rollout=rollout), {"main": self.policy}, {"main": self.engine}
         )
         self.workflow = SingleTurn(self.ctx)
-        self.reward_cfg = RewardConfig(terms=[RewardTerm(register_bench_reward())])
+        name = register_bench_reward() if reward == "digits" else register_agree_reward()
+        self.reward_cfg = RewardConfig(terms=[RewardTerm(name)])
         self.algo = AlgorithmConfig()  # grpo advantages, ppo_clip, token-mean; no KL, 1 epoch
         self.gen = torch.Generator().manual_seed(seed)
         self.stop_plan_args = stop_plan_args
@@ -302,7 +340,10 @@ class PolyRLStepper:
             out.update(reward_credit_s=t2 - t1, update_s=t3 - t2, sync_s=t4 - t3)
         out["step_s"] = now(self.device) - t0
         lengths = record["response_mask"].sum(-1)
+        if self.mode == "step":
+            out["agree_frac"] = agree_frac(record["reward"], n)
         out.update(
+            prompt_tokens=int(record["prompt_mask"].sum()),
             tokens=int(lengths.sum()),
             rows=int(lengths.numel()),
             mean_len=float(lengths.float().mean()),
@@ -336,6 +377,8 @@ class TRLStepper:
         threaded: bool = True,
         device: str = "cpu",
         dtype: str = "float32",
+        reward: str = "digits",
+        trl_defaults: bool = False,
     ) -> None:
         import logging
         import queue
@@ -360,21 +403,23 @@ class TRLStepper:
             ]
         )
 
-        def reward(prompts, completions, answer, **_):  # the function PolyRL scores with
+        score = REWARDS[reward]
+
+        def reward_fn(prompts, completions, answer, **_):  # the function PolyRL scores with
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
             return [
-                digit_share(Sample(prompt="", response=t, answer=a, meta={}))
+                score(Sample(prompt="", response=t, answer=a, meta={}))
                 for t, a in zip(texts, answer, strict=True)
             ]
 
-        cfg = GRPOConfig(
+        # What defines the workload (the same for PolyRL); with trl_defaults the rest is
+        # TRL's documented defaults (gradient checkpointing on, its loss and clip).
+        workload = dict(
             output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
             num_generations=n,
             per_device_train_batch_size=n * prompts,
             gradient_accumulation_steps=1,
             max_completion_length=max_new_tokens,
-            beta=0.0,
-            num_iterations=1,
             use_vllm=False,
             use_cpu=device == "cpu",
             report_to=[],
@@ -383,25 +428,30 @@ class TRLStepper:
             bf16=False,  # bf16 runs load bf16 weights, as PolyRL's policy does (no autocast)
             fp16=False,
             max_steps=total_steps + 1,
-            learning_rate=1e-6,
-            temperature=1.0,
-            top_p=1.0,
             shuffle_dataset=False,
             seed=0,
             disable_tqdm=True,
             dataloader_num_workers=0,
             log_completions=False,
+        )
+        matched = dict(
+            beta=0.0,
+            num_iterations=1,
+            learning_rate=1e-6,
+            temperature=1.0,
+            top_p=1.0,
             mask_truncated_completions=False,
             max_grad_norm=1.0,
             gradient_checkpointing=gradient_checkpointing,
         )
+        cfg = GRPOConfig(**workload, **({} if trl_defaults else matched))
         # max_steps is one past the last timed step: TRL never reaches its end-of-training
         # log, whose print from the training thread once landed on the same stdout line
         # as a step's reply and hid it from the runner (a deadlock at the last round).
         tok = AutoTokenizer.from_pretrained(model)
         net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
         self.trainer = GRPOTrainer(
-            model=net, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok
+            model=net, reward_funcs=reward_fn, args=cfg, train_dataset=ds, processing_class=tok
         )
         if stop_plan_args is not None:
             plan = stop_plan(n * prompts, max_new_tokens, **stop_plan_args)
@@ -445,7 +495,7 @@ class TRLStepper:
             self.thread.start()
         self.info = {
             "torch_threads": torch.get_num_threads(),
-            "gradient_checkpointing": gradient_checkpointing,
+            "gradient_checkpointing": cfg.gradient_checkpointing,
         }
 
     def step(self) -> dict[str, Any]:

@@ -17,6 +17,21 @@ credit.assign -> trainer.update -> engine.sync. A TRL step is one optimizer step
 round-robin; the median over the timed steps after warm-up is reported.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--sizes 0.3M 20M] [--threads N]
+        [--workload uniform realistic equal]
+
+``--workload`` (default ``uniform``: the comparison above) adds two more, each printed
+as its own table with its ratios and limits:
+
+- ``realistic``: responses of widely varying length (80% of rows stop within 4 tokens,
+  20% run to the limit: the stop plans of ``variable_lengths.py``), a reward under which
+  ~45% of groups agree (``_contenders.agree_reward``: every sample of those prompts gets
+  0, as an untrained model's math answers would), PolyRL at its defaults and TRL at its
+  documented defaults (only what defines the workload is set). Target: TRL / PolyRL >= 2.
+- ``equal``: the uniform workload with each half of PolyRL's step measured against its
+  own limit in the same run: the update against a bare PyTorch forward/backward/AdamW
+  step over the same number of tokens (no padding in either: PolyRL packs its rows), the
+  rollout against the fastest raw generate loop for the same tokens (transformers'
+  ``generate``; raw ``vllm.LLM.generate`` when vLLM imports). Target: >= 0.9 each.
 """
 
 from __future__ import annotations
@@ -28,9 +43,198 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 import _runner as runner  # noqa: E402
+from _contenders import AGREE_PERCENT  # noqa: E402
 
 TARGET = 1.5
+REALISTIC_TARGET, HALF_TARGET = 2.0, 0.9
 HF, VLLM, TRL = "PolyRL (HF engine)", "PolyRL (vLLM engine)", "TRL GRPOTrainer"
+REALISTIC_PLAN = {"long_frac": 0.2, "short_max": 4}
+
+
+def _summaries(remotes, timed) -> dict:
+    """Each contender's median step and the medians of what its steps report."""
+    res: dict = {}
+    for name, r in remotes.items():
+        recs = timed[name].get("default", [])
+        if r.error or not recs:
+            res[name] = {"error": (r.error or "no steps").strip().splitlines()[-1][:80]}
+            continue
+        s = c.summarize([x["step_s"] for x in recs])
+        keys = {k for x in recs for k in x if k != "step_s"}
+        s.update({k: c.median_of(recs, k) for k in keys})
+        res[name] = s
+    return res
+
+
+def _mean_prompt_tokens(model: str, prompts: int) -> int:
+    """Mean chat-templated prompt length of the first ``prompts`` rows PolyRL samples."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = c.read_rows(c.data_file())[:prompts]
+    lens = [
+        len(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}],
+                tokenize=True,
+                add_generation_prompt=True,
+            )
+        )
+        for r in rows
+    ]
+    return round(sum(lens) / len(lens))
+
+
+def realistic(args, sizes, threads, warmup, steps, ok) -> dict:
+    """Varying lengths, agreeing groups, TRL at its defaults: seconds per step."""
+    T, out, rows, lines = args.max_new_tokens, {}, [], []
+    for size in sizes:
+        model = c.build_model(size)
+        common = dict(n=8, prompts=16, max_new_tokens=T, reward="agree")
+        plan = {"stop_plan_args": REALISTIC_PLAN}
+        specs = {HF: ("polyrl", dict(model=model, engine="hf", **common, **plan))}
+        if ok:
+            vargs = {"max_model_len": 64 + T + 32, "kv_cache_gb": 0.25}
+            specs[VLLM] = (
+                "polyrl",
+                dict(model=model, engine="vllm", engine_args=vargs, **common, **plan),
+            )
+        specs[TRL + " (defaults)"] = (
+            "trl",
+            dict(model=model, total_steps=warmup + steps, trl_defaults=True, **common, **plan),
+        )
+        print(f"\n[realistic, {size}] starting contenders ...", file=sys.stderr, flush=True)
+        remotes = runner.start_all(specs, threads=threads, isolate=not args.in_process)
+        timed = runner.interleave(remotes, warmup=warmup, steps=steps)
+        runner.close_all(remotes)
+        res = _summaries(remotes, timed)
+        for name, r in res.items():
+            rows.append(
+                [size, name]
+                + [r.get(k, float("nan")) for k in ("median_s", "rollout_s", "update_s")]
+                + [r.get(k, float("nan")) for k in ("mean_len", "short_frac", "agree_frac")]
+                + [r.get("error", "")]
+            )
+        trl = res[TRL + " (defaults)"].get("median_s")
+        polys = {
+            k: v["median_s"] for k, v in res.items() if k.startswith("PolyRL") and "median_s" in v
+        }
+        if polys:
+            best = min(polys, key=polys.get)
+            b = res[best]
+            if trl:
+                ratio = trl / polys[best]
+                res["ratio"] = ratio
+                lines.append(
+                    f"  {size:>5}: TRL (defaults) / {best} = {ratio:.2f}x   target >= "
+                    f"{REALISTIC_TARGET}x: {'MET' if ratio >= REALISTIC_TARGET else 'NOT MET'}"
+                )
+            else:
+                lines.append(f"  {size:>5}: TRL not measured ({res[TRL + ' (defaults)']['error']})")
+            lines.append(
+                f"  {size:>5}: {best}'s step: rollout {b['rollout_s']:.3f} s + update "
+                f"{b['update_s']:.3f} s + reward/credit/sync "
+                f"{b['median_s'] - b['rollout_s'] - b['update_s']:.3f} s"
+            )
+        out[size] = res
+    print(
+        "\nRealistic workload: seconds per GRPO step (16 prompts x 8, 80% of rows stop within "
+        f"4 tokens, 20% run to {T}; ~{AGREE_PERCENT}% of groups agree)\n"
+    )
+    print(
+        c.table(
+            [
+                "size",
+                "contender",
+                "median s/step",
+                "rollout s",
+                "update s",
+                "resp len",
+                "short frac",
+                "agree frac",
+                "note",
+            ],
+            rows,
+        )
+    )
+    print("\nRatios, TRL seconds per step / PolyRL seconds per step (higher = PolyRL faster):")
+    print("\n".join(lines) if lines else "  (none)")
+    return out
+
+
+def equal(args, sizes, threads, warmup, steps, ok) -> dict:
+    """The uniform workload, each half of PolyRL's step against its own limit."""
+    T, out, rows, lines = args.max_new_tokens, {}, [], []
+    for size in sizes:
+        model = c.build_model(size)
+        P = _mean_prompt_tokens(model, 16)
+        gen = dict(n=8, prompts=16, max_new_tokens=T)
+        specs = {HF: ("polyrl", dict(model=model, engine="hf", **gen))}
+        raws = ["raw transformers generate"]
+        specs[raws[0]] = ("hf_generate", dict(model=model, **gen))
+        if ok:
+            vargs = {"max_model_len": 64 + T + 32, "kv_cache_gb": 0.25}
+            specs[VLLM] = ("polyrl", dict(model=model, engine="vllm", engine_args=vargs, **gen))
+            raws.append("raw vllm.LLM.generate")
+            specs[raws[1]] = ("raw_vllm", dict(model=model, **gen, **vargs))
+        bare = "bare PyTorch update"
+        specs[bare] = (
+            "update",
+            dict(
+                model=model,
+                kind="bare",
+                rows=128,
+                prompt_len=P,
+                response_len=T,
+                micro_batch_size=128,
+            ),
+        )
+        print(f"\n[equal, {size}] starting contenders ...", file=sys.stderr, flush=True)
+        remotes = runner.start_all(specs, threads=threads, isolate=not args.in_process)
+        timed = runner.interleave(remotes, warmup=warmup, steps=steps)
+        runner.close_all(remotes)
+        res = _summaries(remotes, timed)
+        if "median_s" in res[bare]:
+            res[bare]["tokens"] = 128 * (P + T)
+        for name, r in res.items():
+            rows.append(
+                [
+                    size,
+                    name,
+                    r.get("median_s", float("nan")),
+                    r.get("rollout_s", float("nan")),
+                    r.get("update_s", float("nan")),
+                    r.get("error", ""),
+                ]
+            )
+        raw_tps = {k: res[k]["tokens"] / res[k]["median_s"] for k in raws if "median_s" in res[k]}
+        for poly in (HF, VLLM):
+            r = res.get(poly, {})
+            if "median_s" not in r:
+                continue
+            if raw_tps:
+                fastest = max(raw_tps, key=raw_tps.get)
+                ratio = r["tokens"] / r["rollout_s"] / raw_tps[fastest]
+                lines.append(
+                    f"  {size:>5}: {poly} rollout / {fastest} (fastest raw), tokens/s = "
+                    f"{ratio:.2f}   limit >= {HALF_TARGET}: {'MET' if ratio >= HALF_TARGET else 'NOT MET'}"
+                )
+            if "median_s" in res[bare]:
+                mine = (r["prompt_tokens"] + r["tokens"]) / r["update_s"]
+                ratio = mine / (res[bare]["tokens"] / res[bare]["median_s"])
+                lines.append(
+                    f"  {size:>5}: {poly} update / {bare}, tokens/s = {ratio:.2f}   limit >= "
+                    f"{HALF_TARGET}: {'MET' if ratio >= HALF_TARGET else 'NOT MET'}"
+                )
+        out[size] = res
+    print(
+        f"\nEqual workload: each half against its limit (128 rows x {T} new tokens; bare update "
+        "over 128 x (mean prompt + response) tokens)\n"
+    )
+    print(c.table(["size", "contender", "median s", "rollout s", "update s", "note"], rows))
+    print("\nRatios, PolyRL throughput / its limit's (1.00 = at the limit):")
+    print("\n".join(lines) if lines else "  (none)")
+    return out
 
 
 def main() -> None:
@@ -48,6 +252,13 @@ def main() -> None:
         default=None,
         metavar="DIR",
         help="cProfile PolyRL's timed steps into DIR/<size>/profile-*.prof",
+    )
+    p.add_argument(
+        "--workload",
+        nargs="+",
+        default=["uniform"],
+        choices=["uniform", "realistic", "equal"],
+        help="uniform: the comparison above; realistic / equal: see the module doc",
     )
     args = p.parse_args()
     threads, why = c.resolve_threads(args.threads)
@@ -81,7 +292,7 @@ def main() -> None:
 
     results: dict = {"machine": info, "warmup": warmup, "steps": steps, "sizes": {}}
     rows, ratio_lines = [], []
-    for size in sizes:
+    for size in sizes if "uniform" in args.workload else []:
         model = c.build_model(size)
         nparams = c.param_count(model)
         common = dict(n=8, prompts=16, max_new_tokens=T, device=args.device, dtype=dtype)
@@ -183,6 +394,13 @@ def main() -> None:
                 )
         results["sizes"][size] = {"params": nparams, "results": res}
 
+    for workload in ("realistic", "equal"):
+        if workload in args.workload:
+            run = realistic if workload == "realistic" else equal
+            results[workload] = run(args, sizes, threads, warmup, steps, ok)
+    if "uniform" not in args.workload:
+        c.write_json(args.json, results)
+        return
     print()
     print(
         c.table(
