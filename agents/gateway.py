@@ -32,6 +32,7 @@ import hmac
 import inspect
 import json
 import math
+import os
 import secrets
 import socket
 import threading
@@ -919,8 +920,9 @@ class Gateway:
         self,
         ctx,
         agent: Annotated[
-            str, "the agent: package.module:function or ./file.py:function, sync or async"
-        ],
+            str | None,
+            "the agent: package.module:function or ./file.py:function, sync or async",
+        ] = None,
         concurrency: Annotated[int, "episodes running at once"] = 64,
         request_timeout: Annotated[float, "seconds a request may wait for the engine"] = 60.0,
         episode_timeout: Annotated[float, "seconds an episode may run"] = 300.0,
@@ -933,10 +935,24 @@ class Gateway:
             "127.0.0.1"
         ),
         policy: Annotated[str | None, "the default model for agents (null: the first)"] = None,
+        command: Annotated[
+            list[str] | None,
+            "instead of agent: a program (argv) run once per episode with OPENAI_BASE_URL, "
+            "OPENAI_API_KEY, POLYRL_MODEL and POLYRL_TASK (the row as JSON) set; its last "
+            "stdout line (JSON: a number, {reward, success} or null) is its return",
+        ] = None,
     ) -> None:
         self.agent = self._check(
-            agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, ctx.policies
+            agent,
+            concurrency,
+            request_timeout,
+            episode_timeout,
+            batch_wait,
+            policy,
+            ctx.policies,
+            command,
         )
+        self.command = list(command) if command else None
         self.name = policy or next(iter(ctx.policies))
         self.concurrency = concurrency
         self.request_timeout, self.episode_timeout = request_timeout, episode_timeout
@@ -953,8 +969,11 @@ class Gateway:
         self.failed_episodes = 0  # over the run
 
     @staticmethod
-    def _check(agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, names):
-        """The options' ranges, the policy name and the agent; returns the agent callable."""
+    def _check(
+        agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, names, command
+    ):
+        """The options' ranges, the policy name and the agent; returns the agent callable
+        (None for a command)."""
         if concurrency < 1:
             raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
         for key, value in (
@@ -969,6 +988,15 @@ class Gateway:
             raise ConfigError(
                 f"rollout.args.policy={policy!r} is not one of the policies {sorted(names)}"
             )
+        if (agent is None) == (not command):
+            raise ConfigError(
+                "rollout.args: give exactly one of agent (a Python function) and command "
+                f"(an external program's argv); got agent={agent!r}, command={command!r}"
+            )
+        if command:
+            if not all(isinstance(a, str) and a for a in command):
+                raise ConfigError(f"rollout.args.command must be a list of strings, got {command}")
+            return None
         try:
             fn = import_path(agent) if isinstance(agent, str) else agent
         except Exception as e:
@@ -992,6 +1020,7 @@ class Gateway:
             a.batch_wait,
             a.policy,
             list(cfg.policies),
+            a.command,
         )
 
     def close(self) -> None:
@@ -1036,7 +1065,9 @@ class Gateway:
                 self.request_timeout,
             )
             try:
-                if inspect.iscoroutinefunction(self.agent):
+                if self.command:
+                    run = self._run_command(ep.item.row, endpoint)
+                elif inspect.iscoroutinefunction(self.agent):
                     run = self.agent(ep.item.row, endpoint)
                 else:
                     run = asyncio.get_running_loop().run_in_executor(
@@ -1054,6 +1085,44 @@ class Gateway:
                 self.server.close_episode(ep)
             if not ep.error and not ep.calls:
                 ep.error = "the agent returned without asking the gateway for a completion"
+
+    async def _run_command(self, row: dict, endpoint: Endpoint) -> Any:
+        """One episode of the external agent: its environment names the endpoint; a
+        timeout cancels this and kills the process."""
+        env = dict(
+            os.environ,
+            OPENAI_BASE_URL=endpoint.base_url,
+            OPENAI_API_KEY=endpoint.api_key,
+            POLYRL_MODEL=endpoint.model,
+            POLYRL_TASK=json.dumps(row),
+            POLYRL_EPISODE=str(endpoint.episode),
+        )
+        proc = await asyncio.create_subprocess_exec(
+            *self.command,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip()[-500:]
+            raise RuntimeError(f"{self.command[0]} exited with status {proc.returncode}: {tail}")
+        lines = out.decode(errors="replace").strip().splitlines()
+        if not lines:
+            return None
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"{self.command[0]}'s last stdout line {lines[-1][:80]!r} is not JSON; print "
+                'the return last: a number, {"reward": r, "success": s} or null'
+            ) from None
 
     def _add(self, cols, errors, ep, base, prompt, response, logps, policy, turn, text) -> None:
         if ep.error:

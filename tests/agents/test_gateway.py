@@ -693,3 +693,53 @@ def test_streamed_answers_are_the_recorded_completions(gateway, items):
         ended = ids(rec, "response_ids", i)[-1] == wf.server.chats["main"].eos_id
         assert finish[i] == ("stop" if ended else "length")
     assert usage.completion_tokens == int(rec["loss_mask"].sum())
+
+
+COMMAND_AGENT = """
+import json, os, sys
+import openai
+
+row = json.loads(os.environ["POLYRL_TASK"])
+if row.get("crash"):
+    sys.exit("no luck today")
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the run
+reply = client.chat.completions.create(
+    model=os.environ["POLYRL_MODEL"],
+    messages=[{"role": "user", "content": row["prompt"]}],
+    max_tokens=4,
+)
+print("chatty output first")
+print(json.dumps({"reward": len(reply.choices[0].message.content), "success": True}))
+"""
+
+
+def test_an_external_command_agent_talks_to_the_endpoint(models, items):
+    import sys
+
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+
+    policies, engines = models
+    wf = Gateway(Context(None, policies, engines), command=[sys.executable, "-c", COMMAND_AGENT])
+    try:
+        data = [{"prompt": "grid S.G"}, {"prompt": "grid G.S", "crash": True}]
+        rec = wf.rollout(items(data), SamplingParams(n=1, max_new_tokens=8))
+    finally:
+        wf.close()
+    assert rec["valid"].tolist() == [True, False]
+    meta, text = strings(rec, "meta")[0], strings(rec, "response_text")[0]
+    assert meta["return"] == float(len(text)) and meta["success"] is True
+    assert 1 <= len(ids(rec, "response_ids", 0)) <= 4
+    assert "exited with status 1: no luck today" in strings(rec, "error")[1]
+
+
+def test_agent_and_command_are_exclusive(models):
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.config import ConfigError
+    from polyrl.core.workflow import Context
+
+    ctx = Context(None, *models)
+    with pytest.raises(ConfigError, match="exactly one of agent"):
+        Gateway(ctx, agent=f"{HERE}:plain_agent", command=["true"])
+    with pytest.raises(ConfigError, match="exactly one of agent"):
+        Gateway(ctx)
