@@ -2,7 +2,8 @@
 
 Importing the package registers its parts in the core's registries:
 
-- task ``vl_shapes`` (synthetic coloured shapes drawn with Pillow) and model builder
+- tasks ``vl_shapes`` (synthetic coloured shapes drawn with Pillow) and ``vl_zoom`` (read a
+  dot only a zoom resolves; environment ``vl_zoom``, :mod:`~polyrl.multimodal.zoom`), builder
   ``tiny_qwen2_5_vl`` (a tiny Qwen2.5-VL built offline)
 - dataset kind ``vl``, policy kind ``qwen_vl``, engines ``hf_vl`` and ``vllm_vl`` (vLLM with
   images; vllm itself is imported only when such an engine is built), workflow
@@ -10,4 +11,14 @@ Importing the package registers its parts in the core's registries:
 - rewards ``grounding_iou`` and ``clip_score`` (batched)
 """
 
-from polyrl.multimodal import data, engine, policy, rewards, shapes, tiny, vllm_engine, workflow  # noqa: F401
+from polyrl.multimodal import (  # noqa: F401
+    data,
+    engine,
+    policy,
+    rewards,
+    shapes,
+    tiny,
+    vllm_engine,
+    workflow,
+    zoom,
+)
