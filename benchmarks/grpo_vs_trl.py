@@ -74,10 +74,13 @@ def _mean_prompt_tokens(model: str, prompts: int) -> int:
     rows = c.read_rows(c.data_file())[:prompts]
     lens = [
         len(
-            tok.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}],
-                tokenize=True,
-                add_generation_prompt=True,
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["prompt"]}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                ),
+                add_special_tokens=False,
             )
         )
         for r in rows
