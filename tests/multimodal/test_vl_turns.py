@@ -291,3 +291,52 @@ def test_an_image_for_a_text_only_policy_is_a_clear_error(tmp_path, one_thread):
     item = PromptItem(uid=0, prompt_ids=[], prompt_text="", answer=None, row={})
     with pytest.raises(TypeError, match="returned an image but policy 'main'.*cannot take images"):
         wf.rollout([item], SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_a_sampled_vision_token_in_an_earlier_turn_stays_text(family_policy, one_thread):
+    """Text tokens of an earlier turn that hold the image and video placeholder ids (as a
+    policy may sample them): the engine continues from that prompt, the trainer's
+    positions equal get_rope_index with those tokens typed as text, and the engine's and
+    the trainer's log-probs agree."""
+    from polyrl.core.record import set_strings, text_record
+    from polyrl.multimodal import forward
+    from polyrl.multimodal.engine import VLEngine
+
+    policy = family_policy
+    _, record = _rollout(policy, "step", n=1)
+    p = forward.parts(policy.model)
+    visions = list(strings(record, "vision"))
+    last = max(range(record.batch_size[0]), key=lambda i: int(record["turn"][i]))
+    prompt = record["prompt_ids"][last][record["prompt_mask"][last].bool()].tolist()
+    v = visions[last]
+    # two text tokens between the images (after the first action) become placeholder ids
+    at = v.image_starts[1] - 4
+    prompt[at], prompt[at + 1] = p.image_token_id, p.video_token_id
+    engine = VLEngine(policy, seed=0)
+    torch.manual_seed(0)
+    out = engine.generate_vl([prompt], [v], SamplingParams(n=2, temperature=1.0, max_new_tokens=3))
+    rec = text_record(
+        prompt_ids=[prompt] * 2,
+        response_ids=[o.token_ids for o in out],
+        rollout_logprobs=[o.logprobs for o in out],
+        policy=["main"] * 2,
+        uid=[0, 0],
+        pad_id=policy.tokenizer.pad_token_id,
+    )
+    set_strings(rec, "vision", [v, v])
+    _check_logprobs(policy, rec)
+    full = torch.tensor([prompt])
+    types = torch.zeros_like(full, dtype=torch.int32)
+    for s, g in zip(v.image_starts, v.image_grid_thw, strict=True):
+        types[0, s : s + int(g.prod()) // 4] = 1
+    own, _ = p.inner.get_rope_index(
+        input_ids=full,
+        image_grid_thw=v.image_grid_thw,
+        attention_mask=torch.ones_like(full),
+        mm_token_type_ids=types,
+    )
+    pos, image_mask, video_mask = forward.row_positions(
+        p, full, torch.ones_like(full), full, torch.ones_like(full), [v]
+    )
+    assert torch.equal(pos, own)
+    assert not bool(image_mask[0, at]) and not bool(video_mask.any())
