@@ -2,9 +2,10 @@
 
 The tiny Wan is built and pre-trained once (as the recipe's builder does), then
 ``polyrl train examples/diffusion_wan_colour_video.yaml`` runs as a child process: one seed
-in CI (``slow``), three under ``seeds``. The per-frame colour reward must rise clearly, the
-share of videos whose every frame has the right main colour must end high, and the run
-directory must hold the before/after video grids.
+in CI (``slow``, about 75 s), three under ``seeds``. The per-frame colour reward must rise
+clearly (to >= 0.85), the share of videos whose every frame has the right main colour must
+rise by more than 0.35, evaluation must end better than it started, and the run directory
+must hold the before/after video grids. diffusion/README.md reports the numbers.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def _check(run: Path, seed: int) -> None:
         f"{acc0:.2f} -> {acc1:.2f} (training), {evals[0]:.2f} -> {evals[-1]:.2f} (eval, ODE); "
         f"temporal consistency {sum(tc[:3]) / 3:.3f} -> {sum(tc[-5:]) / 5:.3f}"
     )
-    assert last > first + 0.12 and last >= 0.8, (seed, first, last)
-    assert acc1 > acc0 + 0.25 and evals[-1] > evals[0], (seed, acc0, acc1, evals)
+    assert last > first + 0.15 and last >= 0.85, (seed, first, last)
+    assert acc1 > acc0 + 0.35 and evals[-1] > evals[0], (seed, acc0, acc1, evals)
     for name in ("video_before.gif", "video_after.gif", "video_after.png"):
         assert (run / name).is_file(), name
 
