@@ -16,6 +16,12 @@ actions the recipe's rewards score.
 **CTDE.** An agent's context is exactly the text its ``act()`` is given, after its role
 prompt; nothing else (other agents' prompts, the dataset row) reaches it unless the
 workflow writes it into that text.
+
+**Images.** An observation may carry images (``PIL.Image``): an image, a list mixing
+strings and images (one user message), or messages whose ``content`` is such a list. Only
+an agent whose policy takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`)
+may receive them; the runtime encodes each act's images once and samples with the
+engine's ``generate_vl``, and the agent's rows carry them in the record's ``vision`` column.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Message:
     prompt_text: str
     observation: str  # what the workflow passed to act() (the last user message)
     episode: Episode = field(repr=False)
+    vision: Any = field(default=None, repr=False)  # the prompt's images joined; None: none
     turn: int = -1  # set by the first joint action it joins
     node: int = 0
     joints: list[int] = field(default_factory=list)
@@ -85,18 +92,34 @@ class AgentInfo:
     tokenizer: Any
     max_new_tokens: int | None = None
     temperature: float | None = None
+    vision: Any = None  # the policy, when it takes image turns (TakesImageTurns); else None
 
-    def render(self, prompt: str | Sequence[dict]) -> tuple[str, str]:
+    def render(self, prompt: Any) -> tuple[str, str]:
         """(full prompt text, observation): the role prompt, then what the workflow passed."""
-        if isinstance(prompt, str):
+        return self.render_images(prompt)[:2]
+
+    def render_images(self, prompt: Any) -> tuple[str, str, list]:
+        """(full prompt text, observation, images): as :meth:`render`, each image one
+        placeholder of the chat template, the images in placeholder order."""
+        if isinstance(prompt, str) or _is_image(prompt) or _is_parts(prompt):
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = [dict(m) for m in prompt]
             if not messages:
                 raise ValueError(f"agent {self.name!r}: act() got an empty message list")
+        images: list = []
+        for m in messages:
+            m["content"] = _content(m.get("content", ""), images, self.name)
+        if images and self.vision is None:
+            raise TypeError(
+                f"agent {self.name!r}: act() got {len(images)} image(s) but its policy "
+                f"{self.policy!r} cannot take images (it does not implement TakesImageTurns); "
+                "give this agent a vision-language policy (kind: qwen_vl, engine hf_vl) or "
+                "describe the image to it in text"
+            )
         if self.role and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.role}, *messages]
-        observation = str(messages[-1].get("content", ""))
+        observation = _text(messages[-1]["content"])
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
@@ -104,8 +127,56 @@ class AgentInfo:
             if isinstance(text, list):
                 text = text[0]
         else:
-            text = "\n\n".join(str(m["content"]) for m in messages)
-        return text, observation
+            text = "\n\n".join(_text(m["content"]) for m in messages)
+        return text, observation, images
+
+
+def _is_image(value: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # no PIL: nothing can be an image
+        return False
+    return isinstance(value, Image.Image)
+
+
+def _is_parts(value: Any) -> bool:
+    """A list of strings and images (not chat messages): one user message's content."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(p, str) or _is_image(p) for p in value)
+    )
+
+
+def _content(content: Any, images: list, agent: str) -> str | list[dict]:
+    """A message's content for the chat template: a string as it is, else text parts and
+    one ``{"type": "image"}`` per image (the image appended to ``images``)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content if isinstance(content, list) else [content]:
+        if isinstance(p, str):
+            parts.append({"type": "text", "text": p})
+        elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif _is_image(p) or (isinstance(p, dict) and _is_image(p.get("image"))):
+            images.append(p if _is_image(p) else p["image"])
+            parts.append({"type": "image"})
+        else:
+            raise TypeError(
+                f"agent {agent!r}: a content part of act() must be a string, a PIL image, "
+                f"{{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': <PIL "
+                f"image>}}, not {p!r:.80}"
+            )
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _text(content: str | list[dict]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if p["type"] == "text" else "<image>" for p in content)
 
 
 @dataclass(eq=False)
@@ -118,6 +189,7 @@ class Request:
     params: SamplingParams
     future: asyncio.Future
     episode: Episode
+    images: list = field(default_factory=list)  # in placeholder order
 
 
 # ----------------------------------------------------------------------------- agent API
@@ -135,7 +207,7 @@ class AgentHandle:
 
     async def act(
         self,
-        prompt: str | Sequence[dict],
+        prompt: Any,
         n: int | None = None,
         *,
         max_new_tokens: int | None = None,
@@ -143,16 +215,17 @@ class AgentHandle:
     ) -> Message | list[Message]:
         """Sample from this agent's policy. ``n=None``: one Message; ``n=k``: a list of k.
 
-        ``prompt`` is the agent's observation (a user message) or a list of chat messages;
-        the role prompt is put in front as the system message.
+        ``prompt`` is the agent's observation (a user message: text, an image, or a list of
+        strings and images) or a list of chat messages; the role prompt is put in front as
+        the system message. Images need a policy that takes image turns.
         """
         if n is not None and n < 1:
             raise ValueError(f"agent {self.name!r}: act(n={n}) must ask for at least one sample")
-        text, observation = self.info.render(prompt)
+        text, observation, images = self.info.render_images(prompt)
         params = self._rt.params_for(self.info, 1 if n is None else n, max_new_tokens, temperature)
         future = asyncio.get_running_loop().create_future()
-        self._rt.submit(Request(self.info, text, observation, params, future, self._ep))
-        prompt_ids, completions = await future
+        self._rt.submit(Request(self.info, text, observation, params, future, self._ep, images))
+        prompt_ids, completions, vision = await future
         msgs = [
             self._ep._add(
                 Message(
@@ -165,6 +238,7 @@ class AgentHandle:
                     text,
                     observation,
                     self._ep,
+                    vision=vision,
                 )
             )
             for c in completions

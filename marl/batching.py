@@ -4,6 +4,10 @@ All episodes of a step run concurrently on one event loop. ``act()`` does not ge
 queues a :class:`~polyrl.marl.api.Request` and waits. When every episode is blocked, the
 runtime flushes the queue with *one* ``engine.generate`` per policy (per distinct sampling
 setting), resolves the waiting acts, and repeats. Two agents on one policy share its call.
+
+A policy that takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`) gets
+acts with images through the same call: each act's images are encoded once, their ids
+spliced in place of the placeholders, and the batch sampled with ``generate_vl``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from polyrl.marl.api import AgentInfo, Request
 class Runtime:
     """Queues act() requests of all episodes; flushes one generate per policy per round."""
 
-    def __init__(self, engines: dict[str, Any], params: SamplingParams) -> None:
+    def __init__(self, engines: dict[str, Any], params: SamplingParams, key: str = "marl") -> None:
         self.engines = engines
         self.params = params
+        self.key = key  # names the joined images: f"{key}:{act}" (unique within a record)
+        self.serial = 0
         self.pending: list[Request] = []
         self.calls: Counter[str] = Counter()
         self.rounds = 0
@@ -113,6 +119,25 @@ class Runtime:
         tokenizer = reqs[0].agent.tokenizer
         special = not getattr(tokenizer, "chat_template", None)
         ids = tokenizer([r.text for r in reqs], add_special_tokens=special)["input_ids"]
+        visions: list[Any] = [None] * len(reqs)
+        failed = set()
+        for j, r in enumerate(reqs):
+            if r.images:
+                try:
+                    ids[j], visions[j] = self._images(policy, r, list(ids[j]))
+                except (TypeError, ValueError) as e:  # this act's episode records it
+                    failed.add(j)
+                    if not r.future.done():
+                        r.future.set_exception(e)
+        if failed:
+            keep = [j for j in range(len(reqs)) if j not in failed]
+            reqs, ids, visions = (
+                [reqs[j] for j in keep],
+                [ids[j] for j in keep],
+                [visions[j] for j in keep],
+            )
+            if not reqs:
+                return
         counts = [r.params.n for r in reqs]
         if len(set(counts)) == 1:  # the engine samples n per prompt itself
             prompts, owner = ids, list(range(len(reqs)))
@@ -121,8 +146,12 @@ class Runtime:
             owner = [j for j, k in enumerate(counts) for _ in range(k)]
             prompts = [ids[j] for j in owner]
             params = dataclasses.replace(reqs[0].params, n=1)
+        engine = self.engines[policy]
         t0 = time.perf_counter()
-        completions = self.engines[policy].generate(prompts, params)
+        if any(v is not None for v in visions):
+            completions = engine.generate_vl(prompts, [visions[j] for j in owner], params)
+        else:
+            completions = engine.generate(prompts, params)
         self.generate_s += time.perf_counter() - t0
         self.calls[policy] += 1
         out: list[list] = [[] for _ in reqs]
@@ -135,4 +164,36 @@ class Runtime:
                     f"completions for a prompt that asked for {r.params.n}"
                 )
             if not r.future.done():  # an episode that already failed may have cancelled it
-                r.future.set_result((list(ids[j]), out[j]))
+                r.future.set_result((list(ids[j]), out[j], visions[j]))
+
+    def _images(self, policy: str, r: Request, ids: list[int]) -> tuple[list[int], Any]:
+        """The act's prompt ids with each image placeholder replaced by the image's tokens
+        (encoded once, by the policy), and its images joined for the engine and record."""
+        vision = r.agent.vision
+        if vision is None:  # AgentInfo.render refuses images for such a policy
+            raise TypeError(f"agent {r.agent.name!r}: policy {policy!r} cannot take images")
+        if not hasattr(self.engines[policy], "generate_vl"):
+            raise TypeError(
+                f"agent {r.agent.name!r}: the engine of policy {policy!r} "
+                f"({type(self.engines[policy]).__name__}) has no generate_vl, so it cannot "
+                f"take images; set policies.{policy}.engine.name=hf_vl"
+            )
+        expansions, handle = vision.encode_images(r.images)
+        token = vision.image_token_id
+        at = [i for i, t in enumerate(ids) if t == token]
+        if len(at) != len(expansions):
+            raise ValueError(
+                f"agent {r.agent.name!r}: the chat template of policy {policy!r} rendered "
+                f"{len(at)} image placeholders for {len(expansions)} images; does the "
+                "observation text itself contain the image token?"
+            )
+        out: list[int] = []
+        starts, prev = [], 0
+        for i, expansion in zip(at, expansions, strict=True):
+            out += ids[prev:i]
+            starts.append(len(out))
+            out += expansion
+            prev = i + 1
+        out += ids[prev:]
+        self.serial += 1
+        return out, vision.join_images([handle], starts, f"{self.key}:{self.serial}")

@@ -8,7 +8,9 @@ output and whose prompt is the readable transcript: the recipe's reward terms sc
 rows, once per joint action. Agent rows enter the record *pending* (not valid, no error)
 so rewards skip them; the ``magrpo`` credit turns joint rewards into per-agent values and
 advantages and makes them valid. An episode that raises has its error written on all its
-rows, which leave the update and are counted.
+rows, which leave the update and are counted. An agent row whose prompt carried images
+holds them in the ``vision`` column (the object its policy's ``join_images`` made), which
+the policy's log-prob pass reads; every other row holds None there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.record import mark_invalid, set_strings, text_record
 from polyrl.marl.api import AgentInfo, Episode, Joint
 from polyrl.marl.critic import joint_state
 
@@ -96,6 +98,7 @@ def build_record(
                 joint_id=j.id,
                 prompt_text=text,
                 response_text=j.final,
+                vision=None,
                 truncated=False,
                 meta={
                     "answer": ep.answer,
@@ -139,6 +142,7 @@ def build_record(
                 joint_id=-1,
                 prompt_text=m.prompt_text,
                 response_text=m.text,
+                vision=m.vision,
                 truncated=m.finish_reason == "length",
                 meta={
                     "answer": ep.answer,
@@ -175,6 +179,8 @@ def build_record(
         truncated=cols["truncated"],
     )
     rec["joint_id"] = torch.tensor(cols["joint_id"], dtype=torch.long)
+    if any(v is not None for v in cols["vision"]):
+        set_strings(rec, "vision", cols["vision"])
     if pending:
         rec["valid"][torch.tensor(pending)] = False
     if errors:

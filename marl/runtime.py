@@ -23,6 +23,7 @@ from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
+from polyrl.core.interfaces import TakesImageTurns
 from polyrl.core.options import bind
 from polyrl.core.record import strings
 from polyrl.core.registry import WORKFLOWS, nearest
@@ -73,6 +74,7 @@ class MarlWorkflow:
                 ctx.policies[a.policy].tokenizer,
                 a.max_new_tokens,
                 a.temperature,
+                policy if isinstance(policy := ctx.policies[a.policy], TakesImageTurns) else None,
             )
         # the function's own keyword arguments: the options beyond the marl fields
         self.kwargs = {p: getattr(options, p) for p in spec.params}
@@ -81,13 +83,15 @@ class MarlWorkflow:
         self.last_stats: dict[str, float] = {}
         self.critic = CentralCritic(options.critic) if options.critic.model else None
         self._fit_gen = torch.Generator().manual_seed(int(getattr(cfg, "seed", 0) or 0))
+        self._rollouts = 0  # names each rollout's joined images apart
 
     def rollout(self, items: list, params: SamplingParams) -> TensorDict:
         return run_sync(self.arollout(items, params))
 
     async def arollout(self, items: list, params: SamplingParams) -> TensorDict:
         t0 = time.perf_counter()
-        runtime = Runtime(self.ctx.engines, params)
+        self._rollouts += 1
+        runtime = Runtime(self.ctx.engines, params, key=f"marl:{self._rollouts}")
         ids = itertools.count(1)  # joint ids; 0 is the root node
         episodes = [
             Episode(
