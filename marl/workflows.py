@@ -10,12 +10,15 @@ combination, in cross mode) whose ``final`` text the recipe's reward terms score
 - ``debate`` (multi-turn, ``tree``): N agents x R rounds; from round 2 each sees the others' last answers.
   One joint action per round (per-turn rewards), final = majority answer.
 - ``aggregator``: mixture of agents; the proposers answer, the aggregator combines.
+- ``look_and_answer``: a looker sees the row's image(s) and writes a message; a solver
+  reads only that message and answers (the looker's policy must take image turns).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from polyrl.core.rewards import extract_answer, normalize_answer
 from polyrl.marl.runtime import workflow
@@ -158,3 +161,69 @@ async def aggregator(
     )
     for line, f in zip(lines, finals, strict=True):
         ep.joint([*line, f], final=f.text)
+
+
+def row_images(row: dict, field: str, root: str) -> list[Any]:
+    """The row's images: PIL images as they are, paths (relative ones under ``root``) opened."""
+    from PIL import Image
+
+    if field not in row:
+        raise KeyError(
+            f"look_and_answer: the row has no field {field!r} (rollout.args.image_field); "
+            f"its fields: {', '.join(map(str, row))}"
+        )
+    values = row[field] if isinstance(row[field], list) else [row[field]]
+    out = []
+    for v in values:
+        if isinstance(v, Image.Image):
+            out.append(v)
+            continue
+        if not isinstance(v, str):
+            raise TypeError(
+                f"look_and_answer: row field {field!r} holds a {type(v).__name__}; "
+                "give image paths or PIL images"
+            )
+        path = Path(v).expanduser()
+        if not path.is_absolute():
+            path = Path(root).expanduser() / path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"look_and_answer: image {str(path)!r} (row field {field!r}) does not exist; "
+                "set rollout.args.image_root to the directory its paths are relative to"
+            )
+        with Image.open(path) as img:
+            img.load()
+            out.append(img)
+    return out
+
+
+@workflow(
+    "look_and_answer",
+    agents={"looker": "Say what you see in one word.", "solver": "Answer in one word."},
+)
+async def look_and_answer(
+    ep,
+    team,
+    image_field: Annotated[str, "row field holding the image(s): a path, or a list of them"] = (
+        "images"
+    ),
+    image_root: Annotated[
+        str, "directory relative image paths are read from (empty: the working directory)"
+    ] = "",
+    marker: Annotated[str, "text of the task that stands for an image; removed"] = "<image>",
+    template: Annotated[
+        str,
+        "what the solver sees: {message} the looker's text, {task} the row's prompt "
+        "(without the image markers); leave {task} out for a pure relay",
+    ] = "{task}\nThe looker says: {message}",
+):
+    """Looker -> solver: the looker sees the row's images and its prompt (G samples); each
+    solver act reads one look's text only (never the image). Final: the solver's text."""
+    images = row_images(ep.row, image_field, image_root)
+    task = _task(ep).replace(marker, "").strip()
+    looks = await team["looker"].act([*images, task], n=ep.G)
+    answers = await ep.gather(
+        team["solver"].act(template.format(task=task, message=m.text.strip())) for m in looks
+    )
+    for look, answer in zip(looks, answers, strict=True):
+        ep.joint([look, answer], final=answer.text)

@@ -234,3 +234,42 @@ def test_an_image_for_a_text_only_agent_is_an_episode_error(team, one_thread):
     assert all("agent 'solver'" in e and "policy 'solver' cannot take images" in e for e in errors)
     assert wf.rollout_metrics()["marl/episode_errors"] == 2
     assert not bool(rec["valid"].any())
+
+
+def test_look_and_answer_reads_the_row_image_from_its_path(team, one_thread, tmp_path):
+    """The built-in workflow: the looker sees the row's image file, the solver the looker's
+    text and the question only; a missing file is an episode error naming its path."""
+    from polyrl.core.workflow import Context
+
+    cfg, policies, engines = team
+    (tmp_path / "images").mkdir()
+    IMAGE.save(tmp_path / "images" / "a.png")
+    wf = WORKFLOWS.get("look_and_answer")(Context(cfg, policies, engines), image_root=str(tmp_path))
+    rows = [
+        {"prompt": f"<image>{QUESTION}", "images": ["images/a.png"]},
+        {"prompt": f"<image>{QUESTION}", "images": ["images/missing.png"]},
+    ]
+    items = [
+        PromptItem(uid=i, prompt_ids=[], prompt_text=r["prompt"], answer="red", row=r)
+        for i, r in enumerate(rows)
+    ]
+    torch.manual_seed(0)
+    rec = wf.rollout(items, SamplingParams(n=2, temperature=1.0, max_new_tokens=3))
+    policy, errors = strings(rec, "policy"), strings(rec, "error")
+    uids, visions, texts = rec["uid"].tolist(), strings(rec, "vision"), strings(rec, "prompt_text")
+    ref = policies["looker"].processor.image_processor(images=[IMAGE], return_tensors="pt")
+    lookers = [i for i, p in enumerate(policy) if p == "looker"]
+    solvers = [i for i, p in enumerate(policy) if p == "solver"]
+    assert len(lookers) == len(solvers) == 2  # episode 1 failed before any act
+    for i in lookers:
+        assert uids[i] == 0 and not errors[i]
+        assert torch.allclose(visions[i].pixel_values, ref["pixel_values"])
+    for k, i in enumerate(solvers):
+        look = strings(rec, "response_text")[lookers[k]].strip()
+        assert texts[i].endswith(
+            f"{QUESTION}\nThe looker says: {look}<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert "<image>" not in texts[i] and visions[i] is None
+    failed = [i for i in range(len(policy)) if uids[i] == 1]
+    assert failed and all("images/missing.png" in errors[i] for i in failed)
+    _check_logprobs(policies["looker"], select_policy(rec, "looker"))
