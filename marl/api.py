@@ -140,11 +140,15 @@ def _is_image(value: Any) -> bool:
 
 
 def _is_parts(value: Any) -> bool:
-    """A list of strings and images (not chat messages): one user message's content."""
+    """A list of strings, images and ``{"type": ...}`` parts (not chat messages, which have
+    a role): one user message's content."""
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(p, str) or _is_image(p) for p in value)
+        and all(
+            isinstance(p, str) or _is_image(p) or (isinstance(p, dict) and "role" not in p)
+            for p in value
+        )
     )
 
 

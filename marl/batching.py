@@ -125,7 +125,7 @@ class Runtime:
             if r.images:
                 try:
                     ids[j], visions[j] = self._images(policy, r, list(ids[j]))
-                except (TypeError, ValueError) as e:  # this act's episode records it
+                except Exception as e:  # this act's episode records it (and is counted)
                     failed.add(j)
                     if not r.future.done():
                         r.future.set_exception(e)

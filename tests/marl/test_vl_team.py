@@ -273,3 +273,43 @@ def test_look_and_answer_reads_the_row_image_from_its_path(team, one_thread, tmp
     failed = [i for i in range(len(policy)) if uids[i] == 1]
     assert failed and all("images/missing.png" in errors[i] for i in failed)
     _check_logprobs(policies["looker"], select_policy(rec, "looker"))
+
+
+def test_every_observation_form_renders_the_same_prompt(team):
+    """An image, a list of strings and images, typed parts, or chat messages: one rendering,
+    one placeholder per image; a text policy's agent refuses any of them."""
+    from polyrl.core.interfaces import TakesImageTurns
+    from polyrl.marl.api import AgentInfo
+
+    _, policies, _ = team
+    assert isinstance(policies["looker"], TakesImageTurns)
+    assert not isinstance(policies["solver"], TakesImageTurns)
+    looker = AgentInfo(
+        "looker",
+        0,
+        "looker",
+        LOOKER_ROLE,
+        True,
+        policies["looker"].tokenizer,
+        None,
+        None,
+        policies["looker"],
+    )
+    forms = [
+        [IMAGE, QUESTION],
+        [{"type": "image", "image": IMAGE}, {"type": "text", "text": QUESTION}],
+        [{"role": "user", "content": [IMAGE, QUESTION]}],
+    ]
+    rendered = [looker.render_images(f) for f in forms]
+    text, observation, images = rendered[0]
+    assert all(r == (text, observation, [IMAGE]) for r in rendered)
+    assert observation == f"<image>{QUESTION}" and images == [IMAGE]
+    assert text.count("<|image_pad|>") == 1
+    only, _, imgs = looker.render_images(IMAGE)
+    assert imgs == [IMAGE] and only.count("<|image_pad|>") == 1 and QUESTION not in only
+    with pytest.raises(TypeError, match="agent 'looker': a content part of act"):
+        looker.render_images([IMAGE, {"type": "audio"}])
+    solver = AgentInfo("solver", 1, "solver", "", True, policies["solver"].tokenizer)
+    with pytest.raises(TypeError, match="agent 'solver': act\\(\\) got 1 image.*policy 'solver'"):
+        solver.render_images([IMAGE, QUESTION])
+    assert solver.render_images(QUESTION)[2] == []
