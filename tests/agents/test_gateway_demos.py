@@ -9,44 +9,24 @@ under ``seeds``.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-DEMO1 = EXAMPLES / "gateway_calculator.yaml"
-QUIET = ["run.progress=false", "run.tensorboard=false", "run.save_every=0"]
 
 
-def run_recipe(recipe: str, overrides: list[str]) -> dict:
-    """Train ``recipe`` in this process; its held-out success curve and run directory."""
-    import torch
+@pytest.fixture(scope="module")
+def demos():
+    """``examples/gateway_demos.py`` (on sys.path, so spawned workers import it too)."""
+    import importlib
+    import sys
 
-    torch.set_num_threads(1)
-    import polyrl.core  # noqa: F401
-    from polyrl.core.config import load
-    from polyrl.core.loop import train
-    from polyrl.core.recipe import Config
-
-    run = train(load(Config, str(recipe), [*QUIET, *overrides]))
-    rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
-    curve = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    return {"run_dir": str(run.path), "curve": curve}
-
-
-def demo1(out: Path, seed: int) -> dict:
-    return run_recipe(
-        str(DEMO1),
-        [
-            f"seed={seed}",
-            f"run.dir={out}/demo1-seed{seed}",
-            f"task.dir={out}/demo1-data-seed{seed}",
-            f"policies.main.model={out}/model",
-            "eval.every=0",
-        ],
-    )
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        yield importlib.import_module("gateway_demos")
+    finally:
+        sys.path.remove(str(EXAMPLES))
 
 
 def check_demo1_transcripts(run_dir: str) -> None:
@@ -65,8 +45,8 @@ def check_demo1_transcripts(run_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_demo1_an_openai_agent_learns_to_use_its_calculator(tmp_path):
-    result = demo1(tmp_path, seed=0)
+def test_demo1_an_openai_agent_learns_to_use_its_calculator(demos, tmp_path):
+    result = demos.demo1(tmp_path, seed=0)
     (_, start), (_, end) = result["curve"][0], result["curve"][-1]
     print(f"demo 1, seed 0: held-out success {start:.3f} -> {end:.3f}")
     assert end >= start + 0.15
@@ -74,10 +54,8 @@ def test_demo1_an_openai_agent_learns_to_use_its_calculator(tmp_path):
 
 
 @pytest.mark.seeds
-def test_demo1_three_seeds(tmp_path):
-    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
-        jobs = [pool.submit(demo1, tmp_path, seed) for seed in (0, 1, 2)]
-        results = [job.result() for job in jobs]
+def test_demo1_three_seeds(demos, tmp_path):
+    results = demos.seeds(1, tmp_path)
     starts = [r["curve"][0][1] for r in results]
     ends = [r["curve"][-1][1] for r in results]
     for seed, (s, e) in enumerate(zip(starts, ends, strict=True)):
