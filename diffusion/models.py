@@ -2,7 +2,7 @@
 
 A family loads the trainable transformer plus its frozen parts (text encoders, VAE,
 scheduler) and offers four operations: encode prompts, predict the velocity, give the
-σ schedule, decode latents to images. Three families:
+σ schedule, decode latents to images. Four families:
 
 - :class:`SD3Family`: Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline`` components:
   ``SD3Transformer2DModel``, CLIP-L/G + optional T5 text encoders, ``AutoencoderKL``,
@@ -10,12 +10,15 @@ scheduler) and offers four operations: encode prompts, predict the velocity, giv
 - :class:`FluxFamily`: FLUX.1 (``FluxPipeline`` components: ``FluxTransformer2DModel``,
   CLIP-L pooled + T5 sequence embeddings); ``guidance_scale`` is the value given to the
   guidance embedding (FLUX-dev; schnell has none), never classifier-free guidance.
+- :class:`QwenImageFamily`: Qwen-Image (``QwenImagePipeline`` components:
+  ``QwenImageTransformer2DModel``, a Qwen2.5-VL text encoder, ``AutoencoderKLQwenImage``);
+  ``guidance_scale`` is the pipeline's true CFG (``true_cfg_scale``) with its norm rescale.
 - :class:`WanFamily`: Wan 2.1 text-to-video (``WanPipeline`` components:
   ``WanTransformer3DModel``, UMT5, ``AutoencoderKLWan``); latents ``[C, F, h, w]``.
 
 Latents are always in the VAE's layout: ``[C, h, w]`` (images), ``[C, F, h, w]`` (Wan's
-videos). FLUX packs 2x2 patches into tokens
-inside :meth:`FluxFamily.velocity` only (a pure permutation), so samplers, records and
+videos). FLUX and Qwen-Image pack 2x2 patches into tokens
+inside their ``velocity`` only (a pure permutation), so samplers, records and
 log-probs (averages over elements) never see the packing.
 
 A checkpoint's VAE is diffusers' ``AutoencoderKL`` or, in tiny CPU demos,
@@ -606,7 +609,218 @@ class WanFamily:
         return (z.float() - mean) / std
 
 
-FAMILIES = {"sd3": SD3Family, "flux": FluxFamily, "wan": WanFamily}
+def load_qwen_vae(path: str, dtype: torch.dtype) -> nn.Module:
+    """A Qwen-Image checkpoint's VAE: diffusers' ``AutoencoderKLQwenImage`` or, in tiny CPU
+    demos, the frame-wise :class:`~polyrl.diffusion.wan.PatchVideoVAE`."""
+    from diffusers import AutoencoderKLQwenImage
+
+    cfg = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
+    if cfg.get("_class_name") == "PatchVideoVAE":
+        from polyrl.diffusion.wan import PatchVideoVAE
+
+        return PatchVideoVAE.from_pretrained(path, subfolder="vae")
+    return AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
+
+
+class QwenImageFamily:
+    """Qwen-Image from a local folder or hub id in ``QwenImagePipeline``'s layout.
+
+    Prompts: the pipeline's own ``encode_prompt`` (its prompt template, the template's
+    leading tokens dropped, the text encoder's last hidden states, one mask per prompt).
+    Prompts differ in length, so each embedding is zero-padded to ``max_sequence_length``
+    and its mask (1 = token, 0 = padding) travels in the pooled slot (Qwen-Image has no
+    pooled embedding). :meth:`velocity` trims a batch to its longest prompt and passes no
+    mask when none is needed, as the pipeline does. The transformer sees 2x2-packed latent
+    tokens, ``img_shapes`` and ``timestep / 1000``; its rotary positions come from
+    ``img_shapes`` and the text length. Guidance is the pipeline's true CFG: two calls,
+    ``v_u + w (v_c - v_u)`` rescaled per packed token to the conditional velocity's norm
+    (:meth:`rescale_cfg`). σ's are the pipeline's: ``linspace(1, 1/N, N)`` shifted with
+    ``mu = calculate_shift(packed tokens)`` (the checkpoint's scheduler: dynamic
+    shifting, exponential time shift, terminal stretch). Latents are ``[C, h, w]``; the VAE
+    sees them with a frame axis, de-normalised by its ``latents_mean`` / ``latents_std``.
+    """
+
+    name = "qwen_image"
+    classifier_free = True  # guidance_scale is QwenImagePipeline's true_cfg_scale
+    lora_targets = ATTENTION_LORA_TARGETS
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        load_t5: bool = True,
+        max_sequence_length: int = 512,
+    ) -> None:
+        from diffusers import (
+            FlowMatchEulerDiscreteScheduler,
+            QwenImagePipeline,
+            QwenImageTransformer2DModel,
+        )
+
+        if not load_t5:
+            raise ValueError(
+                f"{path!r} is a Qwen-Image checkpoint: its prompt embeddings come from its "
+                "Qwen2.5-VL text encoder, so policies.<name>.args.text_encoder_3 cannot be false"
+            )
+        self.path, self.device, self.dtype = path, device, dtype
+        self.max_sequence_length = max_sequence_length
+        quiet_diffusers()
+        self.transformer = QwenImageTransformer2DModel.from_pretrained(
+            path, subfolder="transformer", **dtype_kw(dtype)
+        ).to(device)
+        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            path, subfolder="scheduler"
+        )
+        self.vae = load_qwen_vae(path, dtype).to(device).eval().requires_grad_(False)
+        # The pipeline object only encodes prompts; no VAE in it.
+        self.text = QwenImagePipeline.from_pretrained(
+            path,
+            transformer=self.transformer,
+            vae=None,
+            scheduler=self.scheduler,
+            **dtype_kw(dtype),
+        )
+        self.text.to(device)
+        self.text.text_encoder.eval().requires_grad_(False)
+        self.text.set_progress_bar_config(disable=True)
+        # QwenImagePipeline's own rule for the VAE's spatial factor
+        self.vae_scale = 2 ** len(self.vae.temperal_downsample)
+        self.multiple = self.vae_scale * 2  # 2x2 packing
+        vc = self.vae.config
+        self.latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32)
+        self.latents_std = torch.tensor(vc.latents_std, dtype=torch.float32)
+
+    @staticmethod
+    def load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        # the family wraps prompts in the pipeline's template itself: the prompt data must
+        # stay plain text, not the text encoder's chat format
+        tok.chat_template = None
+        return tok
+
+    @staticmethod
+    def pipeline_class():
+        from diffusers import QwenImagePipeline
+
+        return QwenImagePipeline
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        """(embeddings [n, S, D], masks [n, S]) in float32, S = ``max_sequence_length``."""
+        emb, mask = self.text.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        n, s, d = emb.shape
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones((n, s), dtype=torch.long, device=emb.device)
+        out = emb.new_zeros((n, self.max_sequence_length, d), dtype=torch.float32)
+        out[:, :s] = emb.float()
+        keep = mask.new_zeros((n, self.max_sequence_length), dtype=torch.float32)
+        keep[:, :s] = mask.float()
+        return out, keep
+
+    def velocity(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        timesteps: Tensor,
+        emb: Tensor,
+        pooled: Tensor,
+        guidance: Tensor | None = None,
+    ) -> Tensor:
+        """v for latents ``x`` [B, C, h, w]; ``pooled`` is the text mask (``guidance`` unused:
+        true CFG is done by the policy)."""
+        _, _, h, w = x.shape
+        mask = pooled > 0.5
+        longest = int(mask.sum(1).max()) if mask.shape[0] else 0
+        emb, mask = emb[:, :longest], mask[:, :longest]
+        out = model(
+            hidden_states=pack_latents(x).to(self.dtype),
+            timestep=timesteps.to(self.dtype) / 1000,
+            encoder_hidden_states=emb.to(self.dtype),
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+            return_dict=False,
+        )[0]
+        return unpack_latents(out, h, w)
+
+    @staticmethod
+    def rescale_cfg(guided: Tensor, cond: Tensor) -> Tensor:
+        """QwenImagePipeline's true-CFG rescale: each packed token of the guided velocity
+        scaled to the norm of the conditional one (over its 4C packed values)."""
+        h, w = guided.shape[-2:]
+        g, c = pack_latents(guided), pack_latents(cond)
+        g = g * (torch.norm(c, dim=-1, keepdim=True) / torch.norm(g, dim=-1, keepdim=True))
+        return unpack_latents(g, h, w)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"height and width must be multiples of {self.multiple} "
+                f"(VAE factor {self.vae_scale} x 2 for Qwen-Image's 2x2 packing), got "
+                f"{height}x{width}"
+            )
+        c = self.transformer.config.in_channels // 4
+        return c, height // self.vae_scale, width // self.vae_scale
+
+    def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
+        """σ's and timesteps exactly as ``QwenImagePipeline.__call__`` sets them."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        c = self.scheduler.config
+        seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
+        mu = calculate_shift(
+            seq,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
+        return Schedule(
+            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
+        )
+
+    def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (1, -1, 1, 1, 1)
+        return (
+            self.latents_mean.view(shape).to(like.device),
+            self.latents_std.view(shape).to(like.device),
+        )
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
+        """Images [B, 3, H, W] in [0, 1] (float32, CPU), decoded as the pipeline does:
+        ``latents / (1 / std) + mean`` on a one-frame video, the frame taken back."""
+        out = []
+        for start in range(0, latents.shape[0], chunk):
+            z = latents[start : start + chunk].to(self.device).float().unsqueeze(2)
+            mean, std = self._stats(z)
+            z = z / (1.0 / std) + mean
+            img = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
+            out.append((img.float() / 2 + 0.5).clamp(0, 1).cpu())
+        return torch.cat(out) if out else torch.zeros((0, 3, 1, 1))
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Normalised latents [B, C, h, w] of images [B, 3, H, W] in [0, 1] (the mode)."""
+        x = (images * 2 - 1).to(self.device, self.vae.dtype).unsqueeze(2)
+        z = self.vae.encode(x).latent_dist.mode().float()
+        mean, std = self._stats(z)
+        return ((z - mean) * (1.0 / std))[:, :, 0]
+
+
+FAMILIES = {
+    "sd3": SD3Family,
+    "flux": FluxFamily,
+    "wan": WanFamily,
+    "qwen_image": QwenImageFamily,
+}
 
 
 def detect_family(path: str) -> str:
@@ -627,7 +841,10 @@ def detect_family(path: str) -> str:
         return "flux"
     if name == "WanTransformer3DModel":
         return "wan"
+    if name == "QwenImageTransformer2DModel":
+        return "qwen_image"
     raise ValueError(
         f"{path!r}: unsupported transformer class {name!r} (supported: "
-        "SD3Transformer2DModel, FluxTransformer2DModel, WanTransformer3DModel)"
+        "SD3Transformer2DModel, FluxTransformer2DModel, WanTransformer3DModel, "
+        "QwenImageTransformer2DModel)"
     )

@@ -7,8 +7,9 @@ carries, so the trainer's PPO losses apply unchanged. Computed step by step with
 batch layout as the rollout, the recomputed log-prob of an unchanged model equals the
 rollout's (the test checks it bit for bit).
 
-Classifier-free guidance (SD3): ``v = v_u + w·(v_c - v_u)`` where the unconditional branch
-``v_u`` is computed without gradient (as Flow-GRPO does). FLUX instead feeds ``w`` to its
+Classifier-free guidance (SD3, Wan; Qwen-Image's true CFG adds its norm rescale):
+``v = v_u + w·(v_c - v_u)`` where the unconditional branch ``v_u`` is computed without
+gradient (as Flow-GRPO does). FLUX instead feeds ``w`` to its
 guidance embedding: one transformer call per step, no unconditional branch. LoRA adapters
 come from PEFT; the reference policy is the same network with the adapter disabled (no
 second copy). With a full fine-tune and a KL term the reference is a frozen copy.
@@ -139,7 +140,8 @@ def _data_parallel() -> bool:
 
 
 class DiffusionPolicy:
-    """A diffusers text-to-image model (SD3 or FLUX family) as a trainable policy."""
+    """A diffusers text-to-image (SD3, FLUX, Qwen-Image) or text-to-video (Wan) model as a
+    trainable policy."""
 
     # LoRA is one PEFT adapter on this policy's own transformer (plain linear layers), so
     # the Ray backend can gather its factors and merge them into the engine's weights.
@@ -276,7 +278,8 @@ class DiffusionPolicy:
         ``batched`` (sampling only, no gradient): both branches in one transformer call on
         ``[uncond; cond]``, as diffusers' pipeline does; otherwise two calls, so the
         conditional one alone carries the gradient. A family without classifier-free
-        guidance (FLUX) gets ``guidance`` as an input and ignores the negative prompt."""
+        guidance (FLUX) gets ``guidance`` as an input and ignores the negative prompt; a
+        family with ``rescale_cfg`` (Qwen-Image) rescales the guided velocity its way."""
         model = self.model if model is None else model
         if not self.family.classifier_free:
             return self.family.velocity(model, x, timesteps, emb, pooled, guidance).float()
@@ -297,7 +300,11 @@ class DiffusionPolicy:
             with torch.no_grad():
                 v_u = self.family.velocity(model, x, timesteps, neg_emb, neg_pooled).float()
         w = guidance.to(v_c).reshape(-1, *([1] * (v_c.dim() - 1)))
-        return torch.where(guided.reshape_as(w), v_u + w * (v_c - v_u), v_c)
+        v = v_u + w * (v_c - v_u)
+        rescale = getattr(self.family, "rescale_cfg", None)
+        if rescale is not None:  # Qwen-Image's true CFG: back to the conditional norm
+            v = rescale(v, v_c)
+        return torch.where(guided.reshape_as(w), v, v_c)
 
     # --- what the trainer calls ---------------------------------------------------------
     def _transitions(

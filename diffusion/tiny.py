@@ -18,6 +18,12 @@ Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.j
 Unigram ``T5Tokenizer`` holding the same words, the PatchVAE, and FLUX-dev's scheduler
 settings (dynamic shifting).
 
+``tiny_qwen_image`` writes one in ``QwenImagePipeline``'s layout: a small
+``QwenImageTransformer2DModel``, a tiny ``Qwen2_5_VLForConditionalGeneration`` (built from
+transformers' config classes) with a Qwen2 byte-level BPE tokenizer trained on the
+pipeline's prompt template and the task's prompts, the frame-wise PatchVideoVAE (or a tiny
+random ``AutoencoderKLQwenImage``), and Qwen-Image's scheduler settings.
+
 ``pretrain_steps > 0`` (SD3 only) then trains the transformer with flow matching on synthetic images
 of coloured blobs (:mod:`.colour`), so it draws blobs before RL starts. With
 ``label_noise = p`` the blob's colour disagrees with the prompt in a fraction p of the
@@ -374,6 +380,182 @@ def write_tiny_wan(
     (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
+def build_qwen_tokenizer(texts: list[str]):
+    """A Qwen2 byte-level BPE tokenizer trained on ``QwenImagePipeline``'s prompt template
+    filled with ``texts``: every word of the template and of the prompts is one token (as in
+    Qwen's own vocabulary), so dropping the template's leading tokens, as the pipeline does,
+    drops exactly the template's system part; any other text still tokenizes by bytes."""
+    import re
+
+    from diffusers import QwenImagePipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    # the template and its drop index live on a pipeline instance
+    pipe = QwenImagePipeline(
+        scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None
+    )
+    template, drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # Qwen2's own pre-tokenizer (its split pattern, byte-level), from an empty tokenizer
+    bare = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[])
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = bare._tokenizer.pre_tokenizer
+    split = re.compile("|".join(map(re.escape, specials)))
+    corpus = [seg for t in texts for seg in split.split(template.format(t)) if seg]
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=1 << 20, min_frequency=1, initial_alphabet=alphabet, show_progress=False
+        ),
+    )
+    model = json.loads(bpe.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
+    head = template.split("{}")[0]
+    if len(tok(head).input_ids) != drop:
+        raise RuntimeError(
+            f"the tiny Qwen tokenizer splits QwenImagePipeline's template prefix into "
+            f"{len(tok(head).input_ids)} tokens, the pipeline drops {drop}"
+        )
+    return tok
+
+
+def _qwen_vl_encoder(vocab_size: int, hidden: int, seed: int, bos: int, eos: int):
+    """A tiny Qwen2.5-VL (text model of ``hidden`` width; a one-block vision tower that
+    text-only prompts never use)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2
+    half = hidden // heads // 2  # rotary pairs per head, split over (t, h, w) as mrope does
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=1,
+            max_position_embeddings=256,
+            rope_scaling={"type": "mrope", "mrope_section": section},
+            bos_token_id=bos,
+            eos_token_id=eos,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=2,
+            window_size=8,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=vocab_size,
+        video_token_id=vocab_size + 1,
+        vision_start_token_id=vocab_size + 2,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def write_tiny_qwen_image(
+    path: Path,
+    texts: list[str],
+    *,
+    vae: str,
+    vae_patch: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    seed: int,
+) -> None:
+    """Write an untrained tiny Qwen-Image checkpoint (``QwenImagePipeline`` layout) to
+    ``path``; the sizes' defaults and docs are :func:`tiny_qwen_image`'s."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
+
+    from polyrl.diffusion.wan import PatchVideoVAE
+
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"tiny_qwen_image head_dim must be even and >= 6, got {head_dim}")
+    levels = int(math.log2(vae_patch))
+    if 2**levels != vae_patch or levels < 1:
+        raise ValueError(f"tiny_qwen_image vae_patch must be a power of 2 >= 2, got {vae_patch}")
+    tok = build_qwen_tokenizer(texts)
+    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    enc = _qwen_vl_encoder(len(tok), text_hidden, seed + 1, *ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 3)
+        if vae == "patch":
+            vae_model, vae_class = PatchVideoVAE(patch=vae_patch), "polyrl.diffusion.wan"
+        elif vae == "qwen":  # random weights: a layout check, not a usable autoencoder
+            vae_model = AutoencoderKLQwenImage(
+                base_dim=8,
+                z_dim=4,
+                dim_mult=[1] + [2] * levels,
+                num_res_blocks=1,
+                temperal_downsample=[False] * levels,
+                # per-channel statistics unlike 0 and 1, so the normalisation is exercised
+                latents_mean=[round(0.1 * k - 0.15, 2) for k in range(4)],
+                latents_std=[round(1.0 + 0.25 * k, 2) for k in range(4)],
+            )
+            vae_class = "diffusers"
+        else:
+            raise ValueError(f"tiny_qwen_image vae must be 'patch' or 'qwen', got {vae!r}")
+        channels = vae_model.config.z_dim
+        # rotary axes (frame, row, column): even sizes summing to the head dim
+        side = (head_dim // 3 + 1) // 2 * 2
+        axes = (head_dim - 2 * side, side, side)
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * channels,
+            out_channels=channels,
+            num_layers=layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
+            joint_attention_dim=text_hidden,
+            axes_dims_rope=axes,
+        )
+    # Qwen-Image's scheduler settings (dynamic, exponential shift; terminal sigma 0.02)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    transformer.save_pretrained(path / "transformer")
+    scheduler.save_pretrained(path / "scheduler")
+    vae_model.save_pretrained(path / "vae")
+    enc.save_pretrained(path / "text_encoder")
+    tok.save_pretrained(path / "tokenizer")
+    index = {
+        "_class_name": "QwenImagePipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "vae": [vae_class, type(vae_model).__name__],
+        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+    }
+    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
+
+
 def pretrain_colour(
     path: Path,
     *,
@@ -653,5 +835,42 @@ def tiny_wan(
                 seed=seed,
                 log_every=log_every,
             )
+
+    return _build_once(path, write)
+
+
+@MODELS.register("tiny_qwen_image")
+def tiny_qwen_image(
+    path: str | Path,
+    *,
+    corpus: _CORPUS = "colour",
+    vae: Annotated[
+        str,
+        "patch: the frame-wise PatchVideoVAE (exact, no weights; demos); qwen: a tiny "
+        "AutoencoderKLQwenImage with random weights (layout tests only)",
+    ] = "patch",
+    seed: Annotated[int, "seed of the random weights"] = 0,
+    vae_patch: Annotated[
+        int, "VAE spatial factor (a power of 2): latents are (C, side/p, side/p)"
+    ] = 2,
+    layers: Annotated[int, "Qwen-Image transformer blocks"] = 1,
+    heads: _HEADS = 2,
+    head_dim: Annotated[int, "width of one attention head (even, >= 6; rotary axes f, h, w)"] = 16,
+    text_hidden: Annotated[int, "hidden size of the tiny Qwen2.5-VL text model"] = 32,
+) -> Path:
+    """Build (once) an untrained tiny Qwen-Image at ``path`` (vocabulary from task ``corpus``
+    and QwenImagePipeline's prompt template)."""
+    shape = dict(
+        vae=vae,
+        vae_patch=vae_patch,
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        text_hidden=text_hidden,
+    )
+
+    def write(tmp: Path) -> None:
+        write_tiny_qwen_image(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
+        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
 
     return _build_once(path, write)

@@ -25,6 +25,7 @@ sets the video length.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
@@ -66,7 +67,8 @@ class PatchVideoVAE(ModelMixin, ConfigMixin):
     (un)shuffle of each frame: ``decode(encode(x)) == x`` with no weights to train, so a tiny
     demo's reward sees exactly the colours the transformer drew. It has the slice of
     ``AutoencoderKLWan``'s config that ``WanPipeline`` reads (``z_dim``, ``latents_mean``,
-    ``latents_std``, ``scale_factor_temporal`` = 1, ``scale_factor_spatial`` = p)."""
+    ``latents_std``, ``scale_factor_temporal`` = 1, ``scale_factor_spatial`` = p), and the
+    ``temperal_downsample`` that ``QwenImagePipeline`` reads (the tiny Qwen-Image's VAE)."""
 
     config_name = "config.json"
 
@@ -98,6 +100,12 @@ class PatchVideoVAE(ModelMixin, ConfigMixin):
         b, c, f, h, w = x.shape
         y = fn(x.transpose(1, 2).reshape(b * f, c, h, w))
         return y.reshape(b, f, *y.shape[1:]).transpose(1, 2)
+
+    @property
+    def temperal_downsample(self) -> list[bool]:
+        """One entry per 2x spatial level, no temporal one: ``QwenImagePipeline`` reads its
+        VAE factor as ``2 ** len(vae.temperal_downsample)`` (diffusers' spelling)."""
+        return [False] * int(math.log2(self.patch))
 
     def encode(self, x: Tensor, return_dict: bool = True):
         z = self._framewise(x, lambda v: nn.functional.pixel_unshuffle(v, self.patch))
