@@ -132,10 +132,14 @@ class DiffusionEngine:
         eval_steps: Annotated[int | None, "denoising steps for evaluation (null: steps)"] = None,
         guidance_scale: Annotated[
             float,
-            "SD3: classifier-free guidance weight (<= 1 turns it off); FLUX-dev: the "
-            "guidance embedding's value (3.5 typical); FLUX-schnell: unused",
+            "SD3, Wan: classifier-free guidance weight (<= 1 turns it off); Qwen-Image: "
+            "QwenImagePipeline's true_cfg_scale (CFG rescaled to the conditional norm; 4 "
+            "typical, <= 1 off); FLUX-dev: the guidance embedding's value (3.5 typical); "
+            "FLUX-schnell: unused",
         ] = 4.5,
-        negative_prompt: Annotated[str, "prompt of the unconditional branch (SD3)"] = "",
+        negative_prompt: Annotated[
+            str, "prompt of the unconditional branch (SD3, Wan, Qwen-Image: ' ' in its examples)"
+        ] = "",
         height: Annotated[int, "image height in pixels"] = 512,
         width: Annotated[int, "image width in pixels"] = 512,
         frames: Annotated[

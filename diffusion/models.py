@@ -87,7 +87,7 @@ def encode_images(vae: nn.Module, images: Tensor, device: torch.device) -> Tenso
     return (z.float() - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
 
 
-# Default LoRA targets of both families: the attention projections of the joint blocks
+# Default LoRA targets of the image families: the attention projections of the joint blocks
 # (and, in FLUX, of the single-stream blocks, whose attention has to_q/k/v too).
 ATTENTION_LORA_TARGETS = [
     "attn.to_q",

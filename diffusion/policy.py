@@ -79,10 +79,14 @@ class DiffusionPolicyOptions(Options):
 
     text_encoder_3: bool = doc(
         True,
-        "SD3: load the T5 text encoder (false: zeros instead, much less memory); FLUX needs its T5",
+        "SD3: load the T5 text encoder (false: zeros instead, much less memory); FLUX needs "
+        "its T5, Wan its UMT5, Qwen-Image its Qwen2.5-VL",
     )
     max_sequence_length: int = doc(
-        256, "T5 tokens per prompt, in [1, 512] (SD3, FLUX; FLUX-dev's pipeline uses 512)"
+        256,
+        "T5 tokens per prompt, in [1, 512] (SD3, FLUX; FLUX-dev's pipeline uses 512); "
+        "Qwen-Image: text-encoder tokens after its template (longer prompts are cut), the "
+        "width every prompt's embedding is padded to",
     )
     kl_form: str = doc(
         "step",

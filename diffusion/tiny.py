@@ -1,4 +1,4 @@
-"""Tiny Stable-Diffusion-3 and FLUX-architecture models built offline, for tests and CPU demos.
+"""Tiny SD3, FLUX, Qwen-Image and Wan-architecture models built offline, for tests and CPU demos.
 
 Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.json``,
 ``transformer/``, ``scheduler/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``,
@@ -24,7 +24,7 @@ transformers' config classes) with a Qwen2 byte-level BPE tokenizer trained on t
 pipeline's prompt template and the task's prompts, the frame-wise PatchVideoVAE (or a tiny
 random ``AutoencoderKLQwenImage``), and Qwen-Image's scheduler settings.
 
-``pretrain_steps > 0`` (SD3 only) then trains the transformer with flow matching on synthetic images
+``pretrain_steps > 0`` (SD3, Qwen-Image) then trains the transformer with flow matching on synthetic images
 of coloured blobs (:mod:`.colour`), so it draws blobs before RL starts. With
 ``label_noise = p`` the blob's colour disagrees with the prompt in a fraction p of the
 training images, so the pre-trained model follows the prompt only part of the time and
@@ -566,25 +566,29 @@ def pretrain_colour(
     cond_dropout: float = 0.1,
     seed: int = 0,
     log_every: int = 0,
+    image_size: int | None = None,
 ) -> dict[str, float]:
-    """Flow-matching pre-training of ``path``'s transformer on coloured-blob images."""
+    """Flow-matching pre-training of ``path``'s transformer (tiny SD3 or Qwen-Image) on
+    coloured-blob images (``image_size`` pixels; SD3: its transformer's sample size)."""
     from polyrl.diffusion import colour
-    from polyrl.diffusion.models import SD3Family
+    from polyrl.diffusion.models import QwenImageFamily, SD3Family, detect_family
 
-    fam = SD3Family(
-        str(path),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        load_t5=False,
-        max_sequence_length=1,
-    )
+    cpu = dict(dtype=torch.float32, device=torch.device("cpu"))
+    if detect_family(str(path)) == "qwen_image":
+        # the colour prompts are short: 32 Qwen tokens hold any of them after the template
+        fam = QwenImageFamily(str(path), max_sequence_length=32, **cpu)
+        if image_size is None:
+            raise ValueError("pre-training a tiny Qwen-Image needs image_size")
+        size = image_size
+    else:
+        fam = SD3Family(str(path), load_t5=False, max_sequence_length=1, **cpu)
+        size = fam.vae_scale * fam.transformer.config.sample_size
     names = list(colour.PALETTE)
     prompts = [t.format(c=c) for c in names for t in colour.TEMPLATES]
     emb, pooled = fam.encode(prompts + [""])
     null_emb, null_pooled = emb[-1:], pooled[-1:]
     emb, pooled = emb[:-1], pooled[:-1]
     prompt_colour = torch.tensor([names.index(colour.prompt_colour(p)) for p in prompts])
-    size = fam.vae_scale * fam.transformer.config.sample_size
     model = fam.transformer.train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -849,7 +853,17 @@ def tiny_qwen_image(
         "patch: the frame-wise PatchVideoVAE (exact, no weights; demos); qwen: a tiny "
         "AutoencoderKLQwenImage with random weights (layout tests only)",
     ] = "patch",
-    seed: Annotated[int, "seed of the random weights"] = 0,
+    pretrain_steps: Annotated[
+        int, "flow-matching pre-training steps on the colour task's blobs (0: untrained)"
+    ] = 0,
+    pretrain_batch: Annotated[int, "images per pre-training step"] = 64,
+    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
+    label_noise: Annotated[
+        float, "share of pre-training images whose colour disagrees with their caption"
+    ] = 0.0,
+    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
+    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    image_size: Annotated[int, "side in pixels of the pre-training images"] = 16,
     vae_patch: Annotated[
         int, "VAE spatial factor (a power of 2): latents are (C, side/p, side/p)"
     ] = 2,
@@ -858,8 +872,13 @@ def tiny_qwen_image(
     head_dim: Annotated[int, "width of one attention head (even, >= 6; rotary axes f, h, w)"] = 16,
     text_hidden: Annotated[int, "hidden size of the tiny Qwen2.5-VL text model"] = 32,
 ) -> Path:
-    """Build (once) an untrained tiny Qwen-Image at ``path`` (vocabulary from task ``corpus``
-    and QwenImagePipeline's prompt template)."""
+    """Build (once) a tiny Qwen-Image at ``path`` (vocabulary from task ``corpus`` and
+    QwenImagePipeline's prompt template); pre-train it on task ``corpus``'s images."""
+    if pretrain_steps and (corpus != "colour" or vae != "patch"):
+        raise ValueError(
+            "tiny_qwen_image pre-trains on the colour task with vae: patch only; set "
+            "pretrain_steps=0"
+        )
     shape = dict(
         vae=vae,
         vae_patch=vae_patch,
@@ -872,5 +891,16 @@ def tiny_qwen_image(
     def write(tmp: Path) -> None:
         write_tiny_qwen_image(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
         os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
+        if pretrain_steps:
+            pretrain_colour(
+                tmp,
+                steps=pretrain_steps,
+                batch_size=pretrain_batch,
+                lr=pretrain_lr,
+                label_noise=label_noise,
+                seed=seed,
+                log_every=log_every,
+                image_size=image_size,
+            )
 
     return _build_once(path, write)
