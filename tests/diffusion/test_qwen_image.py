@@ -14,6 +14,7 @@ import pytest
 import torch
 
 PROMPTS = ["a red blob", "a blue circle", "green", "a yellow blob"]
+GPU_RECIPE = "diffusion_qwen_image_pickscore_lora.yaml"
 QWEN_ARGS = {"steps": 4, "guidance_scale": 4.0, "negative_prompt": " "}
 
 
@@ -215,6 +216,33 @@ def test_qwen_image_needs_its_text_encoder(tiny_qwen_dir):
         QwenImageFamily(
             tiny_qwen_dir, dtype=torch.float32, device=torch.device("cpu"), load_t5=False
         )
+
+
+def test_gpu_recipe_loads_and_validates_without_models(monkeypatch):
+    """examples/diffusion_qwen_image_pickscore_lora.yaml (never run here) loads and
+    validates; no model is loaded doing so."""
+    import polyrl.core  # noqa: F401
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.diffusion import models
+    from polyrl.diffusion.engine import sampling_options
+    from polyrl.diffusion.policy import policy_options
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded while validating a recipe")
+
+    for family in models.FAMILIES.values():
+        monkeypatch.setattr(family, "__init__", no_load)
+    cfg = load(Config, Path(__file__).parents[2] / "examples" / GPU_RECIPE)
+    cfg.validate()
+    main = cfg.policies["main"]
+    assert (main.model, main.dtype, main.lora.r) == ("Qwen/Qwen-Image", "bfloat16", 32)
+    sampling = sampling_options(main, "main")
+    assert (sampling.guidance_scale, sampling.negative_prompt) == (4.0, " ")
+    assert policy_options(main, "main").max_sequence_length == 256
+    assert [t.name for t in cfg.reward.terms] == ["pickscore"]
+    assert cfg.algorithm.kl_estimator == "gaussian_mean"
 
 
 def _run(tiny_qwen_dir, tmp_path, steps, extra=()):
