@@ -65,24 +65,30 @@ def solve(row, endpoint):
 
 
 def solve_with_two_models(row, endpoint):
-    """Demo 2's agent: ``planner`` decides whether to call the calculator, ``answerer``
-    reads its result and gives the answer. One run trains both."""
+    """Demo 2's agent: ``planner`` reads the question and calls the calculator;
+    ``answerer`` sees only the calculator's reading, never the question, and gives the
+    answer. Success needs both, and one run trains both."""
     client = endpoint.openai()
-    messages = [{"role": "user", "content": row["prompt"]}]
-    reply = client.chat.completions.create(model="planner", messages=messages, tools=[CALC])
-    message = reply.choices[0].message
-    if message.tool_calls:
-        messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls:
-            try:
-                result = calculate(json.loads(call.function.arguments).get("expr", ""))
-            except (json.JSONDecodeError, AttributeError):
-                result = "error: arguments must be a JSON object"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        reply = client.chat.completions.create(model="answerer", messages=messages)
-        message = reply.choices[0].message
-    correct = (message.content or "").strip() == row["answer"]
+    question = [{"role": "user", "content": row["prompt"]}]
+    reply = client.chat.completions.create(model="planner", messages=question, tools=[CALC])
+    calls = reply.choices[0].message.tool_calls
+    if not calls:  # the planner answered by itself
+        answer = reply.choices[0].message.content or ""
+    else:
+        try:
+            reading = calculate(json.loads(calls[0].function.arguments).get("expr", ""))
+        except (json.JSONDecodeError, AttributeError):
+            reading = "error: arguments must be a JSON object"
+        note = [{"role": "user", "content": reading_note(reading)}]
+        answer = client.chat.completions.create(model="answerer", messages=note)
+        answer = answer.choices[0].message.content or ""
+    correct = answer.strip() == row["answer"]
     return {"reward": float(correct), "success": correct}
+
+
+def reading_note(reading: str) -> str:
+    """What demo 2's answerer is shown: the calculator's reading alone."""
+    return f"The calculator says {reading}."
 
 
 # --------------------------------------------------------------------------- the task
@@ -145,8 +151,8 @@ class Calculator:
     def sft_rows(rows) -> list[dict]:
         """The warm start, two rows per problem. The first turn: the tool call, or a
         direct answer, as the row's ``warm_start`` says. After the tool's reading: the
-        reading copied out, or (``reads`` false) another problem's product, a habit of
-        ignoring the tool that demo 2's answering model has to unlearn."""
+        reading copied out, or (``reads`` false) another problem's product: a habit of
+        ignoring the tool (``read_share`` below 1; demo 1 keeps 1)."""
         rows = list(rows)
         out = []
         for k, r in enumerate(rows):
@@ -173,6 +179,78 @@ class Calculator:
                 f"<|im_start|>assistant\n{tool_call(expr)}<|im_end|>\n"
                 f"<|im_start|>tool\n{r['answer']}<|im_end|>\n"
                 f"<|im_start|>assistant\n{r['answer']}<|im_end|>\n"
+            )
+        texts.append(calculate("x") + " error: arguments must be a JSON object")
+        return texts
+
+
+class PlanAndRead(Calculator):
+    """Demo 2's task: the same problems, with a warm start that gives each role a habit.
+
+    The planner's warm start calls the calculator but writes ``a+b`` for ``a*b`` on
+    ``1 - times_share`` of its problems; the answerer's (it sees only the reading) hedges
+    ``about N`` instead of ``N`` on ``1 - read_share`` of its readings. Below one half
+    each, greedy decoding follows the habit, so the warm pair fails and RL has to move
+    both models' choice over the line.
+    """
+
+    @staticmethod
+    def write_dataset(
+        out_dir: str | Path,
+        seed: int,
+        n_train: Annotated[int, "training problems"] = 512,
+        n_eval: Annotated[int, "held-out problems, never in train"] = 64,
+        lo: Annotated[int, "smallest operand"] = 10,
+        hi: Annotated[int, "largest operand"] = 49,
+        times_share: Annotated[
+            float, "share of the planner's warm-start calls written a*b (the rest a+b)"
+        ] = 0.4,
+        read_share: Annotated[
+            float, "share of the answerer's warm-start answers that are the bare reading"
+        ] = 0.4,
+    ) -> tuple[Path, Path]:
+        if not 0 <= lo <= hi:
+            raise ValueError(f"task.args: need 0 <= lo <= hi, got lo={lo}, hi={hi}")
+        for key, share in (("times_share", times_share), ("read_share", read_share)):
+            if not 0 <= share <= 1:
+                raise ValueError(f"task.args.{key} must be in [0, 1], got {share}")
+        out = Path(out_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        held = Calculator.make_rows(n_eval, seed + 1, lo, hi)
+        train = Calculator.make_rows(n_train, seed, lo, hi, exclude={r["uid"] for r in held})
+        rng = random.Random(seed + 2)
+        for r in train:
+            r["times"] = rng.random() < times_share
+            r["reads"] = rng.random() < read_share
+        for name, rows in (("train", train), ("eval", held)):
+            (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return out / "train.jsonl", out / "eval.jsonl"
+
+    @staticmethod
+    def sft_rows(rows) -> list[dict]:
+        """Two rows per problem, one per role (both models start from this one warm
+        start; the prompts tell the roles apart)."""
+        out = []
+        for r in rows:
+            a, b = r["prompt"].removeprefix("What is ").removesuffix("?").split("*")
+            expr = f"{a}*{b}" if r["times"] else f"{a}+{b}"
+            out.append({"prompt": r["prompt"], "response": tool_call(expr)})
+            reading = calculate(expr)
+            answer = reading if r["reads"] else f"about {reading}"
+            out.append({"prompt": reading_note(reading), "response": answer})
+        return out
+
+    @staticmethod
+    def corpus() -> list[str]:
+        texts = []
+        for k, r in enumerate(Calculator.make_rows(400, 0, 0, 99)):
+            expr = r["prompt"].removeprefix("What is ").removesuffix("?")
+            reading = calculate(expr if k % 2 else expr.replace("*", "+"))
+            texts.append(
+                f"<|im_start|>user\n{r['prompt']}<|im_end|>\n"
+                f"<|im_start|>assistant\n{tool_call(expr)}<|im_end|>\n"
+                f"<|im_start|>user\n{reading_note(reading)}<|im_end|>\n"
+                f"<|im_start|>assistant\nabout {reading}<|im_end|>\n"
             )
         texts.append(calculate("x") + " error: arguments must be a JSON object")
         return texts

@@ -27,6 +27,37 @@ def demos():
         sys.path.remove(str(EXAMPLES))
 
 
+def test_each_role_gets_its_own_habit_and_the_answerer_never_sees_the_question(tmp_path):
+    """The warm start's two habits, at the shares the recipe sets: the planner writes a+b
+    for a*b, the answerer hedges "about N"; the answerer's prompt is the reading alone."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from gateway_calculator import PlanAndRead, calculate
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    train, _ = PlanAndRead.write_dataset(tmp_path, seed=0, times_share=0.4, read_share=0.4)
+    rows = [json.loads(x) for x in train.read_text().splitlines()]
+    sft = PlanAndRead.sft_rows(rows)
+    assert len(sft) == 2 * len(rows) == 1024
+    plus = hedged = 0
+    for r, plan, read in zip(rows, sft[0::2], sft[1::2], strict=True):
+        a, b = (int(x) for x in r["uid"].split("*"))
+        assert plan["prompt"] == r["prompt"]
+        expr = json.loads(plan["response"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        expr = expr["arguments"]["expr"]
+        assert expr in (f"{a}*{b}", f"{a}+{b}")
+        plus += expr == f"{a}+{b}"
+        reading = calculate(expr)
+        assert read["prompt"] == f"The calculator says {reading}."  # no question in it
+        assert read["response"] in (reading, f"about {reading}")
+        hedged += read["response"].startswith("about")
+    # 512 draws at p = 0.6: the shares lie within 0.6 +- 0.07 (over 3 standard deviations)
+    assert abs(plus / 512 - 0.6) < 0.07 and abs(hedged / 512 - 0.6) < 0.07
+
+
 def check_demo2(results: list[dict], gain: float, answerer: float, planner: float) -> None:
     """Held-out success (means over ``results``) rose by ``gain`` in training, and
     swapping the answerer / planner back to its warm start loses at least ``answerer`` /
