@@ -375,3 +375,68 @@ def test_grpo_learns_the_prompt_colour_one_seed(demo_qwen, tmp_path):
 @pytest.mark.seeds
 def test_grpo_learns_the_prompt_colour_three_seeds(demo_qwen, tmp_path):
     _check_learns(demo_qwen, tmp_path, (0, 1, 2))
+
+
+# --- Ray: the first update equals local mode's (as tests/diffusion/test_flux_ray.py) --------
+
+
+@pytest.mark.ray
+def test_first_update_under_ray_matches_local(
+    ray_cluster, diffusion_config, tiny_qwen_dir, tmp_path
+):
+    """Tiny Qwen-Image with true CFG, LoRA r=4, 2 FSDP2 CPU ranks, two mini-batches and the
+    Gaussian-mean KL: Ray's first update equals local mode's; after the sync the engine
+    actor samples with the trained weights."""
+    from polyrl.core.credit import assign
+    from polyrl.core.record import select_policy, valid_rows
+    from polyrl.core.session import Session
+
+    def rollout(s):
+        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+        s.score(record)
+        assign(record, s.cfg.algorithm)
+        return record, select_policy(valid_rows(record), "main")
+
+    common = (
+        f"policies.main.model={tiny_qwen_dir}",
+        "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 4.0, "
+        "negative_prompt: ' ', train_steps: {mode: window, window_start: 0, window_size: 2}}",
+        "policies.main.args={max_sequence_length: 16}",
+        "policies.main.lora.r=4",
+        "policies.main.optim.lr=5.0e-3",
+        "algorithm.kl_coef=0.1",
+        "algorithm.kl_estimator=gaussian_mean",
+        "algorithm.minibatches=2",
+        "algorithm.credit_args={adv_clip: 1.0}",  # clipped: the loss is not ~0
+    )
+    ray = (
+        "distributed.backend=ray",
+        "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}",
+    )
+    local = Session.open(diffusion_config(*common, f"run.dir={tmp_path}/local"), record=False)
+    remote = Session.open(diffusion_config(*common, *ray, f"run.dir={tmp_path}/ray"), record=False)
+    try:
+        rec_l, rows_l = rollout(local)
+        rec_r, rows_r = rollout(remote)
+        assert torch.equal(rec_r["latents"], rec_l["latents"])
+        assert torch.equal(rec_r["rollout_logprobs"], rec_l["rollout_logprobs"])
+        assert rec_l["reward"].std() > 0
+        out_l = local.update("main", rows_l.clone())
+        out_r = remote.update("main", rows_r.clone())
+        print("local", out_l, "\nray  ", out_r)
+        assert out_l["kl"] > 0 and abs(out_l["loss"]) > 1e-3
+        assert abs(out_r["loss"] - out_l["loss"]) <= 1e-4 * max(1.0, abs(out_l["loss"]))
+        for key in ("kl", "grad_norm"):
+            assert out_r[key] == pytest.approx(out_l[key], rel=1e-4), key
+        remote.engines["main"].sync()
+        rec2, _ = rollout(remote)
+        mask = rec2["loss_mask"].bool()
+        with torch.no_grad():
+            now = local.policies["main"].logprobs(rec2)[0]
+        before = local.policies["main"].ref_logprobs(rec2)
+        gap_now = float((now - rec2["rollout_logprobs"])[mask].abs().max())
+        gap_before = float((before - rec2["rollout_logprobs"])[mask].abs().max())
+        print("gap to the trained weights", gap_now, "to the initial ones", gap_before)
+        assert gap_now < 1e-4 < gap_before
+    finally:
+        remote.backend.shutdown()
