@@ -664,6 +664,13 @@ class QwenImageFamily:
                 f"{path!r} is a Qwen-Image checkpoint: its prompt embeddings come from its "
                 "Qwen2.5-VL text encoder, so policies.<name>.args.text_encoder_3 cannot be false"
             )
+        pipeline = QwenImagePipeline.load_config(path).get("_class_name")
+        if pipeline != "QwenImagePipeline":
+            raise ValueError(
+                f"{path!r}: model_index.json names {pipeline!r}; the qwen_image family is "
+                "Qwen-Image's text-to-image pipeline (QwenImagePipeline) only, not its edit, "
+                "layered or ControlNet variants"
+            )
         self.path, self.device, self.dtype = path, device, dtype
         self.max_sequence_length = max_sequence_length
         quiet_diffusers()

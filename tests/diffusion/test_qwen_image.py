@@ -218,6 +218,21 @@ def test_qwen_image_needs_its_text_encoder(tiny_qwen_dir):
         )
 
 
+def test_an_edit_checkpoint_is_refused(tiny_qwen_dir, tmp_path):
+    """Same transformer class, another pipeline: the error names model_index.json."""
+    import shutil
+
+    from polyrl.diffusion.models import QwenImageFamily
+
+    edit = tmp_path / "edit"
+    shutil.copytree(tiny_qwen_dir, edit)
+    index = json.loads((edit / "model_index.json").read_text())
+    index["_class_name"] = "QwenImageEditPipeline"
+    (edit / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model_index.json names 'QwenImageEditPipeline'"):
+        QwenImageFamily(str(edit), dtype=torch.float32, device=torch.device("cpu"))
+
+
 def test_gpu_recipe_loads_and_validates_without_models(monkeypatch):
     """examples/diffusion_qwen_image_pickscore_lora.yaml (never run here) loads and
     validates; no model is loaded doing so."""
