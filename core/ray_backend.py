@@ -61,8 +61,10 @@ polyrl installed. Ray is imported only when this backend is used.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -207,6 +209,8 @@ class _Group:
             for w in self.workers
         ]
         self._engine_starting: list = []
+        self._engine_sent: list = []  # engine calls not waited for yet (submit_engine)
+        self._engine_sent_lock = threading.Lock()  # the trainer and the producer both send
 
     @property
     def nodes(self) -> list[str]:
@@ -252,11 +256,21 @@ class _Group:
         self.engine_label = f"engine for policy {self.name!r}"
         self._engine_starting = [self.engine.setup.remote(self.name, cfg, seed=seed, gpu=gpus > 0)]
 
+    def submit_engine(self, method: str, *args) -> None:
+        """``method`` on the engine actor, not waited for: the actor runs this process's
+        calls in the order they were sent, and a failure is raised by the next
+        :meth:`call_engine`, which waits for it too."""
+        with self._engine_sent_lock:
+            self._engine_sent.append(getattr(self.engine, method).remote(*args))
+
     def call_engine(self, method: str, *args, **kwargs) -> Any:
         if self._engine_starting:
             starting, self._engine_starting = self._engine_starting, []
             wait(starting, [self.engine_label])
-        return wait([getattr(self.engine, method).remote(*args, **kwargs)], [self.engine_label])[0]
+        with self._engine_sent_lock:
+            ref = getattr(self.engine, method).remote(*args, **kwargs)
+            refs, self._engine_sent = [*self._engine_sent, ref], []
+        return wait(refs, [self.engine_label] * len(refs))[-1]
 
     def kill_workers(self) -> None:
         ray = require_ray()
@@ -333,19 +347,27 @@ class RayEngine:
     each method the engine class declares in ``remote_methods`` (an image-aware generate,
     whole-trajectory sampling), forwarded to the actor by name, so a workflow calls the
     handle as it would the engine. Arguments and results are pickled into the call: for a
-    VLM's pixel values that is about 24 MB per 1-megapixel image per rollout."""
+    VLM's pixel values that is about 24 MB per 1-megapixel image per rollout.
+
+    The handle keeps the engine's state (its RNG) as each call returns it, so
+    :meth:`state_dict`, which async rollouts take before every batch, makes no call."""
 
     def __init__(self, policy: RayPolicy, engine_cls: Any = None) -> None:
         self.policy, self.group = policy, policy.group
         self.tokenizer = policy.tokenizer
+        self._state: dict | None = None  # the actor's engine state after its last call
         # a workflow reads what the engine takes (vllm_vl: the resized images themselves)
         self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
         declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
         for method in declared:
-            setattr(self, method, functools.partial(self.group.call_engine, "call", method))
+            setattr(self, method, functools.partial(self._call, "call", method))
+
+    def _call(self, method: str, *args, **kwargs) -> Any:
+        out, self._state = self.group.call_engine(method, *args, **kwargs)
+        return out
 
     def generate(self, prompts, params):
-        return self.group.call_engine("generate", [list(p) for p in prompts], params)
+        return self._call("generate", [list(p) for p in prompts], params)
 
     def sync(self) -> None:
         """Gather the trainer's full weights (rank 0) and load them into the engine actor."""
@@ -353,16 +375,21 @@ class RayEngine:
         self.group.call_engine("sync", ref)
 
     def state_dict(self) -> dict:
-        return self.group.call_engine("state_dict")
+        if self._state is None:
+            self._state = self.group.call_engine("state_dict")
+        return copy.deepcopy(self._state)
 
     def load_state_dict(self, state: dict) -> None:
+        self._state = None  # the actor's own after the load: asked for when next needed
         self.group.call_engine("load_state_dict", state)
 
 
 class RayVersions:
     """Async rollouts under Ray: a version is the gathered weights (or LoRA factors) in
     the object store, put there by rank 0; the engine actor loads one by reference, so
-    versions never pass through the driver except into a checkpoint."""
+    versions never pass through the driver except into a checkpoint. The load is sent
+    without waiting (the batch's first engine call waits for it), and the version a
+    batch needs is sent ahead while the batch before it generates (:meth:`prefetch`)."""
 
     def __init__(self, policy: RayPolicy) -> None:
         self.policy = self.engine_policy = policy
@@ -371,7 +398,10 @@ class RayVersions:
         return next(r for r in self.policy.group.call("full_weights") if r is not None)[0]
 
     def load(self, engine: RayEngine, version: Any) -> None:
-        engine.group.call_engine("sync", version)
+        engine.group.submit_engine("load_version", [version])
+
+    def prefetch(self, engine: RayEngine, version: Any) -> None:
+        engine.group.submit_engine("stage", version.hex(), version)
 
     def saved(self, version: Any) -> Any:
         return require_ray().get(version)

@@ -470,6 +470,7 @@ class EngineWorker:
         self.policy: Any = None
         self.engine: Any = None
         self.base: dict[str, torch.Tensor] = {}  # LoRA: W0 of each adapted layer, on the CPU
+        self.staged: dict[str, Any] = {}  # async: a version sent ahead of its load, by object id
 
     def node(self) -> str:
         return require_ray().get_runtime_context().get_node_id()
@@ -487,19 +488,36 @@ class EngineWorker:
         )
         self.engine = ENGINES.get(cfg.engine.name)(self.policy, seed=seed, **cfg.engine.args)
 
-    def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
+    def generate(self, prompts, params) -> tuple[list, dict]:
+        """The completions and the engine's state after them: the driver keeps that state,
+        so capturing it before a batch (resume needs it) costs no call of its own."""
+        return self.engine.generate(prompts, params), self.engine.state_dict()
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, method: str, *args, **kwargs) -> tuple[Any, dict]:
         """A method the engine's class declares in ``remote_methods`` (RemoteMethods): the
-        engine's own interface beyond ``generate`` (images in, whole trajectories out)."""
+        engine's own interface beyond ``generate`` (images in, whole trajectories out);
+        with the engine's state after it, as :meth:`generate`."""
         declared = self.engine.remote_methods if isinstance(self.engine, RemoteMethods) else ()
         if method not in declared:
             raise AttributeError(
                 f"engine {type(self.engine).__name__} declares no remote method {method!r} "
                 f"(remote_methods: {declared})"
             )
-        return getattr(self.engine, method)(*args, **kwargs)
+        return getattr(self.engine, method)(*args, **kwargs), self.engine.state_dict()
+
+    def stage(self, key: str, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
+        """Async rollouts: keep a version for a later :meth:`load_version`. Sent while an
+        earlier batch generates, so Ray fetches the weights during that call, not in the
+        load (this actor runs its calls one at a time, but resolves their arguments ahead)."""
+        self.staged[key] = weights
+
+    def load_version(self, boxed: list) -> None:
+        """Load the version ``boxed[0]`` (an ObjectRef, in a list so that Ray passes it
+        unresolved): its staged copy if it was sent ahead, else fetched now."""
+        (ref,) = boxed
+        weights = self.staged.pop(ref.hex(), None)
+        self.staged.clear()  # only the next load is sent ahead: the rest would never be used
+        self.sync(require_ray().get(ref) if weights is None else weights)
 
     def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
         if isinstance(weights, LoraFactors):

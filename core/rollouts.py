@@ -105,6 +105,9 @@ class Versions(Protocol):
 
     def load(self, engine: Any, version: Any) -> None: ...  # into the engine's copy
 
+    # toward the engine ahead of its load, while an earlier batch generates (any thread)
+    def prefetch(self, engine: Any, version: Any) -> None: ...
+
     def saved(self, version: Any) -> Any: ...  # for a checkpoint
 
     def restored(self, saved: Any) -> Any: ...  # from a checkpoint
@@ -126,6 +129,9 @@ class LocalVersions:
             for key, value in version.items():
                 params[key].copy_(value)
         engine.sync()
+
+    def prefetch(self, engine: Any, version: Any) -> None:
+        return None  # a load is a copy within this process: nothing to move ahead
 
     def saved(self, version: Any) -> Any:
         return version
@@ -150,6 +156,7 @@ class Ahead:
         self.out: queue.Queue = queue.Queue()
         self.first = 1  # the first batch the producer makes
         self.prestates: dict[int, dict[str, Any]] = {}
+        self.ahead: int | None = None  # the next batch's version, prefetched at its publish
         self.thread: threading.Thread | None = None
         self.stop = False
         self.dropped_groups = 0
@@ -164,6 +171,23 @@ class Ahead:
                 snap = self.snapshots[name][version]
             versions.load(self.s.engines[name], snap)
             self.loaded[name] = version
+
+    def _prefetch(self, version: int) -> None:
+        """Send the weights the next batch loads toward its engines (holding ``cond``)."""
+        for name, versions in self.versions.items():
+            versions.prefetch(self.s.engines[name], self.snapshots[name][version])
+
+    def _send_ahead(self, b: int, need: int) -> None:
+        """Batch ``b`` (with version ``need``) is about to generate: the version batch b+1
+        needs goes toward the engines when it is published, so that its transfer overlaps
+        this batch's generation. One published already would be fetched before this batch
+        generates (an engine runs its calls in order): it is left to the load."""
+        nxt = max(0, b - self.k)
+        if nxt == need or b == self.s.cfg.train.steps:
+            return
+        with self.cond:
+            if self.published < nxt:
+                self.ahead = nxt
 
     def _refresh(self, name: str) -> int:
         """Partial mode, between decoding steps: the newest published weights into
@@ -227,6 +251,7 @@ class Ahead:
                     if self.partial:
                         record = self._partial_rollout(s.sampler.next_batch(), need)
                     else:
+                        self._send_ahead(b, need)
                         record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
                         record["policy_version"] = torch.full((record.batch_size[0],), need)
                     own = _own_metrics(s.workflow)
@@ -283,6 +308,9 @@ class Ahead:
             if not waiting:
                 del self._pending[step]
                 self.published = step
+                if self.ahead == step:
+                    self.ahead = None
+                    self._prefetch(step)
                 for snaps in self.snapshots.values():  # later batches need >= step - k
                     for v in [v for v in snaps if v < step - self.k]:
                         del snaps[v]
