@@ -39,10 +39,12 @@ import threading
 import time
 import traceback
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import orjson
 from tensordict import TensorDict
 
 from polyrl.agents.chat import ChatFormat
@@ -232,6 +234,7 @@ class Request:
     tools: list[dict] | None
     stream: bool = False
     usage_chunk: bool = False  # stream_options.include_usage
+    tools_key: str = "null"  # the tools as canonical JSON (stitching compares it)
 
 
 def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Request:
@@ -317,7 +320,26 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
         tools=tools or None,
         stream=bool(stream),
         usage_chunk=bool((options or {}).get("include_usage")),
+        tools_key=json.dumps(tools or None, sort_keys=True),
     )
+
+
+class _Cache:
+    """A bounded mapping that forgets the least recently used entry."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.data = size, OrderedDict()
+
+    def get(self, key):
+        value = self.data.get(key)
+        if value is not None:
+            self.data.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self.data[key] = value
+        if len(self.data) > self.size:
+            self.data.popitem(last=False)
 
 
 # --------------------------------------------------------------------------- batching
@@ -460,6 +482,9 @@ class GatewayServer:
             name: "tool_calls" not in str(getattr(tok, "chat_template", None) or "")
             for name, tok in tokenizers.items()
         }
+        # Rendered prompts by their normalised messages: the samples of a group send the
+        # same first messages, and many episodes the same tool or user turns.
+        self._renders = _Cache(4096)
         self.host = host
         self.api_key = "pk-" + secrets.token_urlsafe(24)
         self.request_timeout = request_timeout
@@ -535,7 +560,7 @@ class GatewayServer:
     def app(self):
         """The ASGI app: Starlette (FastAPI's core) with three routes."""
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
         def error(e: RequestError) -> JSONResponse:
@@ -574,8 +599,8 @@ class GatewayServer:
                 check_key(request)
                 ep = episode(request)
                 try:
-                    body = json.loads(await request.body())
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                    body = orjson.loads(await request.body())
+                except orjson.JSONDecodeError:
                     raise RequestError(400, "the request body is not valid JSON") from None
                 req = parse_request(body, list(self.engines), self.defaults)
                 answer = await self._complete(ep, req)
@@ -583,7 +608,7 @@ class GatewayServer:
                     return StreamingResponse(
                         _sse(answer, req.usage_chunk), media_type="text/event-stream"
                     )
-                return JSONResponse(answer)
+                return Response(orjson.dumps(answer), media_type="application/json")
             except RequestError as e:
                 return error(e)
             except TimeoutError:
@@ -598,8 +623,8 @@ class GatewayServer:
                 check_key(request)
                 ep = episode(request)
                 try:
-                    body = json.loads(await request.body())
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                    body = orjson.loads(await request.body())
+                except orjson.JSONDecodeError:
                     raise RequestError(400, "the request body is not valid JSON") from None
                 return JSONResponse(self._post_reward(ep, body))
             except RequestError as e:
@@ -661,7 +686,7 @@ class GatewayServer:
         """The request's prompt: stitched onto an earlier completion when the messages
         extend it, else rendered afresh."""
         chat = self.chats[req.model]
-        tools_key = json.dumps(req.tools, sort_keys=True)
+        tools_key = req.tools_key
         best = None
         with ep.lock:
             calls = list(ep.calls)
@@ -680,16 +705,26 @@ class GatewayServer:
         if best is not None:
             call, choice = best
             ended = bool(choice.ids) and choice.ids[-1] == chat.eos_id
-            try:
-                rest = chat.env_turn(req.messages[len(call.keys) + 1 :], ended)
-            except ValueError:
-                rest = None
-            if rest is not None:
+            start = len(call.keys) + 1
+            key = ("turn", req.model, ended, tuple(req.keys[start:]))
+            rest = self._renders.get(key)
+            if rest is None:
+                try:
+                    rest = chat.env_turn(req.messages[start:], ended)
+                except ValueError:
+                    rest = False  # the template cannot splice: render afresh
+                self._renders.put(key, rest)
+            if rest is not False:
                 return call.prompt_ids + choice.ids + rest, True
-        messages = req.messages
-        if self.fold_calls[req.model]:
-            messages = [_fold_calls(m) for m in messages]
-        return chat.first_prompt(messages, req.tools), False
+        key = ("first", req.model, tools_key, tuple(req.keys))
+        ids = self._renders.get(key)
+        if ids is None:
+            messages = req.messages
+            if self.fold_calls[req.model]:
+                messages = [_fold_calls(m) for m in messages]
+            ids = chat.first_prompt(messages, req.tools)
+            self._renders.put(key, ids)
+        return list(ids), False
 
     async def _complete(self, ep: EpisodeState, req: Request) -> dict:
         prompt, stitched = self.prompt_ids(ep, req)
@@ -742,7 +777,7 @@ class GatewayServer:
         call = Call(
             req.model,
             req.keys,
-            json.dumps(req.tools, sort_keys=True),
+            req.tools_key,
             prompt,
             choices,
             stitched,
@@ -801,7 +836,7 @@ def _sse(answer: dict, usage: bool):
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def event(choices: list, **extra) -> bytes:
-        return f"data: {json.dumps(head | {'choices': choices} | extra)}\n\n".encode()
+        return b"data: " + orjson.dumps(head | {"choices": choices} | extra) + b"\n\n"
 
     for c in answer["choices"]:
         delta = {"role": "assistant", "content": c["message"]["content"]}

@@ -323,6 +323,30 @@ def test_64_concurrent_async_episodes_share_engine_calls(gateway, items, models)
     assert len(engines["main"].log) == 128
 
 
+def test_a_group_renders_its_shared_messages_once_and_exactly(gateway, models, items):
+    """The samples of a group send the same messages: rendered once, reused, and every
+    row's prompt is still the template's rendering (fresh) or the stitched splice."""
+    policies, _ = models
+    tok = policies["main"].tokenizer
+    wf = gateway("concurrent_agent")
+    data = [{"prompt": "grid S.G", "k": 1}, {"prompt": "grid .SG", "k": 0}]
+    rec = wf.rollout(items(data), SamplingParams(n=4, max_new_tokens=4))
+    assert rec["valid"].all() and rec.batch_size[0] == 16
+    metas = strings(rec, "meta")
+    for idx in by_episode(rec).values():
+        question = [{"role": "user", "content": metas[idx[0]]["row"]["prompt"]}]
+        assert ids(rec, "prompt_ids", idx[0]) == first(question, tok)
+        before = ids(rec, "prompt_ids", idx[0]) + ids(rec, "response_ids", idx[0])
+        close = "\n" if before[-1] == tok.eos_token_id else "<|im_end|>\n"
+        joint = f"{close}<|im_start|>user\nagain 0<|im_end|>\n<|im_start|>assistant\n"
+        assert ids(rec, "prompt_ids", idx[1]) == before + tok.encode(
+            joint, add_special_tokens=False
+        )
+    kinds = [key[0] for key in wf.server._renders.data]
+    # 16 requests: two first prompts, one "again 0" turn per way the reply ended
+    assert kinds.count("first") == 2 and 1 <= kinds.count("turn") <= 2
+
+
 def test_five_turns_are_token_exact(gateway, models, items):
     policies, engines = models
     tok = policies["main"].tokenizer
