@@ -1,10 +1,12 @@
 """polyrl.marl: several LLM agents that learn to work together.
 
 Importing the package registers its parts in the core's registries: the multi-agent
-workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator``), the
-``magrpo`` credit assignment and the ``max_baseline`` advantage, the ``lora_agent`` policy
-kind (one LoRA adapter per agent on a shared base) with its ``vllm_lora`` engine (one
-vLLM serving every adapter) and the ``signaling`` task. A recipe
+workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator`` and
+``look_and_answer``, where a vision-language looker describes the row's image to a
+text-only solver), the ``magrpo`` credit assignment and the ``max_baseline`` advantage, the
+``lora_agent`` policy kind (one LoRA adapter per agent on a shared base) with its
+``vllm_lora`` engine (one vLLM serving every adapter), and the ``signaling`` and
+``vl_team_colour`` (issue 21's Demo B) tasks. A recipe
 may add a centralized critic (``rollout.args.critic``, :mod:`polyrl.marl.critic`): a value
 head over the joint transcript that replaces group baselines with ``R - V(joint state)``.
 
@@ -14,7 +16,8 @@ Modules: :mod:`~polyrl.marl.api` (the agent API workflows are written in),
 (episodes -> record), :mod:`~polyrl.marl.config` (typed options), :mod:`~polyrl.marl.credit`
 (``magrpo``), :mod:`~polyrl.marl.critic`, :mod:`~polyrl.marl.lora`,
 :mod:`~polyrl.marl.vllm_lora`, :mod:`~polyrl.marl.workflows` (the built-ins) and
-:mod:`~polyrl.marl.signaling` (the demo task). See ``marl/README.md``.
+:mod:`~polyrl.marl.signaling` (the demo task) and :mod:`~polyrl.marl.vl_team` (Demo B's
+task). See ``marl/README.md``.
 
 Write your own workflow as an async function over the agent API::
 
@@ -28,7 +31,7 @@ Write your own workflow as an async function over the agent API::
             ep.joint([d, c], final=c.text)
 """
 
-from polyrl.marl import credit, critic, lora, signaling, vllm_lora, workflows
+from polyrl.marl import credit, critic, lora, signaling, vl_team, vllm_lora, workflows
 from polyrl.marl.api import AgentHandle, Episode, Joint, Message, Team
 from polyrl.marl.config import AgentSpec, CriticOptions, MarlOptions
 from polyrl.marl.record import JOINT_POLICY
@@ -50,6 +53,7 @@ __all__ = [
     "critic",
     "lora",
     "signaling",
+    "vl_team",
     "vllm_lora",
     "workflow",
     "workflows",

@@ -197,10 +197,11 @@ def row_images(row: dict, field: str, root: str) -> list[Any]:
     return out
 
 
-@workflow(
-    "look_and_answer",
-    agents={"looker": "Say what you see in one word.", "solver": "Answer in one word."},
-)
+LOOKER_ROLE = "Say what you see in one word."
+SOLVER_ROLE = "Answer in one word."
+
+
+@workflow("look_and_answer", agents={"looker": LOOKER_ROLE, "solver": SOLVER_ROLE})
 async def look_and_answer(
     ep,
     team,
