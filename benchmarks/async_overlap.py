@@ -23,6 +23,7 @@ engine on its own actor, one core each. Multi-turn per-episode scheduling (part 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -123,6 +124,11 @@ def run(steps: int, k: int, tmp: Path, tag: str) -> dict[str, float]:
     path = train(cfg).path
     calls = [json.loads(x) for x in TIMES.read_text().splitlines()]
     generate = [c[0] for c in calls]
+    # the engine's idle time between one generate call's end and the next one's start:
+    # in an async run whose producer is the slower side, the producer's own cost per batch
+    # (load, capture, the record's round trip); synchronous, the rest of the step
+    steady = calls[3:-1]
+    idle = [(b[1] - b[0]) - a[1] for a, b in itertools.pairwise(steady)]
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
     ends = sorted(r["time"] for r in rows if r.get("step", 0) >= 1 and "time/step_s" in r)
     # steady rate: the steps after the first two (warm-up), end to end
@@ -131,7 +137,12 @@ def run(steps: int, k: int, tmp: Path, tag: str) -> dict[str, float]:
     step_s = statistics.median(r["time/step_s"] for r in rows if "time/step_s" in r)
     # what a step spends beyond generating (reward, credit, update, sync): exact when
     # synchronous; async steps overlap the two, so there it is only step time - generate
-    return {"steps_per_s": rate, "generate_s": gen, "update_s": max(step_s - gen, 0.0)}
+    return {
+        "steps_per_s": rate,
+        "generate_s": gen,
+        "update_s": max(step_s - gen, 0.0),
+        "engine_idle_s": statistics.median(idle),
+    }
 
 
 def compare(steps: int, k: int, tmp: Path, tag: str, rounds: int) -> tuple[dict, dict]:
@@ -152,7 +163,8 @@ def show(sync: dict, asy: dict) -> float:
     for name, r in (("sync", sync), ("async", asy)):
         print(
             f"    {name:5s}: {r['steps_per_s']:.3f} steps/s (generate {r['generate_s']:.3f} s, "
-            f"rest of the step {r['update_s']:.3f} s)"
+            f"rest of the step {r['update_s']:.3f} s, engine idle between calls "
+            f"{1000 * r['engine_idle_s']:.0f} ms)"
         )
     ratio = asy["steps_per_s"] / sync["steps_per_s"]
     print(f"    async / sync: {ratio:.2f}x")
