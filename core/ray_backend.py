@@ -355,15 +355,22 @@ class RayEngine:
     def __init__(self, policy: RayPolicy, engine_cls: Any = None) -> None:
         self.policy, self.group = policy, policy.group
         self.tokenizer = policy.tokenizer
-        self._state: dict | None = None  # the actor's engine state after its last call
+        self._state: tuple[int, dict] | None = None  # (call number, engine state after it)
+        self._state_lock = threading.Lock()
         # a workflow reads what the engine takes (vllm_vl: the resized images themselves)
         self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
         declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
         for method in declared:
             setattr(self, method, functools.partial(self._call, "call", method))
 
+    def _keep(self, numbered: tuple[int, dict]) -> None:
+        with self._state_lock:  # calls from two threads may come back in either order
+            if self._state is None or numbered[0] >= self._state[0]:
+                self._state = numbered
+
     def _call(self, method: str, *args, **kwargs) -> Any:
-        out, self._state = self.group.call_engine(method, *args, **kwargs)
+        out, numbered = self.group.call_engine(method, *args, **kwargs)
+        self._keep(numbered)
         return out
 
     def generate(self, prompts, params):
@@ -376,12 +383,11 @@ class RayEngine:
 
     def state_dict(self) -> dict:
         if self._state is None:
-            self._state = self.group.call_engine("state_dict")
-        return copy.deepcopy(self._state)
+            self._keep(self.group.call_engine("state_dict"))
+        return copy.deepcopy(self._state[1])
 
     def load_state_dict(self, state: dict) -> None:
-        self._state = None  # the actor's own after the load: asked for when next needed
-        self.group.call_engine("load_state_dict", state)
+        self._keep(self.group.call_engine("load_state_dict", state))
 
 
 class RayVersions:

@@ -471,6 +471,7 @@ class EngineWorker:
         self.engine: Any = None
         self.base: dict[str, torch.Tensor] = {}  # LoRA: W0 of each adapted layer, on the CPU
         self.staged: dict[str, Any] = {}  # async: a version sent ahead of its load, by object id
+        self.calls = 0  # calls that changed the engine's state: orders the states returned
 
     def node(self) -> str:
         return require_ray().get_runtime_context().get_node_id()
@@ -488,12 +489,16 @@ class EngineWorker:
         )
         self.engine = ENGINES.get(cfg.engine.name)(self.policy, seed=seed, **cfg.engine.args)
 
-    def generate(self, prompts, params) -> tuple[list, dict]:
-        """The completions and the engine's state after them: the driver keeps that state,
-        so capturing it before a batch (resume needs it) costs no call of its own."""
-        return self.engine.generate(prompts, params), self.engine.state_dict()
+    def _changed(self) -> tuple[int, dict]:
+        """This call's number and the engine's state after it. The driver keeps the
+        newest, so capturing the state before a batch (resume needs it) costs no call."""
+        self.calls += 1
+        return self.calls, self.engine.state_dict()
 
-    def call(self, method: str, *args, **kwargs) -> tuple[Any, dict]:
+    def generate(self, prompts, params) -> tuple[list, tuple[int, dict]]:
+        return self.engine.generate(prompts, params), self._changed()
+
+    def call(self, method: str, *args, **kwargs) -> tuple[Any, tuple[int, dict]]:
         """A method the engine's class declares in ``remote_methods`` (RemoteMethods): the
         engine's own interface beyond ``generate`` (images in, whole trajectories out);
         with the engine's state after it, as :meth:`generate`."""
@@ -503,7 +508,7 @@ class EngineWorker:
                 f"engine {type(self.engine).__name__} declares no remote method {method!r} "
                 f"(remote_methods: {declared})"
             )
-        return getattr(self.engine, method)(*args, **kwargs), self.engine.state_dict()
+        return getattr(self.engine, method)(*args, **kwargs), self._changed()
 
     def stage(self, key: str, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
         """Async rollouts: keep a version for a later :meth:`load_version`. Sent while an
@@ -545,11 +550,12 @@ class EngineWorker:
             delta = (b.to(**f32) @ a.to(**f32)) * scale
             w.copy_((w0.to(**f32) + delta).to(w.dtype))
 
-    def state_dict(self) -> dict:
-        return self.engine.state_dict()
+    def state_dict(self) -> tuple[int, dict]:
+        return self.calls, self.engine.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> tuple[int, dict]:
         self.engine.load_state_dict(state)
+        return self._changed()
 
 
 class RewardWorker:
