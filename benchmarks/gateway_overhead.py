@@ -1,12 +1,16 @@
 """The agent gateway's cost against the in-process multi-turn workflow, same task.
 
-Each episode is a 3-turn chat ("go on" after every reply) on a tiny Qwen2 with the real HF
-engine. ``multi_turn``: an inline environment, ``schedule: episode`` (one engine call per
+Each episode is a 3-turn chat ("go on" after every reply) on a Qwen2 built offline (random
+weights, ``--model``: ``tiny`` is the 0.1M test shape, ``20M`` the shape grpo_vs_trl.py
+uses, where an engine call costs what a small real model's does) with the real HF engine. ``multi_turn``: an inline environment, ``schedule: episode`` (one engine call per
 flush of waiting episodes). ``gateway``: the same conversation written as an ``openai``
 client agent (async), over HTTP on 127.0.0.1. Also the per-request overhead: one episode
 making sequential single requests, against calling the engine directly on the same prompts.
+The two workflows alternate within a run (the machine may be shared); the engine's own
+time is measured too, so the gap reads as a fixed cost per request against engine time.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--episodes 64] [--rollouts 3]
+    .venv/bin/python benchmarks/gateway_overhead.py [--model tiny|20M] [--tokens 8]
+        [--episodes 64] [--rollouts 3]
 """
 
 from __future__ import annotations
@@ -22,7 +26,18 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TURNS, TOKENS = 3, 8
+TURNS = 3
+MODELS = {  # tiny_qwen2 shapes; 20M is benchmarks/_common.py's
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=1, head_dim=64, intermediate_size=256),
+    "20M": dict(
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
+}
 
 
 async def chat_agent(row, ep):
@@ -39,15 +54,21 @@ async def chat_agent(row, ep):
 
 
 SEQUENTIAL: list[float] = []
+DIRECT: list[float] = []
+ENGINE_CALL: list = []  # calls the engine directly on the request's prompt (set by main)
 
 
 def sequential_agent(row, ep):
+    """Single greedy requests, each followed by the same engine call made directly."""
     client = ep.openai()
     msgs = [{"role": "user", "content": row["prompt"]}]
     for _ in range(row["requests"]):
         t = time.perf_counter()
         client.chat.completions.create(model="main", messages=msgs, temperature=0)
         SEQUENTIAL.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ENGINE_CALL[0]()
+        DIRECT.append(time.perf_counter() - t)
     return 1.0
 
 
@@ -56,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--rollouts", type=int, default=3)
     ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--tokens", type=int, default=8, help="max new tokens per request")
     args = ap.parse_args(argv)
+    tokens = args.tokens
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     import polyrl.agents  # noqa: F401
@@ -79,13 +103,23 @@ def main(argv: list[str] | None = None) -> int:
             self.t += 1
             return StepResult("go on", 0.0, self.t >= TURNS, {})
 
-    path = Path(tempfile.mkdtemp()) / "tiny"
-    tiny_qwen2(path, corpus="gridworld", vocab_size=128, hidden_size=64, num_layers=2,
-               num_heads=1, head_dim=64, intermediate_size=256, seed=0)  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / args.model
+    tiny_qwen2(path, corpus="gridworld", vocab_size=128, seed=0, **MODELS[args.model])
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=str(path)), total_steps=1, need_reference=False
     )
     engine = HFEngine(policy, seed=0)
+    engine_time = [0.0]  # seconds inside engine.generate, summed
+    generate = engine.generate
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            engine_time[0] += time.perf_counter() - t
+
+    engine.generate = timed_generate
     ctx = Context(None, {"main": policy}, {"main": engine})
     workflows = {
         "multi_turn": MultiTurn(
@@ -102,35 +136,41 @@ def main(argv: list[str] | None = None) -> int:
         PromptItem(uid=i, prompt_ids=[1], prompt_text="", answer=None, row={"prompt": f"g {i}"})
         for i in range(args.episodes)
     ]
-    params = SamplingParams(n=1, max_new_tokens=TOKENS, temperature=1.0)
+    params = SamplingParams(n=1, max_new_tokens=tokens, temperature=1.0)
     times: dict[str, list[float]] = {k: [] for k in workflows}
+    engine_times: dict[str, list[float]] = {k: [] for k in workflows}
     for _ in range(args.rollouts + 1):  # the first round warms up
         for name, wf in workflows.items():
+            engine_time[0] = 0.0
             t = time.perf_counter()
             rec = wf.rollout(items, params)
             times[name].append(time.perf_counter() - t)
+            engine_times[name].append(engine_time[0])
             assert rec.batch_size[0] == args.episodes * TURNS and bool(rec["valid"].all())
-    for name in times:
-        times[name] = times[name][1:]
-    mt, gw = statistics.median(times["multi_turn"]), statistics.median(times["gateway"])
-    print(f"{args.episodes} episodes x {TURNS} turns x {TOKENS} tokens, median of "
-          f"{args.rollouts}: multi_turn {mt:.3f} s, gateway {gw:.3f} s "
-          f"({100 * (gw / mt - 1):+.1f}%)")  # fmt: skip
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    eng = {k: statistics.median(v[1:]) for k, v in engine_times.items()}
+    mt, gw = med["multi_turn"], med["gateway"]
+    requests = args.episodes * TURNS
+    print(f"{args.model} model, {args.episodes} episodes x {TURNS} turns x {tokens} tokens, "
+          f"median of {args.rollouts}: multi_turn {mt:.3f} s (engine {eng['multi_turn']:.3f}), "
+          f"gateway {gw:.3f} s (engine {eng['gateway']:.3f}); gateway/in-process "
+          f"{gw / mt:.2f} ({100 * (gw / mt - 1):+.1f}%), "
+          f"{1e3 * (gw - mt) / requests:.2f} ms more per request")  # fmt: skip
+    sizes = workflows["gateway"].server.batcher.sizes
+    calls = len(sizes) / (args.rollouts + 1)
+    in_process = workflows["multi_turn"].generate_calls / (args.rollouts + 1)
+    print(f"engine calls per rollout: gateway {calls:.1f}, in process {in_process:.1f}")
 
-    # per request: sequential single requests against direct engine calls, greedy
+    # per request: sequential single requests against direct engine calls, greedy, alternating
     seq = Gateway(ctx, agent=sequential_agent)
-    row = {"prompt": "g 0", "requests": args.requests}
-    seq.rollout([PromptItem(0, [1], "", None, row)], params)
     prompt = seq.server.chats["main"].first_prompt([{"role": "user", "content": "g 0"}])
-    greedy = SamplingParams(n=1, max_new_tokens=TOKENS, temperature=0)
-    direct = []
-    for _ in range(args.requests):
-        t = time.perf_counter()
-        engine.generate([prompt], greedy)
-        direct.append(time.perf_counter() - t)
-    over = statistics.median(SEQUENTIAL) - statistics.median(direct)
-    print(f"one request: gateway {1e3 * statistics.median(SEQUENTIAL):.1f} ms, engine "
-          f"{1e3 * statistics.median(direct):.1f} ms, overhead {1e3 * over:.1f} ms")  # fmt: skip
+    greedy = SamplingParams(n=1, max_new_tokens=tokens, temperature=0)
+    ENGINE_CALL.append(lambda: generate([prompt], greedy))
+    row = {"prompt": "g 0", "requests": args.requests + 1}
+    seq.rollout([PromptItem(0, [1], "", None, row)], params)
+    gw1, direct = statistics.median(SEQUENTIAL[1:]), statistics.median(DIRECT[1:])
+    print(f"one request: gateway {1e3 * gw1:.1f} ms, engine {1e3 * direct:.1f} ms, overhead "
+          f"{1e3 * (gw1 - direct):.1f} ms ({gw1 / direct:.2f}x)")  # fmt: skip
     for wf in (workflows["gateway"], seq):
         wf.close()
     return 0
