@@ -17,9 +17,12 @@ bottom left, 4 bottom right) and gets that quadrant at 56x56 (its dot 50 pixels 
 then must answer. With ``tool: false`` a zoom is refused in words and the policy answers
 from the thumbnail alone.
 
-The warm start (:func:`sft_rows`) teaches the format of the first turn (``zoom k`` with
-k at random) and to read the colour of a zoomed dot (the second turn after the right
-zoom). Which quadrant to zoom, and to zoom at all rather than guess, is left to RL.
+Each scene is asked about all four quadrants, in four consecutive rows: read in order, a
+step's batch holds whole scenes, so a zoom that pays whatever the question cancels out
+within the step. The warm start (:func:`sft_rows`) teaches the format of the first turn
+(every ``zoom k`` equally for each question) and to read the colour of a zoomed dot (the
+second turn after the right zoom). Which quadrant to zoom, and to zoom at all rather than
+guess, is left to RL.
 """
 
 from __future__ import annotations
@@ -144,31 +147,30 @@ ENVIRONMENTS.register("vl_zoom", ZoomEnv)
 
 
 def make_rows(n: int, seed: int, out: Path, split: str) -> list[dict]:
-    """``n`` scenes (each drawn again from its ``scene_seed`` by the environment), with a
-    question each and the warm-start views (base, the asked quadrant) saved as PNG."""
+    """``n`` scenes (each drawn again from its ``scene_seed`` by the environment), each asked
+    about all four quadrants in four consecutive rows, with the warm-start views (base, the
+    asked quadrant) saved as PNG."""
     rng = random.Random(seed)
     (out / "zoom" / split).mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(n):
         scene_seed = rng.randrange(2**31)
         img, colours = draw_scene(random.Random(scene_seed))
-        k = rng.randint(1, 4)
-        # warm start: the base view, and the asked quadrant zoomed
-        path = out / "zoom" / split / f"{i:06d}"
-        base_path, zoom_path = path.with_name(f"{i:06d}_base.png"), path.with_name(f"{i:06d}_z.png")
+        base_path = out / "zoom" / split / f"{i:06d}_base.png"
         base_view(img, THUMB, 56).save(base_path)
-        crop(img, k, 56).save(zoom_path)
-        rows.append(
-            {
-                "prompt": QUESTION.format(k=k, where=QUADRANTS[k]),
-                "answer": colours[k - 1],
-                "colours": colours,
-                "scene_seed": scene_seed,
-                "quadrant": k,
-                "sft_first": f"zoom {rng.randint(1, 4)}",
-                "sft_images": [str(base_path), str(zoom_path)],
-            }
-        )
+        for k, where in QUADRANTS.items():
+            zoom_path = base_path.with_name(f"{i:06d}_z{k}.png")
+            crop(img, k, 56).save(zoom_path)
+            rows.append(
+                {
+                    "prompt": QUESTION.format(k=k, where=where),
+                    "answer": colours[k - 1],
+                    "colours": colours,
+                    "scene_seed": scene_seed,
+                    "quadrant": k,
+                    "sft_images": [str(base_path), str(zoom_path)],
+                }
+            )
     return rows
 
 
@@ -176,8 +178,8 @@ def write_dataset(
     out_dir: str | Path,
     *,
     seed: int = 0,
-    n_train: Annotated[int, "training scenes"] = 512,
-    n_eval: Annotated[int, "held-out scenes (drawn from another seed)"] = 100,
+    n_train: Annotated[int, "training scenes (four rows each, one per quadrant)"] = 128,
+    n_eval: Annotated[int, "held-out scenes (drawn from another seed; four rows each)"] = 50,
 ) -> tuple[Path, Path]:
     """Write scenes, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``."""
     out = Path(out_dir).expanduser().resolve()
@@ -187,8 +189,9 @@ def write_dataset(
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:
-    """Two warm-start rows per scene: turn one (``zoom k``, k at random) and turn two (the
-    dot's colour, after the zoom that shows it)."""
+    """Five warm-start rows per question: turn one once with each ``zoom k`` (so the warm
+    start's first turn is uniform over k for every question: RL has all four to choose
+    from), and turn two (the dot's colour, after the zoom that shows it)."""
     out = []
     for r in rows:
         first = [
@@ -205,7 +208,10 @@ def sft_rows(rows: list[dict]) -> list[dict]:
                 ],
             },
         ]
-        out.append({"prompt": first, "images": r["sft_images"][:1], "response": r["sft_first"]})
+        out += [
+            {"prompt": first, "images": r["sft_images"][:1], "response": f"zoom {k}"}
+            for k in QUADRANTS
+        ]
         out.append({"prompt": second, "images": r["sft_images"], "response": r["answer"]})
     return out
 

@@ -80,3 +80,28 @@ def test_the_base_view_hides_which_colour_is_where_and_a_zoom_shows_it():
     off.reset(task)
     assert off.step(f"zoom {k}") == (zoom.NO_TOOL, 0.0, False, {"zoomed": False})
     assert off.step(f"zoom {k}")[1:3] == (0.0, True)  # a second zoom is a wrong answer
+
+
+def test_each_scene_is_asked_about_every_quadrant_and_the_warm_start_zooms_uniformly(tmp_path):
+    """Four consecutive rows per scene, one per quadrant (a step's batch of 16 holds four
+    whole scenes), and the warm start's first turn names every k once per question, so it
+    does not favour a quadrant; its second turn reads the asked quadrant's dot."""
+    rows = zoom.make_rows(3, seed=0, out=tmp_path, split="train")
+    assert len(rows) == 12
+    for i in range(3):
+        scene = rows[4 * i : 4 * i + 4]
+        assert len({r["scene_seed"] for r in scene}) == 1
+        assert [r["quadrant"] for r in scene] == [1, 2, 3, 4]
+        assert [r["answer"] for r in scene] == scene[0]["colours"]
+        assert all(r["prompt"].endswith(f"quadrant {r['quadrant']}") for r in scene)
+    sft = zoom.sft_rows(rows)
+    assert len(sft) == 5 * len(rows)
+    for r, group in zip(rows, (sft[5 * j : 5 * j + 5] for j in range(len(rows))), strict=True):
+        assert [g["response"] for g in group[:4]] == ["zoom 1", "zoom 2", "zoom 3", "zoom 4"]
+        read = group[4]
+        assert read["response"] == r["answer"]
+        assert read["prompt"][1]["content"] == f"zoom {r['quadrant']}"
+        # the zoom image shown in the reading row is the asked quadrant of this scene
+        scene, _ = zoom.draw_scene(random.Random(r["scene_seed"]))
+        shown = np.asarray(Image.open(read["images"][1])).astype(int)
+        assert (shown == np.asarray(zoom.crop(scene, r["quadrant"], 56)).astype(int)).all()
