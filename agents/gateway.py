@@ -235,6 +235,7 @@ class Request:
     stream: bool = False
     usage_chunk: bool = False  # stream_options.include_usage
     tools_key: str = "null"  # the tools as canonical JSON (stitching compares it)
+    seed: int | None = None  # the request's own sampling stream (SamplingParams.seed)
 
 
 def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Request:
@@ -284,7 +285,8 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
     logprobs = body.get("logprobs", False)
     if not isinstance(logprobs, bool):
         raise RequestError(400, "logprobs must be true or false", param="logprobs")
-    if body.get("seed") is not None and not isinstance(body.get("seed"), int):
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(400, "seed must be an integer", param="seed")
     tools = body.get("tools")
     if tools is not None and (
@@ -321,6 +323,7 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
         stream=bool(stream),
         usage_chunk=bool((options or {}).get("include_usage")),
         tools_key=json.dumps(tools or None, sort_keys=True),
+        seed=seed,
     )
 
 
@@ -356,7 +359,8 @@ class _Pending:
 
 class Batcher:
     """Requests wait in one queue; each flush serves all of them, one ``generate`` per
-    (model, temperature, top_p, stop) group, on a worker thread. A flush starts when the
+    (model, temperature, top_p, stop) group (a request with a ``seed``: its own call), on a
+    worker thread. A flush starts when the
     engine is idle and either every open episode has a request waiting (nothing more can
     come) or no request arrived for ``wait`` seconds (the others are busy elsewhere).
     Requests of episodes that ended meanwhile (timed out) are dropped, never sent to the
@@ -429,15 +433,18 @@ class Batcher:
         groups: dict[tuple, list[_Pending]] = {}
         for p in batch:
             sp = p.params
-            key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop))
+            key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop), sp.seed)
+            if sp.seed is not None:  # a seeded request's n samples: a call of their own
+                key += (id(sp),)
             groups.setdefault(key, []).append(p)
-        for (model, temperature, top_p, stop), reqs in groups.items():
+        for (model, temperature, top_p, stop, seed, *_), reqs in groups.items():
             params = SamplingParams(
                 n=1,
                 temperature=temperature,
                 top_p=top_p,
                 max_new_tokens=max(r.params.max_new_tokens for r in reqs),
                 stop=list(stop),
+                seed=seed,
             )
             self.sizes.append(len(reqs))
             try:
@@ -734,6 +741,7 @@ class GatewayServer:
             top_p=req.top_p,
             max_new_tokens=req.max_tokens,
             stop=req.stop,
+            seed=req.seed,  # shared by the n calls below: the batcher keeps them together
         )
         outs = await asyncio.wait_for(
             asyncio.gather(

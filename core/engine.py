@@ -28,6 +28,9 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # A call with its own sampling stream: the same seed, prompts and params give the same
+    # samples, and the engine's own stream (its state_dict) does not advance.
+    seed: int | None = None
 
 
 @dataclass
@@ -57,6 +60,11 @@ def sample_next(
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     ids = draw(probs, gen)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def seeded(seed: int) -> torch.Generator:
+    """The generator of a call that asks for its own stream (``SamplingParams.seed``)."""
+    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -168,12 +176,13 @@ class HFEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Completion]:
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        gen = self.gen if params.seed is None else seeded(params.seed)
         out: list[Completion] = []
         for start in range(0, len(rows), self.batch_size):
-            out += self._generate_batch(rows[start : start + self.batch_size], params)
+            out += self._generate_batch(rows[start : start + self.batch_size], params, gen)
         return out
 
-    def _generate_batch(self, rows, params: SamplingParams) -> list[Completion]:
+    def _generate_batch(self, rows, params: SamplingParams, gen) -> list[Completion]:
         model = self.policy.model
         device = next(model.parameters()).device
         stop_ids = set(params.stop_token_ids)
@@ -219,7 +228,7 @@ class HFEngine:
         live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
         done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
         for t in range(params.max_new_tokens):
-            tok, lp = sample_next(logits, params, self.gen)
+            tok, lp = sample_next(logits, params, gen)
             tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:

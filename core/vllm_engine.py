@@ -195,8 +195,7 @@ class VLLMEngine:
         self.wake()
         rows = [list(p) for p in prompts for _ in range(params.n)]
         index = [i for i in range(len(prompts)) for _ in range(params.n)]
-        seeds = [row_seed(self.seed, self.calls, k) for k in range(len(rows))]
-        self.calls += 1
+        seeds = self._row_seeds(len(rows), params)
         decode = self.tokenizer.decode
         if self.refresh is not None:
             partial = self._generate_partial(rows, params, seeds)
@@ -221,6 +220,14 @@ class VLLMEngine:
         self._push_weights(reset_cache=not self._in_flight)
         self._reset_after |= self._in_flight
         self.last_sync_s = time.perf_counter() - t0
+
+    def _row_seeds(self, rows: int, params: SamplingParams) -> list[int]:
+        """Each row's seed: from the engine's stream, which advances one call, or from the
+        call's own ``params.seed`` (the stream stays where it is)."""
+        if params.seed is not None:
+            return [row_seed(params.seed, -1, k) for k in range(rows)]
+        self.calls += 1
+        return [row_seed(self.seed, self.calls - 1, k) for k in range(rows)]
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "calls": self.calls}

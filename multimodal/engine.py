@@ -22,6 +22,7 @@ from polyrl.core.engine import (
     SamplingParams,
     reserved_cache,
     sample_next,
+    seeded,
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -118,6 +119,7 @@ class VLEngine(HFEngine):
         )
         next_pos = next_positions(pos)  # text after the prompt continues from its last token
         n = params.n
+        gen = self.gen if params.seed is None else seeded(params.seed)
         if n > 1:  # the group shares the prompt's prefill (and its single vision pass)
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
@@ -130,7 +132,7 @@ class VLEngine(HFEngine):
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         last = logits[:, -1]
         for t in range(params.max_new_tokens):
-            tok, lp = sample_next(last, params, self.gen)
+            tok, lp = sample_next(last, params, gen)
             tokens[:, t], logps[:, t] = tok, lp
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:

@@ -38,7 +38,7 @@ from typing import Annotated, Any
 
 from polyrl.core.engine import Completion, SamplingParams
 from polyrl.core.registry import ENGINES
-from polyrl.core.vllm_engine import VLLMEngine, row_seed
+from polyrl.core.vllm_engine import VLLMEngine
 from polyrl.multimodal.forward import parts
 from polyrl.multimodal.vision import VisionInputs
 
@@ -164,8 +164,7 @@ class VLLMVLEngine(VLLMEngine):
         rows = [r for r in requests for _ in range(params.n)]
         index = [i for i in range(len(prompts)) for _ in range(params.n)]
         expected = [list(prompts[i]) for i in index]
-        seeds = [row_seed(self.seed, self.calls, k) for k in range(len(rows))]
-        self.calls += 1
+        seeds = self._row_seeds(len(rows), params)
         outs = self._generate_rows(rows, params, seeds, check=self._same_prompt(expected))
         if self.sleep_enabled:
             self.sleep()

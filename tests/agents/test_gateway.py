@@ -268,6 +268,35 @@ def test_chat_n_logprobs_and_two_models(gateway, models, items):
     assert main_prompt in served["main"] and main_prompt not in served["checker"]
 
 
+def seeded_agent(row, ep):
+    client = ep.openai()
+    msgs = [{"role": "user", "content": row["prompt"]}]
+
+    def ask(seed):
+        r = client.chat.completions.create(
+            model="main", messages=msgs, n=2, max_tokens=8, logprobs=True, seed=seed
+        )
+        return [(c.message.content, [t.logprob for t in c.logprobs.content]) for c in r.choices]
+
+    RESULTS[("seeded", ep.episode)] = (ask(11), ask(11), ask(12))
+    return 1.0
+
+
+def test_a_seeded_request_repeats_and_leaves_the_run_stream_alone(gateway, models, items):
+    _, engines = models
+    before = engines["main"].engine.state_dict()["rng"].clone()
+    wf = gateway("seeded_agent")
+    rec = wf.rollout(items(rows("grid S.G", "grid G.S")), SamplingParams(n=2, max_new_tokens=8))
+    assert rec["valid"].all()
+    runs = [RESULTS[("seeded", e)] for e in by_episode(rec)]
+    assert len(runs) == 4
+    for once, again, _ in runs:
+        assert once == again  # same tokens, same log-probs
+    assert any(once != other for once, _, other in runs)
+    assert any(once[0] != once[1] for once, _, _ in runs)  # n choices: two draws, not one
+    assert engines["main"].engine.state_dict()["rng"].equal(before)
+
+
 def test_stop_sequences_cut_the_answer(gateway, items):
     wf = gateway("stop_agent")
     rec = wf.rollout(items(rows("grid S.G", "grid G.S")), SamplingParams(n=1, max_new_tokens=8))

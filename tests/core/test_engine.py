@@ -86,6 +86,25 @@ def test_engine_state_restores_the_sample_stream(policy):
     assert [o.token_ids for o in eng.generate(ids, params)] == first
 
 
+def test_a_call_with_its_own_seed_repeats_and_leaves_the_stream_alone(policy):
+    """``SamplingParams.seed``: the same seed gives the same samples whatever the engine's
+    stream, another seed others, and the engine's stream goes on as if the call never ran."""
+    ids = encode(policy, prompts(policy))
+    own = SamplingParams(n=4, max_new_tokens=6, seed=11)
+    plain = SamplingParams(n=4, max_new_tokens=6)
+    eng = HFEngine(policy, seed=9)
+    untouched = [o.token_ids for o in HFEngine(policy, seed=9).generate(ids, plain)]
+    a = eng.generate(ids, own)
+    assert eng.state_dict()["rng"].equal(HFEngine(policy, seed=9).state_dict()["rng"])
+    assert [o.token_ids for o in eng.generate(ids, plain)] == untouched
+    b = HFEngine(policy, seed=2).generate(ids, own)  # another engine stream, same seed
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    other = eng.generate(ids, SamplingParams(n=4, max_new_tokens=6, seed=12))
+    assert [o.token_ids for o in other] != [o.token_ids for o in a]
+    assert [o.token_ids for o in a] != untouched
+
+
 def test_length_limit_and_eos(policy):
     ids = encode(policy, prompts(policy))
     outs = HFEngine(policy).generate(ids, SamplingParams(n=8, max_new_tokens=3))

@@ -151,6 +151,17 @@ def test_seeded_stream_is_reproducible_and_restorable(policy, engine):
     assert all(greedy[3 * i] == greedy[3 * i + 1] == greedy[3 * i + 2] for i in range(3))
 
 
+def test_a_call_with_its_own_seed_repeats_and_leaves_the_stream_alone(policy, engine):
+    ids = encode(policy)
+    own = SamplingParams(n=4, max_new_tokens=6, seed=11)
+    engine.load_state_dict({"seed": 3, "calls": 5})
+    a = token_ids(engine.generate(ids, own))
+    assert engine.state_dict() == {"seed": 3, "calls": 5}
+    engine.load_state_dict({"seed": 4, "calls": 0})
+    assert token_ids(engine.generate(ids, own)) == a
+    assert token_ids(engine.generate(ids, SamplingParams(n=4, max_new_tokens=6, seed=12))) != a
+
+
 def test_greedy_and_tiny_top_p_equal_hf_greedy(policy, engine):
     ids = encode(policy)
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
