@@ -174,8 +174,8 @@ class VLLMVLEngine(VLLMEngine):
             for i, (ids, lps, reason) in zip(index, outs, strict=True)
         ]
 
-    def _push_weights(self) -> None:
-        super()._push_weights()
+    def _push_weights(self, reset_cache: bool = True) -> None:
+        super()._push_weights(reset_cache)
         # The worker's reload_weights clears its cached image features, but the scheduler
         # still lists them as cached, and the next request with a seen image then fails
         # ("Encoder cache miss"). Clearing both also keeps old-weight features from reuse.
