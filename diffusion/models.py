@@ -28,6 +28,7 @@ A checkpoint's VAE is diffusers' ``AutoencoderKL`` or, in tiny CPU demos,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -284,6 +285,43 @@ def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> Ten
     return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
 
 
+def packed_latent_shape(
+    transformer: Any, vae_scale: int, multiple: int, family: str, height: int, width: int
+) -> tuple[int, int, int]:
+    """(C, h, w) of a family that packs 2x2 latent patches into tokens (FLUX, Qwen-Image)."""
+    if height % multiple or width % multiple:
+        raise ValueError(
+            f"height and width must be multiples of {multiple} "
+            f"(VAE factor {vae_scale} x 2 for {family}'s 2x2 packing), got {height}x{width}"
+        )
+    return transformer.config.in_channels // 4, height // vae_scale, width // vae_scale
+
+
+def shifted_schedule(
+    scheduler: Any,
+    calculate_shift: Any,
+    steps: int,
+    latent_shape: tuple[int, int, int],
+    flow_sigmas: bool = False,
+) -> Schedule:
+    """The σ's a FLUX-style pipeline sets: linear in 1..1/steps, shifted by the image's
+    token count (dynamic shifting); with ``flow_sigmas`` the scheduler makes its own."""
+    c = scheduler.config
+    seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
+    mu = calculate_shift(
+        seq,
+        c.get("base_image_seq_len", 256),
+        c.get("max_image_seq_len", 4096),
+        c.get("base_shift", 0.5),
+        c.get("max_shift", 1.15),
+    )
+    if flow_sigmas:
+        scheduler.set_timesteps(steps, device="cpu", mu=mu)
+    else:
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device="cpu", mu=mu)
+    return Schedule(scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone())
+
+
 class FluxFamily:
     """FLUX.1 (dev or schnell) from a local folder or hub id in diffusers layout.
 
@@ -392,35 +430,19 @@ class FluxFamily:
         return unpack_latents(out, h, w)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"height and width must be multiples of {self.multiple} "
-                f"(VAE factor {self.vae_scale} x 2 for FLUX's 2x2 packing), got "
-                f"{height}x{width}"
-            )
-        c = self.transformer.config.in_channels // 4
-        return c, height // self.vae_scale, width // self.vae_scale
+        args = (self.transformer, self.vae_scale, self.multiple, "FLUX")
+        return packed_latent_shape(*args, height, width)
 
     def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
         """σ's and timesteps exactly as ``FluxPipeline.__call__`` sets them."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        c = self.scheduler.config
-        seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
-        mu = calculate_shift(
-            seq,
-            c.get("base_image_seq_len", 256),
-            c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15),
-        )
-        if c.get("use_flow_sigmas", False):
-            self.scheduler.set_timesteps(steps, device="cpu", mu=mu)
-        else:
-            sigmas = np.linspace(1.0, 1 / steps, steps)
-            self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
-        return Schedule(
-            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
+        return shifted_schedule(
+            self.scheduler,
+            calculate_shift,
+            steps,
+            latent_shape,
+            flow_sigmas=self.scheduler.config.get("use_flow_sigmas", False),
         )
 
     @torch.no_grad()
@@ -765,33 +787,14 @@ class QwenImageFamily:
         return unpack_latents(g, h, w)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"height and width must be multiples of {self.multiple} "
-                f"(VAE factor {self.vae_scale} x 2 for Qwen-Image's 2x2 packing), got "
-                f"{height}x{width}"
-            )
-        c = self.transformer.config.in_channels // 4
-        return c, height // self.vae_scale, width // self.vae_scale
+        args = (self.transformer, self.vae_scale, self.multiple, "Qwen-Image")
+        return packed_latent_shape(*args, height, width)
 
     def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
         """σ's and timesteps exactly as ``QwenImagePipeline.__call__`` sets them."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        c = self.scheduler.config
-        seq = (latent_shape[1] // 2) * (latent_shape[2] // 2)
-        mu = calculate_shift(
-            seq,
-            c.get("base_image_seq_len", 256),
-            c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15),
-        )
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        self.scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
-        return Schedule(
-            self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
-        )
+        return shifted_schedule(self.scheduler, calculate_shift, steps, latent_shape)
 
     def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
         shape = (1, -1, 1, 1, 1)
