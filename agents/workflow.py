@@ -556,12 +556,7 @@ class MultiTurn:
             b = self._budget(ep, per_turn)
             if b is None:
                 return
-            if b[3] is not None:
-                raise ValueError(
-                    "multi_turn: schedule=episode does not carry images yet; set "
-                    "rollout.args.schedule=round for environments that return images"
-                )
-            out = await batcher.generate(ep.id, b[0], b[1])
+            out = await batcher.generate(ep.id, b[0], b[1], b[3])
             if self._take(ep, *b, out):
                 await self._step(ep, pool)
 

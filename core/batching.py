@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ class _Request:
     prompt: list[int]
     max_new_tokens: int
     future: asyncio.Future
+    vision: Any = None  # the prompt's joined images (TakesImageTurns); None: text only
 
 
 class FlushBatcher:
@@ -35,7 +37,8 @@ class FlushBatcher:
 
     ``params`` is the call's sampling setting; each request may ask for fewer new tokens
     (the call asks for the largest and each completion is cut to its own request's budget
-    by the caller). ``on_flush(prompts)`` runs before each call (counting, logging).
+    by the caller). ``on_flush(prompts)`` runs before each call (counting, logging). A
+    flush with any request carrying images calls the engine's ``generate_vl`` for all.
     """
 
     def __init__(
@@ -54,10 +57,13 @@ class FlushBatcher:
         self._wake: asyncio.Future | None = None
         self._submitted = 0
 
-    async def generate(self, key: Any, prompt: Sequence[int], max_new_tokens: int) -> Completion:
-        """One completion for ``prompt``; resolved by the next flush that takes it."""
+    async def generate(
+        self, key: Any, prompt: Sequence[int], max_new_tokens: int, vision: Any = None
+    ) -> Completion:
+        """One completion for ``prompt`` (with its images' ``vision`` handle, if any);
+        resolved by the next flush that takes it."""
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(key, list(prompt), max_new_tokens, fut))
+        self.pending.append(_Request(key, list(prompt), max_new_tokens, fut, vision))
         self._submitted += 1
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
@@ -113,10 +119,12 @@ class FlushBatcher:
         )
         if self.on_flush is not None:
             self.on_flush(prompts)
-        if self.in_thread:
-            outs = await asyncio.to_thread(self.engine.generate, prompts, params)
+        visions = [r.vision for r in batch]
+        if any(v is not None for v in visions):
+            call = functools.partial(self.engine.generate_vl, prompts, visions, params)
         else:
-            outs = self.engine.generate(prompts, params)
+            call = functools.partial(self.engine.generate, prompts, params)
+        outs = await asyncio.to_thread(call) if self.in_thread else call()
         if len(outs) != len(batch):
             raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
         for out in outs:

@@ -223,3 +223,46 @@ def process(
     """
     inputs, images, _ = process_frames(spec, image_processor, video_processor)
     return inputs, images
+
+
+def recover_images(inputs: VisionInputs, image_processor: Any) -> list[Image.Image]:
+    """The resized 8-bit images ``inputs.pixel_values`` were made from, in order.
+
+    Qwen-VL's image processor resizes to 8-bit pixels, then rescales, normalises and cuts
+    them into patches, so undoing those steps gives the resized images back exactly; an
+    engine that takes images (vLLM) then sees what the trainer scores without the images
+    travelling beside their pixels. Pixels that do not invert to 8-bit values (another
+    processor, another dtype) are an error, never rounded into a guess.
+    """
+    if not inputs.num_images:
+        return []
+    pv = inputs.pixel_values
+    if pv is None or pv.dtype != torch.float32:
+        raise ImageError(
+            f"{inputs.key}: recovering images needs float32 pixel values, got "
+            f"{None if pv is None else pv.dtype}"
+        )
+    ip = image_processor
+    m, p, tp = ip.merge_size, ip.patch_size, ip.temporal_patch_size
+    mean = torch.tensor(ip.image_mean, dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor(ip.image_std, dtype=torch.float64).view(3, 1, 1)
+    images, at = [], 0
+    for k, (t, gh, gw) in enumerate(inputs.image_grid_thw.tolist()):
+        n = t * gh * gw
+        patches = pv[at : at + n].to(torch.float64)
+        at += n
+        # the processor's layout: (t, h/m, w/m, m, m, C, T, p, p) from (t*T, C, h*p, w*p)
+        x = patches.reshape(t, gh // m, gw // m, m, m, 3, tp, p, p)
+        x = x.permute(0, 6, 5, 1, 3, 7, 2, 4, 8).reshape(t * tp, 3, gh * p, gw * p)[0]
+        raw = (x * std + mean) / ip.rescale_factor
+        off = float((raw - raw.round()).abs().max())
+        if off > 0.01 or float(raw.min()) < -0.01 or float(raw.max()) > 255.01:
+            raise ImageError(
+                f"{inputs.key}: image {k}'s pixel values do not come from 8-bit pixels "
+                f"(off by {off:.3g}); was it processed by another image processor?"
+            )
+        pixels = raw.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        images.append(Image.fromarray(pixels))
+    if at != pv.shape[0]:
+        raise ImageError(f"{inputs.key}: {pv.shape[0]} patches but the image grids count {at}")
+    return images

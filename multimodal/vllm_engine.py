@@ -15,10 +15,15 @@ What keeps vLLM's view of a prompt equal to the trainer's:
   returns must equal the original ids; if they do not (vLLM saw another grid), the call
   fails rather than train on a prompt the engine never saw.
 - **Pixels.** The images handed over are the resized ones the workflow made
-  (:func:`vision.process` returns them), and vLLM's image processor runs with
-  ``do_resize=False``: the same images through the same processor config give the
-  ``image_grid_thw`` and (up to float rounding: vLLM normalises on its device) the
-  ``pixel_values`` the trainer scores with.
+  (:func:`vision.process` returns them), or, where a workflow passes none (agents'
+  ``multi_turn``, marl's runtime: images across turns), the resized images recovered
+  exactly from the row's pixel values (:func:`vision.recover_images`). vLLM's image
+  processor runs with ``do_resize=False``: the same images through the same processor
+  config give the ``image_grid_thw`` and (up to float rounding: vLLM normalises on its
+  device) the ``pixel_values`` the trainer scores with.
+- **Turns.** A multi-turn row's images sit where its ``image_starts`` say; an image-pad id
+  the policy sampled as text in an earlier turn is served after the last image, but is
+  refused before one (vLLM takes the first pads it finds for the images).
 - **Weights.** ``sync`` pushes the policy's full state dict (language model, vision tower
   and merger) under `transformers`' names; vLLM's Qwen2.5-VL ``load_weights`` maps
   ``model.language_model.`` / ``model.visual.`` / ``lm_head.`` itself. The engine then
@@ -40,15 +45,25 @@ from polyrl.core.engine import Completion, SamplingParams
 from polyrl.core.registry import ENGINES
 from polyrl.core.vllm_engine import VLLMEngine
 from polyrl.multimodal.forward import parts
-from polyrl.multimodal.vision import VisionInputs
+from polyrl.multimodal.vision import VisionInputs, recover_images
 
 
-def collapse_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:
+def collapse_image_pads(
+    ids: Sequence[int],
+    pad_id: int,
+    counts: Sequence[int],
+    starts: Sequence[int] | None = None,
+) -> list[int]:
     """The prompt with each image's run of ``counts[k]`` pad tokens cut to one pad.
 
     vLLM expands one pad per image into the image's tokens; the runs are taken in order, so
-    two images whose runs touch are still told apart. Errors say which run did not fit.
+    two images whose runs touch are still told apart. ``starts`` (a multi-turn row's
+    ``image_starts``) place the runs by position: a pad id elsewhere is text the policy
+    sampled, which vLLM (it takes the first pads it finds for the images) can serve only
+    after the last image. Errors say which run or token did not fit.
     """
+    if starts is not None:
+        return _collapse_at(list(ids), pad_id, counts, starts)
     out: list[int] = []
     i, k = 0, 0
     while i < len(ids):
@@ -77,6 +92,33 @@ def collapse_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) 
             f"the prompt has image-pad tokens for {k} image(s) but {len(counts)} were given"
         )
     return out
+
+
+def _collapse_at(
+    ids: list[int], pad_id: int, counts: Sequence[int], starts: Sequence[int]
+) -> list[int]:
+    if len(starts) != len(counts):
+        raise ValueError(f"{len(starts)} image starts for {len(counts)} images")
+    out: list[int] = []
+    i = 0
+    for k, (start, n) in enumerate(zip(starts, counts, strict=True)):
+        run = ids[start : start + n]
+        if start < i or len(run) < n or any(t != pad_id for t in run):
+            raise ValueError(
+                f"image {k} needs {n} image-pad tokens at position {start}; the prompt "
+                "has other ids there: its ids and vision inputs do not belong together"
+            )
+        text = ids[i:start]
+        if pad_id in text:
+            raise ValueError(
+                f"the prompt holds the image-pad id as text at position "
+                f"{i + text.index(pad_id)}, before image {k} (sampled by the policy in "
+                "an earlier turn): vLLM would take it for the image. Sample this "
+                "conversation with hf_vl, which places images by position"
+            )
+        out += text + [pad_id]
+        i = start + n
+    return out + ids[i:]
 
 
 def image_token_counts(vision: VisionInputs, merge_size: int) -> list[int]:
@@ -121,6 +163,7 @@ class VLLMVLEngine(VLLMEngine):
     ) -> None:
         p = parts(policy.model)
         self.image_token_id, self.merge_size = p.image_token_id, p.merge_size
+        self.image_processor = policy.processor.image_processor
         # The images arrive resized (vision.process): keep vLLM from resizing them again.
         mm_kwargs = {**(mm_processor_kwargs or {}), "do_resize": False}
         super().__init__(
@@ -141,24 +184,26 @@ class VLLMVLEngine(VLLMEngine):
         prompts: Sequence[Sequence[int]],
         visions: Sequence[VisionInputs | None],
         params: SamplingParams,
-        images: Sequence[Sequence[Any]] | None = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
 
         ``images[i]``: the resized PIL images of prompt ``i`` (those ``visions[i]`` was
-        processed from; ``vision.process`` returns both), or ``[]`` for a text prompt.
+        processed from; ``vision.process`` returns both), or ``[]`` for a text prompt;
+        None (or no ``images``): recovered from ``visions[i]``'s pixel values, as a
+        multi-turn workflow calls it.
         """
         if len(visions) != len(prompts):
             raise ValueError(
                 f"generate_vl: {len(visions)} vision inputs for {len(prompts)} prompts"
             )
         if images is None:
-            images = [[] for _ in prompts]
+            images = [None for _ in prompts]
         if len(images) != len(prompts):
             raise ValueError(f"generate_vl: {len(images)} image lists for {len(prompts)} prompts")
         self.wake()
         requests = [
-            self._request(i, list(p), v, list(imgs))
+            self._request(i, list(p), v, None if imgs is None else list(imgs))
             for i, (p, v, imgs) in enumerate(zip(prompts, visions, images, strict=True))
         ]
         rows = [r for r in requests for _ in range(params.n)]
@@ -182,7 +227,7 @@ class VLLMVLEngine(VLLMEngine):
         self.llm.llm_engine.reset_encoder_cache()
 
     def _request(
-        self, i: int, ids: list[int], vision: VisionInputs | None, images: list[Any]
+        self, i: int, ids: list[int], vision: VisionInputs | None, images: list[Any] | None
     ) -> dict[str, Any]:
         """One vLLM ``TokensPrompt``: one pad per image, the resized images as its data."""
         from vllm.inputs import TokensPrompt
@@ -193,6 +238,8 @@ class VLLMVLEngine(VLLMEngine):
                     f"generate_vl: prompt {i} has {len(images)} image(s) but no vision inputs"
                 )
             return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, []))
+        if images is None:
+            images = recover_images(vision, self.image_processor)
         if len(images) != vision.num_images:
             raise ValueError(
                 f"generate_vl: prompt {i} ({vision.key}) has {vision.num_images} "
@@ -207,8 +254,9 @@ class VLLMVLEngine(VLLMEngine):
                 "the resized images vision.process returned"
             )
         counts = image_token_counts(vision, self.merge_size)
+        pads = collapse_image_pads(ids, self.image_token_id, counts, vision.image_starts)
         return TokensPrompt(
-            prompt_token_ids=collapse_image_pads(ids, self.image_token_id, counts),
+            prompt_token_ids=pads,
             multi_modal_data={"image": images},
         )
 

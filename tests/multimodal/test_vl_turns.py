@@ -340,3 +340,57 @@ def test_a_sampled_vision_token_in_an_earlier_turn_stays_text(family_policy, one
     )
     assert torch.equal(pos, own)
     assert not bool(image_mask[0, at]) and not bool(video_mask.any())
+
+
+def test_images_are_recovered_exactly_from_their_pixel_values(family_policy):
+    """What vllm_vl hands vLLM for a multi-turn row: the processor's own resized 8-bit
+    images, recovered from the pixel values; processed again without resizing they give
+    the same pixel values bit for bit. Pixels that are not 8-bit images are an error."""
+    import dataclasses
+
+    from polyrl.multimodal.images import ImageError
+    from polyrl.multimodal.vision import recover_images
+
+    policy = family_policy
+    _, inputs = policy.encode_images([IMAGE_1, IMAGE_2])
+    images = recover_images(inputs, policy.processor.image_processor)
+    assert [im.size for im in images] == list(inputs.resized)
+    again = policy.processor.image_processor(images=images, do_resize=False, return_tensors="pt")
+    assert torch.equal(again["pixel_values"], inputs.pixel_values)
+    assert torch.equal(again["image_grid_thw"], inputs.image_grid_thw)
+    noisy = dataclasses.replace(inputs, pixel_values=inputs.pixel_values + 0.01)
+    with pytest.raises(ImageError, match="image 0's pixel values do not come from 8-bit"):
+        recover_images(noisy, policy.processor.image_processor)
+    half = dataclasses.replace(inputs, pixel_values=inputs.pixel_values.bfloat16())
+    with pytest.raises(ImageError, match="float32 pixel values"):
+        recover_images(half, policy.processor.image_processor)
+
+
+def test_vllm_prompts_place_images_by_position():
+    """A multi-turn row's pads are collapsed where ``image_starts`` puts them; a pad id the
+    policy sampled after the last image stays text, one before an image is refused (vLLM
+    would take it for that image)."""
+    from polyrl.multimodal.vllm_engine import collapse_image_pads
+
+    P = 9
+    row = [1, P, P, P, 2, P, P, 3]
+    assert collapse_image_pads(row, P, [3, 2], starts=[1, 5]) == [1, P, 2, P, 3]
+    assert collapse_image_pads(row + [P], P, [3, 2], starts=[1, 5]) == [1, P, 2, P, 3, P]
+    with pytest.raises(ValueError, match="image-pad id as text at position 1, before image 0"):
+        collapse_image_pads([1, P, 2, P, P, P, 3], P, [3], starts=[3])
+    with pytest.raises(ValueError, match="image 1 needs 2 image-pad tokens at position 4"):
+        collapse_image_pads(row, P, [3, 2], starts=[1, 4])
+
+
+def test_schedule_episode_carries_images_as_round_does(family_policy, one_thread):
+    """With environments that step inline, ``schedule: episode`` makes the calls a round
+    makes: the same rows, images and samples, and the engine's log-probs still match."""
+    policy = family_policy
+    _, by_round = _rollout(policy, "concat", seed=2)
+    wf, by_episode = _rollout(policy, "concat", seed=2, schedule="episode")
+    assert wf.flush_sizes == [2, 2, 2]  # three turns, both episodes per call
+    assert torch.equal(by_episode["response_ids"], by_round["response_ids"])
+    assert torch.equal(by_episode["prompt_ids"], by_round["prompt_ids"])
+    for a, b in zip(strings(by_episode, "vision"), strings(by_round, "vision"), strict=True):
+        assert a.image_starts == b.image_starts and torch.equal(a.pixel_values, b.pixel_values)
+    _check_logprobs(policy, by_episode)

@@ -1,0 +1,57 @@
+"""A marl team whose VLM agent samples with ``vllm_vl`` (issue 21, vLLM part).
+
+Demo B's recipe, shortened to two training steps, with the looker (a tiny Qwen2.5-VL that
+sees the image) on vLLM and the text-only solver on the HF engine: the marl runtime hands
+the looker's joined image turns to vLLM (no images passed; the engine recovers them from
+the pixel values), and the trainer's log-probs equal vLLM's on both steps, so the weights
+pushed after the first update reached the vision tower and the language model alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+
+def _sibling(name: str):
+    """A test module beside this one (importlib mode makes no package of tests/)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vl_looker_on_vllm_matches_the_trainer_across_a_sync(tmp_path):
+    from polyrl.core import loop
+
+    recipe = _sibling("test_vl_team_e2e")._recipe(
+        tmp_path,
+        tmp_path / "models",
+        "policies.looker.engine.name=vllm_vl",
+        "policies.looker.engine.args.max_model_len=256",
+        "policies.looker.engine.args.kv_cache_gb=0.0625",
+        "task.args.n_train=64",
+        "task.args.n_eval=8",
+        "sft.steps=10",
+        "train.steps=2",
+        "eval.every=0",
+        "rollout.prompts_per_step=4",
+        "rollout.n=4",
+    )
+    run = loop.train(recipe)
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "looker/mismatch/logp_abs_max" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        print(
+            f"step {r['step']}: looker |vllm_vl - trainer| max {r['looker/mismatch/logp_abs_max']:.2e}"
+        )
+        assert r["looker/mismatch/logp_abs_max"] <= 1e-5
+        assert r["looker/mismatch/logp_abs_mean"] > 0  # vLLM's own numbers, not the trainer's
