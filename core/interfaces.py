@@ -114,6 +114,16 @@ class TakesImageTurns(Protocol):
 
 
 @runtime_checkable
+class HostImageTurns(Protocol):
+    """A policy class whose image turns need only its tokenizer (the processor it loads),
+    not its weights: the Ray driver's handle on such a policy takes image turns as the
+    local policy does, while the model trains on the workers."""
+
+    @classmethod
+    def image_turns(cls, tokenizer: Any) -> TakesImageTurns: ...
+
+
+@runtime_checkable
 class ShardsItsRoot(Protocol):
     """A policy whose FSDP root is not ``model`` itself (a VLM's language model), so the
     parts around it are gathered by the Ray worker."""

@@ -72,7 +72,7 @@ from typing import Any, Literal
 import torch
 
 from polyrl.core.config import ConfigError, doc, from_dict
-from polyrl.core.interfaces import NeedsImages, RayLoRA, RemoteMethods
+from polyrl.core.interfaces import HostImageTurns, NeedsImages, RayLoRA, RemoteMethods
 from polyrl.core.options import Options
 from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
     ActorError,
@@ -300,7 +300,12 @@ class RayPolicy:
 
     def __init__(self, name: str, cfg: Any, group: _Group) -> None:
         self.name, self.cfg, self.group = name, cfg, group
-        self.tokenizer = POLICIES.get(cfg.kind).load_tokenizer(cfg)
+        cls = POLICIES.get(cfg.kind)
+        self.tokenizer = cls.load_tokenizer(cfg)
+        if isinstance(cls, HostImageTurns):  # the handle takes image turns (TakesImageTurns)
+            turns = cls.image_turns(self.tokenizer)
+            self.image_token_id = turns.image_token_id
+            self.encode_images, self.join_images = turns.encode_images, turns.join_images
 
     @property
     def world_size(self) -> int:

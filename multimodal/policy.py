@@ -171,7 +171,11 @@ class QwenVLPolicy(CausalLMPolicy):
         tokenizer.polyrl_processor = processor
         return tokenizer
 
-    # --- images across turns (core/interfaces.py TakesImageTurns) ------------------------
+    # --- images across turns (core/interfaces.py TakesImageTurns, HostImageTurns) ------
+    @classmethod
+    def image_turns(cls, tokenizer) -> turns.ImageTurns:
+        return turns.ImageTurns(tokenizer.polyrl_processor)
+
     @property
     def image_token_id(self) -> int:
         return turns.image_token_id(self.processor)

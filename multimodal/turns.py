@@ -105,3 +105,18 @@ def placeholder_mask(
                 )
             mask[b, lo : lo + n] = True
     return mask
+
+
+class ImageTurns:
+    """:class:`~polyrl.core.interfaces.TakesImageTurns` from a processor alone: what the
+    ``qwen_vl`` policy and the Ray driver's handle on it both offer a workflow."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.image_token_id = image_token_id(processor)
+
+    def encode_images(self, images: list[Any]) -> tuple[list[list[int]], VisionInputs]:
+        return encode_images(self.processor, images)
+
+    def join_images(self, handles: list, starts: list[int], key: str) -> VisionInputs | None:
+        return join_images(handles, starts, key)
