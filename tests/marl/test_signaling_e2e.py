@@ -117,7 +117,8 @@ def pair(models: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seed 2 completes the 3-seed evidence under -m seeds; CI runs seeds 0 (swap) and 1 (CLI)
+@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.seeds)])
 def test_signaling_game_learns(seed, models, tmp_path, monkeypatch, capsys):
     if seed == 1:  # README command (1) itself: the packaged recipe by name, through the CLI
         run_path, held = train_through_the_cli(tmp_path, models, seed, capsys)
