@@ -229,13 +229,15 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
     assert got_sft["sft_loss"] == pytest.approx(want_sft["sft_loss"], rel=1e-4)
     # The warm start's end hands the frozen KL reference the warmed-up weights (KL anchors
     # RL to the SFT model), so the checkpoint carries the reference from now on.
-    state = local.state_dict()
-    for own in (state, remote.state_dict()):  # each backend's reference: its own weights
+    for own in (local.state_dict(), remote.state_dict()):  # each backend's own weights
         assert set(own["reference"]) == set(own["weights"])
         for k, v in own["weights"].items():
             assert torch.equal(own["reference"][k], v), k
     # Checkpoints have the local layout: a local checkpoint loads into the worker group
-    # (and back), and the group then holds exactly that state.
+    # (and back), and the group then holds exactly that state; an RL step first, so the
+    # optimizer state it carries is not empty whichever tests ran before.
+    trainer.update(local, _record(local, seed=4), AlgorithmConfig())
+    state = local.state_dict()
     remote.load_state_dict(state)
     back = remote.state_dict()
     assert isinstance(next(iter(back["optimizer"]["state"])), int)
@@ -447,7 +449,15 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
 
     backend, remote, engine, local = lora_pair
     # Checkpoint: adapter weights only, the local layout; it loads into a local LoRA policy
-    # exactly, and back into the group.
+    # exactly, and back into the group. An RL step first, so the optimizer state is not
+    # empty whichever tests ran before.
+    backend.update(
+        remote,
+        _record(local, seed=4),
+        AlgorithmConfig(),
+        temperature=1.0,
+        generator=torch.Generator(),
+    )
     state = remote.state_dict()
     assert isinstance(next(iter(state["optimizer"]["state"])), int)
     local.load_state_dict(state)
