@@ -22,6 +22,10 @@ again. An agent that edits its history (changes an earlier message, rewrites or 
 reply, reorders) gets the conversation rendered afresh by the chat template: that row is
 still exact (its prompt is what the engine saw) but its earlier replies are re-tokenised
 text, and ``meta["stitched"]`` is false.
+
+Images: a VLM policy takes OpenAI ``image_url`` parts (data URLs only, see
+:mod:`polyrl.agents.gateway_images`); their ids are spliced in once, stitching keeps the
+earlier turns' images in place, and the rows carry them in the record's ``vision`` column.
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ from typing import Annotated, Any
 import orjson
 from tensordict import TensorDict
 
+from polyrl.agents import gateway_images
 from polyrl.agents.chat import ChatFormat
+from polyrl.agents.gateway_images import Limits
 from polyrl.agents.tools import parse_hermes
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.interfaces import TakesImageTurns, splice_images
+from polyrl.core.record import mark_invalid, set_strings, text_record
 from polyrl.core.registry import WORKFLOWS, import_path
 from polyrl.core.workflow import run_sync
 
@@ -95,6 +102,17 @@ class Choice:
 
 
 @dataclass
+class Images:
+    """A prompt's images as a VLM policy took them (core ``TakesImageTurns``): the
+    per-turn handles, where each image's ids start in the prompt, and all of them joined
+    (what the engine and the record's ``vision`` column get)."""
+
+    handles: list
+    starts: list[int]
+    joined: Any
+
+
+@dataclass
 class Call:
     """One chat completion request of an episode and what the engine answered."""
 
@@ -106,6 +124,7 @@ class Call:
     stitched: bool
     anchor: str  # the last non-assistant message (GiGPO-style grouping)
     temperature: float
+    images: Images | None = None  # the prompt's images (a VLM's request); None: none
 
 
 @dataclass
@@ -120,26 +139,6 @@ class EpisodeState:
     result: Any = None
     posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _content(value: Any, where: str) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for k, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError(
-                    400,
-                    f"{where}.content[{k}]: only text parts are supported "
-                    "(type 'text'), not images or audio",
-                    param=f"{where}.content",
-                )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise RequestError(400, f"{where}.content must be a string or a list of text parts")
 
 
 def _tool_calls_key(calls: Any, where: str) -> tuple:
@@ -161,11 +160,14 @@ def _tool_calls_key(calls: Any, where: str) -> tuple:
     return tuple(out)
 
 
-def normalise_messages(messages: Any) -> tuple[list[dict], list[tuple]]:
-    """Messages as the chat template gets them, and their comparison keys."""
+def normalise_messages(
+    messages: Any, limits: Limits = Limits()
+) -> tuple[list[dict], list[tuple], list]:
+    """Messages as the chat template gets them, their comparison keys and their images
+    (decoded, in order; see :mod:`polyrl.agents.gateway_images`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
-    rendered, keys = [], []
+    rendered, keys, images = [], [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -177,9 +179,12 @@ def normalise_messages(messages: Any) -> tuple[list[dict], list[tuple]]:
             )
         if role == "developer":
             role = "system"
-        text = _content(m.get("content"), where)
+        try:
+            body, text = gateway_images.content(m.get("content"), where, limits, images)
+        except gateway_images.ImagePartError as e:
+            raise RequestError(400, str(e), param=f"{where}.content") from None
         calls = _tool_calls_key(m.get("tool_calls"), where) if role == "assistant" else ()
-        msg = {"role": role, "content": text}
+        msg = {"role": role, "content": body}
         if calls:
             msg["tool_calls"] = [
                 {"type": "function", "function": {"name": n, "arguments": json.loads(a)}}
@@ -189,7 +194,7 @@ def normalise_messages(messages: Any) -> tuple[list[dict], list[tuple]]:
             msg["name"] = str(m["name"])
         rendered.append(msg)
         keys.append((role, text, calls, str(m.get("name") or "") if role == "tool" else ""))
-    return rendered, keys
+    return rendered, keys, images
 
 
 def _fold_calls(msg: dict) -> dict:
@@ -236,9 +241,12 @@ class Request:
     usage_chunk: bool = False  # stream_options.include_usage
     tools_key: str = "null"  # the tools as canonical JSON (stitching compares it)
     seed: int | None = None  # the request's own sampling stream (SamplingParams.seed)
+    images: list = field(default_factory=list)  # the messages' images, decoded, in order
 
 
-def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Request:
+def parse_request(
+    body: Any, models: list[str], defaults: SamplingParams, limits: Limits = Limits()
+) -> Request:
     """Check a Chat Completions body; a :class:`RequestError` says what is wrong."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
@@ -260,7 +268,7 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
             code="model_not_found",
             param="model",
         )
-    messages, keys = normalise_messages(body.get("messages"))
+    messages, keys, images = normalise_messages(body.get("messages"), limits)
     cap = defaults.max_new_tokens
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -324,6 +332,7 @@ def parse_request(body: Any, models: list[str], defaults: SamplingParams) -> Req
         usage_chunk=bool((options or {}).get("include_usage")),
         tools_key=json.dumps(tools or None, sort_keys=True),
         seed=seed,
+        images=images,
     )
 
 
@@ -355,12 +364,14 @@ class _Pending:
     params: SamplingParams  # n=1; max_new_tokens is this request's own budget
     future: asyncio.Future
     episode: EpisodeState
+    vision: Any = None  # the prompt's joined images; None: text only
 
 
 class Batcher:
     """Requests wait in one queue; each flush serves all of them, one ``generate`` per
     (model, temperature, top_p, stop) group (a request with a ``seed``: its own call), on a
-    worker thread. A flush starts when the
+    worker thread; a group with images goes to the engine's ``generate_vl``. A flush starts
+    when the
     engine is idle and either every open episode has a request waiting (nothing more can
     come) or no request arrived for ``wait`` seconds (the others are busy elsewhere).
     Requests of episodes that ended meanwhile (timed out) are dropped, never sent to the
@@ -381,9 +392,9 @@ class Batcher:
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params):
+    async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params, vision=None):
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(model, prompt, params, fut, ep))
+        self.pending.append(_Pending(model, prompt, params, fut, ep, vision))
         self._arrived += 1
         self._wake.set()
         return await fut
@@ -447,10 +458,13 @@ class Batcher:
                 seed=seed,
             )
             self.sizes.append(len(reqs))
+            engine, prompts = self.engines[model], [r.prompt for r in reqs]
+            visions = [r.vision for r in reqs]
             try:
-                outs = await asyncio.to_thread(
-                    self.engines[model].generate, [r.prompt for r in reqs], params
-                )
+                if any(v is not None for v in visions):
+                    outs = await asyncio.to_thread(engine.generate_vl, prompts, visions, params)
+                else:
+                    outs = await asyncio.to_thread(engine.generate, prompts, params)
                 if len(outs) != len(reqs):
                     raise RuntimeError(
                         f"engine returned {len(outs)} completions for {len(reqs)} prompts"
@@ -480,8 +494,13 @@ class GatewayServer:
         host: str = "127.0.0.1",
         request_timeout: float = 60.0,
         batch_wait: float = 0.02,
+        visions: dict[str, TakesImageTurns | None] | None = None,
+        limits: Limits = Limits(),
     ) -> None:
         self.engines, self.tokenizers = engines, tokenizers
+        self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
+        self.limits = limits
+        self._joined = 0  # names each request's joined images
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
         # Templates that never mention tool_calls would drop an assistant's calls when a
         # conversation is rendered afresh; those get the calls as Hermes text instead.
@@ -609,7 +628,7 @@ class GatewayServer:
                     body = orjson.loads(await request.body())
                 except orjson.JSONDecodeError:
                     raise RequestError(400, "the request body is not valid JSON") from None
-                req = parse_request(body, list(self.engines), self.defaults)
+                req = parse_request(body, list(self.engines), self.defaults, self.limits)
                 answer = await self._complete(ep, req)
                 if req.stream:
                     return StreamingResponse(
@@ -689,9 +708,11 @@ class GatewayServer:
         return {"object": "reward", "turn": turn, "reward": float(reward)}
 
     # ---------------------------------------------------------------- completion
-    def prompt_ids(self, ep: EpisodeState, req: Request) -> tuple[list[int], bool]:
+    def prompt_ids(self, ep: EpisodeState, req: Request) -> tuple[list[int], bool, Images | None]:
         """The request's prompt: stitched onto an earlier completion when the messages
-        extend it, else rendered afresh."""
+        extend it, else rendered afresh; with its images placed (None: none)."""
+        if req.images:
+            self._check_images(req.model)
         chat = self.chats[req.model]
         tools_key = req.tools_key
         best = None
@@ -722,7 +743,10 @@ class GatewayServer:
                     rest = False  # the template cannot splice: render afresh
                 self._renders.put(key, rest)
             if rest is not False:
-                return call.prompt_ids + choice.ids + rest, True
+                head = call.prompt_ids + choice.ids
+                seen = gateway_images.count(req.messages[:start])
+                rest, images = self._place(req, rest, req.images[seen:], len(head), call.images)
+                return head + rest, True, images
         key = ("first", req.model, tools_key, tuple(req.keys))
         ids = self._renders.get(key)
         if ids is None:
@@ -731,10 +755,49 @@ class GatewayServer:
                 messages = [_fold_calls(m) for m in messages]
             ids = chat.first_prompt(messages, req.tools)
             self._renders.put(key, ids)
-        return list(ids), False
+        ids, images = self._place(req, list(ids), req.images, 0, None)
+        return ids, False, images
+
+    def _check_images(self, model: str) -> None:
+        if self.visions.get(model) is None:
+            raise RequestError(
+                400,
+                f"model {model!r} takes no images (its policy is not a vision-language "
+                "model); send text only",
+                param="messages",
+            )
+        if not hasattr(self.engines[model], "generate_vl"):
+            raise RequestError(
+                400,
+                f"model {model!r}: its engine has no generate_vl, so it cannot take "
+                f"images; set policies.{model}.engine.name=hf_vl (or vllm_vl)",
+                param="messages",
+            )
+
+    def _place(
+        self, req: Request, ids: list[int], new: list, offset: int, before: Images | None
+    ) -> tuple[list[int], Images | None]:
+        """``ids`` (rendered with one placeholder per image) with the ``new`` images'
+        ids spliced in, and the prompt's images: ``before`` (a stitched prompt's earlier
+        ones) then these, their ids starting ``offset`` tokens into the prompt."""
+        if not new:
+            return ids, before
+        vision = self.visions[req.model]  # _check_images let the request in
+        expansions, handle = vision.encode_images(new)
+        try:
+            ids, starts = splice_images(ids, vision.image_token_id, expansions, "the request")
+        except ValueError as e:
+            raise RequestError(400, str(e), param="messages") from None
+        handles = (before.handles if before else []) + [handle]
+        starts = (before.starts if before else []) + [offset + s for s in starts]
+        self._joined += 1
+        return ids, Images(
+            handles, starts, vision.join_images(handles, starts, f"gw:{self._joined}")
+        )
 
     async def _complete(self, ep: EpisodeState, req: Request) -> dict:
-        prompt, stitched = self.prompt_ids(ep, req)
+        prompt, stitched, images = self.prompt_ids(ep, req)
+        vision = images.joined if images is not None else None
         params = SamplingParams(
             n=1,
             temperature=req.temperature,
@@ -745,7 +808,10 @@ class GatewayServer:
         )
         outs = await asyncio.wait_for(
             asyncio.gather(
-                *(self.batcher.generate(ep, req.model, prompt, params) for _ in range(req.n))
+                *(
+                    self.batcher.generate(ep, req.model, prompt, params, vision)
+                    for _ in range(req.n)
+                )
             ),
             self.request_timeout,
         )
@@ -791,6 +857,7 @@ class GatewayServer:
             stitched,
             anchor,
             req.temperature,
+            images,
         )
         with ep.lock:
             if not ep.open:
@@ -984,6 +1051,12 @@ class Gateway:
             "OPENAI_API_KEY, POLYRL_MODEL and POLYRL_TASK (the row as JSON) set; its last "
             "stdout line (JSON: a number, {reward, success} or null) is its return",
         ] = None,
+        max_images: Annotated[
+            int, "images one request may carry (image_url data URLs; a VLM policy)"
+        ] = 16,
+        max_pixels: Annotated[
+            int, "source pixels (width * height) one request's images may sum to"
+        ] = 4096 * 4096,
     ) -> None:
         self.agent = self._check(
             agent,
@@ -994,6 +1067,8 @@ class Gateway:
             policy,
             ctx.policies,
             command,
+            max_images,
+            max_pixels,
         )
         self.command = list(command) if command else None
         self.name = policy or next(iter(ctx.policies))
@@ -1005,6 +1080,11 @@ class Gateway:
             host=host,
             request_timeout=request_timeout,
             batch_wait=batch_wait,
+            visions={
+                name: p if isinstance(p, TakesImageTurns) else None
+                for name, p in ctx.policies.items()
+            },
+            limits=Limits(max_images, max_pixels),
         )
         self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
@@ -1013,12 +1093,26 @@ class Gateway:
 
     @staticmethod
     def _check(
-        agent, concurrency, request_timeout, episode_timeout, batch_wait, policy, names, command
+        agent,
+        concurrency,
+        request_timeout,
+        episode_timeout,
+        batch_wait,
+        policy,
+        names,
+        command,
+        max_images=16,
+        max_pixels=4096 * 4096,
     ):
         """The options' ranges, the policy name and the agent; returns the agent callable
         (None for a command)."""
         if concurrency < 1:
             raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
+        if max_images < 0 or max_pixels < 1:
+            raise ConfigError(
+                f"rollout.args: max_images must be >= 0 and max_pixels >= 1, got "
+                f"{max_images} and {max_pixels}"
+            )
         for key, value in (
             ("request_timeout", request_timeout),
             ("episode_timeout", episode_timeout),
@@ -1064,6 +1158,8 @@ class Gateway:
             a.policy,
             list(cfg.policies),
             a.command,
+            a.max_images,
+            a.max_pixels,
         )
 
     def close(self) -> None:
@@ -1167,9 +1263,12 @@ class Gateway:
                 'the return last: a number, {"reward": r, "success": s} or null'
             ) from None
 
-    def _add(self, cols, errors, ep, base, prompt, response, logps, policy, turn, text) -> None:
+    def _add(
+        self, cols, errors, ep, base, prompt, response, logps, policy, turn, text, vision=None
+    ) -> None:
         if ep.error:
             errors.append((len(cols["uid"]), ep.error))
+        cols["vision"].append(vision)
         cols["prompt_ids"].append(prompt)
         cols["response_ids"].append(response)
         cols["rollout_logprobs"].append(logps)
@@ -1195,6 +1294,7 @@ class Gateway:
                 "response_text",
                 "meta",
                 "truncated",
+                "vision",
             )
         }
         errors: list[tuple[int, str]] = []
@@ -1230,8 +1330,12 @@ class Gateway:
             elif success is not None:
                 base["success"] = success
 
-            def add(prompt, response, logps, policy, turn, text, extra, ep=ep, base=base):
-                self._add(cols, errors, ep, base, prompt, response, logps, policy, turn, text)
+            def add(
+                prompt, response, logps, policy, turn, text, extra, vision=None, ep=ep, base=base
+            ):
+                self._add(
+                    cols, errors, ep, base, prompt, response, logps, policy, turn, text, vision
+                )
                 cols["meta"][-1].update(extra)
 
             if not ep.calls:
@@ -1254,6 +1358,7 @@ class Gateway:
                             "completion_finish": c.finish,
                             "spans": [[t, 0, len(c.ids)]],
                         },
+                        call.images.joined if call.images is not None else None,
                     )
                     cols["truncated"].append(c.finish == "length")
             if not ep.calls:
@@ -1271,6 +1376,8 @@ class Gateway:
             meta=cols["meta"],
             truncated=cols["truncated"],
         )
+        if any(v is not None for v in cols["vision"]):
+            set_strings(record, "vision", cols["vision"])
         failed = {ep.id for ep in episodes if ep.error}
         self.failed_episodes += len(failed)
         if errors:

@@ -61,7 +61,7 @@ from polyrl.core.batching import FlushBatcher
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns
+from polyrl.core.interfaces import TakesImageTurns, splice_images
 from polyrl.core.record import mark_invalid, set_strings, text_record
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
@@ -443,23 +443,7 @@ class MultiTurn:
         each image's tokens start."""
         if images is None:
             return ids, []
-        expansions = images[0]
-        token = self.vision.image_token_id
-        at = [i for i, t in enumerate(ids) if t == token]
-        if len(at) != len(expansions):
-            raise ValueError(
-                f"multi_turn ({where}): the chat template rendered {len(at)} image "
-                f"placeholders for {len(expansions)} images; does the observation text "
-                "itself contain the image token?"
-            )
-        out: list[int] = []
-        starts, prev = [], 0
-        for i, expansion in zip(at, expansions, strict=True):
-            out += ids[prev:i]
-            starts.append(len(out))
-            out += expansion
-            prev = i + 1
-        return out + ids[prev:], starts
+        return splice_images(ids, self.vision.image_token_id, images[0], f"multi_turn ({where})")
 
     def _join(self, handles: list, starts: list[int], key: str) -> Any:
         if self.vision is None or not starts:

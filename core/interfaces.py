@@ -113,6 +113,28 @@ class TakesImageTurns(Protocol):
     def join_images(self, handles: list[Any], starts: list[int], key: str) -> Any: ...
 
 
+def splice_images(
+    ids: Sequence[int], token: int, expansions: Sequence[Sequence[int]], where: str
+) -> tuple[list[int], list[int]]:
+    """``ids`` (a turn the chat template rendered with one ``token`` per image) with each
+    placeholder replaced by its image's ids from ``encode_images``, and where each image's
+    ids start. ``where`` names the turn in the error when the counts differ."""
+    at = [i for i, t in enumerate(ids) if t == token]
+    if len(at) != len(expansions):
+        raise ValueError(
+            f"{where}: the chat template rendered {len(at)} image placeholders for "
+            f"{len(expansions)} images; does the text itself contain the image token?"
+        )
+    out: list[int] = []
+    starts, prev = [], 0
+    for i, expansion in zip(at, expansions, strict=True):
+        out += ids[prev:i]
+        starts.append(len(out))
+        out += expansion
+        prev = i + 1
+    return out + list(ids[prev:]), starts
+
+
 @runtime_checkable
 class HostImageTurns(Protocol):
     """A policy class whose image turns need only its tokenizer (the processor it loads),

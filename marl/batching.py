@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from polyrl.core.engine import SamplingParams
+from polyrl.core.interfaces import splice_images
 from polyrl.marl.api import AgentInfo, Request
 
 # ----------------------------------------------------------------------------- runtime
@@ -179,21 +180,7 @@ class Runtime:
                 f"take images; set policies.{policy}.engine.name=hf_vl"
             )
         expansions, handle = vision.encode_images(r.images)
-        token = vision.image_token_id
-        at = [i for i, t in enumerate(ids) if t == token]
-        if len(at) != len(expansions):
-            raise ValueError(
-                f"agent {r.agent.name!r}: the chat template of policy {policy!r} rendered "
-                f"{len(at)} image placeholders for {len(expansions)} images; does the "
-                "observation text itself contain the image token?"
-            )
-        out: list[int] = []
-        starts, prev = [], 0
-        for i, expansion in zip(at, expansions, strict=True):
-            out += ids[prev:i]
-            starts.append(len(out))
-            out += expansion
-            prev = i + 1
-        out += ids[prev:]
+        where = f"agent {r.agent.name!r} (policy {policy!r})"
+        out, starts = splice_images(ids, vision.image_token_id, expansions, where)
         self.serial += 1
         return out, vision.join_images([handle], starts, f"{self.key}:{self.serial}")
