@@ -131,7 +131,7 @@ def vl_policy(request, tmp_path_factory):
     return QwenVLPolicy("main", cfg, total_steps=1, need_reference=False)
 
 
-def _gateway(policies: dict, agent: str, **args):
+def _gateway(policies: dict, agent: str, main_engine=None, **args):
     from polyrl.agents.gateway import Gateway
     from polyrl.core.engine import HFEngine
     from polyrl.core.workflow import Context
@@ -141,6 +141,8 @@ def _gateway(policies: dict, agent: str, **args):
         name: (VLEngine(p, seed=0) if name == "main" else HFEngine(p, seed=0))
         for name, p in policies.items()
     }
+    if main_engine is not None:
+        engines["main"] = main_engine
     return Gateway(Context(None, policies, engines), agent=f"{HERE}:{agent}", **args)
 
 
@@ -152,8 +154,25 @@ def _response(rec, i: int) -> list[int]:
 
 
 def test_image_turns_through_the_openai_client_are_exact(vl_policy, items):
-    policy = vl_policy
-    wf = _gateway({"main": policy}, "look_twice_agent")
+    _check_look_twice(vl_policy, items, None)
+
+
+@pytest.mark.vllm
+def test_image_turns_through_the_gateway_on_vllm(vl_policy, items):
+    """The same on ``vllm_vl``: vLLM gets each prompt's images recovered from the
+    joined pixel values; the trainer's log-probs still equal the engine's within 1e-5."""
+    pytest.importorskip("vllm")
+    from polyrl.multimodal.vllm_engine import VLLMVLEngine
+
+    engine = VLLMVLEngine(vl_policy, seed=0, max_model_len=512, kv_cache_gb=0.0625)
+    try:
+        _check_look_twice(vl_policy, items, engine)
+    finally:
+        engine.close()
+
+
+def _check_look_twice(policy, items, engine) -> None:
+    wf = _gateway({"main": policy}, "look_twice_agent", main_engine=engine)
     try:
         rec = wf.rollout(items([{"prompt": "look"}]), SamplingParams(n=2, max_new_tokens=3))
     finally:
