@@ -1,0 +1,682 @@
+"""The gateway's server: OpenAI Chat Completions over the run's engines.
+
+:class:`GatewayServer` runs Starlette on uvicorn on its own thread and event loop, files
+requests under their episode (its own base URL), builds each prompt (stitched onto an
+earlier completion when the messages extend it) and answers from the :class:`Batcher`,
+which serves whatever waits in one engine call per sampling setting. The workflow that
+runs agents against it is :class:`polyrl.agents.gateway.Gateway`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from polyrl.agents import gateway_images
+from polyrl.agents.chat import ChatFormat
+from polyrl.agents.gateway_images import Limits
+from polyrl.agents.gateway_requests import (
+    Request,
+    RequestError,
+    fold_calls,
+    parse_request,
+    tool_calls_key,
+)
+from polyrl.agents.tools import parse_hermes
+from polyrl.core.data import PromptItem
+from polyrl.core.engine import SamplingParams
+from polyrl.core.interfaces import TakesImageTurns, splice_images
+
+# --------------------------------------------------------------------------- episodes
+
+
+@dataclass
+class Choice:
+    ids: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length | tool_calls
+    message: dict  # what the gateway answered (role, content, tool_calls)
+    key: tuple  # the normalised message, matched when the agent sends it back
+
+
+@dataclass
+class Images:
+    """A prompt's images as a VLM policy took them (core ``TakesImageTurns``): the
+    per-turn handles, where each image's ids start in the prompt, and all of them joined
+    (what the engine and the record's ``vision`` column get)."""
+
+    handles: list
+    starts: list[int]
+    joined: Any
+
+
+@dataclass
+class Call:
+    """One chat completion request of an episode and what the engine answered."""
+
+    model: str
+    keys: list[tuple]  # the request's messages, normalised
+    tools_key: str
+    prompt_ids: list[int]
+    choices: list[Choice]
+    stitched: bool
+    anchor: str  # the last non-assistant message (GiGPO-style grouping)
+    temperature: float
+    images: Images | None = None  # the prompt's images (a VLM's request); None: none
+
+
+@dataclass
+class EpisodeState:
+    id: int
+    token: str
+    item: PromptItem
+    sample: int
+    calls: list[Call] = field(default_factory=list)
+    open: bool = True
+    error: str = ""
+    result: Any = None
+    posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Cache:
+    """A bounded mapping that forgets the least recently used entry."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.data = size, OrderedDict()
+
+    def get(self, key):
+        value = self.data.get(key)
+        if value is not None:
+            self.data.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self.data[key] = value
+        if len(self.data) > self.size:
+            self.data.popitem(last=False)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@dataclass
+class _Pending:
+    model: str
+    prompt: list[int]
+    params: SamplingParams  # n=1; max_new_tokens is this request's own budget
+    future: asyncio.Future
+    episode: EpisodeState
+    vision: Any = None  # the prompt's joined images; None: text only
+
+
+class Batcher:
+    """Requests wait in one queue; each flush serves all of them, one ``generate`` per
+    (model, temperature, top_p, stop) group (a request with a ``seed``: its own call), on a
+    worker thread; a group with images goes to the engine's ``generate_vl``. A flush starts
+    when the
+    engine is idle and either every open episode has a request waiting (nothing more can
+    come) or no request arrived for ``wait`` seconds (the others are busy elsewhere).
+    Requests of episodes that ended meanwhile (timed out) are dropped, never sent to the
+    engine. ``open_episodes()`` counts the episodes that may still send requests."""
+
+    def __init__(
+        self, engines: dict[str, Any], wait: float, open_episodes: Callable[[], int]
+    ) -> None:
+        self.engines, self.wait, self.open_episodes = engines, wait, open_episodes
+        self._arrived = 0  # requests so far (the quiet-time check compares it)
+        self.pending: list[_Pending] = []
+        self.sizes: list[int] = []  # requests per engine call
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.flushing = False  # read by the workflow's thread: an engine call may be running
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params, vision=None):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(model, prompt, params, fut, ep, vision))
+        self._arrived += 1
+        self._wake.set()
+        return await fut
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._gather()
+            self.flushing = True
+            batch = self._take()
+            try:
+                await self._flush(batch)
+            except Exception as e:  # a bug here must not leave requests waiting forever
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+            finally:
+                self.flushing = False
+            if self.pending:
+                self._wake.set()
+
+    async def _gather(self) -> None:
+        """Wait until every open episode has a request waiting, or ``wait`` seconds pass
+        without a new one."""
+        step = min(self.wait, 0.001)
+        quiet, seen = 0.0, self._arrived
+        while quiet < self.wait:
+            if len({id(p.episode) for p in self.pending}) >= self.open_episodes():
+                return
+            await asyncio.sleep(step)
+            quiet = 0.0 if self._arrived != seen else quiet + step
+            seen = self._arrived
+
+    def _take(self) -> list[_Pending]:
+        """The waiting requests of episodes still open (the others are refused)."""
+        batch = []
+        for p in self.pending:
+            if not p.episode.open and not p.future.done():
+                p.future.set_exception(RequestError(404, "the episode is over (it timed out)"))
+            elif not p.future.done():
+                batch.append(p)
+        self.pending = []
+        return batch
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        groups: dict[tuple, list[_Pending]] = {}
+        for p in batch:
+            sp = p.params
+            key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop), sp.seed)
+            if sp.seed is not None:  # a seeded request's n samples: a call of their own
+                key += (id(sp),)
+            groups.setdefault(key, []).append(p)
+        for (model, temperature, top_p, stop, seed, *_), reqs in groups.items():
+            params = SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max(r.params.max_new_tokens for r in reqs),
+                stop=list(stop),
+                seed=seed,
+            )
+            self.sizes.append(len(reqs))
+            engine, prompts = self.engines[model], [r.prompt for r in reqs]
+            visions = [r.vision for r in reqs]
+            try:
+                if any(v is not None for v in visions):
+                    outs = await asyncio.to_thread(engine.generate_vl, prompts, visions, params)
+                else:
+                    outs = await asyncio.to_thread(engine.generate, prompts, params)
+                if len(outs) != len(reqs):
+                    raise RuntimeError(
+                        f"engine returned {len(outs)} completions for {len(reqs)} prompts"
+                    )
+            except Exception as e:  # every waiting request learns it (500), none hangs
+                for r in reqs:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            for out in outs:
+                r = reqs[out.prompt_index]
+                if not r.future.done():
+                    r.future.set_result(out)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class GatewayServer:
+    """OpenAI Chat Completions over the run's engines, on its own thread and event loop."""
+
+    def __init__(
+        self,
+        engines: dict[str, Any],
+        tokenizers: dict[str, Any],
+        *,
+        host: str = "127.0.0.1",
+        request_timeout: float = 60.0,
+        batch_wait: float = 0.02,
+        visions: dict[str, TakesImageTurns | None] | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        self.engines, self.tokenizers = engines, tokenizers
+        self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
+        self.limits = limits
+        self._joined = 0  # names each request's joined images
+        self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
+        # Templates that never mention tool_calls would drop an assistant's calls when a
+        # conversation is rendered afresh; those get the calls as Hermes text instead.
+        self.fold_calls = {
+            name: "tool_calls" not in str(getattr(tok, "chat_template", None) or "")
+            for name, tok in tokenizers.items()
+        }
+        # Rendered prompts by their normalised messages: the samples of a group send the
+        # same first messages, and many episodes the same tool or user turns.
+        self._renders = _Cache(4096)
+        self.host = host
+        self.api_key = "pk-" + secrets.token_urlsafe(24)
+        self.request_timeout = request_timeout
+        self.batcher = Batcher(engines, batch_wait, lambda: len(self.episodes))
+        self.defaults = SamplingParams()
+        self.episodes: dict[str, EpisodeState] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self.port = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        import uvicorn
+
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets; without it a
+        # keep-alive response (headers, then body) waits ~40 ms for the client's delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30
+        )
+        self._server = uvicorn.Server(config)
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                asyncio.run(self._serve(sock))
+            except BaseException as e:  # reported by start()
+                failed.append(e)
+
+        self._thread = threading.Thread(target=serve, name="polyrl-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if failed or not self._thread.is_alive():
+                raise RuntimeError(f"the gateway server did not start: {failed}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway server did not start within 30 s")
+            time.sleep(0.01)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self.batcher.start()
+        await self._server.serve(sockets=[sock])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._thread = self._server = None
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---------------------------------------------------------------- episodes
+    def open_episode(self, ep: EpisodeState) -> str:
+        with self._lock:
+            self.episodes[ep.token] = ep
+        return f"{self.base}/ep/{ep.token}/v1"
+
+    def close_episode(self, ep: EpisodeState) -> None:
+        with ep.lock:
+            ep.open = False
+        with self._lock:
+            self.episodes.pop(ep.token, None)
+
+    # ---------------------------------------------------------------- http
+    def app(self):
+        """The ASGI app: Starlette (FastAPI's core) with three routes."""
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+
+        def error(e: RequestError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        def check_key(request) -> None:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                raise RequestError(
+                    401,
+                    "Incorrect API key provided (use the key the run gave the agent)",
+                    code="invalid_api_key",
+                )
+
+        def episode(request) -> EpisodeState:
+            with self._lock:
+                ep = self.episodes.get(request.path_params["token"])
+            if ep is None:
+                raise RequestError(
+                    404, "unknown or finished episode: use the base_url the run gave this agent"
+                )
+            return ep
+
+        async def models(request):
+            try:
+                check_key(request)
+                episode(request)
+            except RequestError as e:
+                return error(e)
+            data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
+            return JSONResponse({"object": "list", "data": data})
+
+        async def chat(request):
+            try:
+                check_key(request)
+                ep = episode(request)
+                try:
+                    body = orjson.loads(await request.body())
+                except orjson.JSONDecodeError:
+                    raise RequestError(400, "the request body is not valid JSON") from None
+                req = parse_request(body, list(self.engines), self.defaults, self.limits)
+                answer = await self._complete(ep, req)
+                if req.stream:
+                    return StreamingResponse(
+                        _sse(answer, req.usage_chunk), media_type="text/event-stream"
+                    )
+                return Response(orjson.dumps(answer), media_type="application/json")
+            except RequestError as e:
+                return error(e)
+            except TimeoutError:
+                msg = f"the engine did not answer within {self.request_timeout} s"
+                return error(RequestError(504, msg, code="timeout"))
+            except Exception as e:
+                msg = f"the engine failed: {type(e).__name__}: {e}"
+                return error(RequestError(500, msg, code="engine_error"))
+
+        async def rewards(request):
+            try:
+                check_key(request)
+                ep = episode(request)
+                try:
+                    body = orjson.loads(await request.body())
+                except orjson.JSONDecodeError:
+                    raise RequestError(400, "the request body is not valid JSON") from None
+                return JSONResponse(self._post_reward(ep, body))
+            except RequestError as e:
+                return error(e)
+
+        async def other(request):
+            return error(
+                RequestError(
+                    404,
+                    f"{request.url.path} is not served; the gateway serves POST "
+                    "<base_url>/chat/completions, POST <base_url>/rewards and GET "
+                    "<base_url>/models",
+                )
+            )
+
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        return Starlette(
+            routes=[
+                Route("/ep/{token}/v1/chat/completions", chat, methods=["POST"]),
+                Route("/ep/{token}/v1/models", models, methods=["GET"]),
+                Route("/ep/{token}/v1/rewards", rewards, methods=["POST"]),
+                Route("/{path:path}", other, methods=methods),
+            ]
+        )
+
+    @staticmethod
+    def _post_reward(ep: EpisodeState, body: Any) -> dict:
+        """``{"reward": r, "turn": t}``: r added to turn t's reward (default: the latest
+        completion's turn); several posts to one turn add up."""
+        if not isinstance(body, dict):
+            raise RequestError(400, 'post {"reward": number, "turn": optional int}')
+        reward, turn = body.get("reward"), body.get("turn")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RequestError(400, "reward must be a number", param="reward")
+        if not math.isfinite(reward):
+            raise RequestError(400, "reward must be finite", param="reward")
+        with ep.lock:
+            if not ep.open:
+                raise RequestError(409, "the episode is over (it ended or timed out)")
+            turns = len(ep.calls)
+            if turn is None:
+                if not turns:
+                    raise RequestError(
+                        400, "no completion yet in this episode to credit the reward to", "turn"
+                    )
+                turn = turns - 1
+            if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < turns:
+                raise RequestError(
+                    400,
+                    f"turn={turn!r}: give the index of one of this episode's {turns} "
+                    "completions (0 is the first), or leave it out for the latest",
+                    param="turn",
+                )
+            ep.posted[turn] = ep.posted.get(turn, 0.0) + float(reward)
+        return {"object": "reward", "turn": turn, "reward": float(reward)}
+
+    # ---------------------------------------------------------------- completion
+    def prompt_ids(self, ep: EpisodeState, req: Request) -> tuple[list[int], bool, Images | None]:
+        """The request's prompt: stitched onto an earlier completion when the messages
+        extend it, else rendered afresh; with its images placed (None: none)."""
+        if req.images:
+            self._check_images(req.model)
+        chat = self.chats[req.model]
+        tools_key = req.tools_key
+        best = None
+        with ep.lock:
+            calls = list(ep.calls)
+        for call in calls:
+            n = len(call.keys)
+            if call.model != req.model or call.tools_key != tools_key or len(req.keys) <= n + 1:
+                continue
+            if best is not None and n <= len(best[0].keys):
+                continue
+            if req.keys[:n] != call.keys:
+                continue
+            for choice in call.choices:
+                if choice.key == req.keys[n]:
+                    best = (call, choice)
+                    break
+        if best is not None:
+            call, choice = best
+            ended = bool(choice.ids) and choice.ids[-1] == chat.eos_id
+            start = len(call.keys) + 1
+            key = ("turn", req.model, ended, tuple(req.keys[start:]))
+            rest = self._renders.get(key)
+            if rest is None:
+                try:
+                    rest = chat.env_turn(req.messages[start:], ended)
+                except ValueError:
+                    rest = False  # the template cannot splice: render afresh
+                self._renders.put(key, rest)
+            if rest is not False:
+                head = call.prompt_ids + choice.ids
+                seen = gateway_images.count(req.messages[:start])
+                rest, images = self._place(req, rest, req.images[seen:], len(head), call.images)
+                return head + rest, True, images
+        key = ("first", req.model, tools_key, tuple(req.keys))
+        ids = self._renders.get(key)
+        if ids is None:
+            messages = req.messages
+            if self.fold_calls[req.model]:
+                messages = [fold_calls(m) for m in messages]
+            ids = chat.first_prompt(messages, req.tools)
+            self._renders.put(key, ids)
+        ids, images = self._place(req, list(ids), req.images, 0, None)
+        return ids, False, images
+
+    def _check_images(self, model: str) -> None:
+        if self.visions.get(model) is None:
+            raise RequestError(
+                400,
+                f"model {model!r} takes no images (its policy is not a vision-language "
+                "model); send text only",
+                param="messages",
+            )
+        if not hasattr(self.engines[model], "generate_vl"):
+            raise RequestError(
+                400,
+                f"model {model!r}: its engine has no generate_vl, so it cannot take "
+                f"images; set policies.{model}.engine.name=hf_vl (or vllm_vl)",
+                param="messages",
+            )
+
+    def _place(
+        self, req: Request, ids: list[int], new: list, offset: int, before: Images | None
+    ) -> tuple[list[int], Images | None]:
+        """``ids`` (rendered with one placeholder per image) with the ``new`` images'
+        ids spliced in, and the prompt's images: ``before`` (a stitched prompt's earlier
+        ones) then these, their ids starting ``offset`` tokens into the prompt."""
+        if not new:
+            return ids, before
+        vision = self.visions[req.model]  # _check_images let the request in
+        expansions, handle = vision.encode_images(new)
+        try:
+            ids, starts = splice_images(ids, vision.image_token_id, expansions, "the request")
+        except ValueError as e:
+            raise RequestError(400, str(e), param="messages") from None
+        handles = (before.handles if before else []) + [handle]
+        starts = (before.starts if before else []) + [offset + s for s in starts]
+        self._joined += 1
+        return ids, Images(
+            handles, starts, vision.join_images(handles, starts, f"gw:{self._joined}")
+        )
+
+    async def _complete(self, ep: EpisodeState, req: Request) -> dict:
+        prompt, stitched, images = self.prompt_ids(ep, req)
+        vision = images.joined if images is not None else None
+        params = SamplingParams(
+            n=1,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_new_tokens=req.max_tokens,
+            stop=req.stop,
+            seed=req.seed,  # shared by the n calls below: the batcher keeps them together
+        )
+        outs = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    self.batcher.generate(ep, req.model, prompt, params, vision)
+                    for _ in range(req.n)
+                )
+            ),
+            self.request_timeout,
+        )
+        tok = self.tokenizers[req.model]
+        choices = []
+        for out in outs:
+            ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            if len(ids) > req.max_tokens:  # a longer call in the same flush
+                ids, logps, finish = ids[: req.max_tokens], logps[: req.max_tokens], "length"
+            text = tok.decode(ids, skip_special_tokens=True)
+            if req.stop:  # the answer leaves the stop sequence out, as OpenAI's does
+                cuts = [text.find(s) for s in req.stop if s in text]
+                if cuts:
+                    text, finish = text[: min(cuts)], "stop"
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.tools:
+                parsed = parse_hermes(text)
+                if parsed.calls:
+                    message["content"] = parsed.text or None
+                    message["tool_calls"] = [
+                        {
+                            "id": "call_" + uuid.uuid4().hex[:24],
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                        }
+                        for c in parsed.calls
+                    ]
+                    finish = "tool_calls"
+            key = (
+                "assistant",
+                message["content"] or "",
+                tool_calls_key(message.get("tool_calls"), "reply"),
+                "",
+            )
+            choices.append(Choice(ids, logps, finish, message, key))
+        anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
+        call = Call(
+            req.model,
+            req.keys,
+            req.tools_key,
+            prompt,
+            choices,
+            stitched,
+            anchor,
+            req.temperature,
+            images,
+        )
+        with ep.lock:
+            if not ep.open:
+                raise RequestError(409, "the episode is over (it ended or timed out)")
+            ep.calls.append(call)
+        return self._answer(req, call, tok)
+
+    @staticmethod
+    def _answer(req: Request, call: Call, tok) -> dict:
+        choices = []
+        for i, c in enumerate(call.choices):
+            entry: dict[str, Any] = {
+                "index": i,
+                "message": c.message,
+                "finish_reason": c.finish,
+                "logprobs": None,
+            }
+            if req.logprobs:
+                content = []
+                for tid, lp in zip(c.ids, c.logprobs, strict=True):
+                    piece = tok.decode([tid], skip_special_tokens=False)
+                    content.append(
+                        {
+                            "token": piece,
+                            "logprob": lp,
+                            "bytes": list(piece.encode()),
+                            "top_logprobs": [],
+                        }
+                    )
+                entry["logprobs"] = {"content": content, "refusal": None}
+            choices.append(entry)
+        completion = sum(len(c.ids) for c in call.choices)
+        return {
+            "id": "chatcmpl-" + uuid.uuid4().hex,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(call.prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(call.prompt_ids) + completion,
+            },
+        }
+
+
+def _sse(answer: dict, usage: bool):
+    """A finished completion as Server-Sent Events ``chat.completion.chunk``s: per choice
+    its whole message in one delta, then its finish reason; usage last if asked. The engine
+    samples a call's tokens together, so there is nothing to send earlier."""
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def event(choices: list, **extra) -> bytes:
+        return b"data: " + orjson.dumps(head | {"choices": choices} | extra) + b"\n\n"
+
+    for c in answer["choices"]:
+        delta = {"role": "assistant", "content": c["message"]["content"]}
+        if c["message"].get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": k} | call for k, call in enumerate(c["message"]["tool_calls"])
+            ]
+        yield event([{"index": c["index"], "delta": delta, "logprobs": c["logprobs"]}])
+        yield event([{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}])
+    if usage:
+        yield event([], usage=answer["usage"])
+    yield b"data: [DONE]\n\n"
