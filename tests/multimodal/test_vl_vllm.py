@@ -156,10 +156,17 @@ def test_text_only_prompts(policy, engine, items):
 
 def test_mismatched_inputs_are_errors_not_guesses(policy, engine, items):
     with_image = items[0]
-    vision, _ = process(with_image.vision, policy.processor.image_processor)
+    vision, images = process(with_image.vision, policy.processor.image_processor)
     params = SamplingParams(max_new_tokens=1)
     with pytest.raises(ValueError, match="needs the resized images"):
-        engine.generate_vl([with_image.prompt_ids], [vision], params)
+        engine.generate_vl([with_image.prompt_ids], [vision], params, images=[[]])
+    # no images given: the engine recovers them from the pixel values (as multi-turn
+    # workflows call it), and samples exactly what it samples with the images themselves
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    given = engine.generate_vl([with_image.prompt_ids], [vision], greedy, images=[images])
+    recovered = engine.generate_vl([with_image.prompt_ids], [vision], greedy)
+    assert recovered[0].token_ids == given[0].token_ids
+    assert recovered[0].logprobs == given[0].logprobs
     with pytest.raises(ValueError, match="image-pad tokens .* beyond its 0 image"):
         engine.generate_vl([with_image.prompt_ids], [None], params)
     pad = engine.image_token_id
