@@ -243,7 +243,8 @@ class _Group:
         else:
             cpus, gpus, bundle = a.num_cpus_per_engine, a.num_gpus_per_engine, self.world
         self.engine = (
-            ray.remote(EngineWorker)
+            # "offers": partial rollouts hand newer weights to a call in flight
+            ray.remote(concurrency_groups={"offers": 1})(EngineWorker)
             .options(
                 num_cpus=cpus,
                 num_gpus=gpus,
@@ -262,6 +263,16 @@ class _Group:
         :meth:`call_engine`, which waits for it too."""
         with self._engine_sent_lock:
             self._engine_sent.append(getattr(self.engine, method).remote(*args))
+
+    def offer_engine(self, version: int, ref: Any) -> None:
+        """Partial rollouts: version ``version`` to the engine actor beside its running
+        call (its "offers" group); a failure is raised by the next :meth:`call_engine`."""
+        with self._engine_sent_lock:
+            self._engine_sent.append(
+                self.engine.offer.options(concurrency_group="offers").remote(
+                    version, ref.hex(), ref
+                )
+            )
 
     def call_engine(self, method: str, *args, **kwargs) -> Any:
         if self._engine_starting:
@@ -413,6 +424,17 @@ class RayVersions:
 
     def prefetch(self, engine: RayEngine, version: Any) -> None:
         engine.group.submit_engine("stage", version.hex(), version)
+
+    engine_in_process = False  # the actor refreshes itself: after a partial call, ask again
+
+    def begin_partial(self, engine: RayEngine, start: int, refresh: Any) -> None:
+        engine.group.submit_engine("partial", start)  # the actor's own refresh takes offers
+
+    def offer(self, engine: RayEngine, number: int, version: Any) -> None:
+        engine.group.offer_engine(number, version)
+
+    def end_partial(self, engine: RayEngine) -> None:
+        engine.group.submit_engine("partial", None)
 
     def saved(self, version: Any) -> Any:
         return require_ray().get(version)

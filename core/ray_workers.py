@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -472,6 +473,12 @@ class EngineWorker:
         self.base: dict[str, torch.Tensor] = {}  # LoRA: W0 of each adapted layer, on the CPU
         self.staged: dict[str, Any] = {}  # async: a version sent ahead of its load, by object id
         self.calls = 0  # calls that changed the engine's state: orders the states returned
+        self.current: str | None = None  # the object id of the version the weights are
+        # partial rollouts: the newest version offered while a call runs (the "offers"
+        # concurrency group delivers it on its own thread), and the one the weights are
+        self.offered: tuple[int, str, Any] | None = None
+        self.offer_lock = threading.Lock()
+        self.version = 0
 
     def node(self) -> str:
         return require_ray().get_runtime_context().get_node_id()
@@ -518,13 +525,47 @@ class EngineWorker:
 
     def load_version(self, boxed: list) -> None:
         """Load the version ``boxed[0]`` (an ObjectRef, in a list so that Ray passes it
-        unresolved): its staged copy if it was sent ahead, else fetched now."""
+        unresolved): its staged copy if it was sent ahead, else fetched now; nothing when
+        the weights already are that version (a partial call took it mid-call)."""
         (ref,) = boxed
         weights = self.staged.pop(ref.hex(), None)
         self.staged.clear()  # only the next load is sent ahead: the rest would never be used
-        self.sync(require_ray().get(ref) if weights is None else weights)
+        if ref.hex() != self.current:
+            self.sync(require_ray().get(ref) if weights is None else weights)
+        self.current = ref.hex()
+
+    def offer(self, version: int, key: str, weights: Any) -> None:
+        """Partial rollouts: version ``version`` (object id ``key``) was published; a call
+        in flight takes it at its next decoding step. Runs in the "offers" concurrency
+        group, beside the call, so Ray fetches the weights while the engine generates."""
+        with self.offer_lock:
+            if self.offered is None or version > self.offered[0]:
+                self.offered = (version, key, weights)
+
+    def partial(self, start: int | None) -> None:
+        """Partial rollouts on (the weights are version ``start``): the engine's calls take
+        offered versions between decoding steps; None: off, and offers are dropped."""
+        if start is None:
+            self.engine.refresh = None
+            with self.offer_lock:
+                self.offered = None
+            return
+        self.version = start
+        self.engine.refresh = self._refresh
+
+    def _refresh(self) -> int:
+        """The engine's hook before each decoding step: the newest offered version, loaded
+        if newer than the weights; returns the weights' version."""
+        with self.offer_lock:
+            offered, self.offered = self.offered, None
+        if offered is not None and offered[0] > self.version:
+            version, key, weights = offered
+            self.sync(weights)
+            self.version, self.current = version, key
+        return self.version
 
     def sync(self, weights: dict[str, torch.Tensor] | LoraFactors) -> None:
+        self.current = None  # load_version and _refresh name the version after this
         if isinstance(weights, LoraFactors):
             self._merge(weights)
         elif isinstance(self.policy, LoadsTrainableState):

@@ -82,7 +82,7 @@ class RolloutConfig:
     )
     partial: bool = doc(
         False,
-        "with max_staleness >= 1 (local mode): a batch starts with the newest weights and "
+        "with max_staleness >= 1 (local or Ray): a batch starts with the newest weights and "
         "takes newer ones between decoding steps as the trainer publishes them, so a sync "
         "never waits for generations in flight; rows record each token's version "
         "(token_version). Timing decides the versions, so runs are not bitwise reproducible",
@@ -209,12 +209,6 @@ class Config:
             raise ConfigError(
                 f"{where} needs rollout.max_staleness >= 1: weights change during a "
                 "rollout only when the engines generate ahead of the trainer"
-            )
-        if self.distributed.backend != "local":
-            raise ConfigError(
-                f"{where}: partial rollouts run in local mode; under "
-                f"distributed.backend={self.distributed.backend!r} the engine actors take "
-                "weights between calls. Set rollout.partial: false"
             )
         if not getattr(workflow, "token_versions", False):
             raise ConfigError(

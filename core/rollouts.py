@@ -27,7 +27,8 @@ generations in flight: they go on under the new weights, with the KV cache the o
 made. Each row's ``token_version [B, R]`` says which version sampled each token, and
 ``policy_version`` is its oldest; the bound holds because a batch starts no older than
 ``b - 1 - k``. Which token gets which version depends on timing, so such a run (and its
-resume) is not bitwise reproducible.
+resume) is not bitwise reproducible. Under Ray the engine actor refreshes itself from
+versions offered to it as they are published (:class:`Versions` ``offer``).
 
 Resume: a checkpoint at step ``s`` holds the data position and engine RNG as they were
 before batch ``s + 1`` was generated, and the weights of versions ``s - k .. s - 1`` that
@@ -108,6 +109,17 @@ class Versions(Protocol):
     # toward the engine ahead of its load, while an earlier batch generates (any thread)
     def prefetch(self, engine: Any, version: Any) -> None: ...
 
+    # partial rollouts: the engine's calls take newer versions mid-call from ``start``;
+    # ``refresh()`` is the producer's (the newest published, loaded), ``offer`` hands a
+    # newly published version ``number`` to an engine that refreshes on its own
+    def begin_partial(self, engine: Any, start: int, refresh: Any) -> None: ...
+
+    def offer(self, engine: Any, number: int, version: Any) -> None: ...
+
+    def end_partial(self, engine: Any) -> None: ...
+
+    engine_in_process: bool  # False: which version a partial call left is not known here
+
     def saved(self, version: Any) -> Any: ...  # for a checkpoint
 
     def restored(self, saved: Any) -> Any: ...  # from a checkpoint
@@ -132,6 +144,17 @@ class LocalVersions:
 
     def prefetch(self, engine: Any, version: Any) -> None:
         return None  # a load is a copy within this process: nothing to move ahead
+
+    engine_in_process = True
+
+    def begin_partial(self, engine: Any, start: int, refresh: Any) -> None:
+        engine.refresh = refresh
+
+    def offer(self, engine: Any, number: int, version: Any) -> None:
+        return None  # refresh reads the producer's versions itself
+
+    def end_partial(self, engine: Any) -> None:
+        engine.refresh = None
 
     def saved(self, version: Any) -> Any:
         return version
@@ -204,13 +227,15 @@ class Ahead:
         """One batch with engines that take newer weights mid-call (from version
         ``start``); ``policy_version`` is each row's oldest token version."""
         s = self.s
-        for name in self.versions:
-            s.engines[name].refresh = lambda n=name: self._refresh(n)
+        for name, versions in self.versions.items():
+            versions.begin_partial(s.engines[name], start, lambda n=name: self._refresh(n))
         try:
             record = s.workflow.rollout(items, s.ctx.sampling())
         finally:
-            for name in self.versions:
-                s.engines[name].refresh = None
+            for name, versions in self.versions.items():
+                versions.end_partial(s.engines[name])
+                if not versions.engine_in_process:
+                    self.loaded[name] = None  # the next load asks the engine (cheap if equal)
         if "token_version" not in record.keys():  # noqa: SIM118 (TensorDict)
             raise RuntimeError(
                 f"rollout.partial: workflow {type(s.workflow).__name__} gave no "
@@ -308,6 +333,9 @@ class Ahead:
             if not waiting:
                 del self._pending[step]
                 self.published = step
+                if self.partial:  # a call in flight may take it at its next decoding step
+                    for n, v in self.versions.items():
+                        v.offer(self.s.engines[n], step, self.snapshots[n][step])
                 if self.ahead == step:
                     self.ahead = None
                     self._prefetch(step)

@@ -3,8 +3,6 @@ version of every token recorded, and the staleness bound kept."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from polyrl.core.record import concat, text_record, trim
 from polyrl.core.registry import ENGINES, WORKFLOWS
 from polyrl.core.rollouts import shadow
 from polyrl.core.workflow import SingleTurn
+from tests.core.crawling_engine import CrawlingEngine
 from tests.core.partial_reference import mixed_logprobs, moved
 from tests.core.test_engine import encode, prompts
 from tests.core.test_run import _metrics
@@ -110,35 +109,6 @@ def test_token_versions_survive_record_padding_trim_and_concat():
         rec([[5, 6]], [[0]])
 
 
-class CrawlingEngine(HFEngine):
-    """The HF engine, waiting before the second decoding step of each partial call after
-    the first until the trainer publishes newer weights (at most 30 s): every batch after
-    the first spans an update, whatever the machine's load."""
-
-    _refresh = None
-    partial_calls = 0
-
-    @property
-    def refresh(self):
-        return None if self._refresh is None else self._waiting_refresh
-
-    @refresh.setter
-    def refresh(self, fn):
-        self._refresh, self._steps, self._start = fn, 0, None
-        self.partial_calls += fn is not None
-
-    def _waiting_refresh(self) -> int:
-        version = self._refresh()
-        self._steps += 1
-        self._start = version if self._start is None else self._start
-        if self.partial_calls > 1 and self._steps == 2:
-            deadline = time.monotonic() + 30
-            while version == self._start and time.monotonic() < deadline:
-                time.sleep(0.05)
-                version = self._refresh()
-        return version
-
-
 class Versionless(SingleTurn):
     token_versions = False
 
@@ -172,7 +142,6 @@ def test_partial_rollouts_mix_versions_within_the_bound(make_config, tmp_path):
     [
         (["rollout.max_staleness=0"], "max_staleness >= 1"),
         (["rollout.workflow=test_versionless"], "does not record"),
-        (["distributed.backend=ray"], "local mode"),
     ],
 )
 def test_partial_needs_a_producer_engines_and_workflow_that_support_it(

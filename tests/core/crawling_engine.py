@@ -1,0 +1,37 @@
+"""An HF engine that makes every partial rollout span an update, whatever the machine's
+load: used by name in local mode and by file path on a Ray engine actor."""
+
+from __future__ import annotations
+
+import time
+
+from polyrl.core.engine import HFEngine
+
+
+class CrawlingEngine(HFEngine):
+    """The HF engine, waiting before the second decoding step of each partial call after
+    the first until the trainer publishes newer weights (at most 30 s): every batch after
+    the first spans an update, whatever the machine's load."""
+
+    _refresh = None
+    partial_calls = 0
+
+    @property
+    def refresh(self):
+        return None if self._refresh is None else self._waiting_refresh
+
+    @refresh.setter
+    def refresh(self, fn):
+        self._refresh, self._steps, self._start = fn, 0, None
+        self.partial_calls += fn is not None
+
+    def _waiting_refresh(self) -> int:
+        version = self._refresh()
+        self._steps += 1
+        self._start = version if self._start is None else self._start
+        if self.partial_calls > 1 and self._steps == 2:
+            deadline = time.monotonic() + 30
+            while version == self._start and time.monotonic() < deadline:
+                time.sleep(0.05)
+                version = self._refresh()
+        return version
