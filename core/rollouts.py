@@ -272,7 +272,9 @@ class Ahead:
                         with self.cond:
                             need = self.published  # the newest; newer ones come mid-call
                     self._load(need)
-                    self.prestates[b] = self._capture()
+                    pre = self._capture()
+                    with self.cond:
+                        self.prestates[b] = pre
                     if self.partial:
                         record = self._partial_rollout(s.sampler.next_batch(), need)
                     else:
@@ -367,16 +369,16 @@ class Ahead:
     def state_dict(self, step: int) -> dict[str, Any]:
         """What resuming at ``step`` needs: the state before batch step+1, and the older
         weights batches step+1 .. step+k are generated with."""
-        with self.engine_lock, self.cond:
+        with self.cond:
             pre = self.prestates.get(step + 1)
-            if pre is None:  # not started: the producer holds no state past step
-                pre = self._capture()
             versions = range(max(0, step - self.k), step)
-            snaps = {
-                n: {v: self.versions[n].saved(s[v]) for v in versions}
-                for n, s in self.snapshots.items()
-            }
-        return {"before_next": pre, "snapshots": snaps}
+            snaps = {n: {v: s[v] for v in versions} for n, s in self.snapshots.items()}
+        if pre is None:  # batch step+1 not started: capture it with the engines idle
+            with self.engine_lock, self.cond:
+                pre = self.prestates.get(step + 1) or self._capture()
+        # a batch in flight already captured its state: the save does not wait for it
+        saved = {n: {v: self.versions[n].saved(w) for v, w in s.items()} for n, s in snaps.items()}
+        return {"before_next": pre, "snapshots": saved}
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         s = self.s

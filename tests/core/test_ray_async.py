@@ -86,7 +86,8 @@ def test_ray_partial_rollouts_take_newer_weights_mid_call(ray_cluster, make_conf
     the call in flight (its "offers" concurrency group), which takes it at the next
     decoding step. The crawling engine (loaded on the actor by file path) holds every call
     after the first until the update lands, so batches 2.. mix two versions in a row,
-    within the staleness bound, none dropped."""
+    within the staleness bound, none dropped. A checkpoint every step (``ASYNC``) does not
+    wait for the crawling batch in flight: it saves the state that batch captured."""
     from pathlib import Path
 
     from polyrl.core.loop import train
@@ -99,7 +100,6 @@ def test_ray_partial_rollouts_take_newer_weights_mid_call(ray_cluster, make_conf
             f"run.dir={tmp_path}/partial",
             "rollout.prompts_per_step=4",
             "rollout.partial=true",
-            "run.save_every=0",  # a checkpoint waits for the batch in flight, which crawls
             f"policies.main.engine.name={crawling}:CrawlingEngine",
         )
     ).path

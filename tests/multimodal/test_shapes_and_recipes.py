@@ -121,7 +121,8 @@ def test_outlined_square_shows_the_background_inside(tmp_path):
 def test_vl_recipes_load_and_validate(recipe):
     cfg = load(Config, recipe, [])  # validates: options, engines, workflow checks
     vl = [p for p in cfg.policies.values() if p.kind == "qwen_vl"]
-    assert vl and all(p.engine.name == "hf_vl" for p in vl)  # a team may add text agents
+    # a team may add text agents; a VL policy samples on a VL engine
+    assert vl and all(p.engine.name in ("hf_vl", "vllm_vl") for p in vl)
     if cfg.rollout.workflow == "vl_single_turn":
         assert cfg.data.kind == "vl" and len(vl) == len(cfg.policies)
 
