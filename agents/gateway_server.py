@@ -539,7 +539,12 @@ class GatewayServer:
         if not new:
             return ids, before
         vision = self.visions[req.model]  # _check_images let the request in
-        expansions, handle = vision.encode_images(new)
+        try:
+            expansions, handle = vision.encode_images(new)
+        except ValueError as e:  # the policy's processor refuses one (e.g. its aspect ratio)
+            raise RequestError(
+                400, f"model {req.model!r} cannot take an image of the request: {e}", "messages"
+            ) from None
         try:
             ids, starts = splice_images(ids, vision.image_token_id, expansions, "the request")
         except ValueError as e:

@@ -376,27 +376,8 @@ class MultiTurn:
         """The messages as the chat template renders them (an image part without its
         pixels) and the kept images encoded by the policy (None: none); episode limits and
         bad images applied and counted."""
-        out, kept = [], []
-        for m in messages:
-            content = m["content"]
-            if isinstance(content, str):
-                out.append(m)
-                continue
-            parts = []
-            for part in content:
-                if part["type"] != "image":
-                    parts.append(part)
-                    continue
-                note = self._image_note(ep, part["image"])
-                if note:
-                    parts.append({"type": "text", "text": note})
-                else:
-                    parts.append({"type": "image"})
-                    kept.append(part["image"])
-            if all(p["type"] == "text" for p in parts):  # text only: a plain string
-                out.append({**m, "content": "".join(p["text"] for p in parts)})
-            else:
-                out.append({**m, "content": parts})
+        notes: dict[int, str] = {}  # per image part (by id): why it is not shown; "" kept
+        out, kept = self._keep_images(ep, messages, notes)
         if not kept:
             return out, None
         if self.vision is None:
@@ -412,7 +393,52 @@ class MultiTurn:
                 f"({type(self.engine).__name__}) has no generate_vl, so it cannot take "
                 f"images; set policies.{self.name}.engine.name=hf_vl"
             )
-        return out, self.vision.encode_images(kept)
+        try:
+            return out, self.vision.encode_images([image for _, image in kept])
+        except ValueError:
+            pass  # an image the policy's processor refuses (e.g. its aspect ratio): find it
+        for key, image in kept:
+            try:
+                self.vision.encode_images([image])
+            except ValueError as e:
+                notes[key] = f"Error: the model cannot take this image ({e}); it was not shown"
+                ep.images -= 1
+                ep.pixels -= image.width * image.height
+                self.image_counts["images_kept"] -= 1
+                self.image_counts["bad_images"] += 1
+        out, kept = self._keep_images(ep, messages, notes)
+        return out, (self.vision.encode_images([im for _, im in kept]) if kept else None)
+
+    def _keep_images(
+        self, ep: Episode, messages: list[Message], notes: dict[int, str]
+    ) -> tuple[list[Message], list[tuple[int, Any]]]:
+        """The messages with each image part kept (a placeholder part) or replaced by a note
+        the model reads, and the kept images (with their part's id). ``notes`` holds each
+        part's decision once made (limits counted once); a later pass reuses them."""
+        out, kept = [], []
+        for m in messages:
+            content = m["content"]
+            if isinstance(content, str):
+                out.append(m)
+                continue
+            parts = []
+            for part in content:
+                if part["type"] != "image":
+                    parts.append(part)
+                    continue
+                key = id(part)
+                if key not in notes:
+                    notes[key] = self._image_note(ep, part["image"])
+                if notes[key]:
+                    parts.append({"type": "text", "text": notes[key]})
+                else:
+                    parts.append({"type": "image"})
+                    kept.append((key, part["image"]))
+            if all(p["type"] == "text" for p in parts):  # text only: a plain string
+                out.append({**m, "content": "".join(p["text"] for p in parts)})
+            else:
+                out.append({**m, "content": parts})
+        return out, kept
 
     def _image_note(self, ep: Episode, image: Any) -> str:
         """Why ``image`` is not shown (counted), or "" when it is kept (and counted)."""

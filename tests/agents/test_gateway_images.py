@@ -84,6 +84,7 @@ def bad_images_agent(row, endpoint):
             }
         ],
         "big": [image_part(big)],
+        "thin": [image_part(REF._image(3000, 10, 8))],  # the processor's aspect-ratio limit
         "many": [image_part(REF.IMAGE_1)] * 3,
         "audio": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
     }
@@ -220,6 +221,7 @@ def test_bad_image_parts_are_told_and_the_episode_goes_on(vl_policy, items, grid
         "base64": "does not decode",
         "not_image": "no image PIL can read",
         "big": "300x300 image exceeds the request's pixel limit",
+        "thin": "cannot take an image of the request: absolute aspect ratio",
         "many": "more than rollout.args.max_images=2",
         "audio": "'input_audio' is not supported",
         "text_model": "takes no images",

@@ -394,3 +394,45 @@ def test_schedule_episode_carries_images_as_round_does(family_policy, one_thread
     for a, b in zip(strings(by_episode, "vision"), strings(by_round, "vision"), strict=True):
         assert a.image_starts == b.image_starts and torch.equal(a.pixel_values, b.pixel_values)
     _check_logprobs(policy, by_episode)
+
+
+class ThinImage(Environment):
+    """Turn 2's tool returns an image the processor refuses (aspect ratio over 200) beside
+    a good one."""
+
+    max_turns = 2
+
+    def reset(self, task):
+        return [IMAGE_1, QUESTION]
+
+    def step(self, action):
+        if not hasattr(self, "stepped"):
+            self.stepped = True
+            thin = _image(3000, 10, 9)
+            return StepResult({"role": "tool", "content": [thin, IMAGE_2, "two views"]})
+        return StepResult("bye", 1.0, True)
+
+
+if "test_thin_image" not in ENVIRONMENTS:
+    ENVIRONMENTS.register("test_thin_image", ThinImage)
+
+
+def test_an_image_the_processor_refuses_is_told_counted_and_the_episode_goes_on(
+    family_policy, one_thread
+):
+    from polyrl.agents.workflow import MultiTurn
+    from polyrl.multimodal.engine import VLEngine
+
+    policy = family_policy
+    ctx = Context(None, {"main": policy}, {"main": VLEngine(policy, seed=0)})
+    wf = MultiTurn(ctx, env="test_thin_image", mode="concat", max_turns=2)
+    item = PromptItem(uid=0, prompt_ids=[], prompt_text="", answer=None, row={})
+    record = wf.rollout([item], SamplingParams(n=2, max_new_tokens=2))
+    assert wf.rollout_metrics() == {"images_kept": 4.0, "images_truncated": 0.0, "bad_images": 2.0}
+    for i, (meta, v) in enumerate(
+        zip(strings(record, "meta"), strings(record, "vision"), strict=True)
+    ):
+        assert meta["finish"] == "done" and v.num_images == 2  # the first view, then IMAGE_2
+        text = policy.tokenizer.decode(_row_ids(record, i))
+        assert "Error: the model cannot take this image" in text and "aspect ratio" in text
+    _check_logprobs(policy, record)
