@@ -367,6 +367,12 @@ class GatewayServer:
                 )
             return ep
 
+        async def json_body(request) -> Any:
+            try:
+                return orjson.loads(await request.body())
+            except orjson.JSONDecodeError:
+                raise RequestError(400, "the request body is not valid JSON") from None
+
         async def models(request):
             try:
                 check_key(request)
@@ -380,11 +386,9 @@ class GatewayServer:
             try:
                 check_key(request)
                 ep = episode(request)
-                try:
-                    body = orjson.loads(await request.body())
-                except orjson.JSONDecodeError:
-                    raise RequestError(400, "the request body is not valid JSON") from None
-                req = parse_request(body, list(self.engines), self.defaults, self.limits)
+                req = parse_request(
+                    await json_body(request), list(self.engines), self.defaults, self.limits
+                )
                 answer = await self._complete(ep, req)
                 if req.stream:
                     return StreamingResponse(
@@ -404,11 +408,7 @@ class GatewayServer:
             try:
                 check_key(request)
                 ep = episode(request)
-                try:
-                    body = orjson.loads(await request.body())
-                except orjson.JSONDecodeError:
-                    raise RequestError(400, "the request body is not valid JSON") from None
-                return JSONResponse(self._post_reward(ep, body))
+                return JSONResponse(self._post_reward(ep, await json_body(request)))
             except RequestError as e:
                 return error(e)
 
