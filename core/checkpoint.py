@@ -14,7 +14,9 @@ The Hugging Face export still gathers the weights once, at the end of a run.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from polyrl.core.config import UserError
 
 META = "meta.pt"
 
@@ -205,3 +209,297 @@ def read_full(part: Any) -> dict[str, Any]:
         dcp_to_torch_save(str(part.path), f"{tmp}/full.pt")
         state = torch.load(f"{tmp}/full.pt", weights_only=False)
     return state | {"meta": torch.load(part.path / META, weights_only=False)}
+
+
+# --- verifying a checkpoint against the run that resumes it -------------------------------
+# Resuming or evaluating a damaged or mismatched checkpoint used to fail deep inside a load
+# (a zip error, a size mismatch, a KeyError), after the models had loaded. These checks
+# read only file sizes, zip directories, pickled structure (tensors memory-mapped, never
+# read), DCP's ``.metadata`` and safetensors headers, so they run in seconds and before
+# any model loads.
+
+_LORA_KEY = re.compile(r"^(.*)\.lora_([AB])\.[^.]+\.weight$")
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint cannot resume this run: damaged, or written by another setup."""
+
+
+@dataclass(frozen=True)
+class SavedPosition:
+    """Where the checkpoint's data stream stood; checked once the dataset is loaded."""
+
+    checkpoint: Path | None  # None: not resuming, or nothing to resume from
+    epoch: int = 0
+    position: int = 0
+
+    def check_data(self, rows: int, source: str = "data.path") -> None:
+        """The dataset must still hold the rows the saved position points past."""
+        if self.checkpoint is not None and self.position > rows:
+            raise CheckpointError(
+                f"checkpoint {self.checkpoint}: its data position is row {self.position} "
+                f"of epoch {self.epoch}, but the training data ({source}) now has {rows} "
+                "rows; resume with the data that run used, or start a fresh run (another "
+                "run.dir)"
+            )
+
+
+def _fix(ckpt: Path) -> str:
+    """What to do about a damaged checkpoint: an older complete one, or a fresh run."""
+    older = sorted(
+        p.name
+        for p in ckpt.parent.iterdir()
+        if p != ckpt and re.fullmatch(r"step_\d+", p.name) and (p / "COMPLETE").is_file()
+    )
+    if older and older[-1] < ckpt.name:
+        return (
+            f"move {ckpt.name} out of {ckpt.parent} to resume from {older[-1]}, or start a "
+            "fresh run (another run.dir)"
+        )
+    return "start a fresh run (another run.dir), or resume from a copy of the run you kept"
+
+
+def _read_pt(path: Path, ckpt: Path) -> Any:
+    """A ``.pt`` part's structure, its tensors memory-mapped (nothing is read into memory)."""
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: {path.name} is empty (0 bytes): the file was cut off or "
+            f"overwritten after the checkpoint completed; {_fix(ckpt)}"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, mmap=True, weights_only=False, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 (any failure to read is the same damage)
+        raise CheckpointError(
+            f"checkpoint {ckpt}: {path.name} ({size} bytes) cannot be read, it is truncated "
+            f"or damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]}); {_fix(ckpt)}"
+        ) from None
+
+
+def _read_sharded(path: Path, ckpt: Path) -> tuple[dict[str, tuple], dict]:
+    """A sharded part's tensor shapes by name (from DCP's ``.metadata``) and ``meta.pt``,
+    after checking that every shard file the metadata names is there and long enough."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    where = f"checkpoint {ckpt}: sharded part {path.name}/"
+    for name in (".metadata", META):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{where} has no {name} (a file is missing); {_fix(ckpt)}")
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"{where}.metadata cannot be read ({type(e).__name__}); {_fix(ckpt)}"
+        ) from None
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for rel, end in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{where}{rel} is missing (.metadata names it); {_fix(ckpt)}")
+        if f.stat().st_size < end:
+            raise CheckpointError(
+                f"{where}{rel} is {f.stat().st_size} bytes, its .metadata says at least {end}: "
+                f"the file is truncated; {_fix(ckpt)}"
+            )
+    meta = _read_pt(path / META, ckpt)
+    shapes = {
+        k.removeprefix("weights."): tuple(v.size)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith("weights.") and isinstance(v, TensorStorageMetadata)
+    }
+    return shapes, meta if isinstance(meta, dict) else {}
+
+
+def _model_dir(p: Any) -> Path | None:
+    """The folder a policy's model loads from, when it is on this machine (built or a local
+    path, or a hub id already in the cache); None when it cannot be found without a
+    download."""
+    from polyrl.core.tiny import ensure_model
+
+    path = Path(ensure_model(p.model, p.build, p.build_args))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(p.model), local_files_only=True))
+    except Exception:  # noqa: BLE001 (not cached: the load will say so itself)
+        return None
+
+
+def model_shapes(model_dir: Path) -> dict[str, set[tuple]]:
+    """Tensor shapes by name from the model's safetensors headers (top level, else one
+    folder down, as a diffusers pipeline keeps them); names in several files with several
+    shapes keep them all (ambiguous, never used to accuse a checkpoint)."""
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*/*.safetensors"))
+    shapes: dict[str, set[tuple]] = {}
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 0 < n < 1 << 28:
+                    continue
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError):
+            continue  # an unreadable model is the model loader's error to report
+        for k, v in header.items():
+            if k != "__metadata__" and isinstance(v, dict) and "shape" in v:
+                shapes.setdefault(k, set()).add(tuple(v["shape"]))
+    return shapes
+
+
+def _match(key: str, shapes: dict[str, set[tuple]]) -> str | None:
+    """The model tensor a checkpoint key names: itself, or with wrapper prefixes (PEFT's
+    ``base_model.model.``, a pipeline's component) dropped from the left."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1):
+        k = ".".join(parts[i:])
+        if k in shapes:
+            return k
+    return None
+
+
+def _pattern(key: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", key)
+
+
+def _check_weights(
+    ckpt: Path, name: str, p: Any, saved: dict[str, tuple], meta_lora: bool | None
+) -> None:
+    """Adapter layout against ``policies.<name>.lora``, and shapes against the model."""
+    part = f"checkpoint {ckpt}: policy {name!r}"
+    lora = {k: s for k, s in saved.items() if _LORA_KEY.match(k)}
+    was_lora = bool(lora) if meta_lora is None else meta_lora
+    r = getattr(getattr(p, "lora", None), "r", 0)
+    recipe = f"policies.{name}.lora.r={r}"
+    if r > 0 and not was_lora:
+        raise CheckpointError(
+            f"{part} is a full fine-tune (no LoRA adapter weights), but {recipe} asks for a "
+            "LoRA adapter; resume with lora.r=0 as that run had, or start a fresh run "
+            "(another run.dir) to train an adapter"
+        )
+    if r == 0 and was_lora:
+        raise CheckpointError(
+            f"{part} holds LoRA adapter weights, but {recipe} asks for a full fine-tune; "
+            "resume with the lora settings of the run that wrote it, or start a fresh run"
+        )
+    ranks = {s[0] for k, s in lora.items() if _LORA_KEY.match(k).group(2) == "A" and s}
+    if r > 0 and ranks and ranks != {r}:
+        raise CheckpointError(
+            f"{part} holds LoRA adapters of rank {sorted(ranks)}, but {recipe}; resume with "
+            "the rank of the run that wrote it"
+        )
+    model_dir = _model_dir(p)
+    shapes = model_shapes(model_dir) if model_dir else {}
+    if not shapes:
+        return
+    matched: dict[str, str] = {}
+    for key, shape in saved.items():
+        m = _LORA_KEY.match(key)
+        target = _match(f"{m.group(1)}.weight" if m else key, shapes)
+        if target is None or len(shapes[target]) != 1:
+            continue
+        matched[key] = target
+        (want,) = shapes[target]
+        if m:  # lora_A is (r, in), lora_B is (out, r); the model's weight is (out, in)
+            ok = len(want) == 2 and len(shape) == 2
+            ok = ok and (shape[1] == want[1] if m.group(2) == "A" else shape[0] == want[0])
+        else:
+            ok = tuple(shape) == want
+        if not ok:
+            raise CheckpointError(
+                f"{part}: {key} has shape {list(shape)}, the model in {model_dir} "
+                f"(policies.{name}.model) has {target} of shape {list(want)}: the checkpoint "
+                "was written for another model or another size; resume with the model "
+                "that run used (same model and build_args), or start a fresh run"
+            )
+    if not matched:
+        return  # a layout this check does not know: the load itself reports mismatches
+    known = {_pattern(k) for k in matched}
+    extra = sorted(k for k in saved if k not in matched and _pattern(k) in known)
+    missing = (
+        sorted(
+            t
+            for t in set(shapes) - set(matched.values())
+            if _pattern(t) in {_pattern(v) for v in matched.values()}
+        )
+        if not was_lora
+        else []
+    )
+    if extra or missing:
+        what = f"has {extra[:3]} the model lacks" if extra else f"lacks {missing[:3]} of the model"
+        raise CheckpointError(
+            f"{part} {what} ({model_dir}): the checkpoint was written for a model with "
+            "another number of layers or blocks; resume with the model that run used, or "
+            "start a fresh run"
+        )
+
+
+def verify_checkpoint(cfg: Any, run_dir: Path) -> SavedPosition:
+    """Check the run's latest complete checkpoint before anything loads from it: every part
+    present and readable (sizes, zip directories, DCP metadata and shard lengths), one part
+    per policy of the recipe, each policy's adapter layout (LoRA or full, rank) and tensor
+    shapes against its model's safetensors headers. Returns the saved data position for
+    :meth:`SavedPosition.check_data` once the dataset is loaded (one that checks nothing
+    when the run does not resume or has no complete checkpoint: it then starts afresh)."""
+    if not cfg.run.resume:
+        return SavedPosition(None)
+    ckpts = Path(run_dir).expanduser() / "checkpoints"
+    found = (
+        sorted(
+            p
+            for p in ckpts.iterdir()
+            if re.fullmatch(r"step_\d+", p.name) and (p / "COMPLETE").is_file()
+        )
+        if ckpts.is_dir()
+        else []
+    )
+    if not found:
+        return SavedPosition(None)
+    ckpt = found[-1]
+    holds = sorted(p.name for p in ckpt.iterdir() if p.name != "COMPLETE")
+    parts = {Path(n).stem if n.endswith(".pt") else n for n in holds}
+
+    def need(part: str, why: str) -> None:
+        if part not in parts:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: {why}, but it has no {part} (it holds {holds}); a part "
+                f"was deleted or the recipe names other policies; {_fix(ckpt)}"
+            )
+
+    need("trainer", "every checkpoint holds trainer.pt (step, data position, RNG)")
+    for name in cfg.policies:
+        need(f"policy_{name}", f"the recipe has policy {name!r}")
+    if cfg.rollout.max_staleness:
+        need(
+            "rollouts",
+            f"rollout.max_staleness={cfg.rollout.max_staleness} resumes batches in flight",
+        )
+    trainer = _read_pt(ckpt / "trainer.pt", ckpt)
+    sampler = trainer.get("sampler") if isinstance(trainer, dict) else None
+    if not isinstance(sampler, dict) or "position" not in sampler:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: trainer.pt holds no data position (sampler); it was not "
+            f"written by this PolyRL; {_fix(ckpt)}"
+        )
+    for name, p in cfg.policies.items():
+        folder = ckpt / f"policy_{name}"
+        if folder.is_dir():
+            saved, meta = _read_sharded(folder, ckpt)
+            _check_weights(ckpt, name, p, saved, bool(meta.get("lora")) if meta else None)
+            continue
+        state = _read_pt(ckpt / f"policy_{name}.pt", ckpt)
+        weights = state.get("weights") if isinstance(state, dict) else None
+        if isinstance(weights, dict):
+            saved = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+            _check_weights(ckpt, name, p, saved, None)
+    for part in ("workflow", "rollouts"):
+        if (ckpt / f"{part}.pt").is_file():
+            _read_pt(ckpt / f"{part}.pt", ckpt)
+    return SavedPosition(ckpt, int(sampler.get("epoch", 0)), int(sampler["position"]))

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import rewards
-from polyrl.core.checkpoint import load_part, policy_part
+from polyrl.core.checkpoint import load_part, policy_part, verify_checkpoint
 from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.data import DataConfig, PromptSampler, load_rows, write_jsonl
 from polyrl.core.interfaces import (
@@ -121,6 +121,7 @@ class Session:
                 f"run directory {str(run_dir)!r} already has checkpoints; resume it "
                 "(run.resume=true / --resume) or choose another run.dir"
             )
+        saved = verify_checkpoint(cfg, run_dir)  # resuming: damaged or mismatched fails now
         run = RunDir(
             run_dir,
             to_dict(cfg) if record else None,
@@ -134,6 +135,7 @@ class Session:
         first = next(iter(cfg.policies.values()))
         tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
         dataset = DATASETS.get(sources.train.kind)(sources.train, tokenizer, name="train")
+        saved.check_data(len(dataset), sources.train.path)  # the saved data position fits
         eval_items = (
             list(DATASETS.get(sources.eval.kind)(sources.eval, tokenizer, name="eval"))
             if sources.eval.path

@@ -1,0 +1,197 @@
+"""A damaged or mismatched checkpoint is refused before any model loads (exit 2, one
+message naming the checkpoint, the file or key and what to do), through the CLI as a user
+resumes or evaluates a run; local (``.pt``) and sharded (DCP) policy parts alike."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from polyrl.core.cli import main
+
+PER_STEP = 8  # rollout.prompts_per_step
+BATCHES = 10  # prompts drawn before the checkpoint: its data position is row 80
+
+RECIPE = {
+    "run": {"progress": False, "tensorboard": False},
+    "task": {
+        "name": "arithmetic",
+        "args": {"n_train": 200, "n_eval": 8, "max_operand": 30, "ops": "+"},
+    },
+    "policies": {"main": {"micro_batch_size": 64}},
+    "data": {"max_prompt_tokens": 32},
+    "rollout": {"n": 2, "prompts_per_step": PER_STEP, "max_new_tokens": 4},
+    "train": {"steps": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_model_dir, tmp_path_factory):
+    """A run with two complete checkpoints (steps 1 and 2), and a copy of step 2 whose
+    policy part is sharded (DCP) as Ray writes it."""
+    from polyrl.core.checkpoint import save_policy
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.session import Session
+
+    root = tmp_path_factory.mktemp("verify")
+    recipe = root / "recipe.yaml"
+    body = RECIPE | {"policies": {"main": {"model": tiny_model_dir, "micro_batch_size": 64}}}
+    recipe.write_text(yaml.safe_dump(body))
+    cfg = load(Config, recipe, [f"run.dir={root}/run"])
+    s = Session.open(cfg)
+    s.save(1)
+    for _ in range(BATCHES):
+        s.sampler.next_batch()
+    s.save(2)
+    sharded = root / "sharded"
+    shutil.copytree(root / "run", sharded)
+    step = sharded / "checkpoints" / "step_000002"
+    (step / "policy_main.pt").unlink()
+    save_policy(s.policies["main"], step / "policy_main", lora=False)
+    s.run.close()
+    s.backend.shutdown()
+    return recipe, root / "run", sharded
+
+
+def _copy(src: Path, tmp_path: Path) -> tuple[Path, Path]:
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    return run, run / "checkpoints" / "step_000002"
+
+
+def _refused(capsys, argv: list[str], *needles: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def test_an_intact_checkpoint_passes_with_its_data_position(saved, tmp_path):
+    from polyrl.core.checkpoint import verify_checkpoint
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+
+    recipe, run, sharded = saved
+    for src in (run, sharded):
+        cfg = load(Config, recipe, [f"run.dir={src}", "run.resume=true"])
+        pos = verify_checkpoint(cfg, src)
+        assert pos.checkpoint == src / "checkpoints" / "step_000002"
+        assert (pos.epoch, pos.position) == (0, BATCHES * PER_STEP)
+
+
+def test_a_truncated_policy_file_names_it_and_the_older_checkpoint(saved, tmp_path, capsys):
+    recipe, src, _ = saved
+    run, step = _copy(src, tmp_path)
+    data = (step / "policy_main.pt").read_bytes()
+    (step / "policy_main.pt").write_bytes(data[: len(data) // 2])
+    _refused(
+        capsys,
+        ["train", str(recipe), "--resume", str(run)],
+        f"checkpoint {step}: policy_main.pt ({len(data) // 2} bytes)",
+        "truncated",
+        "to resume from step_000001",
+    )
+
+
+def test_an_empty_trainer_state_is_refused_in_eval_too(saved, tmp_path, capsys):
+    recipe, src, _ = saved
+    run, step = _copy(src, tmp_path)
+    (step / "trainer.pt").write_bytes(b"")
+    msg = "trainer.pt is empty (0 bytes)"
+    _refused(capsys, ["train", str(recipe), "--resume", str(run)], msg)
+    _refused(capsys, ["eval", str(recipe), "--run-dir", str(run)], msg)
+
+
+def test_a_deleted_part_with_complete_kept_is_named(saved, tmp_path, capsys):
+    recipe, src, _ = saved
+    run, step = _copy(src, tmp_path)
+    (step / "policy_main.pt").unlink()
+    _refused(
+        capsys,
+        ["train", str(recipe), "--resume", str(run)],
+        "the recipe has policy 'main', but it has no policy_main",
+        "'trainer.pt'",  # what it holds instead
+    )
+
+
+def test_lora_over_a_full_fine_tune_is_refused(saved, tmp_path, capsys):
+    recipe, src, sharded = saved
+    for origin in (src, sharded):
+        run, _ = _copy(origin, tmp_path / origin.name)
+        _refused(
+            capsys,
+            ["train", str(recipe), "policies.main.lora.r=4", "--resume", str(run)],
+            "policy 'main' is a full fine-tune",
+            "policies.main.lora.r=4",
+        )
+
+
+@pytest.fixture(scope="module")
+def wider_model(tmp_path_factory):
+    """The tiny model's tokenizer and depth, hidden size 64 instead of 128."""
+    from polyrl.core.tiny import tiny_qwen2
+
+    path = tmp_path_factory.mktemp("models") / "tiny-64"
+    tiny_qwen2(
+        path,
+        corpus="arithmetic",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        seed=0,
+    )
+    return path
+
+
+def test_another_hidden_size_names_the_tensor_and_both_shapes(saved, wider_model, tmp_path, capsys):
+    recipe, src, sharded = saved
+    for origin in (src, sharded):
+        run, _ = _copy(origin, tmp_path / origin.name)
+        err = _refused(
+            capsys,
+            ["train", str(recipe), f"policies.main.model={wider_model}", "--resume", str(run)],
+            f"the model in {wider_model} (policies.main.model)",
+            "written for another model or another size",
+        )
+        # the embedding: (vocab, 128) saved, (vocab, 64) in the model
+        assert ", 128]" in err and ", 64]" in err
+
+
+def test_a_dataset_that_shrank_below_the_saved_position(saved, tmp_path, capsys):
+    recipe, src, _ = saved
+    run, step = _copy(src, tmp_path)
+    _refused(
+        capsys,
+        ["eval", str(recipe), "task.args.n_train=50", "--run-dir", str(run)],
+        f"checkpoint {step}: its data position is row {BATCHES * PER_STEP}",
+        "now has 50 rows",
+    )
+
+
+def test_a_sharded_part_missing_or_truncated_shard(saved, tmp_path, capsys):
+    recipe, _, sharded = saved
+    run, step = _copy(sharded, tmp_path / "gone")
+    (step / "policy_main" / "__0_0.distcp").unlink()
+    _refused(
+        capsys,
+        ["train", str(recipe), "--resume", str(run)],
+        "sharded part policy_main/__0_0.distcp is missing (.metadata names it)",
+    )
+    run, step = _copy(sharded, tmp_path / "cut")
+    shard = step / "policy_main" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _refused(
+        capsys,
+        ["train", str(recipe), "--resume", str(run)],
+        f"policy_main/__0_0.distcp is {len(data) // 2} bytes",
+        "the file is truncated",
+    )
