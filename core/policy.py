@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDict
 
+from polyrl.core import prefix
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
@@ -81,9 +82,15 @@ class PolicyConfig:
     gradient_checkpointing: bool = doc(False, "trade compute for activation memory")
     shared_prefix: bool = doc(
         True,
-        "in the update, run each distinct prompt of a micro-batch "
-        "once and share its KV cache with its group's rows (padded passes: pack false, "
-        "or an attention implementation pack cannot use)",
+        "compute each prefix that rows of a micro-batch share (a group's prompt, earlier "
+        "turns, an agent team's history; found from the token ids) once in the log-prob, "
+        "reference and update passes. Packed sdpa/eager passes: a tree of prefixes packed "
+        "with its suffixes, where a cost model from the lengths says it is cheaper; "
+        "padded passes (pack false, or flash attention): each distinct prompt once, its "
+        "KV cache shared with its group's rows",
+    )
+    shared_prefix_min_tokens: int = doc(
+        16, "packed passes: share a prefix only when at least this many tokens long"
     )
     pack: bool = doc(
         True,
@@ -129,18 +136,57 @@ def packs(model: torch.nn.Module, pack: bool) -> bool:
     return pack and (impl in ("sdpa", "eager") or "flash" in impl)
 
 
+def shares(model: torch.nn.Module, pack: bool, shared_prefix: bool) -> bool:
+    """Whether packed passes may share prefixes: a tree needs its own attention mask, which
+    sdpa and eager take (flash attention's varlen kernel cannot express it) and which a
+    sliding window would contradict."""
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    cfg = getattr(model.config, "text_config", None) or model.config
+    windowed = "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or bool(
+        getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)
+    )
+    return pack and shared_prefix and impl in ("sdpa", "eager") and not windowed
+
+
 def token_budget(
-    batch: TensorDict, cfg: PolicyConfig, packed: bool
-) -> tuple[torch.Tensor, int] | None:
+    batch: TensorDict, cfg: PolicyConfig, packed: bool, model: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, int] | tuple[torch.Tensor, int, list[list[int]]] | None:
     """Real tokens per row of ``batch`` and the micro-batch token budget, for packed passes
-    (None: micro-batches of ``micro_batch_size`` rows)."""
+    (None: micro-batches of ``micro_batch_size`` rows).
+
+    With ``model`` and prefixes shared (:func:`shares`), also the units the passes will run
+    as trees (:func:`polyrl.core.prefix.plan_units`, each within the budget): the trainer
+    keeps a unit's rows in one micro-batch, and each row counts only the tokens it adds to
+    its unit (a shared prefix once)."""
     if not packed:
         return None
     lengths = batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)
     budget = cfg.max_tokens_per_micro_batch
     if budget is None:
         budget = cfg.micro_batch_size * int(lengths.max()) if len(lengths) else 1
-    return lengths.cpu(), budget
+    if model is None or not shares(model, packed, cfg.shared_prefix) or len(lengths) < 2:
+        return lengths.cpu(), budget
+    units = prefix_units(model, batch, cfg.shared_prefix_min_tokens, budget)
+    if not any(u.shared for u in units):
+        return lengths.cpu(), budget
+    tokens = prefix.charged_tokens(units, lengths.tolist(), len(lengths))
+    return tokens, budget, [u.rows for u in units]
+
+
+def prefix_units(
+    model: torch.nn.Module, batch: TensorDict, min_shared: int, limit: int | None = None
+) -> list[prefix.Unit]:
+    """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows."""
+    tokens, lengths = prefix.row_tokens(batch)
+    order, lcp = prefix.sorted_lcp(tokens, lengths)
+    return prefix.plan_units(
+        lengths.tolist(),
+        order,
+        lcp,
+        min_shared=min_shared,
+        weights=prefix.cost_weights(model.config),
+        limit=limit,
+    )
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int):
@@ -167,10 +213,14 @@ def response_logprobs(
     with_entropy: bool = False,
     shared_prefix: bool = True,
     pack: bool = False,
+    min_shared: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
 
-    ``pack`` runs :func:`packed_logprobs` (no padding; ``shared_prefix`` is then unused).
+    ``pack`` runs the rows without padding: :func:`shared_logprobs` where
+    ``shared_prefix`` is on, the attention takes a tree mask (:func:`shares`) and the cost
+    model shares some prefix of at least ``min_shared`` tokens; else
+    :func:`packed_logprobs`.
 
     Only the response positions reach the LM head (``logits_to_keep``), which saves
     the vocabulary projection over the prompt. With ``shared_prefix`` the rows that share
@@ -180,6 +230,10 @@ def response_logprobs(
     (n-1)/n of the prompt compute cheaper.
     """
     if pack:
+        if shares(model, pack, shared_prefix) and batch.batch_size[0] > 1:
+            units = prefix_units(model, batch, min_shared)
+            if any(u.shared for u in units):
+                return shared_logprobs(model, batch, units, temperature, with_entropy)
         return packed_logprobs(model, batch, temperature, with_entropy)
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
@@ -286,6 +340,64 @@ def packed_logprobs(
     return out, ent
 
 
+def shared_logprobs(
+    model: torch.nn.Module,
+    batch: TensorDict,
+    units: list[prefix.Unit],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`packed_logprobs` with each unit's shared prefixes computed once.
+
+    A unit of rows (a tree, :func:`polyrl.core.prefix.tree_layout`) is packed as its
+    distinct tokens, each node after its parent, with position ids continuing from the
+    prefix's length and a mask where each token sees its own node's earlier tokens and its
+    ancestors' (sdpa: a boolean mask, eager: an additive one). A row's response token is
+    predicted from the column holding the row's token before it, which rows sharing that
+    token share too; gradients through a prefix sum every suffix's. Equal to the padded
+    pass up to float rounding. Padded response slots hold 0.
+    """
+    rmask = batch["response_mask"].bool()
+    if not bool(batch["prompt_mask"].bool().any(-1).all()):
+        raise ValueError(
+            "packed log-probs: a row has no prompt token to predict its first response "
+            "token from; give every row a prompt, or set the policy's pack: false"
+        )
+    tokens, lengths = prefix.row_tokens(batch)
+    layout = prefix.tree_layout(units, tokens, lengths.tolist(), len(lengths))
+    plen = batch["prompt_mask"].sum(-1).tolist()
+    r_bin, r_col = [], []
+    for i, cols in enumerate(layout.cols):  # response token k of row i: from position p+k-1
+        n = int(rmask[i].sum())
+        if n:
+            r_col.append(cols[plen[i] - 1 : plen[i] - 1 + n])
+            r_bin.append(torch.full((n,), layout.row_bin[i], device=cols.device))
+    r_bin_t, r_col_t = torch.cat(r_bin), torch.cat(r_col)
+    keep, slot = torch.unique(r_col_t, return_inverse=True)
+    mask = layout.visible
+    if str(getattr(model.config, "_attn_implementation", "")) == "eager":
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(dtype).min
+        )
+    logits = model(
+        input_ids=layout.ids,
+        attention_mask=mask,
+        position_ids=layout.positions,
+        logits_to_keep=keep,
+        use_cache=False,
+    ).logits[r_bin_t, slot]
+    logp, ent = token_logprobs(
+        logits.float(), batch["response_ids"][rmask], temperature, with_entropy
+    )
+    out = torch.zeros(rmask.shape, dtype=logp.dtype, device=rmask.device).masked_scatter(
+        rmask, logp
+    )
+    if ent is not None:
+        ent = torch.zeros_like(out).masked_scatter(rmask, ent)
+    return out, ent
+
+
 def pack_rows(lengths: list[int], width: int | None) -> tuple[list, list, int, int]:
     """First-fit-decreasing packing of rows of ``lengths`` into bins of ``width`` tokens
     (None: one bin holding every row). Returns each row's bin and start column, the number
@@ -370,13 +482,16 @@ class CausalLMPolicy:
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pack = packs(self.model, self.cfg.pack)
         return response_logprobs(
             self.model,
             to_device(batch, self.device),
             temperature,
             with_entropy,
-            self.cfg.shared_prefix and not self.cfg.gradient_checkpointing,
-            pack=packs(self.model, self.cfg.pack),
+            # the padded pass shares through a KV cache, which checkpointing cannot keep
+            self.cfg.shared_prefix and (pack or not self.cfg.gradient_checkpointing),
+            pack=pack,
+            min_shared=self.cfg.shared_prefix_min_tokens,
         )
 
     @torch.no_grad()
@@ -385,21 +500,23 @@ class CausalLMPolicy:
         batch = to_device(batch, self.device)
         model = self.model if self.reference is None else self.reference
         pack = packs(model, self.cfg.pack)
+        kw = dict(
+            shared_prefix=self.cfg.shared_prefix,
+            pack=pack,
+            min_shared=self.cfg.shared_prefix_min_tokens,
+        )
         if self.reference is not None:
-            return response_logprobs(
-                model, batch, temperature, shared_prefix=self.cfg.shared_prefix, pack=pack
-            )[0]
+            return response_logprobs(model, batch, temperature, **kw)[0]
         with self.model.disable_adapter():
-            return response_logprobs(
-                model, batch, temperature, shared_prefix=self.cfg.shared_prefix, pack=pack
-            )[0]
+            return response_logprobs(model, batch, temperature, **kw)[0]
 
-    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
-        """Tokens per row and per micro-batch when the passes are packed (PacksRows). A
-        kind that replaces :meth:`logprobs` (a VLM's own pass) is not packed by it, so it
-        keeps row-count micro-batches unless it says otherwise."""
+    def token_budget(self, batch: TensorDict):
+        """Tokens per row and per micro-batch when the passes are packed, and the rows that
+        share a prefix (PacksRows, :func:`token_budget`). A kind that replaces
+        :meth:`logprobs` (a VLM's own pass) is not packed by it, so it keeps row-count
+        micro-batches unless it says otherwise."""
         packed = type(self).logprobs is CausalLMPolicy.logprobs and packs(self.model, self.cfg.pack)
-        return token_budget(batch, self.cfg, packed)
+        return token_budget(batch, self.cfg, packed, self.model)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must hold to restore the weights (adapter only for LoRA)."""

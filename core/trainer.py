@@ -9,7 +9,8 @@ estimator on log-probs, unless the policy computes the recipe's estimator itself
 
 Micro-batches hold ``micro_batch_size`` rows, or, for a policy whose passes are packed
 (:class:`~polyrl.core.interfaces.PacksRows`), up to a budget of real tokens, rows grouped
-by length. Either way each micro-batch loss is divided by mini-batch totals, so the
+by length; rows whose shared prefix the pass computes once stay together and count it
+once. Either way each micro-batch loss is divided by mini-batch totals, so the
 gradient does not depend on how the rows are split.
 
 Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
@@ -48,16 +49,18 @@ def _agg_info(
 
 
 def _micro_batch_rows(
-    n: int, size: int, dp: tuple[int, int] | None, budget: tuple[torch.Tensor, int] | None
+    n: int, size: int, dp: tuple[int, int] | None, budget: tuple | None
 ) -> list[torch.Tensor | None]:
     """Row indices of this rank's micro-batches (None: a stand-in, weighted by zero).
 
     Row counts (``budget`` None): consecutive rows, ``size`` at a time; under ``dp`` each
     rank takes its contiguous share. Token budget (``(tokens per row, budget)``, packed
-    passes): rows first go to ranks longest first, each to the rank with the fewest
-    tokens so far, then each rank packs its rows first-fit-decreasing into micro-batches of
-    at most ``budget`` tokens. Every rank runs as many micro-batches as the busiest one, so
-    the ranks with fewer get stand-ins.
+    passes, optionally ``units``: lists of rows that share a prefix and must run together,
+    each row counting the tokens it adds to its unit): units (one per row without them)
+    first go to ranks largest first, each to the rank with the fewest tokens so far, then
+    each rank packs its units first-fit-decreasing into micro-batches of at most
+    ``budget`` tokens. Every rank runs as many micro-batches as the busiest one, so the
+    ranks with fewer get stand-ins.
     """
     if budget is None:
         if dp is None:
@@ -72,21 +75,22 @@ def _micro_batch_rows(
             else None
             for k in range(count)
         ]
-    tokens, limit = budget
-    lengths = [int(t) for t in tokens]
+    tokens, limit = budget[0], budget[1]
+    units = budget[2] if len(budget) > 2 else [[i] for i in range(n)]
+    lengths = [sum(int(tokens[i]) for i in unit) for unit in units]
     rank, world = dp or (0, 1)
     shares: list[list[int]] = [[] for _ in range(world)]
     load = [0] * world
-    for i in sorted(range(n), key=lambda i: -lengths[i]):
+    for u in sorted(range(len(units)), key=lambda u: -lengths[u]):
         r = min(range(world), key=load.__getitem__)
-        shares[r].append(i)
-        load[r] += lengths[i]
+        shares[r].append(u)
+        load[r] += lengths[u]
     plans = []
     for share in shares:
-        row_bin, _, bins, _ = pack_rows([lengths[i] for i in share], limit)
+        unit_bin, _, bins, _ = pack_rows([lengths[u] for u in share], limit)
         members: list[list[int]] = [[] for _ in range(bins)]
-        for i, b in zip(share, row_bin, strict=True):
-            members[b].append(i)
+        for u, b in zip(share, unit_bin, strict=True):
+            members[b].extend(units[u])
         plans.append([torch.tensor(sorted(m)) for m in members])
     count = max(len(plan) for plan in plans)
     return plans[rank] + [None] * (count - len(plans[rank]))
@@ -96,7 +100,7 @@ def _rank_micro_batches(
     batch: TensorDict,
     size: int,
     dp: tuple[int, int] | None,
-    budget: tuple[torch.Tensor, int] | None = None,
+    budget: tuple | None = None,
 ) -> Iterator[tuple[TensorDict, bool]]:
     """(micro-batch, is_real) pairs of this rank's share of ``batch`` (see
     :func:`_micro_batch_rows`); a stand-in is the batch's first row, ``is_real`` False."""
@@ -110,7 +114,7 @@ def _per_row(
     batch: TensorDict,
     size: int,
     dp: tuple[int, int] | None,
-    budget: tuple[torch.Tensor, int] | None = None,
+    budget: tuple | None = None,
 ) -> torch.Tensor:
     """``fn`` over every row of ``batch``, in row order; under ``dp`` each rank computes its
     share and the shares are gathered, so every rank ends with the whole result."""
