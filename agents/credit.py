@@ -21,7 +21,8 @@ The discount, the std division and its epsilon are the recipe's ``algorithm.gamm
 ``algorithm.norm_adv_by_std`` and ``algorithm.epsilon`` (shared with the advantage
 estimators). Normalisation of step groups: (G - mean) / (std + eps) with the unbiased std
 (``norm_adv_by_std: false`` drops the division, as Dr.GRPO does); a group of one step gets
-0, since it has no baseline. Group statistics come from :func:`polyrl.core.credit.group_stats`.
+0, since it has no baseline, and so does a group of equal returns. Group statistics come
+from :func:`polyrl.core.credit.group_advantages`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Annotated
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.credit import group_stats
+from polyrl.core.credit import group_advantages
 from polyrl.core.record import strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
@@ -102,17 +103,13 @@ def _steps(record: TensorDict, gamma: float) -> tuple[list[Step], dict[int, tupl
 
 def _grouped(keys: list, values: list[float], norm_by_std: bool, eps: float) -> list[float]:
     """Each value centred on its group's mean (and divided by its std + ``eps``); a group of
-    one value gets 0."""
+    one value, or of equal values, gets 0 (:func:`polyrl.core.credit.group_advantages`)."""
     if not values:
         return []
     index: dict = {}
     groups = torch.tensor([index.setdefault(k, len(index)) for k in keys])
     v = torch.tensor(values, dtype=torch.float64)
-    mean, std, count = group_stats(v, groups)
-    centred = v - mean
-    if norm_by_std:
-        centred = centred / (std + eps)
-    return torch.where(count > 1, centred, 0.0).tolist()
+    return group_advantages(v, groups, norm_by_std=norm_by_std, epsilon=eps).tolist()
 
 
 def episode_advantages(episodes: dict[int, tuple[int, float]], algo) -> dict[int, float]:

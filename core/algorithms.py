@@ -2,9 +2,14 @@
 
 Pure tensor functions behind the core registries (``ADVANTAGES``, ``POLICY_LOSSES``,
 ``KL_ESTIMATORS``), so a recipe picks its algorithm by name and a plugin can add one
-without touching the trainer. The math is verl's (``verl.trainer.ppo.core_algos``): we wrap
-its reference implementations instead of keeping a second copy that could drift. verl is
-an implementation detail imported lazily on first use, because importing it costs seconds.
+without touching the trainer. Losses, KL estimators, aggregation and REINFORCE++ are verl's
+(``verl.trainer.ppo.core_algos``): we wrap its reference implementations instead of keeping
+a second copy that could drift. The group estimators (grpo, drgrpo, rloo, grpo_passk, the
+REINFORCE++ baseline) take their group statistics from
+:func:`polyrl.core.credit.group_advantages` instead (float64, a group of one row or of equal
+rewards gets exactly 0; verl's run in float32, so 12 rewards of 0.7 get +0.1 each) and
+are tested against verl's on well-conditioned groups. verl is an implementation detail
+imported lazily on first use, because importing it costs seconds.
 
 Shapes: ``B`` rows (samples), ``R`` response tokens. ``mask [B,R]`` is 1 on the tokens this
 row's policy generated (the loss tokens) and 0 elsewhere (padding, tool output, other agents).
@@ -24,6 +29,7 @@ from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.correction import RolloutCorrection
+from polyrl.core.credit import group_advantages, group_stats
 from polyrl.core.options import Options
 from polyrl.core.registry import ADVANTAGES, CREDIT, KL_ESTIMATORS, POLICY_LOSSES, nearest
 
@@ -325,49 +331,61 @@ def _finish(adv: Tensor, mask: Tensor) -> Tensor:
     return (adv.to(torch.float32) * (mask != 0)).contiguous()
 
 
-def _grpo(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig, norm: bool) -> Tensor:
-    token_rewards, m, index = _prepare(rewards, mask, group)
+def _per_row(scalars: Tensor, mask: Tensor) -> Tensor:
+    """Row scalars [B] spread over each row's loss tokens, float32 [B, R]."""
+    return (scalars.to(torch.float32)[:, None] * (mask != 0)).contiguous()
+
+
+def _grouped(
+    rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig, **how: bool
+) -> Tensor:
     with torch.no_grad():
-        adv, _ = _verl().compute_grpo_vectorized_outcome_advantage(
-            token_rewards, m, index, epsilon=cfg.epsilon, norm_adv_by_std_in_grpo=norm
+        scalars = group_advantages(
+            rewards.detach(), group.detach().reshape(-1), epsilon=float(cfg.epsilon), **how
         )
-    return _finish(adv, mask)
+    return _per_row(scalars, mask)
 
 
 @ADVANTAGES.register("grpo")
 def grpo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
-    """GRPO: (r - group mean) / (group std + eps); std division per ``cfg.norm_adv_by_std``."""
-    return _grpo(rewards, mask, group, cfg, norm=bool(cfg.norm_adv_by_std))
+    """GRPO: (r - group mean) / (group std + eps), unbiased std; std division per
+    ``cfg.norm_adv_by_std``. A group of one row or of equal rewards gets exactly 0."""
+    return _grouped(rewards, mask, group, cfg, norm_by_std=bool(cfg.norm_adv_by_std))
 
 
 @ADVANTAGES.register("drgrpo")
 def drgrpo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
     """Dr.GRPO: r - group mean, never divided by the std (removes the difficulty bias)."""
-    return _grpo(rewards, mask, group, cfg, norm=False)
+    return _grouped(rewards, mask, group, cfg, norm_by_std=False)
 
 
 @ADVANTAGES.register("rloo")
 def rloo_advantage(rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig) -> Tensor:
-    """RLOO: r minus the mean reward of the other samples in its group."""
-    token_rewards, m, index = _prepare(rewards, mask, group)
-    with torch.no_grad():
-        adv, _ = _verl().compute_rloo_vectorized_outcome_advantage(
-            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
-        )
-    return _finish(adv, mask)
+    """RLOO: r minus the mean reward of the other samples in its group (0 for a lone row)."""
+    return _grouped(rewards, mask, group, cfg, norm_by_std=False, leave_one_out=True)
 
 
 @ADVANTAGES.register("grpo_passk")
 def grpo_passk_advantage(
     rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
 ) -> Tensor:
-    """Pass@k: only each group's best sample gets (best - second best) [/ std]; groups >= 2."""
-    token_rewards, m, index = _prepare(rewards, mask, group)
-    with torch.no_grad():
-        adv, _ = _verl().compute_grpo_passk_outcome_advantage(
-            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
-        )
-    return _finish(adv, mask)
+    """Pass@k: only each group's strictly best sample gets (best - second best) [/ std];
+    a group of one row, or whose best is tied, gets 0."""
+    r = rewards.detach().to(torch.float64)
+    if r.numel() == 0:
+        return _per_row(r, mask)
+    _, g = torch.unique(group.detach().reshape(-1).to(r.device), return_inverse=True)
+    lowest = torch.full((int(g.max()) + 1,), -torch.inf, dtype=torch.float64, device=r.device)
+    best = lowest.scatter_reduce(0, g, r, "amax")
+    top = r == best[g]
+    ties = torch.zeros_like(best).index_add(0, g, top.to(best.dtype))
+    second = lowest.scatter_reduce(0, g, torch.where(top, -torch.inf, r), "amax")
+    _, std, count = group_stats(r, g)
+    gap = best[g] - second[g]
+    if cfg.norm_adv_by_std:
+        gap = gap / torch.where(std > 0, std + float(cfg.epsilon), 1.0)
+    wins = top & (ties[g] == 1) & (count > 1)
+    return _per_row(torch.where(wins, gap, 0.0), mask)
 
 
 def _too_few_tokens(mask: Tensor) -> bool:
@@ -394,15 +412,19 @@ def reinforce_plus_plus_advantage(
 def reinforce_plus_plus_baseline_advantage(
     rewards: Tensor, mask: Tensor, group: Tensor, cfg: AlgorithmConfig
 ) -> Tensor:
-    """REINFORCE++ with a group-mean baseline, then whitened over the batch's tokens."""
+    """REINFORCE++ with a group-mean baseline, then whitened over the batch's tokens (verl's
+    ``masked_whiten``). The centring is :func:`group_advantages`'s, so a lone row or a group of
+    equal rewards is centred to exactly 0 (verl's own keeps a lone row's raw reward); the
+    whitening then subtracts the batch's token mean from every token, as REINFORCE++ does,
+    so those rows are exactly 0 only when that mean is."""
     if _too_few_tokens(mask):
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    token_rewards, m, index = _prepare(rewards, mask, group)
+    from verl.utils.torch_functional import masked_whiten
+
+    centred = _grouped(rewards, mask, group, cfg, norm_by_std=False)
     with torch.no_grad():
-        adv, _ = _verl().compute_reinforce_plus_plus_baseline_outcome_advantage(
-            token_rewards, m, index, epsilon=cfg.epsilon, config=_verl_algo_config(cfg)
-        )
-    return _finish(adv, mask)
+        m = (mask != 0).to(torch.float32)
+        return (masked_whiten(centred, m) * m).contiguous()
 
 
 # ------------------------------------------------------------------------ policy losses

@@ -13,6 +13,16 @@ from tensordict import TensorDict
 from polyrl.core.record import GROUP_KEYS, group_ids
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
+# A group's std below this fraction of its largest |value| is rounding, not spread: float64
+# sums of equal values leave ~1e-16 relative, while two float32 rewards one ulp apart in a
+# group of a thousand still spread by ~2e-9. Such a std is reported as 0.
+STD_FLOOR = 1e-9
+
+
+def _dense(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
+    _, dense = torch.unique(groups, return_inverse=True)
+    return dense, int(dense.max()) + 1
+
 
 def group_stats(
     values: torch.Tensor, groups: torch.Tensor, *, unbiased: bool = True
@@ -22,19 +32,58 @@ def group_stats(
     The one group-statistics helper of the core and every plugin (agents' step groups,
     diffusion's per-prompt groups, marl's joint groups). ``unbiased`` divides the variance
     by n - 1 (torch's and verl's GRPO convention) and gives a one-row group std 0;
-    otherwise by n (the population std Flow-GRPO uses). Computed in float64.
+    otherwise by n (the population std Flow-GRPO uses). Computed in float64, and shifted
+    by the group's minimum first, so a group of equal values has exactly their value as
+    mean and exactly 0 as std; a std below ``STD_FLOOR`` times the group's largest |value|
+    is rounding and reported as 0.
     """
     v = values.to(torch.float64)
     if v.numel() == 0:
         return v, v, v
-    _, dense = torch.unique(groups, return_inverse=True)
-    n_groups = int(dense.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, torch.ones_like(v))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, v) / count
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, dense, (v - mean[dense]) ** 2)
+    dense, n_groups = _dense(groups.to(v.device))
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=v.device)
+    low = torch.full_like(zeros, torch.inf)
+    low = low.scatter_reduce(0, dense, v, reduce="amin")
+    scale = zeros.scatter_reduce(0, dense, v.abs(), reduce="amax")
+    shifted = v - low[dense]  # exactly 0 throughout a group of equal values
+    count = zeros.index_add(0, dense, torch.ones_like(v))
+    shift_mean = zeros.index_add(0, dense, shifted) / count
+    sq = zeros.index_add(0, dense, (shifted - shift_mean[dense]) ** 2)
     denom = (count - 1).clamp(min=1) if unbiased else count
     std = (sq / denom).sqrt()
-    return mean[dense], std[dense], count[dense]
+    std = torch.where(std <= STD_FLOOR * scale, 0.0, std)
+    return (low + shift_mean)[dense], std[dense], count[dense]
+
+
+def group_advantages(
+    values: torch.Tensor,
+    groups: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+    unbiased: bool = True,
+    leave_one_out: bool = False,
+) -> torch.Tensor:
+    """[B] float64 advantages of values [B] within their groups: ``v - mean``, times
+    n / (n - 1) with ``leave_one_out`` (RLOO: minus the mean of the others), divided by
+    ``std + epsilon`` with ``norm_by_std``.
+
+    A group with no spread (one row, or equal values: std 0 from :func:`group_stats`) has no
+    baseline to compare against, so all its advantages are exactly 0 -- never the raw
+    reward, never rounding noise divided by a tiny std. Zero-advantage rows are what the
+    update's ``skip_zero_advantage`` leaves out.
+    """
+    v = values.to(torch.float64)
+    if v.numel() == 0:
+        return v
+    mean, std, count = group_stats(v, groups, unbiased=unbiased)
+    flat = (count < 2) | (std == 0)
+    centred = v - mean
+    if leave_one_out:
+        centred = centred * count / (count - 1).clamp(min=1)
+    if norm_by_std:
+        centred = centred / torch.where(flat, 1.0, std + epsilon)
+    return torch.where(flat, 0.0, centred)
 
 
 def group_credit(record: TensorDict, algo) -> dict[str, float]:

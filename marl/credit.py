@@ -45,7 +45,7 @@ from typing import Annotated, Literal
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.credit import group_stats
+from polyrl.core.credit import group_advantages, group_stats
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid, strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
@@ -289,8 +289,9 @@ def _per_agent_norm(
     out = row.clone()
     if bool(has.any()):
         x = row[has].double()
-        mean, std, count = group_stats(x, agent[has])
-        out[has] = torch.where(count >= 2, (x - mean) / (std + eps), x).to(row.dtype)
+        count = group_stats(x, agent[has])[2]
+        norm = group_advantages(x, agent[has], epsilon=eps)
+        out[has] = torch.where(count >= 2, norm, x).to(row.dtype)
     return out[:, None] * (mask != 0).float()
 
 

@@ -1,4 +1,5 @@
-"""The algorithm registry wraps verl's reference math faithfully and aggregates correctly."""
+"""The algorithm registry matches verl's reference math (group estimators on well-conditioned
+groups: see test_credit.py for equal rewards and lone rows) and aggregates correctly."""
 
 from __future__ import annotations
 
@@ -186,11 +187,19 @@ def test_empty_masks_do_not_crash(name):
         assert torch.equal(out, torch.zeros(2, R))
 
 
-def test_grpo_singleton_group_follows_verl():
+@pytest.mark.parametrize("name", ["grpo", "drgrpo"])
+def test_lone_rows_get_zero_where_verl_keeps_the_reward(name):
+    """verl gives a group of one row mean 0 (and std 1): its raw reward becomes its advantage.
+    It has no baseline to compare with, so here it gets 0; the other rows still match verl."""
     cfg = AlgorithmConfig()
-    rewards, mask, group = make_batch(10, group_sizes=(1, 3))
-    adv = ADVANTAGES.get("grpo")(rewards, mask, group, cfg)
-    torch.testing.assert_close(adv, verl_reference("grpo", rewards, mask, group, cfg))
+    rewards, mask, group = make_batch(10, group_sizes=(1, 3, 4))
+    lone = int((group == 0).nonzero())
+    mask[lone] = 1.0
+    adv = ADVANTAGES.get(name)(rewards, mask, group, cfg)
+    ref = verl_reference(name, rewards, mask, group, cfg)
+    assert adv[lone].abs().sum() == 0 and ref[lone].abs().sum() > 0
+    rest = group != 0
+    torch.testing.assert_close(adv[rest], ref[rest].float())
 
 
 # --------------------------------------------------------------------------- losses
