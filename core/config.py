@@ -201,11 +201,9 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping at the top level")
         source = str(path)
-        from polyrl.core import registry  # a recipe's './my_part.py:Name' is found beside it
+        from polyrl.core.registry import anchor_files  # './my_part.py:Name' beside the recipe
 
-        here = path.expanduser().resolve().parent
-        if here not in registry.search_dirs:
-            registry.search_dirs.insert(0, here)
+        data = anchor_files(data, path.expanduser().resolve().parent)
     if overrides:
         data = deep_merge(data, parse_overrides(overrides))
         source += " (+ command-line overrides)"

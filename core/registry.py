@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -53,20 +54,40 @@ def load_plugins() -> list[str]:
     return names
 
 
-# Folders a relative ``./file.py:Name`` is looked up in before the working directory
-# (the recipe's own folder; set by ``polyrl.core.config.load``).
-search_dirs: list[Path] = []
+# A relative file path to a part, as a recipe writes it: ``./my_part.py:Name``.
+_FILE_PART = re.compile(r"^(?![/~])[^\s:]*\.py:[A-Za-z_][\w.]*$")
+
+
+def anchor_files(data: Any, base: Path) -> Any:
+    """``data`` (a recipe's mapping) with each relative ``file.py:Name`` that names a file in
+    ``base`` (the recipe's folder) made absolute, so the part resolves the same from any
+    working directory, process or Ray worker, and two recipes never see each other's files.
+    Paths with no such file are left as written (looked up in the working directory)."""
+    if isinstance(data, dict):
+        return {k: anchor_files(v, base) for k, v in data.items()}
+    if isinstance(data, list):
+        return [anchor_files(v, base) for v in data]
+    if isinstance(data, str) and _FILE_PART.match(data):
+        file, _, attr = data.rpartition(":")
+        found = base / file
+        if found.is_file():
+            return f"{found.resolve()}:{attr}"
+    return data
 
 
 def _file_module(file: str, path: str) -> ModuleType:
-    """Import a user's ``.py`` file (once) as a module of its own, no PYTHONPATH needed."""
-    candidates = [d / file for d in search_dirs] + [Path(file)]
-    found = next((c for c in candidates if c.expanduser().is_file()), None)
-    if found is None:
+    """Import a user's ``.py`` file (once) as a module of its own, no PYTHONPATH needed.
+
+    While it runs, its folder comes first on ``sys.path``, so it can import the modules
+    beside it (``import helpers`` in ``my_agent.py``) as a script would."""
+    found = Path(file).expanduser()
+    if not found.is_file():
+        where = Path.cwd() if not found.is_absolute() else found.parent
         raise UnknownNameError(
-            f"{path!r}: no file {file!r} (looked in {', '.join(str(c.parent) for c in candidates)})"
+            f"{path!r}: no file {file!r} in {str(where)!r} (a path in a recipe is looked up "
+            "beside the recipe first, then in the working directory)"
         )
-    found = found.expanduser().resolve()
+    found = found.resolve()
     digest = hashlib.sha1(str(found).encode()).hexdigest()[:8]
     module_name = f"polyrl_user.{found.stem}_{digest}"
     if module_name in sys.modules:
@@ -74,11 +95,15 @@ def _file_module(file: str, path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(module_name, found)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # before exec: dataclasses and pickling look it up
+    folder = str(found.parent)
+    sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[module_name]
         raise
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one put there above
     return module
 
 
@@ -138,16 +163,33 @@ class Registry(Generic[T]):
         self._keywords, self._call, self._skip, self._reserved = keywords, call, skip, reserved
         self._items: dict[str, T] = {}
         self._declared: dict[int, type] = {}  # id(part) -> its declared options
+        self._traits: dict[int, dict[str, Any]] = {}  # id(part) -> facts given at registration
 
     def register(
-        self, name: str, obj: T | None = None, *, options: type | None = None
+        self,
+        name: str,
+        obj: T | None = None,
+        *,
+        options: type | None = None,
+        traits: dict[str, Any] | None = None,
     ) -> Callable[[T], T] | T:
         """Register ``obj`` under ``name`` (with its typed ``options``, a dataclass that
-        subclasses :class:`polyrl.core.options.Options`); a decorator when ``obj`` is None."""
+        subclasses :class:`polyrl.core.options.Options`); a decorator when ``obj`` is None.
+
+        ``traits`` are facts about the part its callers need (a reward's ``batched``), kept
+        here rather than set on the object, and read back with :meth:`traits`."""
 
         def add(item: T) -> T:
             if name in self._items and self._items[name] is not item:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            if traits is not None:
+                had = self._traits.get(id(item))
+                if had is not None and had != traits:
+                    raise ValueError(
+                        f"{self.kind} {name!r} is registered already with traits {had}, "
+                        f"not {traits}"
+                    )
+                self._traits[id(item)] = dict(traits)
             if options is not None:
                 opts.check_declared(
                     options,
@@ -176,6 +218,10 @@ class Registry(Generic[T]):
         msg += f" Registered: {', '.join(sorted(self._items)) or '(none)'}."
         msg += " Or give an import path 'package.module:Name' or a file './my_file.py:Name'."
         raise UnknownNameError(msg)
+
+    def traits(self, part: Any) -> dict[str, Any]:
+        """What ``part`` (a registered object, however it was named) was registered with."""
+        return dict(self._traits.get(id(part), {}))
 
     def check(self, name: str) -> None:
         """Fail early (at config time) if ``name`` cannot be resolved."""

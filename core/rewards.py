@@ -38,6 +38,7 @@ import numbers
 import queue
 import re
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,6 @@ from polyrl.core.config import doc, doc_factory
 from polyrl.core.record import mark_invalid, set_strings, strings
 from polyrl.core.registry import REWARDS
 from polyrl.core.workflow import run_sync
-
-BATCHED_ATTR = "_polyrl_batched"
 
 
 @dataclass
@@ -69,16 +68,16 @@ def register_reward(name: str, *, batched: bool = False) -> Callable[[Callable],
     """Register a reward under ``name``; ``batched`` ones get the whole list of samples."""
 
     def add(fn: Callable) -> Callable:
-        setattr(fn, BATCHED_ATTR, batched)
-        REWARDS.register(name, fn)
+        REWARDS.register(name, fn, traits={"batched": batched})
         return fn
 
     return add
 
 
 def is_batched(fn: Callable) -> bool:
-    """Whether ``fn`` takes ``list[Sample]`` (set by ``register_reward(..., batched=True)``)."""
-    return bool(getattr(fn, BATCHED_ATTR, False))
+    """Whether ``fn`` takes ``list[Sample]`` (registered by ``register_reward(...,
+    batched=True)``; the registry keeps that fact, the function carries no mark)."""
+    return bool(REWARDS.traits(fn).get("batched", False))
 
 
 def resolve(name: str) -> Callable:
@@ -229,8 +228,42 @@ def _check_value(name: str, value: Any) -> float | str:
     return out
 
 
+class _Escaped(Exception):
+    """A reward raised a ``BaseException`` that is not an ``Exception`` (``SystemExit``, a
+    ``KeyboardInterrupt`` of its own): it is that row's error, never the trainer's end."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+def _contain(exc: BaseException) -> Exception:
+    """What a reward raised, as an error to record on its rows. Only cancellation and a
+    Ctrl-C (a KeyboardInterrupt in the main thread, where signals arrive) go on."""
+    if isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, asyncio.CancelledError) or (
+        isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+    ):
+        raise exc
+    return _Escaped(exc)
+
+
+def _where(exc: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame the exception passed through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
 def _raised(name: str, exc: BaseException) -> str:
-    return f"reward {name!r} raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, _Escaped):
+        inner = exc.exc
+        return (
+            f"reward {name!r} raised {type(inner).__name__}({inner}){_where(inner)}; a reward "
+            "cannot stop the run: return a number, or raise an Exception for a row it "
+            "cannot score"
+        )
+    return f"reward {name!r} raised {type(exc).__name__}: {exc}{_where(exc)}"
 
 
 async def _bounded(sem: asyncio.Semaphore, awaitable: Awaitable) -> Any:
@@ -287,8 +320,10 @@ def _serve(jobs: queue.SimpleQueue, state: tuple) -> None:
         fn, arg, kwargs, loop, done = job
         try:
             outcome = (True, fn(arg, **kwargs))
-        except BaseException as e:  # handed to the caller, which decides
+        except Exception as e:  # handed to the caller, which decides
             outcome = (False, e)
+        except BaseException as e:  # no signal arrives in this thread: the reward raised it
+            outcome = (False, _Escaped(e))
         # a closed loop means the caller gave up on this call: nobody to tell
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_settle, done, outcome)
@@ -310,9 +345,20 @@ async def _start(
     return fn(arg, **kwargs)
 
 
+async def _guarded(awaitable: Awaitable) -> Any:
+    """Awaits an async reward's awaitable here, before it becomes a task: a ``SystemExit``
+    it raises inside a task would stop the event loop itself."""
+    try:
+        return await awaitable
+    except Exception:
+        raise
+    except BaseException as e:
+        raise _contain(e) from None
+
+
 async def _limited(awaitable: Awaitable, timeout: float | None) -> Any:
     try:
-        return await asyncio.wait_for(awaitable, timeout)
+        return await asyncio.wait_for(_guarded(awaitable), timeout)
     except TimeoutError:
         raise _Timeout from None
 
@@ -354,8 +400,8 @@ async def _run_batched(
         values = await _start(fn, samples, term.args, timeout, caller)
         if inspect.isawaitable(values):
             values = await _bounded(sem, _limited(values, timeout))
-    except Exception as e:
-        return [_error(term, e, len(samples))] * len(samples)
+    except BaseException as e:
+        return [_error(term, _contain(e), len(samples))] * len(samples)
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str | bytes):
@@ -381,8 +427,8 @@ async def _run_rows(
     for j, sample in enumerate(samples):
         try:
             value = await _start(fn, sample, term.args, term.timeout_s, caller)
-        except Exception as e:
-            out[j] = _error(term, e)
+        except BaseException as e:
+            out[j] = _error(term, _contain(e))
             continue
         if inspect.isawaitable(value):
             pending.append((j, _bounded(sem, _limited(value, term.timeout_s))))

@@ -195,7 +195,8 @@ def test_a_py_file_beside_the_recipe_names_a_part_with_no_pythonpath(tmp_path, m
     assert cfg.task.args.n == 5
     from polyrl.core.registry import TASKS
 
-    task = TASKS.get("./my_task.py:Task")
+    assert cfg.task.name == f"{tmp_path / 'recipes' / 'my_task.py'}:Task"  # made absolute
+    task = TASKS.get(cfg.task.name)
     train, _ = task.write_dataset(tmp_path / "out", seed=0, **cfg.task.args)
     assert len(train.read_text().splitlines()) == 5
 

@@ -13,7 +13,6 @@ from typing import Annotated
 import pytest
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core import registry
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, UserError, doc
 from polyrl.core.options import Options
@@ -113,34 +112,82 @@ def test_a_module_whose_own_import_fails_reports_that_import(tmp_path, monkeypat
         import_path("needs_missing:X")
 
 
-def test_a_file_is_found_in_search_dirs_before_the_working_directory(tmp_path, monkeypatch):
+def recipe_naming(folder, reward: str):
+    """A recipe in ``folder`` whose one reward term is ``reward``."""
+    folder.mkdir(exist_ok=True)
+    path = folder / "recipe.yaml"
+    path.write_text(
+        f"policies: {{main: {{model: {folder / 'model'}}}}}\nreward: {{terms: [{{name: '{reward}'}}]}}\n"
+    )
+    return path
+
+
+def test_a_file_is_found_beside_the_recipe_before_the_working_directory(tmp_path, monkeypatch):
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.registry import REWARDS
+
     beside_recipe, cwd = tmp_path / "recipes", tmp_path / "cwd"
-    beside_recipe.mkdir()
     cwd.mkdir()
+    recipe = recipe_naming(beside_recipe, "./parts.py:score")
     (beside_recipe / "parts.py").write_text("def score(sample):\n    return 'recipe'\n")
     (cwd / "parts.py").write_text("def score(sample):\n    return 'cwd'\n")
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(registry, "search_dirs", [beside_recipe])
-    reg = Registry("reward", skip=1)
-    score = reg.get("./parts.py:score")
+    name = load(Config, recipe).reward.terms[0].name
+    assert name == f"{beside_recipe / 'parts.py'}:score"  # the file the recipe meant
+    score = REWARDS.get(name)
     assert score(None) == "recipe"
-    assert reg.get("./parts.py:score") is score  # imported once
+    assert REWARDS.get(name) is score  # imported once
     assert score.__module__.startswith("polyrl_user.parts_")
-    monkeypatch.setattr(registry, "search_dirs", [])
-    assert reg.get("./parts.py:score")(None) == "cwd"  # another file: another module
+    assert import_path("./parts.py:score")(None) == "cwd"  # outside a recipe: the working dir
 
 
-def test_a_missing_file_lists_where_it_looked(tmp_path, monkeypatch):
+def test_two_recipes_loaded_in_one_process_keep_their_own_files(tmp_path, monkeypatch):
+    """Loading a recipe changes nothing global: each resolves the file beside it, whichever
+    was loaded last."""
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.registry import REWARDS
+
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(registry, "search_dirs", [tmp_path / "recipes"])
+    path_before = list(sys.path)
+    cfgs = {}
+    for folder in ("a", "b"):
+        recipe = recipe_naming(tmp_path / folder, "./same.py:score")
+        (tmp_path / folder / "same.py").write_text(f"def score(sample):\n    return {folder!r}\n")
+        cfgs[folder] = load(Config, recipe)
+    assert sys.path == path_before
+    for folder, cfg in cfgs.items():  # a first, after b was loaded
+        assert REWARDS.get(cfg.reward.terms[0].name)(None) == folder
+
+
+def test_a_recipe_file_can_import_the_modules_beside_it(tmp_path):
+    """``./my_agent.py`` importing ``helpers.py`` beside it, as a script would."""
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "polyrl_test_helper_mod.py").write_text("VALUE = 41\n")
+    (folder / "my_agent.py").write_text(
+        "import polyrl_test_helper_mod\n\n"
+        "def agent(row):\n    return polyrl_test_helper_mod.VALUE + 1\n"
+    )
+    path_before = list(sys.path)
+    try:
+        assert import_path(f"{folder / 'my_agent.py'}:agent")(None) == 42
+    finally:
+        sys.modules.pop("polyrl_test_helper_mod", None)
+    assert sys.path == path_before  # its folder was on the path only while it imported
+
+
+def test_a_missing_file_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(UnknownNameError) as e:
         import_path("./absent.py:score")
-    assert "no file './absent.py'" in str(e.value) and str(tmp_path / "recipes") in str(e.value)
+    assert "no file './absent.py'" in str(e.value) and str(tmp_path) in str(e.value)
+    assert "beside the recipe" in str(e.value)
 
 
 def test_a_file_that_fails_to_import_is_not_kept_half_imported(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(registry, "search_dirs", [])
     part = tmp_path / "broken.py"
     part.write_text("raise RuntimeError('broken at import')\n")
     before = set(sys.modules)

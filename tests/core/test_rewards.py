@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,13 @@ from polyrl.core.rewards import (
     samples_from_record,
     score,
 )
+
+
+def line_of(text: str) -> int:
+    """The line of this file that raises ``text`` (counted here, not by the code under test)."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if "raise" in line and text in line)
+
 
 # Test-only rewards, registered once when this module is imported.
 CALLS: dict[str, list] = {"batched": [], "count": []}
@@ -315,6 +323,9 @@ def test_failing_reward_marks_row_invalid_not_zero(name: str, needle: str) -> No
     assert td["valid"].tolist() == [True, False, True]
     errors = strings(td, "error")
     assert errors[0] == "" and errors[2] == ""
+    if "raised" in needle:  # where it raised: this file, the line of its raise statement
+        cause = needle.rpartition(": ")[2]
+        needle += f" ({__file__}:{line_of(cause)})"
     assert errors[1] == needle
     assert math.isnan(td[f"reward_terms/{name}"][1].item())
     assert metrics["reward/errors"] == 1
@@ -444,6 +455,8 @@ def test_score_inside_running_loop_and_ascore() -> None:
 
 def test_batched_reward_receives_the_list() -> None:
     assert is_batched(resolve("test_len_batched")) and not is_batched(exact_match)
+    # the registry keeps the fact; the function carries no mark of it
+    assert resolve("test_len_batched").__dict__ == {}
     td = make_record(["a", "bbb", "cc", "dddd"])
     mark_invalid(td, [3], ["earlier failure"])
     CALLS["batched"].clear()
@@ -538,3 +551,58 @@ def test_bad_args_fail_at_config_time() -> None:
 def test_empty_terms_rejected() -> None:
     with pytest.raises(ValueError, match="empty"):
         RewardConfig(terms=[]).validate()
+
+
+@register_reward("test_exits")
+def _exits(sample: Sample) -> float:
+    if sample.response == "bad":
+        raise SystemExit(3)
+    return 1.0
+
+
+@register_reward("test_async_exits")
+async def _async_exits(sample: Sample) -> float:
+    await asyncio.sleep(0)
+    if sample.response == "bad":
+        raise SystemExit(4)
+    return 1.0
+
+
+@register_reward("test_interrupts")
+def _interrupts(sample: Sample) -> float:
+    if sample.response == "bad":
+        raise KeyboardInterrupt("not a Ctrl-C")
+    return 1.0
+
+
+@register_reward("test_batched_exits", batched=True)
+def _batched_exits(samples: list[Sample]) -> list[float]:
+    raise SystemExit("batched bye")
+
+
+@pytest.mark.parametrize(
+    ("name", "timeout_s", "what"),
+    [
+        ("test_exits", 60.0, "SystemExit(3)"),  # on the term's helper thread
+        ("test_exits", None, "SystemExit(3)"),  # in place, no limit
+        ("test_async_exits", 60.0, "SystemExit(4)"),  # inside the event loop's task
+        ("test_interrupts", 60.0, "KeyboardInterrupt(not a Ctrl-C)"),  # raised by the reward
+    ],
+)
+def test_a_reward_that_exits_fails_its_row_and_the_scoring_goes_on(name, timeout_s, what):
+    td = make_record(["good", "bad", "good"])
+    metrics = score(td, cfg(RewardTerm(name, timeout_s=timeout_s)))
+    assert td["valid"].tolist() == [True, False, True]
+    assert td["reward"][0].item() == 1.0 and math.isnan(td["reward"][1].item())
+    error = strings(td, "error")[1]
+    cause = "KeyboardInterrupt(" if "Keyboard" in what else what
+    assert error.startswith(f"reward {name!r} raised {what} ({__file__}:{line_of(cause)})")
+    assert "cannot stop the run" in error
+    assert metrics["reward/errors"] == 1
+
+
+def test_a_batched_reward_that_exits_fails_its_rows() -> None:
+    td = make_record(["a", "b"])
+    metrics = score(td, cfg(RewardTerm("test_batched_exits")))
+    assert td["valid"].tolist() == [False, False] and metrics["reward/errors"] == 2
+    assert "raised SystemExit(batched bye)" in strings(td, "error")[0]
