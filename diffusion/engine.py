@@ -178,7 +178,7 @@ class DiffusionEngine:
         self.cfg_batch, self.decode_batch = cfg_batch, decode_batch
         self.logprob = logprob
         check_sampling(self, "engine.args", policy.forward_process)
-        video = bool(getattr(policy.family, "video", False))
+        video = policy.family.video
         if video != (frames > 0):
             raise ConfigError(
                 f"engine.args.frames={frames}, but {policy.path!r} is "
@@ -238,10 +238,7 @@ class DiffusionEngine:
             neg_pooled = neg_pooled.expand(b, *neg_pooled.shape[1:]).clone()
         else:  # no unconditional branch (FLUX): empty placeholders keep the record's layout
             neg_emb, neg_pooled = emb[:, :0].clone(), pooled[:, :0].clone()
-        if self.frames:
-            shape = policy.family.latent_shape(self.height, self.width, self.frames)
-        else:
-            shape = policy.family.latent_shape(self.height, self.width)
+        shape = policy.family.latent_shape(self.height, self.width, self.frames)
         sched = policy.family.schedule(steps, shape)
         sigmas, timesteps = sched.sigmas, sched.timesteps
         if self.same_noise:

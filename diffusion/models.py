@@ -23,18 +23,27 @@ log-probs (averages over elements) never see the packing.
 
 A checkpoint's VAE is diffusers' ``AutoencoderKL`` or, in tiny CPU demos,
 :class:`~polyrl.diffusion.patch_vae.PatchVAE` (pixel unshuffle, no weights).
+
+Each family keeps the :class:`~polyrl.diffusion.families.Family` protocol and is
+registered in :data:`~polyrl.diffusion.families.FAMILIES` under its ``name``; a
+checkpoint's family is the one whose ``matches`` accepts its transformer's config (here:
+its class name), found by :func:`~polyrl.diffusion.families.detect_family`. What loading
+and latents have in common is :class:`DiffusersFamily`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+# FAMILIES, Family and detect_family are re-exported for callers that import them from here
+from polyrl.diffusion.families import FAMILIES, Family, Schedule, detect_family  # noqa: F401
+
 PATCH_VAE_CLASS = "PatchVAE"
+PATCH_VIDEO_VAE_CLASS = "PatchVideoVAE"
 
 
 def dtype_kw(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -102,22 +111,27 @@ ATTENTION_LORA_TARGETS = [
 ]
 
 
-@dataclass
-class Schedule:
-    sigmas: Tensor  # [N+1] float32, sigmas[0] = 1 (unless shifted), sigmas[N] = 0
-    timesteps: Tensor  # [N] float32, what the transformer is given
+class DiffusersFamily:
+    """What the four families share: loading a checkpoint in its diffusers pipeline's layout.
 
-
-class SD3Family:
-    """Stable Diffusion 3 / 3.5 from a local folder or hub id in diffusers layout.
-
-    The transformer trains; text encoders and VAE are frozen and never see gradients.
-    ``text_encoder_3: false`` skips T5 (SD3 then pads with zeros, as diffusers does).
+    The transformer (``transformer_class`` in ``transformer/``) trains; the scheduler, the
+    VAE (:meth:`load_vae`) and the pipeline's text encoders are frozen and never see
+    gradients. The pipeline object (``pipeline_name``, no VAE in it) only encodes prompts.
+    A subclass gives its class names and the operations its architecture does its own way;
+    :meth:`setup` reads its sizes once the parts are loaded.
     """
 
-    name = "sd3"
-    classifier_free = True  # guidance_scale > 1: v_u + w (v_c - v_u)
-    lora_targets = ATTENTION_LORA_TARGETS
+    name: ClassVar[str]
+    transformer_class: ClassVar[str]  # diffusers' class, as transformer/config.json names it
+    pipeline_name: ClassVar[str]  # the diffusers pipeline of the checkpoint's layout
+    classifier_free: ClassVar[bool] = True
+    video: ClassVar[bool] = False
+    lora_targets: ClassVar[list[str]] = ATTENTION_LORA_TARGETS
+    default_max_sequence_length: ClassVar[int] = 512
+    label: ClassVar[str] = ""  # the family's name in messages ("FLUX")
+    # where the prompt embeddings come from, for the error when the recipe turns T5 off
+    # (None: T5 is optional, as SD3's third encoder)
+    text_source: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -126,45 +140,139 @@ class SD3Family:
         dtype: torch.dtype,
         device: torch.device,
         load_t5: bool = True,
-        max_sequence_length: int = 256,
+        max_sequence_length: int | None = None,
     ) -> None:
-        from diffusers import (
-            FlowMatchEulerDiscreteScheduler,
-            SD3Transformer2DModel,
-            StableDiffusion3Pipeline,
-        )
+        import diffusers
 
+        if not load_t5 and self.text_source is not None:
+            raise ValueError(
+                f"{path!r} is a {self.label} checkpoint: its prompt embeddings come from "
+                f"{self.text_source}, so policies.<name>.args.text_encoder_3 cannot be false"
+            )
+        self.check(path)
         self.path, self.device, self.dtype = path, device, dtype
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
         quiet_diffusers()
-        self.transformer = SD3Transformer2DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)
-        ).to(device)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            path, subfolder="scheduler"
+        self.transformer = (
+            getattr(diffusers, self.transformer_class)
+            .from_pretrained(path, subfolder="transformer", **dtype_kw(dtype))
+            .to(device)
         )
-        self.vae = load_vae(path, dtype).to(device).eval().requires_grad_(False)
-        index = StableDiffusion3Pipeline.load_config(path)
-        has_t5 = (index.get("text_encoder_3") or [None])[0] is not None
-        extra = {} if (load_t5 and has_t5) else {"text_encoder_3": None, "tokenizer_3": None}
-        # The pipeline object only encodes prompts (it reads the transformer's config for
-        # the T5 padding width); no VAE in it.
-        self.text = StableDiffusion3Pipeline.from_pretrained(
+        self.scheduler = self.load_scheduler(path)
+        self.vae = self.load_vae(path, dtype).to(device).eval().requires_grad_(False)
+        self.text = self.pipeline_class().from_pretrained(
             path,
             transformer=self.transformer,
             vae=None,
             scheduler=self.scheduler,
             **dtype_kw(dtype),
-            **extra,
+            **self.text_encoders(path, load_t5),
         )
         self.text.to(device)
-        for enc in (self.text.text_encoder, self.text.text_encoder_2, self.text.text_encoder_3):
+        for attr in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            enc = getattr(self.text, attr, None)
             if enc is not None:
                 enc.eval().requires_grad_(False)
         self.text.set_progress_bar_config(disable=True)
-        patch = self.transformer.config.patch_size
+        self.setup()
+
+    # --- hooks a family overrides --------------------------------------------------------
+    @classmethod
+    def matches(cls, transformer_config: dict[str, Any]) -> bool:
+        return transformer_config.get("_class_name") == cls.transformer_class
+
+    def check(self, path: str) -> None:
+        """Refuse a checkpoint the family cannot serve, before anything loads."""
+
+    @staticmethod
+    def load_scheduler(path: str) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler")
+
+    @staticmethod
+    def load_vae(path: str, dtype: torch.dtype) -> nn.Module:
+        return load_vae(path, dtype)
+
+    def text_encoders(self, path: str, load_t5: bool) -> dict[str, None]:
+        """Pipeline components left out (SD3 without T5)."""
+        return {}
+
+    def setup(self) -> None:
+        """Sizes read from the loaded parts (VAE factor, latent multiple, statistics)."""
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.multiple = self.vae_scale * patch
+
+    @staticmethod
+    def load_tokenizer(path: str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+
+    @classmethod
+    def pipeline_class(cls):
+        """The diffusers pipeline whose ``save_lora_weights`` writes this family's LoRA."""
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_name)
+
+    @staticmethod
+    def rescale_cfg(guided: Tensor, cond: Tensor) -> Tensor:
+        """The guided velocity as it is (Qwen-Image rescales it)."""
+        return guided
+
+    def check_size(self, height: int, width: int, why: str) -> None:
+        if height % self.multiple or width % self.multiple:
+            raise ValueError(
+                f"height and width must be multiples of {self.multiple} "
+                f"(VAE factor {self.vae_scale} x {why}), got {height}x{width}"
+            )
+
+    # --- latents through an AutoencoderKL-like VAE (SD3, FLUX) ----------------------------
+    @torch.no_grad()
+    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
+        """Images [B, 3, H, W] in [0, 1] (float32, CPU) from final latents."""
+        return decode_latents(self.vae, latents, self.device, chunk)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """Latents of images [B, 3, H, W] in [0, 1] (for pre-training and tests)."""
+        return encode_images(self.vae, pixels, self.device)
+
+    # --- per-channel latent statistics (Wan, Qwen-Image) ---------------------------------
+    def read_stats(self) -> None:
+        vc = self.vae.config
+        self.latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32)
+        self.latents_std = torch.tensor(vc.latents_std, dtype=torch.float32)
+
+    def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (1, -1, 1, 1, 1)
+        return (
+            self.latents_mean.view(shape).to(like.device),
+            self.latents_std.view(shape).to(like.device),
+        )
+
+
+class SD3Family(DiffusersFamily):
+    """Stable Diffusion 3 / 3.5 from a local folder or hub id in diffusers layout.
+
+    ``text_encoder_3: false`` skips T5 (SD3 then pads with zeros, as diffusers does).
+    """
+
+    name = "sd3"
+    label = "SD3"
+    transformer_class = "SD3Transformer2DModel"
+    pipeline_name = "StableDiffusion3Pipeline"
+    classifier_free = True  # guidance_scale > 1: v_u + w (v_c - v_u)
+    default_max_sequence_length = 256
+
+    def text_encoders(self, path: str, load_t5: bool) -> dict[str, None]:
+        index = self.pipeline_class().load_config(path)
+        has_t5 = (index.get("text_encoder_3") or [None])[0] is not None
+        return {} if (load_t5 and has_t5) else {"text_encoder_3": None, "tokenizer_3": None}
+
+    def setup(self) -> None:
+        super().setup()
+        self.multiple = self.vae_scale * self.transformer.config.patch_size
 
     @staticmethod
     def load_tokenizer(path: str):
@@ -187,13 +295,6 @@ class SD3Family:
         )
         return emb.float(), pooled.float()
 
-    @staticmethod
-    def pipeline_class():
-        """The diffusers pipeline whose ``save_lora_weights`` writes this family's LoRA."""
-        from diffusers import StableDiffusion3Pipeline
-
-        return StableDiffusion3Pipeline
-
     def velocity(
         self,
         model: nn.Module,
@@ -214,16 +315,12 @@ class SD3Family:
         )[0]
         return out
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"height and width must be multiples of {self.multiple} "
-                f"(VAE factor {self.vae_scale} x patch size), got {height}x{width}"
-            )
+    def latent_shape(self, height: int, width: int, frames: int = 0) -> tuple[int, int, int]:
+        self.check_size(height, width, "patch size")
         c = self.transformer.config.in_channels
         return c, height // self.vae_scale, width // self.vae_scale
 
-    def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> Schedule:
         """The scheduler's σ's for ``steps`` steps (diffusers' own ``set_timesteps``)."""
         kwargs = {}
         if self.scheduler.config.get("use_dynamic_shifting", False):
@@ -245,16 +342,6 @@ class SD3Family:
         return Schedule(
             self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
         )
-
-    @torch.no_grad()
-    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
-        """Images [B, 3, H, W] in [0, 1] (float32, CPU) from final latents."""
-        return decode_latents(self.vae, latents, self.device, chunk)
-
-    @torch.no_grad()
-    def encode_images(self, images: Tensor) -> Tensor:
-        """Latents of images [B, 3, H, W] in [0, 1] (for pre-training and tests)."""
-        return encode_images(self.vae, images, self.device)
 
 
 def pack_latents(x: Tensor) -> Tensor:
@@ -285,18 +372,6 @@ def image_ids(h2: int, w2: int, device: torch.device, dtype: torch.dtype) -> Ten
     return ids.reshape(h2 * w2, 3).to(device=device, dtype=dtype)
 
 
-def packed_latent_shape(
-    transformer: Any, vae_scale: int, multiple: int, family: str, height: int, width: int
-) -> tuple[int, int, int]:
-    """(C, h, w) of a family that packs 2x2 latent patches into tokens (FLUX, Qwen-Image)."""
-    if height % multiple or width % multiple:
-        raise ValueError(
-            f"height and width must be multiples of {multiple} "
-            f"(VAE factor {vae_scale} x 2 for {family}'s 2x2 packing), got {height}x{width}"
-        )
-    return transformer.config.in_channels // 4, height // vae_scale, width // vae_scale
-
-
 def shifted_schedule(
     scheduler: Any,
     calculate_shift: Any,
@@ -322,7 +397,22 @@ def shifted_schedule(
     return Schedule(scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone())
 
 
-class FluxFamily:
+class PackedFamily(DiffusersFamily):
+    """A family whose transformer sees 2x2 latent patches packed into tokens (FLUX,
+    Qwen-Image): sides are multiples of twice the VAE factor, and the latent channels are a
+    quarter of the transformer's input width."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.multiple = self.vae_scale * 2  # 2x2 packing
+
+    def latent_shape(self, height: int, width: int, frames: int = 0) -> tuple[int, int, int]:
+        self.check_size(height, width, f"2 for {self.label}'s 2x2 packing")
+        c = self.transformer.config.in_channels // 4
+        return c, height // self.vae_scale, width // self.vae_scale
+
+
+class FluxFamily(PackedFamily):
     """FLUX.1 (dev or schnell) from a local folder or hub id in diffusers layout.
 
     Prompts: CLIP-L's pooled embedding plus T5's token embeddings (``max_sequence_length``
@@ -335,58 +425,17 @@ class FluxFamily:
     """
 
     name = "flux"
+    label = "FLUX"
+    transformer_class = "FluxTransformer2DModel"
+    pipeline_name = "FluxPipeline"
     classifier_free = False  # guidance_scale is the distilled guidance embedding's input
-    lora_targets = ATTENTION_LORA_TARGETS
+    text_source = "T5"
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        load_t5: bool = True,
-        max_sequence_length: int = 512,
-    ) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-        if not load_t5:
-            raise ValueError(
-                f"{path!r} is a FLUX checkpoint: its prompt embeddings come from "
-                "T5, so policies.<name>.args.text_encoder_3 cannot be false"
-            )
-        self.path, self.device, self.dtype = path, device, dtype
-        self.max_sequence_length = max_sequence_length
-        quiet_diffusers()
-        self.transformer = FluxTransformer2DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)
-        ).to(device)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            path, subfolder="scheduler"
-        )
-        self.vae = load_vae(path, dtype).to(device).eval().requires_grad_(False)
-        # The pipeline object only encodes prompts; no VAE in it.
-        self.text = FluxPipeline.from_pretrained(
-            path,
-            transformer=self.transformer,
-            vae=None,
-            scheduler=self.scheduler,
-            **dtype_kw(dtype),
-        )
-        self.text.to(device)
-        for enc in (self.text.text_encoder, self.text.text_encoder_2):
-            enc.eval().requires_grad_(False)
-        self.text.set_progress_bar_config(disable=True)
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.multiple = self.vae_scale * 2  # 2x2 packing
+    def setup(self) -> None:
+        super().setup()
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
 
     load_tokenizer = staticmethod(SD3Family.load_tokenizer)  # CLIP's tokenizer/ too
-
-    @staticmethod
-    def pipeline_class():
-        from diffusers import FluxPipeline
-
-        return FluxPipeline
 
     # --- the four operations ---------------------------------------------------------
     @torch.no_grad()
@@ -429,11 +478,7 @@ class FluxFamily:
         )[0]
         return unpack_latents(out, h, w)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        args = (self.transformer, self.vae_scale, self.multiple, "FLUX")
-        return packed_latent_shape(*args, height, width)
-
-    def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> Schedule:
         """σ's and timesteps exactly as ``FluxPipeline.__call__`` sets them."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -445,29 +490,33 @@ class FluxFamily:
             flow_sigmas=self.scheduler.config.get("use_flow_sigmas", False),
         )
 
-    @torch.no_grad()
-    def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
-        return decode_latents(self.vae, latents, self.device, chunk)
 
-    @torch.no_grad()
-    def encode_images(self, images: Tensor) -> Tensor:
-        return encode_images(self.vae, images, self.device)
+def _frame_vae(path: str, dtype: torch.dtype, cls_name: str) -> nn.Module:
+    """A video-layout checkpoint's VAE: diffusers' ``cls_name`` or, in tiny CPU demos, the
+    frame-wise :class:`~polyrl.diffusion.patch_vae.PatchVideoVAE`."""
+    import diffusers
+
+    cls = getattr(diffusers, cls_name)
+    cfg = cls.load_config(path, subfolder="vae")
+    if cfg.get("_class_name") == PATCH_VIDEO_VAE_CLASS:
+        from polyrl.diffusion.patch_vae import PatchVideoVAE
+
+        return PatchVideoVAE.from_pretrained(path, subfolder="vae")
+    return cls.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
 
 
 def load_video_vae(path: str, dtype: torch.dtype) -> nn.Module:
-    """A video checkpoint's VAE: diffusers' ``AutoencoderKLWan`` or, in tiny CPU demos, the
-    frame-wise :class:`~polyrl.diffusion.wan.PatchVideoVAE`."""
-    from diffusers import AutoencoderKLWan
-
-    cfg = AutoencoderKLWan.load_config(path, subfolder="vae")
-    if cfg.get("_class_name") == "PatchVideoVAE":
-        from polyrl.diffusion.wan import PatchVideoVAE
-
-        return PatchVideoVAE.from_pretrained(path, subfolder="vae")
-    return AutoencoderKLWan.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
+    """A Wan checkpoint's VAE: ``AutoencoderKLWan`` or the tiny demos' PatchVideoVAE."""
+    return _frame_vae(path, dtype, "AutoencoderKLWan")
 
 
-class WanFamily:
+def load_qwen_vae(path: str, dtype: torch.dtype) -> nn.Module:
+    """A Qwen-Image checkpoint's VAE: ``AutoencoderKLQwenImage`` or the tiny demos'
+    PatchVideoVAE (Qwen-Image decodes one-frame videos)."""
+    return _frame_vae(path, dtype, "AutoencoderKLQwenImage")
+
+
+class WanFamily(DiffusersFamily):
     """Wan 2.1 text-to-video from a local folder or hub id in ``WanPipeline``'s layout.
 
     Latents are ``[C, F, h, w]`` (``F = (frames - 1) / temporal factor + 1`` latent
@@ -485,71 +534,35 @@ class WanFamily:
     """
 
     name = "wan"
+    label = "Wan"
+    transformer_class = "WanTransformer3DModel"
+    pipeline_name = "WanPipeline"
     classifier_free = True
     video = True  # latents carry a frame axis; engine.args.frames is required
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]  # self- and cross-attention
+    text_source = "UMT5"
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        load_t5: bool = True,
-        max_sequence_length: int = 512,
-    ) -> None:
-        from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    @staticmethod
+    def load_scheduler(path: str) -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
-        if not load_t5:
-            raise ValueError(
-                f"{path!r} is a Wan checkpoint: its prompt embeddings come from UMT5, so "
-                "policies.<name>.args.text_encoder_3 cannot be false"
-            )
-        self.path, self.device, self.dtype = path, device, dtype
-        self.max_sequence_length = max_sequence_length
-        quiet_diffusers()
-        self.transformer = WanTransformer3DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)
-        ).to(device)
         cfg = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
         if cfg.get("_class_name") == "FlowMatchEulerDiscreteScheduler":
-            self.scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg)
-        else:  # UniPC (Wan's hub checkpoints): the Euler scheduler with its flow shift
-            self.scheduler = FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=cfg.get("num_train_timesteps", 1000),
-                shift=cfg.get("flow_shift", 3.0),
-            )
-        self.vae = load_video_vae(path, dtype).to(device).eval().requires_grad_(False)
-        # The pipeline object only encodes prompts; no VAE in it.
-        self.text = WanPipeline.from_pretrained(
-            path,
-            transformer=self.transformer,
-            vae=None,
-            scheduler=self.scheduler,
-            **dtype_kw(dtype),
+            return FlowMatchEulerDiscreteScheduler.from_config(cfg)
+        # UniPC (Wan's hub checkpoints): the Euler scheduler with its flow shift
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=cfg.get("num_train_timesteps", 1000),
+            shift=cfg.get("flow_shift", 3.0),
         )
-        self.text.to(device)
-        self.text.text_encoder.eval().requires_grad_(False)
-        self.text.set_progress_bar_config(disable=True)
+
+    load_vae = staticmethod(load_video_vae)
+
+    def setup(self) -> None:
         vc = self.vae.config
         self.temporal = int(vc.scale_factor_temporal)
         self.vae_scale = int(vc.scale_factor_spatial)
-        p = self.transformer.config.patch_size
-        self.multiple = self.vae_scale * p[1]
-        self.latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32)
-        self.latents_std = torch.tensor(vc.latents_std, dtype=torch.float32)
-
-    @staticmethod
-    def load_tokenizer(path: str):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-
-    @staticmethod
-    def pipeline_class():
-        from diffusers import WanPipeline
-
-        return WanPipeline
+        self.multiple = self.vae_scale * self.transformer.config.patch_size[1]
+        self.read_stats()
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
@@ -588,12 +601,8 @@ class WanFamily:
             )
         return (frames - 1) // self.temporal + 1
 
-    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, ...]:
-        if height % self.multiple or width % self.multiple:
-            raise ValueError(
-                f"height and width must be multiples of {self.multiple} (VAE factor "
-                f"{self.vae_scale} x patch size), got {height}x{width}"
-            )
+    def latent_shape(self, height: int, width: int, frames: int = 0) -> tuple[int, ...]:
+        self.check_size(height, width, "patch size")
         c = self.transformer.config.in_channels
         return c, self.latent_frames(frames), height // self.vae_scale, width // self.vae_scale
 
@@ -602,13 +611,6 @@ class WanFamily:
         self.scheduler.set_timesteps(steps, device="cpu")
         return Schedule(
             self.scheduler.sigmas.float().clone(), self.scheduler.timesteps.float().clone()
-        )
-
-    def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
-        shape = (1, -1, 1, 1, 1)
-        return (
-            self.latents_mean.view(shape).to(like.device),
-            self.latents_std.view(shape).to(like.device),
         )
 
     @torch.no_grad()
@@ -624,27 +626,14 @@ class WanFamily:
         return torch.cat(out) if out else torch.zeros((0, 3, 1, 1, 1))
 
     @torch.no_grad()
-    def encode_videos(self, videos: Tensor) -> Tensor:
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
         """Normalised latents of videos [B, 3, frames, H, W] in [0, 1] (the posterior's mode)."""
-        z = self.vae.encode((videos * 2 - 1).to(self.device, self.vae.dtype)).latent_dist.mode()
+        z = self.vae.encode((pixels * 2 - 1).to(self.device, self.vae.dtype)).latent_dist.mode()
         mean, std = self._stats(z)
         return (z.float() - mean) / std
 
 
-def load_qwen_vae(path: str, dtype: torch.dtype) -> nn.Module:
-    """A Qwen-Image checkpoint's VAE: diffusers' ``AutoencoderKLQwenImage`` or, in tiny CPU
-    demos, the frame-wise :class:`~polyrl.diffusion.wan.PatchVideoVAE`."""
-    from diffusers import AutoencoderKLQwenImage
-
-    cfg = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
-    if cfg.get("_class_name") == "PatchVideoVAE":
-        from polyrl.diffusion.wan import PatchVideoVAE
-
-        return PatchVideoVAE.from_pretrained(path, subfolder="vae")
-    return AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", **dtype_kw(dtype))
-
-
-class QwenImageFamily:
+class QwenImageFamily(PackedFamily):
     """Qwen-Image from a local folder or hub id in ``QwenImagePipeline``'s layout.
 
     Prompts: the pipeline's own ``encode_prompt`` (its prompt template, the template's
@@ -663,79 +652,36 @@ class QwenImageFamily:
     """
 
     name = "qwen_image"
+    label = "Qwen-Image"
+    transformer_class = "QwenImageTransformer2DModel"
+    pipeline_name = "QwenImagePipeline"
     classifier_free = True  # guidance_scale is QwenImagePipeline's true_cfg_scale
-    lora_targets = ATTENTION_LORA_TARGETS
+    text_source = "its Qwen2.5-VL text encoder"
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        load_t5: bool = True,
-        max_sequence_length: int = 512,
-    ) -> None:
-        from diffusers import (
-            FlowMatchEulerDiscreteScheduler,
-            QwenImagePipeline,
-            QwenImageTransformer2DModel,
-        )
-
-        if not load_t5:
-            raise ValueError(
-                f"{path!r} is a Qwen-Image checkpoint: its prompt embeddings come from its "
-                "Qwen2.5-VL text encoder, so policies.<name>.args.text_encoder_3 cannot be false"
-            )
-        pipeline = QwenImagePipeline.load_config(path).get("_class_name")
-        if pipeline != "QwenImagePipeline":
+    def check(self, path: str) -> None:
+        pipeline = self.pipeline_class().load_config(path).get("_class_name")
+        if pipeline != self.pipeline_name:
             raise ValueError(
                 f"{path!r}: model_index.json names {pipeline!r}; the qwen_image family is "
                 "Qwen-Image's text-to-image pipeline (QwenImagePipeline) only, not its edit, "
                 "layered or ControlNet variants"
             )
-        self.path, self.device, self.dtype = path, device, dtype
-        self.max_sequence_length = max_sequence_length
-        quiet_diffusers()
-        self.transformer = QwenImageTransformer2DModel.from_pretrained(
-            path, subfolder="transformer", **dtype_kw(dtype)
-        ).to(device)
-        self.scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            path, subfolder="scheduler"
-        )
-        self.vae = load_qwen_vae(path, dtype).to(device).eval().requires_grad_(False)
-        # The pipeline object only encodes prompts; no VAE in it.
-        self.text = QwenImagePipeline.from_pretrained(
-            path,
-            transformer=self.transformer,
-            vae=None,
-            scheduler=self.scheduler,
-            **dtype_kw(dtype),
-        )
-        self.text.to(device)
-        self.text.text_encoder.eval().requires_grad_(False)
-        self.text.set_progress_bar_config(disable=True)
+
+    load_vae = staticmethod(load_qwen_vae)
+
+    def setup(self) -> None:
         # QwenImagePipeline's own rule for the VAE's spatial factor
         self.vae_scale = 2 ** len(self.vae.temperal_downsample)
         self.multiple = self.vae_scale * 2  # 2x2 packing
-        vc = self.vae.config
-        self.latents_mean = torch.tensor(vc.latents_mean, dtype=torch.float32)
-        self.latents_std = torch.tensor(vc.latents_std, dtype=torch.float32)
+        self.read_stats()
 
     @staticmethod
     def load_tokenizer(path: str):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        tok = DiffusersFamily.load_tokenizer(path)
         # the family wraps prompts in the pipeline's template itself: the prompt data must
         # stay plain text, not the text encoder's chat format
         tok.chat_template = None
         return tok
-
-    @staticmethod
-    def pipeline_class():
-        from diffusers import QwenImagePipeline
-
-        return QwenImagePipeline
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
@@ -786,22 +732,11 @@ class QwenImageFamily:
         g = g * (torch.norm(c, dim=-1, keepdim=True) / torch.norm(g, dim=-1, keepdim=True))
         return unpack_latents(g, h, w)
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        args = (self.transformer, self.vae_scale, self.multiple, "Qwen-Image")
-        return packed_latent_shape(*args, height, width)
-
-    def schedule(self, steps: int, latent_shape: tuple[int, int, int]) -> Schedule:
+    def schedule(self, steps: int, latent_shape: tuple[int, ...]) -> Schedule:
         """σ's and timesteps exactly as ``QwenImagePipeline.__call__`` sets them."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
         return shifted_schedule(self.scheduler, calculate_shift, steps, latent_shape)
-
-    def _stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
-        shape = (1, -1, 1, 1, 1)
-        return (
-            self.latents_mean.view(shape).to(like.device),
-            self.latents_std.view(shape).to(like.device),
-        )
 
     @torch.no_grad()
     def decode(self, latents: Tensor, chunk: int = 16) -> Tensor:
@@ -817,44 +752,13 @@ class QwenImageFamily:
         return torch.cat(out) if out else torch.zeros((0, 3, 1, 1))
 
     @torch.no_grad()
-    def encode_images(self, images: Tensor) -> Tensor:
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
         """Normalised latents [B, C, h, w] of images [B, 3, H, W] in [0, 1] (the mode)."""
-        x = (images * 2 - 1).to(self.device, self.vae.dtype).unsqueeze(2)
+        x = (pixels * 2 - 1).to(self.device, self.vae.dtype).unsqueeze(2)
         z = self.vae.encode(x).latent_dist.mode().float()
         mean, std = self._stats(z)
         return ((z - mean) * (1.0 / std))[:, :, 0]
 
 
-FAMILIES = {
-    "sd3": SD3Family,
-    "flux": FluxFamily,
-    "wan": WanFamily,
-    "qwen_image": QwenImageFamily,
-}
-
-
-def detect_family(path: str) -> str:
-    """The family of a checkpoint from its transformer config."""
-    from diffusers import SD3Transformer2DModel
-
-    try:
-        cfg = SD3Transformer2DModel.load_config(path, subfolder="transformer")
-    except Exception as e:  # noqa: BLE001 - any loader failure: say where we looked
-        raise FileNotFoundError(
-            f"{path!r} is not a diffusers checkpoint with a transformer/ folder (local path or "
-            f"hub id): {type(e).__name__}: {e}"
-        ) from None
-    name = cfg.get("_class_name", "")
-    if name == "SD3Transformer2DModel":
-        return "sd3"
-    if name == "FluxTransformer2DModel":
-        return "flux"
-    if name == "WanTransformer3DModel":
-        return "wan"
-    if name == "QwenImageTransformer2DModel":
-        return "qwen_image"
-    raise ValueError(
-        f"{path!r}: unsupported transformer class {name!r} (supported: "
-        "SD3Transformer2DModel, FluxTransformer2DModel, WanTransformer3DModel, "
-        "QwenImageTransformer2DModel)"
-    )
+for _family in (SD3Family, FluxFamily, WanFamily, QwenImageFamily):
+    FAMILIES.register(_family.name, _family)

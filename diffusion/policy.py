@@ -60,8 +60,8 @@ from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
 from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
+from polyrl.diffusion.families import FAMILIES, detect_family
 from polyrl.diffusion.guards import ratio_scale
-from polyrl.diffusion.models import FAMILIES, detect_family
 from polyrl.diffusion.samplers import get_sampler
 
 ENGINE_NAME = "diffusion"
@@ -175,7 +175,7 @@ class DiffusionPolicy:
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.path = path
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        family = FAMILIES[detect_family(path)](
+        family = FAMILIES.get(detect_family(path))(
             path,
             dtype=dtype,
             device=self.device,
@@ -247,7 +247,7 @@ class DiffusionPolicy:
             sampling_options(cfg)
             policy_options(cfg)
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
-        tok = FAMILIES[detect_family(path)].load_tokenizer(path)
+        tok = FAMILIES.get(detect_family(path)).load_tokenizer(path)
         if not getattr(tok, "chat_template", None):
             tok.chat_template = PLAIN_TEMPLATE  # prompts stay plain text
         return tok
@@ -283,7 +283,8 @@ class DiffusionPolicy:
         ``[uncond; cond]``, as diffusers' pipeline does; otherwise two calls, so the
         conditional one alone carries the gradient. A family without classifier-free
         guidance (FLUX) gets ``guidance`` as an input and ignores the negative prompt; a
-        family with ``rescale_cfg`` (Qwen-Image) rescales the guided velocity its way."""
+        family's ``rescale_cfg`` (Qwen-Image's: back to the conditional norm) has the last
+        word on the guided velocity."""
         model = self.model if model is None else model
         if not self.family.classifier_free:
             return self.family.velocity(model, x, timesteps, emb, pooled, guidance).float()
@@ -304,10 +305,7 @@ class DiffusionPolicy:
             with torch.no_grad():
                 v_u = self.family.velocity(model, x, timesteps, neg_emb, neg_pooled).float()
         w = guidance.to(v_c).reshape(-1, *([1] * (v_c.dim() - 1)))
-        v = v_u + w * (v_c - v_u)
-        rescale = getattr(self.family, "rescale_cfg", None)
-        if rescale is not None:  # Qwen-Image's true CFG: back to the conditional norm
-            v = rescale(v, v_c)
+        v = self.family.rescale_cfg(v_u + w * (v_c - v_u), v_c)
         return torch.where(guided.reshape_as(w), v, v_c)
 
     # --- what the trainer calls ---------------------------------------------------------

@@ -1,8 +1,15 @@
-"""Image rewards (batched): JPEG size, CLIP score, aesthetic, PickScore, HPSv2, colour.
+"""Image and video rewards (batched): JPEG size, CLIP score, aesthetic, PickScore, HPSv2,
+colour; per-frame colour and temporal consistency of videos.
 
 Registered names: ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``
 (image vs *prompt*; the multimodal plugin's ``clip_score`` scores an image against a
-response), ``aesthetic``, ``pickscore``, ``hpsv2``, ``colour``, ``colour_accuracy``.
+response), ``aesthetic``, ``pickscore``, ``hpsv2``, ``colour``, ``colour_accuracy``; for
+videos (``sample.images`` is the row's list of frames, in order): ``video_colour`` (per
+frame, the share of pixels nearest to the colour that frame should have, averaged over
+frames: an analytic per-frame score in place of a CLIP score, which would need downloaded
+weights), ``video_colour_accuracy`` (1 when every frame's main colour is right) and
+``temporal_consistency`` (1 - the mean absolute change between consecutive frames that
+should show the same colour: flicker costs, the prompted change does not).
 
 Every reward here is registered with ``register_reward(..., batched=True)`` and receives
 the whole list of samples; ``sample.images[0]`` is the row's image (a PIL image; tensors
@@ -32,6 +39,7 @@ from torch import Tensor
 
 from polyrl.core.rewards import Sample, register_reward
 from polyrl.diffusion import colour as colour_task
+from polyrl.diffusion.colour_video import frame_targets, prompt_colours
 
 _LOCK = threading.Lock()
 _CACHE: dict[tuple, Any] = {}
@@ -203,6 +211,91 @@ def colour_accuracy(samples: list[Sample], colours: _COLOURS = None) -> list[flo
             nearest_colour(first_image(s), pal).flatten(), minlength=len(names) + 1
         )[: len(names)]
         out.append(float(counts.sum() > 0 and int(counts.argmax()) == _target(s, names)))
+    return out
+
+
+# -------------------------------------------------------------------------- video colour
+
+
+def frames_of(sample: Sample) -> list[Tensor]:
+    if not sample.images or len(sample.images) < 2:
+        raise ValueError(
+            f"row {sample.index} has {len(sample.images or [])} frame(s): a video reward needs "
+            "the text_to_video workflow (engine.args.frames >= 2)"
+        )
+    return [image_tensor(im) for im in sample.images]
+
+
+def _targets(sample: Sample, names: list[str]) -> tuple[int, int]:
+    """The two colours (palette indices) a video row asks for: its answer, else its prompt."""
+    ans = sample.answer
+    ab = (
+        tuple(ans)
+        if isinstance(ans, (list, tuple)) and len(ans) == 2 and all(a in names for a in ans)
+        else prompt_colours(sample.prompt, names)
+    )
+    if ab is None:
+        raise ValueError(
+            f"row {sample.index}: the prompt {sample.prompt!r} names fewer than two of the "
+            f"colours {names} (and the answer is {ans!r})"
+        )
+    return names.index(ab[0]), names.index(ab[1])
+
+
+@register_reward("video_colour", batched=True)
+def video_colour(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
+    """Mean over frames of the share of pixels nearest to the colour that frame should show
+    (the first named colour in the first half, the second in the second half)."""
+    names, pal = _palette(colours)
+    out = []
+    for s in samples:
+        frames, ab = frames_of(s), _targets(s, names)
+        scores = [
+            float((nearest_colour(fr, pal) == ab[t]).float().mean())
+            for fr, t in zip(frames, frame_targets(len(frames)), strict=True)
+            if t >= 0
+        ]
+        out.append(sum(scores) / len(scores))
+    return out
+
+
+@register_reward("video_colour_accuracy", batched=True)
+def video_colour_accuracy(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
+    """1 when in every scored frame the colour it should show is its most common
+    non-background colour."""
+    names, pal = _palette(colours)
+    out = []
+    for s in samples:
+        frames, ab = frames_of(s), _targets(s, names)
+        ok = True
+        for fr, t in zip(frames, frame_targets(len(frames)), strict=True):
+            if t < 0:
+                continue
+            counts = torch.bincount(nearest_colour(fr, pal).flatten(), minlength=len(pal))[:-1]
+            ok &= int(counts.argmax()) == ab[t] and int(counts.max()) > 0
+        out.append(float(ok))
+    return out
+
+
+@register_reward("temporal_consistency", batched=True)
+def temporal_consistency(samples: list[Sample]) -> list[float]:
+    """1 - the mean absolute pixel change (in [0, 1]) between consecutive frames that should
+    show the same colour; the change the prompt asks for is not counted."""
+    out = []
+    for s in samples:
+        frames = frames_of(s)
+        tgt = frame_targets(len(frames))
+        diffs = [
+            float((frames[f + 1] - frames[f]).abs().mean())
+            for f in range(len(frames) - 1)
+            if tgt[f] == tgt[f + 1] >= 0
+        ]
+        if not diffs:
+            raise ValueError(
+                f"row {s.index}: {len(frames)} frames leave no two consecutive frames of one "
+                "colour; temporal_consistency needs frames >= 4"
+            )
+        out.append(1.0 - sum(diffs) / len(diffs))
     return out
 
 

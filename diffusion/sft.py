@@ -92,7 +92,7 @@ def warm_start(
     """``steps`` flow-matching steps of ``policy`` on (prompt, image) pairs drawn with
     replacement; returns the loss of every step."""
     gen = torch.Generator().manual_seed(seed)
-    x0_all = policy.family.encode_images(images).float().cpu()
+    x0_all = policy.family.encode_pixels(images).float().cpu()
     params = [p for p in policy.model.parameters() if p.requires_grad]
     losses: list[float] = []
     with policy.sft_optimizer(lr):

@@ -1,4 +1,4 @@
-"""Tiny SD3, FLUX, Qwen-Image and Wan-architecture models built offline, for tests and CPU demos.
+"""Tiny SD3, FLUX, Qwen-Image and Wan models built offline, for tests and CPU demos.
 
 Nothing is downloaded. The checkpoint has diffusers' SD3 layout (``model_index.json``,
 ``transformer/``, ``scheduler/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``,
@@ -24,11 +24,20 @@ transformers' config classes) with a Qwen2 byte-level BPE tokenizer trained on t
 pipeline's prompt template and the task's prompts, the frame-wise PatchVideoVAE (or a tiny
 random ``AutoencoderKLQwenImage``), and Qwen-Image's scheduler settings.
 
-``pretrain_steps > 0`` (SD3, Qwen-Image) then trains the transformer with flow matching on synthetic images
-of coloured blobs (:mod:`.colour`), so it draws blobs before RL starts. With
-``label_noise = p`` the blob's colour disagrees with the prompt in a fraction p of the
-training images, so the pre-trained model follows the prompt only part of the time and
-GRPO has something to fix.
+``tiny_wan`` writes one in ``WanPipeline``'s layout: a small ``WanTransformer3DModel``, a
+tiny ``UMT5EncoderModel`` with the Unigram tokenizer, the frame-wise PatchVideoVAE (or a
+tiny random ``AutoencoderKLWan``), and the flow-matching Euler scheduler.
+
+Every builder is the same scaffold (:func:`build_tiny`): a ``write_tiny_*`` function builds
+the parts from seeded random weights and saves them with :func:`save_checkpoint`, in a
+temp dir that is renamed into place once complete, after the optional pre-training.
+
+``pretrain_steps > 0`` (SD3, Qwen-Image, Wan) then trains the transformer with flow
+matching (:func:`flow_matching`, one loop for every family) on synthetic images of
+coloured blobs (:mod:`.colour`) or colour-over-time videos (:mod:`.colour_video`), so it
+draws them before RL starts. With ``label_noise = p`` the colour disagrees with the prompt
+in a fraction p of the training pictures, so the pre-trained model follows the prompt only
+part of the time and GRPO has something to fix.
 """
 
 from __future__ import annotations
@@ -39,15 +48,101 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
+from torch import Tensor
 
 from polyrl.core.registry import MODELS, TASKS
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 COMPLETE = "model_index.json"
+DIFFUSERS_VERSION = "0.42.1"  # what the checkpoints' model_index.json records
+
+
+# ---------------------------------------------------------------------- the scaffold
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Random weights drawn from ``seed``, leaving the caller's RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def save_checkpoint(
+    path: Path, pipeline: str, parts: dict[str, tuple[Any, str, str] | None], **extra: Any
+) -> None:
+    """Save each part as ``path/<name>`` and write ``model_index.json`` last, naming
+    ``pipeline`` and each part's (library, class) in the order given; a None part is a
+    component the pipeline has and this checkpoint leaves out. ``extra``: more index keys."""
+    index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": DIFFUSERS_VERSION}
+    for name, part in parts.items():
+        if part is None:
+            index[name] = [None, None]
+            continue
+        obj, library, cls = part
+        obj.save_pretrained(path / name)
+        index[name] = [library, cls]
+    index.update(extra)
+    (path / COMPLETE).write_text(json.dumps(index, indent=2))
+
+
+def build_tiny(
+    path: str | Path,
+    writer: Callable[..., None],
+    *,
+    corpus: str,
+    seed: int,
+    shape: dict[str, Any],
+    pretrain: Callable[[Path], Any] | None = None,
+) -> Path:
+    """What every tiny builder does: ``writer(dir, texts, seed=seed, **shape)`` writes an
+    untrained checkpoint whose vocabulary is task ``corpus``'s prompts, ``pretrain(dir)``
+    trains it, all in a temp dir renamed into place once complete (:func:`_build_once`)."""
+
+    def write(tmp: Path) -> None:
+        writer(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
+        if pretrain is not None:
+            pretrain(tmp)
+
+    return _build_once(path, write)
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path).expanduser() / COMPLETE).is_file()
+
+
+def _build_once(path: str | Path, write) -> Path:
+    """Run ``write(tmp_dir)`` in a temp dir next to ``path`` and rename it into place, so a
+    crash never leaves a half-built model; an existing complete checkpoint is returned."""
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        write(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not is_complete(path):  # a concurrent builder that finished first is fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# ------------------------------------------------------------- tokenizers and encoders
 
 
 def build_clip_tokenizer(texts: list[str], max_length: int = 8):
@@ -88,10 +183,12 @@ def build_t5_tokenizer(texts: list[str]):
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def _t5_encoder(vocab_size: int, hidden: int, seed: int):
-    from transformers import T5Config, T5EncoderModel
+def _t5_encoder(vocab_size: int, hidden: int, seed: int, umt5: bool = False):
+    """A one-layer T5 encoder (UMT5's for Wan) with random weights from ``seed``."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    cfg = T5Config(
+    config, model = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    cfg = config(
         vocab_size=vocab_size,
         d_model=hidden,
         d_kv=hidden // 2,
@@ -103,9 +200,8 @@ def _t5_encoder(vocab_size: int, hidden: int, seed: int):
         pad_token_id=0,
         eos_token_id=1,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return T5EncoderModel(cfg).eval()
+    with seeded(seed):
+        return model(cfg).eval()
 
 
 def _text_encoder(
@@ -125,259 +221,8 @@ def _text_encoder(
         eos_token_id=1,
         pad_token_id=1,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg).eval()
-
-
-def write_tiny_sd3(
-    path: Path,
-    texts: list[str],
-    *,
-    image_size: int,
-    vae_patch: int,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    max_length: int,
-    shift: float,
-    seed: int,
-) -> None:
-    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory); the sizes'
-    defaults and docs are :func:`tiny_sd3`'s."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-
-    from polyrl.diffusion.patch_vae import PatchVAE
-
-    tok = build_clip_tokenizer(texts, max_length)
-    enc1 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 1)
-    enc2 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 2)
-    latent = image_size // vae_patch
-    channels = 3 * vae_patch * vae_patch
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = SD3Transformer2DModel(
-            sample_size=latent,
-            patch_size=2,
-            in_channels=channels,
-            out_channels=channels,
-            num_layers=layers,
-            attention_head_dim=head_dim,
-            num_attention_heads=heads,
-            joint_attention_dim=2 * text_hidden,
-            caption_projection_dim=heads * head_dim,
-            pooled_projection_dim=text_hidden,
-            pos_embed_max_size=max(latent, 4),
-        )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
-    transformer.save_pretrained(path / "transformer")
-    scheduler.save_pretrained(path / "scheduler")
-    PatchVAE(patch=vae_patch).save_pretrained(path / "vae")
-    for sub, enc in (("text_encoder", enc1), ("text_encoder_2", enc2)):
-        enc.save_pretrained(path / sub)
-    for sub in ("tokenizer", "tokenizer_2"):
-        tok.save_pretrained(path / sub)
-    index = {
-        "_class_name": "StableDiffusion3Pipeline",
-        "_diffusers_version": "0.42.1",
-        "transformer": ["diffusers", "SD3Transformer2DModel"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "vae": ["polyrl.diffusion.patch_vae", "PatchVAE"],
-        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
-        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-        "text_encoder_3": [None, None],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "CLIPTokenizer"],
-        "tokenizer_3": [None, None],
-        "image_encoder": [None, None],
-        "feature_extractor": [None, None],
-    }
-    # written last, by the caller's rename: its presence marks a complete checkpoint
-    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
-
-
-def write_tiny_flux(
-    path: Path,
-    texts: list[str],
-    *,
-    image_size: int,
-    vae_patch: int,
-    layers: int,
-    single_layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    t5_hidden: int,
-    max_length: int,
-    guidance_embeds: bool,
-    seed: int,
-) -> None:
-    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``; the
-    sizes' defaults and docs are :func:`tiny_flux`'s."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-
-    from polyrl.diffusion.patch_vae import PatchVAE
-
-    if head_dim % 4 or head_dim < 8:
-        raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
-    clip_tok = build_clip_tokenizer(texts, max_length)
-    t5_tok = build_t5_tokenizer(texts)
-    clip = _text_encoder(
-        len(clip_tok), text_hidden, text_hidden, max_length, seed + 1, projection=False
-    )
-    t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
-    channels = 3 * vae_patch * vae_patch
-    # rotary axes (index, row, column): even sizes summing to the head dim
-    side = (head_dim // 4 + 1) // 2 * 2
-    axes = (head_dim - 2 * side, side, side)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4 * channels,
-            num_layers=layers,
-            num_single_layers=single_layers,
-            attention_head_dim=head_dim,
-            num_attention_heads=heads,
-            joint_attention_dim=t5_hidden,
-            pooled_projection_dim=text_hidden,
-            guidance_embeds=guidance_embeds,
-            axes_dims_rope=axes,
-        )
-    # FLUX.1-dev's scheduler settings
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    transformer.save_pretrained(path / "transformer")
-    scheduler.save_pretrained(path / "scheduler")
-    PatchVAE(patch=vae_patch).save_pretrained(path / "vae")
-    clip.save_pretrained(path / "text_encoder")
-    t5.save_pretrained(path / "text_encoder_2")
-    clip_tok.save_pretrained(path / "tokenizer")
-    t5_tok.save_pretrained(path / "tokenizer_2")
-    index = {
-        "_class_name": "FluxPipeline",
-        "_diffusers_version": "0.42.1",
-        "transformer": ["diffusers", "FluxTransformer2DModel"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "vae": ["polyrl.diffusion.patch_vae", "PatchVAE"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "T5TokenizerFast"],
-        "image_encoder": [None, None],
-        "feature_extractor": [None, None],
-    }
-    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
-
-
-def _umt5_encoder(vocab_size: int, hidden: int, seed: int):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    cfg = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=hidden,
-        d_kv=hidden // 2,
-        d_ff=2 * hidden,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return UMT5EncoderModel(cfg).eval()
-
-
-def write_tiny_wan(
-    path: Path,
-    texts: list[str],
-    *,
-    vae: str,
-    vae_patch: int,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    shift: float,
-    seed: int,
-) -> None:
-    """Write an untrained tiny Wan 2.1 checkpoint (``WanPipeline`` layout) to ``path``; the
-    sizes' defaults and docs are :func:`tiny_wan`'s."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-
-    from polyrl.diffusion.wan import PatchVideoVAE
-
-    if head_dim < 6 or head_dim % 2:
-        raise ValueError(f"tiny_wan head_dim must be even and >= 6, got {head_dim}")
-    tok = build_t5_tokenizer(texts)
-    enc = _umt5_encoder(len(tok), text_hidden, seed + 1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 3)
-        if vae == "patch":
-            vae_model, vae_class = PatchVideoVAE(patch=vae_patch), "polyrl.diffusion.wan"
-        elif vae == "wan":  # random weights: a layout check, not a usable autoencoder
-            levels = int(math.log2(vae_patch))
-            if 2**levels != vae_patch or levels < 1:
-                raise ValueError(f"tiny_wan vae_patch must be a power of 2 >= 2, got {vae_patch}")
-            vae_model = AutoencoderKLWan(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1] + [2] * levels,
-                num_res_blocks=1,
-                temperal_downsample=[False] * levels,
-                # per-channel statistics like Wan's own (not 0 and 1), so the
-                # normalisation is exercised
-                latents_mean=[round(0.1 * k - 0.15, 2) for k in range(4)],
-                latents_std=[round(1.0 + 0.25 * k, 2) for k in range(4)],
-                scale_factor_temporal=1,
-                scale_factor_spatial=vae_patch,
-            )
-            vae_class = "diffusers"
-        else:
-            raise ValueError(f"tiny_wan vae must be 'patch' or 'wan', got {vae!r}")
-        channels = vae_model.config.z_dim
-        torch.manual_seed(seed)
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=heads,
-            attention_head_dim=head_dim,
-            in_channels=channels,
-            out_channels=channels,
-            text_dim=text_hidden,
-            freq_dim=32,
-            ffn_dim=2 * heads * head_dim,
-            num_layers=layers,
-            rope_max_seq_len=64,
-        )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
-    transformer.save_pretrained(path / "transformer")
-    scheduler.save_pretrained(path / "scheduler")
-    vae_model.save_pretrained(path / "vae")
-    enc.save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
-    index = {
-        "_class_name": "WanPipeline",
-        "_diffusers_version": "0.42.1",
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "vae": [vae_class, type(vae_model).__name__],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "T5TokenizerFast"],
-        "boundary_ratio": None,
-        "expand_timesteps": False,
-    }
-    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
 
 
 def build_qwen_tokenizer(texts: list[str]):
@@ -459,9 +304,243 @@ def _qwen_vl_encoder(vocab_size: int, hidden: int, seed: int, bos: int, eos: int
         bos_token_id=bos,
         eos_token_id=eos,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def _tiny_video_vae(builder: str, kind: str, patch: int, real: str, **settings: Any):
+    """(VAE, its library) of a video-layout tiny model: the exact frame-wise PatchVideoVAE
+    (``kind`` "patch"), or diffusers' ``real`` autoencoder with random weights (a layout
+    check, not a usable autoencoder; ``kind`` is ``real``'s short name, as ``wan``)."""
+    import diffusers
+
+    from polyrl.diffusion.patch_vae import PatchVideoVAE
+
+    short = {"AutoencoderKLWan": "wan", "AutoencoderKLQwenImage": "qwen"}[real]
+    if kind == "patch":
+        # checkpoints name the module it was first defined in (which still exports it)
+        return PatchVideoVAE(patch=patch), "polyrl.diffusion.wan"
+    if kind != short:
+        raise ValueError(f"{builder} vae must be 'patch' or {short!r}, got {kind!r}")
+    levels = int(math.log2(patch))
+    if 2**levels != patch or levels < 1:
+        raise ValueError(f"{builder} vae_patch must be a power of 2 >= 2, got {patch}")
+    vae = getattr(diffusers, real)(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1] + [2] * levels,
+        num_res_blocks=1,
+        temperal_downsample=[False] * levels,
+        # per-channel statistics unlike 0 and 1 (as the real ones), so the normalisation
+        # is exercised
+        latents_mean=[round(0.1 * k - 0.15, 2) for k in range(4)],
+        latents_std=[round(1.0 + 0.25 * k, 2) for k in range(4)],
+        **settings,
+    )
+    return vae, "diffusers"
+
+
+# ------------------------------------------------------------------------- the writers
+
+EULER = "FlowMatchEulerDiscreteScheduler"  # every tiny checkpoint's scheduler class
+
+
+def _scheduler(**settings: Any):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **settings)
+
+
+def write_tiny_sd3(
+    path: Path,
+    texts: list[str],
+    *,
+    image_size: int,
+    vae_patch: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    max_length: int,
+    shift: float,
+    seed: int,
+) -> None:
+    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory); the sizes'
+    defaults and docs are :func:`tiny_sd3`'s."""
+    from diffusers import SD3Transformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    tok = build_clip_tokenizer(texts, max_length)
+    enc1 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 1)
+    enc2 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 2)
+    latent = image_size // vae_patch
+    channels = 3 * vae_patch * vae_patch
+    with seeded(seed):
+        transformer = SD3Transformer2DModel(
+            sample_size=latent,
+            patch_size=2,
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
+            joint_attention_dim=2 * text_hidden,
+            caption_projection_dim=heads * head_dim,
+            pooled_projection_dim=text_hidden,
+            pos_embed_max_size=max(latent, 4),
+        )
+    clip = "CLIPTextModelWithProjection"
+    save_checkpoint(
+        path,
+        "StableDiffusion3Pipeline",
+        {
+            "transformer": (transformer, "diffusers", "SD3Transformer2DModel"),
+            "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
+            "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
+            "text_encoder": (enc1, "transformers", clip),
+            "text_encoder_2": (enc2, "transformers", clip),
+            "text_encoder_3": None,
+            "tokenizer": (tok, "transformers", "CLIPTokenizer"),
+            "tokenizer_2": (tok, "transformers", "CLIPTokenizer"),
+            "tokenizer_3": None,
+            "image_encoder": None,
+            "feature_extractor": None,
+        },
+    )
+
+
+def write_tiny_flux(
+    path: Path,
+    texts: list[str],
+    *,
+    image_size: int,
+    vae_patch: int,
+    layers: int,
+    single_layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    t5_hidden: int,
+    max_length: int,
+    guidance_embeds: bool,
+    seed: int,
+) -> None:
+    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``; the
+    sizes' defaults and docs are :func:`tiny_flux`'s."""
+    from diffusers import FluxTransformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    if head_dim % 4 or head_dim < 8:
+        raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
+    clip_tok = build_clip_tokenizer(texts, max_length)
+    t5_tok = build_t5_tokenizer(texts)
+    clip = _text_encoder(
+        len(clip_tok), text_hidden, text_hidden, max_length, seed + 1, projection=False
+    )
+    t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
+    channels = 3 * vae_patch * vae_patch
+    # rotary axes (index, row, column): even sizes summing to the head dim
+    side = (head_dim // 4 + 1) // 2 * 2
+    axes = (head_dim - 2 * side, side, side)
+    with seeded(seed):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * channels,
+            num_layers=layers,
+            num_single_layers=single_layers,
+            attention_head_dim=head_dim,
+            num_attention_heads=heads,
+            joint_attention_dim=t5_hidden,
+            pooled_projection_dim=text_hidden,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=axes,
+        )
+    # FLUX.1-dev's scheduler settings
+    scheduler = _scheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    save_checkpoint(
+        path,
+        "FluxPipeline",
+        {
+            "transformer": (transformer, "diffusers", "FluxTransformer2DModel"),
+            "scheduler": (scheduler, "diffusers", EULER),
+            "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
+            "text_encoder": (clip, "transformers", "CLIPTextModel"),
+            "text_encoder_2": (t5, "transformers", "T5EncoderModel"),
+            "tokenizer": (clip_tok, "transformers", "CLIPTokenizer"),
+            "tokenizer_2": (t5_tok, "transformers", "T5TokenizerFast"),
+            "image_encoder": None,
+            "feature_extractor": None,
+        },
+    )
+
+
+def write_tiny_wan(
+    path: Path,
+    texts: list[str],
+    *,
+    vae: str,
+    vae_patch: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    text_hidden: int,
+    shift: float,
+    seed: int,
+) -> None:
+    """Write an untrained tiny Wan 2.1 checkpoint (``WanPipeline`` layout) to ``path``; the
+    sizes' defaults and docs are :func:`tiny_wan`'s."""
+    from diffusers import WanTransformer3DModel
+
+    if head_dim < 6 or head_dim % 2:
+        raise ValueError(f"tiny_wan head_dim must be even and >= 6, got {head_dim}")
+    tok = build_t5_tokenizer(texts)
+    enc = _t5_encoder(len(tok), text_hidden, seed + 1, umt5=True)
+    with seeded(seed + 3):
+        vae_model, vae_library = _tiny_video_vae(
+            "tiny_wan",
+            vae,
+            vae_patch,
+            "AutoencoderKLWan",
+            scale_factor_temporal=1,
+            scale_factor_spatial=vae_patch,
+        )
+    channels = vae_model.config.z_dim
+    with seeded(seed):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            in_channels=channels,
+            out_channels=channels,
+            text_dim=text_hidden,
+            freq_dim=32,
+            ffn_dim=2 * heads * head_dim,
+            num_layers=layers,
+            rope_max_seq_len=64,
+        )
+    save_checkpoint(
+        path,
+        "WanPipeline",
+        {
+            "transformer": (transformer, "diffusers", "WanTransformer3DModel"),
+            "transformer_2": None,
+            "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
+            "vae": (vae_model, vae_library, type(vae_model).__name__),
+            "text_encoder": (enc, "transformers", "UMT5EncoderModel"),
+            "tokenizer": (tok, "transformers", "T5TokenizerFast"),
+        },
+        boundary_ratio=None,
+        expand_timesteps=False,
+    )
 
 
 def write_tiny_qwen_image(
@@ -478,13 +557,7 @@ def write_tiny_qwen_image(
 ) -> None:
     """Write an untrained tiny Qwen-Image checkpoint (``QwenImagePipeline`` layout) to
     ``path``; the sizes' defaults and docs are :func:`tiny_qwen_image`'s."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-    )
-
-    from polyrl.diffusion.wan import PatchVideoVAE
+    from diffusers import QwenImageTransformer2DModel
 
     if head_dim % 2 or head_dim < 6:
         raise ValueError(f"tiny_qwen_image head_dim must be even and >= 6, got {head_dim}")
@@ -494,29 +567,15 @@ def write_tiny_qwen_image(
     tok = build_qwen_tokenizer(texts)
     ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     enc = _qwen_vl_encoder(len(tok), text_hidden, seed + 1, *ids)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 3)
-        if vae == "patch":
-            vae_model, vae_class = PatchVideoVAE(patch=vae_patch), "polyrl.diffusion.wan"
-        elif vae == "qwen":  # random weights: a layout check, not a usable autoencoder
-            vae_model = AutoencoderKLQwenImage(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1] + [2] * levels,
-                num_res_blocks=1,
-                temperal_downsample=[False] * levels,
-                # per-channel statistics unlike 0 and 1, so the normalisation is exercised
-                latents_mean=[round(0.1 * k - 0.15, 2) for k in range(4)],
-                latents_std=[round(1.0 + 0.25 * k, 2) for k in range(4)],
-            )
-            vae_class = "diffusers"
-        else:
-            raise ValueError(f"tiny_qwen_image vae must be 'patch' or 'qwen', got {vae!r}")
-        channels = vae_model.config.z_dim
-        # rotary axes (frame, row, column): even sizes summing to the head dim
-        side = (head_dim // 3 + 1) // 2 * 2
-        axes = (head_dim - 2 * side, side, side)
-        torch.manual_seed(seed)
+    with seeded(seed + 3):
+        vae_model, vae_library = _tiny_video_vae(
+            "tiny_qwen_image", vae, vae_patch, "AutoencoderKLQwenImage"
+        )
+    channels = vae_model.config.z_dim
+    # rotary axes (frame, row, column): even sizes summing to the head dim
+    side = (head_dim // 3 + 1) // 2 * 2
+    axes = (head_dim - 2 * side, side, side)
+    with seeded(seed):
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
             in_channels=4 * channels,
@@ -528,8 +587,7 @@ def write_tiny_qwen_image(
             axes_dims_rope=axes,
         )
     # Qwen-Image's scheduler settings (dynamic, exponential shift; terminal sigma 0.02)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
+    scheduler = _scheduler(
         shift=1.0,
         use_dynamic_shifting=True,
         base_shift=0.5,
@@ -539,34 +597,102 @@ def write_tiny_qwen_image(
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    transformer.save_pretrained(path / "transformer")
-    scheduler.save_pretrained(path / "scheduler")
-    vae_model.save_pretrained(path / "vae")
-    enc.save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
-    index = {
-        "_class_name": "QwenImagePipeline",
-        "_diffusers_version": "0.42.1",
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "vae": [vae_class, type(vae_model).__name__],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "Qwen2Tokenizer"],
-    }
-    (path / "model_index.json.tmp").write_text(json.dumps(index, indent=2))
+    save_checkpoint(
+        path,
+        "QwenImagePipeline",
+        {
+            "transformer": (transformer, "diffusers", "QwenImageTransformer2DModel"),
+            "scheduler": (scheduler, "diffusers", EULER),
+            "vae": (vae_model, vae_library, type(vae_model).__name__),
+            "text_encoder": (enc, "transformers", "Qwen2_5_VLForConditionalGeneration"),
+            "tokenizer": (tok, "transformers", "Qwen2Tokenizer"),
+        },
+    )
+
+
+# ------------------------------------------------------------------------ pre-training
+
+
+@dataclass(frozen=True)
+class Pretraining:
+    """Flow-matching pre-training settings: the builders' ``pretrain_*`` options."""
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 2e-3
+    label_noise: float = 0.0
+    seed: int = 0
+    log_every: int = 0
+    cond_dropout: float = 0.1  # share of prompts replaced by "" (for classifier-free guidance)
+
+
+def flow_matching(
+    fam: Any,
+    path: Path,
+    training: Pretraining,
+    prompts: list[str],
+    targets: Tensor,
+    n_colours: int,
+    draw: Callable[[Tensor, torch.Generator], Tensor],
+) -> dict[str, float]:
+    """Flow-matching pre-training of family ``fam``'s transformer, saved to
+    ``path/transformer``: the one loop of every tiny model.
+
+    Each step takes ``batch_size`` random prompts and their target colours (``targets``:
+    palette indices per prompt, ``[P]`` or ``[P, k]``), replaces a ``label_noise`` share of
+    them by random colours, draws the pixels with ``draw(colours, generator)``, noises
+    their latents at σ from the scheduler's shifted uniform and regresses the velocity on
+    ``ε - x0``; a ``cond_dropout`` share of the prompts is the empty prompt."""
+    emb, pooled = fam.encode(prompts + [""])
+    null_emb, null_pooled = emb[-1:], pooled[-1:]
+    emb, pooled = emb[:-1], pooled[:-1]
+    model = fam.transformer.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=0.0)
+    steps, batch = training.steps, training.batch_size
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / 20) * (0.1 + 0.9 * (1 - k / max(1, steps)))
+    )
+    gen = torch.Generator().manual_seed(training.seed)
+    shift = fam.scheduler.config.shift
+    t0, losses, log_every = time.perf_counter(), [], training.log_every
+    for k in range(steps):
+        which = torch.randint(len(prompts), (batch,), generator=gen)
+        colours = targets[which].clone()
+        wrong = torch.rand(batch, generator=gen) < training.label_noise
+        shape = (int(wrong.sum()), *targets.shape[1:])
+        colours[wrong] = torch.randint(n_colours, shape, generator=gen)
+        x0 = fam.encode_pixels(draw(colours, gen))
+        u = torch.rand(batch, generator=gen)
+        sigma = shift * u / (1 + (shift - 1) * u)
+        eps = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, *[1] * (x0.dim() - 1))
+        xt = (1 - s) * x0 + s * eps
+        drop = torch.rand(batch, generator=gen) < training.cond_dropout
+        e = torch.where(drop[:, None, None], null_emb, emb[which])
+        p = torch.where(drop[:, None], null_pooled, pooled[which])
+        v = fam.velocity(model, xt, sigma * 1000, e, p).float()
+        loss = ((v - (eps - x0)) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if log_every and (k % log_every == 0 or k == steps - 1):
+            recent = losses[-log_every:]
+            print(
+                f"pretrain step {k}: loss {sum(recent) / len(recent):.4f} "
+                f"({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+    model.eval().requires_grad_(False)
+    model.save_pretrained(path / "transformer")
+    tail = losses[-max(1, steps // 10) :]
+    return {"loss_last": sum(tail) / len(tail), "seconds": time.perf_counter() - t0}
 
 
 def pretrain_colour(
-    path: Path,
-    *,
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 2e-3,
-    label_noise: float = 0.0,
-    cond_dropout: float = 0.1,
-    seed: int = 0,
-    log_every: int = 0,
-    image_size: int | None = None,
+    path: Path, training: Pretraining, image_size: int | None = None
 ) -> dict[str, float]:
     """Flow-matching pre-training of ``path``'s transformer (tiny SD3 or Qwen-Image) on
     coloured-blob images (``image_size`` pixels; SD3: its transformer's sample size)."""
@@ -585,80 +711,50 @@ def pretrain_colour(
         size = fam.vae_scale * fam.transformer.config.sample_size
     names = list(colour.PALETTE)
     prompts = [t.format(c=c) for c in names for t in colour.TEMPLATES]
-    emb, pooled = fam.encode(prompts + [""])
-    null_emb, null_pooled = emb[-1:], pooled[-1:]
-    emb, pooled = emb[:-1], pooled[:-1]
-    prompt_colour = torch.tensor([names.index(colour.prompt_colour(p)) for p in prompts])
-    model = fam.transformer.train().requires_grad_(True)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / 20) * (0.1 + 0.9 * (1 - k / max(1, steps)))
+    targets = torch.tensor([names.index(colour.prompt_colour(p)) for p in prompts])
+
+    def draw(colours: Tensor, gen: torch.Generator) -> Tensor:
+        return colour.render_blobs(colours, size, gen, names)
+
+    return flow_matching(fam, path, training, prompts, targets, len(names), draw)
+
+
+def pretrain_colour_video(
+    path: Path,
+    training: Pretraining,
+    *,
+    frames: int,
+    size: int,
+    both_orders: bool = True,
+    colours: list[str] | None = None,
+    blob: bool = False,
+) -> dict[str, float]:
+    """Flow-matching pre-training of ``path``'s Wan transformer on colour-over-time videos.
+
+    With ``label_noise = p`` a share p of the videos shows a random pair of colours (the
+    same colour twice included) instead of the one its prompt names, so the model follows
+    the prompt only part of the time and RL has something to fix."""
+    from polyrl.diffusion import colour, colour_video
+    from polyrl.diffusion.models import WanFamily
+
+    fam = WanFamily(
+        str(path), dtype=torch.float32, device=torch.device("cpu"), max_sequence_length=8
     )
-    gen = torch.Generator().manual_seed(seed)
-    shift = fam.scheduler.config.shift
-    t0, losses = time.perf_counter(), []
-    for k in range(steps):
-        which = torch.randint(len(prompts), (batch_size,), generator=gen)
-        img_colour = prompt_colour[which].clone()
-        wrong = torch.rand(batch_size, generator=gen) < label_noise
-        img_colour[wrong] = torch.randint(len(names), (int(wrong.sum()),), generator=gen)
-        x0 = fam.encode_images(colour.render_blobs(img_colour, size, gen, names))
-        u = torch.rand(batch_size, generator=gen)
-        sigma = shift * u / (1 + (shift - 1) * u)
-        eps = torch.randn(x0.shape, generator=gen)
-        s = sigma[:, None, None, None]
-        xt = (1 - s) * x0 + s * eps
-        drop = torch.rand(batch_size, generator=gen) < cond_dropout
-        e = torch.where(drop[:, None, None], null_emb, emb[which])
-        p = torch.where(drop[:, None], null_pooled, pooled[which])
-        v = fam.velocity(model, xt, sigma * 1000, e, p).float()
-        loss = ((v - (eps - x0)) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if log_every and (k % log_every == 0 or k == steps - 1):
-            print(
-                f"pretrain step {k}: loss {sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}"
-                f" ({time.perf_counter() - t0:.0f}s)",
-                flush=True,
-            )
-    model.eval().requires_grad_(False)
-    model.save_pretrained(path / "transformer")
-    tail = losses[-max(1, steps // 10) :]
-    return {"loss_last": sum(tail) / len(tail), "seconds": time.perf_counter() - t0}
+    names = colour.palette_names(colours)
+    prompts = colour_video.corpus(both_orders, names)
+    targets = torch.tensor(
+        [[names.index(c) for c in colour_video.prompt_colours(p)] for p in prompts]
+    )
+
+    def draw(pair: Tensor, gen: torch.Generator) -> Tensor:
+        return colour_video.render_videos(pair, frames, size, gen, names, blob)
+
+    return flow_matching(fam, path, training, prompts, targets, len(names), draw)
 
 
-def is_complete(path: str | Path) -> bool:
-    return (Path(path).expanduser() / COMPLETE).is_file()
+# -------------------------------------------------------------------------- the builders
 
-
-def _build_once(path: str | Path, write) -> Path:
-    """Run ``write(tmp_dir)`` in a temp dir next to ``path`` and rename it into place, so a
-    crash never leaves a half-built model; an existing complete checkpoint is returned."""
-    path = Path(path).expanduser()
-    if is_complete(path):
-        return path
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        write(tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not is_complete(path):  # a concurrent builder that finished first is fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-# What the builders' options mean (both builders share most of them).
+# What the builders' options mean (the builders share most of them).
 _IMAGE = Annotated[int, "image side in pixels"]
 _PATCH = Annotated[int, "PatchVAE patch side: latents are (3*patch^2, side/patch, side/patch)"]
 _HEADS = Annotated[int, "attention heads"]
@@ -666,6 +762,16 @@ _HEAD_DIM = Annotated[int, "width of one attention head"]
 _TEXT = Annotated[int, "hidden size of the tiny CLIP text encoder(s)"]
 _MAX_LEN = Annotated[int, "CLIP tokens per prompt"]
 _CORPUS = Annotated[str, "task whose prompts make the tokenizers' vocabulary (corpus())"]
+_SEED = Annotated[int, "seed of the random weights and of the pre-training"]
+_LOG_EVERY = Annotated[int, "print the pre-training loss every this many steps (0: never)"]
+_LR = Annotated[float, "pre-training learning rate (AdamW)"]
+_BLOB_STEPS = Annotated[
+    int, "flow-matching pre-training steps on the colour task's blobs (0: untrained)"
+]
+_BLOB_BATCH = Annotated[int, "images per pre-training step"]
+_BLOB_NOISE = Annotated[
+    float, "share of pre-training images whose colour disagrees with their caption"
+]
 
 
 @MODELS.register("tiny_sd3")
@@ -673,16 +779,12 @@ def tiny_sd3(
     path: str | Path,
     *,
     corpus: _CORPUS = "colour",
-    pretrain_steps: Annotated[
-        int, "flow-matching pre-training steps on the colour task's blobs (0: untrained)"
-    ] = 0,
-    pretrain_batch: Annotated[int, "images per pre-training step"] = 64,
-    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
-    label_noise: Annotated[
-        float, "share of pre-training images whose colour disagrees with their caption"
-    ] = 0.0,
-    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
-    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    pretrain_steps: _BLOB_STEPS = 0,
+    pretrain_batch: _BLOB_BATCH = 64,
+    pretrain_lr: _LR = 2e-3,
+    label_noise: _BLOB_NOISE = 0.0,
+    seed: _SEED = 0,
+    log_every: _LOG_EVERY = 0,
     image_size: _IMAGE = 16,
     vae_patch: _PATCH = 2,
     layers: Annotated[int, "SD3 transformer blocks"] = 2,
@@ -699,6 +801,9 @@ def tiny_sd3(
     """
     if corpus != "colour" and pretrain_steps:
         raise ValueError("tiny_sd3 pre-trains on the colour task only; set pretrain_steps=0")
+    training = Pretraining(
+        pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
+    )
     shape = dict(
         image_size=image_size,
         vae_patch=vae_patch,
@@ -709,22 +814,10 @@ def tiny_sd3(
         max_length=max_length,
         shift=shift,
     )
-
-    def write(tmp: Path) -> None:
-        write_tiny_sd3(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
-        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
-        if pretrain_steps:
-            pretrain_colour(
-                tmp,
-                steps=pretrain_steps,
-                batch_size=pretrain_batch,
-                lr=pretrain_lr,
-                label_noise=label_noise,
-                seed=seed,
-                log_every=log_every,
-            )
-
-    return _build_once(path, write)
+    pretrain = partial(pretrain_colour, training=training) if pretrain_steps else None
+    return build_tiny(
+        path, write_tiny_sd3, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+    )
 
 
 @MODELS.register("tiny_flux")
@@ -759,12 +852,7 @@ def tiny_flux(
         max_length=max_length,
         guidance_embeds=guidance_embeds,
     )
-
-    def write(tmp: Path) -> None:
-        write_tiny_flux(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
-        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
-
-    return _build_once(path, write)
+    return build_tiny(path, write_tiny_flux, corpus=corpus, seed=seed, shape=shape)
 
 
 @MODELS.register("tiny_wan")
@@ -781,7 +869,7 @@ def tiny_wan(
         int, "flow-matching pre-training steps on colour_video's videos (0: untrained)"
     ] = 0,
     pretrain_batch: Annotated[int, "videos per pre-training step"] = 32,
-    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
+    pretrain_lr: _LR = 2e-3,
     label_noise: Annotated[
         float, "share of pre-training videos whose colours disagree with their caption"
     ] = 0.0,
@@ -793,8 +881,8 @@ def tiny_wan(
         list[str] | None, "palette colours of the pre-training videos (null: all four)"
     ] = None,
     blob: Annotated[bool, "pre-training videos show a blob (false: whole coloured frames)"] = False,
-    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
-    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    seed: _SEED = 0,
+    log_every: _LOG_EVERY = 0,
     image_size: _IMAGE = 16,
     vae_patch: Annotated[int, "VAE spatial factor: latents are (C, frames, side/p, side/p)"] = 2,
     layers: Annotated[int, "Wan transformer blocks"] = 2,
@@ -809,6 +897,9 @@ def tiny_wan(
             "tiny_wan pre-trains on the colour_video task with vae: patch only; set "
             "pretrain_steps=0"
         )
+    training = Pretraining(
+        pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
+    )
     shape = dict(
         vae=vae,
         vae_patch=vae_patch,
@@ -818,29 +909,15 @@ def tiny_wan(
         text_hidden=text_hidden,
         shift=shift,
     )
-
-    def write(tmp: Path) -> None:
-        write_tiny_wan(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
-        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
-        if pretrain_steps:
-            from polyrl.diffusion.wan import pretrain_colour_video
-
-            pretrain_colour_video(
-                tmp,
-                steps=pretrain_steps,
-                frames=frames,
-                size=image_size,
-                both_orders=both_orders,
-                colours=colours,
-                blob=blob,
-                batch_size=pretrain_batch,
-                lr=pretrain_lr,
-                label_noise=label_noise,
-                seed=seed,
-                log_every=log_every,
-            )
-
-    return _build_once(path, write)
+    videos = dict(
+        frames=frames, size=image_size, both_orders=both_orders, colours=colours, blob=blob
+    )
+    pretrain = (
+        partial(pretrain_colour_video, training=training, **videos) if pretrain_steps else None
+    )
+    return build_tiny(
+        path, write_tiny_wan, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+    )
 
 
 @MODELS.register("tiny_qwen_image")
@@ -853,16 +930,12 @@ def tiny_qwen_image(
         "patch: the frame-wise PatchVideoVAE (exact, no weights; demos); qwen: a tiny "
         "AutoencoderKLQwenImage with random weights (layout tests only)",
     ] = "patch",
-    pretrain_steps: Annotated[
-        int, "flow-matching pre-training steps on the colour task's blobs (0: untrained)"
-    ] = 0,
-    pretrain_batch: Annotated[int, "images per pre-training step"] = 64,
-    pretrain_lr: Annotated[float, "pre-training learning rate (AdamW)"] = 2e-3,
-    label_noise: Annotated[
-        float, "share of pre-training images whose colour disagrees with their caption"
-    ] = 0.0,
-    seed: Annotated[int, "seed of the random weights and of the pre-training"] = 0,
-    log_every: Annotated[int, "print the pre-training loss every this many steps (0: never)"] = 0,
+    pretrain_steps: _BLOB_STEPS = 0,
+    pretrain_batch: _BLOB_BATCH = 64,
+    pretrain_lr: _LR = 2e-3,
+    label_noise: _BLOB_NOISE = 0.0,
+    seed: _SEED = 0,
+    log_every: _LOG_EVERY = 0,
     image_size: Annotated[int, "side in pixels of the pre-training images"] = 16,
     vae_patch: Annotated[
         int, "VAE spatial factor (a power of 2): latents are (C, side/p, side/p)"
@@ -879,6 +952,9 @@ def tiny_qwen_image(
             "tiny_qwen_image pre-trains on the colour task with vae: patch only; set "
             "pretrain_steps=0"
         )
+    training = Pretraining(
+        pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
+    )
     shape = dict(
         vae=vae,
         vae_patch=vae_patch,
@@ -887,20 +963,11 @@ def tiny_qwen_image(
         head_dim=head_dim,
         text_hidden=text_hidden,
     )
-
-    def write(tmp: Path) -> None:
-        write_tiny_qwen_image(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
-        os.replace(tmp / "model_index.json.tmp", tmp / COMPLETE)
-        if pretrain_steps:
-            pretrain_colour(
-                tmp,
-                steps=pretrain_steps,
-                batch_size=pretrain_batch,
-                lr=pretrain_lr,
-                label_noise=label_noise,
-                seed=seed,
-                log_every=log_every,
-                image_size=image_size,
-            )
-
-    return _build_once(path, write)
+    pretrain = (
+        partial(pretrain_colour, training=training, image_size=image_size)
+        if pretrain_steps
+        else None
+    )
+    return build_tiny(
+        path, write_tiny_qwen_image, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+    )

@@ -1,7 +1,13 @@
-"""The ``text_to_image`` workflow: prompts -> recorded denoising trajectories -> record.
+"""The ``text_to_image`` and ``text_to_video`` workflows: prompts -> recorded denoising
+trajectories -> record.
 
 Each prompt is sampled ``rollout.n`` times by the policy's diffusion engine; images are
 decoded for the rewards. One record row per trajectory (see :func:`diffusion_record`).
+``text_to_video`` is the same with a video model (Wan): a row's frames are its
+``meta["images"]``, and each evaluation writes an animated GIF grid (one tile per sample)
+and a PNG film strip (one row per sample, one column per frame) to ``<run>/samples/``;
+the first and latest are also ``video_before.gif`` / ``video_after.gif`` (and ``.png``) in
+the run directory; with ``rollout.args.mp4`` also H.264 MP4s (PyAV).
 
 Evaluation is a call whose sampling settings differ from the training rollouts' (the
 session evaluates with ``eval.n`` and ``eval.temperature``): at temperature 0 it samples
@@ -335,15 +341,15 @@ class TextToImage:
         if self.ratio_norm:  # GRPO-Guard: recorded as the policy recomputes them
             traj.logprobs = traj.logprobs * ratio_scale(traj.stds, self.logprob_form)
         alive = traj.alive
-        images: list = [None] * len(traj.errors)
+        pictures: list = [None] * len(traj.errors)
         if bool(alive.any()):
             decoded = self.engine.decode(traj.latents[alive, -1])
             for k, i in enumerate(alive.nonzero().flatten().tolist()):
-                images[i] = to_pil(decoded[k])
+                pictures[i] = self.frames(decoded[k])
         rows = [items[int(i)] for i in traj.prompt_index]
         meta = [
-            {"answer": it.answer, "row": it.row, "images": [im] if im is not None else []}
-            for it, im in zip(rows, images, strict=True)
+            {"answer": it.answer, "row": it.row, "images": p if p is not None else []}
+            for it, p in zip(rows, pictures, strict=True)
         ]
         record = diffusion_record(
             traj,
@@ -353,19 +359,23 @@ class TextToImage:
             meta=meta,
         )
         if not training and self.save_grids:
-            self.write_grid(images, [it.prompt_text for it in items], params.n)
+            self.write_grid(pictures, [it.prompt_text for it in items], params.n)
         return record
 
-    def write_grid(self, images: list, prompts: list[str], n: int) -> Path | None:
+    @staticmethod
+    def frames(pixels: torch.Tensor) -> list:
+        """A row's ``meta["images"]`` (so ``sample.images``) from its decoded pixels."""
+        return [to_pil(pixels)]
+
+    def write_grid(self, pictures: list, prompts: list[str], n: int) -> Path | None:
         if self.run_dir is None:
             return None
         run = Path(self.run_dir)
+        images = [p[0] if p is not None else None for p in pictures]
         height = next((im.size[1] for im in images if im is not None), 64)
         scale = self.grid_scale or max(1, 64 // max(1, height))
         grid = image_grid(images, cols=n, scale=scale)
-        rollouts = int(self.engine.state_dict()["rollouts"])  # the engine may be remote
-        out = run / "samples" / f"eval_rollout_{rollouts:06d}.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = self._grid_path(run, ".png")
         grid.save(out)
         (out.with_suffix(".json")).write_text(json.dumps({"rows": prompts, "per_row": n}))
         if self._grids == 0 and not (run / "grid_before.png").exists():
@@ -374,5 +384,128 @@ class TextToImage:
         self._grids += 1
         return out
 
+    def _grid_path(self, run: Path, suffix: str) -> Path:
+        """``samples/eval_rollout_<k><suffix>``, k the engine's rollout count."""
+        rollouts = int(self.engine.state_dict()["rollouts"])  # the engine may be remote
+        out = run / "samples" / f"eval_rollout_{rollouts:06d}{suffix}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return out
+
 
 WORKFLOWS.register("text_to_image", TextToImage)
+
+
+# ---------------------------------------------------------------------------- video
+
+
+def save_gif(frames: list, path: Path, ms_per_frame: int = 250) -> None:
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=ms_per_frame, loop=0)
+
+
+def save_mp4(frames: list, path: Path, ms_per_frame: int = 250) -> None:
+    """H.264 (yuv420p) through PyAV; odd sides are padded by one pixel (the codec's rule)."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    w, h = frames[0].size
+    with av.open(str(path), mode="w") as out:
+        stream = out.add_stream("libx264", rate=Fraction(1000, ms_per_frame))
+        stream.width, stream.height, stream.pix_fmt = w + w % 2, h + h % 2, "yuv420p"
+        stream.options = {"crf": "18"}
+        for im in frames:
+            arr = np.zeros((stream.height, stream.width, 3), dtype=np.uint8)
+            arr[:h, :w] = np.asarray(im.convert("RGB"))
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")))
+        out.mux(stream.encode())
+
+
+class TextToVideo(TextToImage):
+    """Sample ``n`` videos per prompt with a Wan policy; one row per video, its frames in
+    ``meta["images"]`` (so ``sample.images`` is the list of frames)."""
+
+    @staticmethod
+    def validate_config(cfg) -> None:
+        TextToImage.validate_config(cfg)
+        name = dict(cfg.rollout.args).get("policy") or next(iter(cfg.policies))
+        if sampling_options(cfg.policies[name], name).frames < 2:
+            raise ConfigError(
+                f"rollout.workflow=text_to_video: set policies.{name}.engine.args.frames "
+                "(>= 2, a video model such as Wan)"
+            )
+
+    def __init__(
+        self,
+        ctx,
+        policy: Annotated[
+            str | None, "the video policy that samples (null: the first policy)"
+        ] = None,
+        grid_scale: Annotated[
+            int, "evaluation grids: pixels per video pixel (0: enough for 64-pixel tiles)"
+        ] = 0,
+        save_grids: Annotated[
+            bool, "write a GIF grid and a PNG film strip at each evaluation"
+        ] = True,
+        ms_per_frame: Annotated[int, "GIF (and MP4) frame duration in milliseconds"] = 250,
+        mp4: Annotated[
+            bool, "also write each grid as an H.264 MP4 (needs PyAV: pip install av)"
+        ] = False,
+    ) -> None:
+        super().__init__(ctx, policy=policy, grid_scale=grid_scale, save_grids=save_grids)
+        if ms_per_frame < 1:
+            raise ConfigError(f"rollout.args.ms_per_frame must be >= 1, got {ms_per_frame}")
+        if mp4:
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "rollout.args.mp4=true needs PyAV (pip install av); or set mp4: false "
+                    "(the GIF grids are always written)"
+                ) from None
+        self.ms_per_frame, self.mp4 = ms_per_frame, mp4
+
+    @staticmethod
+    def frames(pixels: torch.Tensor) -> list:
+        """A video's frames [3, F, H, W], in order, as the row's images."""
+        return [to_pil(pixels[:, f]) for f in range(pixels.shape[1])]
+
+    def write_grid(self, videos: list, prompts: list[str], n: int) -> Path | None:
+        """``samples/eval_rollout_<k>.gif`` (frame f of every sample, one row per prompt)
+        and ``.png`` (a film strip: one row per sample, one column per frame)."""
+        if self.run_dir is None:
+            return None
+        run = Path(self.run_dir)
+        some = next((v for v in videos if v is not None), None)
+        frames = len(some) if some else 1
+        height = some[0].size[1] if some else 64
+        scale = self.grid_scale or max(1, 64 // max(1, height))
+        per_frame = [
+            image_grid([v[f] if v is not None else None for v in videos], cols=n, scale=scale)
+            for f in range(frames)
+        ]
+        strip = image_grid(
+            [v[f] if v is not None else None for v in videos for f in range(frames)],
+            cols=frames,
+            scale=scale,
+        )
+        out = self._grid_path(run, ".gif")
+        save_gif(per_frame, out, self.ms_per_frame)
+        if self.mp4:
+            save_mp4(per_frame, out.with_suffix(".mp4"), self.ms_per_frame)
+        strip.save(out.with_suffix(".png"))
+        out.with_suffix(".json").write_text(
+            json.dumps({"rows": prompts, "per_row": n, "frames": frames})
+        )
+        if self._grids == 0 and not (run / "video_before.gif").exists():
+            save_gif(per_frame, run / "video_before.gif", self.ms_per_frame)
+            strip.save(run / "video_before.png")
+        save_gif(per_frame, run / "video_after.gif", self.ms_per_frame)
+        if self.mp4:
+            save_mp4(per_frame, run / "video_after.mp4", self.ms_per_frame)
+        strip.save(run / "video_after.png")
+        self._grids += 1
+        return out
+
+
+WORKFLOWS.register("text_to_video", TextToVideo)

@@ -42,8 +42,9 @@ def wan_policy(make_policy, tiny_wan_dir):
 def test_wan_checkpoint_layout(tiny_wan_dir, tiny_wan_patch_dir):
     from diffusers import AutoencoderKLWan, WanPipeline
 
-    from polyrl.diffusion.models import WanFamily, detect_family
-    from polyrl.diffusion.wan import PatchVideoVAE
+    from polyrl.diffusion.families import detect_family
+    from polyrl.diffusion.models import WanFamily
+    from polyrl.diffusion.patch_vae import PatchVideoVAE
 
     assert detect_family(tiny_wan_dir) == detect_family(tiny_wan_patch_dir) == "wan"
     pipe = WanPipeline.from_pretrained(tiny_wan_dir)
@@ -59,7 +60,7 @@ def test_wan_checkpoint_layout(tiny_wan_dir, tiny_wan_patch_dir):
 
 def test_patch_video_vae_is_framewise_pixel_unshuffle():
     """Each frame's 2x2 pixel patches become channels (c, dy, dx order), and back."""
-    from polyrl.diffusion.wan import PatchVideoVAE
+    from polyrl.diffusion.patch_vae import PatchVideoVAE
 
     vae = PatchVideoVAE(patch=2)
     x = torch.randn(2, 3, 5, 4, 6)
@@ -192,7 +193,8 @@ def _sample(prompt, frames, answer=None, index=0):
 
 
 def test_video_colour_rewards_by_hand():
-    from polyrl.diffusion.wan import frame_targets, video_colour, video_colour_accuracy
+    from polyrl.diffusion.colour_video import frame_targets
+    from polyrl.diffusion.rewards import video_colour, video_colour_accuracy
 
     assert frame_targets(4) == [0, 0, 1, 1] and frame_targets(5) == [0, 0, -1, 1, 1]
     right = _sample("red, then blue", _video("red", "red", "blue", "blue"))
@@ -214,7 +216,7 @@ def test_video_colour_rewards_by_hand():
 
 
 def test_temporal_consistency_by_hand():
-    from polyrl.diffusion.wan import temporal_consistency
+    from polyrl.diffusion.rewards import temporal_consistency
 
     still = _sample("red, then blue", _video("red", "red", "blue", "blue"))
     # frames 1 and 3 have their first row raised by 0.2 (clamped at 1): the change between
@@ -233,15 +235,8 @@ def test_temporal_consistency_by_hand():
 
 def test_colour_video_task_and_rendering(tmp_path):
     from polyrl.diffusion import colour
-    from polyrl.diffusion.rewards import to_pil
-    from polyrl.diffusion.wan import (
-        corpus,
-        prompt_colours,
-        render_videos,
-        temporal_consistency,
-        video_colour_accuracy,
-        write_dataset,
-    )
+    from polyrl.diffusion.colour_video import corpus, prompt_colours, render_videos, write_dataset
+    from polyrl.diffusion.rewards import temporal_consistency, to_pil, video_colour_accuracy
 
     train, evl = write_dataset(tmp_path, seed=0, n_train=20)
     rows, evals = ([json.loads(x) for x in p.read_text().splitlines()] for p in (train, evl))
