@@ -86,7 +86,12 @@ class AlgorithmConfig:
     credit_args: Any = doc(
         {}, "options of the credit scheme", options=CREDIT, chooser="algorithm.credit"
     )
-    policy_loss: str = doc("ppo_clip", "policy loss (registered name or 'pkg.mod:fn')")
+    policy_loss: str = doc(
+        "ppo_clip",
+        "policy loss (registered name or 'pkg.mod:fn'): ppo_clip, gspo (the log of its "
+        "sequence ratio is clamped at 10: beyond, the loss is capped and the gradient 0), "
+        "cispo, sapo, clip_cov, kl_cov",
+    )
     clip_ratio_low: float = doc(0.2, "ratio may fall to 1 - clip_ratio_low before clipping")
     clip_ratio_high: float = doc(0.2, "ratio may rise to 1 + clip_ratio_high (DAPO clip-higher)")
     clip_ratio_c: float = doc(3.0, "dual-clip bound on the loss of negative advantages (> 1)")
@@ -95,7 +100,13 @@ class AlgorithmConfig:
         None, "divisor for seq-mean-token-sum-norm; None = the padded response length"
     )
     kl_coef: float = doc(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
-    kl_estimator: str = doc("low_var_kl", "per-token KL estimator for the KL loss term")
+    kl_estimator: str = doc(
+        "low_var_kl",
+        "per-token KL estimator for the KL loss term: k1, k2, k3 (= low_var_kl: exp(-x) + "
+        "x - 1, x = log pi - log ref, clamped like verl's to at most 10 per token, so a "
+        "token past it is under-counted and gets no KL gradient), abs; a '+' suffix keeps "
+        "the value and takes the k2 gradient",
+    )
     entropy_coef: float = doc(0.0, "weight of the entropy bonus (subtracted from the loss)")
     log_entropy: bool = doc(
         True,
@@ -114,7 +125,10 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrection = doc_factory(
         RolloutCorrection,
         "importance correction of the gap between the engine that sampled and the "
-        "trainer (TIS/MIS, token or sequence level; see polyrl.core.correction)",
+        "trainer (TIS/MIS, token or sequence level; see polyrl.core.correction). The "
+        "weights multiply each token's loss term: at level token every token has its own "
+        "weight (under gspo too, whose clipped ratio is one per sequence); sequence and "
+        "geometric give one weight per row, on all its tokens",
     )
     skip_zero_advantage: bool | None = doc(
         None,
@@ -484,7 +498,11 @@ ppo_clip_loss = _verl_loss(
 gspo_loss = _verl_loss(
     "gspo",
     "gspo",
-    "GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4).",
+    "GSPO: clip the length-normalised sequence ratio (use small clip ratios, ~3e-4/4e-4). "
+    "verl clamps the log sequence ratio at 10 (ratio e^10): past it the loss of a "
+    "negative advantage is capped and its gradient is 0. Rollout-correction weights "
+    "multiply each token's loss term, so token-level weights weigh each token's gradient, "
+    "not one weight per sequence (level: sequence or geometric gives one per row).",
 )
 cispo_loss = _verl_loss(
     "cispo",
@@ -537,11 +555,17 @@ def _kl_estimator(name: str, about: str) -> Callable[[Tensor, Tensor], Tensor]:
 for _name, _about in (
     ("k1", "log-ratio; unbiased value, high variance"),
     ("k2", "half squared log-ratio; its gradient is the unbiased KL gradient"),
-    ("k3", "exp(-x) + x - 1 (Schulman); unbiased, low variance, never negative"),
-    ("low_var_kl", "alias of k3 (clamped to [-10, 10] like verl)"),
+    (
+        "k3",
+        "exp(-x) + x - 1 with x = log pi - log ref (Schulman's low-variance, non-negative "
+        "estimator, unbiased before clamping); as verl, x is clamped to [-20, 20] and the "
+        "value to at most 10, so a token past that (log ref - log pi above ~2.6 or below "
+        "~-11) counts 10, biased low, and gets no gradient",
+    ),
+    ("low_var_kl", "alias of k3, with its clamps"),
     ("abs", "absolute log-ratio"),
     ("k1+", "k1 value with the k2 gradient (straight-through)"),
-    ("k3+", "k3 value with the k2 gradient (straight-through)"),
+    ("k3+", "k3 value (clamped as k3) with the k2 gradient (straight-through, not clamped)"),
     ("low_var_kl+", "alias of k3+"),
 ):
     KL_ESTIMATORS.register(_name, _kl_estimator(_name, _about))

@@ -319,6 +319,40 @@ def test_ppo_clip_inputs_actually_clip():
     assert metrics["pg_clipfrac"] > 0 and metrics["ppo_kl"] != 0
 
 
+def test_gspo_clamps_the_log_sequence_ratio_at_10():
+    """As AlgorithmConfig.policy_loss documents: past log ratio 10, a negative advantage's
+    loss is capped at |A| e^10 and has no gradient; below it, loss and gradient are e^x."""
+    cfg, mask, adv = AlgorithmConfig(), torch.ones(1, 3), torch.full((1, 3), -1.0)
+    for mean_log_ratio, expected in ((12.0, math.exp(10)), (5.0, math.exp(5))):
+        logp = torch.tensor([[mean_log_ratio - 1, mean_log_ratio, mean_log_ratio + 1]])
+        logp.requires_grad_(True)
+        loss, _ = POLICY_LOSSES.get("gspo")(logp, torch.zeros(1, 3), adv, mask, cfg, AggInfo())
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+        # token-mean over 3 tokens; d/dlogp_t exp(logp_t - sg(logp_t) + x) = e^x, unclamped
+        hand = 0.0 if mean_log_ratio > 10 else expected / 3
+        torch.testing.assert_close(grad, torch.full((1, 3), hand))
+
+
+def test_gspo_takes_token_level_weights_per_token():
+    """Rollout-correction weights multiply each token's term, even in GSPO's sequence-level
+    ratio: at ratio 1 and A = 1, token t's gradient is -w_t / (tokens), not one per row."""
+    w = torch.tensor([[1.0, 2.0, 0.5]])
+    logp = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = POLICY_LOSSES.get("gspo")(
+        logp,
+        torch.zeros(1, 3),
+        torch.ones(1, 3),
+        torch.ones(1, 3),
+        AlgorithmConfig(),
+        AggInfo(),
+        weights=w,
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(-(1.0 + 2.0 + 0.5) / 3)
+    torch.testing.assert_close(grad, -w / 3)
+
+
 def test_loss_settings_are_not_mixed_up_by_the_cache():
     logp, old, adv, mask = loss_inputs(2, spread=0.8)
     loss_fn = POLICY_LOSSES.get("ppo_clip")
