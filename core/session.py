@@ -8,6 +8,7 @@ restores the last checkpoint when resuming.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -390,7 +391,14 @@ class Session:
         if self.cfg.run.export:
             for name, p in self.policies.items():
                 p.export(self.run.path / "export" / name)
-        plot_run(self.run.path)
+        if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU image
+            print(
+                f"plots skipped: matplotlib is not installed; draw them later with "
+                f"`polyrl plot {self.run.path}` where it is",
+                file=sys.stderr,
+            )
+        else:
+            plot_run(self.run.path)
         (self.run.path / "summary.json").write_text(json.dumps(final, indent=2))
         self.run.close()
         self.backend.shutdown()

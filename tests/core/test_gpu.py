@@ -1,4 +1,4 @@
-"""GPU paths: a policy on its device (local mode), bf16, and a Ray worker on nccl.
+"""GPU paths: a policy on its device (local mode), bf16, FSDP2 on one rank, a Ray worker on nccl.
 
 Run on a GPU machine with ``pytest -m gpu``. ``POLYRL_TEST_DEVICE=cpu`` runs the same
 checks on the CPU (to check the tests themselves where no GPU is lent); the bf16
@@ -39,6 +39,7 @@ def _policy(model_dir: str, dtype: str, *, device: str = DEVICE):
         Config,
         None,
         [
+            "run.loggers=[]",  # the offline GPU kit carries no tensorboard
             f"policies.main.model={model_dir}",
             f"policies.main.dtype={dtype}",
             f"policies.main.device={device}",
@@ -111,6 +112,7 @@ def test_a_run_trains_on_the_device(make_config):
     from polyrl.core.loop import train
 
     cfg = make_config(
+        "run.loggers=[]",
         f"policies.main.device={DEVICE}",
         "policies.main.dtype=bfloat16",
         "train.steps=3",
@@ -121,6 +123,65 @@ def test_a_run_trains_on_the_device(make_config):
     losses = [r["main/loss"] for r in rows if "main/loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert (run.path / "checkpoints").is_dir()
+
+
+def test_fsdp2_worker_on_one_rank_matches_local(tiny_model_dir):
+    """FSDP2 on one rank (nccl on CUDA, gloo on the CPU), in this process and without Ray:
+    the Ray backend's worker class, set up and updated directly; its first update's loss
+    equals local mode's. (The offline GPU kit carries no Ray: README, "GPU checks".)"""
+    import socket
+
+    from polyrl.core.config import load
+    from polyrl.core.ray_workers import PolicyWorker
+    from polyrl.core.recipe import Config
+    from polyrl.core.trainer import update
+
+    cfg = load(
+        Config,
+        None,
+        [
+            "run.loggers=[]",
+            f"policies.main.model={tiny_model_dir}",
+            "policies.main.optim.lr=1e-3",
+            "policies.main.micro_batch_size=8",
+        ],
+    )
+    local = _policy(tiny_model_dir, "float32")
+    rec = _record(local)
+    algo = AlgorithmConfig()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = PolicyWorker(rank=0, world=1, threads=torch.get_num_threads())
+    try:
+        worker.setup(
+            "main",
+            cfg.policies["main"],
+            ("127.0.0.1", port),
+            total_steps=10,
+            need_reference=False,
+            gpu=DEVICE.startswith("cuda"),
+            timeout_s=120,
+            rng=torch.get_rng_state(),
+        )
+        import torch.distributed as dist
+
+        backend = dist.get_backend()
+        sharded = type(next(worker.policy.model.parameters())).__name__
+        r, _ = worker.update(rec.clone(), algo, 1.0, torch.Generator().manual_seed(0).get_state())
+    finally:
+        worker.close()
+    loc = update(local, rec.clone(), algo, generator=torch.Generator().manual_seed(0))
+    print(
+        f"FSDP2 on {backend}, one rank: loss {r['loss']:.3e} vs local {loc['loss']:.3e}, "
+        f"grad norm {r['grad_norm']:.6f} vs local {loc['grad_norm']:.6f}"
+    )
+    assert backend == ("nccl" if DEVICE.startswith("cuda") else "gloo")
+    assert sharded == "DTensor"  # fully_shard turned the parameters into DTensors
+    assert r["loss"] == pytest.approx(loc["loss"], rel=1e-4, abs=1e-7)
+    # the first GRPO loss is ~0 (ratio 1, zero-mean advantages); the gradient is not
+    assert loc["grad_norm"] > 1e-3
+    assert r["grad_norm"] == pytest.approx(loc["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="nccl needs CUDA")
@@ -136,6 +197,7 @@ def test_ray_worker_on_nccl_matches_local(ray_cluster, tiny_model_dir):
         Config,
         None,
         [
+            "run.loggers=[]",
             f"policies.main.model={tiny_model_dir}",
             "policies.main.optim.lr=1e-3",
             "policies.main.micro_batch_size=8",
