@@ -94,7 +94,11 @@ class AlgorithmConfig:
     )
     clip_ratio_low: float = doc(0.2, "ratio may fall to 1 - clip_ratio_low before clipping")
     clip_ratio_high: float = doc(0.2, "ratio may rise to 1 + clip_ratio_high (DAPO clip-higher)")
-    clip_ratio_c: float = doc(3.0, "dual-clip bound on the loss of negative advantages (> 1)")
+    clip_ratio_c: float = doc(
+        3.0,
+        "dual clip (ppo_clip): a negative advantage's loss is at most -A * clip_ratio_c, "
+        "whatever the ratio (> 1; .inf: no dual clip, as Flow-GRPO)",
+    )
     loss_agg: str = doc("token-mean", f"loss aggregation: {', '.join(LOSS_AGG_MODES)}")
     loss_scale_factor: int | None = doc(
         None, "divisor for seq-mean-token-sum-norm; None = the padded response length"

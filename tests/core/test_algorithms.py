@@ -334,6 +334,31 @@ def test_gspo_clamps_the_log_sequence_ratio_at_10():
         torch.testing.assert_close(grad, torch.full((1, 3), hand))
 
 
+def test_infinite_clip_ratio_c_turns_the_dual_clip_off():
+    """clip_ratio_c: .inf (Flow-GRPO's loss): max(-A r, -A clip(r)) for every sign of A,
+    zero advantages included (no nan from 0 * inf reaches the loss or its gradient)."""
+    clip = 1e-4
+    logp = torch.tensor([[3.0, -3.0, 0.5, 2.0, 1.5]], requires_grad=True)
+    adv = torch.tensor([[-1.0, 0.0, 1.0, -2.0, -0.5]])
+    losses = {}
+    for c in (math.inf, 3.0):
+        cfg = AlgorithmConfig(clip_ratio_c=c, clip_ratio_low=clip, clip_ratio_high=clip)
+        cfg.validate()
+        loss, _ = POLICY_LOSSES.get("ppo_clip")(
+            logp, torch.zeros(1, 5), adv, torch.ones(1, 5), cfg, AggInfo()
+        )
+        losses[c] = (loss, *torch.autograd.grad(loss, logp))
+    r = logp.detach().exp()
+    per_token = torch.maximum(-adv * r, -adv * r.clamp(1 - clip, 1 + clip))
+    loss, grad = losses[math.inf]
+    torch.testing.assert_close(loss, per_token.mean())
+    # unclipped where A < 0 and r > 1 + clip: d(-A e^x)/dx = -A r; clipped elsewhere
+    hand = torch.where((adv < 0) & (r > 1 + clip), -adv * r, torch.zeros_like(r)) / 5
+    torch.testing.assert_close(grad, hand)
+    dual, dual_grad = losses[3.0]  # the default caps tokens 0, 3 and 4 (r > 3)
+    assert dual < loss and dual_grad[0, 0] == 0 and grad[0, 0] > 0
+
+
 def test_gspo_takes_token_level_weights_per_token():
     """Rollout-correction weights multiply each token's term, even in GSPO's sequence-level
     ratio: at ratio 1 and A = 1, token t's gradient is -w_t / (tokens), not one per row."""

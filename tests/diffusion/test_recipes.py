@@ -60,7 +60,8 @@ def test_hps_placeholder_path_fails_before_sampling():
 
 def test_flow_grpo_port_uses_flow_grpo_conventions_and_values():
     """The Flow-GRPO port (config/grpo.py pickscore_sd3) sets its KL form and log-prob
-    convention, and its published values: beta 0.01, clip range 1e-4, adv clip 5."""
+    convention, and its published values: beta 0.01, clip range 1e-4, adv clip 5, its
+    advantage epsilon 1e-4 and no dual clip."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
@@ -80,5 +81,6 @@ def test_flow_grpo_port_uses_flow_grpo_conventions_and_values():
     algo = cfg.algorithm
     assert (algo.kl_coef, algo.kl_estimator) == (0.01, "gaussian_mean")
     assert algo.clip_ratio_low == algo.clip_ratio_high == 1e-4
+    assert algo.epsilon == 1e-4 and algo.clip_ratio_c == float("inf")  # std + 1e-4, no dual clip
     assert algo.credit_args.adv_clip == 5.0 and algo.credit_args.global_std
     assert (cfg.rollout.n, cfg.rollout.prompts_per_step, algo.minibatches) == (24, 48, 2)
