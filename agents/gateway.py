@@ -44,7 +44,7 @@ from typing import Annotated, Any
 from tensordict import TensorDict
 
 from polyrl.agents.gateway_images import Limits
-from polyrl.agents.gateway_server import EpisodeState, GatewayServer
+from polyrl.agents.gateway_server import EpisodeState, GatewayServer, context_length
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
@@ -184,7 +184,16 @@ class Gateway:
         max_pixels: Annotated[
             int, "source pixels (width * height) one request's images may sum to"
         ] = 4096 * 4096,
+        max_body_bytes: Annotated[
+            int, "bytes one request's body may have (413 past it, checked before parsing)"
+        ] = 32 * 1024 * 1024,
+        max_messages: Annotated[int, "messages (or input items) one request may carry"] = 1024,
+        max_stop: Annotated[int, "stop strings one request may give"] = 4,
+        max_stop_chars: Annotated[int, "characters one stop string may have"] = 64,
     ) -> None:
+        limits = Limits(
+            max_images, max_pixels, max_body_bytes, max_messages, max_stop, max_stop_chars
+        )
         self.agent = self._check(
             agent,
             concurrency,
@@ -194,8 +203,7 @@ class Gateway:
             policy,
             ctx.policies,
             command,
-            max_images,
-            max_pixels,
+            limits,
         )
         self.command = list(command) if command else None
         self.name = policy or next(iter(ctx.policies))
@@ -211,7 +219,8 @@ class Gateway:
                 name: p if isinstance(p, TakesImageTurns) else None
                 for name, p in ctx.policies.items()
             },
-            limits=Limits(max_images, max_pixels),
+            limits=limits,
+            contexts={name: context_length(p) for name, p in ctx.policies.items()},
         )
         self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
@@ -228,18 +237,13 @@ class Gateway:
         policy,
         names,
         command,
-        max_images=16,
-        max_pixels=4096 * 4096,
+        limits=Limits(),
     ):
         """The options' ranges, the policy name and the agent; returns the agent callable
         (None for a command)."""
         if concurrency < 1:
             raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
-        if max_images < 0 or max_pixels < 1:
-            raise ConfigError(
-                f"rollout.args: max_images must be >= 0 and max_pixels >= 1, got "
-                f"{max_images} and {max_pixels}"
-            )
+        limits.check()
         for key, value in (
             ("request_timeout", request_timeout),
             ("episode_timeout", episode_timeout),
@@ -285,8 +289,14 @@ class Gateway:
             a.policy,
             list(cfg.policies),
             a.command,
-            a.max_images,
-            a.max_pixels,
+            Limits(
+                a.max_images,
+                a.max_pixels,
+                a.max_body_bytes,
+                a.max_messages,
+                a.max_stop,
+                a.max_stop_chars,
+            ),
         )
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from polyrl.core.engine import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
-MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(Exception):
@@ -68,6 +68,7 @@ def normalise_messages(
     (decoded, in order; see :mod:`polyrl.agents.gateway_images`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
+    check_count(len(messages), limits)
     rendered, keys, images = [], [], []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -115,6 +116,54 @@ def fold_calls(msg: dict) -> dict:
 # --------------------------------------------------------------------------- request checks
 
 
+def check_count(n: int, limits: Limits, what: str = "messages") -> None:
+    """A conversation longer than ``max_messages`` is refused before it is rendered."""
+    if n > limits.max_messages:
+        raise RequestError(
+            400,
+            f"the request has {n} {what}, more than this gateway takes "
+            f"(rollout.args.max_messages={limits.max_messages}); send a shorter history",
+            param=what,
+        )
+
+
+def check_stop(stop: Any, limits: Limits, key: str = "stop") -> list[str]:
+    """Stop strings as a list, within ``max_stop`` strings of ``max_stop_chars``."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, f"{key} must be a string or a list of non-empty strings", key)
+    if len(stop) > limits.max_stop:
+        raise RequestError(
+            400,
+            f"{key} takes at most {limits.max_stop} sequences (rollout.args.max_stop), "
+            f"got {len(stop)}",
+            param=key,
+        )
+    long = [len(s) for s in stop if len(s) > limits.max_stop_chars]
+    if long:
+        raise RequestError(
+            400,
+            f"{key}: a sequence of {long[0]} characters is longer than "
+            f"rollout.args.max_stop_chars={limits.max_stop_chars}",
+            param=key,
+        )
+    return stop
+
+
+def check_top_logprobs(value: Any, key: str = "top_logprobs") -> int:
+    """``top_logprobs``: 0 to 20 alternatives per sampled token."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20:
+        raise RequestError(
+            400, f"{key} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}", key
+        )
+    return value
+
+
 def _number(body: dict, key: str, default, lo: float, hi: float, *, integer=False):
     value = body.get(key)
     if value is None:
@@ -143,6 +192,8 @@ class Request:
     tools_key: str = "null"  # the tools as canonical JSON (stitching compares it)
     seed: int | None = None  # the request's own sampling stream (SamplingParams.seed)
     images: list = field(default_factory=list)  # the messages' images, decoded, in order
+    top_logprobs: int = 0  # alternatives per sampled token the answer lists (0: none)
+    max_tokens_given: bool = True  # False: the default budget, shortened to fit the context
 
 
 def parse_request(
@@ -174,26 +225,15 @@ def parse_request(
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number({key: max_tokens}, key, cap, 1, cap, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(
-            400, "stop must be a string or a list of non-empty strings", param="stop"
-        )
-    if len(stop) > MAX_STOP:
-        raise RequestError(400, f"stop takes at most {MAX_STOP} sequences", param="stop")
-    if body.get("top_logprobs"):
-        raise RequestError(
-            400,
-            "top_logprobs is not supported (logprobs: true gives the sampled tokens')",
-            param="top_logprobs",
-        )
+    stop = check_stop(body.get("stop"), limits)
     logprobs = body.get("logprobs", False)
+    if logprobs is None:
+        logprobs = False
     if not isinstance(logprobs, bool):
         raise RequestError(400, "logprobs must be true or false", param="logprobs")
+    top_logprobs = check_top_logprobs(body.get("top_logprobs"))
+    if top_logprobs and not logprobs:
+        raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(400, "seed must be an integer", param="seed")
@@ -234,4 +274,6 @@ def parse_request(
         tools_key=json.dumps(tools or None, sort_keys=True),
         seed=seed,
         images=images,
+        top_logprobs=top_logprobs,
+        max_tokens_given=body.get(key) is not None,
     )

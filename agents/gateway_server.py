@@ -2,8 +2,9 @@
 
 :class:`GatewayServer` runs Starlette on uvicorn on its own thread and event loop, files
 requests under their episode (its own base URL), builds each prompt (stitched onto an
-earlier completion when the messages extend it) and answers from the :class:`Batcher`,
-which serves whatever waits in one engine call per sampling setting. The workflow that
+earlier completion when the messages extend it) and answers from the core's episode
+runtime (:class:`~polyrl.core.batching.Batcher`, serving mode), which serves whatever
+waits in one engine call per model and sampling setting. The workflow that
 runs agents against it is :class:`polyrl.agents.gateway.Gateway`.
 """
 
@@ -19,7 +20,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +36,11 @@ from polyrl.agents.gateway_requests import (
     tool_calls_key,
 )
 from polyrl.agents.tools import parse_hermes
+from polyrl.core.batching import Batcher, EpisodeClosed
 from polyrl.core.data import PromptItem
+from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns, splice_images
+from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
 
 # --------------------------------------------------------------------------- episodes
 
@@ -110,133 +112,34 @@ class _Cache:
             self.data.popitem(last=False)
 
 
-# --------------------------------------------------------------------------- batching
-
-
-@dataclass
-class _Pending:
-    model: str
-    prompt: list[int]
-    params: SamplingParams  # n=1; max_new_tokens is this request's own budget
-    future: asyncio.Future
-    episode: EpisodeState
-    vision: Any = None  # the prompt's joined images; None: text only
-
-
-class Batcher:
-    """Requests wait in one queue; each flush serves all of them, one ``generate`` per
-    (model, temperature, top_p, stop) group (a request with a ``seed``: its own call), on a
-    worker thread; a group with images goes to the engine's ``generate_vl``. A flush starts
-    when the
-    engine is idle and either every open episode has a request waiting (nothing more can
-    come) or no request arrived for ``wait`` seconds (the others are busy elsewhere).
-    Requests of episodes that ended meanwhile (timed out) are dropped, never sent to the
-    engine. ``open_episodes()`` counts the episodes that may still send requests."""
-
-    def __init__(
-        self, engines: dict[str, Any], wait: float, open_episodes: Callable[[], int]
-    ) -> None:
-        self.engines, self.wait, self.open_episodes = engines, wait, open_episodes
-        self._arrived = 0  # requests so far (the quiet-time check compares it)
-        self.pending: list[_Pending] = []
-        self.sizes: list[int] = []  # requests per engine call
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self.flushing = False  # read by the workflow's thread: an engine call may be running
-
-    def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def generate(self, ep: EpisodeState, model: str, prompt: list[int], params, vision=None):
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(model, prompt, params, fut, ep, vision))
-        self._arrived += 1
-        self._wake.set()
-        return await fut
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._gather()
-            self.flushing = True
-            batch = self._take()
-            try:
-                await self._flush(batch)
-            except Exception as e:  # a bug here must not leave requests waiting forever
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-            finally:
-                self.flushing = False
-            if self.pending:
-                self._wake.set()
-
-    async def _gather(self) -> None:
-        """Wait until every open episode has a request waiting, or ``wait`` seconds pass
-        without a new one."""
-        step = min(self.wait, 0.001)
-        quiet, seen = 0.0, self._arrived
-        while quiet < self.wait:
-            if len({id(p.episode) for p in self.pending}) >= self.open_episodes():
-                return
-            await asyncio.sleep(step)
-            quiet = 0.0 if self._arrived != seen else quiet + step
-            seen = self._arrived
-
-    def _take(self) -> list[_Pending]:
-        """The waiting requests of episodes still open (the others are refused)."""
-        batch = []
-        for p in self.pending:
-            if not p.episode.open and not p.future.done():
-                p.future.set_exception(RequestError(404, "the episode is over (it timed out)"))
-            elif not p.future.done():
-                batch.append(p)
-        self.pending = []
-        return batch
-
-    async def _flush(self, batch: list[_Pending]) -> None:
-        groups: dict[tuple, list[_Pending]] = {}
-        for p in batch:
-            sp = p.params
-            key = (p.model, sp.temperature, sp.top_p, tuple(sp.stop), sp.seed)
-            if sp.seed is not None:  # a seeded request's n samples: a call of their own
-                key += (id(sp),)
-            groups.setdefault(key, []).append(p)
-        for (model, temperature, top_p, stop, seed, *_), reqs in groups.items():
-            params = SamplingParams(
-                n=1,
-                temperature=temperature,
-                top_p=top_p,
-                max_new_tokens=max(r.params.max_new_tokens for r in reqs),
-                stop=list(stop),
-                seed=seed,
-            )
-            self.sizes.append(len(reqs))
-            engine, prompts = self.engines[model], [r.prompt for r in reqs]
-            visions = [r.vision for r in reqs]
-            try:
-                if any(v is not None for v in visions):
-                    outs = await asyncio.to_thread(engine.generate_vl, prompts, visions, params)
-                else:
-                    outs = await asyncio.to_thread(engine.generate, prompts, params)
-                if len(outs) != len(reqs):
-                    raise RuntimeError(
-                        f"engine returned {len(outs)} completions for {len(reqs)} prompts"
-                    )
-            except Exception as e:  # every waiting request learns it (500), none hangs
-                for r in reqs:
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                continue
-            for out in outs:
-                r = reqs[out.prompt_index]
-                if not r.future.done():
-                    r.future.set_result(out)
-
-
 # --------------------------------------------------------------------------- server
+
+
+def orjson_loads(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise RequestError(400, "the request body is not valid JSON") from None
+
+
+def context_length(policy) -> int | None:
+    """The positions a policy's model takes (prompt + completion), from its config's
+    ``max_position_embeddings``; None when it does not say (no check)."""
+    config = getattr(getattr(policy, "model", None), "config", None)
+    path = getattr(getattr(policy, "cfg", None), "model", None)
+    if config is None and isinstance(path, str):  # a Ray handle: the weights are elsewhere
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception:  # a config it cannot read: no check rather than no run
+            return None
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 class GatewayServer:
@@ -252,8 +155,11 @@ class GatewayServer:
         batch_wait: float = 0.02,
         visions: dict[str, TakesImageTurns | None] | None = None,
         limits: Limits = Limits(),
+        contexts: dict[str, int | None] | None = None,
     ) -> None:
         self.engines, self.tokenizers = engines, tokenizers
+        # per model: the positions it takes (prompt + completion); None: not checked
+        self.contexts = contexts or {}
         self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
         self.limits = limits
         self._joined = 0  # names each request's joined images
@@ -270,7 +176,8 @@ class GatewayServer:
         self.host = host
         self.api_key = "pk-" + secrets.token_urlsafe(24)
         self.request_timeout = request_timeout
-        self.batcher = Batcher(engines, batch_wait, lambda: len(self.episodes))
+        self.batcher = Batcher(engines)
+        self.batch_wait = batch_wait
         self.defaults = SamplingParams()
         self.episodes: dict[str, EpisodeState] = {}
         self._lock = threading.Lock()
@@ -312,8 +219,11 @@ class GatewayServer:
             time.sleep(0.01)
 
     async def _serve(self, sock: socket.socket) -> None:
-        self.batcher.start()
-        await self._server.serve(sockets=[sock])
+        serving = self.batcher.serve(self.batch_wait, lambda: len(self.episodes))
+        try:
+            await self._server.serve(sockets=[sock])
+        finally:
+            serving.cancel()
 
     def close(self) -> None:
         if self._server is not None:
@@ -368,10 +278,7 @@ class GatewayServer:
             return ep
 
         async def json_body(request) -> Any:
-            try:
-                return orjson.loads(await request.body())
-            except orjson.JSONDecodeError:
-                raise RequestError(400, "the request body is not valid JSON") from None
+            return orjson_loads(await self._read_body(request))
 
         async def models(request):
             try:
@@ -431,6 +338,27 @@ class GatewayServer:
                 Route("/{path:path}", other, methods=methods),
             ]
         )
+
+    async def _read_body(self, request) -> bytes:
+        """The body, refused with a 413 once it is past ``max_body_bytes``: from its
+        Content-Length before a byte is read, else while it arrives (never kept whole)."""
+        cap = self.limits.max_body_bytes
+        too_big = RequestError(
+            413,
+            f"the request body is larger than this gateway takes "
+            f"(rollout.args.max_body_bytes={cap} bytes); send a shorter request",
+            code="request_too_large",
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     @staticmethod
     def _post_reward(ep: EpisodeState, body: Any) -> dict:
@@ -522,11 +450,11 @@ class GatewayServer:
                 "model); send text only",
                 param="messages",
             )
-        if not hasattr(self.engines[model], "generate_vl"):
+        if not takes_images(self.engines[model]):
             raise RequestError(
                 400,
-                f"model {model!r}: its engine has no generate_vl, so it cannot take "
-                f"images; set policies.{model}.engine.name=hf_vl (or vllm_vl)",
+                f"model {model!r}: its engine takes no images; set "
+                f"policies.{model}.engine.name=hf_vl (or vllm_vl)",
                 param="messages",
             )
 
@@ -556,8 +484,29 @@ class GatewayServer:
             handles, starts, vision.join_images(handles, starts, f"gw:{self._joined}")
         )
 
+    def _fit(self, req: Request, prompt: list[int]) -> int:
+        """The request's token budget within its model's context: a prompt that leaves no
+        room, or an explicit ``max_tokens`` past it, is a 400 naming the lengths; the
+        default budget is shortened to what is left."""
+        context = self.contexts.get(req.model)
+        if not context:
+            return req.max_tokens
+        room = context - len(prompt)
+        if room < 1 or (req.max_tokens_given and req.max_tokens > room):
+            asked = f" + {req.max_tokens} completion tokens" if req.max_tokens_given else ""
+            raise RequestError(
+                400,
+                f"model {req.model!r} takes {context} tokens (its context length); this "
+                f"request's prompt is {len(prompt)} tokens{asked}; send a shorter "
+                "conversation" + (" or fewer max tokens" if req.max_tokens_given else ""),
+                code="context_length_exceeded",
+                param="messages",
+            )
+        return min(req.max_tokens, room)
+
     async def _complete(self, ep: EpisodeState, req: Request) -> dict:
         prompt, stitched, images = self.prompt_ids(ep, req)
+        req.max_tokens = self._fit(req, prompt)
         vision = images.joined if images is not None else None
         params = SamplingParams(
             n=1,
@@ -567,15 +516,22 @@ class GatewayServer:
             stop=req.stop,
             seed=req.seed,  # shared by the n calls below: the batcher keeps them together
         )
-        outs = await asyncio.wait_for(
-            asyncio.gather(
-                *(
-                    self.batcher.generate(ep, req.model, prompt, params, vision)
-                    for _ in range(req.n)
-                )
-            ),
-            self.request_timeout,
-        )
+        request = EngineRequest(prompt, vision=vision)
+        try:
+            outs = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        self.batcher.generate(
+                            req.model, request, params, episode=ep, alive=lambda: ep.open
+                        )
+                        for _ in range(req.n)
+                    )
+                ),
+                self.request_timeout,
+            )
+        except EpisodeClosed:
+            raise RequestError(404, "the episode is over (it timed out)") from None
+        outs = [o for (o,) in outs]
         tok = self.tokenizers[req.model]
         choices = []
         for out in outs:
