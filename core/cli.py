@@ -1,4 +1,10 @@
-"""``polyrl train | eval | plot | export``."""
+"""``polyrl train | eval | plot | export | config``.
+
+Exit status: 0 done; 2 the recipe, data or run directory is wrong (one message, before any
+training); 3 the run ran but no step had a valid row (every rollout or reward failed), so
+nothing was trained and no model was exported. ``key.sub=value`` overrides may come
+anywhere on the command line, before or after the options.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from pathlib import Path
 import torch
 
 from polyrl.core.config import ConfigError, UserError
+from polyrl.core.failures import EXIT_STATUS as RUN_FAILED
+from polyrl.core.failures import RunFailedError
 
 # The embedded default: what `polyrl train` with no recipe runs (the README's main job).
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "arithmetic_grpo.yaml"
@@ -142,7 +150,9 @@ def cmd_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    parser = argparse.ArgumentParser(prog="polyrl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="polyrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a recipe or data error"
     )
@@ -180,7 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     x.set_defaults(fn=cmd_export)
     h = sub.add_parser("config", help="list every recipe key with its type, default and doc")
     h.set_defaults(fn=cmd_config)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `polyrl eval R.yaml --run-dir D key=val`: argparse takes the positional overrides only
+    # before the options; the ones after them come back here
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.debug:
         return args.fn(args)
     try:
@@ -191,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"polyrl {args.cmd}: error: {e}", file=sys.stderr)
         print("(run with --debug for the traceback)", file=sys.stderr)
         return 2
+    except RunFailedError as e:
+        print(f"polyrl {args.cmd}: the run failed: {e}", file=sys.stderr)
+        return RUN_FAILED
 
 
 def cmd_config(args) -> int:

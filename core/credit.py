@@ -98,7 +98,9 @@ def group_credit(record: TensorDict, algo) -> dict[str, float]:
         adv[valid] = estimator(sub["reward"].float(), sub["loss_mask"].float(), groups, algo)
     record["advantages"] = adv
     rows = (
-        adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1) if bool(valid.any()) else adv[:0, 0]
+        adv[valid].sum(-1) / mask[valid].sum(-1).clamp(min=1)
+        if bool(valid.any())
+        else adv.new_zeros(0)
     )
     return {
         "advantage/mean_abs": float(rows.abs().mean()) if rows.numel() else 0.0,

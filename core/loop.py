@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from polyrl.core.credit import assign
+from polyrl.core.failures import Failures
 from polyrl.core.progress import Progress
 from polyrl.core.recipe import Config
 from polyrl.core.record import select_policy, valid_rows
@@ -15,7 +16,7 @@ from polyrl.core.session import Session
 def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
-    run, rollouts = s.run, s.rollouts
+    run, rollouts, failures = s.run, s.rollouts, Failures()
     first = s.evaluate("eval") if s.step == 0 else {}
     run.log(s.step, first)
     with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar:
@@ -26,6 +27,7 @@ def train(cfg: Config) -> RunDir:
             metrics = s.score(record)
             metrics |= assign(record, cfg.algorithm)
             metrics |= s.learn(record)  # a workflow's own learned parts (a critic), if any
+            failures.step(step, record)  # no valid row: the first error and the count, said
             valid = valid_rows(record)
             for name in s.trained:
                 upd = s.update(name, select_policy(valid, name))
@@ -40,7 +42,11 @@ def train(cfg: Config) -> RunDir:
             if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
                 s.save(step)
             bar.update(step, metrics)
-    final = s.evaluate("eval", cfg.train.steps)
-    run.log(cfg.train.steps, final)
+        final = s.evaluate("eval", cfg.train.steps)
+        run.log(cfg.train.steps, final)
+        bar.update(cfg.train.steps, final, final=True)
+    if failures.failed:  # never a valid row: nothing trained, nothing to export
+        cfg.run.export = False
     s.finish(final)
+    failures.check(f"{run.path}/samples/")  # RunFailedError; `polyrl train` exits 3
     return run

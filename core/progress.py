@@ -1,6 +1,12 @@
-"""A rich progress bar that shows reward and accuracy as training runs."""
+"""Training progress on the console: reward, accuracy and speed as the run goes.
+
+On a terminal a rich progress bar; elsewhere (a log file, a pipe, a batch job) one line per
+step, printed as the step ends, since a bar there would show only when the run is over.
+"""
 
 from __future__ import annotations
+
+import sys
 
 from rich.progress import (
     BarColumn,
@@ -14,10 +20,11 @@ from rich.progress import Progress as RichProgress
 
 class Progress:
     def __init__(self, total: int, start: int = 0, enabled: bool = True) -> None:
-        self.enabled = enabled
+        self.enabled, self.total = enabled, total
         self.stats = {"reward": float("nan"), "acc": float("nan"), "s_step": float("nan")}
+        self._bar = None
         if enabled:
-            self._bar = RichProgress(
+            bar = RichProgress(
                 TextColumn("[bold]train"),
                 BarColumn(),
                 MofNCompleteColumn(),
@@ -28,20 +35,36 @@ class Progress:
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
             )
-            self._task = self._bar.add_task("train", total=total, completed=start, **self.stats)
+            if bar.console.is_terminal:
+                self._bar = bar
+                self._task = bar.add_task("train", total=total, completed=start, **self.stats)
 
     def __enter__(self) -> Progress:
-        if self.enabled:
+        if self._bar is not None:
             self._bar.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
+        if self._bar is not None:
             self._bar.__exit__(*exc)
 
-    def update(self, step: int, metrics: dict[str, float]) -> None:
+    def update(self, step: int, metrics: dict[str, float], *, final: bool = False) -> None:
+        """Show ``step``'s metrics; ``final``: the run's final evaluation (after the last step)."""
         self.stats["reward"] = metrics.get("reward/mean", self.stats["reward"])
         self.stats["acc"] = metrics.get("eval/accuracy", self.stats["acc"])
         self.stats["s_step"] = metrics.get("time/step_s", self.stats["s_step"])
-        if self.enabled:
+        if self._bar is not None:
             self._bar.update(self._task, completed=step, **self.stats)
+        elif self.enabled:
+            r, a, t = self.stats["reward"], self.stats["acc"], self.stats["s_step"]
+            if final:
+                what = "final eval"
+            elif "time/step_s" in metrics:
+                what = f"{t:.2f}s/step"
+            else:
+                what = "eval"  # the evaluation before the first step
+            print(
+                f"train {step}/{self.total}  reward {r:.3f}  acc {a:.3f}  {what}",
+                file=sys.stdout,
+                flush=True,
+            )

@@ -224,7 +224,11 @@ def magrpo_credit(
 
     # metrics
     ok_rows = rows.tolist() if rows.numel() else []
-    per_row = (adv[ok_rows].sum(-1) / mask[ok_rows].sum(-1).clamp(min=1)) if ok_rows else adv[:0, 0]
+    # no valid row (every episode failed): nothing to average; a record whose rows are all
+    # empty may have no token columns at all
+    per_row = (
+        (adv[ok_rows].sum(-1) / mask[ok_rows].sum(-1).clamp(min=1)) if ok_rows else adv.new_zeros(0)
+    )
     scored = [j for j, info in joints.items() if not info["error"]]
     roots = [returns[j] for j in scored if joints[j]["turn"] == 0 and j in returns]
     out = {

@@ -283,3 +283,35 @@ def test_credit_refuses_a_single_agent_record(algo):
     )
     with pytest.raises(ValueError, match="multi-agent workflow"):
         magrpo_credit(rec, algo())
+
+
+def test_a_step_where_every_episode_failed_is_counted_not_a_crash(algo):
+    """Every episode raised before any agent acted: joint rows only (as the runtime writes
+    them), each with its error, and no token columns at all (the issue's IndexError)."""
+    from polyrl.core.record import mark_invalid, text_record
+    from polyrl.marl.record import JOINT_POLICY
+
+    n = 3
+    rec = text_record(
+        prompt_ids=[[]] * n,
+        response_ids=[[]] * n,
+        rollout_logprobs=[[]] * n,
+        policy=[JOINT_POLICY] * n,
+        uid=list(range(n)),
+        pad_id=0,
+        agent_id=[-1] * n,
+        turn=[0] * n,
+        node=[0] * n,
+        meta=[
+            {"joint": j, "parent": 0, "turn": 0, "scored": False, "episode": j} for j in range(n)
+        ],
+    )
+    rec["joint_id"] = torch.arange(n)
+    assert rec["loss_mask"].shape == (n, 0)
+    mark_invalid(rec, list(range(n)), ["episode raised RuntimeError: the environment broke"] * n)
+    metrics = magrpo_credit(rec, algo())
+    assert metrics["marl/joint_errors"] == n and metrics["marl/joint_actions"] == n
+    assert metrics["marl/agent_rows_invalid"] == 0
+    assert metrics["advantage/mean_abs"] == 0.0 and math.isnan(metrics["marl/return_mean"])
+    assert not bool(rec["valid"].any()) and rec["advantages"].shape == (n, 0)
+    assert all("the environment broke" in e for e in strings(rec, "error"))
