@@ -116,14 +116,14 @@ def fold_calls(msg: dict) -> dict:
 # --------------------------------------------------------------------------- request checks
 
 
-def check_count(n: int, limits: Limits, what: str = "messages") -> None:
+def check_count(n: int, limits: Limits, what: str = "messages", param: str = "messages") -> None:
     """A conversation longer than ``max_messages`` is refused before it is rendered."""
     if n > limits.max_messages:
         raise RequestError(
             400,
             f"the request has {n} {what}, more than this gateway takes "
             f"(rollout.args.max_messages={limits.max_messages}); send a shorter history",
-            param=what,
+            param=param,
         )
 
 
@@ -194,6 +194,7 @@ class Request:
     images: list = field(default_factory=list)  # the messages' images, decoded, in order
     top_logprobs: int = 0  # alternatives per sampled token the answer lists (0: none)
     max_tokens_given: bool = True  # False: the default budget, shortened to fit the context
+    api: dict = field(default_factory=dict)  # what the request's own API answers with
 
 
 def parse_request(

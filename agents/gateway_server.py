@@ -25,14 +25,13 @@ from typing import Any
 
 import orjson
 
-from polyrl.agents import gateway_images
+from polyrl.agents import gateway_chat, gateway_images, gateway_messages, gateway_responses
 from polyrl.agents.chat import ChatFormat
 from polyrl.agents.gateway_images import Limits
 from polyrl.agents.gateway_requests import (
     Request,
     RequestError,
     fold_calls,
-    parse_request,
     tool_calls_key,
 )
 from polyrl.agents.tools import parse_hermes
@@ -52,6 +51,8 @@ class Choice:
     finish: str  # stop | length | tool_calls
     message: dict  # what the gateway answered (role, content, tool_calls)
     key: tuple  # the normalised message, matched when the agent sends it back
+    tops: list | None = None  # per token: the likeliest (ids, log-probs) (top_logprobs)
+    stop_hit: str | None = None  # the stop string the answer was cut at
 
 
 @dataclass
@@ -91,6 +92,7 @@ class EpisodeState:
     error: str = ""
     result: Any = None
     posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
+    responses: dict[str, list] = field(default_factory=dict)  # Responses API: id -> messages
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -113,6 +115,10 @@ class _Cache:
 
 
 # --------------------------------------------------------------------------- server
+
+
+def openai_error(e: RequestError) -> dict:
+    return e.body()
 
 
 def orjson_loads(raw: bytes) -> Any:
@@ -250,17 +256,17 @@ class GatewayServer:
 
     # ---------------------------------------------------------------- http
     def app(self):
-        """The ASGI app: Starlette (FastAPI's core) with three routes."""
+        """The ASGI app: Starlette (FastAPI's core). Each API (Chat Completions, Responses,
+        Messages) parses its body into a :class:`Request`, the server samples it
+        (:meth:`_generate`) and the API shapes the answer and its errors."""
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        def error(e: RequestError) -> JSONResponse:
-            return JSONResponse(e.body(), status_code=e.status)
-
         def check_key(request) -> None:
             auth = request.headers.get("authorization", "")
             given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            given = given or request.headers.get("x-api-key", "")  # Anthropic clients
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
                 raise RequestError(
                     401,
@@ -280,62 +286,74 @@ class GatewayServer:
         async def json_body(request) -> Any:
             return orjson_loads(await self._read_body(request))
 
+        def guarded(handler, shape=openai_error):
+            """``handler`` with every failure answered in its API's error shape: a
+            :class:`RequestError` as given, a timeout 504, anything else 500."""
+
+            async def endpoint(request):
+                try:
+                    return await handler(request)
+                except RequestError as e:
+                    err = e
+                except TimeoutError:
+                    msg = f"the engine did not answer within {self.request_timeout} s"
+                    err = RequestError(504, msg, code="timeout")
+                except Exception as e:
+                    msg = f"the engine failed: {type(e).__name__}: {e}"
+                    err = RequestError(500, msg, code="engine_error")
+                return JSONResponse(shape(err), status_code=err.status)
+
+            return endpoint
+
         async def models(request):
-            try:
-                check_key(request)
-                episode(request)
-            except RequestError as e:
-                return error(e)
+            check_key(request)
+            episode(request)
             data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
             return JSONResponse({"object": "list", "data": data})
 
-        async def chat(request):
-            try:
+        def api(module):
+            """A route for an API module (``parse``, ``answer``, ``events``)."""
+
+            async def handler(request):
                 check_key(request)
                 ep = episode(request)
-                req = parse_request(
-                    await json_body(request), list(self.engines), self.defaults, self.limits
-                )
-                answer = await self._complete(ep, req)
+                req = module.parse(await json_body(request), self, ep)
+                call = await self._generate(ep, req)
+                tok = self.tokenizers[req.model]
+                answer = module.answer(req, call, tok, ep)
                 if req.stream:
                     return StreamingResponse(
-                        _sse(answer, req.usage_chunk), media_type="text/event-stream"
+                        module.events(answer, req, call, tok), media_type="text/event-stream"
                     )
                 return Response(orjson.dumps(answer), media_type="application/json")
-            except RequestError as e:
-                return error(e)
-            except TimeoutError:
-                msg = f"the engine did not answer within {self.request_timeout} s"
-                return error(RequestError(504, msg, code="timeout"))
-            except Exception as e:
-                msg = f"the engine failed: {type(e).__name__}: {e}"
-                return error(RequestError(500, msg, code="engine_error"))
+
+            return guarded(handler, getattr(module, "error_body", openai_error))
 
         async def rewards(request):
-            try:
-                check_key(request)
-                ep = episode(request)
-                return JSONResponse(self._post_reward(ep, await json_body(request)))
-            except RequestError as e:
-                return error(e)
+            check_key(request)
+            ep = episode(request)
+            return JSONResponse(self._post_reward(ep, await json_body(request)))
 
         async def other(request):
-            return error(
-                RequestError(
-                    404,
-                    f"{request.url.path} is not served; the gateway serves POST "
-                    "<base_url>/chat/completions, POST <base_url>/rewards and GET "
-                    "<base_url>/models",
-                )
+            raise RequestError(
+                404,
+                f"{request.url.path} is not served; the gateway serves POST "
+                "<base_url>/chat/completions, POST <base_url>/responses, POST "
+                "<base_url>/messages, POST <base_url>/rewards and GET <base_url>/models",
             )
 
+        messages = api(gateway_messages)
         methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
         return Starlette(
             routes=[
-                Route("/ep/{token}/v1/chat/completions", chat, methods=["POST"]),
-                Route("/ep/{token}/v1/models", models, methods=["GET"]),
-                Route("/ep/{token}/v1/rewards", rewards, methods=["POST"]),
-                Route("/{path:path}", other, methods=methods),
+                Route("/ep/{token}/v1/chat/completions", api(gateway_chat), methods=["POST"]),
+                Route("/ep/{token}/v1/responses", api(gateway_responses), methods=["POST"]),
+                Route("/ep/{token}/v1/messages", messages, methods=["POST"]),
+                # an Anthropic client given the OpenAI-style base_url (it adds /v1 itself)
+                Route("/ep/{token}/v1/v1/messages", messages, methods=["POST"]),
+                Route("/ep/{token}/v1/models", guarded(models), methods=["GET"]),
+                Route("/ep/{token}/v1/rewards", guarded(rewards), methods=["POST"]),
+                Route("/{path:path}", guarded(other), methods=methods),
             ]
         )
 
@@ -504,7 +522,16 @@ class GatewayServer:
             )
         return min(req.max_tokens, room)
 
-    async def _complete(self, ep: EpisodeState, req: Request) -> dict:
+    async def _generate(self, ep: EpisodeState, req: Request) -> Call:
+        """Sample the request's ``n`` choices and file them under the episode (the rows of
+        the record); every API answers from the :class:`Call` this returns."""
+        if req.top_logprobs and not getattr(self.engines[req.model], "gives_top_logprobs", False):
+            raise RequestError(
+                400,
+                f"model {req.model!r}: its engine ({type(self.engines[req.model]).__name__}) "
+                "gives no top_logprobs; leave top_logprobs out or use the hf engine",
+                param="top_logprobs",
+            )
         prompt, stitched, images = self.prompt_ids(ep, req)
         req.max_tokens = self._fit(req, prompt)
         vision = images.joined if images is not None else None
@@ -515,6 +542,7 @@ class GatewayServer:
             max_new_tokens=req.max_tokens,
             stop=req.stop,
             seed=req.seed,  # shared by the n calls below: the batcher keeps them together
+            top_logprobs=req.top_logprobs,
         )
         request = EngineRequest(prompt, vision=vision)
         try:
@@ -536,13 +564,17 @@ class GatewayServer:
         choices = []
         for out in outs:
             ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
+            tops = out.top_logprobs if req.top_logprobs else None
             if len(ids) > req.max_tokens:  # a longer call in the same flush
                 ids, logps, finish = ids[: req.max_tokens], logps[: req.max_tokens], "length"
+            tops = tops[: len(ids)] if tops is not None else None
             text = tok.decode(ids, skip_special_tokens=True)
+            hit = None
             if req.stop:  # the answer leaves the stop sequence out, as OpenAI's does
-                cuts = [text.find(s) for s in req.stop if s in text]
+                cuts = [(text.find(s), s) for s in req.stop if s in text]
                 if cuts:
-                    text, finish = text[: min(cuts)], "stop"
+                    cut, hit = min(cuts)
+                    text, finish = text[:cut], "stop"
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if req.tools:
                 parsed = parse_hermes(text)
@@ -563,7 +595,7 @@ class GatewayServer:
                 tool_calls_key(message.get("tool_calls"), "reply"),
                 "",
             )
-            choices.append(Choice(ids, logps, finish, message, key))
+            choices.append(Choice(ids, logps, finish, message, key, tops, hit))
         anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
         call = Call(
             req.model,
@@ -580,64 +612,4 @@ class GatewayServer:
             if not ep.open:
                 raise RequestError(409, "the episode is over (it ended or timed out)")
             ep.calls.append(call)
-        return self._answer(req, call, tok)
-
-    @staticmethod
-    def _answer(req: Request, call: Call, tok) -> dict:
-        choices = []
-        for i, c in enumerate(call.choices):
-            entry: dict[str, Any] = {
-                "index": i,
-                "message": c.message,
-                "finish_reason": c.finish,
-                "logprobs": None,
-            }
-            if req.logprobs:
-                content = []
-                for tid, lp in zip(c.ids, c.logprobs, strict=True):
-                    piece = tok.decode([tid], skip_special_tokens=False)
-                    content.append(
-                        {
-                            "token": piece,
-                            "logprob": lp,
-                            "bytes": list(piece.encode()),
-                            "top_logprobs": [],
-                        }
-                    )
-                entry["logprobs"] = {"content": content, "refusal": None}
-            choices.append(entry)
-        completion = sum(len(c.ids) for c in call.choices)
-        return {
-            "id": "chatcmpl-" + uuid.uuid4().hex,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(call.prompt_ids),
-                "completion_tokens": completion,
-                "total_tokens": len(call.prompt_ids) + completion,
-            },
-        }
-
-
-def _sse(answer: dict, usage: bool):
-    """A finished completion as Server-Sent Events ``chat.completion.chunk``s: per choice
-    its whole message in one delta, then its finish reason; usage last if asked. The engine
-    samples a call's tokens together, so there is nothing to send earlier."""
-    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-
-    def event(choices: list, **extra) -> bytes:
-        return b"data: " + orjson.dumps(head | {"choices": choices} | extra) + b"\n\n"
-
-    for c in answer["choices"]:
-        delta = {"role": "assistant", "content": c["message"]["content"]}
-        if c["message"].get("tool_calls"):
-            delta["tool_calls"] = [
-                {"index": k} | call for k, call in enumerate(c["message"]["tool_calls"])
-            ]
-        yield event([{"index": c["index"], "delta": delta, "logprobs": c["logprobs"]}])
-        yield event([{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}])
-    if usage:
-        yield event([], usage=answer["usage"])
-    yield b"data: [DONE]\n\n"
+        return call

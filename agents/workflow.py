@@ -2,10 +2,10 @@
 
 Every step, each dataset row (a task) starts ``rollout.n`` episodes, each with its own
 environment instance. With ``schedule: round`` episodes advance in rounds: one
-``engine.generate`` call samples the next action of *every* active episode at once, then
+engine call samples the next action of *every* active episode at once, then
 all environments step concurrently (async environments are awaited together; sync ones run
 inline or on a thread pool). With ``schedule: episode`` each episode goes back to the engine
-when its own step is done (:class:`~polyrl.core.batching.FlushBatcher`).
+when its own step is done (:class:`~polyrl.core.batching.Batcher`).
 An episode ends when its environment says done, at the turn limit, or when its token
 budget runs out (the last two mark it ``truncated``).
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import inspect
 import traceback
 from dataclasses import dataclass, field
@@ -57,11 +58,11 @@ from polyrl.agents.env import (
     make_env_factory,
     observation_text,
 )
-from polyrl.core.batching import FlushBatcher
+from polyrl.core.batching import Batcher
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns, splice_images
+from polyrl.core.engine import Request, SamplingParams
+from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
 from polyrl.core.record import mark_invalid, set_strings, text_record
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
@@ -83,6 +84,7 @@ class Turn:
     vision: Any = None  # the prompt's images, joined (TakesImageTurns); None: none
     env_vision: Any = None  # the images of env_ids (one per-turn handle)
     env_starts: list[int] = field(default_factory=list)  # each image's first token in env_ids
+    versions: list[int] | None = None  # weights version per action token (rollout.partial)
 
 
 @dataclass
@@ -143,6 +145,7 @@ class MultiTurn:
         "finish",
         "final_observation",
     )
+    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(
         self,
@@ -308,29 +311,19 @@ class MultiTurn:
         )
         try:
             await asyncio.gather(*(self._reset(ep, pool) for ep in episodes))
+            batcher = Batcher({self.name: self.engine})
             if self.schedule == "episode":
-                batcher = FlushBatcher(
-                    self.engine,
-                    self._call_params(params, params.max_new_tokens),
-                    on_flush=self._count,
-                )
                 await batcher.drive([self._episode(ep, params, batcher, pool) for ep in episodes])
-                self.flush_sizes = batcher.sizes
-            else:
-                while True:
-                    active = [ep for ep in episodes if not ep.done]
-                    if not active:
-                        break
-                    stepping = self._generate(active, params)
-                    await asyncio.gather(*(self._step(ep, pool) for ep in stepping))
+            else:  # lock-step rounds: every active episode's turn, then the next round
+                while active := [ep for ep in episodes if not ep.done]:
+                    await batcher.drive([self._turn(ep, params, batcher, pool) for ep in active])
+            self.generate_calls += batcher.calls[self.name]
+            self.flush_sizes = batcher.sizes
             await asyncio.gather(*(self._close(ep, pool) for ep in episodes))
         finally:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         return self._record(episodes)
-
-    def _count(self, prompts: list[list[int]]) -> None:
-        self.generate_calls += 1
 
     async def _call(self, fn, pool, *args) -> Any:
         if inspect.iscoroutinefunction(fn) or pool is None:
@@ -387,11 +380,11 @@ class MultiTurn:
                 "images; use a vision-language policy (policies.<name>.kind=qwen_vl with "
                 "engine.name=hf_vl) or an environment without images"
             )
-        if not hasattr(self.engine, "generate_vl"):
+        if not takes_images(self.engine):
             raise TypeError(
                 f"multi_turn: the engine of policy {self.name!r} "
-                f"({type(self.engine).__name__}) has no generate_vl, so it cannot take "
-                f"images; set policies.{self.name}.engine.name=hf_vl"
+                f"({type(self.engine).__name__}) takes no images; set "
+                f"policies.{self.name}.engine.name=hf_vl"
             )
         try:
             return out, self.vision.encode_images([image for _, image in kept])
@@ -514,10 +507,9 @@ class MultiTurn:
     ) -> bool:
         """Append the sampled action as a turn; True when the environment should step it."""
         ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
-        if len(ids) > allowed:  # a shorter budget than the call's: keep the sampled prefix
-            ids, logps, finish = ids[:allowed], logps[:allowed], "length"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        turn = Turn(prompt, ids, logps, text, ep.anchors[len(ep.turns)], finish, vision=vision)
+        anchor = ep.anchors[len(ep.turns)]
+        turn = Turn(prompt, ids, logps, text, anchor, finish, vision=vision, versions=out.versions)
         ep.turns.append(turn)
         ep.tokens += len(ids)
         if finish == "length" and bound != "turn":
@@ -526,49 +518,31 @@ class MultiTurn:
         return True
 
     @staticmethod
-    def _call_params(params: SamplingParams, max_new_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_new_tokens=max_new_tokens,
-            stop=list(params.stop),
-            stop_token_ids=list(params.stop_token_ids),
+    def _call_params(params: SamplingParams) -> SamplingParams:
+        return dataclasses.replace(
+            params, n=1, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
         )
 
-    def _generate(self, active: list[Episode], params: SamplingParams) -> list[Episode]:
-        """One engine call for the next action of every active episode; returns those to step."""
+    async def _turn(self, ep: Episode, params: SamplingParams, batcher: Batcher, pool) -> bool:
+        """One turn: the next action from the engine, then the environment's step; False
+        when the episode ended before acting (a budget left no room)."""
         per_turn = self.max_turn_tokens or params.max_new_tokens
-        batch = [(ep, b) for ep in active if (b := self._budget(ep, per_turn)) is not None]
-        if not batch:
-            return []
-        sp = self._call_params(params, max(b[1] for _, b in batch))
-        visions = [b[3] for _, b in batch]
-        if any(v is not None for v in visions):
-            outs = self.engine.generate_vl([b[0] for _, b in batch], visions, sp)
-        else:
-            outs = self.engine.generate([b[0] for _, b in batch], sp)
-        self.generate_calls += 1
-        if len(outs) != len(batch):
-            raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
-        stepping = []
-        for out in outs:
-            ep, b = batch[out.prompt_index]
-            if self._take(ep, *b, out):
-                stepping.append(ep)
-        return stepping
+        b = self._budget(ep, per_turn)
+        if b is None:
+            return False
+        prompt, allowed, _, vision = b
+        request = Request(prompt, max_new_tokens=allowed, vision=vision)
+        params = self._call_params(params)
+        (out,) = await batcher.generate(self.name, request, params, key=ep.id)
+        if self._take(ep, *b, out):
+            await self._step(ep, pool)
+        return True
 
-    async def _episode(self, ep: Episode, params: SamplingParams, batcher, pool) -> None:
+    async def _episode(self, ep: Episode, params: SamplingParams, batcher: Batcher, pool) -> None:
         """``schedule: episode``: this episode's turns, each sent to the engine as soon as
         its previous step is done."""
-        per_turn = self.max_turn_tokens or params.max_new_tokens
-        while not ep.done:
-            b = self._budget(ep, per_turn)
-            if b is None:
-                return
-            out = await batcher.generate(ep.id, b[0], b[1], b[3])
-            if self._take(ep, *b, out):
-                await self._step(ep, pool)
+        while not ep.done and await self._turn(ep, params, batcher, pool):
+            pass
 
     async def _step(self, ep: Episode, pool) -> None:
         turn = ep.turns[-1]
@@ -620,6 +594,7 @@ class MultiTurn:
                 "meta",
                 "truncated",
                 "vision",
+                "token_version",
             )
         }
         errors: list[tuple[int, str]] = []
@@ -627,7 +602,16 @@ class MultiTurn:
         decode = self.tokenizer.decode
 
         def add(
-            ep: Episode, prompt, response, logps, mask, turn, response_text, spans, vision=None
+            ep: Episode,
+            prompt,
+            response,
+            logps,
+            mask,
+            turn,
+            response_text,
+            spans,
+            vision=None,
+            versions=None,
         ) -> None:
             if ep.error:
                 errors.append((len(rows["uid"]), ep.error))
@@ -643,11 +627,13 @@ class MultiTurn:
             rows["truncated"].append(ep.truncated)
             rows["meta"].append({"spans": spans, "turn": turn})
             rows["vision"].append(vision)
+            rows["token_version"].append(versions)
 
         for ep in episodes:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
                 vision = self._join([ep.first_vision], ep.first_starts, f"{ep.id}:row")
-                add(ep, ep.first_ids or list(ep.item.prompt_ids), [], [], [], 0, "", [], vision)
+                prompt = ep.first_ids or list(ep.item.prompt_ids)
+                add(ep, prompt, [], [], [], 0, "", [], vision, [])
             elif self.mode == "step":
                 for t, turn in enumerate(ep.turns):
                     n = len(turn.action_ids)
@@ -661,15 +647,20 @@ class MultiTurn:
                         turn.action_text,
                         [[t, 0, n]],
                         turn.vision,
+                        turn.versions,
                     )
             else:
                 response, logps, mask, spans = [], [], [], []
+                versions: list[int] | None = []  # env tokens: -1 (not sampled)
                 handles, starts = [ep.first_vision], list(ep.first_starts)
                 for t, turn in enumerate(ep.turns):
                     start = len(response)
                     response += turn.action_ids
                     logps += turn.logprobs
                     mask += [1] * len(turn.action_ids)
+                    versions = None if versions is None or turn.versions is None else versions
+                    if versions is not None:
+                        versions += turn.versions
                     spans.append([t, start, len(response)])
                     if t == len(ep.turns) - 1:
                         break  # no action follows the last reply: leave it out of the row
@@ -678,6 +669,8 @@ class MultiTurn:
                     response += turn.env_ids
                     logps += [0.0] * len(turn.env_ids)
                     mask += [0] * len(turn.env_ids)
+                    if versions is not None:
+                        versions += [-1] * len(turn.env_ids)
                 add(
                     ep,
                     ep.first_ids,
@@ -688,6 +681,7 @@ class MultiTurn:
                     decode(response, skip_special_tokens=False),
                     spans,
                     self._join(handles, starts, f"{ep.id}:row"),
+                    versions,
                 )
 
         # Per-episode facts, shared by all of an episode's rows.
@@ -734,6 +728,7 @@ class MultiTurn:
             response_text=rows["response_text"],
             meta=rows["meta"],
             truncated=rows["truncated"],
+            token_version=rows["token_version"],
         )
         if any(v is not None for v in rows["vision"]):
             set_strings(record, "vision", rows["vision"])

@@ -1,86 +1,122 @@
-"""Per-episode generation: concurrent episodes ask for one completion each, and the engine
-serves whatever is waiting in one ``generate`` call (a *flush*).
+"""The episode runtime's batcher: concurrent episodes ask for completions, and each
+*flush* serves everything waiting with one engine call per policy and sampling setting.
+
+Every workflow that runs episodes side by side uses it: ``multi_turn`` (both schedules),
+marl's teams, vision-language agents and the agent gateway. An episode awaits
+:meth:`Batcher.generate` with a :class:`~polyrl.core.engine.Request`; requests with
+different budgets (``Request.max_new_tokens``) or ``n`` share a call, and a request with
+images is served by the same ``generate`` (the engine must declare ``TakesImages``).
 
 The engine runs on a worker thread, so while it generates the event loop keeps stepping
 the other episodes' environments (async tools, sandboxes, thread-pool steps); what they
-ask for meanwhile waits for the next flush. A flush happens when the engine is idle, at
-least one request waits, and the loop has settled (every episode that can still submit
-before blocking on something else has done so). With environments that step inline, that
-is exactly the lock-step round: same prompts, same order (requests sorted by key), same
-calls. With environments that take time, an episode goes back to the engine as soon as its
-own step is done, without waiting for the slowest step of a round, and the batches then
-depend on timing.
+ask for meanwhile waits for the next flush. When a flush happens is the driver's choice:
+
+- :meth:`Batcher.drive` runs the episodes on this loop and flushes when the loop has
+  settled (every episode that can still submit before blocking on something else has
+  done so). With environments that step inline that is exactly the lock-step round: same
+  prompts, same order (requests sorted by key), same calls. With environments that take
+  time, an episode goes back to the engine as soon as its own step is done.
+- :meth:`Batcher.serve` flushes for episodes driven from outside (HTTP clients of the
+  gateway): when every open episode has a request waiting, or none arrived for ``wait``
+  seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.engine import Completion, Request, SamplingParams
+from polyrl.core.interfaces import Engine, takes_images
+
+
+class EpisodeClosed(Exception):
+    """A request whose episode ended (timed out) before a flush took it; never generated."""
 
 
 @dataclasses.dataclass
-class _Request:
+class _Waiting:
+    policy: str
+    request: Request
+    params: SamplingParams
     key: Any
-    prompt: list[int]
-    max_new_tokens: int
     future: asyncio.Future
-    vision: Any = None  # the prompt's joined images (TakesImageTurns); None: text only
+    episode: Any  # who asked (serve: "every open episode waits" counts distinct ones)
+    alive: Callable[[], bool] | None
+
+    def group(self) -> tuple:
+        """Requests that may share one engine call: same policy and sampling setting (a
+        seeded request's samples: a call of their own, as the seed fixes that call)."""
+        p = self.params
+        key = (self.policy, p.temperature, p.top_p, tuple(p.stop), tuple(p.stop_token_ids))
+        return key + ((p.seed, id(p)) if p.seed is not None else (None,))
 
 
-class FlushBatcher:
-    """Queues single-completion requests of concurrent episodes; one engine call per flush.
+class Batcher:
+    """Queues the requests of concurrent episodes; one engine call per (policy, sampling
+    setting) per flush. ``sizes``: requests per engine call; ``calls``: engine calls per
+    policy; ``generate_s``: seconds spent in engine calls."""
 
-    ``params`` is the call's sampling setting; each request may ask for fewer new tokens
-    (the call asks for the largest and each completion is cut to its own request's budget
-    by the caller). ``on_flush(prompts)`` runs before each call (counting, logging). A
-    flush with any request carrying images calls the engine's ``generate_vl`` for all.
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        params: SamplingParams,
-        *,
-        on_flush: Callable[[list[list[int]]], None] | None = None,
-        in_thread: bool = True,
-    ) -> None:
-        self.engine, self.params = engine, params
-        self.on_flush = on_flush
+    def __init__(self, engines: Mapping[str, Engine], *, in_thread: bool = True) -> None:
+        self.engines = engines
         self.in_thread = in_thread
-        self.pending: list[_Request] = []
-        self.sizes: list[int] = []  # requests per flush
-        self._wake: asyncio.Future | None = None
+        self.pending: list[_Waiting] = []
+        self.sizes: list[int] = []
+        self.calls: Counter[str] = Counter()
+        self.flushes = 0
+        self.generate_s = 0.0
+        self.flushing = False  # an engine call may be running (read from other threads)
         self._submitted = 0
+        self._wake: asyncio.Future | None = None
+        self._failure: BaseException | None = None
 
     async def generate(
-        self, key: Any, prompt: Sequence[int], max_new_tokens: int, vision: Any = None
-    ) -> Completion:
-        """One completion for ``prompt`` (with its images' ``vision`` handle, if any);
-        resolved by the next flush that takes it."""
+        self,
+        policy: str,
+        request: Request,
+        params: SamplingParams,
+        *,
+        key: Any = None,
+        episode: Any = None,
+        alive: Callable[[], bool] | None = None,
+    ) -> list[Completion]:
+        """``params.n`` completions of ``request`` by ``policy``'s engine, from the next
+        flush that takes it. ``key`` orders requests within a call (None: arrival);
+        ``alive() == False`` at flush time drops the request with :class:`EpisodeClosed`."""
+        if policy not in self.engines:
+            raise KeyError(f"no engine for policy {policy!r}; have {sorted(self.engines)}")
+        if not request.text_only and not takes_images(self.engines[policy]):
+            raise TypeError(
+                f"the engine of policy {policy!r} ({type(self.engines[policy]).__name__}) "
+                f"takes no images; set policies.{policy}.engine.name=hf_vl (or vllm_vl)"
+            )
+        request.budget(params)  # a bad budget fails here, in the episode that sent it
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Request(key, list(prompt), max_new_tokens, fut, vision))
+        order = self._submitted if key is None else key
+        self.pending.append(_Waiting(policy, request, params, order, fut, episode, alive))
         self._submitted += 1
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
         return await fut
 
+    # ------------------------------------------------------------------ drive
     async def _settle(self, tasks: list[asyncio.Task]) -> None:
         """Yield until nothing moves: every live episode waits on the engine or on
         something slower than a few loop turns (a timer, a thread, a subprocess)."""
         stable, last = 0, None
         while stable < 3:
             await asyncio.sleep(0)
-            sig = (self._submitted, sum(t.done() for t in tasks))
+            sig = (self._submitted, sum(t.done() for t in tasks), len(asyncio.all_tasks()))
             stable = stable + 1 if sig == last else 0
             last = sig
 
-    async def drive(self, episodes: Sequence[Awaitable[None]]) -> None:
-        """Run ``episodes`` to the end, flushing their requests into the engine."""
+    async def drive(self, episodes: Sequence[Awaitable[Any]]) -> None:
+        """Run ``episodes`` on this loop to the end, flushing their requests. An episode's
+        exception, or an engine call's, ends the drive and propagates."""
         tasks = [asyncio.ensure_future(e) for e in episodes]
         try:
             while True:
@@ -89,7 +125,9 @@ class FlushBatcher:
                     if t.done() and not t.cancelled() and t.exception() is not None:
                         raise t.exception()
                 if self.pending:
-                    await self._flush()
+                    await self.flush()
+                    if self._failure is not None:
+                        raise self._failure
                     continue
                 live = [t for t in tasks if not t.done()]
                 if not live:
@@ -105,29 +143,107 @@ class FlushBatcher:
                     t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _flush(self) -> None:
-        batch = sorted(self.pending, key=lambda r: r.key)
-        self.pending = []
-        self.sizes.append(len(batch))
-        prompts = [r.prompt for r in batch]
+    # ------------------------------------------------------------------ serve
+    def serve(self, wait: float, open_episodes: Callable[[], int]) -> asyncio.Task:
+        """Flush in the background for episodes driven from outside this loop: when every
+        open episode (``open_episodes()`` of them) has a request waiting, or none arrived
+        for ``wait`` seconds. An engine error fails the requests of its call only."""
+        return asyncio.get_running_loop().create_task(self._serve(wait, open_episodes))
+
+    async def _serve(self, wait: float, open_episodes: Callable[[], int]) -> None:
+        while True:
+            if not self.pending:
+                self._wake = asyncio.get_running_loop().create_future()
+                await self._wake
+                self._wake = None
+            await self._gather(wait, open_episodes)
+            await self.flush()
+            self._failure = None  # answered to each failed request; the server goes on
+
+    async def _gather(self, wait: float, open_episodes: Callable[[], int]) -> None:
+        step = min(wait, 0.001)
+        quiet, seen = 0.0, self._submitted
+        while quiet < wait:
+            if len({id(w.episode) for w in self.pending}) >= open_episodes():
+                return
+            await asyncio.sleep(step)
+            quiet = 0.0 if self._submitted != seen else quiet + step
+            seen = self._submitted
+
+    # ------------------------------------------------------------------ flush
+    async def flush(self) -> None:
+        """Serve every waiting request: one engine call per group, groups in order."""
+        batch, self.pending = self.pending, []
+        taken = []
+        for w in batch:
+            if w.future.done():  # its episode gave up on it (cancelled)
+                continue
+            if w.alive is not None and not w.alive():
+                w.future.set_exception(EpisodeClosed("the episode is over (it timed out)"))
+                continue
+            taken.append(w)
+        if not taken:
+            return
+        self.flushes += 1
+        groups: dict[tuple, list[_Waiting]] = {}
+        for w in sorted(taken, key=lambda w: w.key):
+            groups.setdefault(w.group(), []).append(w)
+        self.flushing = True
+        try:
+            for waiting in groups.values():
+                await self._call(waiting)
+        finally:
+            self.flushing = False
+
+    async def _call(self, waiting: list[_Waiting]) -> None:
+        waiting = [w for w in waiting if not w.future.done()]  # given up while others ran
+        if not waiting:
+            return
+        policy, first = waiting[0].policy, waiting[0].params
+        counts = [w.params.n for w in waiting]
+        if len(set(counts)) == 1:  # the engine samples n per prompt itself
+            owner, n = list(range(len(waiting))), counts[0]
+        else:  # mixed n: one prompt copy per sample, still one call
+            owner, n = [j for j, k in enumerate(counts) for _ in range(k)], 1
+        requests = [
+            dataclasses.replace(
+                waiting[j].request, max_new_tokens=waiting[j].request.budget(waiting[j].params)
+            )
+            for j in owner
+        ]
         params = dataclasses.replace(
-            self.params,
-            n=1,
-            max_new_tokens=max(r.max_new_tokens for r in batch),
-            stop=list(self.params.stop),
-            stop_token_ids=list(self.params.stop_token_ids),
+            first,
+            n=n,
+            max_new_tokens=max(r.max_new_tokens for r in requests),
+            top_logprobs=max(w.params.top_logprobs for w in waiting),  # the gateway's
+            stop=list(first.stop),
+            stop_token_ids=list(first.stop_token_ids),
         )
-        if self.on_flush is not None:
-            self.on_flush(prompts)
-        visions = [r.vision for r in batch]
-        if any(v is not None for v in visions):
-            call = functools.partial(self.engine.generate_vl, prompts, visions, params)
-        else:
-            call = functools.partial(self.engine.generate, prompts, params)
-        outs = await asyncio.to_thread(call) if self.in_thread else call()
-        if len(outs) != len(batch):
-            raise RuntimeError(f"engine returned {len(outs)} completions for {len(batch)} prompts")
-        for out in outs:
-            req = batch[out.prompt_index]
-            if not req.future.done():
-                req.future.set_result(out)
+        self.sizes.append(len(waiting))
+        self.calls[policy] += 1
+        t0 = time.perf_counter()
+        try:
+            generate = self.engines[policy].generate
+            if self.in_thread:
+                outs = await asyncio.to_thread(generate, requests, params)
+            else:
+                outs = generate(requests, params)
+            if len(outs) != len(requests) * n:
+                raise RuntimeError(
+                    f"the engine of policy {policy!r} returned {len(outs)} completions for "
+                    f"{len(requests)} prompts x n={n}"
+                )
+        except Exception as e:  # every waiting request learns it; none hangs
+            self._failure = self._failure or e
+            for w in waiting:
+                if not w.future.done():
+                    w.future.set_exception(e)
+            return
+        finally:
+            self.generate_s += time.perf_counter() - t0
+        got: list[list[Completion]] = [[] for _ in waiting]
+        for c in outs:
+            got[owner[c.prompt_index]].append(c)
+        for w, cs in zip(waiting, got, strict=True):
+            if not w.future.done():  # an episode that already failed may have cancelled it
+                w.future.set_result(cs)

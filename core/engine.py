@@ -1,9 +1,12 @@
 """Rollout engines: sample token ids and their log-probs from a policy.
 
 Every engine keeps the same small interface (``generate`` and ``sync``), so a recipe
-switches between the `transformers` engine here and the vLLM engine by name. The
-log-prob recorded for a sampled token is that of the temperature-scaled distribution
-(before top-p truncation), which is what the trainer recomputes.
+switches between the `transformers` engine here and the vLLM engine by name. One call
+takes requests (:class:`Request`; a plain list of token ids is a text request) and returns
+:class:`Completion` objects; a vision-language engine (``TakesImages``) reads each request's
+images from the same call. The log-prob recorded for a sampled token is that of the
+temperature-scaled distribution (before top-p truncation), which is what the trainer
+recomputes.
 """
 
 from __future__ import annotations
@@ -31,6 +34,57 @@ class SamplingParams:
     # A call with its own sampling stream: the same seed, prompts and params give the same
     # samples, and the engine's own stream (its state_dict) does not advance.
     seed: int | None = None
+    # Per sampled token, also the log-probs of the k likeliest tokens (Completion.top_logprobs;
+    # engines with ``gives_top_logprobs``); 0: none. Sampling is the same either way.
+    top_logprobs: int = 0
+
+
+@dataclass
+class Request:
+    """One prompt of an engine call.
+
+    ``max_new_tokens``: this prompt's own budget, at most the call's (None: the call's), so
+    requests with different budgets share one call. ``vision``: the prompt's joined image
+    and video inputs, opaque to the core (a VL policy's ``TakesImageTurns.join_images``, or
+    the plugin's own processing); ``images``: the resized images themselves, for an engine
+    that hands them to another server (None: it recovers them from ``vision``). Only
+    engines that declare ``TakesImages`` take either.
+    """
+
+    prompt: list[int]
+    max_new_tokens: int | None = None
+    vision: Any = None
+    images: list[Any] | None = None
+
+    @property
+    def text_only(self) -> bool:
+        return self.vision is None and not self.images
+
+    def budget(self, params: SamplingParams) -> int:
+        if self.max_new_tokens is None:
+            return params.max_new_tokens
+        if self.max_new_tokens < 1:
+            raise ValueError(f"a request's max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        return min(self.max_new_tokens, params.max_new_tokens)
+
+
+Prompt = Request | Sequence[int]  # a bare id list is a text request
+
+
+def as_requests(prompts: Sequence[Prompt]) -> list[Request]:
+    return [p if isinstance(p, Request) else Request(list(p)) for p in prompts]
+
+
+def text_requests(engine: Any, prompts: Sequence[Prompt]) -> list[Request]:
+    """The requests, for an engine that takes no images (a clear error if one has any)."""
+    out = as_requests(prompts)
+    for i, r in enumerate(out):
+        if not r.text_only:
+            raise TypeError(
+                f"{type(engine).__name__}: prompt {i} carries images, and this engine takes "
+                "text only; set the policy's engine.name to hf_vl (or vllm_vl)"
+            )
+    return out
 
 
 @dataclass
@@ -41,6 +95,9 @@ class Completion:
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str = ""
     versions: list[int] | None = None  # weights version per token (rollout.partial), else None
+    # per token (params.top_logprobs > 0): the k likeliest ids and their log-probs, likeliest
+    # first, in the distribution ``logprobs`` are from; else None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 def sample_next(
@@ -60,6 +117,15 @@ def sample_next(
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     ids = draw(probs, gen)
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def top_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``params.top_logprobs`` likeliest tokens' log-probs and ids, in the distribution
+    :func:`sample_next` gives the sampled token's log-prob in (temperature-scaled)."""
+    logits = logits.float()
+    if params.temperature > 0:
+        logits = logits / params.temperature
+    return torch.log_softmax(logits, -1).topk(params.top_logprobs, -1)
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -159,6 +225,7 @@ class HFEngine:
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
+    gives_top_logprobs = True  # honours SamplingParams.top_logprobs
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
     refresh: Any = None  # set by the async producer in partial mode: newer weights mid-call
 
@@ -172,10 +239,12 @@ class HFEngine:
         self.gen.set_state(state["rng"])
 
     @torch.no_grad()
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Completion]:
-        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
+        requests = text_requests(self, prompts)
+        rows = [
+            (i, r.prompt, r.budget(params)) for i, r in enumerate(requests) for _ in range(params.n)
+        ]
         gen = self.gen if params.seed is None else seeded(params.seed)
         out: list[Completion] = []
         for start in range(0, len(rows), self.batch_size):
@@ -192,9 +261,10 @@ class HFEngine:
         # Each distinct prompt is prefilled once; the n rows of its group then share its
         # KV cache (expanded by index), so a group costs one prompt pass, not n.
         distinct: dict[int, int] = {}
-        for pi, _ in rows:
+        for pi, _, _ in rows:
             distinct.setdefault(pi, len(distinct))
-        prompt_of = dict(rows)
+        prompt_of = {pi: p for pi, p, _ in rows}
+        caps = torch.tensor([c for _, _, c in rows], dtype=torch.long, device=device)
         ids, mask = pad_left([prompt_of[pi] for pi in distinct], self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         b = len(rows)
@@ -213,7 +283,7 @@ class HFEngine:
         can_select = hasattr(cache, "batch_select_indices")
         logits = out.logits[:, -1]
         if len(distinct) < b:
-            expand = torch.tensor([distinct[pi] for pi, _ in rows], device=device)
+            expand = torch.tensor([distinct[pi] for pi, _, _ in rows], device=device)
             if not can_select:
                 raise TypeError(f"{type(cache).__name__} cannot expand a shared prompt cache")
             cache.batch_select_indices(expand)
@@ -223,6 +293,9 @@ class HFEngine:
         versions = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        k_top = params.top_logprobs
+        top_ids = torch.zeros((b, params.max_new_tokens, k_top), dtype=torch.long, device=device)
+        top_lps = torch.zeros((b, params.max_new_tokens, k_top), dtype=torch.float32, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)  # per row of `rows`
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
@@ -230,12 +303,17 @@ class HFEngine:
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(logits, params, gen)
             tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
+            if k_top:
+                top_lps[live, t], top_ids[live, t] = top_logprobs(logits, params)
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[live, : t + 1], done, params.stop)
             lengths[live[finished]] = t + 1
             stopped[live[finished]] = True
             done |= finished
+            capped = ~done & (caps[live] <= t + 1)  # a request's own, shorter budget
+            lengths[live[capped]] = t + 1
+            done |= capped
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
             if can_drop and int(done.sum()) * 8 >= done.numel():
@@ -258,13 +336,16 @@ class HFEngine:
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         result = []
-        for k, (pi, _) in enumerate(rows):
+        for k, (pi, _, _) in enumerate(rows):
             n = int(lengths[k])
             tid = tokens[k, :n].tolist()
             reason = "stop" if bool(stopped[k]) else "length"
             text = self.tokenizer.decode(tid, skip_special_tokens=True)
             vers = versions[k, :n].tolist() if refresh is not None else None
-            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers))
+            tops = None
+            if k_top:
+                tops = list(zip(top_ids[k, :n].tolist(), top_lps[k, :n].tolist(), strict=True))
+            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers, tops))
         return result
 
     def _hit_stop_string(
@@ -346,9 +427,7 @@ class AutoEngine:
         self.spare = built["vllm" if choice == "hf" else "hf"]
         return choice, built[choice]
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         return self.inner.generate(prompts, params)
 
     def sync(self) -> None:

@@ -99,7 +99,7 @@ class TakesImageTurns(Protocol):
     chat template's placeholder), then calls ``encode_images`` once per turn: each image's
     token ids to splice in place of its placeholder (expanded once, never re-encoded) and
     one opaque per-turn handle. ``join_images(handles, starts, key)`` joins a prompt's (or a
-    row's) handles, in order, into the one object the engine's ``generate_vl`` and the
+    row's) handles, in order, into the one object an engine request's ``vision`` and the
     policy's log-prob pass take from the record's ``vision`` column; ``starts`` are each
     image's first spliced token, counted from the row's first prompt token, so the model's
     placeholders are known by position (a sampled placeholder id stays text). ``key``
@@ -224,8 +224,9 @@ class Engine(Protocol):
     """Rollout generation for one policy (``ENGINES``), built as
     ``engine(policy, seed=..., **options)``."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Any) -> list:
-        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
+    def generate(self, prompts: Sequence[Any], params: Any) -> list:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
+        ``prompts``: :class:`~polyrl.core.engine.Request` objects or bare id lists (text)."""
 
     def sync(self) -> None:
         """Pull the policy's current weights (after an update)."""
@@ -253,8 +254,22 @@ class ExactLogprobs(Protocol):
 
 
 @runtime_checkable
+class TakesImages(Protocol):
+    """An engine (class or handle) whose requests may carry images and videos
+    (``Request.vision``, ``Request.images``); engines without it refuse them."""
+
+    takes_images: bool
+
+
+def takes_images(engine: Any) -> bool:
+    """Whether ``engine`` (an engine, its class or a Ray handle) takes image requests."""
+    return isinstance(engine, TakesImages) and bool(engine.takes_images)
+
+
+@runtime_checkable
 class NeedsImages(Protocol):
-    """An engine class whose prompts carry images; its rows ship images to the actor."""
+    """A :class:`TakesImages` engine class that needs the resized images themselves
+    (``Request.images``), not only their processed pixels, e.g. to hand them to vLLM."""
 
     needs_images: ClassVar[bool]
 

@@ -65,6 +65,7 @@ import copy
 import dataclasses
 import functools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -72,7 +73,14 @@ from typing import Any, Literal
 import torch
 
 from polyrl.core.config import ConfigError, doc, from_dict
-from polyrl.core.interfaces import HostImageTurns, NeedsImages, RayLoRA, RemoteMethods
+from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
+from polyrl.core.interfaces import (
+    HostImageTurns,
+    NeedsImages,
+    RayLoRA,
+    RemoteMethods,
+    takes_images,
+)
 from polyrl.core.options import Options
 from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
     ActorError,
@@ -373,7 +381,8 @@ class RayEngine:
         self.tokenizer = policy.tokenizer
         self._state: tuple[int, dict] | None = None  # (call number, engine state after it)
         self._state_lock = threading.Lock()
-        # a workflow reads what the engine takes (vllm_vl: the resized images themselves)
+        # a workflow reads what the engine takes (images; vllm_vl: the resized images too)
+        self.takes_images = takes_images(engine_cls)
         self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
         declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
         for method in declared:
@@ -389,8 +398,8 @@ class RayEngine:
         self._keep(numbered)
         return out
 
-    def generate(self, prompts, params):
-        return self._call("generate", [list(p) for p in prompts], params)
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self._call("generate", as_requests(prompts), params)
 
     def sync(self) -> None:
         """Gather the trainer's full weights (rank 0) and load them into the engine actor."""

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
-from polyrl.core.interfaces import ChecksConfig
+from polyrl.core.interfaces import ChecksConfig, PartialRollouts, RecordsTokenVersions
 from polyrl.core.loggers import LoggerName, check_loggers
 from polyrl.core.policy import PolicyConfig, resolve_device
 from polyrl.core.registry import (
@@ -210,15 +210,17 @@ class Config:
                 f"{where} needs rollout.max_staleness >= 1: weights change during a "
                 "rollout only when the engines generate ahead of the trainer"
             )
-        if not getattr(workflow, "token_versions", False):
+        if not (isinstance(workflow, RecordsTokenVersions) and workflow.token_versions):
             raise ConfigError(
                 f"{where}: rollout.workflow={self.rollout.workflow!r} does not record "
                 "per-token weights versions (interfaces.RecordsTokenVersions); use "
-                "single_turn or set rollout.partial: false"
+                "single_turn, multi_turn, a marl workflow or the gateway, or set "
+                "rollout.partial: false"
             )
         for name in self.trained_policies():
             engine = self.policies[name].engine.name
-            if not getattr(ENGINES.get(engine), "partial_rollouts", False):
+            cls = ENGINES.get(engine)
+            if not (isinstance(cls, PartialRollouts) and cls.partial_rollouts):
                 raise ConfigError(
                     f"{where}: policies.{name}.engine.name={engine!r} cannot take new "
                     "weights mid-call (interfaces.PartialRollouts); use hf or vllm, or "

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from polyrl.core.config import doc
-from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.engine import Completion, Prompt, SamplingParams, text_requests
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import ensure_model
@@ -188,22 +188,22 @@ class VLLMEngine:
         log.info("vllm engine: started in %.1f s (%s, %s)", self.startup_s, path, dtype)
 
     # --- Engine protocol ----------------------------------------------------------------
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """n completions per prompt, grouped by prompt (prompt 0's first)."""
+        requests = text_requests(self, prompts)
         self.wake()
-        rows = [list(p) for p in prompts for _ in range(params.n)]
-        index = [i for i in range(len(prompts)) for _ in range(params.n)]
+        rows = [r.prompt for r in requests for _ in range(params.n)]
+        index = [i for i in range(len(requests)) for _ in range(params.n)]
+        caps = [requests[i].budget(params) for i in index]
         seeds = self._row_seeds(len(rows), params)
         decode = self.tokenizer.decode
         if self.refresh is not None:
-            partial = self._generate_partial(rows, params, seeds)
+            partial = self._generate_partial(rows, params, seeds, caps)
             return [
                 Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
                 for i, (ids, lps, reason, vers) in zip(index, partial, strict=True)
             ]
-        outs = self._generate_rows(rows, params, seeds)
+        outs = self._generate_rows(rows, params, seeds, caps)
         if self.sleep_enabled:
             self.sleep()
         return [
@@ -289,7 +289,7 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def _generate_partial(
-        self, rows: list, params: SamplingParams, seeds: list[int]
+        self, rows: list, params: SamplingParams, seeds: list[int], caps: list[int]
     ) -> list[tuple[list[int], list[float], str, list[int]]]:
         """One sample per row, calling ``refresh()`` before every engine step: a weight
         sync it makes lands between two decoding steps, and the requests in flight go on
@@ -303,8 +303,8 @@ class VLLMEngine:
         ids = [f"polyrl-{self.calls}-{k}" for k in range(len(rows))]
         got: dict[str, tuple[list[int], list[float], list[int]]] = {i: ([], [], []) for i in ids}
         reason: dict[str, str] = {}
-        for rid, row, seed in zip(ids, rows, seeds, strict=True):
-            sp = VLLMParams(**self._vllm_params(params), seed=seed)
+        for rid, row, seed, cap in zip(ids, rows, seeds, caps, strict=True):
+            sp = VLLMParams(**{**self._vllm_params(params), "max_tokens": cap}, seed=seed)
             sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens
             engine.add_request(
                 rid, TokensPrompt(prompt_token_ids=row), sp, lora_request=self.lora_request
@@ -356,15 +356,25 @@ class VLLMEngine:
         )
 
     def _generate_rows(
-        self, rows: list, params: SamplingParams, seeds: list[int], check: Any = None
+        self,
+        rows: list,
+        params: SamplingParams,
+        seeds: list[int],
+        caps: list[int] | None = None,
+        check: Any = None,
     ) -> list[tuple[list[int], list[float], str]]:
-        """One sample per row. ``rows``: token-id lists, or prepared vLLM prompts (dicts,
-        e.g. with ``multi_modal_data``); ``check(k, output)`` may inspect each output."""
+        """One sample per row, each at most its ``caps`` tokens (None: the call's). ``rows``:
+        token-id lists, or prepared vLLM prompts (dicts, e.g. with ``multi_modal_data``);
+        ``check(k, output)`` may inspect each output."""
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
         base = self._vllm_params(params)
-        sampling = [VLLMParams(**base, seed=s) for s in seeds]
+        caps = caps or [params.max_new_tokens] * len(rows)
+        sampling = [
+            VLLMParams(**{**base, "max_tokens": c}, seed=s)
+            for s, c in zip(seeds, caps, strict=True)
+        ]
         prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
         outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         result = []

@@ -20,8 +20,9 @@ workflow writes it into that text.
 **Images.** An observation may carry images (``PIL.Image``): an image, a list mixing
 strings and images (one user message), or messages whose ``content`` is such a list. Only
 an agent whose policy takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`)
-may receive them; the runtime encodes each act's images once and samples with the
-engine's ``generate_vl``, and the agent's rows carry them in the record's ``vision`` column.
+may receive them; the runtime encodes each act's images once and sends them as the
+engine request's ``vision``, and the agent's rows carry them in the record's ``vision``
+column.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ import itertools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from polyrl.core.engine import SamplingParams
 
 if TYPE_CHECKING:
     from polyrl.marl.batching import Runtime
@@ -54,6 +53,7 @@ class Message:
     observation: str  # what the workflow passed to act() (the last user message)
     episode: Episode = field(repr=False)
     vision: Any = field(default=None, repr=False)  # the prompt's images joined; None: none
+    versions: list[int] | None = None  # weights version per token (rollout.partial)
     turn: int = -1  # set by the first joint action it joins
     node: int = 0
     joints: list[int] = field(default_factory=list)
@@ -183,19 +183,6 @@ def _text(content: str | list[dict]) -> str:
     return "".join(p["text"] if p["type"] == "text" else "<image>" for p in content)
 
 
-@dataclass(eq=False)
-class Request:
-    """One act() waiting in the runtime's queue for its policy's next generate call."""
-
-    agent: AgentInfo
-    text: str
-    observation: str
-    params: SamplingParams
-    future: asyncio.Future
-    episode: Episode
-    images: list = field(default_factory=list)  # in placeholder order
-
-
 # ----------------------------------------------------------------------------- agent API
 
 
@@ -227,9 +214,7 @@ class AgentHandle:
             raise ValueError(f"agent {self.name!r}: act(n={n}) must ask for at least one sample")
         text, observation, images = self.info.render_images(prompt)
         params = self._rt.params_for(self.info, 1 if n is None else n, max_new_tokens, temperature)
-        future = asyncio.get_running_loop().create_future()
-        self._rt.submit(Request(self.info, text, observation, params, future, self._ep, images))
-        prompt_ids, completions, vision = await future
+        prompt_ids, completions, vision = await self._rt.act(self.info, text, images, params)
         msgs = [
             self._ep._add(
                 Message(
@@ -243,6 +228,7 @@ class AgentHandle:
                     observation,
                     self._ep,
                     vision=vision,
+                    versions=c.versions,
                 )
             )
             for c in completions

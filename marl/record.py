@@ -89,6 +89,7 @@ def build_record(
                 prompt_ids=[],
                 response_ids=[],
                 logprobs=[],
+                versions=[],
                 loss_mask=[],
                 policy=JOINT_POLICY,
                 uid=ep.uid,
@@ -133,6 +134,7 @@ def build_record(
                 prompt_ids=m.prompt_ids,
                 response_ids=m.token_ids,
                 logprobs=m.logprobs,
+                versions=m.versions,
                 loss_mask=[1 if info.train else 0] * len(m.token_ids),
                 policy=info.policy,
                 uid=ep.uid,
@@ -177,6 +179,7 @@ def build_record(
         response_text=cols["response_text"],
         meta=cols["meta"],
         truncated=cols["truncated"],
+        token_version=cols["versions"],
     )
     rec["joint_id"] = torch.tensor(cols["joint_id"], dtype=torch.long)
     if any(v is not None for v in cols["vision"]):

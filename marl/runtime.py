@@ -47,6 +47,8 @@ __all__ = ["JOINT_POLICY", "MarlWorkflow", "WorkflowSpec", "workflow"]
 class MarlWorkflow:
     """A multi-agent workflow bound to a run: ``rollout(items, params) -> record``."""
 
+    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
+
     def __init__(self, spec: WorkflowSpec, ctx: Any, options: MarlOptions) -> None:
         self.spec, self.ctx, self.options = spec, ctx, options
         cfg = ctx.cfg
@@ -181,8 +183,6 @@ class MarlWorkflow:
                 raise RuntimeError("the workflow formed no joint action (call ep.joint)")
         except Exception as e:  # recorded on the episode's rows, which leave the update
             ep.error = f"episode raised {type(e).__name__}: {e}"
-        finally:
-            runtime.done += 1
 
 
 class WorkflowSpec:
@@ -192,6 +192,8 @@ class WorkflowSpec:
     :func:`polyrl.marl.config.workflow_options`); ``params`` the names among them that
     go to the function as keyword arguments.
     """
+
+    token_versions = True  # the workflows it builds record token versions
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The ``hf_vl`` engine: sampling from a Qwen-VL policy with images and videos.
 
 Like the core's HF engine (same RNG state, sampling rule and stop handling), plus images and
-videos: ``generate_vl(prompts, visions, params)`` prefills each prompt *once* (its images
+videos: ``generate`` with requests carrying ``vision`` prefills each prompt *once* (its images
 and videos through the vision tower once), then repeats the KV cache for the prompt's ``n``
 samples, so a group of ``n`` never processes its images or videos ``n`` times. Decoding
 continues the M-RoPE positions after the prompt's last position
@@ -19,7 +19,10 @@ import torch
 from polyrl.core.engine import (
     Completion,
     HFEngine,
+    Prompt,
+    Request,
     SamplingParams,
+    as_requests,
     reserved_cache,
     sample_next,
     seeded,
@@ -40,9 +43,8 @@ from polyrl.multimodal.vision import VisionInputs
 class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
-    # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
-    remote_methods = ("generate_vl",)
-    partial_rollouts = False  # generate_vl takes weights between calls only
+    takes_images = True  # core/interfaces.py TakesImages: requests carry ``vision``
+    partial_rollouts = False  # takes weights between calls only
 
     def __init__(
         self,
@@ -57,39 +59,23 @@ class VLEngine(HFEngine):
             raise ValueError(f"hf_vl engine: batch_size must be >= 1, got {batch_size}")
         super().__init__(policy, batch_size=batch_size, seed=seed)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[Completion]:
-        return self.generate_vl(prompts, [None] * len(prompts), params)
-
     @torch.no_grad()
-    def generate_vl(
-        self,
-        prompts: Sequence[Sequence[int]],
-        visions: Sequence[VisionInputs | None],
-        params: SamplingParams,
-    ) -> list[Completion]:
-        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
-        if len(visions) != len(prompts):
-            raise ValueError(
-                f"generate_vl: {len(visions)} vision inputs for {len(prompts)} prompts"
-            )
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        """``params.n`` completions per prompt, grouped by prompt (prompt 0's first); a
+        request's ``vision`` holds its images and videos (``images`` are not needed here)."""
+        requests = as_requests(prompts)
         per_chunk = max(1, self.batch_size // max(1, params.n))
         out: list[Completion] = []
-        for start in range(0, len(prompts), per_chunk):
-            idx = list(range(start, min(len(prompts), start + per_chunk)))
-            out += self._generate_chunk(
-                idx, [list(prompts[i]) for i in idx], [visions[i] for i in idx], params
-            )
+        for start in range(0, len(requests), per_chunk):
+            idx = list(range(start, min(len(requests), start + per_chunk)))
+            out += self._generate_chunk(idx, [requests[i] for i in idx], params)
         return out
 
     def _generate_chunk(
-        self,
-        index: list[int],
-        prompts: list[list[int]],
-        visions: list[VisionInputs | None],
-        params: SamplingParams,
+        self, index: list[int], requests: list[Request], params: SamplingParams
     ) -> list[Completion]:
+        prompts = [r.prompt for r in requests]
+        visions: list[VisionInputs | None] = [r.vision for r in requests]
         model = self.policy.model
         device = next(model.parameters()).device
         stop_ids = set(params.stop_token_ids)
@@ -126,9 +112,13 @@ class VLEngine(HFEngine):
             mask = mask.repeat_interleave(n, dim=0)
             next_pos = next_pos.repeat_interleave(n, dim=0)
         b = mask.shape[0]
+        caps = torch.tensor(
+            [r.budget(params) for r in requests for _ in range(n)], dtype=torch.long, device=device
+        )
         tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         last = logits[:, -1]
         for t in range(params.max_new_tokens):
@@ -139,6 +129,10 @@ class VLEngine(HFEngine):
                 finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
             lengths = torch.where(finished, t + 1, lengths)
             done |= finished
+            capped = ~done & (caps <= t + 1)  # a request's own, shorter budget
+            lengths = torch.where(capped, t + 1, lengths)
+            stopped |= finished
+            done |= capped
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
@@ -151,7 +145,7 @@ class VLEngine(HFEngine):
             m = int(lengths[k])
             tid = tokens[k, :m].tolist()
             text = self.tokenizer.decode(tid, skip_special_tokens=True)
-            reason = "stop" if m < params.max_new_tokens or bool(done[k]) else "length"
+            reason = "stop" if bool(stopped[k]) else "length"
             result.append(Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text))
         return result
 

@@ -1,9 +1,9 @@
 """The ``vllm_vl`` engine: the vLLM engine with images (``engine.name: vllm_vl``).
 
-``generate_vl(prompts, visions, params, images=...)`` keeps ``hf_vl``'s contract (``n``
+``generate(requests, params)`` keeps ``hf_vl``'s contract (``n``
 completions per prompt, grouped by prompt; token ids exactly as sampled; temperature-scaled
 log-probs) and hands each prompt's images to vLLM as ``multi_modal_data``. Everything else
-(start-up, per-row seeds, ``sync``, sleep/wake, ``generate`` for text) is the core's
+(start-up, per-row seeds, ``sync``, sleep/wake) is the core's
 :class:`~polyrl.core.vllm_engine.VLLMEngine`.
 
 What keeps vLLM's view of a prompt equal to the trainer's:
@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.registry import ENGINES
 from polyrl.core.vllm_engine import VLLMEngine
 from polyrl.multimodal.forward import parts
@@ -129,9 +129,9 @@ def image_token_counts(vision: VisionInputs, merge_size: int) -> list[int]:
 class VLLMVLEngine(VLLMEngine):
     """vLLM sampling with images, following a ``qwen_vl`` policy's weights (``sync``)."""
 
-    needs_images = True  # generate_vl takes the resized images (the workflow passes them)
-    remote_methods = ("generate_vl",)  # forwarded to the Ray engine actor
-    partial_rollouts = False  # generate_vl takes weights between calls only
+    takes_images = True  # core/interfaces.py TakesImages
+    needs_images = True  # requests may carry the resized images (Request.images)
+    partial_rollouts = False  # takes weights between calls only
 
     def __init__(
         self,
@@ -179,38 +179,25 @@ class VLLMVLEngine(VLLMEngine):
             **(llm_args or {}),
         )
 
-    def generate_vl(
-        self,
-        prompts: Sequence[Sequence[int]],
-        visions: Sequence[VisionInputs | None],
-        params: SamplingParams,
-        images: Sequence[Sequence[Any] | None] | None = None,
-    ) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
 
-        ``images[i]``: the resized PIL images of prompt ``i`` (those ``visions[i]`` was
-        processed from; ``vision.process`` returns both), or ``[]`` for a text prompt;
-        None (or no ``images``): recovered from ``visions[i]``'s pixel values, as a
-        multi-turn workflow calls it.
+        A request's ``images``: the resized PIL images its ``vision`` was processed from
+        (``vision.process`` returns both); None: recovered from the vision inputs' pixel
+        values, as a multi-turn workflow sends them.
         """
-        if len(visions) != len(prompts):
-            raise ValueError(
-                f"generate_vl: {len(visions)} vision inputs for {len(prompts)} prompts"
-            )
-        if images is None:
-            images = [None for _ in prompts]
-        if len(images) != len(prompts):
-            raise ValueError(f"generate_vl: {len(images)} image lists for {len(prompts)} prompts")
+        requests = as_requests(prompts)
         self.wake()
-        requests = [
-            self._request(i, list(p), v, None if imgs is None else list(imgs))
-            for i, (p, v, imgs) in enumerate(zip(prompts, visions, images, strict=True))
+        prepared = [
+            self._request(i, r.prompt, r.vision, None if r.images is None else list(r.images))
+            for i, r in enumerate(requests)
         ]
-        rows = [r for r in requests for _ in range(params.n)]
-        index = [i for i in range(len(prompts)) for _ in range(params.n)]
-        expected = [list(prompts[i]) for i in index]
+        rows = [r for r in prepared for _ in range(params.n)]
+        index = [i for i in range(len(requests)) for _ in range(params.n)]
+        expected = [requests[i].prompt for i in index]
+        caps = [requests[i].budget(params) for i in index]
         seeds = self._row_seeds(len(rows), params)
-        outs = self._generate_rows(rows, params, seeds, check=self._same_prompt(expected))
+        outs = self._generate_rows(rows, params, seeds, caps, check=self._same_prompt(expected))
         if self.sleep_enabled:
             self.sleep()
         decode = self.tokenizer.decode
@@ -235,21 +222,21 @@ class VLLMVLEngine(VLLMEngine):
         if vision is None:
             if images:
                 raise ValueError(
-                    f"generate_vl: prompt {i} has {len(images)} image(s) but no vision inputs"
+                    f"vllm_vl: prompt {i} has {len(images)} image(s) but no vision inputs"
                 )
             return TokensPrompt(prompt_token_ids=collapse_image_pads(ids, self.image_token_id, []))
         if images is None:
             images = recover_images(vision, self.image_processor)
         if len(images) != vision.num_images:
             raise ValueError(
-                f"generate_vl: prompt {i} ({vision.key}) has {vision.num_images} "
+                f"vllm_vl: prompt {i} ({vision.key}) has {vision.num_images} "
                 f"processed image(s) but {len(images)} image(s) were passed; the "
-                "vllm_vl engine needs the resized images too (images=...)"
+                "vllm_vl engine needs the resized images too (Request.images)"
             )
         sizes = tuple(tuple(img.size) for img in images)
         if vision.resized and sizes != tuple(vision.resized):
             raise ValueError(
-                f"generate_vl: prompt {i} ({vision.key}): images of sizes {sizes} "
+                f"vllm_vl: prompt {i} ({vision.key}): images of sizes {sizes} "
                 f"but its vision inputs were processed at {vision.resized}; pass "
                 "the resized images vision.process returned"
             )

@@ -24,7 +24,8 @@ from typing import Annotated
 
 from tensordict import TensorDict
 
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import Request, SamplingParams
+from polyrl.core.interfaces import NeedsImages, takes_images
 from polyrl.core.record import set_strings, text_record
 from polyrl.core.registry import WORKFLOWS
 from polyrl.core.workflow import Context
@@ -47,12 +48,11 @@ class VLSingleTurn:
         if name not in ctx.policies:
             raise KeyError(f"vl_single_turn: unknown policy {name!r}; have {sorted(ctx.policies)}")
         self.name, self.engine = name, ctx.engines[name]
-        if not hasattr(self.engine, "generate_vl"):
+        if not takes_images(self.engine):
             raise TypeError(
                 f"vl_single_turn: the engine of policy {name!r} "
-                f"({type(self.engine).__name__}) has no generate_vl, so it cannot "
-                f"take images; set policies.{name}.engine.name=hf_vl (or "
-                "vllm_vl)"
+                f"({type(self.engine).__name__}) takes no images; set "
+                f"policies.{name}.engine.name=hf_vl (or vllm_vl)"
             )
         self.tokenizer = ctx.policies[name].tokenizer
         self.processor = processor_of(self.tokenizer)
@@ -73,7 +73,7 @@ class VLSingleTurn:
                 f"policies {sorted(cfg.policies)}"
             )
         engine = cfg.policies[name].engine.name
-        if not hasattr(ENGINES.get(engine), "generate_vl"):
+        if not takes_images(ENGINES.get(engine)):
             raise ConfigError(
                 f"rollout.workflow=vl_single_turn needs an engine that takes "
                 f"images; policies.{name}.engine.name={engine!r} does not. Set "
@@ -97,14 +97,18 @@ class VLSingleTurn:
             images.append(imgs)
             videos.append(frames)
         # vllm_vl hands vLLM the resized images themselves (hf_vl needs only their pixels)
-        extra = {"images": images} if getattr(self.engine, "needs_images", False) else {}
-        if extra and any(frames for frames in videos):
+        needs = isinstance(self.engine, NeedsImages) and self.engine.needs_images
+        if needs and any(frames for frames in videos):
             raise ValueError(
                 f"vl_single_turn: the engine of policy {self.name!r} "
                 f"({type(self.engine).__name__}) takes images but not videos; "
                 f"set policies.{self.name}.engine.name=hf_vl for video prompts"
             )
-        outs = self.engine.generate_vl([it.prompt_ids for it in items], visions, params, **extra)
+        requests = [
+            Request(list(it.prompt_ids), vision=v, images=imgs if needs else None)
+            for it, v, imgs in zip(items, visions, images, strict=True)
+        ]
+        outs = self.engine.generate(requests, params)
         metas = [
             {
                 "answer": it.answer,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from polyrl.core.engine import Completion
+from polyrl.core.engine import Completion, as_requests
 
 
 @pytest.fixture(scope="session")
@@ -62,14 +62,15 @@ class ScriptedEngine:
 
     def generate(self, prompts, params):
         outs = []
-        for i, prompt in enumerate(prompts):
+        requests = as_requests(prompts)
+        for i, request in enumerate(requests):
             for _ in range(params.n):
-                text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+                text = self.tokenizer.decode(request.prompt, skip_special_tokens=False)
                 answer, stop = self.script(text, len(self.calls), i)
                 ids = self.char_ids(answer) + ([self.tokenizer.eos_token_id] if stop else [])
                 reason = "stop" if stop else "length"
-                if len(ids) > params.max_new_tokens:
-                    ids, reason = ids[: params.max_new_tokens], "length"
+                if len(ids) > request.budget(params):
+                    ids, reason = ids[: request.budget(params)], "length"
                 base = -0.001 * (len(self.calls) * 1000 + i * 50)
                 logps = [base - 1e-6 * k for k in range(len(ids))]
                 outs.append(
@@ -77,7 +78,7 @@ class ScriptedEngine:
                         i, ids, logps, reason, self.tokenizer.decode(ids, skip_special_tokens=True)
                     )
                 )
-        self.calls.append((list(prompts), params, outs))
+        self.calls.append(([r.prompt for r in requests], params, outs))
         return outs
 
     def sync(self):

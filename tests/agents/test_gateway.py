@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import SamplingParams, as_requests
 from polyrl.core.record import strings
 
 RESULTS: dict = {}
@@ -32,7 +32,8 @@ class SpyEngine:
 
     def generate(self, prompts, params):
         outs = self.engine.generate(prompts, params)
-        self.log += [(list(prompts[o.prompt_index]), o) for o in outs]
+        requests = as_requests(prompts)
+        self.log += [(requests[o.prompt_index].prompt, o) for o in outs]
         return outs
 
 

@@ -7,7 +7,7 @@ import torch
 
 from polyrl.core import rewards
 from polyrl.core.credit import assign
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import SamplingParams, as_requests
 from polyrl.core.record import strings
 from polyrl.marl import JOINT_POLICY, workflow
 from polyrl.marl.signaling import (
@@ -37,8 +37,9 @@ class Recorder:
 
     def generate(self, prompts, p):
         res = self.inner.generate(prompts, p)
+        requests = as_requests(prompts)
         self.out += [
-            (list(prompts[c.prompt_index]), list(c.token_ids), list(c.logprobs)) for c in res
+            (requests[c.prompt_index].prompt, list(c.token_ids), list(c.logprobs)) for c in res
         ]
         return res
 

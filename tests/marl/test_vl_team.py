@@ -2,7 +2,7 @@
 
 A tiny Qwen2.5-VL "looker" sees an image and writes a message; a text-only tiny Qwen2
 "solver" reads it and answers. Both act through the marl runtime (one generate per policy
-per round, ``generate_vl`` for the looker):
+per round, with images for the looker):
 
 - the looker's row ids equal the real processor's on its conversation (role prompt, image,
   question), and its row carries the image in the ``vision`` column; the solver's has none;
@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import SamplingParams, as_requests
 from polyrl.core.record import select_policy, set_strings, strings
 from polyrl.core.registry import WORKFLOWS
 from polyrl.marl import JOINT_POLICY, workflow
@@ -68,13 +68,13 @@ class Recorder:
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, []
 
-    def generate(self, prompts, params):
-        self.calls.append(("generate", [list(p) for p in prompts]))
-        return self.inner.generate(prompts, params)
+    takes_images = True
 
-    def generate_vl(self, prompts, visions, params):
-        self.calls.append(("generate_vl", [list(p) for p in prompts]))
-        return self.inner.generate_vl(prompts, visions, params)
+    def generate(self, prompts, params):
+        requests = as_requests(prompts)
+        images = any(not r.text_only for r in requests)
+        self.calls.append(("images" if images else "text", [r.prompt for r in requests]))
+        return self.inner.generate(requests, params)
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,9 @@ def test_a_vl_looker_and_a_text_solver_are_exact(team, one_thread):
     visions = strings(rec, "vision")
     errors = strings(rec, "error")
     assert not any(errors)
-    # one call per policy per round, the looker's through generate_vl
-    assert [c[0] for c in engines["looker"].calls] == ["generate_vl"]
-    assert [c[0] for c in engines["solver"].calls] == ["generate"]
+    # one call per policy per round, the looker's with images
+    assert [c[0] for c in engines["looker"].calls] == ["images"]
+    assert [c[0] for c in engines["solver"].calls] == ["text"]
     assert wf.rollout_metrics()["marl/generate_rounds"] == 2
 
     processor = policies["looker"].processor

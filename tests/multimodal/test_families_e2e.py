@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.record import set_strings, text_record
 from polyrl.multimodal import forward, vision
 
@@ -63,8 +63,9 @@ def _rollout(policy, items, n: int = 3, max_new_tokens: int = 4):
     visions = [
         vision.process(it.vision, proc.image_processor)[0] if it.vision else None for it in items
     ]
-    done = VLEngine(policy, seed=0).generate_vl(
-        [it.prompt_ids for it in items], visions, SamplingParams(n=n, max_new_tokens=max_new_tokens)
+    done = VLEngine(policy, seed=0).generate(
+        [Request(list(it.prompt_ids), vision=v) for it, v in zip(items, visions, strict=True)],
+        SamplingParams(n=n, max_new_tokens=max_new_tokens),
     )
     record = text_record(
         prompt_ids=[items[c.prompt_index].prompt_ids for c in done],
@@ -247,8 +248,8 @@ def test_videos_match_the_processor_and_the_families_forward(family_dir, one_thr
     shown = policy.tokenizer.decode(item.prompt_ids)
     assert ("<0.5 seconds>" in shown and "<4.0 seconds>" in shown) == (family == "qwen3_vl")
     assert torch.equal(v.video_grid_thw, ref["video_grid_thw"])
-    outs = VLEngine(policy, seed=0).generate_vl(
-        [item.prompt_ids], [v], SamplingParams(n=2, max_new_tokens=4)
+    outs = VLEngine(policy, seed=0).generate(
+        [Request(list(item.prompt_ids), vision=v)], SamplingParams(n=2, max_new_tokens=4)
     )
     record = text_record(
         prompt_ids=[item.prompt_ids] * 2,

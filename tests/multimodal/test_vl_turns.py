@@ -19,7 +19,7 @@ from PIL import Image
 from polyrl.agents.env import Environment, StepResult
 from polyrl.agents.tools import ToolCall, ToolEnv, tool, tool_message
 from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
+from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.record import strings
 from polyrl.core.registry import ENVIRONMENTS
 from polyrl.core.workflow import Context
@@ -314,7 +314,8 @@ def test_a_sampled_vision_token_in_an_earlier_turn_stays_text(family_policy, one
     prompt[at], prompt[at + 1] = p.image_token_id, p.video_token_id
     engine = VLEngine(policy, seed=0)
     torch.manual_seed(0)
-    out = engine.generate_vl([prompt], [v], SamplingParams(n=2, temperature=1.0, max_new_tokens=3))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3)
+    out = engine.generate([Request(prompt, vision=v)], params)
     rec = text_record(
         prompt_ids=[prompt] * 2,
         response_ids=[o.token_ids for o in out],

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.engine import SamplingParams  # noqa: E402
+from polyrl.core.engine import Request, SamplingParams  # noqa: E402
 from polyrl.core.record import set_strings, strings  # noqa: E402
 from polyrl.core.workflow import Context  # noqa: E402
 from polyrl.multimodal.engine import VLEngine  # noqa: E402
@@ -145,7 +145,7 @@ def test_text_only_prompts(policy, engine, items):
     text = [it for it in items if it.vision is None]
     assert len(text) == 1
     params = SamplingParams(n=3, max_new_tokens=6)
-    outs = engine.generate_vl([text[0].prompt_ids], [None], params)  # no images= at all
+    outs = engine.generate([Request(list(text[0].prompt_ids))], params)  # no images at all
     assert [o.prompt_index for o in outs] == [0, 0, 0]
     assert all(len(o.token_ids) == len(o.logprobs) >= 1 for o in outs)
     record = rollout(policy, engine, text, params)
@@ -159,16 +159,17 @@ def test_mismatched_inputs_are_errors_not_guesses(policy, engine, items):
     vision, images = process(with_image.vision, policy.processor.image_processor)
     params = SamplingParams(max_new_tokens=1)
     with pytest.raises(ValueError, match="needs the resized images"):
-        engine.generate_vl([with_image.prompt_ids], [vision], params, images=[[]])
+        engine.generate([Request(list(with_image.prompt_ids), vision=vision, images=[])], params)
     # no images given: the engine recovers them from the pixel values (as multi-turn
     # workflows call it), and samples exactly what it samples with the images themselves
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-    given = engine.generate_vl([with_image.prompt_ids], [vision], greedy, images=[images])
-    recovered = engine.generate_vl([with_image.prompt_ids], [vision], greedy)
+    ids = list(with_image.prompt_ids)
+    given = engine.generate([Request(ids, vision=vision, images=images)], greedy)
+    recovered = engine.generate([Request(ids, vision=vision)], greedy)
     assert recovered[0].token_ids == given[0].token_ids
     assert recovered[0].logprobs == given[0].logprobs
     with pytest.raises(ValueError, match="image-pad tokens .* beyond its 0 image"):
-        engine.generate_vl([with_image.prompt_ids], [None], params)
+        engine.generate([Request(ids)], params)
     pad = engine.image_token_id
     assert collapse_image_pads([1, pad, pad, pad, pad, 2, pad, 3], pad, [4, 1]) == [
         1,
