@@ -75,6 +75,25 @@ def anchor_files(data: Any, base: Path) -> Any:
     return data
 
 
+class PartFileError(UserError, ImportError):
+    """A recipe's ``./file.py:Name`` could not be imported (a syntax error, a missing
+    import, an error while it runs): names the file, the line and the error."""
+
+
+def _file_failure(path: str, file: Path, e: Exception) -> str:
+    """'<file>, line N: <error>' for an exception raised while ``file`` was imported."""
+    line = e.lineno if isinstance(e, SyntaxError) and e.filename == str(file) else None
+    tb = e.__traceback__
+    while tb is not None:  # the deepest frame in the user's file
+        if tb.tb_frame.f_code.co_filename == str(file):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    where = f"{file}, line {line}" if line else str(file)
+    what = f"{type(e).__name__}: {e.msg if isinstance(e, SyntaxError) else e}"
+    hint = " (install it, or put the module beside the file)" if isinstance(e, ImportError) else ""
+    return f"{path!r}: {where}: {what}{hint}; fix the file and run again"
+
+
 def _file_module(file: str, path: str) -> ModuleType:
     """Import a user's ``.py`` file (once) as a module of its own, no PYTHONPATH needed.
 
@@ -99,6 +118,9 @@ def _file_module(file: str, path: str) -> ModuleType:
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
+    except Exception as e:  # the user's file is input: name it, its line and the error
+        del sys.modules[module_name]
+        raise PartFileError(_file_failure(path, found, e)) from e
     except BaseException:
         del sys.modules[module_name]
         raise
@@ -237,6 +259,8 @@ class Registry(Generic[T]):
         if not self._keywords:
             return _NO_OPTIONS
         key = (id(part), name)
+        if not callable(getattr(part, self._call, None) if self._call else part):
+            raise UnknownNameError(_not_a_part(self.kind, name, part, self._call))
         if key not in _derived:
             _derived[key] = opts.derive(
                 part,
@@ -260,6 +284,22 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._items))
+
+
+def _not_a_part(kind: str, name: str, part: Any, call: str | None) -> str:
+    """Why ``part`` cannot be a ``kind``, naming where it is defined."""
+    import inspect
+
+    try:
+        where = f" ({inspect.getsourcefile(part)}, line {inspect.getsourcelines(part)[1]})"
+    except (TypeError, OSError):
+        where = ""
+    what = f"{type(part).__name__} {getattr(part, '__name__', repr(part)[:40])}{where}"
+    need = f"has no {call}() method" if call else "is not callable"
+    return (
+        f"{name!r} is not a {kind}: the {what} {need}. Name the "
+        f"{'module or object with ' + call + '()' if call else 'function or class'} instead"
+    )
 
 
 @dataclasses.dataclass
