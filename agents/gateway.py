@@ -140,6 +140,22 @@ def _as_result(value: Any) -> tuple[float | None, bool | None]:
     )
 
 
+def check_host(host: str) -> None:
+    """``rollout.args.host`` must be an IPv4 address (or name) of this machine: bound here
+    and released, as the server binds it at start, so a typo fails at load, not mid-run."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+    except (OSError, UnicodeError, TypeError) as e:
+        raise ConfigError(
+            f"rollout.args.host={host!r} cannot be bound by the gateway ({e}); give an IPv4 "
+            "address of this machine: 127.0.0.1 (the default: agents on this machine) or "
+            "0.0.0.0 (every interface)"
+        ) from None
+
+
 class Gateway:
     """Runs a user's agent against an OpenAI-compatible gateway; registered as ``gateway``.
 
@@ -298,6 +314,7 @@ class Gateway:
                 a.max_stop_chars,
             ),
         )
+        check_host(a.host)
 
     def close(self) -> None:
         """Stop the server (the run's end; a daemon thread otherwise)."""

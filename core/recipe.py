@@ -29,6 +29,15 @@ from polyrl.core.registry import (
 from polyrl.core.rewards import RewardConfig
 from polyrl.core.tiny import check_build_conflicts
 
+# rollout.max_staleness above this is refused: a producer k versions ahead keeps up to
+# k + 1 copies of each trained policy's weights (and checkpoints k of them), and trains on
+# batches k updates old; AReaL-style runs use a few. 1000000 was a typo that made a 2-step
+# run spend minutes on per-step staleness metrics.
+MAX_STALENESS = 64
+# Estimators that compare a row only with its group (credit "group"): a group whose rewards
+# are all equal, or of one row, gets advantage 0 (polyrl.core.credit.group_advantages).
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
+
 
 @dataclass
 class RunConfig:
@@ -78,7 +87,8 @@ class RolloutConfig:
         "0: synchronous (each rollout uses the newest weights). k >= 1: the engines "
         "generate the next batches in the background on their own copy of the weights "
         "while the trainer updates; batch b uses the weights after update b-1-k (local "
-        "and Ray). See polyrl.core.rollouts",
+        f"and Ray); at most {MAX_STALENESS} (each version in flight keeps a copy of the "
+        "trained weights). See polyrl.core.rollouts",
     )
     partial: bool = doc(
         False,
@@ -130,6 +140,23 @@ class DistributedConfig:
     )
 
 
+def _packs_rows(kind: str) -> bool:
+    """Whether policy kind ``kind`` may form micro-batches by tokens (``PacksRows``): its
+    own ``token_budget``, or CausalLMPolicy's with CausalLMPolicy's packed log-prob pass
+    (the rule of ``CausalLMPolicy.token_budget``: a kind with its own pass stays padded)."""
+    from polyrl.core.policy import CausalLMPolicy
+
+    cls = POLICIES.get(kind)
+    if not isinstance(cls, type):
+        return True  # a factory: what it builds is known only then
+    budget = getattr(cls, "token_budget", None)
+    if budget is None:
+        return False
+    if budget is not CausalLMPolicy.token_budget:
+        return True  # its own rule, applied when it runs
+    return getattr(cls, "logprobs", None) is CausalLMPolicy.logprobs
+
+
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -166,6 +193,14 @@ class Config:
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
             POLICIES.check(p.kind)
+            if p.max_tokens_per_micro_batch is not None and not _packs_rows(p.kind):
+                raise ConfigError(
+                    f"policies.{name}.max_tokens_per_micro_batch="
+                    f"{p.max_tokens_per_micro_batch} in {source}: policy kind {p.kind!r} "
+                    "keeps its log-prob passes padded (its own pass, e.g. a VLM's), so "
+                    "micro-batches are micro_batch_size rows and a token budget would be "
+                    "ignored. Remove it and size micro-batches with micro_batch_size"
+                )
             ENGINES.check(p.engine.name)
             if self.distributed.backend == "local":
                 try:
@@ -234,7 +269,14 @@ class Config:
             ("train.steps", self.train.steps, self.train.steps >= 0, ">= 0"),
             ("rollout.n", r.n, r.n >= 1, ">= 1"),
             ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
-            ("rollout.max_staleness", r.max_staleness, r.max_staleness >= 0, ">= 0"),
+            (
+                "rollout.max_staleness",
+                r.max_staleness,
+                0 <= r.max_staleness <= MAX_STALENESS,
+                f"in [0, {MAX_STALENESS}]: a producer k versions ahead keeps up to k + 1 "
+                "copies of each trained policy's weights and trains on batches k updates "
+                "old (core/recipe.py MAX_STALENESS)",
+            ),
             ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
             (
                 "rollout.temperature",
@@ -320,12 +362,21 @@ class Config:
         for key, value, ok, need in checks:
             if not ok:
                 raise ConfigError(f"{key}={value!r} in {source}: must be {need}")
-        groups = ("grpo", "drgrpo", "rloo", "grpo_passk")
-        if r.n == 1 and self.algorithm.advantage in groups and self.algorithm.credit == "group":
+        by_group = self.algorithm.advantage in GROUP_ESTIMATORS and self.algorithm.credit == "group"
+        if r.n == 1 and by_group:
             warnings.warn(
                 f"rollout.n=1 with algorithm.advantage={self.algorithm.advantage!r} ({source}): "
                 "each group has one sample, so every advantage is 0 and nothing trains; "
                 "set rollout.n >= 2",
+                stacklevel=2,
+            )
+        elif r.temperature == 0 and by_group and self.train.steps > 0:
+            warnings.warn(
+                f"rollout.temperature=0 with algorithm.advantage={self.algorithm.advantage!r} "
+                f"({source}): greedy decoding gives the {r.n} samples of a prompt the same "
+                "response, so each group's rewards are equal and no group can have a "
+                "non-zero advantage: nothing trains (unless the reward itself is random); "
+                "set rollout.temperature > 0 (1.0 samples the policy as it is)",
                 stacklevel=2,
             )
 
