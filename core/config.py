@@ -2,7 +2,8 @@
 
 Every part owns its config dataclass next to its code; :class:`Config` composes them.
 Each field carries a one-line doc (``doc(default, "why")``) that ``polyrl config``
-prints. An unknown key is an error naming the closest valid key.
+prints. An unknown key is an error naming the closest valid key; a key given twice in a
+recipe is an error naming both lines (YAML itself would keep the last).
 """
 
 from __future__ import annotations
@@ -180,6 +181,36 @@ def deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _duplicate_key(node: yaml.Node, where: str = "", seen: set | None = None) -> str | None:
+    """The first key given twice in one mapping of a composed YAML document, as "key (line
+    a and line b)"; PyYAML itself keeps the last silently. Merge keys (``<<``) may be
+    overridden, as YAML allows."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already walked
+        return None
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+            line = key_node.start_mark.line + 1
+            dotted = f"{where}.{key}" if where else str(key)
+            if key in lines:
+                return f"{dotted!r} (line {lines[key]} and line {line})"
+            lines[key] = line
+            found = _duplicate_key(value_node, dotted, seen)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_key(item, f"{where}[{i}]", seen)
+            if found:
+                return found
+    return None
+
+
 def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
     """Load ``cls`` from a YAML recipe plus command-line overrides."""
     data: dict = {}
@@ -189,8 +220,9 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} does not exist")
         try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
+            text = path.read_text(encoding="utf-8")
+            data = yaml.safe_load(text) or {}
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
@@ -200,6 +232,12 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
             ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping at the top level")
+        twice = _duplicate_key(root) if root is not None else None
+        if twice:
+            raise ConfigError(
+                f"recipe {str(path)!r} gives the key {twice}; YAML would keep only the "
+                "last silently. Remove one of them"
+            )
         source = str(path)
         from polyrl.core.registry import anchor_files  # './my_part.py:Name' beside the recipe
 
