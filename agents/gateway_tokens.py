@@ -1,0 +1,72 @@
+"""Per-token views of a completion, shared by the gateway's APIs: log-prob entries (with
+``top_logprobs``), the text each sampled token adds (what token-by-token streaming sends),
+and the ``<think>`` split of a reply into reasoning and answer.
+
+Every API answers from the same :class:`~polyrl.agents.gateway_server.Choice` (the ids and
+log-probs the engine gave); these helpers only shape them, so what an agent reads equals
+what the record keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def token_entry(tok: Any, tid: int, logprob: float) -> dict:
+    piece = tok.decode([tid], skip_special_tokens=False)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+
+def logprob_entries(tok: Any, ids: list[int], logps: list[float], tops, k: int) -> list[dict]:
+    """OpenAI ``logprobs.content`` entries: per sampled token its text, log-prob, bytes and
+    (``k`` > 0) the ``k`` likeliest alternatives the engine saw at that step."""
+    out = []
+    for j, (tid, lp) in enumerate(zip(ids, logps, strict=True)):
+        entry = token_entry(tok, tid, lp)
+        alts = []
+        if k and tops is not None:
+            top_ids, top_lps = tops[j]
+            alts = [token_entry(tok, a, b) for a, b in zip(top_ids[:k], top_lps[:k], strict=True)]
+        entry["top_logprobs"] = alts
+        out.append(entry)
+    return out
+
+
+def pieces(tok: Any, ids: list[int], content: str) -> list[str]:
+    """The text each sampled token adds to ``content`` (one entry per token, joined they
+    are ``content``): a character split across tokens comes with its last token, tokens
+    past ``content`` (a stop string, the end token) add "". Content that is not a prefix
+    of the decoded tokens (a reply with tool calls taken out) comes whole with the first."""
+    out, shown = [], ""
+    for k in range(len(ids)):
+        text = tok.decode(ids[: k + 1], skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(shown):
+            out.append("")  # an incomplete character: it comes with a later token
+            continue
+        out.append(text[len(shown) :])
+        shown = text
+    full = tok.decode(ids, skip_special_tokens=True)
+    if not ids or "".join(out) != full or not full.startswith(content):
+        return [content] + [""] * (len(ids) - 1) if ids else [content]
+    cut, left = [], len(content)
+    for p in out:
+        cut.append(p[:left])
+        left -= len(cut[-1])
+    return cut
+
+
+def split_think(text: str) -> tuple[str | None, str]:
+    """``<think>reasoning</think>answer`` -> (reasoning, answer); (None, text) otherwise.
+    :func:`join_think` gives the text back exactly, so stitching still recognises it."""
+    if text.startswith(THINK_OPEN) and THINK_CLOSE in text:
+        end = text.index(THINK_CLOSE)
+        return text[len(THINK_OPEN) : end], text[end + len(THINK_CLOSE) :]
+    return None, text
+
+
+def join_think(reasoning: str | None, answer: str) -> str:
+    if reasoning is None:
+        return answer
+    return THINK_OPEN + reasoning + THINK_CLOSE + answer
