@@ -156,6 +156,17 @@ def test_eval_prints_accuracy(trained, capsys):
     assert run_record(run_dir) == before
 
 
+def test_eval_takes_overrides_after_the_run_dir(trained, capsys):
+    """`polyrl eval R.yaml --run-dir D key=val`: the override applies (answers of one token)."""
+    recipe, run_dir, _ = trained
+    assert main(["eval", str(recipe), "--run-dir", str(run_dir), "eval.max_new_tokens=1"]) == 0
+    lines = dict(line.split(": ") for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert 0.0 < float(lines["eval/response_len"]) <= 1.0
+    with pytest.raises(SystemExit) as exit_:  # a stray option is still refused
+        main(["eval", str(recipe), "--run-dir", str(run_dir), "--bogus", "a=b"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path, capsys):
     recipe, _, _ = trained
     assert main(["eval", str(recipe), "--run-dir", str(tmp_path / "not-a-run")]) == 2
