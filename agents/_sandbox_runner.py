@@ -1,19 +1,34 @@
-"""Runs inside the sandbox worker: installs the audit hook, then runs ``snippet.py``.
+"""Runs inside a sandbox worker: the model's code, or the checks of a ``unit_tests`` row.
 
 This file is executed by the sandbox's own Python (``python -I -B -c <this source>``) with
 the working directory as the current directory, after the supervisor dropped privileges
-and set the resource limits. It must only use the standard library. ``argv[1]`` is "1"
-when the audit hook is on; ``argv[2]`` is the status channel's descriptor (``start``
-before the code runs, ``done <nonce>`` once it returned) and ``argv[3]`` the pipe the
-per-run nonce arrives on. A failure before the code starts exits 126 with
-``sandbox setup failed`` on stderr; the supervisor trusts that only without ``start``.
+and set the resource limits. It must only use the standard library. ``argv``: the audit
+hook flag ("1": on), the status channel's descriptor, the descriptor the nonce (``run``)
+or the checks (``check``) arrive on, the mode, and for ``serve``/``check`` the request and
+reply descriptors that connect the two processes of a tests run. A failure before the
+code starts exits 126 with ``sandbox setup failed`` on stderr; the supervisor trusts that
+only without ``start`` on the status channel.
 
-The audit hook (PEP 578) refuses, with a ``PermissionError`` that names the operation:
-opening files outside the working directory (reading is also allowed under the Python
-installation, so imports work), changing files or directories outside it, sockets,
-signals to other processes, starting processes (fork, exec, spawn, system, Popen) and
-ctypes foreign calls. It is a Python-level guard that gives clear errors; the OS layers
-(separate uid, namespaces, resource limits) are the boundary.
+Modes:
+
+- ``run``: run ``snippet.py``; ``done <nonce>`` on the status channel once it returned.
+- ``serve`` (the candidate process of a tests run): run ``snippet.py`` (the response),
+  then answer requests for its names and calls. Every result goes back as plain data
+  (:func:`encode`: exact builtin types only); anything else is refused.
+- ``check`` (the checker process): no model code runs here. It makes itself
+  non-dumpable (no process of its uid may read its memory or descriptors), reads the
+  row's checks and the nonce from its pipe, runs them with every name they do not define
+  (nor builtins) looked up in the candidate process, decodes each reply into fresh
+  builtins (:func:`decode`: whatever bytes arrive, the checks compare plain data, never
+  an object of the candidate's), and writes ``done <nonce>`` after the last check
+  returned.
+
+The audit hook (PEP 578, ``run``/``serve``) refuses, with a ``PermissionError`` that names
+the operation: opening files outside the working directory (reading is also allowed under
+the Python installation, so imports work), changing files or directories outside it,
+sockets, signals to other processes, starting processes (fork, exec, spawn, system, Popen)
+and ctypes foreign calls. It is a Python-level guard that gives clear errors; the OS
+layers (separate uid, namespaces, seccomp, resource limits) are the boundary.
 """
 
 import os
@@ -164,15 +179,253 @@ def _denied(what: str):
     return refuse
 
 
+# Plain data between the two processes of a tests run: JSON, with one-key tags for what
+# JSON lacks. Exact builtin types only: a subclass could carry an ``__eq__`` of its own.
+MAX_DEPTH = 64
+MAX_MESSAGE = 8 * 2**20  # bytes of one request or reply line
+PLAIN = "None, bool, int, float, complex, str, bytes, or lists, tuples, dicts and sets of them"
+
+
+def encode(value, depth: int = 0):
+    """``value`` as JSON-ready plain data; anything but exact builtins raises TypeError."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels cannot be sent")
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is list:
+        return [encode(v, depth + 1) for v in value]
+    if kind in (tuple, set, frozenset):
+        return {kind.__name__: [encode(v, depth + 1) for v in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if kind is complex:
+        return {"complex": [value.real, value.imag]}
+    raise TypeError(f"a {kind.__name__} is not plain data ({PLAIN})")
+
+
+def decode(data, depth: int = 0):
+    """Fresh builtins from what :func:`encode` made; anything else raises ValueError."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels")
+    kind = type(data)
+    if data is None or kind in (bool, int, float, str):
+        return data
+    if kind is list:
+        return [decode(v, depth + 1) for v in data]
+    if kind is dict and len(data) == 1:
+        ((tag, body),) = data.items()
+        if tag in ("tuple", "set", "frozenset") and type(body) is list:
+            make = {"tuple": tuple, "set": set, "frozenset": frozenset}[tag]
+            return make([decode(v, depth + 1) for v in body])
+        pairs = tag == "dict" and type(body) is list
+        if pairs and all(type(p) is list and len(p) == 2 for p in body):
+            return {decode(k, depth + 1): decode(v, depth + 1) for k, v in body}
+        if tag == "bytes" and type(body) is str:
+            return bytes.fromhex(body)
+        two = tag == "complex" and type(body) is list and len(body) == 2
+        if two and all(type(x) in (int, float) for x in body):
+            return complex(body[0], body[1])
+    raise ValueError("the reply is not plain data")
+
+
+def _send(fd: int, message: dict) -> None:
+    import json
+
+    data = json.dumps(message).encode() + b"\n"
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _text(e: BaseException) -> str:
+    try:
+        return str(e)[:2000]
+    except BaseException:
+        return "(its message could not be read)"
+
+
+def _serve(scope: dict, req_fd: int, rep_fd: int) -> None:
+    """The candidate process: answer the checker's lookups and calls until it hangs up."""
+    import contextlib
+    import json
+
+    requests = os.fdopen(req_fd, "rb", buffering=65536)
+    while line := requests.readline(MAX_MESSAGE):
+        try:
+            req = json.loads(line)
+            name = req["name"]
+            if req["op"] == "get":
+                if name not in scope:
+                    reply = {"missing": True}
+                elif callable(scope[name]):
+                    reply = {"callable": True}
+                else:
+                    reply = {"value": encode(scope[name])}
+            else:
+                args, kwargs = decode(req["args"]), decode(req["kwargs"])
+                reply = {"value": encode(scope[name](*args, **kwargs))}
+        except BaseException as e:  # the code's error (any kind) is the checker's to judge
+            reply = {"error": [type(e).__name__, _text(e)]}
+        for stream in (sys.stdout, sys.stderr):  # the process may be killed once answered
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        try:
+            _send(rep_fd, reply)
+        except (TypeError, ValueError) as e:  # e.g. a float the JSON encoder refuses
+            _send(rep_fd, {"error": ["TypeError", _text(e)]})
+
+
+class _Candidate:
+    """The checker's end of the two pipes to the candidate process."""
+
+    def __init__(self, req_fd: int, rep_fd: int, status_fd: int) -> None:
+        self.req_fd, self.status_fd = req_fd, status_fd
+        self.replies = os.fdopen(rep_fd, "rb", buffering=65536)
+
+    def ask(self, message: dict):
+        import json
+
+        _send(self.req_fd, message)
+        line = self.replies.readline(MAX_MESSAGE + 1)
+        if not line.endswith(b"\n"):
+            raise RuntimeError(
+                "the candidate's process ended (it exited or was stopped) before answering"
+                if len(line) <= MAX_MESSAGE
+                else f"the candidate's reply is longer than {MAX_MESSAGE} bytes"
+            )
+        reply = json.loads(line)
+        if type(reply) is not dict or len(reply) != 1:
+            raise ValueError("the candidate's reply is malformed")
+        ((kind, body),) = reply.items()
+        if kind == "value":
+            return decode(body)
+        if kind in ("missing", "callable") and body is True:
+            return kind
+        two = kind == "error" and type(body) is list and len(body) == 2
+        if two and all(type(x) is str for x in body):
+            raise _exception(body[0])(f"{body[1]} (raised in the candidate's code)")
+        raise ValueError("the candidate's reply is malformed")
+
+    def lookup(self, name: str):
+        got = self.ask({"op": "get", "name": name})
+        if got == "missing":
+            raise KeyError(name)
+        return _Function(self, name) if got == "callable" else got
+
+    def call(self, name: str, args: tuple, kwargs: dict):
+        try:
+            sent = {"op": "call", "name": name, "args": encode(list(args))}
+            sent["kwargs"] = encode(dict(kwargs))
+        except (TypeError, ValueError) as e:  # the row's own checks pass something unsendable
+            msg = f"an argument to {name}() cannot be sent to the candidate's process: {e}"
+            os.write(self.status_fd, f"harness {msg}\n".encode())
+            raise TypeError(msg) from None
+        return self.ask(sent)
+
+
+def _exception(name: str) -> type:
+    """A builtin exception the candidate named, so checks that expect one still work;
+    never one that ends an iteration (``all(map(candidate, xs))`` would pass)."""
+    import builtins
+
+    cls = getattr(builtins, name, None)
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, Exception)
+        and not issubclass(cls, (StopIteration, StopAsyncIteration))
+    ):
+        return cls
+    return RuntimeError
+
+
+class _Function:
+    """A function of the candidate's: calling it runs it in the candidate's process."""
+
+    __slots__ = ("_candidate", "__name__")
+
+    def __init__(self, candidate: _Candidate, name: str) -> None:
+        self._candidate, self.__name__ = candidate, name
+
+    def __call__(self, *args, **kwargs):
+        return self._candidate.call(self.__name__, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<the candidate's {self.__name__}>"
+
+
+class _Checks(dict):
+    """The checks' globals: a name they neither define nor find in builtins is looked up
+    in the candidate's process (its functions become :class:`_Function`, its other values
+    are copied as plain data). Builtins come first: the candidate cannot replace them."""
+
+    def __init__(self, candidate: _Candidate) -> None:
+        import builtins
+
+        super().__init__(__builtins__=builtins, __name__="__main__")
+        self._candidate, self._builtins = candidate, vars(builtins)
+
+    def __missing__(self, name: str):
+        if name in self._builtins or name.startswith("__"):
+            raise KeyError(name)
+        return self._candidate.lookup(name)
+
+
+def _check(status_fd: int, tests_fd: int, req_fd: int, rep_fd: int) -> None:
+    """The checker process: runs the row's checks; ``done <nonce>`` once they returned."""
+    import json
+
+    try:
+        import ctypes
+
+        # non-dumpable: a process of the same uid can neither ptrace this one nor open its
+        # /proc/<pid>/mem, fd or environ (the checks are read only after this)
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+        data = b""
+        while chunk := os.read(tests_fd, 65536):
+            data += chunk
+        os.close(tests_fd)
+        payload = json.loads(data)
+        nonce = payload["nonce"].encode()
+        entry = payload["entry_point"]
+        if entry and not entry.isidentifier():
+            raise ValueError(f"the entry point {entry!r} is not a Python name")
+        scope = _Checks(_Candidate(req_fd, rep_fd, status_fd))
+        os.write(status_fd, b"start\n")
+    except BaseException as e:
+        os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        os._exit(126)
+    try:
+        for name, source in (("preamble", payload["preamble"]), ("checks", payload["source"])):
+            exec(compile(source, name, "exec"), scope)
+        if entry:
+            exec(compile(f"check({entry})", "checks", "exec"), scope)
+    except BaseException as e:
+        import traceback
+
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        traceback.print_exception(type(e), e, tb)
+        sys.stderr.flush()
+        os._exit(1)
+    os.write(status_fd, b"done " + nonce + b"\n")
+
+
 def _main() -> None:
     audit = len(sys.argv) > 1 and sys.argv[1] == "1"
-    status_fd, nonce_fd = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 3 else (-1, -1)
+    status_fd, pipe_fd = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 3 else (-1, -1)
+    mode = sys.argv[4] if len(sys.argv) > 4 else "run"
+    req_fd, rep_fd = (int(a) for a in sys.argv[5:7]) if len(sys.argv) > 6 else (-1, -1)
+    if mode == "check":
+        _check(status_fd, pipe_fd, req_fd, rep_fd)
+        return
     try:
         nonce = b""
-        if nonce_fd >= 0:
-            while chunk := os.read(nonce_fd, 64):
+        if pipe_fd >= 0:
+            while chunk := os.read(pipe_fd, 64):
                 nonce += chunk
-            os.close(nonce_fd)  # gone before the code runs
+            os.close(pipe_fd)  # gone before the code runs
         work = os.getcwd()
         with open(os.path.join(work, "snippet.py"), encoding="utf-8") as f:
             source = f.read()
@@ -195,6 +448,9 @@ def _main() -> None:
         traceback.print_exception(type(e), e, tb)
         sys.stderr.flush()
         sys.exit(1)
+    if mode == "serve":  # the candidate of a tests run: its checks run elsewhere
+        _serve(scope, req_fd, rep_fd)
+        return
     # The last statement returned (no exception, no exit): say so with the nonce, over a
     # channel an early exit, an exit status or text on stdout/stderr cannot stand in for.
     if status_fd >= 0:

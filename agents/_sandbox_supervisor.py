@@ -41,7 +41,138 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     1 << 18,
 )
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# System calls the code never needs and that widen what it can reach (per architecture):
+# io_uring (its own path around the syscall layer), the kernel keyrings, new or other
+# namespaces (nested user namespaces with mounts), BPF, perf, reading or writing other
+# processes' memory, userfaultfd. ``clone`` is refused only with a namespace flag; clone3
+# (whose flags seccomp cannot read) answers ENOSYS, so libc falls back to clone.
+SYSCALLS = {
+    "x86_64": {
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "keyctl": 250,
+        "add_key": 248,
+        "request_key": 249,
+        "unshare": 272,
+        "setns": 308,
+        "bpf": 321,
+        "perf_event_open": 298,
+        "ptrace": 101,
+        "process_vm_readv": 310,
+        "process_vm_writev": 311,
+        "userfaultfd": 323,
+        "clone": 56,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "keyctl": 219,
+        "add_key": 217,
+        "request_key": 218,
+        "unshare": 97,
+        "setns": 268,
+        "bpf": 280,
+        "perf_event_open": 241,
+        "ptrace": 117,
+        "process_vm_readv": 270,
+        "process_vm_writev": 271,
+        "userfaultfd": 282,
+        "clone": 220,
+        "clone3": 435,
+    },
+}
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET}
+X32_SYSCALL_BIT = 0x40000000
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_ushort),
+        ("jt", ctypes.c_ubyte),
+        ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _seccomp_program(machine: str) -> list:
+    """A classic-BPF seccomp filter (code, jt, jf, k): refuse SYSCALLS with EPERM."""
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
+    nrs = SYSCALLS[machine]
+    denied = [nr for name, nr in nrs.items() if name not in ("clone", "clone3")]
+    head = [
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, AUDIT_ARCH[machine]),
+        (ret, 0, 0, kill),  # another ABI (i386 on x86_64): its numbers differ
+        (ld, 0, 0, 0),  # seccomp_data.nr
+    ]
+    checks = [(jge, None, 0, X32_SYSCALL_BIT)] if machine == "x86_64" else []
+    checks += [(jeq, None, 0, nr) for nr in denied]
+    checks.append((jeq, "enosys", 0, nrs["clone3"]))
+    tail = [
+        (jeq, 0, 2, nrs["clone"]),
+        (ld, 0, 0, 16),  # args[0], low half: clone's flags
+        (jset, 1, 0, NAMESPACE_FLAGS),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, errno | 1),  # EPERM
+        (ret, 0, 0, errno | 38),  # ENOSYS
+    ]
+    prog = head + checks + tail
+    deny_at, enosys_at = len(prog) - 2, len(prog) - 1
+    out = []
+    for i, (code, jt, jf, k) in enumerate(prog):
+        if jt is None:
+            jt = deny_at - i - 1
+        elif jt == "enosys":
+            jt = enosys_at - i - 1
+        out.append((code, jt, jf, k))
+    return out
+
+
+def _install_seccomp() -> str:
+    machine = os.uname().machine
+    if machine not in SYSCALLS:
+        return ""
+    prog = _seccomp_program(machine)
+    filters = (_SockFilter * len(prog))(*[_SockFilter(*insn) for insn in prog])
+    fprog = _SockFprog(len(prog), filters)
+    _check(
+        _libc.prctl(
+            ctypes.c_int(PR_SET_SECCOMP),
+            ctypes.c_ulong(SECCOMP_MODE_FILTER),
+            ctypes.byref(fprog),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        ),
+        "prctl(PR_SET_SECCOMP)",
+    )
+    return machine
+
+
+def _fresh_keyring() -> None:
+    """Join a new, empty session keyring: the trainer's (and the keys it holds, which a
+    possessor may read whatever its uid) is no longer the process's."""
+    nr = SYSCALLS.get(os.uname().machine, {}).get("keyctl")
+    if nr is None:
+        raise OSError(0, "unknown system call numbers on this architecture")
+    ret = _libc.syscall(
+        ctypes.c_long(nr), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None)
+    )
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
 # Top-level directories the worker keeps (system files it needs to run Python); every
 # other top-level directory -- wherever the project, its data or the user's home live --
 # is replaced by an empty tmpfs in the worker's private mount namespace, and the Python
@@ -112,13 +243,14 @@ def _exposed_paths(python_paths: list) -> list:
     return out
 
 
-def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
+def _private_filesystem(work_mb: int, inodes: int, python_paths: list, layers: list) -> str:
     """Private mounts: hide user/project directories, expose Python read-only; returns workdir."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     # noexec: nothing the code writes can be executed or mapped executable (no dropped
     # binaries, no extension modules loaded from the working directory)
     noexec = MS_NOSUID | MS_NODEV | MS_NOEXEC
-    _mount("tmpfs", "/tmp", "tmpfs", noexec, f"size={work_mb}m,mode=1777")
+    # nr_inodes: bytes alone are capped by size=; empty files and directories cost none
+    _mount("tmpfs", "/tmp", "tmpfs", noexec, f"size={work_mb}m,nr_inodes={inodes},mode=1777")
     stage = "/tmp/.stage"
     os.mkdir(stage, 0o700)
     exposed = _exposed_paths(python_paths)
@@ -129,7 +261,7 @@ def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
     for h in _to_hide():
         if h == "/tmp":
             continue
-        _mount("tmpfs", h, "tmpfs", noexec, "size=1m,mode=755")
+        _mount("tmpfs", h, "tmpfs", noexec, "size=1m,nr_inodes=256,mode=755")
         hidden.append(h)
     for k, p in enumerate(exposed):
         under = [h for h in hidden + ["/tmp"] if p.startswith(h + "/")]
@@ -145,7 +277,9 @@ def _private_filesystem(work_mb: int, python_paths: list, layers: list) -> str:
     work = "/tmp/work"
     os.mkdir(work, 0o700)
     layers.append(
-        "mount-namespace(hidden: " + " ".join(hidden) + "; private tmpfs workdir, noexec)"
+        "mount-namespace(hidden: "
+        + " ".join(hidden)
+        + f"; private tmpfs workdir, noexec, {inodes} inodes)"
     )
     return work
 
@@ -174,7 +308,10 @@ def _isolate(req: dict, layers: list, notes: list) -> tuple:
     if not root:
         layers.append("user-namespace")
     try:
-        work = _private_filesystem(req["limits"]["tmpfs_mb"], req["python_paths"], layers)
+        lim = req["limits"]
+        work = _private_filesystem(
+            lim["tmpfs_mb"], lim["tmpfs_inodes"], req["python_paths"], layers
+        )
     except OSError as e:
         notes.append(f"private mounts failed ({e}); using a temporary directory")
         work = None
@@ -291,22 +428,24 @@ def _status(kind: str, text: str) -> None:
 
 
 # The runner's descriptors besides stdin/stdout/stderr: the status channel (setup reports,
-# then "start" before the code runs and "done <nonce>" after it returned) and the pipe
-# the per-run nonce arrives on (read and closed before the code runs).
-STATUS_FD, NONCE_FD = 3, 4
+# then "start" before the code runs and "done <nonce>" after it returned), the pipe the
+# per-run nonce (or, for the checker, the checks) arrives on, read and closed before any
+# code runs, and in a tests run the request and reply pipes between the two processes.
+STATUS_FD, NONCE_FD, REQUEST_FD, REPLY_FD = 3, 4, 5, 6
 
 
-def _worker(req: dict, work: str, uid, pipes: tuple, own_proc: bool) -> None:
-    """In the child: limits, privileges, then exec the runner. Never returns."""
+def _worker(req: dict, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> None:
+    """In the child: limits, privileges, keyring, seccomp, then exec the runner in
+    ``mode`` with ``fds`` ({target descriptor: pipe end}). Never returns."""
     try:
         lim = req["limits"]
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in pipes]
+        high = {t: fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for t, fd in fds.items()}
         devnull = os.open("/dev/null", os.O_RDONLY)
         os.dup2(devnull, 0)
-        for target, fd in zip((1, 2, STATUS_FD, NONCE_FD), high, strict=True):
+        for target, fd in high.items():
             os.dup2(fd, target)
         if own_proc:
             _own_proc()
@@ -327,16 +466,33 @@ def _worker(req: dict, work: str, uid, pipes: tuple, own_proc: bool) -> None:
         if uid is not None:
             nproc = int(lim["max_processes"])
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-            os.chown(work, uid, uid)
-            os.chown(os.path.join(work, "snippet.py"), uid, uid)
+            os.chown(cwd, uid, uid)
+            if mode != "check":
+                os.chown(os.path.join(cwd, "snippet.py"), uid, uid)
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-        os.chdir(work)
+        try:
+            _fresh_keyring()
+        except OSError as e:
+            _status("note", f"could not join a fresh session keyring ({e.strerror})")
+        else:
+            _status("layer", "fresh session keyring (the trainer's keys are not possessed)")
+        if req.get("seccomp", True):
+            try:
+                machine = _install_seccomp()
+            except OSError as e:
+                _status("note", f"no seccomp filter ({e.strerror})")
+            else:
+                if machine:
+                    _status("layer", SECCOMP_LAYER)
+                else:
+                    _status("note", f"no seccomp filter for {os.uname().machine}")
+        os.chdir(cwd)
         env = {
             "PATH": "/usr/bin:/bin",
-            "HOME": work,
-            "TMPDIR": work,
+            "HOME": cwd,
+            "TMPDIR": cwd,
             "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONHASHSEED": "0",
@@ -344,25 +500,22 @@ def _worker(req: dict, work: str, uid, pipes: tuple, own_proc: bool) -> None:
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
         }
-        os.execve(
-            req["python"],
-            [
-                req["python"],
-                "-I",
-                "-B",
-                "-c",
-                req["runner"],
-                "1" if req["audit"] else "0",
-                str(STATUS_FD),
-                str(NONCE_FD),
-            ],
-            env,
-        )
+        argv = [req["python"], "-I", "-B", "-c", req["runner"]]
+        argv += ["1" if req["audit"] and mode != "check" else "0", str(STATUS_FD)]
+        argv += [str(NONCE_FD) if NONCE_FD in fds else "-1", mode]
+        argv += [str(REQUEST_FD), str(REPLY_FD)]
+        os.execve(req["python"], argv, env)
     except BaseException as e:  # report setup failures on the error pipe
         try:
             os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(126)
+
+
+SECCOMP_LAYER = (
+    "seccomp filter (refuses io_uring, keyctl/add_key/request_key, unshare, setns, "
+    "clone with namespace flags, bpf, perf_event_open, ptrace, process_vm_*, userfaultfd)"
+)
 
 
 def _kill_all(pid: int, uid, pid_ns: bool) -> None:
@@ -409,19 +562,22 @@ def _cpu_wait(proc_fd: int, pid: int) -> float:
 
 
 class _StatusChannel:
-    """Reads the status channel: setup reports, then "start", then "done <nonce>".
+    """Reads a status channel: setup reports, then "start", then "done <nonce>".
 
     Reports before "start" come from the sandbox's own code (the worker, the runner's
     setup); after it the code runs and may write anything here, so only the nonce line,
     which it does not know, counts. ``completed``: the code ran to its last statement.
+    ``trusted``: no model code writes to this channel (the checker's): its "harness"
+    lines (the row's checks could not be run as written) are kept.
     """
 
     MAX_LINE = 4096
 
-    def __init__(self, nonce: str, layers: list, notes: list) -> None:
+    def __init__(self, nonce: str, layers: list, notes: list, trusted: bool = False) -> None:
         self.done_line = f"done {nonce}".encode()
-        self.layers, self.notes = layers, notes
+        self.layers, self.notes, self.trusted = layers, notes, trusted
         self.started = self.completed = False
+        self.harness: list = []
         self.partial = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -431,16 +587,36 @@ class _StatusChannel:
         for line in lines:
             if self.started:
                 self.completed = self.completed or line == self.done_line
+                if self.trusted and line.startswith(b"harness ") and len(self.harness) < 8:
+                    self.harness.append(line[8:].decode("utf-8", "replace"))
             elif line == b"start":
                 self.started = True
             elif line.startswith((b"layer ", b"note ")):
                 kind, text = line.decode("utf-8", "replace").split(" ", 1)
-                (self.layers if kind == "layer" else self.notes).append(text)
+                seen = self.layers if kind == "layer" else self.notes
+                if text not in seen:
+                    seen.append(text)
+
+
+class _Worker:
+    def __init__(self, role: str, uid, channel: _StatusChannel) -> None:
+        self.role, self.uid, self.channel = role, uid, channel
+        self.pid = None
+        self.status = None
+
+
+def _throwaway_uid(taken: set) -> int:
+    rng = random.SystemRandom()
+    while (uid := rng.randrange(1_000_000, 2_000_000_000)) in taken:
+        pass
+    taken.add(uid)
+    return uid
 
 
 def main() -> None:
     req = json.loads(sys.stdin.read())
     lim = req["limits"]
+    tests = req.get("tests")
     layers: list = []
     notes: list = []
     work, can_drop = _isolate(req, layers, notes)
@@ -453,7 +629,6 @@ def main() -> None:
         layers.append("temporary working directory (removed afterwards)")
     with open(os.path.join(work, "snippet.py"), "w", encoding="utf-8") as f:
         f.write(req["code"])
-    uid = None
     private_fs = any(x.startswith("mount-namespace") for x in layers)
     if (
         can_drop
@@ -467,80 +642,174 @@ def main() -> None:
             "under /root) and there is no mount namespace to expose it: running as "
             "the current user"
         )
+    uids: set = set()
+    code_uid = check_uid = None
     if can_drop and req["drop_privileges"]:
-        uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000)
+        code_uid = _throwaway_uid(uids)
         layers.append(
-            f"throwaway uid {uid} (no file it does not own is writable; RLIMIT_NPROC "
+            f"throwaway uid {code_uid} (no file it does not own is writable; RLIMIT_NPROC "
             f"caps its processes at {lim['max_processes']})"
         )
+        if tests is not None:
+            check_uid = _throwaway_uid(uids)
+            layers.append(f"checker uid {check_uid} (the code's uid cannot reach it)")
     layers.append("resource limits (cpu, address space, file size, open files, no core dumps)")
     layers.append("new session; output capped; wall-time kill")
     if req["audit"]:
         layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
+    if tests is not None:
+        layers.append(
+            "checks in a separate process (the code answers calls with plain data; the "
+            "checks, their verdict and the nonce never reach the code's process)"
+        )
     own_ipc = any(x.startswith("ipc-namespace") for x in layers)
     proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's view, kept
     ipc_before = {(o[0], o[1]) for o in _ipc_objects(proc_fd)}
+    nonce = os.urandom(16).hex()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     st_r, st_w = os.pipe()
-    nonce_r, nonce_w = os.pipe()
-    nonce = os.urandom(16).hex()
-    os.write(nonce_w, nonce.encode())
-    os.close(nonce_w)
+    in_r, in_w = os.pipe()  # the nonce (run) or the checks (tests run)
+    if tests is None:
+        os.write(in_w, nonce.encode())
+        os.close(in_w)
+        in_w = -1
+        pending = b""
+    else:
+        pending = json.dumps({**tests, "nonce": nonce}).encode()
+        os.set_blocking(in_w, False)
     own_proc = pid_ns and private_fs
+    code = _Worker("code", code_uid, _StatusChannel(nonce, layers, notes))
+    code_fds = {1: out_w, 2: err_w, STATUS_FD: st_w}
+    streams = {out_r: "out", err_r: "err", st_r: code}
+    checker = None
+    if tests is not None:
+        # the checker is forked first (PID 1 of the namespace: when it exits, the code's
+        # process dies with it) and the code only once the checker has read its checks
+        # and made itself non-dumpable, so not even a process of the same uid reads them
+        checker = _Worker("check", check_uid, _StatusChannel(nonce, layers, notes, True))
+        chk_out_r, chk_out_w = os.pipe()
+        chk_st_r, chk_st_w = os.pipe()
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        if private_fs:
+            checks_dir = os.path.join(os.path.dirname(work), "checks")
+            os.mkdir(checks_dir, 0o700)
+        else:
+            import tempfile
+
+            checks_dir = tempfile.mkdtemp(prefix="polyrl-checks-")
+        check_fds = {1: chk_out_w, 2: chk_out_w, STATUS_FD: chk_st_w, NONCE_FD: in_r}
+        check_fds.update({REQUEST_FD: req_w, REPLY_FD: rep_r})
+        code_fds.update({REQUEST_FD: req_r, REPLY_FD: rep_w})
+        streams.update({chk_out_r: "checks", chk_st_r: checker})
+    else:
+        code_fds[NONCE_FD] = in_r
+    first = checker or code
     start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        for fd in (out_r, err_r, st_r):
+    first.pid = os.fork()
+    if first.pid == 0:
+        if checker is not None:
+            _worker(req, checks_dir, check_uid, check_fds, own_proc, "check")
+        _worker(req, work, code_uid, code_fds, own_proc, "run")
+    if checker is not None:
+        for fd in (chk_out_w, chk_st_w, in_r, req_w, rep_r):
             os.close(fd)
-        _worker(req, work, uid, (out_w, err_w, st_w, nonce_r), own_proc)
-    for fd in (out_w, err_w, st_w, nonce_r):
-        os.close(fd)
-    buffers = {out_r: bytearray(), err_r: bytearray()}
-    channel = _StatusChannel(nonce, layers, notes)
+    else:
+        for fd in (out_w, err_w, st_w, in_r):
+            os.close(fd)
+    workers = [first]
+    buffers = {"out": bytearray(), "err": bytearray(), "checks": bytearray()}
     cap = int(lim["output_bytes"])
     deadline = start + float(lim["wall_seconds"])
     grace = float(lim["load_grace_seconds"])
     extended = 0.0
     killed = ""
-    open_fds = [out_r, err_r, st_r]
-    status = None
+    open_fds = list(streams)
+    if checker is not None:
+        open_fds = [chk_out_r, chk_st_r]  # the code's streams open once it is forked
+    ended_at = None
+
+    def kill_everything() -> None:
+        for w in workers:
+            if w.pid is not None:
+                _kill_all(w.pid, w.uid, pid_ns)
+
     while True:
         now = time.monotonic()
         if now >= deadline and not killed and extended < grace:
             # Wall time the code spent waiting for a CPU on a loaded machine does not
             # count (up to ``load_grace_seconds``): a busy loop then ends on its CPU limit.
-            extended = min(grace, _cpu_wait(proc_fd, pid))
+            extended = min(grace, max(_cpu_wait(proc_fd, w.pid) for w in workers))
             deadline = start + float(lim["wall_seconds"]) + extended
         if now >= deadline and not killed:
             killed = "wall_time"
-            _kill_all(pid, uid, pid_ns)
-        if open_fds:
-            ready, _, _ = select.select(open_fds, [], [], max(0.0, min(0.05, deadline - now)))
-            for fd in ready:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    open_fds.remove(fd)
-                    continue
-                if fd == st_r:
-                    channel.feed(chunk)
-                    continue
-                buffers[fd] += chunk
-                if len(buffers[out_r]) + len(buffers[err_r]) > cap and not killed:
-                    killed = "output_limit"
-                    _kill_all(pid, uid, pid_ns)
-        if status is None:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = st
-                if not pid_ns:  # children it left behind (the namespace cleans up by itself)
-                    _kill_all(pid, uid, pid_ns)
-        if status is not None and not open_fds:
+            kill_everything()
+        if checker is not None and code.pid is None and not killed:
+            if checker.status is not None:
+                code.pid = -1  # the checker ended before it was ready: never started
+            elif checker.channel.started:
+                code.pid = os.fork()
+                if code.pid == 0:
+                    _worker(req, work, code_uid, code_fds, False, "serve")
+                for fd in code_fds.values():
+                    os.close(fd)
+                workers.append(code)
+                open_fds += [out_r, err_r, st_r]
+        writing = [in_w] if pending else []
+        ready, can_write, _ = select.select(
+            open_fds, writing, [], max(0.0, min(0.05, deadline - now))
+        )
+        if can_write:
+            try:
+                pending = pending[os.write(in_w, pending[:65536]) :]
+            except BlockingIOError:
+                pass
+            except OSError:  # the checker is gone
+                pending = b""
+            if not pending:
+                os.close(in_w)
+                in_w = -1
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.remove(fd)
+                continue
+            role = streams[fd]
+            if isinstance(role, _Worker):
+                role.channel.feed(chunk)
+                continue
+            if role == "checks":  # the dataset's own output: kept up to the cap, never fatal
+                buffers["checks"] += chunk[: max(0, cap - len(buffers["checks"]))]
+                continue
+            buffers[role] += chunk
+            if len(buffers["out"]) + len(buffers["err"]) > cap and not killed:
+                killed = "output_limit"
+                kill_everything()
+        for w in workers:
+            if w.status is None and w.pid is not None and w.pid > 0:
+                done, st = os.waitpid(w.pid, os.WNOHANG)
+                if done:
+                    w.status = st
+                    if not pid_ns:  # children it left behind (the namespace cleans up itself)
+                        _kill_all(w.pid, w.uid, pid_ns)
+        if checker is not None and checker.status is not None and ended_at is None:
+            ended_at = time.monotonic()
+            if code.pid is not None and code.pid > 0 and code.status is None:
+                _kill_all(code.pid, code.uid, pid_ns)  # its checks are over
+        finished = all(w.status is not None for w in workers) and (
+            checker is None or code.pid is not None
+        )
+        if finished and not open_fds:
             break
-        if status is not None and killed:
+        if finished and killed:
             break
-        if not open_fds and status is None:
+        if finished and ended_at is not None and time.monotonic() - ended_at > 1.0:
+            break  # a tests run: what a leftover process still holds open is not waited for
+        if not open_fds and not finished:
             time.sleep(0.01)
+    if in_w >= 0 and checker is not None:
+        os.close(in_w)
     elapsed = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if extended > 0.05:
@@ -550,17 +819,19 @@ def main() -> None:
         )
     if killed == "wall_time":
         notes.append(f"stopped by the wall-time limit after {elapsed:.1f} s")
-    ipc_left = _cleanup_ipc(proc_fd, ipc_before, own_ipc, uid, notes)
-    if temp is not None:
-        import shutil
+    ipc_left = _cleanup_ipc(proc_fd, ipc_before, own_ipc, code_uid, notes)
+    for path in (temp, None if checker is None or private_fs else checks_dir):
+        if path is not None:
+            import shutil
 
-        shutil.rmtree(temp, ignore_errors=True)
-    exit_code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            shutil.rmtree(path, ignore_errors=True)
+    status = code.status
+    exit_code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
+    sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
     result = {
-        "stdout": bytes(buffers[out_r][:cap]).decode("utf-8", "replace"),
-        "stderr": bytes(buffers[err_r][:cap]).decode("utf-8", "replace"),
-        "output_bytes": len(buffers[out_r]) + len(buffers[err_r]),
+        "stdout": bytes(buffers["out"][:cap]).decode("utf-8", "replace"),
+        "stderr": bytes(buffers["err"][:cap]).decode("utf-8", "replace"),
+        "output_bytes": len(buffers["out"]) + len(buffers["err"]),
         "exit_code": exit_code,
         "signal": sig,
         "killed": killed,
@@ -569,9 +840,21 @@ def main() -> None:
         "layers": layers,
         "notes": notes,
         "ipc_left": ipc_left,
-        "started": channel.started,
-        "completed": channel.completed,
+        "started": code.channel.started,
+        "completed": code.channel.completed,
     }
+    if checker is not None:
+        st = checker.status
+        result["checks"] = {
+            "output": bytes(buffers["checks"]).decode("utf-8", "replace"),
+            "started": checker.channel.started,
+            "passed": checker.channel.completed
+            and st is not None
+            and os.WIFEXITED(st)
+            and os.WEXITSTATUS(st) == 0,
+            "harness": checker.channel.harness,
+            "exit_code": os.WEXITSTATUS(st) if st is not None and os.WIFEXITED(st) else None,
+        }
     sys.stdout.write(json.dumps(result))
     sys.stdout.flush()
 

@@ -6,17 +6,18 @@
 - ``success_rate``: the same success, weighted so that the *row mean* is the success rate
   over episodes even in ``step`` mode, where long episodes have more rows. Use it with
   weight 0 as a metric (``eval.accuracy_term: success_rate``), not as a training reward.
-- ``unit_tests``: 1.0 when the response's Python passes the row's tests, run in the
-  sandbox (HumanEval/MBPP-style rows; the marl CoopHumanEval recipe scores two agents'
-  joined code with it). Passing is the sandbox's ``completed``: the runner sends the
-  run's secret nonce on its own channel only after the last check returned, so an early
-  ``sys.exit(0)``/``os._exit(0)``, an exit status or text on stderr never passes.
+- ``unit_tests``: 1.0 when the response's Python passes the row's tests (HumanEval/
+  MBPP-style rows; the marl CoopHumanEval recipe scores two agents' joined code with
+  it). The code and the tests run in two separate sandboxed processes: the code only
+  answers calls with plain data, and passing is said by the tests' process alone (see
+  ``Sandbox.run_tests`` and agents/SANDBOX.md).
 """
 
 from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Annotated
 
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
@@ -62,30 +63,47 @@ def extract_code(text: str) -> str:
     return "\n\n".join(b.strip("\n") for b in blocks) if blocks else text
 
 
-def program_with_tests(
+@dataclass
+class Program:
+    """What ``unit_tests`` runs for one row, split between two processes: ``preamble`` +
+    ``code`` (the response's) in the sandboxed candidate process; ``preamble`` +
+    ``checks`` (the row's tests), then ``check(<entry_point>)`` when the row names one,
+    in the checker process, which the response's code never enters."""
+
+    preamble: str
+    code: str
+    checks: str
+    entry_point: str
+
+
+def program_parts(
     sample: Sample,
     tests_field: str = "test",
     entry_point_field: str = "entry_point",
     imports_field: str = "prompt",
-) -> str:
-    """Imports of the dataset row's prompt (HumanEval's carry ``from typing import List``),
-    then the response's code, then the row's tests, then ``check(<entry point>)`` when the
-    row names one. The row is ``meta["row"]``, as every workflow records it."""
+) -> Program:
+    """The import lines of the dataset row's prompt (HumanEval's carry ``from typing
+    import List``), the response's code, the row's tests and entry point. The row is
+    ``meta["row"]``, as every workflow records it."""
     row = sample.meta.get("row") or {}
     if tests_field not in row:
         raise ValueError(
             f"unit_tests needs the tests in the dataset row's field {tests_field!r} "
             f"(set args.tests_field); this row has {sorted(row)}"
         )
-    parts = []
     prompt = row.get(imports_field) if imports_field else None
-    if isinstance(prompt, str):
-        parts += _IMPORT.findall(prompt)
-    parts += [extract_code(sample.response), str(row[tests_field])]
+    imports = _IMPORT.findall(prompt) if isinstance(prompt, str) else []
     entry = row.get(entry_point_field) if entry_point_field else None
-    if entry:
-        parts.append(f"check({entry})")
-    return "\n\n".join(parts) + "\n"
+    if entry is not None and not (isinstance(entry, str) and (entry == "" or entry.isidentifier())):
+        raise ValueError(
+            f"unit_tests: the row's {entry_point_field!r} is {entry!r}, not a Python name"
+        )
+    return Program(
+        "\n".join(imports) + "\n" if imports else "",
+        extract_code(sample.response),
+        str(row[tests_field]),
+        entry or "",
+    )
 
 
 @register_reward("unit_tests", batched=True)
@@ -103,29 +121,45 @@ def unit_tests(
     memory_mb: Annotated[int, "address space of each program's processes, MiB"] = 512,
     workers: Annotated[int, "programs run at once"] = 8,
 ) -> list[float | Exception]:
-    """1.0 when the program (:func:`program_with_tests`) ran to its last statement -- the
-    sandbox's ``completed``, proven by a nonce the tests' runner sends only after the
-    checks returned -- and ended cleanly, else 0.0: failing asserts, exceptions, exiting
-    early with any status, time-outs and forbidden operations all score 0.
+    """1.0 when the row's tests pass against the response's code, else 0.0.
 
-    A row the sandbox could not run gets an exception in its place (that row alone is
-    invalid, not scored 0); when it could run none of them, this raises: not the model's
-    fault, and the message says why."""
-    programs = [
-        program_with_tests(s, tests_field, entry_point_field, imports_field) for s in samples
-    ]
+    The tests run in a checker process of their own (``Sandbox.run_tests``); the code
+    runs in another and only answers calls: its results reach the asserts as plain data
+    (None, bool, numbers, str, bytes and lists, tuples, dicts, sets of them; anything
+    else fails the call), so an object whose ``__eq__`` is always true, patched builtins,
+    forged status lines, exits of any kind and reading its own files cannot pass. Passing
+    is said by the checker alone. Failing asserts, exceptions, time-outs and forbidden
+    operations score 0.
+
+    A row the sandbox could not run, or whose tests cannot run as written (an argument
+    that is not plain data), gets an exception in its place (that row alone is invalid,
+    not scored 0); when no row could run, this raises: not the model's fault, and the
+    message says why."""
+    programs = [program_parts(s, tests_field, entry_point_field, imports_field) for s in samples]
     box = Sandbox(
         SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb)
     )
+
+    def run(p: Program):
+        return box.run_tests(p.code, p.checks, entry_point=p.entry_point, preamble=p.preamble)
+
     with ThreadPoolExecutor(max(1, min(workers, len(programs)))) as pool:
-        results = list(pool.map(box.run, programs))
+        results = list(pool.map(run, programs))
     out: list[float | Exception] = []
     for s, r in zip(samples, results, strict=True):
         if r.error == "sandbox":
             out.append(
                 RuntimeError(
                     f"unit_tests: the sandbox could not run row {s.index}'s program "
-                    f"({'; '.join(r.notes) or r.stderr[-300:].strip()})"
+                    f"({'; '.join(r.notes) or (r.stderr or r.checks)[-300:].strip()})"
+                )
+            )
+        elif r.error == "harness":
+            out.append(
+                ValueError(
+                    f"unit_tests: row {s.index}'s tests (field {tests_field!r}) cannot run "
+                    f"against the code as written: {r.harness[0]}; pass only plain data "
+                    "(None, bool, numbers, str, bytes, lists, tuples, dicts, sets)"
                 )
             )
         else:

@@ -86,6 +86,7 @@ class SandboxLimits:
     file_size_mb: int = 16  # largest file the code may write
     open_files: int = 64
     tmpfs_mb: int = 64  # size of the private working directory (mount namespace)
+    tmpfs_inodes: int = 4096  # files and directories it may hold (the sandbox's own included)
 
 
 @dataclass
@@ -108,11 +109,16 @@ class SandboxResult:
     # cannot produce it). ``started``: the sandbox set up and began running the code.
     completed: bool = False
     started: bool = False
+    # a tests run (``Sandbox.run_tests``): the checker's output (a failing check's
+    # traceback) and why the row's checks could not run as written (not the code's fault)
+    checks: str = ""
+    harness: list[str] = field(default_factory=list)
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
     # exit (non-zero exit status), killed (other signal), sandbox (the sandbox failed
-    # before the code started; nothing the code does can produce this one)
+    # before the code started; nothing the code does can produce this one); tests runs
+    # only: failed (the checks did not all pass), harness (the checks could not run)
 
     @property
     def ok(self) -> bool:
@@ -141,6 +147,8 @@ ERROR_TEXT = {
     "exit": "the code exited with a non-zero status",
     "killed": "the code was killed by a signal",
     "sandbox": "the sandbox could not run the code",
+    "failed": "the checks did not pass",
+    "harness": "the checks could not be run as written",
 }
 
 
@@ -175,8 +183,8 @@ class Sandbox:
     """Runs Python code in isolation. Thread-safe: each ``run`` is its own process tree.
 
     ``isolate``: use namespaces when available; ``drop_privileges``: run as a throwaway
-    uid when the supervisor is root; ``audit``: install the audit hook. Turn layers off
-    only to test the others.
+    uid when the supervisor is root; ``audit``: install the audit hook; ``seccomp``:
+    install the system-call filter. Turn layers off only to test the others.
     """
 
     def __init__(
@@ -186,10 +194,12 @@ class Sandbox:
         isolate: bool = True,
         drop_privileges: bool = True,
         audit: bool = True,
+        seccomp: bool = True,
         python: str | None = None,
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolate, self.drop_privileges, self.audit = isolate, drop_privileges, audit
+        self.seccomp = seccomp
         self.python = python or sys.executable
 
     def run(self, code: str) -> SandboxResult:
@@ -199,8 +209,32 @@ class Sandbox:
         with _SLOTS:
             return self._run(code)
 
-    def _run(self, code: str) -> SandboxResult:
+    def run_tests(
+        self, code: str, checks: str, *, entry_point: str = "", preamble: str = ""
+    ) -> SandboxResult:
+        """Run ``checks`` (Python asserts; then ``check(<entry_point>)`` when one is named)
+        against ``code``, each in its own process: the checks never enter the code's.
+
+        The code's process runs ``preamble`` + ``code`` and answers the checker's requests;
+        every name the checks neither define nor find in builtins is looked up there (a
+        function becomes a stub that calls it remotely, any other value is copied), and
+        every result crosses as plain data, decoded into fresh builtins before a check
+        sees it, so no check ever calls an ``__eq__`` of the code's. Passing
+        (``completed``, ``error == ""``) is said by the checker alone, with the run's
+        nonce, on a channel the code's process does not hold. ``stdout``/``stderr`` are
+        the code's; ``checks`` is the checker's output (a failing assert's traceback).
+        """
+        for name, text in (("code", code), ("checks", checks), ("preamble", preamble)):
+            if not isinstance(text, str):
+                raise TypeError(f"{name} must be a string, not {type(text).__name__}")
+        tests = {"preamble": preamble, "source": checks, "entry_point": entry_point or ""}
+        with _SLOTS:
+            return self._run(preamble + "\n" + code if preamble else code, tests)
+
+    def _run(self, code: str, tests: dict | None = None) -> SandboxResult:
         request = {
+            "tests": tests,
+            "seccomp": self.seccomp,
             "code": code,
             "limits": asdict(self.limits),
             "isolate": self.isolate,
@@ -266,6 +300,8 @@ class Sandbox:
             rep["completed"],
             rep["started"],
         )
+        if tests is not None:
+            return _tests_result(rep, result)
         result.error = _classify(rep, result, float(self.limits.cpu_seconds))
         if result.error == "cpu_time":
             result.notes.append(
@@ -273,6 +309,30 @@ class Sandbox:
                 "of CPU"
             )
         return result
+
+
+def _tests_result(rep: dict, r: SandboxResult) -> SandboxResult:
+    """A tests run's verdict comes from the checker alone: the code's exit, its output
+    and anything it wrote on its own channels say nothing about passing."""
+    checks = rep["checks"]
+    r.checks, r.harness = checks["output"], checks["harness"]
+    # the code's process ran if it said "start"; a checker that finished without calling
+    # it (checks that need no code) ran the row all the same
+    r.started = checks["started"] and (r.started or checks["passed"])
+    r.completed = checks["passed"]
+    if rep["killed"]:
+        r.error = rep["killed"]
+    elif not r.started:
+        r.error = "sandbox"
+    elif r.harness:
+        r.error = "harness"
+    elif not r.completed:
+        r.error = "failed"
+    else:
+        r.error = ""
+    if r.error and r.error != "failed" and r.completed:
+        r.completed = False  # a limit fired: the run does not pass
+    return r
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -334,6 +394,8 @@ def capabilities() -> dict[str, bool]:
         "mount_namespace": "mount-" in text,
         "throwaway_uid": "throwaway uid" in text,
         "audit_hook": "audit hook" in text,
+        "seccomp": "seccomp filter" in text,
+        "fresh_keyring": "fresh session keyring" in text,
     }
 
 

@@ -1,10 +1,11 @@
-"""``unit_tests``: code from a response, run against a row's tests in the sandbox."""
+"""``unit_tests``: code from a response, run against a row's tests in the sandbox; the
+tests run in a process of their own, so the code can only answer calls."""
 
 from __future__ import annotations
 
 import pytest
 
-from polyrl.agents.rewards import extract_code, program_with_tests, unit_tests
+from polyrl.agents.rewards import extract_code, program_parts, unit_tests
 from polyrl.core.rewards import Sample
 
 PROMPT = 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum."""\n'
@@ -31,11 +32,14 @@ def test_extract_code_joins_fences_in_order_and_keeps_unfenced_text():
     assert extract_code("```py\nunclosed = True\n") == "unclosed = True"
 
 
-def test_program_puts_prompt_imports_first_and_calls_check():
-    program = program_with_tests(sample(fenced("def total(xs): return sum(xs)")))
-    assert program.startswith("from typing import List\n")
-    assert program.rstrip().endswith("check(total)")
-    assert "def check(candidate)" in program
+def test_program_parts_keep_the_tests_apart_from_the_code():
+    parts = program_parts(sample(fenced("def total(xs): return sum(xs)")))
+    assert parts.preamble == "from typing import List\n"
+    assert parts.code == "def total(xs): return sum(xs)"
+    assert parts.checks == TESTS and "check" not in parts.code
+    assert parts.entry_point == "total"
+    with pytest.raises(ValueError, match=r"'entry_point' is 'total\(\)', not a Python name"):
+        program_parts(sample("x", entry_point="total()"))
 
 
 def test_passing_failing_and_hostile_code_score_one_and_zero():
@@ -145,3 +149,153 @@ def test_a_sandbox_that_cannot_start_raises():
     model's: the reward raises with the sandbox's own words instead of scoring 0."""
     with pytest.raises(RuntimeError, match="sandbox could not run row 0"):
         unit_tests([sample(fenced(RIGHT), 0), sample(fenced(RIGHT), 1)], memory_mb=4)
+
+
+# Shortcuts to 1.0 without solving the task (issue 33); each defines a wrong ``total``.
+# The first six scored 1.0 when the tests ran in the code's own process.
+FORGE_DONE = """
+import os, sys
+def forge():  # find the run's nonce in a caller's frame, write "done <nonce>" everywhere
+    f = sys._getframe()
+    while f is not None:
+        for v in list(f.f_locals.values()):
+            if isinstance(v, bytes) and len(v) == 32:
+                for fd in range(3, 10):
+                    try:
+                        os.write(fd, b"done " + v + b"\\n")
+                    except OSError:
+                        pass
+                os._exit(0)
+        f = f.f_back
+"""
+SHORTCUTS = {
+    "eq_always_true": "class Any:\n    def __eq__(self, other):\n        return True\n"
+    "    def __sub__(self, other):\n        return self\n    def __abs__(self):\n"
+    "        return 0\ndef total(xs):\n    return Any()\n",
+    # a table of the tests' answers, parsed from the file the code runs from
+    "tests_from_own_file": "import ast, re\nTABLE = {}\n"
+    "for m in re.finditer(r'candidate\\((\\[.*?\\])\\)\\W+([-\\d.]+)', open(__file__).read()):\n"
+    "    TABLE[m.group(1)] = ast.literal_eval(m.group(2))\n"
+    "def total(xs):\n    return TABLE.get(repr(xs), -1)\n",
+    "nonce_from_stack_frames": FORGE_DONE + "def total(xs):\n    forge()\n",
+    "patched_sys_exit": FORGE_DONE + "sys.exit = lambda *a: forge()\n"
+    "def total(xs):\n    return -1\n",
+    "float_subclass_eq": "class F(float):\n    def __eq__(self, o):\n        return True\n"
+    "    def __sub__(self, o):\n        return 0.0\n    __hash__ = float.__hash__\n"
+    "def total(xs):\n    return F(-1)\n",
+    "patched_builtins": "import builtins\nbuiltins.abs = lambda x: 0\n"
+    "def total(xs):\n    return -1\n",
+    # scored 0 before too
+    "forged_result_lines": "import os\nfor fd in (1, 3, 4, 5, 6):\n    try:\n"
+    "        os.write(fd, b'{\"value\": true}\\n' * 4 + b'done x\\n')\n"
+    "    except OSError:\n        pass\ndef total(xs):\n    return -1\n",
+    "os_exit_0_in_the_call": "import os\ndef total(xs):\n    os._exit(0)\n",
+    "raise_base_exception": "def total(xs):\n    raise KeyboardInterrupt\n",
+    "sleep_past_the_limit": "import time\ndef total(xs):\n    time.sleep(600)\n",
+}
+ATTACKED = (
+    "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"
+    "    assert abs(candidate([0.5, 0.25]) - 0.75) < 1e-9\n"
+)
+
+
+def test_shortcuts_to_a_pass_score_0_and_a_correct_answer_1():
+    """Issue 33: the checks ran in the code's process and namespace."""
+    names = ["correct", *SHORTCUTS]
+    codes = [RIGHT, *SHORTCUTS.values()]
+    rows = [sample(fenced(c), i, test=ATTACKED) for i, c in enumerate(codes)]
+    scores = unit_tests(rows, cpu_seconds=2, wall_seconds=3)
+    assert dict(zip(names, scores, strict=True)) == {"correct": 1.0} | dict.fromkeys(SHORTCUTS, 0.0)
+
+
+# Reads everything the code's process can reach without the audit hook: files around it,
+# every process's command line, environment and descriptors, every string in its memory.
+SNOOP = """
+import gc, os
+blob = []
+def grab(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            blob.append(os.read(fd, 1 << 20))
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+for top in (".", "/tmp", os.environ.get("HOME", ".")):
+    for d, _, files in os.walk(top):
+        for f in files:
+            grab(os.path.join(d, f))
+for pid in [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+    for part in ("cmdline", "environ"):
+        grab(f"/proc/{pid}/{part}")
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        grab(f"/proc/{pid}/fd/{fd}")
+blob += [o.encode(errors="replace") for o in gc.get_objects() if isinstance(o, str)]
+marker = ("9182" + "73645").encode()
+print("FOUND" if any(marker in b for b in blob) else "clean", len(blob))
+def total(xs):
+    return -1
+"""
+
+
+def test_the_tests_never_reach_the_codes_process():
+    """Without the audit hook, the OS layers alone keep the row's tests (and so their
+    expected values) out of everything the code can read."""
+    from polyrl.agents.sandbox import Sandbox, SandboxLimits
+
+    checks = "def check(candidate):\n    assert candidate([918273645]) == 918273645\n"
+    r = Sandbox(SandboxLimits(cpu_seconds=4, wall_seconds=8), audit=False).run_tests(
+        SNOOP, checks, entry_point="total"
+    )
+    assert r.stdout.startswith("clean "), (r.stdout, r.stderr)
+    assert int(r.stdout.split()[1]) >= 3  # it did read (its own file, command lines)
+    assert r.error == "failed" and not r.completed
+    assert "AssertionError" in r.checks
+
+
+def test_results_cross_as_plain_data_of_the_same_types():
+    value = "(1, [2.5, None, True], {'a': b'x', 3: (4,)}, {5}, frozenset({6}), 1+2j, 'é')"
+    checks = (
+        f"v = value()\nassert v == {value}\n"
+        "assert [type(x).__name__ for x in v] == "
+        "['int', 'list', 'dict', 'set', 'frozenset', 'complex', 'str']\n"
+        "assert type(v[2][3]) is tuple and type(v[2]['a']) is bytes\n"
+    )
+    rows = [
+        sample(fenced(f"def value():\n    return {value}"), 0, test=checks, entry_point=""),
+        # a list where the tests expect a tuple: not equal, as in plain Python
+        sample(fenced(f"def value():\n    return list({value})"), 1, test=checks, entry_point=""),
+        # a generator is not plain data: the call fails
+        sample(fenced(f"def value():\n    return iter({value})"), 2, test=checks, entry_point=""),
+    ]
+    assert unit_tests(rows) == [1.0, 0.0, 0.0]
+
+
+def test_exceptions_reach_the_checks_but_cannot_end_their_iteration():
+    expects_error = (
+        "def check(candidate):\n    try:\n        candidate([-1])\n    except ValueError:\n"
+        "        pass\n    else:\n        raise AssertionError('no ValueError')\n"
+    )
+    raises = "def total(xs):\n    raise ValueError('negative')\n"
+    # all(map(candidate, ...)) would be true if a StopIteration from the call ended the map
+    iterated = "def check(candidate):\n    assert all(map(candidate, [[1], [2]]))\n"
+    stops = "def total(xs):\n    raise StopIteration\n"
+    rows = [
+        sample(fenced(raises), 0, test=expects_error),
+        sample(fenced(RIGHT), 1, test=expects_error),
+        sample(fenced(stops), 2, test=iterated),
+        sample(fenced(RIGHT), 3, test=iterated),
+    ]
+    assert unit_tests(rows) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_tests_that_pass_what_cannot_cross_are_the_rows_error_not_a_0():
+    unsendable = "def check(candidate):\n    assert candidate(lambda x: x) == 1\n"
+    out = unit_tests([sample(fenced(RIGHT), 0, test=unsendable), sample(fenced(RIGHT), 1)])
+    assert isinstance(out[0], ValueError) and out[1] == 1.0
+    assert "row 0's tests (field 'test')" in str(out[0]) and "function" in str(out[0])

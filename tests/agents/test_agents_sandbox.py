@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
-import time
 
 import pytest
 
@@ -58,16 +58,17 @@ def test_plain_code_runs_with_numpy_and_reports_its_layers(caps):
 
 
 def test_infinite_loop_is_stopped():
-    start = time.monotonic()
     r = box().run("while True:\n    pass")
     assert_contained(r, "cpu_time", "wall_time")
-    assert time.monotonic() - start < LIMITS.wall_seconds + 20
+    assert r.signal == signal.SIGKILL and r.exit_code is None  # killed at a limit
+    assert r.started and not r.completed
 
 
 def test_sleeping_forever_hits_the_wall_time_limit():
     r = Sandbox(SandboxLimits(wall_seconds=1.5)).run("import time\ntime.sleep(600)")
     assert_contained(r, "wall_time")
-    assert r.wall_seconds < 10
+    assert r.signal == signal.SIGKILL and not r.completed  # killed, not left to sleep
+    assert any("stopped by the wall-time limit" in n for n in r.notes), r.notes
 
 
 def count_processes_of(uid: int) -> int:
@@ -158,11 +159,10 @@ def test_network_sockets_cannot_reach_anything(caps, audit):
 
 
 def test_printing_100_mb_is_cut_at_the_output_cap():
-    start = time.monotonic()
     r = box().run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)\n")
     assert_contained(r, "output_limit")
-    assert len(r.stdout) <= LIMITS.output_bytes
-    assert time.monotonic() - start < 30
+    assert len(r.stdout) <= LIMITS.output_bytes < r.output_bytes
+    assert r.signal == signal.SIGKILL and not r.completed  # killed at the cap, not drained
 
 
 @pytest.mark.parametrize("audit", [True, False])
@@ -309,7 +309,7 @@ proc = os.open("s/" + "../" * 7 + "proc", os.O_RDONLY, dir_fd=os.open("x", os.O_
 LIST_PROC = """
 import json, os
 pids = sorted(int(p) for p in os.listdir(proc) if p.isdigit())
-cmds = [open(f"{p}/cmdline", "rb", opener=lambda f, m: os.open(f, m, dir_fd=proc)).read()
+cmds = [open(f"{p}/cmdline", "rb", opener=lambda f, m: os.open(f, m, dir_fd=proc)).read(300)
         for p in pids]
 print(json.dumps([pids, [c.decode(errors="replace") for c in cmds]]))
 """
@@ -460,8 +460,9 @@ def test_a_busy_loop_on_a_loaded_machine_ends_on_cpu_time():
         # (which shows the CPU is shared) ...
         r = Sandbox(SandboxLimits(**limits, load_grace_seconds=0)).run("while True:\n    pass")
         assert_contained(r, "wall_time")
-        assert r.cpu_seconds < 1
+        assert r.signal == signal.SIGKILL
         assert any("wall-time limit after" in n for n in r.notes), r.notes
+        assert not any("waiting for a CPU" in n for n in r.notes), r.notes  # no extension
         # ... with it, the CPU limit does, and says so
         r = Sandbox(SandboxLimits(**limits, load_grace_seconds=60)).run("while True:\n    pass")
         assert_contained(r, "cpu_time")
@@ -491,3 +492,141 @@ def test_completed_needs_the_code_to_return_and_cannot_be_forged():
     r = box().run("import sys\nsys.stderr.write('sandbox setup failed: x\\n')\nsys.exit(126)")
     assert_contained(r, "exit")
     assert r.started and not r.completed
+
+
+# System call numbers, written out here independently of the supervisor's table.
+NR = {
+    "x86_64": {"keyctl": 250, "add_key": 248, "io_uring_setup": 425, "unshare": 272,
+               "clone": 56, "setns": 308, "bpf": 321, "perf_event_open": 298},
+    "aarch64": {"keyctl": 219, "add_key": 217, "io_uring_setup": 425, "unshare": 97,
+                "clone": 220, "setns": 268, "bpf": 280, "perf_event_open": 241},
+}  # fmt: skip
+MACHINE = os.uname().machine
+needs_known_arch = pytest.mark.skipif(
+    MACHINE not in NR, reason=f"no system call numbers for {MACHINE} in this test"
+)
+KEYCTL_READ, KEYCTL_UNLINK, KEY_SPEC_SESSION_KEYRING = 11, 9, -3
+
+READ_KEY = """
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(256)
+n = libc.syscall(ctypes.c_long({nr}), ctypes.c_long(11), ctypes.c_long({key}), buf,
+                 ctypes.c_long(256))
+err = ctypes.get_errno()
+try:
+    listed = {desc!r} in open("/proc/keys").read()
+except OSError:
+    listed = False
+print(json.dumps([n, err, buf.raw[: max(n, 0)].decode(errors="replace"), listed]))
+"""
+
+
+@needs_known_arch
+@pytest.mark.parametrize("seccomp", [True, False])
+def test_a_key_the_trainer_holds_is_not_readable_inside(seccomp):
+    """Issue 33: the trainer's session keyring was inherited; a possessor reads its keys
+    whatever its uid. The sandbox joins a fresh one (and seccomp refuses keyctl)."""
+    import ctypes
+    import secrets
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = NR[MACHINE]
+    desc = f"polyrl-test-{secrets.token_hex(4)}"
+    key = libc.syscall(
+        ctypes.c_long(nr["add_key"]), b"user", desc.encode(), b"TOP-SECRET-KEY",
+        ctypes.c_size_t(14), ctypes.c_int(KEY_SPEC_SESSION_KEYRING),
+    )  # fmt: skip
+    if key < 0:
+        pytest.skip(f"the host refuses add_key ({os.strerror(ctypes.get_errno())})")
+    try:
+        buf = ctypes.create_string_buffer(64)
+        n = libc.syscall(ctypes.c_long(nr["keyctl"]), ctypes.c_long(KEYCTL_READ),
+                         ctypes.c_long(key), buf, ctypes.c_long(64))  # fmt: skip
+        assert buf.raw[:n] == b"TOP-SECRET-KEY"  # the trainer itself reads it
+        r = Sandbox(LIMITS, audit=False, seccomp=seccomp).run(
+            READ_KEY.format(nr=nr["keyctl"], key=key, desc=desc)
+        )
+        assert r.ok, r.stderr
+        n, err, data, listed = json.loads(r.stdout)
+        assert n == -1 and data == "" and not listed, r.stdout
+        # seccomp: EPERM for every keyctl; without it the key is simply not possessed
+        assert err == 1 if seccomp else err in (13, 126), err  # EACCES, ENOKEY
+        assert any(layer.startswith("fresh session keyring") for layer in r.layers)
+        assert any(layer.startswith("seccomp filter") for layer in r.layers) == seccomp
+    finally:
+        libc.syscall(ctypes.c_long(nr["keyctl"]), ctypes.c_long(KEYCTL_UNLINK),
+                     ctypes.c_long(key), ctypes.c_long(KEY_SPEC_SESSION_KEYRING))  # fmt: skip
+
+
+# Each refused call, then what must keep working under the filter: threads and fork.
+SYSCALLS = """
+import ctypes, json, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    if ret == 0 and nr == {clone}:  # a clone that went through: the child leaves at once
+        os._exit(0)
+    return ret, ctypes.get_errno()
+params = ctypes.create_string_buffer(120)
+out = {{
+    "io_uring_setup": (libc.syscall(ctypes.c_long({io_uring_setup}), ctypes.c_long(8), params),
+                       ctypes.get_errno()),
+    "unshare_user": call({unshare}, 0x10000000),
+    "unshare_net": call({unshare}, 0x40000000),
+    "clone_newuser": call({clone}, 0x10000000 | 17, 0, 0, 0, 0),
+    "setns": call({setns}, 0, 0),
+    "bpf": call({bpf}, 0, 0, 0),
+    "perf_event_open": call({perf_event_open}, 0, 0, -1, -1, 0),
+}}
+seen = []
+t = threading.Thread(target=seen.append, args=(1,))
+t.start()
+t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+out["thread"] = seen == [1]
+out["fork"] = os.waitpid(pid, 0)[1] >> 8
+print(json.dumps(out))
+"""
+
+
+@needs_known_arch
+def test_io_uring_namespaces_bpf_and_perf_are_refused_inside():
+    """Issue 33: io_uring and nested user namespaces with mounts were reachable."""
+    import ctypes
+
+    code = SYSCALLS.format(**NR[MACHINE])
+    r = Sandbox(LIMITS, audit=False).run(code)
+    assert r.ok, r.stderr
+    out = json.loads(r.stdout)
+    for name in ("io_uring_setup", "unshare_user", "unshare_net", "clone_newuser", "setns"):
+        assert out[name] == [-1, 1], (name, out[name])  # EPERM from the filter
+    for name in ("bpf", "perf_event_open"):
+        assert out[name] == [-1, 1], (name, out[name])
+    assert out["thread"] is True and out["fork"] == 7  # clone3 -> ENOSYS -> clone works
+    # the filter is what refuses io_uring: the host itself allows it (where it does)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(ctypes.c_long(NR[MACHINE]["io_uring_setup"]), ctypes.c_long(8),
+                      ctypes.create_string_buffer(120))  # fmt: skip
+    if fd >= 0:
+        os.close(fd)
+        unfiltered = json.loads(Sandbox(LIMITS, audit=False, seccomp=False).run(code).stdout)
+        assert unfiltered["io_uring_setup"][0] >= 0
+
+
+def test_the_private_tmpfs_caps_its_inodes(caps):
+    """Issue 33: bytes were capped, inodes not (130k empty files in 3 s)."""
+    if not caps["mount_namespace"]:
+        pytest.skip("needs the private tmpfs (mount namespace)")
+    code = (
+        "import os\nmade = 0\ntry:\n    for i in range(300):\n"
+        "        open(f'f{i}', 'w').close()\n        made += 1\n"
+        "except OSError as e:\n    print(made, e.errno)\nelse:\n    print(made, 0)\n"
+    )
+    r = Sandbox(SandboxLimits(tmpfs_inodes=100), audit=False).run(code)
+    made, errno = map(int, r.stdout.split())
+    assert errno == 28 and made < 100, r.stdout  # ENOSPC before the limit's count
+    assert any("100 inodes" in layer for layer in r.layers), r.layers
+    assert Sandbox(LIMITS, audit=False).run(code).stdout.split() == ["300", "0"]
