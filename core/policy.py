@@ -178,6 +178,9 @@ def prefix_units(
 ) -> list[prefix.Unit]:
     """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows."""
     tokens, lengths = prefix.row_tokens(batch)
+    head = tokens[:, :min_shared][lengths >= min_shared]
+    if len(head) < 2 or len(torch.unique(head, dim=0)) == len(head):  # nothing can share
+        return [prefix.Unit([i], [0], n) for i, n in enumerate(lengths.tolist())]
     order, lcp = prefix.sorted_lcp(tokens, lengths)
     return prefix.plan_units(
         lengths.tolist(),

@@ -12,8 +12,9 @@ compressed trie of the rows needs. The distinct tokens of a run of sorted rows a
 (:func:`cost_weights`): a tree of ``S`` distinct tokens costs ``S * (a + b * S)`` (the
 per-token matmuls ``a``, and attention over a dense block of ``S`` columns ``b``, as the
 sdpa/eager kernels compute it), a row of ``L`` tokens ``L * (a + b * L)``; a prefix is
-shared only where that is cheaper (by :data:`MARGIN`), it is at least ``min_shared``
-tokens long, and the unit fits the token budget. A long prefix common to every row (a
+shared where that is cheaper, it is at least ``min_shared`` tokens long and the unit fits
+the token budget, and a micro-batch shares at all only when the plan's cost is under
+:data:`MARGIN` of its rows run apart (the packed pass). A long prefix common to every row (a
 system prompt or tool list before different tasks) therefore does not make one huge tree:
 the rows split at its branches, and each task's group shares its own prompt.
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-MARGIN = 0.9  # share only where the tree's estimated cost is under 90% of its rows'
+MARGIN = 0.9  # share only where the plan's estimated cost is under 90% of no sharing
 
 
 @dataclass
@@ -143,11 +144,17 @@ def plan_units(
             split_cost += c
         if depth >= min_shared and (limit is None or whole.distinct <= limit):
             cost = unit_cost(whole.distinct, weights)
-            if cost <= MARGIN * split_cost:
+            if cost <= split_cost:
                 return [whole], cost
         return split, split_cost
 
-    return best(0, len(order))[0] if order else []
+    alone = [Unit([r], [0], lengths[r]) for r in order]
+    if len(order) < 2:
+        return alone
+    units, cost = best(0, len(order))
+    if cost > MARGIN * sum(unit_cost(u.distinct, weights) for u in alone):
+        return alone  # too little to gain for a pass with its own mask
+    return units
 
 
 def charged_tokens(units: list[Unit], lengths: list[int], n: int) -> torch.Tensor:
