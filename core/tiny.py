@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -383,31 +384,37 @@ def _read_record(path: Path) -> dict | None:
 
 
 def _plan(path: Path, want: dict) -> str:
-    """``build``, ``reuse``, ``rebuild`` or ``foreign`` (a model PolyRL did not build) for
-    ``path``; a :class:`ConfigError` where a build of ours with other settings shares its
-    directory with files the builder did not write, so rebuilding would destroy them."""
+    """``build`` (nothing there), ``reuse`` (this build), ``other`` (a build of ours with other
+    settings) or ``foreign`` (a model PolyRL did not build) for ``path``; a
+    :class:`ConfigError` where our build there lost files (a model is never rebuilt in place)."""
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return "build"
-    fix = "delete it to build anew, or point the policy's model at another path"
     if not path.is_dir():
-        raise ConfigError(f"model path {str(path)!r} is a file, not a model directory; {fix}")
+        raise ConfigError(
+            f"model path {str(path)!r} is a file, not a model directory; delete it to build "
+            "anew, or point the policy's model at another path"
+        )
     record = _read_record(path)
     if record is None:
         return "foreign"
-    present, written = _files(path), set(record["files"])
-    same = not setting_differences(record, want)
-    if same and written <= present:
-        return "reuse"
-    extra = sorted(present - written)
-    if extra:
-        changes = setting_differences(record, want) or ["files the build wrote are missing"]
+    if setting_differences(record, want):
+        return "other"
+    lost = sorted(set(record["files"]) - _files(path))
+    if lost:
         raise ConfigError(
-            f"model directory {str(path)!r} holds a build that does not match the recipe's "
-            f"({'; '.join(changes)}) and also files its builder did not write "
-            f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''}), so PolyRL will not "
-            f"replace it; {fix}"
+            f"model directory {str(path)!r} lacks files its build wrote "
+            f"({', '.join(lost[:5])}{', ...' if len(lost) > 5 else ''}); PolyRL never rebuilds "
+            "a model in place (another run may be using it): delete the directory to have it "
+            "built again"
         )
-    return "rebuild"
+    return "reuse"
+
+
+def keyed_path(path: Path, want: dict) -> Path:
+    """Where the build ``want`` goes when ``path`` holds another: beside it, named by a hash
+    of the settings, so each setting has one directory and no build replaces another."""
+    digest = hashlib.sha1(json.dumps(want, sort_keys=True).encode()).hexdigest()[:10]
+    return path.with_name(f"{path.name}-build-{digest}")
 
 
 @contextlib.contextmanager
@@ -426,10 +433,9 @@ def _build_lock(path: Path):
 
 
 def _build(path: Path, builder: str, options: Any, want: dict) -> None:
-    """Build into a fresh directory beside ``path``, add the record, then move it into place:
-    a crash leaves either the old model or the new one with its record, never a mix."""
+    """Build into a fresh directory beside ``path``, add the record, then move it into place
+    (``path`` is missing or empty): a crash leaves no half-written model."""
     stage = path.parent / f".{path.name}.build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         MODELS.get(builder)(stage, **options)
         files = sorted(_files(stage)) if stage.is_dir() else []
@@ -440,37 +446,30 @@ def _build(path: Path, builder: str, options: Any, want: dict) -> None:
             json.dump(record, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        if path.exists() and any(path.iterdir()):
-            os.replace(path, old)  # only a directory _plan found to hold our build alone
-            try:
-                os.replace(stage, path)
-            except OSError:
-                os.replace(old, path)
-                raise
-        else:
-            os.replace(stage, path)
+        os.replace(stage, path)  # atomic; replaces only a missing or empty directory
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str:
-    """Resolve a recipe's model path, building it first when a builder is named.
+    """Resolve a recipe's model path, building it first when a builder is named; returns
+    the directory to load.
 
     Without a builder the path is returned as given (after ``~`` expansion), so hub ids
-    pass straight through. With one, the directory carries a build record
+    pass straight through. With one, each built directory carries a build record
     (``polyrl_build.json``: the builder, its bound options and the files it wrote), written
-    atomically with the model:
+    atomically with the model, and a built model is never changed in place (another run
+    may be loading it):
 
-    - no directory (or an empty one): build it;
+    - no directory (or an empty one): build it there;
     - a record with the same settings: reuse the model;
-    - a record with other settings, and nothing in the directory but what that build wrote:
-      rebuild (logged), so changing ``build_args`` changes the model;
-    - a record with other settings and files the build did not write: refuse with a
-      :class:`ConfigError` (rebuilding would destroy them);
+    - a record with other settings: these settings are built once beside it, in
+      ``<path>-build-<hash of the settings>`` (see :func:`keyed_path`), and used from
+      there; the model at ``path`` is left as it is;
     - a directory with no record (a user's own model, a trained export, or a model built
       before records existed): used as it is, never touched, with a warning that ``build``
-      and ``build_args`` were not applied to it.
+      and ``build_args`` were not applied to it;
+    - a build of ours that lost files: refused with a :class:`ConfigError`.
     """
     resolved = os.path.expanduser(str(path))
     if not builder:
@@ -480,14 +479,7 @@ def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str
     target = Path(resolved)
     with _build_lock(target):
         plan = _plan(target, want)
-        if plan == "rebuild":
-            old = _read_record(target)
-            log.warning(
-                "rebuilding model %s: its build settings changed (%s)",
-                resolved,
-                "; ".join(setting_differences(old, want)) or "files missing",
-            )
-        elif plan == "foreign" and resolved not in _warned:
+        if plan == "foreign" and resolved not in _warned:
             _warned.add(resolved)
             log.warning(
                 "model %s has no %s, so PolyRL did not build it: it is used as it is, and "
@@ -497,9 +489,32 @@ def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str
                 BUILD_RECORD,
                 builder,
             )
-        if plan in ("build", "rebuild"):
+        if plan == "build":
             _build(target, builder, options, want)
-    return resolved
+        if plan != "other":
+            return resolved
+        keyed = keyed_path(target, want)
+        if str(keyed) not in _warned:
+            _warned.add(str(keyed))
+            log.warning(
+                "model %s was built with other settings (%s); these settings are built at "
+                "%s and used from there, and %s is left as it is",
+                resolved,
+                "; ".join(setting_differences(_read_record(target), want)),
+                keyed,
+                resolved,
+            )
+    with _build_lock(keyed):
+        plan = _plan(keyed, want)
+        if plan == "build":
+            _build(keyed, builder, options, want)
+        elif plan != "reuse":
+            raise ConfigError(
+                f"model directory {str(keyed)!r} (where PolyRL builds {builder!r} with these "
+                f"build_args, since {resolved!r} holds another build) holds something else; "
+                "delete it"
+            )
+    return str(keyed)
 
 
 _warned: set[str] = set()  # paths already warned about (a run resolves its model often)
@@ -508,9 +523,9 @@ _warned: set[str] = set()  # paths already warned about (a run resolves its mode
 def check_build_conflicts(policies: dict[str, Any], source: str = "<config>") -> None:
     """Policies that build the same model path must build it the same way.
 
-    One directory holds one build: two policies naming one path with different ``build`` or
-    ``build_args`` (e.g. a YAML anchor, then an override that reached one of them) would
-    each rebuild it over the other."""
+    Two policies naming one path with different ``build`` or ``build_args`` (e.g. a YAML
+    anchor, then an override that reached one of them) almost always meant one model: say
+    so at load rather than load two (and break parts that share a base by its path)."""
     seen: dict[str, tuple[str, dict]] = {}
     for name, p in policies.items():
         if not p.build:

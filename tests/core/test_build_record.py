@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ def _config(path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def test_same_settings_reuse_and_changed_settings_rebuild(tmp_path, caplog):
+def test_same_settings_reuse_and_changed_settings_build_beside(tmp_path, caplog):
     path = tmp_path / "m"
     assert ensure_model(path, "tiny_qwen2", TINY) == str(path)
     record = json.loads((path / BUILD_RECORD).read_text())
@@ -32,12 +33,21 @@ def test_same_settings_reuse_and_changed_settings_rebuild(tmp_path, caplog):
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == mtimes
 
     with caplog.at_level("WARNING", logger="polyrl.core.tiny"):
-        ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2})
-    assert _config(path)["num_hidden_layers"] == 2
-    assert json.loads((path / BUILD_RECORD).read_text())["options"]["num_layers"] == 2
-    assert "num_layers: 1 -> 2" in caplog.text
-    # the build was staged beside the model and moved into place: nothing else left behind
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.lock", "m"]
+        other = Path(ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2}))
+    # built beside, under a name keyed by its settings; the first model is not touched
+    assert other.parent == tmp_path and other.name.startswith("m-build-")
+    assert _config(other)["num_hidden_layers"] == 2 and _config(path)["num_hidden_layers"] == 1
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == mtimes
+    assert "num_layers: 1 -> 2" in caplog.text and str(other) in caplog.text
+    # asked again: the same keyed model, reused; another setting gets its own
+    before = (other / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2}) == str(other)
+    assert (other / "model.safetensors").stat().st_mtime_ns == before
+    third = ensure_model(path, "tiny_qwen2", {**TINY, "seed": 3})
+    assert third not in (str(path), str(other))
+    # each build was staged and moved into place: nothing else left behind
+    locks = {".m.lock", f".{other.name}.lock", f".{Path(third).name}.lock"}
+    assert {p.name for p in tmp_path.iterdir()} == {"m", other.name, Path(third).name} | locks
 
 
 def test_typed_options_and_a_mapping_record_the_same_build(tmp_path):
@@ -49,18 +59,17 @@ def test_typed_options_and_a_mapping_record_the_same_build(tmp_path):
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_a_directory_with_foreign_files_is_not_replaced(tmp_path):
+def test_a_build_that_lost_files_is_refused_not_rebuilt_in_place(tmp_path):
     path = tmp_path / "m"
     ensure_model(path, "tiny_qwen2", TINY)
     (path / "my_notes.txt").write_text("mine")
     ensure_model(path, "tiny_qwen2", TINY)  # same settings: reused, extra file and all
+    (path / "config.json").unlink()
     with pytest.raises(ConfigError) as err:
-        ensure_model(path, "tiny_qwen2", {**TINY, "seed": 5})
+        ensure_model(path, "tiny_qwen2", TINY)
     msg = str(err.value)
-    assert str(path) in msg and "seed: 0 -> 5" in msg and "my_notes.txt" in msg
-    assert "delete it" in msg and "another path" in msg
+    assert str(path) in msg and "config.json" in msg and "delete the directory" in msg
     assert (path / "my_notes.txt").read_text() == "mine"
-    assert json.loads((path / BUILD_RECORD).read_text())["options"]["seed"] == 0
 
 
 def test_a_model_without_a_record_is_used_as_it_is(tmp_path, caplog):
