@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,34 +77,60 @@ class Program:
     entry_point: str
 
 
+def _is_stub(node: ast.AST) -> bool:
+    """A definition the response is asked to write: only a docstring, ``pass`` or ``...``."""
+    body = getattr(node, "body", [])
+    return all(
+        isinstance(b, ast.Pass) or (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))
+        for b in body
+    )
+
+
+def prompt_preamble(prompt: str, entry_point: str = "") -> str:
+    """What of the prompt both processes run first: its imports and the helpers it
+    defines in full (HumanEval/32's ``poly``, /38's ``encode_cyclic``), never the entry
+    point or another stub. The checks then call the dataset's helpers, not a response's
+    redefinition. A prompt that is not Python gives its import lines."""
+    try:
+        tree = ast.parse(prompt)
+    except (SyntaxError, ValueError):
+        return "".join(line + "\n" for line in _IMPORT.findall(prompt))
+    lines = prompt.splitlines()
+    keep = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == entry_point or _is_stub(node):
+                continue
+        elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        keep.append("\n".join(lines[first - 1 : node.end_lineno]))
+    return "".join(k + "\n" for k in keep)
+
+
 def program_parts(
     sample: Sample,
     tests_field: str = "test",
     entry_point_field: str = "entry_point",
     imports_field: str = "prompt",
 ) -> Program:
-    """The import lines of the dataset row's prompt (HumanEval's carry ``from typing
-    import List``), the response's code, the row's tests and entry point. The row is
-    ``meta["row"]``, as every workflow records it."""
+    """The row's prompt preamble (:func:`prompt_preamble`: HumanEval's carry ``from
+    typing import List`` and sometimes a helper), the response's code, the row's tests
+    and entry point. The row is ``meta["row"]``, as every workflow records it."""
     row = sample.meta.get("row") or {}
     if tests_field not in row:
         raise ValueError(
             f"unit_tests needs the tests in the dataset row's field {tests_field!r} "
             f"(set args.tests_field); this row has {sorted(row)}"
         )
-    prompt = row.get(imports_field) if imports_field else None
-    imports = _IMPORT.findall(prompt) if isinstance(prompt, str) else []
-    entry = row.get(entry_point_field) if entry_point_field else None
-    if entry is not None and not (isinstance(entry, str) and (entry == "" or entry.isidentifier())):
+    entry = (row.get(entry_point_field) if entry_point_field else None) or ""
+    if not (isinstance(entry, str) and (entry == "" or entry.isidentifier())):
         raise ValueError(
             f"unit_tests: the row's {entry_point_field!r} is {entry!r}, not a Python name"
         )
-    return Program(
-        "\n".join(imports) + "\n" if imports else "",
-        extract_code(sample.response),
-        str(row[tests_field]),
-        entry or "",
-    )
+    prompt = row.get(imports_field) if imports_field else None
+    preamble = prompt_preamble(prompt, entry) if isinstance(prompt, str) else ""
+    return Program(preamble, extract_code(sample.response), str(row[tests_field]), entry)
 
 
 @register_reward("unit_tests", batched=True)

@@ -299,3 +299,32 @@ def test_tests_that_pass_what_cannot_cross_are_the_rows_error_not_a_0():
     out = unit_tests([sample(fenced(RIGHT), 0, test=unsendable), sample(fenced(RIGHT), 1)])
     assert isinstance(out[0], ValueError) and out[1] == 1.0
     assert "row 0's tests (field 'test')" in str(out[0]) and "function" in str(out[0])
+
+
+POLY_PROMPT = (
+    "import math\n\n\ndef poly(xs: list, x: float):\n    return sum(c * math.pow(x, i) "
+    'for i, c in enumerate(xs))\n\n\ndef find_zero(xs: list):\n    """A zero of poly."""\n'
+)
+POLY_TESTS = (
+    "def check(candidate):\n    for xs in ([-6, 11, -6, 1], [2, -3, 1], [-1, 1]):\n"
+    "        assert math.fabs(poly(xs, candidate(xs))) < 1e-4\n"
+)
+
+
+def test_helpers_the_prompt_defines_are_the_datasets_in_both_processes():
+    """HumanEval/32-style: the checks call the prompt's ``poly``. A response cannot
+    replace it for the checks; a response that only writes ``find_zero`` may call it."""
+    newton = (
+        "def find_zero(xs):\n    x = 0.0\n    for _ in range(200):\n"
+        "        d = sum(i * c * x ** (i - 1) for i, c in enumerate(xs) if i)\n"
+        "        x = x - poly(xs, x) / d if d else x + 0.1\n    return x\n"
+    )
+    cheat = "def poly(xs, x):\n    return 0.0\ndef find_zero(xs):\n    return 0.0\n"
+    rows = [
+        sample(fenced(code), i, prompt=POLY_PROMPT, test=POLY_TESTS, entry_point="find_zero")
+        for i, code in enumerate([newton, cheat])
+    ]
+    assert unit_tests(rows) == [1.0, 0.0]
+    parts = program_parts(rows[0])
+    assert "def poly" in parts.preamble and "find_zero" not in parts.preamble
+    assert parts.preamble.startswith("import math\n")
