@@ -4,9 +4,12 @@ The trainer starts it in a new session (``python -I -S -c <this source>``) and s
 JSON request on stdin; it answers with one JSON line on stdout. Standard library only.
 
 It isolates itself first (namespaces, private mounts), then forks the *worker*, which sets
-resource limits, drops to a throwaway uid and executes the runner. The supervisor reads
-the worker's output with a size cap, enforces the wall-time limit and kills everything
-the code started. Because the supervisor is the worker's parent, code that signals "its
+resource limits, drops to a throwaway uid, joins a fresh session keyring, installs the
+seccomp filter and executes the runner. A tests run (``"tests"`` in the request) forks
+two: the checker first (the row's checks, arriving on a pipe), then, once the checker
+has read them, the code's worker, which answers the checker's calls; passing is read
+from the checker's status channel only. The supervisor reads the worker's output with a
+size cap, enforces the wall-time limit and kills everything the code started. Because the supervisor is the worker's parent, code that signals "its
 parent" reaches the supervisor (or, in a PID namespace, nothing), never the trainer.
 """
 

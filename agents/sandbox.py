@@ -3,6 +3,8 @@
 ``Sandbox().run(code)`` runs ``code`` in a separate, throwaway process tree and returns a
 :class:`SandboxResult` (stdout, stderr, exit status and, when something went wrong, a short
 ``error`` such as ``wall_time`` or ``blocked``). ``python_tool`` wraps it as a tool.
+``Sandbox().run_tests(code, checks)`` runs a row's checks in a process of their own
+against ``code`` in another (the ``unit_tests`` reward; see its docstring).
 
 Processes::
 
@@ -33,15 +35,19 @@ offers it, and ``SandboxResult.layers`` lists those that were active:
    which every top-level directory but the system ones (``/usr``, ``/lib``, ``/etc``,
    ``/proc``, ``/dev``, ...) is replaced by an empty tmpfs mount (homes, ``/tmp``, the
    project wherever it lives), the Python installation is mounted back read-only,
-   and the working directory is a fresh, size-limited tmpfs that vanishes with the run,
-   mounted ``noexec``: a binary, script or extension module the code writes there cannot
+   and the working directory is a fresh tmpfs, limited in size and inodes, that vanishes
+   with the run, mounted ``noexec``: a binary, script or extension module the code writes there cannot
    be executed or loaded (and ``vm.memfd_noexec`` keeps memory files from standing in).
 4. **A throwaway uid** (as root): the worker drops to a random unused uid with no
    groups and ``no_new_privs``. It owns no file, so it can write nothing outside the
    working directory and read nothing that is not world-readable; it cannot signal the
    trainer's processes; ``RLIMIT_NPROC`` (which root ignores, hence the uid) caps its
    processes tightly, so a fork bomb stalls at ``max_processes``.
-5. **An audit hook** (PEP 578) in the worker's interpreter refuses, with a clear
+5. **A fresh session keyring and a seccomp filter** (in the worker, before exec): the
+   trainer's keyring (whose keys any possessor may read) is left behind, and io_uring,
+   the keyring calls, new namespaces (``unshare``, ``setns``, ``clone`` with a
+   ``CLONE_NEW*`` flag), BPF, perf, ptrace, ``process_vm_*`` and userfaultfd are refused.
+6. **An audit hook** (PEP 578) in the worker's interpreter refuses, with a clear
    ``PermissionError``, file access outside the working directory (reads of the Python
    installation excepted), sockets, signals, process creation and ctypes calls. It is not
    a security boundary on its own (C code can bypass it); it turns attempts into readable
@@ -51,7 +57,7 @@ After every run the supervisor checks for System V IPC objects the code left beh
 removes them and reports them (``SandboxResult.ipc_left`` and a note). See
 ``agents/SANDBOX.md`` for the threat model.
 
-Without root or user namespaces only 1, 2 and 5 (plus a temporary directory that is
+Without root or user namespaces only 1, 2, 5 and 6 (plus a temporary directory that is
 removed afterwards) remain; ``capabilities()`` says what this machine offers.
 """
 
