@@ -204,6 +204,18 @@ def _read_with_datasets(
     return [dict(r) for r in ds]
 
 
+def check_paths(sources: Iterable[tuple[str, DataConfig]]) -> None:
+    """Fail now, before any model builds or loads, when a data config (``(name, config)``,
+    e.g. ``("eval", cfg.eval.data)``) names a local file or directory that is not there:
+    reading it would fail the same way, only after the model. Empty paths (a task fills
+    them in; no evaluation) and hub dataset names pass; rows are checked when read."""
+    for name, cfg in sources:
+        if cfg.path and not _is_hub_name(cfg.path):
+            p = Path(cfg.path).expanduser()
+            if not p.exists():
+                raise DataError(_missing_file_message(p, f"{name} data"))
+
+
 def load_rows(
     path: str,
     split: str = "train",

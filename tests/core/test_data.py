@@ -15,6 +15,7 @@ from polyrl.core.data import (
     PromptDataset,
     PromptItem,
     PromptSampler,
+    check_paths,
     write_jsonl,
 )
 
@@ -141,6 +142,22 @@ def test_write_jsonl_is_atomic_and_roundtrips(tmp_path):
 
 
 # --------------------------------------------------------------------------- errors
+
+
+def test_check_paths_finds_a_missing_file_without_a_tokenizer(tmp_path):
+    """What a run checks before any model builds: paths only, so no tokenizer is needed."""
+    write_jsonl(tmp_path / "train.jsonl", rows(1))
+    fine = [
+        ("train", cfg(tmp_path / "train.jsonl")),
+        ("eval", DataConfig()),  # empty: a task fills it, or no evaluation
+        ("sft", DataConfig(path="openai/gsm8k")),  # a hub name: read (and checked) later
+    ]
+    check_paths(fine)
+    with pytest.raises(DataError) as e:
+        check_paths([*fine, ("eval", cfg(tmp_path / "eval.jsnl"))])
+    msg = str(e.value)
+    assert msg.startswith("eval data: ") and str(tmp_path / "eval.jsnl") in msg
+    assert "does not exist" in msg and "train.jsonl" in msg  # the file there, as a hint
 
 
 def test_missing_file_names_path_and_neighbours(tmp_path, tokenizer):
