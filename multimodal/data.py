@@ -11,9 +11,11 @@ chat-message prompts may use ``{"type": "image"}`` parts instead.
 ``<video>`` (or ``{"type": "video"}`` parts) with the same rules as images; how frames are
 capped, sized, timed and counted is in :mod:`polyrl.multimodal.video`.
 
-**Lazy.** Loading reads each image's header only (size and mode): nothing is decoded and
-no pixels are kept. Parquet and hub rows stay in the memory-mapped Arrow table, so the
-encoded bytes are not held either. The pixels are decoded when a rollout needs them.
+**Lazy.** Loading reads each image's header (size, mode, EXIF orientation) and checks that
+its data is complete (a JPEG's or PNG's end marker, 16 bytes at each end; other images are
+decoded once), so a truncated image is an error naming its row before training, not at a
+rollout; no pixels are kept. Parquet and hub rows stay in the memory-mapped Arrow table, so
+the encoded bytes are not held either. The pixels are decoded when a rollout needs them.
 
 **Cheap length filter.** The prompt's token count is the templated text's tokens plus, for
 each image, ``t*h*w / merge^2`` placeholder tokens computed from the header size through
@@ -35,6 +37,7 @@ what to do with bad images.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import re
 from collections import Counter
@@ -52,6 +55,7 @@ from polyrl.multimodal.images import (
     ImageError,
     ImageRef,
     ResizeRule,
+    check_complete,
     check_pixels,
     make_ref,
     probe,
@@ -64,6 +68,8 @@ from polyrl.multimodal.video import (
     video_resize_rule,
 )
 from polyrl.multimodal.vision import VideoSpec, VisionSpec
+
+log = logging.getLogger(__name__)
 
 VISION_FIELD = "_vision"  # where a VL item's row keeps its VisionSpec (policies read it)
 QWEN_IMAGE_SEQUENCE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -399,6 +405,8 @@ class VLDataset:
                     "skipped_bad_image",
                     "images",
                     "converted_rgb",
+                    "scaled_16bit",
+                    "exif_transposed",
                     "downscaled",
                     "upscaled",
                     "placeholders_added",
@@ -414,6 +422,20 @@ class VLDataset:
             raise DataError(
                 f"{name} data: no usable rows in {cfg.path or 'the rows'!r} ({dict(self.stats)})."
             )
+        fixed = {
+            "scaled_16bit": "are 16-bit grey: scaled to 8 bits (0..65535 -> 0..255)",
+            "exif_transposed": "carry an EXIF orientation: turned as image viewers show them",
+        }
+        for key, what in fixed.items():
+            if self.stats[key]:
+                log.warning(
+                    "%s data %s: %d image(s) %s (data/%s; see polyrl.multimodal.images)",
+                    name,
+                    cfg.path or "rows",
+                    self.stats[key],
+                    what,
+                    key,
+                )
 
     # --- building -------------------------------------------------------------------
     def _build(self, rows: Any, where: list[str], arrow: bool) -> None:
@@ -644,6 +666,8 @@ class VLDataset:
             header = probe(ref, self.opts.max_source_pixels)
             if self.opts.bad_images == "skip":
                 check_pixels(ref)
+            else:  # a truncated file is found now, not at the first rollout
+                check_complete(ref)
         except ImageError as e:
             if self.opts.bad_images == "skip":
                 self.stats["skipped_bad_image"] += 1
@@ -651,6 +675,8 @@ class VLDataset:
             raise DataError(f"{e} (or set data.args.bad_images=skip to drop such rows)") from None
         if header.mode != "RGB":
             self.stats["converted_rgb"] += 1
+        self.stats["scaled_16bit"] += header.scaled_16bit
+        self.stats["exif_transposed"] += header.transposed
         return header
 
     def _count_resize(self, rule: ResizeRule, width: int, height: int) -> None:

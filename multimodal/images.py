@@ -11,12 +11,19 @@ the file and the dataset row, or a fix that is documented here and counted by th
 
 ========================  ===================================================================
 missing / unreadable file  error (or, with ``bad_images: skip``, the row is dropped, counted)
-corrupt / truncated data   error naming the file (header problems are found at load time);
-                           with ``bad_images: skip`` the pixels are decoded once at load
-                           (:func:`check_pixels`) and such a row is dropped, counted
+corrupt / truncated data   error naming the file and row at load time: headers are read, and
+                           a JPEG or PNG whose data does not end (no end marker) is decoded
+                           to confirm (:func:`check_complete`); with ``bad_images: skip``
+                           every image is decoded once at load (:func:`check_pixels`) and such
+                           a row is dropped, counted
 ``data:`` URI              decoded (base64 or percent-encoded) to the image's bytes; a URI
                            that is not an image, or bad base64, is an error
 grayscale, RGBA, palette   converted to RGB (RGBA over white), counted as ``converted_rgb``
+16-bit grey (``I;16``)     scaled to 8 bits (0..65535 -> 0..255, as viewers show it; a plain
+                           conversion clips it to white), counted ``scaled_16bit``, logged
+EXIF orientation           applied as viewers do (``ImageOps.exif_transpose``: rotated or
+                           flipped, width and height swapped for 90-degree turns, before the
+                           size is counted), counted ``exif_transposed``, logged
 tiny (even 1x1)            upscaled to ``min_pixels`` by ``smart_resize``, counted ``upscaled``
 over ``max_pixels``        downscaled to fit, counted ``downscaled``
 over ``max_source_pixels`` error: decoding it would need too much memory (a 20000x20000
@@ -37,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_SOURCE_PIXELS = 64 * 1024 * 1024  # 64M pixels: 192 MB as RGB
 MAX_ASPECT_RATIO = 200  # qwen_vl_utils.smart_resize refuses anything longer
@@ -70,9 +78,24 @@ class ImageRef:
 
 @dataclass(frozen=True)
 class Header:
+    """The size the model sees (after the EXIF orientation) and the stored mode."""
+
     width: int
     height: int
     mode: str
+    orientation: int = 1  # EXIF orientation (1: as stored; 5-8 swap width and height)
+
+    @property
+    def scaled_16bit(self) -> bool:
+        """Integer grey pixels (16-bit PNG or TIFF) that :func:`to_rgb` scales to 8 bits."""
+        return self.mode == "I" or self.mode.startswith("I;16")
+
+    @property
+    def transposed(self) -> bool:
+        return self.orientation not in (0, 1)
+
+
+EXIF_ORIENTATION = 0x0112
 
 
 def _open(ref: ImageRef) -> Image.Image:
@@ -171,7 +194,13 @@ def probe(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = _open(ref)
-            header = Header(int(img.width), int(img.height), str(img.mode))
+            try:
+                turn = int(img.getexif().get(EXIF_ORIENTATION) or 1)
+            except Exception:  # noqa: BLE001 (unreadable EXIF: shown as stored, as viewers do)
+                turn = 1
+            turn = turn if 1 <= turn <= 8 else 1
+            w, h = int(img.width), int(img.height)
+            header = Header(*((h, w) if turn >= 5 else (w, h)), str(img.mode), turn)
     except Image.DecompressionBombError as e:
         raise ImageError(
             f"{_describe(ref)}: the image is too large to decode safely ({e}). "
@@ -205,9 +234,14 @@ def check_size(ref: ImageRef, header: Header, max_source_pixels: int) -> None:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """RGB pixels; transparent images are composited over white (as qwen_vl_utils does)."""
+    """RGB pixels; transparent images are composited over white (as qwen_vl_utils does);
+    16-bit (and 32-bit integer) grey is scaled from 0..65535 to 0..255 (PIL's own conversion
+    clips it, so a 16-bit image would be all white)."""
     if img.mode == "RGB":
         return img
+    if img.mode == "I" or img.mode.startswith("I;16"):
+        wide = np.clip(np.asarray(img, dtype=np.int64), 0, 65535)
+        img = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), mode="L")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA"):
@@ -243,8 +277,48 @@ def check_pixels(ref: ImageRef) -> None:
         raise _undecodable(ref, e) from None
 
 
+def _encoded(ref: ImageRef) -> ImageRef | None:
+    """The path or bytes behind ``ref`` (an arrow row resolved); None for a PIL image."""
+    if ref.kind == "arrow":
+        table, row, column, index = ref.source
+        value = table[row][column]
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(value, list) and i is not None:
+                value = value[i]
+        kind, source = _classify(value, ref.where, ref.name, root=None)
+        return _encoded(ImageRef(kind, source, ref.where, ref.name))
+    return ref if ref.kind in ("path", "bytes") else None
+
+
+_ENDS = {  # format: (how the file starts, how its data ends when complete)
+    "JPEG": (b"\xff\xd8\xff", b"\xff\xd9"),
+    "PNG": (b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"),
+}
+
+
+def check_complete(ref: ImageRef) -> None:
+    """An ImageError when the image's data is cut short. A JPEG or PNG that ends with its
+    end marker (EOI, IEND) passes from 16 bytes read at each end; any other image (another
+    format, or one with bytes after its marker) is decoded once to be sure
+    (:func:`check_pixels`)."""
+    found = _encoded(ref)
+    if found is None:
+        return
+    if found.kind == "path":
+        with open(found.source, "rb") as f:
+            head = f.read(16)
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16))
+            tail = f.read()
+    else:
+        head, tail = found.source[:16], found.source[-16:]
+    if any(head.startswith(start) and tail.endswith(end) for start, end in _ENDS.values()):
+        return
+    check_pixels(ref)
+
+
 def decode(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) -> Image.Image:
-    """The image's pixels as RGB; errors name the file and row."""
+    """The image's pixels as RGB, turned as its EXIF orientation says; errors name the file
+    and row."""
     header = probe(ref, max_source_pixels)
     try:
         with warnings.catch_warnings():
@@ -253,6 +327,8 @@ def decode(ref: ImageRef, max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS) ->
             img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise _undecodable(ref, e) from None
+    if header.transposed:
+        img = ImageOps.exif_transpose(img)
     if (img.width, img.height) != (header.width, header.height):  # pragma: no cover (defensive)
         raise ImageError(f"{_describe(ref)}: decoded size {img.size} differs from the header")
     return to_rgb(img)

@@ -203,17 +203,17 @@ def test_corrupt_image_names_the_file(tmp_path, policy):
 
 
 def test_truncated_image_fails_at_decode_naming_the_file(tmp_path, policy):
-    """A valid header with missing pixel data passes the load-time probe; decoding it for
-    a rollout raises an error naming the file, before anything reaches the model."""
+    """An image cut short after the load-time check (the file changed under the run) is
+    refused when a rollout decodes it, naming the file, before anything reaches the model."""
     (tmp_path / "img").mkdir()
     noisy = Image.effect_noise((56, 56), 64).convert("RGB")  # noise: no tiny compressed file
     noisy.save(tmp_path / "img" / "t.png")
-    data = (tmp_path / "img" / "t.png").read_bytes()
-    (tmp_path / "img" / "t.png").write_bytes(data[: len(data) // 2])
     rows = [
         {"prompt": "<image>What colour is the square?", "images": ["img/t.png"], "answer": "red"}
     ]
     ds = load(tmp_path, policy, rows)
+    data = (tmp_path / "img" / "t.png").read_bytes()
+    (tmp_path / "img" / "t.png").write_bytes(data[: len(data) // 2])
     with pytest.raises(ImageError, match=r"line 1, image 0.*t\.png.*truncated or corrupt"):
         vision.process(ds[0].vision, policy.processor.image_processor)
 
@@ -240,10 +240,9 @@ def test_truncated_jpeg_is_skipped_and_counted_in_skip_mode(tmp_path, policy):
     assert ds[0].row["images"] == [str(tmp_path / "img" / "a.png")]
     _, images = vision.process(ds[0].vision, policy.processor.image_processor)
     assert images[0].getpixel((5, 5)) == (200, 30, 30)
-    # without skip, loading stays lazy and the decode names the file
-    lazy = load(tmp_path, policy, rows)
-    with pytest.raises(ImageError, match=r"line 1, image 0.*cut\.jpg.*truncated or corrupt"):
-        vision.process(lazy[0].vision, policy.processor.image_processor)
+    # without skip, the load itself names the row and the file
+    with pytest.raises(DataError, match=r"line 1, image 0.*cut\.jpg.*truncated or corrupt"):
+        load(tmp_path, policy, rows)
 
 
 def png_bytes(colour, size=(56, 56)) -> bytes:
