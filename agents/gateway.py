@@ -49,7 +49,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns
-from polyrl.core.record import mark_invalid, set_strings, text_record
+from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
 from polyrl.core.workflow import run_sync
 
@@ -168,6 +168,7 @@ class Gateway:
     """
 
     transcript_keys = ("episode", "sample", "turn", "choice", "model", "stitched", "return")
+    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(
         self,
@@ -417,41 +418,24 @@ class Gateway:
                 'the return last: a number, {"reward": r, "success": s} or null'
             ) from None
 
-    def _add(
-        self, cols, errors, ep, base, prompt, response, logps, policy, turn, text, vision=None
-    ) -> None:
-        if ep.error:
-            errors.append((len(cols["uid"]), ep.error))
-        cols["vision"].append(vision)
-        cols["prompt_ids"].append(prompt)
-        cols["response_ids"].append(response)
-        cols["rollout_logprobs"].append(logps)
-        cols["policy"].append(policy)
-        cols["uid"].append(ep.item.uid)
-        cols["turn"].append(turn)
-        tok = self.decoders[policy]
-        cols["prompt_text"].append(tok.decode(prompt, skip_special_tokens=False))
-        cols["response_text"].append(text)
-        cols["meta"].append(dict(base))
+    def _row(self, ep, base, prompt, response, logps, policy, turn, text, extra) -> Row:
+        decode = self.decoders[policy].decode
+        return Row(
+            prompt,
+            response,
+            logps,
+            policy,
+            ep.item.uid,
+            turn=turn,
+            prompt_text=decode(prompt, skip_special_tokens=False),
+            response_text=text,
+            meta={**base, **extra},
+            versions=[] if not response else None,
+            error=ep.error,
+        )
 
     def _record(self, episodes: list[EpisodeState]) -> TensorDict:
-        cols: dict[str, list] = {
-            k: []
-            for k in (
-                "prompt_ids",
-                "response_ids",
-                "rollout_logprobs",
-                "policy",
-                "uid",
-                "turn",
-                "prompt_text",
-                "response_text",
-                "meta",
-                "truncated",
-                "vision",
-            )
-        }
-        errors: list[tuple[int, str]] = []
+        rows: list[Row] = []
         valid_eps = sum(1 for ep in episodes if not ep.error)
         rows_of = {ep.id: max(1, sum(len(c.choices) for c in ep.calls)) for ep in episodes}
         valid_rows = sum(rows_of[ep.id] for ep in episodes if not ep.error)
@@ -484,59 +468,31 @@ class Gateway:
             elif success is not None:
                 base["success"] = success
 
-            def add(
-                prompt, response, logps, policy, turn, text, extra, vision=None, ep=ep, base=base
-            ):
-                self._add(
-                    cols, errors, ep, base, prompt, response, logps, policy, turn, text, vision
-                )
-                cols["meta"][-1].update(extra)
-
             if not ep.calls:
-                add(list(ep.item.prompt_ids), [], [], self.name, 0, "", {"turn": 0, "spans": []})
+                prompt = list(ep.item.prompt_ids)
+                extra = {"turn": 0, "spans": []}
+                rows.append(self._row(ep, base, prompt, [], [], self.name, 0, "", extra))
             for t, call in enumerate(ep.calls):
                 for j, c in enumerate(call.choices):
-                    add(
-                        call.prompt_ids,
-                        c.ids,
-                        c.logprobs,
-                        call.model,
-                        t,
-                        self.decoders[call.model].decode(c.ids, skip_special_tokens=True),
-                        {
-                            "turn": t,
-                            "choice": j,
-                            "model": call.model,
-                            "stitched": call.stitched,
-                            "temperature": call.temperature,
-                            "completion_finish": c.finish,
-                            "spans": [[t, 0, len(c.ids)]],
-                        },
-                        call.images.joined if call.images is not None else None,
+                    extra = {
+                        "turn": t,
+                        "choice": j,
+                        "model": call.model,
+                        "stitched": call.stitched,
+                        "temperature": call.temperature,
+                        "completion_finish": c.finish,
+                        "spans": [[t, 0, len(c.ids)]],
+                    }
+                    text = self.decoders[call.model].decode(c.ids, skip_special_tokens=True)
+                    row = self._row(
+                        ep, base, call.prompt_ids, c.ids, c.logprobs, call.model, t, text, extra
                     )
-                    cols["truncated"].append(c.finish == "length")
-            if not ep.calls:
-                cols["truncated"].append(False)
-        record = text_record(
-            prompt_ids=cols["prompt_ids"],
-            response_ids=cols["response_ids"],
-            rollout_logprobs=cols["rollout_logprobs"],
-            policy=cols["policy"],
-            uid=cols["uid"],
-            turn=cols["turn"],
-            pad_id=self.pad_id,
-            prompt_text=cols["prompt_text"],
-            response_text=cols["response_text"],
-            meta=cols["meta"],
-            truncated=cols["truncated"],
-        )
-        if any(v is not None for v in cols["vision"]):
-            set_strings(record, "vision", cols["vision"])
+                    row.vision = call.images.joined if call.images is not None else None
+                    row.versions, row.truncated = c.versions, c.finish == "length"
+                    rows.append(row)
         failed = {ep.id for ep in episodes if ep.error}
         self.failed_episodes += len(failed)
-        if errors:
-            mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
-        return record
+        return build_rows(rows, self.pad_id)
 
 
 WORKFLOWS.register("gateway", Gateway)

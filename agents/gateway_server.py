@@ -53,6 +53,7 @@ class Choice:
     key: tuple  # the normalised message, matched when the agent sends it back
     tops: list | None = None  # per token: the likeliest (ids, log-probs) (top_logprobs)
     stop_hit: str | None = None  # the stop string the answer was cut at
+    versions: list[int] | None = None  # weights version per token (rollout.partial)
 
 
 @dataclass
@@ -595,7 +596,8 @@ class GatewayServer:
                 tool_calls_key(message.get("tool_calls"), "reply"),
                 "",
             )
-            choices.append(Choice(ids, logps, finish, message, key, tops, hit))
+            versions = out.versions[: len(ids)] if out.versions is not None else None
+            choices.append(Choice(ids, logps, finish, message, key, tops, hit, versions))
         anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
         call = Call(
             req.model,

@@ -63,7 +63,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
-from polyrl.core.record import mark_invalid, set_strings, text_record
+from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
 
@@ -580,54 +580,30 @@ class MultiTurn:
 
     # ------------------------------------------------------------------ record
     def _record(self, episodes: list[Episode]) -> TensorDict:
-        rows: dict[str, list] = {
-            k: []
-            for k in (
-                "prompt_ids",
-                "response_ids",
-                "rollout_logprobs",
-                "loss_mask",
-                "uid",
-                "turn",
-                "prompt_text",
-                "response_text",
-                "meta",
-                "truncated",
-                "vision",
-                "token_version",
-            )
-        }
-        errors: list[tuple[int, str]] = []
+        rows: list[Row] = []
         row_episode: list[Episode] = []
         decode = self.tokenizer.decode
 
-        def add(
-            ep: Episode,
-            prompt,
-            response,
-            logps,
-            mask,
-            turn,
-            response_text,
-            spans,
-            vision=None,
-            versions=None,
-        ) -> None:
-            if ep.error:
-                errors.append((len(rows["uid"]), ep.error))
+        def add(ep: Episode, prompt, response, logps, mask, turn, text, spans, vision, versions):
             row_episode.append(ep)
-            rows["prompt_ids"].append(prompt)
-            rows["response_ids"].append(response)
-            rows["rollout_logprobs"].append(logps)
-            rows["loss_mask"].append(mask)
-            rows["uid"].append(ep.item.uid)
-            rows["turn"].append(turn)
-            rows["prompt_text"].append(decode(prompt, skip_special_tokens=False))
-            rows["response_text"].append(response_text)
-            rows["truncated"].append(ep.truncated)
-            rows["meta"].append({"spans": spans, "turn": turn})
-            rows["vision"].append(vision)
-            rows["token_version"].append(versions)
+            rows.append(
+                Row(
+                    prompt,
+                    response,
+                    logps,
+                    self.name,
+                    ep.item.uid,
+                    loss_mask=mask,
+                    turn=turn,
+                    prompt_text=decode(prompt, skip_special_tokens=False),
+                    response_text=text,
+                    meta={"spans": spans, "turn": turn},
+                    truncated=ep.truncated,
+                    versions=versions,
+                    vision=vision,
+                    error=ep.error,
+                )
+            )
 
         for ep in episodes:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
@@ -690,12 +666,12 @@ class MultiTurn:
             counts[ep.id] = counts.get(ep.id, 0) + 1
         valid_rows = sum(1 for ep in row_episode if not ep.error)
         valid_eps = sum(1 for ep in episodes if not ep.error)
-        for meta, ep in zip(rows["meta"], row_episode, strict=True):
+        for row, ep in zip(rows, row_episode, strict=True):
             rewards = [t.reward for t in ep.turns]
             ret = float(sum(rewards))
             success = ep.success if ep.success is not None else ret > 0
             weight = valid_rows / (valid_eps * counts[ep.id]) if valid_eps and not ep.error else 0.0
-            meta.update(
+            row.meta.update(
                 {
                     "answer": ep.item.answer,
                     "row": ep.item.row,
@@ -715,26 +691,7 @@ class MultiTurn:
                     "mode": self.mode,
                 }
             )
-        record = text_record(
-            prompt_ids=rows["prompt_ids"],
-            response_ids=rows["response_ids"],
-            rollout_logprobs=rows["rollout_logprobs"],
-            loss_mask=rows["loss_mask"],
-            policy=[self.name] * len(rows["uid"]),
-            uid=rows["uid"],
-            turn=rows["turn"],
-            pad_id=self.tokenizer.pad_token_id,
-            prompt_text=rows["prompt_text"],
-            response_text=rows["response_text"],
-            meta=rows["meta"],
-            truncated=rows["truncated"],
-            token_version=rows["token_version"],
-        )
-        if any(v is not None for v in rows["vision"]):
-            set_strings(record, "vision", rows["vision"])
-        if errors:
-            mark_invalid(record, [i for i, _ in errors], [e for _, e in errors])
-        return record
+        return build_rows(rows, self.tokenizer.pad_token_id)
 
 
 WORKFLOWS.register("multi_turn", MultiTurn)

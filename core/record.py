@@ -27,6 +27,7 @@ embeddings) with the same group keys, reward, valid, policy and error fields.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -259,3 +260,70 @@ def mark_invalid(td: TensorDict, rows: Sequence[int], errors: Sequence[str]) -> 
         errs[i] = e
         td["valid"][i] = False
     set_strings(td, "error", errs)
+
+
+@dataclass
+class Row:
+    """One text row as a workflow collects it; :func:`build_rows` turns rows into the
+    record (the columns are those of :func:`text_record`, plus ``vision``).
+
+    ``loss_mask`` None: every response token is this row's policy's own. ``versions``:
+    each response token's weights version (``Completion.versions``; -1 for tokens the
+    policy did not sample); the record gets ``token_version`` when every row has them.
+    ``vision``: the row's joined images (the policy's log-prob pass reads them). ``error``:
+    recorded on the row, which leaves the update (never scored 0). ``pending``: kept out
+    of the update until a later part validates it (e.g. a credit that scores it).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    policy: str
+    uid: int
+    loss_mask: list[int] | None = None
+    agent_id: int = 0
+    turn: int = 0
+    node: int = 0
+    prompt_text: str = ""
+    response_text: str = ""
+    meta: dict = field(default_factory=dict)
+    truncated: bool = False
+    versions: list[int] | None = None
+    vision: Any = None
+    error: str = ""
+    pending: bool = False
+
+
+def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
+    """The one record builder every text workflow uses: ``rows`` in order, padded with
+    ``pad_id``; errors marked, pending rows not valid, images in ``vision``."""
+    if not rows:
+        raise ValueError("build_rows: no rows (a rollout must produce at least one)")
+    record = text_record(
+        prompt_ids=[r.prompt_ids for r in rows],
+        response_ids=[r.response_ids for r in rows],
+        rollout_logprobs=[r.logprobs for r in rows],
+        policy=[r.policy for r in rows],
+        uid=[r.uid for r in rows],
+        pad_id=pad_id,
+        loss_mask=[
+            [1] * len(r.response_ids) if r.loss_mask is None else r.loss_mask for r in rows
+        ],
+        agent_id=[r.agent_id for r in rows],
+        turn=[r.turn for r in rows],
+        node=[r.node for r in rows],
+        prompt_text=[r.prompt_text for r in rows],
+        response_text=[r.response_text for r in rows],
+        meta=[r.meta for r in rows],
+        truncated=[r.truncated for r in rows],
+        token_version=[r.versions for r in rows],
+    )
+    if any(r.vision is not None for r in rows):
+        set_strings(record, "vision", [r.vision for r in rows])
+    pending = [i for i, r in enumerate(rows) if r.pending]
+    if pending:
+        record["valid"][torch.tensor(pending)] = False
+    failed = [i for i, r in enumerate(rows) if r.error]
+    if failed:
+        mark_invalid(record, failed, [rows[i].error for i in failed])
+    return record

@@ -15,14 +15,12 @@ the policy's log-prob pass reads; every other row holds None there.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.record import mark_invalid, set_strings, text_record
+from polyrl.core.record import Row, build_rows
 from polyrl.marl.api import AgentInfo, Episode, Joint
 from polyrl.marl.critic import joint_state
 
@@ -72,55 +70,44 @@ def build_record(
     Padding uses id 0 for every policy: pads sit under the masks, and 0 exists in every
     vocabulary (one record, no per-policy concatenation).
     """
-    cols: dict[str, list] = defaultdict(list)
-    errors: list[tuple[int, str]] = []
-    pending: list[int] = []
-
-    def add(**row: Any) -> int:
-        for k, v in row.items():
-            cols[k].append(v)
-        return len(cols["uid"]) - 1
-
+    rows: list[Row] = []
+    joint_ids: list[int] = []
     for ep in episodes:
         joints = ep.joints or ([Joint(next(ids), 0, None, [], "", {}, True)] if ep.error else [])
         for j in joints:
             turns, text = _transcript(j)
-            k = add(
-                prompt_ids=[],
-                response_ids=[],
-                logprobs=[],
-                versions=[],
-                loss_mask=[],
-                policy=JOINT_POLICY,
-                uid=ep.uid,
-                agent_id=-1,
-                turn=j.turn,
-                node=j.parent.id if (j.parent is not None and ep.tree) else 0,
-                joint_id=j.id,
-                prompt_text=text,
-                response_text=j.final,
-                vision=None,
-                truncated=False,
-                meta={
-                    "answer": ep.answer,
-                    "row": ep.row,
-                    "final": j.final,
-                    "transcript": turns,
-                    "joint": j.id,
-                    "parent": j.parent.id if j.parent is not None else 0,
-                    "turn": j.turn,
-                    "episode": ep.index,
-                    "scored": j.score,
-                    "info": j.info,
-                    "episode_info": ep.info,
-                    "episode_error": bool(ep.error),
-                },
+            joint_ids.append(j.id)
+            rows.append(
+                Row(
+                    [],
+                    [],
+                    [],
+                    JOINT_POLICY,
+                    ep.uid,
+                    agent_id=-1,
+                    turn=j.turn,
+                    node=j.parent.id if (j.parent is not None and ep.tree) else 0,
+                    prompt_text=text,
+                    response_text=j.final,
+                    meta={
+                        "answer": ep.answer,
+                        "row": ep.row,
+                        "final": j.final,
+                        "transcript": turns,
+                        "joint": j.id,
+                        "parent": j.parent.id if j.parent is not None else 0,
+                        "turn": j.turn,
+                        "episode": ep.index,
+                        "scored": j.score,
+                        "info": j.info,
+                        "episode_info": ep.info,
+                        "episode_error": bool(ep.error),
+                    },
+                    versions=[],
+                    error=ep.error,
+                    pending=not ep.error and not j.score,
+                )
             )
-            if ep.error:
-                errors.append((k, ep.error))
-            elif not j.score:
-                pending.append(k)
-    agent_rows = []
     for ep in episodes:
         by_id = {j.id: j for j in ep.joints}
         for m in ep.messages:
@@ -130,62 +117,39 @@ def build_record(
                 above = by_id[m.joints[0]].parent
                 lines = _transcript(above)[1].split("\n") if above is not None else []
                 extra["critic_state"] = joint_state(str(ep.task), lines, max(m.turn, 0), m.agent)
-            k = add(
-                prompt_ids=m.prompt_ids,
-                response_ids=m.token_ids,
-                logprobs=m.logprobs,
-                versions=m.versions,
-                loss_mask=[1 if info.train else 0] * len(m.token_ids),
-                policy=info.policy,
-                uid=ep.uid,
-                agent_id=info.agent_id,
-                turn=max(m.turn, 0),
-                node=m.node,
-                joint_id=-1,
-                prompt_text=m.prompt_text,
-                response_text=m.text,
-                vision=m.vision,
-                truncated=m.finish_reason == "length",
-                meta={
-                    "answer": ep.answer,
-                    "agent": m.agent,
-                    "episode": ep.index,
-                    "joints": list(m.joints),
-                    **extra,
-                },
-            )
-            agent_rows.append(k)
             err = ep.error or (
                 "" if m.joints else f"agent {m.agent!r}: message is in no joint action (ep.joint)"
             )
-            if err:
-                errors.append((k, err))
-            else:
-                pending.append(k)  # the credit validates rows whose joints were scored
-    if not cols["uid"]:
+            joint_ids.append(-1)
+            rows.append(
+                Row(
+                    m.prompt_ids,
+                    m.token_ids,
+                    m.logprobs,
+                    info.policy,
+                    ep.uid,
+                    loss_mask=[1 if info.train else 0] * len(m.token_ids),
+                    agent_id=info.agent_id,
+                    turn=max(m.turn, 0),
+                    node=m.node,
+                    prompt_text=m.prompt_text,
+                    response_text=m.text,
+                    meta={
+                        "answer": ep.answer,
+                        "agent": m.agent,
+                        "episode": ep.index,
+                        "joints": list(m.joints),
+                        **extra,
+                    },
+                    truncated=m.finish_reason == "length",
+                    versions=m.versions,
+                    vision=m.vision,
+                    error=err,
+                    pending=not err,  # the credit validates rows whose joints were scored
+                )
+            )
+    if not rows:
         raise RuntimeError("the workflow produced no rows")
-    rec = text_record(
-        prompt_ids=cols["prompt_ids"],
-        response_ids=cols["response_ids"],
-        rollout_logprobs=cols["logprobs"],
-        policy=cols["policy"],
-        uid=cols["uid"],
-        pad_id=0,
-        loss_mask=cols["loss_mask"],
-        agent_id=cols["agent_id"],
-        turn=cols["turn"],
-        node=cols["node"],
-        prompt_text=cols["prompt_text"],
-        response_text=cols["response_text"],
-        meta=cols["meta"],
-        truncated=cols["truncated"],
-        token_version=cols["versions"],
-    )
-    rec["joint_id"] = torch.tensor(cols["joint_id"], dtype=torch.long)
-    if any(v is not None for v in cols["vision"]):
-        set_strings(rec, "vision", cols["vision"])
-    if pending:
-        rec["valid"][torch.tensor(pending)] = False
-    if errors:
-        mark_invalid(rec, [k for k, _ in errors], [e for _, e in errors])
+    rec = build_rows(rows, pad_id=0)
+    rec["joint_id"] = torch.tensor(joint_ids, dtype=torch.long)
     return rec

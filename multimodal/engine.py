@@ -44,7 +44,7 @@ class VLEngine(HFEngine):
     """Batched sampling with a KV cache and images; ``batch_size`` counts sampled rows."""
 
     takes_images = True  # core/interfaces.py TakesImages: requests carry ``vision``
-    partial_rollouts = False  # takes weights between calls only
+    partial_rollouts = True  # interfaces.PartialRollouts: refresh before each decoding step
 
     def __init__(
         self,
@@ -91,6 +91,8 @@ class VLEngine(HFEngine):
             image_mask = image_masks(p, ids, mask, visions, token_mask(p, ids))
             video_mask = token_mask(p, ids, video=True)
             video_mask[turns] = False
+        refresh = self.refresh
+        version = refresh() if refresh is not None else 0  # of the weights that make `logits`
         logits, cache, pos = vl_forward(
             model,
             ids,
@@ -117,13 +119,14 @@ class VLEngine(HFEngine):
         )
         tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        versions = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         last = logits[:, -1]
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(last, params, gen)
-            tokens[:, t], logps[:, t] = tok, lp
+            tokens[:, t], logps[:, t], versions[:, t] = tok, lp, version
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
@@ -137,6 +140,8 @@ class VLEngine(HFEngine):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
             step_pos = next_pos.view(1, b, 1).expand(3, b, 1)
+            if refresh is not None:  # newer weights go on from the cache the old ones made
+                version = refresh()
             step_logits, cache = decode_step(model, tok[:, None], mask, step_pos, cache)
             last = step_logits[:, -1]
             next_pos = next_pos + 1
@@ -146,7 +151,8 @@ class VLEngine(HFEngine):
             tid = tokens[k, :m].tolist()
             text = self.tokenizer.decode(tid, skip_special_tokens=True)
             reason = "stop" if bool(stopped[k]) else "length"
-            result.append(Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text))
+            vers = versions[k, :m].tolist() if refresh is not None else None
+            result.append(Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text, vers))
         return result
 
 
