@@ -134,3 +134,24 @@ def test_a_training_run_logs_to_the_loggers_its_recipe_names(make_config):
     steps = [m.step for m in client.get_metric_history(found.info.run_id, "reward/mean")]
     assert steps == [1, 2]
     assert not (run.path / "tensorboard").exists()
+
+
+def test_progress_is_a_line_per_step_when_stdout_is_not_a_terminal(capsys):
+    """A log file or pipe gets each step as it ends (a bar would show only at the end), and
+    the last line is the final evaluation's."""
+    from polyrl.core.progress import Progress
+
+    with Progress(2) as bar:
+        bar.update(0, {"eval/accuracy": 0.25})
+        bar.update(1, {"reward/mean": 0.5, "time/step_s": 1.5})
+        bar.update(2, {"reward/mean": 0.75, "time/step_s": 2.0})
+        bar.update(2, {"eval/accuracy": 0.875}, final=True)
+    assert capsys.readouterr().out.splitlines() == [
+        "train 0/2  reward nan  acc 0.250  eval",
+        "train 1/2  reward 0.500  acc 0.250  1.50s/step",
+        "train 2/2  reward 0.750  acc 0.250  2.00s/step",
+        "train 2/2  reward 0.750  acc 0.875  final eval",
+    ]
+    with Progress(2, enabled=False) as bar:  # run.progress: false
+        bar.update(1, {"reward/mean": 0.5, "time/step_s": 1.5})
+    assert capsys.readouterr().out == ""
