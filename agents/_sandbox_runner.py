@@ -284,7 +284,9 @@ class _Candidate:
         self.req_fd, self.status_fd = req_fd, status_fd
         self.replies = os.fdopen(rep_fd, "rb", buffering=65536)
 
-    def ask(self, message: dict):
+    def ask(self, message: dict, answers: tuple = ()) -> tuple:
+        """Send one request; ("value", the reply's value decoded), (kind, None) for a kind
+        in ``answers``, or the code's exception raised here."""
         import json
 
         _send(self.req_fd, message)
@@ -300,19 +302,19 @@ class _Candidate:
             raise ValueError("the candidate's reply is malformed")
         ((kind, body),) = reply.items()
         if kind == "value":
-            return decode(body)
-        if kind in ("missing", "callable") and body is True:
-            return kind
+            return kind, decode(body)
+        if kind in answers and body is True:
+            return kind, None
         two = kind == "error" and type(body) is list and len(body) == 2
         if two and all(type(x) is str for x in body):
             raise _exception(body[0])(f"{body[1]} (raised in the candidate's code)")
         raise ValueError("the candidate's reply is malformed")
 
     def lookup(self, name: str):
-        got = self.ask({"op": "get", "name": name})
-        if got == "missing":
+        kind, value = self.ask({"op": "get", "name": name}, ("missing", "callable"))
+        if kind == "missing":
             raise KeyError(name)
-        return _Function(self, name) if got == "callable" else got
+        return _Function(self, name) if kind == "callable" else value
 
     def call(self, name: str, args: tuple, kwargs: dict):
         try:
@@ -322,7 +324,7 @@ class _Candidate:
             msg = f"an argument to {name}() cannot be sent to the candidate's process: {e}"
             os.write(self.status_fd, f"harness {msg}\n".encode())
             raise TypeError(msg) from None
-        return self.ask(sent)
+        return self.ask(sent)[1]
 
 
 def _exception(name: str) -> type:

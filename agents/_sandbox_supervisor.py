@@ -748,9 +748,9 @@ def main() -> None:
         if now >= deadline and not killed:
             killed = "wall_time"
             kill_everything()
-        if checker is not None and code.pid is None and not killed:
-            if checker.status is not None:
-                code.pid = -1  # the checker ended before it was ready: never started
+        if checker is not None and code.pid is None:
+            if killed or checker.status is not None:
+                code.pid = -1  # the checker ended (or was stopped) before it was ready
             elif checker.channel.started:
                 code.pid = os.fork()
                 if code.pid == 0:
