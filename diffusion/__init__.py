@@ -25,6 +25,7 @@ from polyrl.diffusion import (  # noqa: F401
     samplers,
     selection,
     tiny,
+    wan,  # tiny checkpoints name their PatchVideoVAE there; diffusers loads imported modules only
     workflow,
 )
 from polyrl.diffusion.families import FAMILIES  # noqa: F401

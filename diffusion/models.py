@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-# FAMILIES, Family and detect_family are re-exported for callers that import them from here
+# detect_family is re-exported for callers that import it from here
 from polyrl.diffusion.families import FAMILIES, Family, Schedule, detect_family  # noqa: F401
 
 PATCH_VAE_CLASS = "PatchVAE"
@@ -111,8 +111,11 @@ ATTENTION_LORA_TARGETS = [
 ]
 
 
-class DiffusersFamily:
+class DiffusersFamily(Family):
     """What the four families share: loading a checkpoint in its diffusers pipeline's layout.
+
+    It subclasses the :class:`~polyrl.diffusion.families.Family` protocol, whose
+    signatures (and types) the families' methods keep.
 
     The transformer (``transformer_class`` in ``transformer/``) trains; the scheduler, the
     VAE (:meth:`load_vae`) and the pipeline's text encoders are frozen and never see
@@ -295,15 +298,7 @@ class SD3Family(DiffusersFamily):
         )
         return emb.float(), pooled.float()
 
-    def velocity(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        timesteps: Tensor,
-        emb: Tensor,
-        pooled: Tensor,
-        guidance: Tensor | None = None,
-    ) -> Tensor:
+    def velocity(self, model, x, timesteps, emb, pooled, guidance=None) -> Tensor:
         """The transformer's prediction v = ε - x0 for latents ``x`` at ``timesteps``
         (``guidance`` is unused: SD3's guidance is classifier-free, done by the policy)."""
         out = model(
@@ -450,15 +445,7 @@ class FluxFamily(PackedFamily):
         )
         return emb.float(), pooled.float()
 
-    def velocity(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        timesteps: Tensor,
-        emb: Tensor,
-        pooled: Tensor,
-        guidance: Tensor | None = None,
-    ) -> Tensor:
+    def velocity(self, model, x, timesteps, emb, pooled, guidance=None) -> Tensor:
         """v for unpacked latents ``x`` [B, C, h, w] (packed for the call, unpacked after)."""
         _, _, h, w = x.shape
         g = None
@@ -575,15 +562,7 @@ class WanFamily(DiffusersFamily):
         )
         return emb.float(), emb.new_zeros((emb.shape[0], 0)).float()
 
-    def velocity(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        timesteps: Tensor,
-        emb: Tensor,
-        pooled: Tensor,
-        guidance: Tensor | None = None,
-    ) -> Tensor:
+    def velocity(self, model, x, timesteps, emb, pooled, guidance=None) -> Tensor:
         """v for latents ``x`` [B, C, F, h, w] (``pooled`` and ``guidance`` unused)."""
         return model(
             hidden_states=x.to(self.dtype),
@@ -698,15 +677,7 @@ class QwenImageFamily(PackedFamily):
         keep[:, :s] = mask.float()
         return out, keep
 
-    def velocity(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        timesteps: Tensor,
-        emb: Tensor,
-        pooled: Tensor,
-        guidance: Tensor | None = None,
-    ) -> Tensor:
+    def velocity(self, model, x, timesteps, emb, pooled, guidance=None) -> Tensor:
         """v for latents ``x`` [B, C, h, w]; ``pooled`` is the text mask (``guidance`` unused:
         true CFG is done by the policy)."""
         _, _, h, w = x.shape

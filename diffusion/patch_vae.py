@@ -38,21 +38,34 @@ class _Dist:
         return self.z
 
 
-def _encoded(z: Tensor, return_dict: bool):
-    """``encode``'s answer in diffusers' form: ``.latent_dist`` (or a tuple)."""
-    out = SimpleNamespace(latent_dist=_Dist(z))
-    return out if return_dict else (out.latent_dist,)
-
-
-def _decoded(x: Tensor, return_dict: bool):
-    """``decode``'s answer in diffusers' form: ``.sample`` (or a tuple)."""
-    return SimpleNamespace(sample=x) if return_dict else (x,)
-
-
-class PatchVAE(ModelMixin, ConfigMixin):
-    """Pixels in [-1, 1] <-> latents by pixel (un)shuffle with factor ``patch``."""
+class _PatchShuffle(ModelMixin, ConfigMixin):
+    """What both VAEs share: (un)shuffling ``patch`` x ``patch`` pixel patches into channels
+    picture by picture (:meth:`_pictures`), in diffusers' encode/decode forms."""
 
     config_name = "config.json"
+
+    def _keep(self, patch: int) -> None:
+        self.patch = patch
+        # one saved element, so the checkpoint has a weights file diffusers' loader accepts;
+        # it also carries the module's dtype/device
+        self.register_buffer("marker", torch.ones(1))
+
+    def _pictures(self, x: Tensor, fn) -> Tensor:
+        """``fn`` on each picture of ``x`` (here: the batch of images itself)."""
+        return fn(x) if self.patch > 1 else x
+
+    def encode(self, x: Tensor, return_dict: bool = True):
+        z = self._pictures(x, lambda v: nn.functional.pixel_unshuffle(v, self.patch))
+        out = SimpleNamespace(latent_dist=_Dist(z))
+        return out if return_dict else (out.latent_dist,)
+
+    def decode(self, z: Tensor, return_dict: bool = True, **_: Any):
+        x = self._pictures(z, lambda v: nn.functional.pixel_shuffle(v, self.patch))
+        return SimpleNamespace(sample=x) if return_dict else (x,)
+
+
+class PatchVAE(_PatchShuffle):
+    """Pixels in [-1, 1] <-> latents by pixel (un)shuffle with factor ``patch``."""
 
     @register_to_config
     def __init__(
@@ -72,31 +85,16 @@ class PatchVAE(ModelMixin, ConfigMixin):
             block_out_channels=[in_channels] * (levels + 1),
             latent_channels=in_channels * patch * patch,
         )
-        self.patch = patch
-        # one saved element, so the checkpoint has a weights file diffusers' loader accepts;
-        # it also carries the module's dtype/device
-        self.register_buffer("marker", torch.ones(1))
-
-    def encode(self, x: Tensor, return_dict: bool = True):
-        return _encoded(
-            nn.functional.pixel_unshuffle(x, self.patch) if self.patch > 1 else x, return_dict
-        )
-
-    def decode(self, z: Tensor, return_dict: bool = True, **_: Any):
-        return _decoded(
-            nn.functional.pixel_shuffle(z, self.patch) if self.patch > 1 else z, return_dict
-        )
+        self._keep(patch)
 
 
-class PatchVideoVAE(ModelMixin, ConfigMixin):
+class PatchVideoVAE(_PatchShuffle):
     """Videos [B, 3, F, H, W] in [-1, 1] <-> latents [B, 3p², F, H/p, W/p] by pixel
     (un)shuffle of each frame: ``decode(encode(x)) == x`` with no weights to train, so a tiny
     demo's reward sees exactly the colours the transformer drew. It has the slice of
     ``AutoencoderKLWan``'s config that ``WanPipeline`` reads (``z_dim``, ``latents_mean``,
     ``latents_std``, ``scale_factor_temporal`` = 1, ``scale_factor_spatial`` = p), and the
     ``temperal_downsample`` that ``QwenImagePipeline`` reads (the tiny Qwen-Image's VAE)."""
-
-    config_name = "config.json"
 
     @register_to_config
     def __init__(
@@ -118,11 +116,10 @@ class PatchVideoVAE(ModelMixin, ConfigMixin):
             scale_factor_temporal=1,
             scale_factor_spatial=patch,
         )
-        self.patch = patch
-        self.register_buffer("marker", torch.ones(1))  # a weights file diffusers accepts
+        self._keep(patch)
 
-    @staticmethod
-    def _framewise(x: Tensor, fn) -> Tensor:
+    def _pictures(self, x: Tensor, fn) -> Tensor:
+        """``fn`` on each frame of videos [B, C, F, H, W]."""
         b, c, f, h, w = x.shape
         y = fn(x.transpose(1, 2).reshape(b * f, c, h, w))
         return y.reshape(b, f, *y.shape[1:]).transpose(1, 2)
@@ -132,11 +129,3 @@ class PatchVideoVAE(ModelMixin, ConfigMixin):
         """One entry per 2x spatial level, no temporal one: ``QwenImagePipeline`` reads its
         VAE factor as ``2 ** len(vae.temperal_downsample)`` (diffusers' spelling)."""
         return [False] * int(math.log2(self.patch))
-
-    def encode(self, x: Tensor, return_dict: bool = True):
-        z = self._framewise(x, lambda v: nn.functional.pixel_unshuffle(v, self.patch))
-        return _encoded(z, return_dict)
-
-    def decode(self, z: Tensor, return_dict: bool = True, **_: Any):
-        x = self._framewise(z, lambda v: nn.functional.pixel_shuffle(v, self.patch))
-        return _decoded(x, return_dict)

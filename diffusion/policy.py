@@ -52,7 +52,7 @@ from polyrl.core.policy import (
     checkpoint_state,
     load_checkpoint_state,
     load_weights,
-    lr_lambda,
+    prepare_for_training,
     trainable_weights,
     warm_start_optimizer,
 )
@@ -188,51 +188,20 @@ class DiffusionPolicy:
         self.transformer_class = type(model)  # export rebuilds a plain one (see export_weights)
         if cfg.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        self.reference: torch.nn.Module | None = None
         self.reference_warmed = False  # a warm start has not moved the reference yet
-        if cfg.lora.r > 0:
-            from peft import LoraConfig as PeftLora
-            from peft import get_peft_model
-
-            targets = list(cfg.lora.target_modules)
-            # PolicyConfig.lora's default targets a causal LM: use the family's attention
-            # projections instead
-            if targets == LoraConfig().target_modules:
-                targets = list(family.lora_targets)
-            model.requires_grad_(False)
-            model = get_peft_model(
-                model,
-                PeftLora(
-                    r=cfg.lora.r,
-                    lora_alpha=cfg.lora.alpha,
-                    lora_dropout=cfg.lora.dropout,
-                    target_modules=targets,
-                    init_lora_weights=True,
-                ),
-            )
-        elif need_reference:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        self.model = model
-        self.model.train(False)
+        targets = list(cfg.lora.target_modules)
+        # PolicyConfig.lora's default targets a causal LM: use the family's attention
+        # projections instead
+        if targets == LoraConfig().target_modules:
+            targets = list(family.lora_targets)
         self.need_reference = need_reference
-        if not cfg.train:
-            self.model.requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = (
-            torch.optim.AdamW(
-                params,
-                lr=cfg.optim.lr,
-                betas=tuple(cfg.optim.betas),
-                eps=cfg.optim.eps,
-                weight_decay=cfg.optim.weight_decay,
-            )
-            if params
-            else None
-        )
-        self.scheduler = (
-            torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.optim, total_steps))
-            if params
-            else None
+        # LoRA (init_lora_weights default) or a frozen reference copy; the RL optimizer
+        self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
+            model,
+            cfg,
+            need_reference=need_reference,
+            total_steps=total_steps,
+            lora_targets=targets,
         )
         self._emb_cache: dict[str, tuple[Tensor, Tensor]] = {}
 

@@ -336,6 +336,12 @@ def _clip_features(
     return (torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1))
 
 
+def _clip_cosine(loaded: tuple, samples: list[Sample], device: torch.device) -> Tensor:
+    """cosine(image, prompt) of each sample with an open_clip ``(net, preprocess, tokenizer)``."""
+    img, txt = _clip_features(*loaded, samples, device)
+    return (img * txt).sum(-1)
+
+
 def _prepare_clip(*, model: str, pretrained: str | None, device: str | None, scale: float) -> None:
     _check_open_clip("t2i_clip_score", model, pretrained)
     _open_clip(model, pretrained, _device(device))
@@ -358,9 +364,7 @@ def clip_score(
     ``open_clip_config.json`` + weights); ``pretrained``: a checkpoint path or tag.
     """
     dev = _device(device)
-    net, preprocess, tokenizer = _open_clip(model, pretrained, dev)
-    img, txt = _clip_features(net, preprocess, tokenizer, samples, dev)
-    return (scale * (img * txt).sum(-1)).cpu().tolist()
+    return (scale * _clip_cosine(_open_clip(model, pretrained, dev), samples, dev)).cpu().tolist()
 
 
 def _load_hps(model: str, checkpoint: str, device: torch.device):
@@ -398,9 +402,7 @@ def hpsv2(
     if checkpoint is None:
         raise ValueError("hpsv2 needs args.checkpoint (path of the HPS checkpoint)")
     dev = _device(device)
-    net, preprocess, tokenizer = _load_hps(model, checkpoint, dev)
-    img, txt = _clip_features(net, preprocess, tokenizer, samples, dev)
-    return (img * txt).sum(-1).cpu().tolist()
+    return _clip_cosine(_load_hps(model, checkpoint, dev), samples, dev).cpu().tolist()
 
 
 # ----------------------------------------------------------------------- aesthetic

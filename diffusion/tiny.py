@@ -28,9 +28,10 @@ random ``AutoencoderKLQwenImage``), and Qwen-Image's scheduler settings.
 tiny ``UMT5EncoderModel`` with the Unigram tokenizer, the frame-wise PatchVideoVAE (or a
 tiny random ``AutoencoderKLWan``), and the flow-matching Euler scheduler.
 
-Every builder is the same scaffold (:func:`build_tiny`): a ``write_tiny_*`` function builds
-the parts from seeded random weights and saves them with :func:`save_checkpoint`, in a
-temp dir that is renamed into place once complete, after the optional pre-training.
+Every builder is its options and its parts: it builds the untrained parts from seeded
+random weights (:func:`seeded`) as a :class:`Checkpoint`, and the one scaffold,
+:func:`build_tiny`, does the rest: the vocabulary from the task's prompts, the saving in
+the pipeline's layout, the optional pre-training, all in a temp dir renamed into place.
 
 ``pretrain_steps > 0`` (SD3, Qwen-Image, Wan) then trains the transformer with flow
 matching (:func:`flow_matching`, one loop for every family) on synthetic images of
@@ -50,7 +51,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -76,41 +77,60 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def save_checkpoint(
-    path: Path, pipeline: str, parts: dict[str, tuple[Any, str, str] | None], **extra: Any
-) -> None:
-    """Save each part as ``path/<name>`` and write ``model_index.json`` last, naming
-    ``pipeline`` and each part's (library, class) in the order given; a None part is a
-    component the pipeline has and this checkpoint leaves out. ``extra``: more index keys."""
-    index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": DIFFUSERS_VERSION}
-    for name, part in parts.items():
-        if part is None:
-            index[name] = [None, None]
-            continue
-        obj, library, cls = part
-        obj.save_pretrained(path / name)
-        index[name] = [library, cls]
-    index.update(extra)
-    (path / COMPLETE).write_text(json.dumps(index, indent=2))
+@dataclass
+class Checkpoint:
+    """A tiny model's parts, in its pipeline's layout: ``parts`` maps each component to
+    (object, library, class) in ``model_index.json``'s order, None for a component the
+    pipeline has and this checkpoint leaves out; ``extra``: more index keys."""
+
+    pipeline: str
+    parts: dict[str, tuple[Any, str, str] | None]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        """Each part as ``path/<name>``, then ``model_index.json`` last."""
+        index: dict[str, Any] = {
+            "_class_name": self.pipeline,
+            "_diffusers_version": DIFFUSERS_VERSION,
+        }
+        for name, part in self.parts.items():
+            if part is None:
+                index[name] = [None, None]
+                continue
+            obj, library, cls = part
+            obj.save_pretrained(path / name)
+            index[name] = [library, cls]
+        index.update(self.extra)
+        (path / COMPLETE).write_text(json.dumps(index, indent=2))
 
 
 def build_tiny(
     path: str | Path,
-    writer: Callable[..., None],
+    parts: Callable[[list[str]], Checkpoint],
     *,
+    builder: str,
     corpus: str,
-    seed: int,
-    shape: dict[str, Any],
-    pretrain: Callable[[Path], Any] | None = None,
+    training: Pretraining,
+    pretrain: Callable[[Path, Pretraining], Any] | None = None,
+    task: str | None = None,
+    vae: str | None = None,
 ) -> Path:
-    """What every tiny builder does: ``writer(dir, texts, seed=seed, **shape)`` writes an
-    untrained checkpoint whose vocabulary is task ``corpus``'s prompts, ``pretrain(dir)``
-    trains it, all in a temp dir renamed into place once complete (:func:`_build_once`)."""
+    """What every tiny builder does: ``parts(texts)`` builds the untrained model from task
+    ``corpus``'s prompts (``texts``, its tokenizers' vocabulary), which is saved, then
+    pre-trained by ``pretrain(dir, training)`` when ``training.steps`` (on task ``task``
+    only, and with ``vae`` given, only with the exact ``patch`` VAE), all in a temp dir
+    renamed into place once complete (:func:`_build_once`)."""
+    if training.steps and (corpus != task or vae not in (None, "patch")):
+        raise ValueError(
+            f"{builder} pre-trains on the {task} task"
+            + (" with vae: patch" if vae is not None else "")
+            + " only; set pretrain_steps=0"
+        )
 
     def write(tmp: Path) -> None:
-        writer(tmp, list(TASKS.get(corpus).corpus()), seed=seed, **shape)
-        if pretrain is not None:
-            pretrain(tmp)
+        parts(list(TASKS.get(corpus).corpus())).save(tmp)
+        if training.steps:
+            pretrain(tmp, training)
 
     return _build_once(path, write)
 
@@ -345,269 +365,21 @@ def _tiny_video_vae(builder: str, kind: str, patch: int, real: str, **settings: 
 EULER = "FlowMatchEulerDiscreteScheduler"  # every tiny checkpoint's scheduler class
 
 
-def _scheduler(**settings: Any):
+def _scheduler(dynamic: bool = False, **settings: Any):
+    """The flow-matching Euler scheduler; ``dynamic``: shifted by the image's token count,
+    with the base settings FLUX.1 and Qwen-Image share."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    if dynamic:
+        settings.update(use_dynamic_shifting=True, base_shift=0.5, base_image_seq_len=256)
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **settings)
 
 
-def write_tiny_sd3(
-    path: Path,
-    texts: list[str],
-    *,
-    image_size: int,
-    vae_patch: int,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    max_length: int,
-    shift: float,
-    seed: int,
-) -> None:
-    """Write an untrained tiny SD3 checkpoint to ``path`` (a new directory); the sizes'
-    defaults and docs are :func:`tiny_sd3`'s."""
-    from diffusers import SD3Transformer2DModel
-
-    from polyrl.diffusion.patch_vae import PatchVAE
-
-    tok = build_clip_tokenizer(texts, max_length)
-    enc1 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 1)
-    enc2 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 2)
-    latent = image_size // vae_patch
-    channels = 3 * vae_patch * vae_patch
-    with seeded(seed):
-        transformer = SD3Transformer2DModel(
-            sample_size=latent,
-            patch_size=2,
-            in_channels=channels,
-            out_channels=channels,
-            num_layers=layers,
-            attention_head_dim=head_dim,
-            num_attention_heads=heads,
-            joint_attention_dim=2 * text_hidden,
-            caption_projection_dim=heads * head_dim,
-            pooled_projection_dim=text_hidden,
-            pos_embed_max_size=max(latent, 4),
-        )
-    clip = "CLIPTextModelWithProjection"
-    save_checkpoint(
-        path,
-        "StableDiffusion3Pipeline",
-        {
-            "transformer": (transformer, "diffusers", "SD3Transformer2DModel"),
-            "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
-            "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
-            "text_encoder": (enc1, "transformers", clip),
-            "text_encoder_2": (enc2, "transformers", clip),
-            "text_encoder_3": None,
-            "tokenizer": (tok, "transformers", "CLIPTokenizer"),
-            "tokenizer_2": (tok, "transformers", "CLIPTokenizer"),
-            "tokenizer_3": None,
-            "image_encoder": None,
-            "feature_extractor": None,
-        },
-    )
-
-
-def write_tiny_flux(
-    path: Path,
-    texts: list[str],
-    *,
-    image_size: int,
-    vae_patch: int,
-    layers: int,
-    single_layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    t5_hidden: int,
-    max_length: int,
-    guidance_embeds: bool,
-    seed: int,
-) -> None:
-    """Write an untrained tiny FLUX checkpoint (``FluxPipeline`` layout) to ``path``; the
-    sizes' defaults and docs are :func:`tiny_flux`'s."""
-    from diffusers import FluxTransformer2DModel
-
-    from polyrl.diffusion.patch_vae import PatchVAE
-
-    if head_dim % 4 or head_dim < 8:
-        raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
-    clip_tok = build_clip_tokenizer(texts, max_length)
-    t5_tok = build_t5_tokenizer(texts)
-    clip = _text_encoder(
-        len(clip_tok), text_hidden, text_hidden, max_length, seed + 1, projection=False
-    )
-    t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
-    channels = 3 * vae_patch * vae_patch
-    # rotary axes (index, row, column): even sizes summing to the head dim
-    side = (head_dim // 4 + 1) // 2 * 2
-    axes = (head_dim - 2 * side, side, side)
-    with seeded(seed):
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4 * channels,
-            num_layers=layers,
-            num_single_layers=single_layers,
-            attention_head_dim=head_dim,
-            num_attention_heads=heads,
-            joint_attention_dim=t5_hidden,
-            pooled_projection_dim=text_hidden,
-            guidance_embeds=guidance_embeds,
-            axes_dims_rope=axes,
-        )
-    # FLUX.1-dev's scheduler settings
-    scheduler = _scheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    save_checkpoint(
-        path,
-        "FluxPipeline",
-        {
-            "transformer": (transformer, "diffusers", "FluxTransformer2DModel"),
-            "scheduler": (scheduler, "diffusers", EULER),
-            "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
-            "text_encoder": (clip, "transformers", "CLIPTextModel"),
-            "text_encoder_2": (t5, "transformers", "T5EncoderModel"),
-            "tokenizer": (clip_tok, "transformers", "CLIPTokenizer"),
-            "tokenizer_2": (t5_tok, "transformers", "T5TokenizerFast"),
-            "image_encoder": None,
-            "feature_extractor": None,
-        },
-    )
-
-
-def write_tiny_wan(
-    path: Path,
-    texts: list[str],
-    *,
-    vae: str,
-    vae_patch: int,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    shift: float,
-    seed: int,
-) -> None:
-    """Write an untrained tiny Wan 2.1 checkpoint (``WanPipeline`` layout) to ``path``; the
-    sizes' defaults and docs are :func:`tiny_wan`'s."""
-    from diffusers import WanTransformer3DModel
-
-    if head_dim < 6 or head_dim % 2:
-        raise ValueError(f"tiny_wan head_dim must be even and >= 6, got {head_dim}")
-    tok = build_t5_tokenizer(texts)
-    enc = _t5_encoder(len(tok), text_hidden, seed + 1, umt5=True)
-    with seeded(seed + 3):
-        vae_model, vae_library = _tiny_video_vae(
-            "tiny_wan",
-            vae,
-            vae_patch,
-            "AutoencoderKLWan",
-            scale_factor_temporal=1,
-            scale_factor_spatial=vae_patch,
-        )
-    channels = vae_model.config.z_dim
-    with seeded(seed):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=heads,
-            attention_head_dim=head_dim,
-            in_channels=channels,
-            out_channels=channels,
-            text_dim=text_hidden,
-            freq_dim=32,
-            ffn_dim=2 * heads * head_dim,
-            num_layers=layers,
-            rope_max_seq_len=64,
-        )
-    save_checkpoint(
-        path,
-        "WanPipeline",
-        {
-            "transformer": (transformer, "diffusers", "WanTransformer3DModel"),
-            "transformer_2": None,
-            "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
-            "vae": (vae_model, vae_library, type(vae_model).__name__),
-            "text_encoder": (enc, "transformers", "UMT5EncoderModel"),
-            "tokenizer": (tok, "transformers", "T5TokenizerFast"),
-        },
-        boundary_ratio=None,
-        expand_timesteps=False,
-    )
-
-
-def write_tiny_qwen_image(
-    path: Path,
-    texts: list[str],
-    *,
-    vae: str,
-    vae_patch: int,
-    layers: int,
-    heads: int,
-    head_dim: int,
-    text_hidden: int,
-    seed: int,
-) -> None:
-    """Write an untrained tiny Qwen-Image checkpoint (``QwenImagePipeline`` layout) to
-    ``path``; the sizes' defaults and docs are :func:`tiny_qwen_image`'s."""
-    from diffusers import QwenImageTransformer2DModel
-
-    if head_dim % 2 or head_dim < 6:
-        raise ValueError(f"tiny_qwen_image head_dim must be even and >= 6, got {head_dim}")
-    levels = int(math.log2(vae_patch))
-    if 2**levels != vae_patch or levels < 1:
-        raise ValueError(f"tiny_qwen_image vae_patch must be a power of 2 >= 2, got {vae_patch}")
-    tok = build_qwen_tokenizer(texts)
-    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    enc = _qwen_vl_encoder(len(tok), text_hidden, seed + 1, *ids)
-    with seeded(seed + 3):
-        vae_model, vae_library = _tiny_video_vae(
-            "tiny_qwen_image", vae, vae_patch, "AutoencoderKLQwenImage"
-        )
-    channels = vae_model.config.z_dim
-    # rotary axes (frame, row, column): even sizes summing to the head dim
-    side = (head_dim // 3 + 1) // 2 * 2
-    axes = (head_dim - 2 * side, side, side)
-    with seeded(seed):
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=4 * channels,
-            out_channels=channels,
-            num_layers=layers,
-            attention_head_dim=head_dim,
-            num_attention_heads=heads,
-            joint_attention_dim=text_hidden,
-            axes_dims_rope=axes,
-        )
-    # Qwen-Image's scheduler settings (dynamic, exponential shift; terminal sigma 0.02)
-    scheduler = _scheduler(
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
-    save_checkpoint(
-        path,
-        "QwenImagePipeline",
-        {
-            "transformer": (transformer, "diffusers", "QwenImageTransformer2DModel"),
-            "scheduler": (scheduler, "diffusers", EULER),
-            "vae": (vae_model, vae_library, type(vae_model).__name__),
-            "text_encoder": (enc, "transformers", "Qwen2_5_VLForConditionalGeneration"),
-            "tokenizer": (tok, "transformers", "Qwen2Tokenizer"),
-        },
-    )
+def _rope_axes(head_dim: int, parts: int) -> tuple[int, int, int]:
+    """Rotary axes (first axis, row, column): even sizes summing to the head dim, rows and
+    columns about ``head_dim / parts`` each."""
+    side = (head_dim // parts + 1) // 2 * 2
+    return head_dim - 2 * side, side, side
 
 
 # ------------------------------------------------------------------------ pre-training
@@ -799,24 +571,59 @@ def tiny_sd3(
     Written to a temp dir and renamed into place, so a crash never leaves a half-built
     model; an existing complete checkpoint is returned untouched.
     """
-    if corpus != "colour" and pretrain_steps:
-        raise ValueError("tiny_sd3 pre-trains on the colour task only; set pretrain_steps=0")
+    from diffusers import SD3Transformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    def parts(texts: list[str]) -> Checkpoint:
+        tok = build_clip_tokenizer(texts, max_length)
+        enc1 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 1)
+        enc2 = _text_encoder(len(tok), text_hidden, text_hidden // 2, max_length, seed + 2)
+        latent = image_size // vae_patch
+        channels = 3 * vae_patch * vae_patch
+        with seeded(seed):
+            transformer = SD3Transformer2DModel(
+                sample_size=latent,
+                patch_size=2,
+                in_channels=channels,
+                out_channels=channels,
+                num_layers=layers,
+                attention_head_dim=head_dim,
+                num_attention_heads=heads,
+                joint_attention_dim=2 * text_hidden,
+                caption_projection_dim=heads * head_dim,
+                pooled_projection_dim=text_hidden,
+                pos_embed_max_size=max(latent, 4),
+            )
+        clip = "CLIPTextModelWithProjection"
+        return Checkpoint(
+            "StableDiffusion3Pipeline",
+            {
+                "transformer": (transformer, "diffusers", "SD3Transformer2DModel"),
+                "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
+                "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
+                "text_encoder": (enc1, "transformers", clip),
+                "text_encoder_2": (enc2, "transformers", clip),
+                "text_encoder_3": None,
+                "tokenizer": (tok, "transformers", "CLIPTokenizer"),
+                "tokenizer_2": (tok, "transformers", "CLIPTokenizer"),
+                "tokenizer_3": None,
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+        )
+
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    shape = dict(
-        image_size=image_size,
-        vae_patch=vae_patch,
-        layers=layers,
-        heads=heads,
-        head_dim=head_dim,
-        text_hidden=text_hidden,
-        max_length=max_length,
-        shift=shift,
-    )
-    pretrain = partial(pretrain_colour, training=training) if pretrain_steps else None
     return build_tiny(
-        path, write_tiny_sd3, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+        path,
+        parts,
+        builder="tiny_sd3",
+        corpus=corpus,
+        training=training,
+        pretrain=pretrain_colour,
+        task="colour",
     )
 
 
@@ -840,19 +647,53 @@ def tiny_flux(
     ] = True,
 ) -> Path:
     """Build (once) an untrained tiny FLUX at ``path`` (vocabulary from task ``corpus``)."""
-    shape = dict(
-        image_size=image_size,
-        vae_patch=vae_patch,
-        layers=layers,
-        single_layers=single_layers,
-        heads=heads,
-        head_dim=head_dim,
-        text_hidden=text_hidden,
-        t5_hidden=t5_hidden,
-        max_length=max_length,
-        guidance_embeds=guidance_embeds,
+    from diffusers import FluxTransformer2DModel
+
+    from polyrl.diffusion.patch_vae import PatchVAE
+
+    def parts(texts: list[str]) -> Checkpoint:
+        if head_dim % 4 or head_dim < 8:
+            raise ValueError(f"tiny_flux head_dim must be a multiple of 4 and >= 8, got {head_dim}")
+        clip_tok = build_clip_tokenizer(texts, max_length)
+        t5_tok = build_t5_tokenizer(texts)
+        clip = _text_encoder(
+            len(clip_tok), text_hidden, text_hidden, max_length, seed + 1, projection=False
+        )
+        t5 = _t5_encoder(len(t5_tok), t5_hidden, seed + 2)
+        channels = 3 * vae_patch * vae_patch
+        with seeded(seed):
+            transformer = FluxTransformer2DModel(
+                patch_size=1,
+                in_channels=4 * channels,
+                num_layers=layers,
+                num_single_layers=single_layers,
+                attention_head_dim=head_dim,
+                num_attention_heads=heads,
+                joint_attention_dim=t5_hidden,
+                pooled_projection_dim=text_hidden,
+                guidance_embeds=guidance_embeds,
+                axes_dims_rope=_rope_axes(head_dim, 4),  # (index, row, column)
+            )
+        # FLUX.1-dev's scheduler settings
+        scheduler = _scheduler(dynamic=True, shift=3.0, max_shift=1.15, max_image_seq_len=4096)
+        return Checkpoint(
+            "FluxPipeline",
+            {
+                "transformer": (transformer, "diffusers", "FluxTransformer2DModel"),
+                "scheduler": (scheduler, "diffusers", EULER),
+                "vae": (PatchVAE(patch=vae_patch), "polyrl.diffusion.patch_vae", "PatchVAE"),
+                "text_encoder": (clip, "transformers", "CLIPTextModel"),
+                "text_encoder_2": (t5, "transformers", "T5EncoderModel"),
+                "tokenizer": (clip_tok, "transformers", "CLIPTokenizer"),
+                "tokenizer_2": (t5_tok, "transformers", "T5TokenizerFast"),
+                "image_encoder": None,
+                "feature_extractor": None,
+            },
+        )
+
+    return build_tiny(
+        path, parts, builder="tiny_flux", corpus=corpus, training=Pretraining(seed=seed)
     )
-    return build_tiny(path, write_tiny_flux, corpus=corpus, seed=seed, shape=shape)
 
 
 @MODELS.register("tiny_wan")
@@ -892,31 +733,69 @@ def tiny_wan(
     shift: Annotated[float, "the flow-matching scheduler's shift (Wan 480p: 3)"] = 3.0,
 ) -> Path:
     """Build (once) a tiny Wan 2.1 at ``path``; pre-train it on task ``corpus``'s videos."""
-    if pretrain_steps and (corpus != "colour_video" or vae != "patch"):
-        raise ValueError(
-            "tiny_wan pre-trains on the colour_video task with vae: patch only; set "
-            "pretrain_steps=0"
+    from diffusers import WanTransformer3DModel
+
+    def parts(texts: list[str]) -> Checkpoint:
+        if head_dim < 6 or head_dim % 2:
+            raise ValueError(f"tiny_wan head_dim must be even and >= 6, got {head_dim}")
+        tok = build_t5_tokenizer(texts)
+        enc = _t5_encoder(len(tok), text_hidden, seed + 1, umt5=True)
+        with seeded(seed + 3):
+            vae_model, vae_library = _tiny_video_vae(
+                "tiny_wan",
+                vae,
+                vae_patch,
+                "AutoencoderKLWan",
+                scale_factor_temporal=1,
+                scale_factor_spatial=vae_patch,
+            )
+        channels = vae_model.config.z_dim
+        with seeded(seed):
+            transformer = WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=heads,
+                attention_head_dim=head_dim,
+                in_channels=channels,
+                out_channels=channels,
+                text_dim=text_hidden,
+                freq_dim=32,
+                ffn_dim=2 * heads * head_dim,
+                num_layers=layers,
+                rope_max_seq_len=64,
+            )
+        return Checkpoint(
+            "WanPipeline",
+            {
+                "transformer": (transformer, "diffusers", "WanTransformer3DModel"),
+                "transformer_2": None,
+                "scheduler": (_scheduler(shift=shift), "diffusers", EULER),
+                "vae": (vae_model, vae_library, type(vae_model).__name__),
+                "text_encoder": (enc, "transformers", "UMT5EncoderModel"),
+                "tokenizer": (tok, "transformers", "T5TokenizerFast"),
+            },
+            extra={"boundary_ratio": None, "expand_timesteps": False},
         )
+
+    videos = partial(
+        pretrain_colour_video,
+        frames=frames,
+        size=image_size,
+        both_orders=both_orders,
+        colours=colours,
+        blob=blob,
+    )
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    shape = dict(
-        vae=vae,
-        vae_patch=vae_patch,
-        layers=layers,
-        heads=heads,
-        head_dim=head_dim,
-        text_hidden=text_hidden,
-        shift=shift,
-    )
-    videos = dict(
-        frames=frames, size=image_size, both_orders=both_orders, colours=colours, blob=blob
-    )
-    pretrain = (
-        partial(pretrain_colour_video, training=training, **videos) if pretrain_steps else None
-    )
     return build_tiny(
-        path, write_tiny_wan, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+        path,
+        parts,
+        builder="tiny_wan",
+        corpus=corpus,
+        training=training,
+        pretrain=videos,
+        task="colour_video",
+        vae=vae,
     )
 
 
@@ -947,27 +826,65 @@ def tiny_qwen_image(
 ) -> Path:
     """Build (once) a tiny Qwen-Image at ``path`` (vocabulary from task ``corpus`` and
     QwenImagePipeline's prompt template); pre-train it on task ``corpus``'s images."""
-    if pretrain_steps and (corpus != "colour" or vae != "patch"):
-        raise ValueError(
-            "tiny_qwen_image pre-trains on the colour task with vae: patch only; set "
-            "pretrain_steps=0"
+    from diffusers import QwenImageTransformer2DModel
+
+    def parts(texts: list[str]) -> Checkpoint:
+        if head_dim % 2 or head_dim < 6:
+            raise ValueError(f"tiny_qwen_image head_dim must be even and >= 6, got {head_dim}")
+        levels = int(math.log2(vae_patch))
+        if 2**levels != vae_patch or levels < 1:
+            raise ValueError(
+                f"tiny_qwen_image vae_patch must be a power of 2 >= 2, got {vae_patch}"
+            )
+        tok = build_qwen_tokenizer(texts)
+        ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+        enc = _qwen_vl_encoder(len(tok), text_hidden, seed + 1, *ids)
+        with seeded(seed + 3):
+            vae_model, vae_library = _tiny_video_vae(
+                "tiny_qwen_image", vae, vae_patch, "AutoencoderKLQwenImage"
+            )
+        channels = vae_model.config.z_dim
+        with seeded(seed):
+            transformer = QwenImageTransformer2DModel(
+                patch_size=2,
+                in_channels=4 * channels,
+                out_channels=channels,
+                num_layers=layers,
+                attention_head_dim=head_dim,
+                num_attention_heads=heads,
+                joint_attention_dim=text_hidden,
+                axes_dims_rope=_rope_axes(head_dim, 3),  # (frame, row, column)
+            )
+        # Qwen-Image's scheduler settings (dynamic, exponential shift; terminal sigma 0.02)
+        scheduler = _scheduler(
+            dynamic=True,
+            shift=1.0,
+            max_shift=0.9,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
         )
+        return Checkpoint(
+            "QwenImagePipeline",
+            {
+                "transformer": (transformer, "diffusers", "QwenImageTransformer2DModel"),
+                "scheduler": (scheduler, "diffusers", EULER),
+                "vae": (vae_model, vae_library, type(vae_model).__name__),
+                "text_encoder": (enc, "transformers", "Qwen2_5_VLForConditionalGeneration"),
+                "tokenizer": (tok, "transformers", "Qwen2Tokenizer"),
+            },
+        )
+
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    shape = dict(
-        vae=vae,
-        vae_patch=vae_patch,
-        layers=layers,
-        heads=heads,
-        head_dim=head_dim,
-        text_hidden=text_hidden,
-    )
-    pretrain = (
-        partial(pretrain_colour, training=training, image_size=image_size)
-        if pretrain_steps
-        else None
-    )
     return build_tiny(
-        path, write_tiny_qwen_image, corpus=corpus, seed=seed, shape=shape, pretrain=pretrain
+        path,
+        parts,
+        builder="tiny_qwen_image",
+        corpus=corpus,
+        training=training,
+        pretrain=partial(pretrain_colour, image_size=image_size),
+        task="colour",
+        vae=vae,
     )

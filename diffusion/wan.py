@@ -12,10 +12,15 @@ Video follows the plugin's layers as the image families do:
 - the ``tiny_wan`` builder and its pre-training: :mod:`polyrl.diffusion.tiny`.
 
 Tiny Wan and Qwen-Image checkpoints name their VAE ``["polyrl.diffusion.wan",
-"PatchVideoVAE"]`` in ``model_index.json`` (diffusers' pipelines import it from there), so
-this module still exports it.
+"PatchVideoVAE"]`` in ``model_index.json``, and diffusers' pipelines take it from there
+(from an imported module only: ``polyrl.diffusion`` imports this one), so this module
+still exports it.
 """
+
+# diffusers looks a component's loader base class up in the module the index names, so
+# ModelMixin must be a name here too
+from diffusers import ModelMixin
 
 from polyrl.diffusion.patch_vae import PatchVideoVAE
 
-__all__ = ["PatchVideoVAE"]
+__all__ = ["ModelMixin", "PatchVideoVAE"]

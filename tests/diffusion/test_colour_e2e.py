@@ -8,18 +8,22 @@ in at least 90% of its samples.
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-RECIPE = Path(__file__).parents[2] / "examples" / "diffusion_colour_grpo.yaml"
+from tests.diffusion.recipe_runs import (
+    EXAMPLES,
+    build_model,
+    check_colour_learns,
+    metrics,
+    run_recipe,
+    wait,
+)
+
+RECIPE = EXAMPLES / "diffusion_colour_grpo.yaml"
 NFT_RECIPE = RECIPE.with_name("diffusion_colour_nft.yaml")
 IMAGES_PER_STEP = 64  # rollout.n x prompts_per_step in both recipes
 SEEDS = (0, 1, 2)
@@ -27,48 +31,11 @@ SEEDS = (0, 1, 2)
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> str:
-    import torch
-
-    from polyrl.diffusion.tiny import tiny_sd3
-
-    build_args = yaml.safe_load(RECIPE.read_text())["policies"]["main"]["build_args"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        t0 = time.perf_counter()
-        path = tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3-colour", **build_args)
-        print(f"built and pre-trained the tiny SD3 in {time.perf_counter() - t0:.0f}s")
-    finally:
-        torch.set_num_threads(threads)
-    return str(path)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return build_model(RECIPE, tmp_path_factory, "tiny-sd3-colour")
 
 
 def _train(model: str, run_dir: Path, seed: int, *overrides: str, recipe: Path = RECIPE):
-    """``polyrl train recipe`` as a child process (one thread) on the pre-built model."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "polyrl.core.cli",
-        "train",
-        str(recipe),
-        f"seed={seed}",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "run.tensorboard=false",
-        "run.export=false",
-        f"policies.main.model={model}",
-        "policies.main.build=null",  # built once by the fixture
-        "policies.main.build_args=null",
-        *overrides,
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return run_recipe(recipe, model, run_dir, seed, *overrides)
 
 
 @pytest.mark.slow
@@ -78,9 +45,7 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for seed in SEEDS:
         procs[seed] = _train(demo_model, tmp_path / f"seed{seed}", seed)
-    for seed, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
+    wait(procs)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     print(
@@ -89,18 +54,7 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
     )
     for seed in SEEDS:
         run = tmp_path / f"seed{seed}"
-        rows = _metrics(run)
-        train = [r for r in rows if r.get("reward/mean") is not None]
-        evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-        first = sum(r["reward/mean"] for r in train[:3]) / 3
-        last = sum(r["reward/mean"] for r in train[-5:]) / 5
-        acc = sum(r["reward/colour_accuracy/mean"] for r in train[-5:]) / 5
-        print(
-            f"seed {seed}: reward {first:.3f} -> {last:.3f}; colour right {evals[0]:.2f} -> "
-            f"{evals[-1]:.2f} (eval, ODE), {acc:.2f} (last 5 training steps)"
-        )
-        assert last > first + 0.4, (seed, first, last)
-        assert evals[-1] >= 0.9 and acc >= 0.9, (seed, evals, acc)
+        check_colour_learns(run, seed)
         assert (run / "grid_before.png").is_file() and (run / "grid_after.png").is_file()
 
 
@@ -118,9 +72,8 @@ def test_flow_grpo_conventions_with_its_published_kl_and_clip_learn(demo_model, 
         "algorithm.clip_ratio_low=1.0e-4",
         "algorithm.clip_ratio_high=1.0e-4",
     )
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
-    rows = _metrics(tmp_path / "run")
+    wait({"flow_grpo KL": proc})
+    rows = metrics(tmp_path / "run")
     train = [r for r in rows if r.get("reward/mean") is not None]
     kl = [r["main/kl"] for r in train if r.get("main/kl") is not None]
     first = sum(r["reward/mean"] for r in train[:3]) / 3
@@ -135,7 +88,7 @@ def test_flow_grpo_conventions_with_its_published_kl_and_clip_learn(demo_model, 
 
 
 def _training_rewards(run_dir: Path) -> list[float]:
-    return [r["reward/mean"] for r in _metrics(run_dir) if r.get("reward/mean") is not None]
+    return [r["reward/mean"] for r in metrics(run_dir) if r.get("reward/mean") is not None]
 
 
 def _images_to_reach(rewards: list[float], target: float = 0.9) -> int | None:
@@ -145,10 +98,7 @@ def _images_to_reach(rewards: list[float], target: float = 0.9) -> int | None:
 
 
 def _run_seeds(model: str, root: Path, recipe: Path, seeds) -> dict[int, list[float]]:
-    procs = {s: _train(model, root / f"seed{s}", s, recipe=recipe) for s in seeds}
-    for seed, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
+    wait({s: _train(model, root / f"seed{s}", s, recipe=recipe) for s in seeds})
     return {s: _training_rewards(root / f"seed{s}") for s in seeds}
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.diffusion.test_colour_e2e import _metrics, _train
+from tests.diffusion.recipe_runs import EXAMPLES, build_model, metrics, run_recipe, wait
 
-RECIPE = Path(__file__).parents[2] / "examples" / "diffusion_colour_hacking.yaml"
+RECIPE = EXAMPLES / "diffusion_colour_hacking.yaml"
 COLOUR = RECIPE.with_name("diffusion_colour_grpo.yaml")
 GUARD = (
     "policies.main.args={max_sequence_length: 1, ratio_norm: true}",
@@ -25,22 +25,11 @@ GUARD = (
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> str:
-    import torch
-    import yaml
-
-    from polyrl.diffusion.tiny import tiny_sd3
-
-    build_args = yaml.safe_load(RECIPE.read_text())["policies"]["main"]["build_args"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return str(tiny_sd3(tmp_path_factory.mktemp("models") / "tiny-sd3-colour", **build_args))
-    finally:
-        torch.set_num_threads(threads)
+    return build_model(RECIPE, tmp_path_factory, "tiny-sd3-colour")
 
 
 def _curves(run: Path) -> dict[str, list[float]]:
-    rows = [r for r in _metrics(run) if r.get("diversity/mean") is not None]
+    rows = [r for r in metrics(run) if r.get("diversity/mean") is not None]
     keys = ("diversity/mean", "guard/fired_frac", "reward/mean", "reward/colour/mean")
     return {k: [r[k] for r in rows] for k in keys}
 
@@ -50,16 +39,15 @@ def _mean(xs: list[float]) -> float:
 
 
 def _run_pair(model: str, root: Path, seed: int, steps: int) -> tuple[dict, dict]:
-    procs = {
-        name: _train(model, root / name, seed, f"train.steps={steps}", *extra, recipe=RECIPE)
-        for name, extra in (
-            ("guard", ()),
-            ("off", ("algorithm.credit_args.diversity_floor=0.0",)),
-        )
-    }
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{name} failed:\n{out[-3000:]}"
+    wait(
+        {
+            name: run_recipe(RECIPE, model, root / name, seed, f"train.steps={steps}", *extra)
+            for name, extra in (
+                ("guard", ()),
+                ("off", ("algorithm.credit_args.diversity_floor=0.0",)),
+            )
+        }
+    )
     return _curves(root / "guard"), _curves(root / "off")
 
 
@@ -108,7 +96,8 @@ def test_grpo_guard_learns_the_colour_three_seeds(demo_model, tmp_path):
     40 steps on each seed."""
     for seed in (0, 1, 2):
         runs = {
-            name: _train(
+            name: run_recipe(
+                COLOUR,
                 demo_model,
                 tmp_path / f"seed{seed}" / name,
                 seed,
@@ -116,15 +105,13 @@ def test_grpo_guard_learns_the_colour_three_seeds(demo_model, tmp_path):
                 "eval.every=0",
                 "algorithm.minibatches=2",
                 *extra,
-                recipe=COLOUR,
             )
             for name, extra in (("guard", GUARD), ("plain", ()))
         }
+        wait(runs)
         last = {}
-        for name, proc in runs.items():
-            out, _ = proc.communicate(timeout=900)
-            assert proc.returncode == 0, f"{name} failed:\n{out[-3000:]}"
-            rows = _metrics(tmp_path / f"seed{seed}" / name)
+        for name in runs:
+            rows = metrics(tmp_path / f"seed{seed}" / name)
             rewards = [r["reward/mean"] for r in rows if r.get("diversity/mean") is not None]
             clip = [r["main/pg_clipfrac"] for r in rows if r.get("main/pg_clipfrac") is not None]
             last[name] = (_mean(rewards[:3]), _mean(rewards[-5:]), _mean(clip))

@@ -4,14 +4,18 @@ exact log-probs, LoRA export, a run that trains."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.diffusion.recipe_runs import (
+    EXAMPLES,
+    build_model,
+    check_colour_learns,
+    run_recipe,
+    wait,
+)
 
 PROMPTS = ["a red blob", "a blue circle", "green", "a yellow blob"]
 GPU_RECIPE = "diffusion_qwen_image_pickscore_lora.yaml"
@@ -316,70 +320,20 @@ def test_two_training_steps_change_the_transformer(tiny_qwen_dir, tmp_path, one_
 
 # --- the colour demo learns (examples/diffusion_qwen_image_colour.yaml) -------------------
 
-RECIPE = Path(__file__).parents[2] / "examples" / "diffusion_qwen_image_colour.yaml"
+RECIPE = EXAMPLES / "diffusion_qwen_image_colour.yaml"
 
 
 @pytest.fixture(scope="module")
 def demo_qwen(tmp_path_factory) -> str:
     """The recipe's tiny Qwen-Image, built and pre-trained once (one thread)."""
-    import yaml
-
-    from polyrl.diffusion.tiny import tiny_qwen_image
-
-    build_args = yaml.safe_load(RECIPE.read_text())["policies"]["main"]["build_args"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        t0 = time.perf_counter()
-        path = tiny_qwen_image(tmp_path_factory.mktemp("models") / "qwen-colour", **build_args)
-        print(f"built and pre-trained the tiny Qwen-Image in {time.perf_counter() - t0:.0f}s")
-    finally:
-        torch.set_num_threads(threads)
-    return str(path)
-
-
-def _train_recipe(model: str, run_dir: Path, seed: int):
-    """``polyrl train`` on the recipe as a child process (one thread), model pre-built."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "polyrl.core.cli",
-        "train",
-        str(RECIPE),
-        f"seed={seed}",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "run.tensorboard=false",
-        "run.export=false",
-        f"policies.main.model={model}",
-        "policies.main.build=null",
-        "policies.main.build_args=null",
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return build_model(RECIPE, tmp_path_factory, "qwen-colour")
 
 
 def _check_learns(model: str, root: Path, seeds) -> None:
     """Each seed lifts the colour reward by > 0.4 and ends naming the colour right >= 90%."""
-    procs = {s: _train_recipe(model, root / f"seed{s}", s) for s in seeds}
-    for seed, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
+    wait({s: run_recipe(RECIPE, model, root / f"seed{s}", s) for s in seeds})
     for seed in seeds:
-        rows = [json.loads(x) for x in (root / f"seed{seed}" / "metrics.jsonl").open()]
-        train = [r for r in rows if r.get("reward/mean") is not None]
-        evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-        first = sum(r["reward/mean"] for r in train[:3]) / 3
-        last = sum(r["reward/mean"] for r in train[-5:]) / 5
-        acc = sum(r["reward/colour_accuracy/mean"] for r in train[-5:]) / 5
-        print(
-            f"seed {seed}: reward {first:.3f} -> {last:.3f}; colour right {evals[0]:.2f} -> "
-            f"{evals[-1]:.2f} (eval, ODE), {acc:.2f} (last 5 training steps)"
-        )
-        assert last > first + 0.4, (seed, first, last)
-        assert evals[-1] >= 0.9 and acc >= 0.9, (seed, evals, acc)
+        check_colour_learns(root / f"seed{seed}", seed)
 
 
 @pytest.mark.slow

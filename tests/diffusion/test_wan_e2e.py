@@ -10,63 +10,28 @@ must hold the before/after video grids. diffusion/README.md reports the numbers.
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-RECIPE = Path(__file__).parents[2] / "examples" / "diffusion_wan_colour_video.yaml"
+from tests.diffusion.recipe_runs import EXAMPLES, build_model, metrics, run_recipe, wait
+
+RECIPE = EXAMPLES / "diffusion_wan_colour_video.yaml"
 
 
 @pytest.fixture(scope="module")
 def wan_model(tmp_path_factory) -> str:
-    import torch
-
-    from polyrl.diffusion.tiny import tiny_wan
-
-    build_args = yaml.safe_load(RECIPE.read_text())["policies"]["main"]["build_args"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        t0 = time.perf_counter()
-        path = tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan-video", **build_args)
-        print(f"built and pre-trained the tiny Wan in {time.perf_counter() - t0:.0f}s")
-    finally:
-        torch.set_num_threads(threads)
-    return str(path)
+    return build_model(RECIPE, tmp_path_factory, "tiny-wan-video")
 
 
 def _train(model: str, run_dir: Path, seed: int, *overrides: str):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "polyrl.core.cli",
-        "train",
-        str(RECIPE),
-        f"seed={seed}",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        "run.tensorboard=false",
-        "run.export=false",
-        f"policies.main.model={model}",
-        "policies.main.build=null",  # built once by the fixture
-        "policies.main.build_args=null",
-        *overrides,
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return run_recipe(RECIPE, model, run_dir, seed, *overrides)
 
 
 def _check(run: Path, seed: int) -> None:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run)
     train = [r for r in rows if r.get("reward/mean") is not None]
     colour = [r["reward/video_colour/mean"] for r in train]
     acc = [r["reward/video_colour_accuracy/mean"] for r in train]
@@ -88,9 +53,7 @@ def _check(run: Path, seed: int) -> None:
 @pytest.mark.slow
 def test_tiny_wan_learns_red_then_blue(wan_model, tmp_path):
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = _train(wan_model, tmp_path / "run", 0)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
+    wait({"seed 0": _train(wan_model, tmp_path / "run", 0)})
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     print(f"GRPO run: {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds")
@@ -99,9 +62,6 @@ def test_tiny_wan_learns_red_then_blue(wan_model, tmp_path):
 
 @pytest.mark.seeds
 def test_tiny_wan_learns_red_then_blue_three_seeds(wan_model, tmp_path):
-    procs = {s: _train(wan_model, tmp_path / f"seed{s}", s) for s in (0, 1, 2)}
-    for seed, proc in procs.items():
-        out, _ = proc.communicate(timeout=1800)
-        assert proc.returncode == 0, f"seed {seed} failed:\n{out[-3000:]}"
-    for seed in procs:
+    wait({s: _train(wan_model, tmp_path / f"seed{s}", s) for s in (0, 1, 2)}, timeout=1800)
+    for seed in (0, 1, 2):
         _check(tmp_path / f"seed{seed}", seed)
