@@ -14,7 +14,8 @@ Modes:
 - ``run``: run ``snippet.py``; ``done <nonce>`` on the status channel once it returned.
 - ``serve`` (the candidate process of a tests run): run ``snippet.py`` (the response),
   then answer requests for its names and calls. Every result goes back as plain data
-  (:func:`encode`: exact builtin types only); anything else is refused.
+  (:func:`encode`: exact builtin types only, numpy values through ``tolist()``);
+  anything else is refused.
 - ``check`` (the checker process): no model code runs here. It makes itself
   non-dumpable (no process of its uid may read its memory or descriptors), reads the
   row's checks and the nonce from its pipe, runs them with every name they do not define
@@ -203,6 +204,10 @@ def encode(value, depth: int = 0):
         return {"bytes": value.hex()}
     if kind is complex:
         return {"complex": [value.real, value.imag]}
+    if getattr(kind, "__module__", None) == "numpy" and hasattr(value, "tolist"):
+        # numpy scalars and arrays, as their plain equivalents (this runs in the code's
+        # process, which could convert them itself: the checker still sees plain data)
+        return encode(value.tolist(), depth + 1)
     raise TypeError(f"a {kind.__name__} is not plain data ({PLAIN})")
 
 

@@ -272,8 +272,15 @@ def test_results_cross_as_plain_data_of_the_same_types():
         sample(fenced(f"def value():\n    return list({value})"), 1, test=checks, entry_point=""),
         # a generator is not plain data: the call fails
         sample(fenced(f"def value():\n    return iter({value})"), 2, test=checks, entry_point=""),
+        # numpy values arrive as their plain equivalents
+        sample(
+            fenced("import numpy as np\ndef total(xs):\n    return np.array(xs).sum()"),
+            3,
+            test="def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n"
+            "    assert type(candidate([1])) is int\n",
+        ),
     ]
-    assert unit_tests(rows) == [1.0, 0.0, 0.0]
+    assert unit_tests(rows) == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_exceptions_reach_the_checks_but_cannot_end_their_iteration():
