@@ -357,11 +357,13 @@ def model_shapes(model_dir: Path) -> dict[str, set[tuple]]:
 def _match(key: str, shapes: dict[str, set[tuple]]) -> str | None:
     """The model tensor a checkpoint key names: itself, or with wrapper prefixes (PEFT's
     ``base_model.model.``, a pipeline's component) dropped from the left."""
-    parts = key.split(".")
-    for i in range(len(parts) - 1):
-        k = ".".join(parts[i:])
-        if k in shapes:
-            return k
+    # transformers 5 nests a VLM's text model under language_model; files may not
+    for name in dict.fromkeys((key, key.replace("language_model.", "", 1))):
+        parts = name.split(".")
+        for i in range(len(parts) - 1):
+            k = ".".join(parts[i:])
+            if k in shapes:
+                return k
     return None
 
 
