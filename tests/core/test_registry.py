@@ -191,8 +191,8 @@ def test_a_file_that_fails_to_import_is_not_kept_half_imported(tmp_path, monkeyp
     part = tmp_path / "broken.py"
     part.write_text("raise RuntimeError('broken at import')\n")
     before = set(sys.modules)
-    with pytest.raises(RuntimeError, match="broken at import"):
-        import_path("./broken.py:score")
+    with pytest.raises(UserError, match=r"broken.py, line 1: RuntimeError: broken at import"):
+        import_path("./broken.py:score")  # the user's file: a told error naming file and line
     assert not [m for m in set(sys.modules) - before if m.startswith("polyrl_user.broken_")]
     part.write_text("def score(sample):\n    return 2.0\n")
     assert import_path("./broken.py:score")(None) == 2.0  # fixed: imports afresh
