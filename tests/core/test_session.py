@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from polyrl.core import trainer
 from polyrl.core.data import DataError, write_jsonl
+from polyrl.core.failures import RunFailedError
 from polyrl.core.loop import train
 from polyrl.core.policy import CausalLMPolicy
 from polyrl.core.rewards import Sample, exact_match, register_reward
@@ -155,13 +157,17 @@ def update_spy(monkeypatch):
 def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, errors, valid_frac):
     """A reward that raises or returns None/NaN: the run finishes, the rows are left out of
     the update (never scored 0), the errors are counted and their text is in the samples."""
-    run = train(
-        make_config(
-            f"reward.terms=[{term}]", "train.steps=2", "run.export=false", "task.args.n_eval=4"
-        )
+    cfg = make_config(
+        f"reward.terms=[{term}]", "train.steps=2", "run.export=false", "task.args.n_eval=4"
     )
-    assert (run.path / "summary.json").is_file()
-    steps = [m for m in metrics(run.path) if "reward/errors" in m]
+    if valid_frac == 0:  # no step had a valid row: the run fails (see test_failed_runs.py)
+        with pytest.raises(RunFailedError):
+            train(cfg)
+    else:
+        train(cfg)
+    path = Path(cfg.run.dir)
+    assert (path / "summary.json").is_file()
+    steps = [m for m in metrics(path) if "reward/errors" in m]
     assert [m["step"] for m in steps] == [1, 2]
     rows = 4 * 8  # rollout.n * prompts_per_step
     for m in steps:
@@ -173,7 +179,7 @@ def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, e
 
     samples = [
         strict_json(line)
-        for line in (run.path / "samples" / "train_step_000001.jsonl").read_text().splitlines()
+        for line in (path / "samples" / "train_step_000001.jsonl").read_text().splitlines()
     ]
     failed = [s for s in samples if s["error"]]
     for error in errors:
