@@ -12,6 +12,7 @@ a run whose steps never had a valid row trained nothing, so :meth:`Failures.chec
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import TextIO
 
 from tensordict import TensorDict
@@ -23,6 +24,13 @@ EXIT_STATUS = 3  # `polyrl train`: the run ran, but no step had a valid row to t
 
 class RunFailedError(RuntimeError):
     """Every row of every step failed: nothing was trained (``polyrl train`` exits 3)."""
+
+
+def where(exc: BaseException) -> str:
+    """`` (file:line)`` of the innermost frame ``exc`` passed through, for an error text that
+    says where a user's code (an agent, a reward, a workflow) raised; empty if unknown."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def failed_rows(record: TensorDict) -> list[tuple[int, str]]:

@@ -38,7 +38,6 @@ import numbers
 import queue
 import re
 import threading
-import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import doc, doc_factory
+from polyrl.core.failures import where
 from polyrl.core.record import mark_invalid, set_strings, strings
 from polyrl.core.registry import REWARDS
 from polyrl.core.workflow import run_sync
@@ -249,21 +249,15 @@ def _contain(exc: BaseException) -> Exception:
     return _Escaped(exc)
 
 
-def _where(exc: BaseException) -> str:
-    """`` (file:line)`` of the innermost frame the exception passed through."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
 def _raised(name: str, exc: BaseException) -> str:
     if isinstance(exc, _Escaped):
         inner = exc.exc
         return (
-            f"reward {name!r} raised {type(inner).__name__}({inner}){_where(inner)}; a reward "
+            f"reward {name!r} raised {type(inner).__name__}({inner}){where(inner)}; a reward "
             "cannot stop the run: return a number, or raise an Exception for a row it "
             "cannot score"
         )
-    return f"reward {name!r} raised {type(exc).__name__}: {exc}{_where(exc)}"
+    return f"reward {name!r} raised {type(exc).__name__}: {exc}{where(exc)}"
 
 
 async def _bounded(sem: asyncio.Semaphore, awaitable: Awaitable) -> Any:
