@@ -4,8 +4,11 @@ Each episode is a 3-turn chat ("go on" after every reply) on a Qwen2 built offli
 weights, ``--model``: ``tiny`` is the 0.1M test shape, ``20M`` the shape grpo_vs_trl.py
 uses, where an engine call costs what a small real model's does) with the real HF engine. ``multi_turn``: an inline environment, ``schedule: episode`` (one engine call per
 flush of waiting episodes). ``gateway``: the same conversation written as an ``openai``
-client agent (async), over HTTP on 127.0.0.1. Also the per-request overhead: one episode
-making sequential single requests, against calling the engine directly on the same prompts.
+client agent (async), over HTTP on 127.0.0.1, through Chat Completions (``gateway``), the
+Responses API (``responses``: the output items sent back as input, as the Agents SDK does)
+and the Anthropic Messages API (``messages``, the ``anthropic`` client). Also the
+per-request overhead of each API: one episode making sequential single requests, against
+calling the engine directly on the same prompts.
 The two workflows alternate within a run (the machine may be shared); the engine's own
 time is measured too, so the gap reads as a fixed cost per request against engine time.
 
@@ -53,22 +56,83 @@ async def chat_agent(row, ep):
     return 1.0
 
 
-SEQUENTIAL: list[float] = []
-DIRECT: list[float] = []
+async def responses_agent(row, ep):
+    client = ep.async_openai()
+    items: list = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(TURNS):
+        r = await client.responses.create(model="main", input=items)
+        items += [o.model_dump(exclude_none=True) for o in r.output]
+        items += [{"role": "user", "content": "go on"}]
+    await client.close()
+    return 1.0
+
+
+def anthropic_client(ep, kind="AsyncAnthropic"):
+    """An ``anthropic`` client for the episode (no retries, no TLS setup, as
+    ``Endpoint.openai`` makes its clients)."""
+    import anthropic
+
+    http = (
+        anthropic.DefaultAsyncHttpxClient
+        if kind == "AsyncAnthropic"
+        else anthropic.DefaultHttpxClient
+    )(verify=False)
+    return getattr(anthropic, kind)(
+        base_url=ep.base_url, api_key=ep.api_key, max_retries=0, http_client=http
+    )
+
+
+async def messages_agent(row, ep):
+    client = anthropic_client(ep)
+    msgs: list = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(TURNS):
+        r = await client.messages.create(model="main", max_tokens=row["tokens"], messages=msgs)
+        msgs += [
+            {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+            {"role": "user", "content": "go on"},
+        ]
+    await client.close()
+    return 1.0
+
+
+SEQUENTIAL: dict[str, list[float]] = {}
+DIRECT: dict[str, list[float]] = {}
 ENGINE_CALL: list = []  # calls the engine directly on the request's prompt (set by main)
 
 
 def sequential_agent(row, ep):
-    """Single greedy requests, each followed by the same engine call made directly."""
-    client = ep.openai()
+    """Single greedy requests through ``row["api"]``, each followed by the same engine
+    call made directly."""
+    api = row["api"]
     msgs = [{"role": "user", "content": row["prompt"]}]
+    if api == "messages":
+        client = anthropic_client(ep, "Anthropic")
+
+        def ask():
+            client.messages.create(
+                model="main",
+                max_tokens=row["tokens"],
+                messages=msgs,
+                extra_body={"temperature": 0},  # not a keyword of this anthropic version
+            )
+    elif api == "responses":
+        client = ep.openai()
+
+        def ask():
+            client.responses.create(model="main", input=msgs, temperature=0)
+    else:
+        client = ep.openai()
+
+        def ask():
+            client.chat.completions.create(model="main", messages=msgs, temperature=0)
+
     for _ in range(row["requests"]):
         t = time.perf_counter()
-        client.chat.completions.create(model="main", messages=msgs, temperature=0)
-        SEQUENTIAL.append(time.perf_counter() - t)
+        ask()
+        SEQUENTIAL.setdefault(api, []).append(time.perf_counter() - t)
         t = time.perf_counter()
         ENGINE_CALL[0]()
-        DIRECT.append(time.perf_counter() - t)
+        DIRECT.setdefault(api, []).append(time.perf_counter() - t)
     return 1.0
 
 
@@ -131,9 +195,17 @@ def main(argv: list[str] | None = None) -> int:
             schedule="episode",
         ),  # fmt: skip
         "gateway": Gateway(ctx, agent=chat_agent, concurrency=args.episodes),
+        "responses": Gateway(ctx, agent=responses_agent, concurrency=args.episodes),
+        "messages": Gateway(ctx, agent=messages_agent, concurrency=args.episodes),
     }
     items = [
-        PromptItem(uid=i, prompt_ids=[1], prompt_text="", answer=None, row={"prompt": f"g {i}"})
+        PromptItem(
+            uid=i,
+            prompt_ids=[1],
+            prompt_text="",
+            answer=None,
+            row={"prompt": f"g {i}", "tokens": tokens},
+        )
         for i in range(args.episodes)
     ]
     params = SamplingParams(n=1, max_new_tokens=tokens, temperature=1.0)
@@ -146,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             rec = wf.rollout(items, params)
             times[name].append(time.perf_counter() - t)
             engine_times[name].append(engine_time[0])
-            assert rec.batch_size[0] == args.episodes * TURNS and bool(rec["valid"].all())
+            from polyrl.core.record import strings
+
+            ok = rec.batch_size[0] == args.episodes * TURNS and bool(rec["valid"].all())
+            assert ok, (name, strings(rec, "error")[:2])
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     eng = {k: statistics.median(v[1:]) for k, v in engine_times.items()}
     mt, gw = med["multi_turn"], med["gateway"]
@@ -156,22 +231,33 @@ def main(argv: list[str] | None = None) -> int:
           f"gateway {gw:.3f} s (engine {eng['gateway']:.3f}); gateway/in-process "
           f"{gw / mt:.2f} ({100 * (gw / mt - 1):+.1f}%), "
           f"{1e3 * (gw - mt) / requests:.2f} ms more per request")  # fmt: skip
-    sizes = workflows["gateway"].server.batcher.sizes
-    calls = len(sizes) / (args.rollouts + 1)
+    for api in ("responses", "messages"):
+        print(f"{api}: {med[api]:.3f} s (engine {eng[api]:.3f}); {api}/in-process "
+              f"{med[api] / mt:.2f}, {api}/chat {med[api] / gw:.2f}, "
+              f"{1e3 * (med[api] - mt) / requests:.2f} ms more per request")  # fmt: skip
+    calls = {
+        k: len(workflows[k].server.batcher.sizes) / (args.rollouts + 1)
+        for k in ("gateway", "responses", "messages")
+    }
     in_process = workflows["multi_turn"].generate_calls / (args.rollouts + 1)
-    print(f"engine calls per rollout: gateway {calls:.1f}, in process {in_process:.1f}")
+    print(f"engine calls per rollout: chat {calls['gateway']:.1f}, responses "
+          f"{calls['responses']:.1f}, messages {calls['messages']:.1f}, in process "
+          f"{in_process:.1f}")  # fmt: skip
 
     # per request: sequential single requests against direct engine calls, greedy, alternating
     seq = Gateway(ctx, agent=sequential_agent)
     prompt = seq.server.chats["main"].first_prompt([{"role": "user", "content": "g 0"}])
     greedy = SamplingParams(n=1, max_new_tokens=tokens, temperature=0)
     ENGINE_CALL.append(lambda: generate([prompt], greedy))
-    row = {"prompt": "g 0", "requests": args.requests + 1}
-    seq.rollout([PromptItem(0, [1], "", None, row)], params)
-    gw1, direct = statistics.median(SEQUENTIAL[1:]), statistics.median(DIRECT[1:])
-    print(f"one request: gateway {1e3 * gw1:.1f} ms, engine {1e3 * direct:.1f} ms, overhead "
-          f"{1e3 * (gw1 - direct):.1f} ms ({gw1 / direct:.2f}x)")  # fmt: skip
-    for wf in (workflows["gateway"], seq):
+    for api in ("chat", "responses", "messages"):
+        row = {"prompt": "g 0", "requests": args.requests + 1, "api": api, "tokens": tokens}
+        out = seq.rollout([PromptItem(0, [1], "", None, row)], params)
+        assert bool(out["valid"].all()), strings(out, "error")
+        gw1 = statistics.median(SEQUENTIAL[api][1:])
+        direct = statistics.median(DIRECT[api][1:])
+        print(f"one {api} request: gateway {1e3 * gw1:.1f} ms, engine {1e3 * direct:.1f} ms, "
+              f"overhead {1e3 * (gw1 - direct):.1f} ms ({gw1 / direct:.2f}x)")  # fmt: skip
+    for wf in (*(workflows[k] for k in ("gateway", "responses", "messages")), seq):
         wf.close()
     return 0
 
