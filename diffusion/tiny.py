@@ -107,7 +107,6 @@ class Checkpoint:
 def build_tiny(
     path: str | Path,
     parts: Callable[[list[str]], Checkpoint],
-    *,
     builder: str,
     corpus: str,
     training: Pretraining,
@@ -616,15 +615,7 @@ def tiny_sd3(
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    return build_tiny(
-        path,
-        parts,
-        builder="tiny_sd3",
-        corpus=corpus,
-        training=training,
-        pretrain=pretrain_colour,
-        task="colour",
-    )
+    return build_tiny(path, parts, "tiny_sd3", corpus, training, pretrain_colour, "colour")
 
 
 @MODELS.register("tiny_flux")
@@ -691,9 +682,7 @@ def tiny_flux(
             },
         )
 
-    return build_tiny(
-        path, parts, builder="tiny_flux", corpus=corpus, training=Pretraining(seed=seed)
-    )
+    return build_tiny(path, parts, "tiny_flux", corpus, Pretraining(seed=seed))
 
 
 @MODELS.register("tiny_wan")
@@ -787,16 +776,7 @@ def tiny_wan(
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    return build_tiny(
-        path,
-        parts,
-        builder="tiny_wan",
-        corpus=corpus,
-        training=training,
-        pretrain=videos,
-        task="colour_video",
-        vae=vae,
-    )
+    return build_tiny(path, parts, "tiny_wan", corpus, training, videos, "colour_video", vae)
 
 
 @MODELS.register("tiny_qwen_image")
@@ -878,13 +858,5 @@ def tiny_qwen_image(
     training = Pretraining(
         pretrain_steps, pretrain_batch, pretrain_lr, label_noise, seed, log_every
     )
-    return build_tiny(
-        path,
-        parts,
-        builder="tiny_qwen_image",
-        corpus=corpus,
-        training=training,
-        pretrain=partial(pretrain_colour, image_size=image_size),
-        task="colour",
-        vae=vae,
-    )
+    pretrain = partial(pretrain_colour, image_size=image_size)
+    return build_tiny(path, parts, "tiny_qwen_image", corpus, training, pretrain, "colour", vae)
