@@ -266,3 +266,18 @@ def test_bound_options_unpack_into_the_call():
     assert dict(CREDIT.bind("group", {}, "algorithm.credit_args")) == {}
     assert CREDIT.options("group") is CREDIT.options("group")
     assert AlgorithmConfig().credit == "group"
+
+
+def test_traits_are_kept_by_the_registry_not_set_on_the_part():
+    reg = Registry("reward", skip=1)
+
+    def judge(samples):
+        return [1.0 for _ in samples]
+
+    reg.register("judge", judge, traits={"batched": True})
+    assert reg.traits(reg.get("judge")) == {"batched": True}
+    assert judge.__dict__ == {}  # nothing written onto the function
+    assert reg.traits(reward_exact) == {}  # never registered: no traits
+    reg.register("judge", judge, traits={"batched": True})  # the same again: fine
+    with pytest.raises(ValueError, match="already with traits"):
+        reg.register("judge_alias", judge, traits={"batched": False})
