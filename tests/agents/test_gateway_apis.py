@@ -443,3 +443,40 @@ def test_a_thinking_reply_is_a_reasoning_item_and_comes_back_stitched(grid_token
     assert r1.output[0].content[0].text == "hm" and r1.output_text == "yes"
     assert [m["stitched"] for m in strings(rec, "meta")] == [False, True]
     assert_rows_are_the_engines(rec, served(engine))
+
+
+def extras_agent(row, ep):
+    an = anthropic.Anthropic(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    user = [{"role": "user", "content": row["prompt"]}]
+    greedy = {"temperature": 0, "top_logprobs": 2}  # not keywords of this anthropic client
+    full = an.messages.create(model="main", max_tokens=8, messages=user, extra_body=greedy)
+    text = full.content[0].text
+    cut = an.messages.create(
+        model="main", max_tokens=8, messages=user, stop_sequences=[text[2:4]], extra_body=greedy
+    )
+    oa = ep.openai()
+    kept = oa.responses.create(model="main", input=row["prompt"], max_output_tokens=2, store=False)
+    try:
+        oa.responses.create(model="main", input="more", previous_response_id=kept.id)
+        later = 200
+    except openai.APIStatusError as e:
+        later = e.status_code
+    RESULTS[("extras", ep.episode)] = (full, cut, text[2:4], later)
+    return 1.0
+
+
+def test_messages_stop_sequences_logprobs_and_unstored_responses(models, items):
+    rec, _ = run(models, "extras_agent", items(rows("grid S.G")))
+    assert rec["valid"].all() and rec.batch_size[0] == 3, strings(rec, "error")
+    full, cut, stop, later = RESULTS[("extras", by_episode(rec).popitem()[0])]
+    text = full.content[0].text
+    assert len(stop) == 2 and stop in text
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.find(stop)]
+    entries = full.model_extra["logprobs"]["content"]  # the extension field
+    resp = ids(rec, "response_ids", 0)
+    assert len(entries) == len(resp) == full.usage.output_tokens
+    for k, e in enumerate(entries):
+        assert abs(e["logprob"] - float(rec["rollout_logprobs"][0][k])) < 1e-6
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
+    assert later == 400  # store: false keeps nothing to continue from
