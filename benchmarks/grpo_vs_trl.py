@@ -17,7 +17,15 @@ credit.assign -> trainer.update -> engine.sync. A TRL step is one optimizer step
 round-robin; the median over the timed steps after warm-up is reported.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--sizes 0.3M 20M] [--threads N]
-        [--workload uniform realistic equal]
+        [--workload uniform realistic equal] [--device cuda [--peak-tflops X]]
+
+On a GPU (``--device cuda``: bf16, sizes 20M and Qwen2.5-0.5B's shape by default) the
+uniform table adds MFU, model FLOPs utilization: the step's model FLOPs, 8 x parameters x
+tokens (a forward over every prompt and response token to sample them, a forward and a
+backward, 6 x, to train on them; attention's own FLOPs left out, as is usual), divided
+by the step's seconds and the device's dense peak (``PEAK_TFLOPS``, or ``--peak-tflops``).
+Both contenders do the same model work, so their MFUs stand in the inverse ratio of their
+step times; MFU says how far both are from what the device could do.
 
 ``--workload`` (default ``uniform``: the comparison above) adds two more, each printed
 as its own table with its ratios and limits:
@@ -49,6 +57,31 @@ TARGET = 1.5
 REALISTIC_TARGET, HALF_TARGET = 2.0, 0.9
 HF, VLLM, TRL = "PolyRL (HF engine)", "PolyRL (vLLM engine)", "TRL GRPOTrainer"
 REALISTIC_PLAN = {"long_frac": 0.2, "short_max": 4}
+# Dense peak TFLOP/s by GPU name and dtype (vendor data sheets, SXM unless named; bf16 on
+# the tensor cores, float32 without TF32, as PyTorch's default matmul runs). First match wins.
+PEAK_TFLOPS = [
+    ("H100 PCIe", {"bfloat16": 756.0, "float32": 51.0}),
+    ("H100 NVL", {"bfloat16": 835.0, "float32": 60.0}),
+    ("H100", {"bfloat16": 989.0, "float32": 67.0}),
+    ("H200", {"bfloat16": 989.0, "float32": 67.0}),
+    ("A100", {"bfloat16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.0, "float32": 91.6}),
+]
+
+
+def peak_tflops(device: str, dtype: str, requested: float | None) -> tuple[float | None, str]:
+    """The device's dense peak for ``dtype`` and where the number comes from."""
+    if requested:
+        return requested, "--peak-tflops"
+    if device != "cuda":
+        return None, "no peak known for a CPU (give --peak-tflops)"
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    for key, peaks in PEAK_TFLOPS:
+        if key in name and dtype in peaks:
+            return peaks[dtype], f"{name}, {dtype} data-sheet peak"
+    return None, f"{name}: not in PEAK_TFLOPS (give --peak-tflops)"
 
 
 def _summaries(remotes, timed) -> dict:
@@ -257,6 +290,12 @@ def main() -> None:
         help="cProfile PolyRL's timed steps into DIR/<size>/profile-*.prof",
     )
     p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak TFLOP/s for MFU (default: PEAK_TFLOPS by GPU name)",
+    )
+    p.add_argument(
         "--workload",
         nargs="+",
         default=["uniform"],
@@ -288,16 +327,27 @@ def main() -> None:
     info = c.print_machine(threads, why)
     ok, vwhy = c.vllm_status()
     print(f"  {'polyrl vllm engine':>20}: " + ("available" if ok else f"UNAVAILABLE ({vwhy})"))
+    peak, peak_why = peak_tflops(args.device, dtype, args.peak_tflops)
+    print(f"  {'peak for MFU':>20}: " + (f"{peak:g} TFLOP/s ({peak_why})" if peak else peak_why))
     print(
         f"\n{warmup} warm-up + {steps} timed steps per contender, interleaved round-robin"
         + ("; one process per contender" if isolate else "; in-process")
     )
 
-    results: dict = {"machine": info, "warmup": warmup, "steps": steps, "sizes": {}}
+    results: dict = {
+        "machine": info,
+        "warmup": warmup,
+        "steps": steps,
+        "dtype": dtype,
+        "peak_tflops": peak,
+        "peak_source": peak_why,
+        "sizes": {},
+    }
     rows, ratio_lines = [], []
     for size in sizes if "uniform" in args.workload else []:
         model = c.build_model(size)
         nparams = c.param_count(model)
+        prompt_len = _mean_prompt_tokens(model, 16)
         common = dict(n=8, prompts=16, max_new_tokens=T, device=args.device, dtype=dtype)
         specs = {HF: ("polyrl", dict(model=model, engine="hf", **common))}
         if ok:
@@ -340,7 +390,7 @@ def main() -> None:
                 res[name] = {"error": r.error or "no steps"}
                 rows.append(
                     [size, c.fmt_params(nparams), name]
-                    + [float("nan")] * 6
+                    + [float("nan")] * 7
                     + [(r.error or "no steps").splitlines()[-1][:80]]
                 )
                 continue
@@ -354,6 +404,9 @@ def main() -> None:
             s["startup"] = r.info
             res[name] = s
             s["tokens_per_s"] = 8 * 16 * s["mean_len"] / s["median_s"]  # sampled, per step
+            flops = 8 * nparams * 8 * 16 * (prompt_len + s["mean_len"])  # see the module doc
+            s["model_tflop_per_step"] = flops / 1e12
+            s["mfu"] = flops / s["median_s"] / (peak * 1e12) if peak else float("nan")
             rows.append(
                 [
                     size,
@@ -362,6 +415,7 @@ def main() -> None:
                     s["median_s"],
                     s["min_s"],
                     s["tokens_per_s"],
+                    s["mfu"],
                     s["rollout_s"],
                     s["update_s"],
                     s["mean_len"],
@@ -372,7 +426,7 @@ def main() -> None:
             res[VLLM] = {"error": f"unavailable: {vwhy}"}
             rows.append(
                 [size, c.fmt_params(nparams), VLLM]
-                + [float("nan")] * 6
+                + [float("nan")] * 7
                 + [f"unavailable: {vwhy}"[:80]]
             )
         trl = res[TRL].get("median_s")
@@ -395,7 +449,7 @@ def main() -> None:
                     f"  {size:>5}: TRL with its default gradient checkpointing / "
                     f"PolyRL-best = {g:.2f}x"
                 )
-        results["sizes"][size] = {"params": nparams, "results": res}
+        results["sizes"][size] = {"params": nparams, "prompt_tokens": prompt_len, "results": res}
 
     for workload in ("realistic", "equal"):
         if workload in args.workload:
@@ -414,6 +468,7 @@ def main() -> None:
                 "median s/step",
                 "min s/step",
                 "tokens/s",
+                "MFU",
                 "rollout s",
                 "update s",
                 "resp len",
@@ -423,6 +478,10 @@ def main() -> None:
         )
     )
     print("\n(tokens/s: response tokens sampled and trained on per second of a whole step)")
+    print(
+        "(MFU: 8 x parameters x (prompt + response tokens) per step / step seconds / peak "
+        + (f"{peak:g} TFLOP/s)" if peak else f"- n/a: {peak_why})")
+    )
     print("\n(rollout s / update s: PolyRL's split of its step; TRL does not expose one)")
     print("\nRatios, TRL seconds per step / PolyRL seconds per step (higher = PolyRL faster):")
     print("\n".join(ratio_lines) if ratio_lines else "  (no ratio: a contender failed)")
