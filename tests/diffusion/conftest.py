@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -143,3 +145,96 @@ def diffusion_config(tiny_sd3_dir, tmp_path, one_thread):
         return load(Config, None, base + list(overrides))
 
     return make
+
+
+@pytest.fixture
+def two_step_run(diffusion_config):
+    """two_step_run(model, engine_args, *overrides) -> (run, metrics of its training steps):
+    a small ``polyrl train`` in this process on ``model`` (LoRA r=4, 2 prompts x 3 samples,
+    KL 0.01 from the step means), ``engine_args`` the engine's options as YAML; later
+    overrides win."""
+    from polyrl.core.loop import train
+
+    def run(model: str, engine_args: str, *overrides: str):
+        cfg = diffusion_config(
+            f"policies.main.model={model}",
+            f"policies.main.engine.args={engine_args}",
+            "task.args={n_train: 16, per_colour_eval: 1}",
+            "rollout.n=3",
+            "rollout.prompts_per_step=2",
+            "eval.n=1",
+            "algorithm.kl_coef=0.01",
+            "algorithm.kl_estimator=gaussian_mean",
+            *overrides,
+        )
+        out = train(cfg)
+        lines = [json.loads(x) for x in (out.path / "metrics.jsonl").read_text().splitlines()]
+        return out, [x for x in lines if "main/loss" in x]
+
+    return run
+
+
+@pytest.fixture
+def first_update_under_ray(ray_cluster, diffusion_config, tmp_path):
+    """first_update_under_ray(*overrides) -> the local rollout record, once this held: one
+    session per backend (Ray: 2 FSDP2 CPU ranks, the engine on its own actor) samples the
+    same trajectories, the first update (LoRA r=4, two mini-batches, the Gaussian-mean KL
+    0.1, clipped advantages so the loss is not ~0) gives local mode's loss within 1e-4 and
+    its KL and grad norm within 1e-4 relative, and after the sync the engine actor samples
+    with the trained weights (the local policy, trained alike, recomputes its log-probs)."""
+    from polyrl.core.credit import assign
+    from polyrl.core.record import select_policy, valid_rows
+    from polyrl.core.session import Session
+
+    def rollout(s):
+        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+        s.score(record)
+        assign(record, s.cfg.algorithm)
+        return record, select_policy(valid_rows(record), "main")
+
+    def check(*overrides: str):
+        common = (
+            "policies.main.lora.r=4",
+            "policies.main.optim.lr=5.0e-3",
+            "algorithm.kl_coef=0.1",
+            "algorithm.kl_estimator=gaussian_mean",
+            "algorithm.minibatches=2",
+            "algorithm.credit_args={adv_clip: 1.0}",
+            *overrides,
+        )
+        ray = (
+            "distributed.backend=ray",
+            "distributed.args={workers_per_policy: 2, collective_timeout_s: 120}",
+        )
+        local = Session.open(diffusion_config(*common, f"run.dir={tmp_path}/local"), record=False)
+        remote = Session.open(
+            diffusion_config(*common, *ray, f"run.dir={tmp_path}/ray"), record=False
+        )
+        try:
+            rec_l, rows_l = rollout(local)
+            rec_r, rows_r = rollout(remote)
+            assert torch.equal(rec_r["latents"], rec_l["latents"])
+            assert torch.equal(rec_r["rollout_logprobs"], rec_l["rollout_logprobs"])
+            assert rec_l["reward"].std() > 0  # the groups have a spread: a real update
+            out_l = local.update("main", rows_l.clone())
+            out_r = remote.update("main", rows_r.clone())
+            print("local", out_l, "\nray  ", out_r)
+            assert out_l["kl"] > 0 and abs(out_l["loss"]) > 1e-3
+            assert abs(out_r["loss"] - out_l["loss"]) <= 1e-4 * max(1.0, abs(out_l["loss"]))
+            for key in ("kl", "grad_norm"):
+                assert out_r[key] == pytest.approx(out_l[key], rel=1e-4), key
+            remote.engines["main"].sync()
+            rec2, _ = rollout(remote)
+            mask = rec2["loss_mask"].bool()
+            with torch.no_grad():
+                now = local.policies["main"].logprobs(rec2)[0]
+            before = local.policies["main"].ref_logprobs(rec2)
+            gap_now = float((now - rec2["rollout_logprobs"])[mask].abs().max())
+            gap_before = float((before - rec2["rollout_logprobs"])[mask].abs().max())
+            print("gap to the trained weights", gap_now, "to the initial ones", gap_before)
+            assert gap_now < 1e-4 < gap_before
+            return rec_l
+        finally:
+            remote.backend.shutdown()
+
+    return check

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -151,45 +149,13 @@ def test_flux_needs_its_t5(tiny_flux_dir):
         FluxFamily(tiny_flux_dir, dtype=torch.float32, device=torch.device("cpu"), load_t5=False)
 
 
-def test_two_training_steps_through_the_workflow(tiny_flux_dir, tmp_path, one_thread):
-    import polyrl.core  # noqa: F401
-    import polyrl.diffusion  # noqa: F401
-    from polyrl.core.config import load
-    from polyrl.core.loop import train
-    from polyrl.core.recipe import Config
-
-    cfg = load(
-        Config,
-        None,
-        [
-            f"run.dir={tmp_path}/run",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "task.name=colour",
-            f"task.dir={tmp_path}/data",
-            "task.args={n_train: 16, per_colour_eval: 1}",
-            "policies.main.kind=diffusion",
-            f"policies.main.model={tiny_flux_dir}",
-            "policies.main.engine.name=diffusion",
-            "policies.main.lora.r=4",
-            "policies.main.engine.args={height: 16, width: 16, steps: 4, guidance_scale: 3.5, "
-            "train_steps: {mode: window, window_start: 0, window_size: 2}}",
-            "policies.main.args={max_sequence_length: 8}",
-            "rollout.workflow=text_to_image",
-            "rollout.n=3",
-            "rollout.prompts_per_step=2",
-            "eval.n=1",
-            "eval.accuracy_term=colour_accuracy",
-            "reward.terms=[{name: colour}, {name: colour_accuracy, weight: 0.0}]",
-            "algorithm.credit=per_prompt",
-            "algorithm.kl_coef=0.01",
-            "algorithm.kl_estimator=gaussian_mean",
-            "train.steps=2",
-        ],
+def test_two_training_steps_through_the_workflow(tiny_flux_dir, two_step_run):
+    run, steps = two_step_run(
+        tiny_flux_dir,
+        "{height: 16, width: 16, steps: 4, guidance_scale: 3.5, "
+        "train_steps: {mode: window, window_start: 0, window_size: 2}}",
+        "policies.main.args={max_sequence_length: 8}",
     )
-    run = train(cfg)
-    lines = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if "main/loss" in x]
     assert len(steps) == 2 and all(x["rollout/rows"] == 6 for x in steps)
     assert all(x["main/kl"] is not None and x["main/kl"] >= 0 for x in steps)
     assert (run.path / "grid_after.png").is_file()

@@ -262,50 +262,24 @@ def test_colour_video_task_and_rendering(tmp_path):
 # ------------------------------------------------------------------------ a run
 
 
-def test_two_training_steps_write_video_grids(tiny_wan_patch_dir, tmp_path, one_thread):
+def test_two_training_steps_write_video_grids(tiny_wan_patch_dir, two_step_run):
     from PIL import Image
 
-    import polyrl.core  # noqa: F401
-    import polyrl.diffusion  # noqa: F401
-    from polyrl.core.config import load
-    from polyrl.core.loop import train
-    from polyrl.core.recipe import Config
-
-    cfg = load(
-        Config,
-        None,
-        [
-            f"run.dir={tmp_path}/run",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "task.name=colour_video",
-            f"task.dir={tmp_path}/data",
-            "task.args={n_train: 16, eval_pairs: ['red, then blue', 'blue, then red']}",
-            "policies.main.kind=diffusion",
-            f"policies.main.model={tiny_wan_patch_dir}",
-            "policies.main.engine.name=diffusion",
-            "policies.main.lora.r=4",
-            "policies.main.engine.args={height: 16, width: 16, frames: 4, steps: 4, "
-            "guidance_scale: 2.0, train_steps: {mode: window, window_start: 0, window_size: 2}}",
-            "policies.main.args={max_sequence_length: 8}",
-            "rollout.workflow=text_to_video",
-            "rollout.args={mp4: true}",
-            "rollout.n=3",
-            "rollout.prompts_per_step=2",
-            "eval.n=2",
-            "eval.temperature=0.0",
-            "eval.accuracy_term=video_colour_accuracy",
-            "reward.terms=[{name: video_colour}, {name: temporal_consistency, weight: 0.2}, "
-            "{name: video_colour_accuracy, weight: 0.0}]",
-            "algorithm.credit=per_prompt",
-            "algorithm.kl_coef=0.01",
-            "algorithm.kl_estimator=gaussian_mean",
-            "train.steps=2",
-        ],
+    run, steps = two_step_run(
+        tiny_wan_patch_dir,
+        "{height: 16, width: 16, frames: 4, steps: 4, guidance_scale: 2.0, "
+        "train_steps: {mode: window, window_start: 0, window_size: 2}}",
+        "policies.main.args={max_sequence_length: 8}",
+        "task.name=colour_video",
+        "task.args={n_train: 16, eval_pairs: ['red, then blue', 'blue, then red']}",
+        "rollout.workflow=text_to_video",
+        "rollout.args={mp4: true}",
+        "eval.n=2",
+        "eval.temperature=0.0",
+        "eval.accuracy_term=video_colour_accuracy",
+        "reward.terms=[{name: video_colour}, {name: temporal_consistency, weight: 0.2}, "
+        "{name: video_colour_accuracy, weight: 0.0}]",
     )
-    run = train(cfg)
-    lines = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
-    steps = [x for x in lines if "main/loss" in x]
     assert len(steps) == 2 and all(x["rollout/rows"] == 6 for x in steps)
     assert all(0 <= x["reward/temporal_consistency/mean"] <= 1 for x in steps)
     gif = Image.open(run.path / "video_after.gif")
