@@ -7,7 +7,7 @@ need (:class:`Family`). The four built-in families (SD3, FLUX.1, Qwen-Image, Wan
 in :mod:`polyrl.diffusion.models` and register themselves in :data:`FAMILIES`; a checkpoint's
 family is the one whose :meth:`Family.matches` accepts its ``transformer/config.json``
 (:func:`detect_family`). A new architecture is one more class with this protocol,
-registered as ``FAMILIES.register("name", MyFamily)`` from a plugin or a recipe's file.
+registered as ``FAMILIES.register("name", MyFamily)`` when its plugin is imported.
 """
 
 from __future__ import annotations
