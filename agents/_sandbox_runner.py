@@ -187,15 +187,25 @@ MAX_MESSAGE = 8 * 2**20  # bytes of one request or reply line
 PLAIN = "None, bool, int, float, complex, str, bytes, or lists, tuples, dicts and sets of them"
 
 
-def encode(value, depth: int = 0):
-    """``value`` as JSON-ready plain data; anything but exact builtins raises TypeError."""
+def _walk(value, depth: int, convert, rest, too_deep: str):
+    """The walk :func:`encode` and :func:`decode` share: the depth bound, scalars kept as they
+    are, lists item by item through ``convert``; ``rest(value, kind, depth)`` takes the rest."""
     if depth > MAX_DEPTH:
-        raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels cannot be sent")
+        raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels{too_deep}")
     kind = type(value)
     if value is None or kind in (bool, int, float, str):
         return value
     if kind is list:
-        return [encode(v, depth + 1) for v in value]
+        return [convert(v, depth + 1) for v in value]
+    return rest(value, kind, depth)
+
+
+def encode(value, depth: int = 0):
+    """``value`` as JSON-ready plain data; anything but exact builtins raises TypeError."""
+    return _walk(value, depth, encode, _encode_tagged, " cannot be sent")
+
+
+def _encode_tagged(value, kind: type, depth: int):
     if kind in (tuple, set, frozenset):
         return {kind.__name__: [encode(v, depth + 1) for v in value]}
     if kind is dict:
@@ -213,13 +223,10 @@ def encode(value, depth: int = 0):
 
 def decode(data, depth: int = 0):
     """Fresh builtins from what :func:`encode` made; anything else raises ValueError."""
-    if depth > MAX_DEPTH:
-        raise ValueError(f"a value nested deeper than {MAX_DEPTH} levels")
-    kind = type(data)
-    if data is None or kind in (bool, int, float, str):
-        return data
-    if kind is list:
-        return [decode(v, depth + 1) for v in data]
+    return _walk(data, depth, decode, _decode_tagged, "")
+
+
+def _decode_tagged(data, kind: type, depth: int):
     if kind is dict and len(data) == 1:
         ((tag, body),) = data.items()
         if tag in ("tuple", "set", "frozenset") and type(body) is list:

@@ -267,14 +267,8 @@ class Sandbox:
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             out, err = proc.communicate()
-            return SandboxResult(
-                "",
-                err.decode(errors="replace")[-2000:],
-                None,
-                None,
-                "sandbox",
-                time.monotonic() - start,
-                notes=["the supervisor did not finish; its session was killed"],
+            return _supervisor_failed(
+                err, start, "the supervisor did not finish; its session was killed"
             )
         finally:
             if proc.poll() is None:
@@ -282,15 +276,7 @@ class Sandbox:
         try:
             rep = json.loads(out.decode())
         except ValueError:
-            return SandboxResult(
-                "",
-                err.decode(errors="replace")[-2000:],
-                None,
-                None,
-                "sandbox",
-                time.monotonic() - start,
-                notes=[f"supervisor exited with {proc.returncode}"],
-            )
+            return _supervisor_failed(err, start, f"supervisor exited with {proc.returncode}")
         result = SandboxResult(
             rep["stdout"],
             rep["stderr"],
@@ -339,6 +325,19 @@ def _tests_result(rep: dict, r: SandboxResult) -> SandboxResult:
     if r.error and r.error != "failed" and r.completed:
         r.completed = False  # a limit fired: the run does not pass
     return r
+
+
+def _supervisor_failed(err: bytes, start: float, note: str) -> SandboxResult:
+    """A run whose supervisor gave no reply: its stderr's tail, error "sandbox", and why."""
+    return SandboxResult(
+        "",
+        err.decode(errors="replace")[-2000:],
+        None,
+        None,
+        "sandbox",
+        time.monotonic() - start,
+        notes=[note],
+    )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
