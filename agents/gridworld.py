@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from polyrl.agents.env import Environment, StepResult, register_env
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.tasks.common import chat_text, write_held_out
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = tuple(MOVES)
@@ -314,13 +314,7 @@ def write_dataset(
         fixed_goal=fixed_goal,
         hint=hint,
     )
-    eval_rows = make_rows(n_eval, seed + 10_007, **kw)
-    train_rows = make_rows(n_train, seed, exclude={r["uid"] for r in eval_rows}, **kw)
-    out = Path(out_dir).expanduser()
-    train_path, eval_path = out / "train.jsonl", out / "eval.jsonl"
-    write_jsonl(train_path, train_rows)
-    write_jsonl(eval_path, eval_rows)
-    return train_path, eval_path
+    return write_held_out(out_dir, make_rows, n_train, n_eval, seed, seed + 10_007, **kw)
 
 
 def random_states(grid: list[str], rng: random.Random, k: int) -> list[tuple[int, int]]:
@@ -362,11 +356,9 @@ def corpus(sizes: Iterable[int] = (2, 3, 4, 5, 6), maps_per_size: int = 200) -> 
         for _ in range(maps_per_size):
             grid = random_grid(rng, size, rng.randint(0, max(0, size - 1)), min_dist=1)
             pos = random_states(grid, rng, 1)[0]
-            texts.append(
-                f"<|im_start|>user\n{render(grid, pos, rng.choice(HINTS))}<|im_end|>\n"
-                f"<|im_start|>assistant\n{rng.choice(ACTIONS)}<|im_end|>\n"
-            )
-    texts.extend(f"<|im_start|>{role}\n<|im_end|>\n" for role in ("system", "user", "assistant"))
+            user = render(grid, pos, rng.choice(HINTS))
+            texts.append(chat_text(("user", user), ("assistant", rng.choice(ACTIONS))))
+    texts.extend(chat_text((role, "")) for role in ("system", "user", "assistant"))
     return texts
 
 

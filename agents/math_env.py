@@ -28,6 +28,7 @@ from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.agents.tools import ParsedAction, Tool, ToolEnv, tool
 from polyrl.core.registry import TASKS
 from polyrl.core.rewards import extract_answer, normalize_answer
+from polyrl.core.tasks.common import chat_text
 
 INSTRUCTIONS = (
     "You may run Python with "
@@ -171,10 +172,12 @@ def corpus() -> list[str]:
     for r in make_rows(300, 0):
         expr = r["question"].removeprefix("What is ").removesuffix("?")
         texts.append(
-            f"<|im_start|>user\n{r['question']}\n{INSTRUCTIONS}<|im_end|>\n"
-            f"<|im_start|>assistant\n{_call(f'print({expr})')}<|im_end|>\n"
-            f"<|im_start|>tool\n{r['answer']}<|im_end|>\n"
-            f"<|im_start|>assistant\n<answer>{r['answer']}</answer><|im_end|>\n"
+            chat_text(
+                ("user", f"{r['question']}\n{INSTRUCTIONS}"),
+                ("assistant", _call(f"print({expr})")),
+                ("tool", r["answer"]),
+                ("assistant", f"<answer>{r['answer']}</answer>"),
+            )
         )
     texts.append("Error: unknown tool; the tool call is not valid JSON [error: time limit]")
     return texts

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
+from polyrl.core.tasks.common import chat_text
 from polyrl.marl.runtime import workflow
 
 OBJECTS = ("apple", "ball", "cat", "dog", "egg", "fish", "hat", "key")
@@ -175,17 +176,11 @@ def corpus() -> list[str]:
     rng = random.Random(0)
     for target in OBJECTS:
         for sym in SYMBOLS:
-            texts.append(
-                f"<|im_start|>system\n{SPEAKER_ROLE}<|im_end|>\n"
-                f"<|im_start|>user\n{speaker_prompt(target)}<|im_end|>\n"
-                f"<|im_start|>assistant\n{sym}<|im_end|>\n"
-            )
+            speaker = (("system", SPEAKER_ROLE), ("user", speaker_prompt(target)))
+            texts.append(chat_text(*speaker, ("assistant", sym)))
             cands = rng.sample(OBJECTS, 4)
-            texts.append(
-                f"<|im_start|>system\n{LISTENER_ROLE}<|im_end|>\n"
-                f"<|im_start|>user\n{listener_prompt(sym, cands)}<|im_end|>\n"
-                f"<|im_start|>assistant\n{target}<|im_end|>\n"
-            )
+            listener = (("system", LISTENER_ROLE), ("user", listener_prompt(sym, cands)))
+            texts.append(chat_text(*listener, ("assistant", target)))
     return texts
 
 

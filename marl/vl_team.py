@@ -27,6 +27,7 @@ from PIL import Image, ImageDraw
 
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.tasks.common import chat_text
 from polyrl.marl.workflows import LOOKER_ROLE, SOLVER_ROLE
 
 COLOURS = {
@@ -129,16 +130,10 @@ def corpus() -> list[str]:
     """Every text both roles see or say, in chat form, for the offline tokenizers."""
     texts = []
     for sym in SYMBOLS:
-        texts.append(
-            f"<|im_start|>system\n{LOOKER_ROLE}<|im_end|>\n"
-            f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n{sym}<|im_end|>\n"
-        )
-        for colour in COLOURS:
-            texts.append(
-                f"<|im_start|>system\n{SOLVER_ROLE}<|im_end|>\n"
-                f"<|im_start|>user\n{solver_prompt(sym)}<|im_end|>\n"
-                f"<|im_start|>assistant\n{colour}<|im_end|>\n"
-            )
+        looker = (("system", LOOKER_ROLE), ("user", QUESTION))
+        texts.append(chat_text(*looker, ("assistant", sym)))
+        solver = (("system", SOLVER_ROLE), ("user", solver_prompt(sym)))
+        texts.extend(chat_text(*solver, ("assistant", colour)) for colour in COLOURS)
     return texts
 
 

@@ -33,6 +33,7 @@ from PIL import Image, ImageDraw
 
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.tasks.common import chat_text
 
 COLOURS = {
     "red": (215, 25, 25),
@@ -373,11 +374,9 @@ def corpus() -> list[str]:
     texts = []
     for p in prompts:
         for a in answers:
-            texts.append(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n")
-            texts.append(
-                f"<|im_start|>assistant\n<think>{p}</think><answer>{a}</answer><|im_end|>\n"
-            )
-    texts.extend(f"<|im_start|>system\n{s}<|im_end|>\n" for s in SYSTEM_WORDS)
+            texts.append(chat_text(("user", p), ("assistant", a)))
+            texts.append(chat_text(("assistant", f"<think>{p}</think><answer>{a}</answer>")))
+    texts.extend(chat_text(("system", s)) for s in SYSTEM_WORDS)
     return texts
 
 

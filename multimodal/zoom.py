@@ -37,6 +37,7 @@ from PIL import Image, ImageDraw
 
 from polyrl.core.data import write_jsonl
 from polyrl.core.registry import ENVIRONMENTS, TASKS
+from polyrl.core.tasks.common import chat_text
 from polyrl.multimodal.shapes import COLOURS
 
 SCENE = 448  # source side in pixels
@@ -222,10 +223,10 @@ def corpus() -> list[str]:
     for k, where in QUADRANTS.items():
         q = QUESTION.format(k=k, where=where)
         for a in [*COLOURS, *(f"zoom {k}" for k in QUADRANTS)]:
-            texts.append(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n")
+            texts.append(chat_text(("user", q), ("assistant", a)))
     for k in QUADRANTS:
-        texts.append(f"<|im_start|>user\n{ZOOMED.format(k=k)}<|im_end|>\n")
-    texts += [f"<|im_start|>user\n{t}<|im_end|>\n" for t in (NO_TOOL, "right", "wrong")]
+        texts.append(chat_text(("user", ZOOMED.format(k=k))))
+    texts += [chat_text(("user", t)) for t in (NO_TOOL, "right", "wrong")]
     return texts
 
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
+from polyrl.core.tasks.common import chat_text, write_held_out
 
 OPS = "+-*"
 STYLES = ("bare", "question")
@@ -109,13 +109,7 @@ def write_dataset(
     total = len(_problems(max_operand, ops))
     if n_eval >= total:
         raise ValueError(f"n_eval={n_eval} leaves no training problems (only {total} exist)")
-    eval_rows = make_rows(n_eval, seed + 1, **kw)
-    train_rows = make_rows(n_train, seed, exclude={r["uid"] for r in eval_rows}, **kw)
-    out = Path(out_dir).expanduser()
-    train_path, eval_path = out / "train.jsonl", out / "eval.jsonl"
-    write_jsonl(train_path, train_rows)
-    write_jsonl(eval_path, eval_rows)
-    return train_path, eval_path
+    return write_held_out(out_dir, make_rows, n_train, n_eval, seed, seed + 1, **kw)
 
 
 def sft_rows(rows: Iterable[dict]) -> list[dict]:
@@ -132,10 +126,9 @@ def corpus(max_operand: int = 20) -> list[str]:
     for a, op, b in _problems(max_operand, OPS):
         for style in STYLES:
             texts.append(
-                f"<|im_start|>user\n{render(a, op, b, style)}<|im_end|>\n"
-                f"<|im_start|>assistant\n{solve(a, op, b)}<|im_end|>\n"
+                chat_text(("user", render(a, op, b, style)), ("assistant", solve(a, op, b)))
             )
-    texts.extend(f"<|im_start|>{role}\n<|im_end|>\n" for role in ROLES)
+    texts.extend(chat_text((role, "")) for role in ROLES)
     return texts
 
 
