@@ -30,6 +30,7 @@ from torch import Tensor
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.correction import RolloutCorrection
 from polyrl.core.credit import group_advantages, group_stats
+from polyrl.core.dependencies import require
 from polyrl.core.options import Options
 from polyrl.core.registry import ADVANTAGES, CREDIT, KL_ESTIMATORS, POLICY_LOSSES, nearest
 
@@ -239,14 +240,7 @@ class AggInfo:
 @functools.cache
 def _verl() -> ModuleType:
     """verl's core_algos, imported once on first use (the import takes seconds)."""
-    try:
-        from verl.trainer.ppo import core_algos
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "polyrl.core.algorithms needs verl, a dependency of polyrl that is missing: "
-            "reinstall polyrl (pip install polyrl, or ./install.sh in a checkout)"
-        ) from err
-    return core_algos
+    return require("verl.trainer.ppo.core_algos", "polyrl.core.algorithms", "verl")
 
 
 @functools.lru_cache(maxsize=32)
@@ -448,30 +442,6 @@ def reinforce_plus_plus_baseline_advantage(
 # ------------------------------------------------------------------------ policy losses
 
 
-def _verl_policy_loss(
-    loss_mode: str,
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: AlgorithmConfig,
-    agg: AggInfo,
-    weights: Tensor | None,
-) -> tuple[Tensor, dict[str, float]]:
-    actor = _verl_actor_config(loss_mode, cfg, agg)
-    fn = _verl().get_policy_loss_fn(loss_mode)
-    loss, metrics = fn(
-        old_log_prob=old_logprobs,
-        log_prob=logprobs,
-        advantages=advantages,
-        response_mask=mask.to(logprobs.dtype),
-        loss_agg_mode=agg.mode,
-        config=actor,
-        rollout_is_weights=None if weights is None else weights.to(logprobs.dtype),
-    )
-    return loss, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
-
-
 def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = None):
     """Register verl's policy loss ``verl_name`` under our name and signature."""
 
@@ -485,9 +455,18 @@ def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = N
         *,
         weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        return _verl_policy_loss(
-            verl_name, logprobs, old_logprobs, advantages, mask, cfg, agg, weights
+        actor = _verl_actor_config(verl_name, cfg, agg)
+        fn = _verl().get_policy_loss_fn(verl_name)
+        value, metrics = fn(
+            old_log_prob=old_logprobs,
+            log_prob=logprobs,
+            advantages=advantages,
+            response_mask=mask.to(logprobs.dtype),
+            loss_agg_mode=agg.mode,
+            config=actor,
+            rollout_is_weights=None if weights is None else weights.to(logprobs.dtype),
         )
+        return value, {k.removeprefix("actor/"): float(v) for k, v in metrics.items()}
 
     loss.__name__ = f"{name}_loss"
     loss.__doc__ = summary

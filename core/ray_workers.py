@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.dependencies import require
 from polyrl.core.interfaces import (
     ExportsWeights,
     HasProcessor,
@@ -37,14 +38,7 @@ class ActorError(RuntimeError):
 
 
 def require_ray():
-    try:
-        import ray
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "distributed.backend=ray needs Ray, a dependency of polyrl that is missing: "
-            "reinstall polyrl (pip install polyrl, or ./install.sh in a checkout)"
-        ) from err
-    return ray
+    return require("ray", "distributed.backend=ray", "Ray")
 
 
 def resources_of(cpus: float, gpus: float) -> dict[str, float]:
