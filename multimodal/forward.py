@@ -346,17 +346,8 @@ def vl_forward(
     )
     if position_ids is None:
         position_ids = rope_index(p, ids, mask, grids, image_mask, video_mask)
-    out = p.language_model(
-        input_ids=None,
-        inputs_embeds=emb,
-        attention_mask=mask,
-        position_ids=position_ids,
-        use_cache=use_cache,
-        past_key_values=cache,
-        **extra,
-    )
-    hidden = out.last_hidden_state[:, -logits_to_keep:]
-    return p.lm_head(hidden), out.past_key_values, position_ids
+    logits, past = _lm_logits(p, emb, mask, position_ids, cache, use_cache, logits_to_keep, extra)
+    return logits, past, position_ids
 
 
 def decode_step(
@@ -369,15 +360,31 @@ def decode_step(
     """One cached decoding step for new text tokens ``[B, 1]`` at ``position_ids [3, B, 1]``."""
     p = parts(model)
     emb = p.language_model.get_input_embeddings()(tokens)
+    return _lm_logits(p, emb, mask, position_ids, cache, True, 1, {})
+
+
+def _lm_logits(
+    p: Parts,
+    emb: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+    use_cache: bool,
+    keep: int,
+    extra: dict,
+) -> tuple[torch.Tensor, Any]:
+    """The language model over embeddings ``emb``: logits of the last ``keep`` positions
+    and the cache (``extra``: the vision inputs' keywords, e.g. deepstack features)."""
     out = p.language_model(
         input_ids=None,
         inputs_embeds=emb,
         attention_mask=mask,
         position_ids=position_ids,
+        use_cache=use_cache,
         past_key_values=cache,
-        use_cache=True,
+        **extra,
     )
-    return p.lm_head(out.last_hidden_state[:, -1:]), out.past_key_values
+    return p.lm_head(out.last_hidden_state[:, -keep:]), out.past_key_values
 
 
 def image_masks(

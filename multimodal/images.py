@@ -107,16 +107,19 @@ def _open(ref: ImageRef) -> Image.Image:
     if ref.kind == "bytes":
         return Image.open(io.BytesIO(ref.source))
     if ref.kind == "arrow":
-        table, row, column, index = ref.source
-        value = table[row][column]
-        # ``index``: None (one image), an int (a list of images) or a tuple (video, frame)
-        for i in index if isinstance(index, tuple) else (index,):
-            if isinstance(value, list) and i is not None:
-                value = value[i]
-        return _open(
-            ImageRef(*_classify(value, ref.where, ref.name, root=None), ref.where, ref.name)
-        )
+        return _open(_from_arrow(ref))
     raise ImageError(f"{ref.where}: unknown image reference kind {ref.kind!r}")
+
+
+def _from_arrow(ref: ImageRef) -> ImageRef:
+    """The image value an ``arrow`` reference points at, as a reference of its own kind."""
+    table, row, column, index = ref.source
+    value = table[row][column]
+    # ``index``: None (one image), an int (a list of images) or a tuple (video, frame)
+    for i in index if isinstance(index, tuple) else (index,):
+        if isinstance(value, list) and i is not None:
+            value = value[i]
+    return ImageRef(*_classify(value, ref.where, ref.name, root=None), ref.where, ref.name)
 
 
 def _classify(value: Any, where: str, name: str, root: Path | None) -> tuple[str, Any]:
@@ -280,13 +283,7 @@ def check_pixels(ref: ImageRef) -> None:
 def _encoded(ref: ImageRef) -> ImageRef | None:
     """The path or bytes behind ``ref`` (an arrow row resolved); None for a PIL image."""
     if ref.kind == "arrow":
-        table, row, column, index = ref.source
-        value = table[row][column]
-        for i in index if isinstance(index, tuple) else (index,):
-            if isinstance(value, list) and i is not None:
-                value = value[i]
-        kind, source = _classify(value, ref.where, ref.name, root=None)
-        return _encoded(ImageRef(kind, source, ref.where, ref.name))
+        return _encoded(_from_arrow(ref))
     return ref if ref.kind in ("path", "bytes") else None
 
 
