@@ -194,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             max_turns=TURNS,
             schedule="episode",
         ),  # fmt: skip
-        "gateway": Gateway(ctx, agent=chat_agent, concurrency=args.episodes),
-        "responses": Gateway(ctx, agent=responses_agent, concurrency=args.episodes),
-        "messages": Gateway(ctx, agent=messages_agent, concurrency=args.episodes),
+        "gateway": Gateway(ctx, agent=chat_agent, concurrency=args.episodes, request_timeout=600),
+        "responses": Gateway(
+            ctx, agent=responses_agent, concurrency=args.episodes, request_timeout=600
+        ),
+        "messages": Gateway(
+            ctx, agent=messages_agent, concurrency=args.episodes, request_timeout=600
+        ),
     }
     items = [
         PromptItem(
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{in_process:.1f}")  # fmt: skip
 
     # per request: sequential single requests against direct engine calls, greedy, alternating
-    seq = Gateway(ctx, agent=sequential_agent)
+    seq = Gateway(ctx, agent=sequential_agent, request_timeout=600)
     prompt = seq.server.chats["main"].first_prompt([{"role": "user", "content": "g 0"}])
     greedy = SamplingParams(n=1, max_new_tokens=tokens, temperature=0)
     ENGINE_CALL.append(lambda: generate([prompt], greedy))

@@ -1,0 +1,73 @@
+"""Gateway demo 1 through the other APIs: the same calculator task and recipe
+(``examples/gateway_calculator.yaml``), its agent written as an OpenAI Agents SDK agent
+(Responses API) or an ``anthropic`` tool loop (Messages API), from
+``examples/gateway_calculator_apis.py``. Held-out greedy success (per episode) rises past
+the warm start. One seed per API runs in CI (``slow``), three under ``seeds``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+AGENTS = {  # an override is not looked up beside the recipe: the full path
+    "agents_sdk": f"{EXAMPLES}/gateway_calculator_apis.py:solve_agents_sdk",
+    "messages": f"{EXAMPLES}/gateway_calculator_apis.py:solve_messages",
+}
+
+
+def gateway_demos():
+    """``examples/gateway_demos.py`` (its directory on sys.path, which spawned workers
+    inherit)."""
+    import importlib
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module("gateway_demos")
+
+
+def overrides(out: Path, api: str, seed: int) -> list[str]:
+    """Demo 1's recipe with the agent swapped."""
+    return [
+        f"seed={seed}",
+        f"run.dir={out}/{api}-seed{seed}",
+        f"task.dir={out}/{api}-data-seed{seed}",
+        f"policies.main.model={out}/model",
+        "eval.every=0",
+        f"rollout.args.agent={AGENTS[api]}",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", sorted(AGENTS))
+def test_an_agent_on_another_api_learns_to_use_its_calculator(api, tmp_path):
+    demos = gateway_demos()
+    result = demos.run_recipe(str(demos.DEMO1), overrides(tmp_path, api, 0))
+    (_, start), (_, end) = result["curve"][0], result["curve"][-1]
+    print(f"demo 1 via {api}, seed 0: held-out success {start:.3f} -> {end:.3f}")
+    assert end >= start + 0.15
+
+
+@pytest.mark.seeds
+@pytest.mark.parametrize("api", sorted(AGENTS))
+def test_an_agent_on_another_api_three_seeds(api, tmp_path):
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    demos = gateway_demos()
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        jobs = [
+            pool.submit(demos.run_recipe, str(demos.DEMO1), overrides(tmp_path, api, s))
+            for s in (0, 1, 2)
+        ]
+        results = [j.result() for j in jobs]
+    starts = [r["curve"][0][1] for r in results]
+    ends = [r["curve"][-1][1] for r in results]
+    for seed, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        print(f"demo 1 via {api}, seed {seed}: held-out success {s:.3f} -> {e:.3f}")
+    gain = sum(ends) / 3 - sum(starts) / 3
+    print(f"demo 1 via {api}: mean gain {gain:+.3f}")
+    assert gain >= 0.15
