@@ -177,6 +177,7 @@ def prefix_units(
     model: torch.nn.Module, batch: TensorDict, min_shared: int, limit: int | None = None
 ) -> list[prefix.Unit]:
     """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows."""
+    min_shared = max(1, min_shared)
     tokens, lengths = prefix.row_tokens(batch)
     head = tokens[:, :min_shared][lengths >= min_shared]
     if len(head) < 2 or len(torch.unique(head, dim=0)) == len(head):  # nothing can share
