@@ -48,7 +48,7 @@ from polyrl.agents.gateway_server import EpisodeState, GatewayServer, context_le
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns
+from polyrl.core.interfaces import Phase, TakesImageTurns
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
 from polyrl.core.workflow import run_sync
@@ -321,7 +321,9 @@ class Gateway:
         """Stop the server (the run's end; a daemon thread otherwise)."""
         self.server.close()
 
-    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+    def rollout(
+        self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
+    ) -> TensorDict:
         return run_sync(self.arollout(items, params))
 
     async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:

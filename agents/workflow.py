@@ -62,7 +62,7 @@ from polyrl.core.batching import Batcher
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
-from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
+from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
@@ -290,7 +290,9 @@ class MultiTurn:
         args.env_args = env_options(args.env, args.env_args, "rollout.args.env_args", "the recipe")
 
     # ------------------------------------------------------------------ rollout
-    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+    def rollout(
+        self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
+    ) -> TensorDict:
         return run_sync(self.arollout(items, params))
 
     def rollout_metrics(self) -> dict[str, float]:

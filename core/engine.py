@@ -251,13 +251,17 @@ class HFEngine:
             out += self._generate_batch(rows[start : start + self.batch_size], params, gen)
         return out
 
-    def _generate_batch(self, rows, params: SamplingParams, gen) -> list[Completion]:
-        model = self.policy.model
-        device = next(model.parameters()).device
+    def _stop_ids(self, params: SamplingParams, device: torch.device) -> torch.Tensor:
+        """The ids that end a row: the call's stop ids and the tokenizer's eos."""
         stop_ids = set(params.stop_token_ids)
         if self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        return torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+
+    def _generate_batch(self, rows, params: SamplingParams, gen) -> list[Completion]:
+        model = self.policy.model
+        device = next(model.parameters()).device
+        stop_t = self._stop_ids(params, device)
         # Each distinct prompt is prefilled once; the n rows of its group then share its
         # KV cache (expanded by index), so a group costs one prompt pass, not n.
         distinct: dict[int, int] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -296,12 +296,17 @@ class Closable(Protocol):
 # --------------------------------------------------------------------------- workflows
 
 
+Phase = Literal["train", "eval"]  # what a rollout is for: the core says, never inferred
+
+
 @runtime_checkable
 class Workflow(Protocol):
     """Turns prompt items into one rollout record (``WORKFLOWS``), built as
-    ``workflow(ctx, **options)``."""
+    ``workflow(ctx, **options)``. ``phase``: a training batch or a held-out evaluation
+    (sampled with ``eval``'s settings); a workflow that treats them differently (saves
+    image grids, skips exploration) reads it here."""
 
-    def rollout(self, items: list, params: Any) -> TensorDict: ...
+    def rollout(self, items: list, params: Any, phase: Phase = "train") -> TensorDict: ...
 
 
 @runtime_checkable

@@ -45,8 +45,6 @@ def train(cfg: Config) -> RunDir:
         final = s.evaluate("eval", cfg.train.steps)
         run.log(cfg.train.steps, final)
         bar.update(cfg.train.steps, final, final=True)
-    if failures.failed:  # never a valid row: nothing trained, nothing to export
-        cfg.run.export = False
-    s.finish(final)
+    s.finish(final, export=not failures.failed)  # never a valid row: nothing to export
     failures.check(f"{run.path}/samples/")  # RunFailedError; `polyrl train` exits 3
     return run

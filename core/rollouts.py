@@ -42,13 +42,16 @@ import contextlib
 import copy
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import ReportsRollout
+from polyrl.core.data import PromptSampler
+from polyrl.core.engine import SamplingParams
+from polyrl.core.interfaces import Engine, ReportsRollout, Workflow
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
 
 
@@ -56,15 +59,26 @@ def _own_metrics(workflow: Any) -> dict[str, float]:
     return dict(workflow.rollout_metrics()) if isinstance(workflow, ReportsRollout) else {}
 
 
+@dataclass
+class Parts:
+    """What a rollout source drives, given to it by the session (never the session)."""
+
+    workflow: Workflow
+    engines: Mapping[str, Engine]
+    sampler: PromptSampler
+    sampling: Callable[[], SamplingParams]  # the training rollouts' sampling setting
+    steps: int  # train.steps: the last batch a producer makes
+
+
 class InStep:
     """max_staleness 0: generate in the step, sync each update before the next rollout."""
 
-    def __init__(self, session: Any) -> None:
-        self.s = session
+    def __init__(self, parts: Parts) -> None:
+        self.s = parts
 
     def next(self, step: int) -> tuple[TensorDict, dict[str, float]]:
         s = self.s
-        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+        record = s.workflow.rollout(s.sampler.next_batch(), s.sampling(), phase="train")
         return record, _own_metrics(s.workflow)
 
     def publish(self, name: str, step: int) -> None:
@@ -167,9 +181,9 @@ class Ahead:
     """max_staleness k >= 1: a background producer generates batch b with version b-1-k."""
 
     def __init__(
-        self, session: Any, k: int, versions: dict[str, Versions], partial: bool = False
+        self, parts: Parts, k: int, versions: dict[str, Versions], partial: bool = False
     ) -> None:
-        self.s, self.k, self.versions, self.partial = session, k, versions, partial
+        self.s, self.k, self.versions, self.partial = parts, k, versions, partial
         self.snapshots = {n: {0: v.capture()} for n, v in versions.items()}
         self.published = 0  # the newest version every trained policy has published
         self._pending: dict[int, set[str]] = {}
@@ -206,7 +220,7 @@ class Ahead:
         this batch's generation. One published already would be fetched before this batch
         generates (an engine runs its calls in order): it is left to the load."""
         nxt = max(0, b - self.k)
-        if nxt == need or b == self.s.cfg.train.steps:
+        if nxt == need or b == self.s.steps:
             return
         with self.cond:
             if self.published < nxt:
@@ -230,7 +244,7 @@ class Ahead:
         for name, versions in self.versions.items():
             versions.begin_partial(s.engines[name], start, lambda n=name: self._refresh(n))
         try:
-            record = s.workflow.rollout(items, s.ctx.sampling())
+            record = s.workflow.rollout(items, s.sampling(), phase="train")
         finally:
             for name, versions in self.versions.items():
                 versions.end_partial(s.engines[name])
@@ -261,7 +275,7 @@ class Ahead:
     def _produce(self) -> None:
         s = self.s
         try:
-            for b in range(self.first, s.cfg.train.steps + 1):
+            for b in range(self.first, s.steps + 1):
                 need = max(0, b - 1 - self.k)
                 with self.cond:
                     self.cond.wait_for(lambda n=need: self.published >= n or self.stop)
@@ -279,7 +293,9 @@ class Ahead:
                         record = self._partial_rollout(s.sampler.next_batch(), need)
                     else:
                         self._send_ahead(b, need)
-                        record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
+                        record = s.workflow.rollout(
+                            s.sampler.next_batch(), s.sampling(), phase="train"
+                        )
                         record["policy_version"] = torch.full((record.batch_size[0],), need)
                     own = _own_metrics(s.workflow)
                 if self.partial:

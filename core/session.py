@@ -25,7 +25,8 @@ from tensordict import TensorDict
 from polyrl.core import rewards
 from polyrl.core.checkpoint import load_part, policy_part, verify_checkpoint
 from polyrl.core.config import ConfigError, to_dict
-from polyrl.core.data import DataConfig, PromptSampler, load_rows, write_jsonl
+from polyrl.core.data import DataConfig, PromptSampler, check_paths, load_rows, write_jsonl
+from polyrl.core.failures import failed_rows
 from polyrl.core.interfaces import (
     ExactLogprobs,
     HasSFTRows,
@@ -36,7 +37,7 @@ from polyrl.core.interfaces import (
 from polyrl.core.recipe import Config
 from polyrl.core.record import strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
-from polyrl.core.rollouts import Ahead, InStep
+from polyrl.core.rollouts import Ahead, InStep, Parts
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
 
@@ -131,6 +132,8 @@ class Session:
         )
         seed_everything(cfg.seed)
         sources = prepare_task(cfg, run.path)
+        named = [("train", sources.train), ("eval", sources.eval)]
+        check_paths(named + ([("sft", sources.sft)] if cfg.sft.steps else []))
         # Data before weights: a bad path, row or prompt fails in seconds, before any model
         # loads. The first policy's tokenizer is loaded on its own for this.
         first = next(iter(cfg.policies.values()))
@@ -190,7 +193,8 @@ class Session:
             reward_runners=backend.reward_runners(cfg.reward),
             sources=sources,
         )
-        s.rollouts = Ahead(s, k, versions, cfg.rollout.partial) if k else InStep(s)
+        parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
+        s.rollouts = Ahead(parts, k, versions, cfg.rollout.partial) if k else InStep(parts)
         exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
         s.correction = cfg.algorithm.rollout_correction.resolved(exact, k)
         if record:
@@ -280,7 +284,7 @@ class Session:
         # async: the newest weights, the producer paused; eval never moves training RNG
         with self.rollouts.exclusive():
             saved = {n: e.state_dict() for n, e in self.engines.items()}
-            record = self.workflow.rollout(self.eval_items, params)
+            record = self.workflow.rollout(self.eval_items, params, phase="eval")
             for n, e in self.engines.items():
                 e.load_state_dict(saved[n])
         metrics = self.score(record)
@@ -291,7 +295,7 @@ class Session:
             f"{tag}/reward": metrics.get("reward/mean", float("nan")),
             f"{tag}/accuracy": float(values[valid].mean()) if bool(valid.any()) else float("nan"),
             f"{tag}/response_len": float(record["response_mask"].sum(-1).float().mean()),
-            f"{tag}/errors": metrics.get("reward/errors", 0.0),
+            f"{tag}/errors": float(len(failed_rows(record))),  # workflow and reward errors
         }
         self.run.write_samples(
             self.step if step is None else step, self.transcripts(record, 32), tag=tag
@@ -384,11 +388,13 @@ class Session:
             self.rollouts.load_state_dict(state["rollouts"], step)
         self.step = step
 
-    def finish(self, final: dict[str, float]) -> None:
+    def finish(self, final: dict[str, float], *, export: bool = True) -> None:
+        """Close the producer, export (``run.export``, unless the run never trained) and
+        plot."""
         from polyrl.core.plot import plot_run
 
         self.rollouts.close()
-        if self.cfg.run.export:
+        if self.cfg.run.export and export:
             for name, p in self.policies.items():
                 p.export(self.run.path / "export" / name)
         if importlib.util.find_spec("matplotlib") is None:  # e.g. an offline GPU image

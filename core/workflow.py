@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensordict import TensorDict
 
 from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
-from polyrl.core.record import text_record
+from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.interfaces import Phase
+from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS
 
 
@@ -58,22 +60,41 @@ class SingleTurn:
         self.name, self.engine = name, ctx.engines[name]
         self.tokenizer = ctx.policies[name].tokenizer
 
-    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
+    def rollout(
+        self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
+    ) -> TensorDict:
         outs = self.engine.generate([it.prompt_ids for it in items], params)
-        rows = [items[o.prompt_index] for o in outs]
-        return text_record(
-            prompt_ids=[it.prompt_ids for it in rows],
-            response_ids=[o.token_ids for o in outs],
-            rollout_logprobs=[o.logprobs for o in outs],
-            policy=[self.name] * len(outs),
-            uid=[it.uid for it in rows],
-            pad_id=self.tokenizer.pad_token_id,
-            prompt_text=[it.prompt_text for it in rows],
-            response_text=[o.text for o in outs],
-            meta=[{"answer": it.answer, "row": it.row} for it in rows],
-            truncated=[o.finish_reason == "length" for o in outs],
-            token_version=[o.versions for o in outs],
+        rows = completion_rows(self.name, items, outs)
+        for row, out in zip(rows, outs, strict=True):
+            row.meta = {
+                "answer": items[out.prompt_index].answer,
+                "row": items[out.prompt_index].row,
+            }
+        return build_rows(rows, self.tokenizer.pad_token_id)
+
+
+def completion_rows(
+    policy: str, items: Sequence[PromptItem], outs: Sequence[Completion]
+) -> list[Row]:
+    """One record row per completion of a single-turn call: the item's prompt, the
+    sampled ids, log-probs and versions (meta is the caller's)."""
+    rows = []
+    for o in outs:
+        it = items[o.prompt_index]
+        rows.append(
+            Row(
+                list(it.prompt_ids),
+                list(o.token_ids),
+                list(o.logprobs),
+                policy,
+                it.uid,
+                prompt_text=it.prompt_text,
+                response_text=o.text,
+                truncated=o.finish_reason == "length",
+                versions=o.versions,
+            )
         )
+    return rows
 
 
 WORKFLOWS.register("single_turn", SingleTurn)

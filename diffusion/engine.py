@@ -15,7 +15,7 @@ later latents are zeros, it trains nothing, and the other rows carry on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -103,6 +103,25 @@ class Trajectories:
     @property
     def alive(self) -> Tensor:
         return torch.tensor([not e for e in self.errors], dtype=torch.bool)
+
+
+@runtime_checkable
+class Denoises(Protocol):
+    """What the diffusion workflows drive: an engine (or the Ray backend's handle on one,
+    which forwards ``remote_methods``) that samples denoising trajectories and decodes
+    latents to pixels."""
+
+    def sample(
+        self,
+        prompts: list[str],
+        *,
+        n: int = 1,
+        deterministic: bool = False,
+        steps: int | None = None,
+        velocity_hook: Any = None,
+    ) -> Trajectories: ...
+
+    def decode(self, latents: Tensor) -> Tensor: ...
 
 
 class DiffusionEngine:

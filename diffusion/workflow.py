@@ -9,8 +9,8 @@ and a PNG film strip (one row per sample, one column per frame) to ``<run>/sampl
 the first and latest are also ``video_before.gif`` / ``video_after.gif`` (and ``.png``) in
 the run directory; with ``rollout.args.mp4`` also H.264 MP4s (PyAV).
 
-Evaluation is a call whose sampling settings differ from the training rollouts' (the
-session evaluates with ``eval.n`` and ``eval.temperature``): at temperature 0 it samples
+Evaluation is a call with ``phase="eval"`` (the session evaluates with ``eval.n`` and
+``eval.temperature``): at temperature 0 it samples
 with the deterministic ODE from seeds the session restores each time, so every
 evaluation sees the same prompts and the same starting noise. Each evaluation writes an
 image grid (one row per prompt) to ``<run>/samples/eval_rollout_<k>.png``; the first is
@@ -34,10 +34,11 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
+from polyrl.core.interfaces import Phase
 from polyrl.core.registry import POLICIES, WORKFLOWS
 from polyrl.core.workflow import Context
 from polyrl.diffusion.credit import GAUSSIAN_MEAN
-from polyrl.diffusion.engine import Trajectories, sampling_options
+from polyrl.diffusion.engine import Denoises, Trajectories, sampling_options
 from polyrl.diffusion.guards import ratio_scale
 from polyrl.diffusion.nft import NFT_LOSS
 from polyrl.diffusion.policy import DiffusionPolicy, policy_options
@@ -272,7 +273,7 @@ class TextToImage:
                 "diffusion"
             )
         self.engine = ctx.engines[name]  # DiffusionEngine, or the Ray backend's handle on one
-        if not (hasattr(self.engine, "sample") and hasattr(self.engine, "decode")):
+        if not isinstance(self.engine, Denoises):
             raise ConfigError(f"text_to_image: policy {name!r} needs engine.name: diffusion")
         if self.cfg.sft.steps:
             raise ConfigError(
@@ -330,11 +331,10 @@ class TextToImage:
             out.write_text(json.dumps({"data": data, "losses": losses}))
         return losses
 
-    def is_training(self, params: SamplingParams) -> bool:
-        return params == self.ctx.sampling()
-
-    def rollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
-        training = self.is_training(params)
+    def rollout(
+        self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
+    ) -> TensorDict:
+        training = phase == "train"
         traj = self.engine.sample(
             [it.prompt_text for it in items], n=params.n, deterministic=params.temperature == 0
         )

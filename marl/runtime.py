@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns
+from polyrl.core.interfaces import Phase, TakesImageTurns
 from polyrl.core.options import bind
 from polyrl.core.record import strings
 from polyrl.core.registry import WORKFLOWS, nearest
@@ -87,7 +87,7 @@ class MarlWorkflow:
         self._fit_gen = torch.Generator().manual_seed(int(getattr(cfg, "seed", 0) or 0))
         self._rollouts = 0  # names each rollout's joined images apart
 
-    def rollout(self, items: list, params: SamplingParams) -> TensorDict:
+    def rollout(self, items: list, params: SamplingParams, phase: Phase = "train") -> TensorDict:
         return run_sync(self.arollout(items, params))
 
     async def arollout(self, items: list, params: SamplingParams) -> TensorDict:

@@ -78,10 +78,7 @@ class VLEngine(HFEngine):
         visions: list[VisionInputs | None] = [r.vision for r in requests]
         model = self.policy.model
         device = next(model.parameters()).device
-        stop_ids = set(params.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            stop_ids.add(self.tokenizer.eos_token_id)
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        stop_t = self._stop_ids(params, device)
         ids, mask = pad_left(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         image_mask = video_mask = None

@@ -25,10 +25,10 @@ from typing import Annotated
 from tensordict import TensorDict
 
 from polyrl.core.engine import Request, SamplingParams
-from polyrl.core.interfaces import NeedsImages, takes_images
-from polyrl.core.record import set_strings, text_record
+from polyrl.core.interfaces import NeedsImages, Phase, takes_images
+from polyrl.core.record import build_rows
 from polyrl.core.registry import WORKFLOWS
-from polyrl.core.workflow import Context
+from polyrl.core.workflow import Context, completion_rows
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import processor_of
 from polyrl.multimodal.samples import MATCH, draw_sheet
@@ -38,6 +38,8 @@ SHEET_PROMPTS = 32  # prompts drawn per evaluation sheet
 
 class VLSingleTurn:
     """One VL policy answers each image prompt ``n`` times; registered as ``vl_single_turn``."""
+
+    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class VLSingleTurn:
                 f"it to hf_vl, or vllm_vl where vLLM is installed."
             )
 
-    def rollout(self, items: list, params: SamplingParams) -> TensorDict:
+    def rollout(self, items: list, params: SamplingParams, phase: Phase = "train") -> TensorDict:
         visions, images, videos = [], [], []
         video_processor = getattr(self.processor, "video_processor", None)
         for it in items:
@@ -122,21 +124,11 @@ class VLSingleTurn:
             }
             for k, (it, v) in enumerate(zip(items, visions, strict=True))
         ]
-        rows = [items[o.prompt_index] for o in outs]
-        record = text_record(
-            prompt_ids=[it.prompt_ids for it in rows],
-            response_ids=[o.token_ids for o in outs],
-            rollout_logprobs=[o.logprobs for o in outs],
-            policy=[self.name] * len(outs),
-            uid=[it.uid for it in rows],
-            pad_id=self.tokenizer.pad_token_id,
-            prompt_text=[it.prompt_text for it in rows],
-            response_text=[o.text for o in outs],
-            meta=[metas[o.prompt_index] for o in outs],
-            truncated=[o.finish_reason == "length" for o in outs],
-        )
-        set_strings(record, "vision", [visions[o.prompt_index] for o in outs])
-        if self.run_dir is not None and self.ctx.cfg is not None and params != self.ctx.sampling():
+        rows = completion_rows(self.name, items, outs)
+        for row, o in zip(rows, outs, strict=True):
+            row.meta, row.vision = metas[o.prompt_index], visions[o.prompt_index]
+        record = build_rows(rows, self.tokenizer.pad_token_id)
+        if self.run_dir is not None and phase == "eval":
             # a video prompt without images is drawn under its first frame
             self.write_sheet(
                 items,
