@@ -111,15 +111,7 @@ class Denoises(Protocol):
     which forwards ``remote_methods``) that samples denoising trajectories and decodes
     latents to pixels."""
 
-    def sample(
-        self,
-        prompts: list[str],
-        *,
-        n: int = 1,
-        deterministic: bool = False,
-        steps: int | None = None,
-        velocity_hook: Any = None,
-    ) -> Trajectories: ...
+    def sample(self, prompts: list[str], **options: Any) -> Trajectories: ...  # see below
 
     def decode(self, latents: Tensor) -> Tensor: ...
 
