@@ -206,3 +206,21 @@ def test_reference_pass_shares_and_matches(tiny_model_dir):
     with torch.no_grad(), policy.model.disable_adapter():
         padded, _ = response_logprobs(policy.model, batch, shared_prefix=False, pack=False)
     torch.testing.assert_close(ref[mask], padded[mask], atol=2e-6, rtol=1e-5)
+
+
+def test_no_tree_where_the_attention_cannot_take_its_mask(tiny_model_dir):
+    """Flash attention (varlen: no tree mask) and sliding windows keep the packed pass, and
+    the token budget then has no units; ``shared_prefix: false`` too."""
+    from polyrl.core.policy import shares
+
+    policy = make_policy(tiny_model_dir)
+    batch = tree_batch()
+    config = policy.model.config
+    assert shares(policy.model, True, True) and len(policy.token_budget(batch)) == 3
+    assert not shares(policy.model, True, False) and not shares(policy.model, False, True)
+    config._attn_implementation = "flash_attention_2"
+    assert not shares(policy.model, True, True)
+    assert len(policy.token_budget(batch)) == 2
+    config._attn_implementation = "sdpa"
+    config.use_sliding_window, config.sliding_window = True, 8
+    assert not shares(policy.model, True, True)
