@@ -234,7 +234,8 @@ def response_logprobs(
     (n-1)/n of the prompt compute cheaper.
     """
     if pack:
-        if shares(model, pack, shared_prefix) and batch.batch_size[0] > 1:
+        sharing = shares(model, pack, shared_prefix) and batch.batch_size[0] > 1
+        if sharing and bool(batch["response_mask"].any()):
             units = prefix_units(model, batch, min_shared)
             if any(u.shared for u in units):
                 return shared_logprobs(model, batch, units, temperature, with_entropy)
