@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -117,8 +117,7 @@ def build_tiny_qwen2(
     (rows the tokenizer never emits), so the model has that model's shape and memory.
     The global torch RNG is left as it was.
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -127,29 +126,66 @@ def build_tiny_qwen2(
     if vocab_rows and vocab_rows < len(tokenizer):
         raise ValueError(f"vocab_rows={vocab_rows} is below the tokenizer's {len(tokenizer)}")
     config = Qwen2Config(
-        vocab_size=vocab_rows or len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        **text_config(
+            vocab_rows or len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            pad_id=pad_id,
+            eos_id=eos_id,
+        ),
         head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
         max_window_layers=num_layers,
         tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
         dtype="float32",
     )
+    return seeded_model(Qwen2ForCausalLM, config, seed, pad_id=pad_id, eos_ids=[eos_id, pad_id])
+
+
+def text_config(
+    vocab_size: int,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position_embeddings: int,
+    pad_id: int,
+    eos_id: int,
+) -> dict[str, Any]:
+    """The Qwen2-style text config fields every tiny builder sets (this module's Qwen2 and
+    the Qwen-VL families' language model): sizes, and the pad token as bos and pad."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+
+
+def seeded_model(cls: Any, config: Any, seed: int, *, pad_id: int, eos_ids: list[int]) -> Any:
+    """``cls(config)`` in float32 and eval mode, initialised from ``seed`` with the global
+    torch RNG left as it was, generating until one of ``eos_ids``."""
+    import torch
+    from transformers import GenerationConfig
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(
-        bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id
+        bos_token_id=pad_id, eos_token_id=eos_ids, pad_token_id=pad_id
     )
-    model.eval()
-    return model
+    return model.eval()
 
 
 def pretrain(
@@ -256,41 +292,55 @@ def tiny_qwen2(
     """
     if pretrain_on not in ("corpus", "sft"):
         raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
+
+    def write(tmp: Path) -> None:
+        tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
+        model = build_tiny_qwen2(
+            tokenizer,
+            seed=seed,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            vocab_rows=vocab_rows,
+        )
+        if pretrain_steps:
+            texts = (
+                TASKS.get(corpus).corpus()
+                if pretrain_on == "corpus"
+                else warm_start_texts(corpus, tokenizer, seed, task_args)
+            )
+            pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return build_once(path, write)
+
+
+def build_once(
+    path: str | Path, write: Callable[[Path], None], complete: Callable[[Path], bool] = is_complete
+) -> Path:
+    """Run ``write(tmp_dir)`` in a temp dir beside ``path`` and rename it into place, so a
+    crash or a concurrent builder never leaves a half-written model; a model ``complete``
+    says is finished is returned untouched, anything else already at ``path`` is an error."""
     path = Path(path).expanduser()
-    if is_complete(path):
+    if complete(path):
         return path
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
-    tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
-    model = build_tiny_qwen2(
-        tokenizer,
-        seed=seed,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        vocab_rows=vocab_rows,
-    )
-    if pretrain_steps:
-        texts = (
-            TASKS.get(corpus).corpus()
-            if pretrain_on == "corpus"
-            else warm_start_texts(corpus, tokenizer, seed, task_args)
-        )
-        pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        tmp.mkdir()
+        write(tmp)
         try:
             os.replace(tmp, path)  # atomic; replaces only a missing or empty directory
         except OSError:
-            if not is_complete(path):  # a concurrent builder that finished first is fine
+            if not complete(path):  # a concurrent builder that finished first is fine
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

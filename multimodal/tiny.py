@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +32,7 @@ from typing import Any, Literal
 from polyrl.core.config import doc
 from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tiny import build_tokenizer
+from polyrl.core.tiny import build_once, build_tokenizer, seeded_model, text_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VL_CHAT_TEMPLATE = (
@@ -142,22 +139,21 @@ def _vl_config(
         "vision_end_token_id": ids["<|vision_end|>"],
         "tie_word_embeddings": tie_word_embeddings,
     }
+    tower = {  # Qwen2.5-VL's and Qwen3-VL's vision sizes (Qwen2-VL names them otherwise)
+        "depth": vision_depth,
+        "hidden_size": vision_hidden_size,
+        "intermediate_size": vision_intermediate_size,
+        "num_heads": vision_heads,
+        "out_hidden_size": hidden,
+        **patch,
+    }
     if family == "qwen3_vl":  # explicit head_dim, interleaved M-RoPE, deepstack from block 0
         text = {
             **text,
             "head_dim": head_dim,
             "rope_parameters": {**rope, "mrope_interleaved": True},
         }
-        vision = {
-            "depth": vision_depth,
-            "hidden_size": vision_hidden_size,
-            "intermediate_size": vision_intermediate_size,
-            "num_heads": vision_heads,
-            "out_hidden_size": hidden,
-            "deepstack_visual_indexes": [0],
-            "num_position_embeddings": 64,
-            **patch,
-        }
+        vision = {**tower, "deepstack_visual_indexes": [0], "num_position_embeddings": 64}
         return Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
     text = {
         **text,
@@ -180,16 +176,7 @@ def _vl_config(
             **patch,
         }
         return Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
-    vision = {
-        "depth": vision_depth,
-        "hidden_size": vision_hidden_size,
-        "intermediate_size": vision_intermediate_size,
-        "num_heads": vision_heads,
-        "out_hidden_size": hidden,
-        "fullatt_block_indexes": [vision_depth - 1],
-        "window_size": 112,
-        **patch,
-    }
+    vision = {**tower, "fullatt_block_indexes": [vision_depth - 1], "window_size": 112}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
 
 
@@ -210,9 +197,7 @@ def build_tiny_vl(
     seed: int = 0,
 ):
     """A float32 Qwen-VL model of ``family`` sized to the processor's tokenizer."""
-    import torch
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
@@ -228,18 +213,17 @@ def build_tiny_vl(
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
-    text = {
-        "vocab_size": len(tok),
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads,
-        "max_position_embeddings": max_position_embeddings,
-        "bos_token_id": pad_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-    }
+    text = text_config(
+        len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_id=pad_id,
+        eos_id=eos_id,
+    )
     config = _vl_config(
         family,
         text,
@@ -251,13 +235,7 @@ def build_tiny_vl(
         tie_word_embeddings=tie_word_embeddings,
         ids=ids,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=pad_id, eos_token_id=[eos_id], pad_token_id=pad_id
-    )
-    return model.eval()
+    return seeded_model(cls, config, seed, pad_id=pad_id, eos_ids=[eos_id])
 
 
 def build_tiny_qwen2_5_vl(processor, **kwargs: Any):
@@ -325,34 +303,24 @@ def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", **options: Any
                 f"{path} holds a {built} model, not {family}; remove it or choose another path"
             )
         return path
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
-    processor = build_processor(
-        TASKS.get(o.corpus).corpus(),
-        vocab_size=o.vocab_size,
-        min_pixels=o.min_pixels,
-        max_pixels=o.max_pixels,
-        family=family,
-    )
-    model_kwargs = {
-        f.name: getattr(o, f.name)
-        for f in dataclasses.fields(o)
-        if f.name not in _PROCESSOR_OPTIONS
-    }
-    model = build_tiny_vl(processor, family=family, **model_kwargs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        model.save_pretrained(tmp)
+
+    def write(tmp: Path) -> None:
+        processor = build_processor(
+            TASKS.get(o.corpus).corpus(),
+            vocab_size=o.vocab_size,
+            min_pixels=o.min_pixels,
+            max_pixels=o.max_pixels,
+            family=family,
+        )
+        model_kwargs = {
+            f.name: getattr(o, f.name)
+            for f in dataclasses.fields(o)
+            if f.name not in _PROCESSOR_OPTIONS
+        }
+        build_tiny_vl(processor, family=family, **model_kwargs).save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not is_complete(path):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return build_once(path, write, is_complete)
 
 
 @MODELS.register("tiny_qwen2_vl", options=TinyVLOptions)
