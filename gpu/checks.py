@@ -19,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,10 +35,21 @@ BENCH = {"bench_20m": "20M" if GPU else "0.3M", "bench_05b": "0.5B" if GPU else 
 MEMORY_SIZE = "0.5B" if GPU else "0.3M"
 
 
+def _finite(x):
+    """``x`` with NaN and infinities as None: the JSON stays strict JSON."""
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _write(work: Path, step: str, figures: dict) -> None:
     (work / "steps").mkdir(parents=True, exist_ok=True)
     path = work / "steps" / f"{step}.json"
-    path.write_text(json.dumps({"figures": figures}, indent=2, default=str))
+    path.write_text(json.dumps({"figures": _finite(figures)}, indent=2, default=str))
 
 
 def _has(module: str) -> bool:
@@ -121,11 +133,8 @@ def step_pytest(work: Path, args) -> int:
                     break
             tests.setdefault(case.get("name"), {"outcome": outcome})
             tests[case.get("name")]["seconds"] = round(float(case.get("time", 0)), 2)
-    printed = [
-        ln.strip(".sF ")
-        for ln in proc.stdout.splitlines()
-        if "log-prob mean" in ln or "one rank:" in ln
-    ]
+    # what the tests print, after pytest's progress marks on the same line
+    printed = re.findall(r"(?:float32|bfloat16|FSDP2) on .*", proc.stdout)
     counts = {
         k: sum(t["outcome"] == k for t in tests.values())
         for k in ("passed", "failed", "error", "skipped")
@@ -161,8 +170,7 @@ def step_bench(work: Path, args) -> int:
     }
     status = OK
     for name, r in got["results"].items():
-        if not isinstance(r, dict):
-            figures[name] = r
+        if not isinstance(r, dict):  # the ratio, below
             continue
         key = "trl" if name.startswith("TRL") else "polyrl_vllm" if "vLLM" in name else "polyrl_hf"
         if "error" in r:
@@ -397,7 +405,8 @@ def report(work: Path, out: Path, order: list[str]) -> int:
         "checks": checks,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_checks.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    text = json.dumps(_finite(result), indent=2, default=str, allow_nan=False)
+    (out / "gpu_checks.json").write_text(text + "\n")
     w = max(len(n) for n in checks)
     print(f"\nPolyRL GPU checks on {DEVICE} ({out / 'gpu_checks.json'}):\n")
     print(f"  {'check':<{w}}  {'status':<8} {'seconds':>7}  figures")

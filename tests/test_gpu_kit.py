@@ -82,8 +82,16 @@ def test_the_report_has_a_field_per_check_and_says_which_failed(tmp_path):
     (steps / "pytest.json").write_text(
         json.dumps({"figures": {"counts": {"passed": 3, "failed": 1, "error": 0, "skipped": 1}}})
     )
+    # a CPU has no peak FLOP/s: MFU is NaN, which the report writes as null (strict JSON)
+    (steps / "bench_20m.json").write_text(
+        json.dumps({"figures": {"polyrl_hf": {"median_s": 4.0, "mfu": float("nan")}}})
+    )
     rc = checks.report(tmp_path, tmp_path / "out", ["setup", "pytest", "bench_20m", "memory"])
-    got = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())
+
+    def strict(token):
+        raise ValueError(f"not strict JSON: {token}")
+
+    got = json.loads((tmp_path / "out" / "gpu_checks.json").read_text(), parse_constant=strict)
     assert rc == 1 and got["ok"] is False and got["total_s"] == 132.5
     c = got["checks"]
     assert list(c) == ["setup", "pytest", "bench_20m", "memory"]
@@ -91,6 +99,7 @@ def test_the_report_has_a_field_per_check_and_says_which_failed(tmp_path):
     assert c["pytest"]["figures"]["counts"]["failed"] == 1
     assert c["pytest"]["log_tail"][-1] == "E   boom"
     assert "time limit" in c["bench_20m"]["error"]
+    assert c["bench_20m"]["figures"]["polyrl_hf"] == {"median_s": 4.0, "mfu": None}
     assert all({"status", "seconds", "figures"} <= set(v) for v in c.values())
 
 
