@@ -260,11 +260,6 @@ def _raised(name: str, exc: BaseException) -> str:
     return f"reward {name!r} raised {type(exc).__name__}: {exc}{where(exc)}"
 
 
-async def _bounded(sem: asyncio.Semaphore, awaitable: Awaitable) -> Any:
-    async with sem:
-        return await awaitable
-
-
 class _Timeout(Exception):
     """A reward call ran past its term's ``timeout_s``."""
 
@@ -329,16 +324,6 @@ def _settle(done: asyncio.Future, outcome: tuple) -> None:
         done.set_result(value) if ok else done.set_exception(value)
 
 
-async def _start(
-    fn: Callable, arg: Any, kwargs: dict, timeout: float | None, caller: _SyncCaller
-) -> Any:
-    """``fn(arg, **kwargs)``: a sync reward with a limit runs on the term's helper thread
-    within it; otherwise in place. An async reward's awaitable is returned unawaited."""
-    if timeout is not None and not inspect.iscoroutinefunction(fn):
-        return await caller.call(fn, arg, kwargs, timeout)
-    return fn(arg, **kwargs)
-
-
 async def _guarded(awaitable: Awaitable) -> Any:
     """Awaits an async reward's awaitable here, before it becomes a task: a ``SystemExit``
     it raises inside a task would stop the event loop itself."""
@@ -359,6 +344,7 @@ async def _limited(awaitable: Awaitable, timeout: float | None) -> Any:
 
 def _error(term: RewardTerm, exc: BaseException, rows: int = 1) -> str:
     if isinstance(exc, _Timeout):
+        assert term.timeout_s is not None  # only a call with a time limit times out
         limit = term.timeout_s * rows
         what = f"a batched call of {rows} rows" if rows > 1 else "a call"
         return (
@@ -368,32 +354,48 @@ def _error(term: RewardTerm, exc: BaseException, rows: int = 1) -> str:
     return _raised(term.name, exc)
 
 
+@dataclass
+class _Calls:
+    """How one term's reward ``fn`` is called, row by row or batched alike."""
+
+    term: RewardTerm
+    fn: Callable
+    sem: asyncio.Semaphore
+    caller: _SyncCaller
+
+    async def start(self, arg: Any, timeout: float | None) -> Any:
+        """``fn(arg, **term.args)``: a sync reward with a limit runs on the term's helper
+        thread within it; otherwise in place. An async reward's awaitable is returned
+        unawaited."""
+        if timeout is not None and not inspect.iscoroutinefunction(self.fn):
+            return await self.caller.call(self.fn, arg, self.term.args, timeout)
+        return self.fn(arg, **self.term.args)
+
+    async def finish(self, awaitable: Awaitable, timeout: float | None) -> Any:
+        """An async reward's result, within ``timeout`` and the run's concurrency bound."""
+        async with self.sem:
+            return await _limited(awaitable, timeout)
+
+
 async def _run_term(
     term: RewardTerm, fn: Callable, samples: list[Sample], sem: asyncio.Semaphore
 ) -> list[float | str]:
     """One value (or error text) per sample; async calls of this term run concurrently."""
-    caller = _SyncCaller()
+    calls = _Calls(term, fn, sem, _SyncCaller())
     try:
-        if is_batched(fn):
-            return await _run_batched(term, fn, samples, sem, caller)
-        return await _run_rows(term, fn, samples, sem, caller)
+        return await (_run_batched if is_batched(fn) else _run_rows)(calls, samples)
     finally:
-        caller.close()
+        calls.caller.close()
 
 
-async def _run_batched(
-    term: RewardTerm,
-    fn: Callable,
-    samples: list[Sample],
-    sem: asyncio.Semaphore,
-    caller: _SyncCaller,
-) -> list[float | str]:
+async def _run_batched(calls: _Calls, samples: list[Sample]) -> list[float | str]:
+    term = calls.term
     name = term.name
     timeout = None if term.timeout_s is None else term.timeout_s * max(1, len(samples))
     try:
-        values = await _start(fn, samples, term.args, timeout, caller)
+        values = await calls.start(samples, timeout)
         if inspect.isawaitable(values):
-            values = await _bounded(sem, _limited(values, timeout))
+            values = await calls.finish(values, timeout)
     except BaseException as e:
         return [_error(term, _contain(e), len(samples))] * len(samples)
     if isinstance(values, torch.Tensor):
@@ -408,24 +410,19 @@ async def _run_batched(
     return [_raised(name, v) if isinstance(v, Exception) else _check_value(name, v) for v in values]
 
 
-async def _run_rows(
-    term: RewardTerm,
-    fn: Callable,
-    samples: list[Sample],
-    sem: asyncio.Semaphore,
-    caller: _SyncCaller,
-) -> list[float | str]:
+async def _run_rows(calls: _Calls, samples: list[Sample]) -> list[float | str]:
+    term = calls.term
     name = term.name
     out: list[float | str] = [""] * len(samples)
     pending: list[tuple[int, Awaitable]] = []
     for j, sample in enumerate(samples):
         try:
-            value = await _start(fn, sample, term.args, term.timeout_s, caller)
+            value = await calls.start(sample, term.timeout_s)
         except BaseException as e:
             out[j] = _error(term, _contain(e))
             continue
         if inspect.isawaitable(value):
-            pending.append((j, _bounded(sem, _limited(value, term.timeout_s))))
+            pending.append((j, calls.finish(value, term.timeout_s)))
         else:
             out[j] = _check_value(name, value)
     if pending:
@@ -659,4 +656,5 @@ def math_dapo(sample: Sample, strict_box_verify: bool = False, field: str = "sco
     result = verl_dapo.compute_score(
         sample.response, _ground_truth(sample, "math_dapo"), strict_box_verify=strict_box_verify
     )
-    return float(result[field])
+    # verl annotates compute_score as returning a float; it returns a dict of scores
+    return float(result[field])  # type: ignore[index]
