@@ -391,7 +391,7 @@ def _check_weights(
             f"{part} holds LoRA adapter weights, but {recipe} asks for a full fine-tune; "
             "resume with the lora settings of the run that wrote it, or start a fresh run"
         )
-    ranks = {s[0] for k, s in lora.items() if _LORA_KEY.match(k).group(2) == "A" and s}
+    ranks = {s[0] for k, s in lora.items() if (m := _LORA_KEY.match(k)) and m[2] == "A" and s}
     if r > 0 and ranks and ranks != {r}:
         raise CheckpointError(
             f"{part} holds LoRA adapters of rank {sorted(ranks)}, but {recipe}; resume with "

@@ -33,7 +33,8 @@ def _load(recipe: str | None, overrides: list[str]):
 
     load_plugins()
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        recipe, overrides = None, [recipe, *overrides]  # `polyrl train key=value ...`
+        overrides = [recipe, *overrides]  # `polyrl train key=value ...`
+        recipe = None
     if recipe is not None and not Path(recipe).exists() and re.fullmatch(r"[\w-]+", recipe):
         recipe = str(RECIPES.get(recipe))  # a packaged recipe by name: `polyrl train signaling`
     return load(Config, DEFAULT_RECIPE if recipe is None else recipe, overrides)

@@ -27,12 +27,11 @@ def doc(default: Any, text: str, *, options: Any = None, chooser: str = "") -> A
     ``polyrl config`` lists every part's options under it.
     """
     meta = {"doc": text} | ({"options": options, "chooser": chooser} if options else {})
-    if isinstance(default, (list, dict, set)) or dataclasses.is_dataclass(default):
+    nested = dataclasses.is_dataclass(default)  # a bool: `default` itself stays Any
+    if isinstance(default, (list, dict, set)) or nested:
         value = default
         factory = (
-            (lambda: type(value)(value))
-            if not dataclasses.is_dataclass(value)
-            else (lambda: dataclasses.replace(value))
+            (lambda: type(value)(value)) if not nested else (lambda: dataclasses.replace(value))
         )
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -88,7 +87,7 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
                 + (f"; did you mean {hint!r}?" if hint else "")
             )
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -255,7 +254,7 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: Any) -> str | None:
     if typing.get_origin(tp) is typing.Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     return (
@@ -313,16 +312,21 @@ def describe(cls: type, prefix: str = "", seen: dict | None = None) -> list[str]
         if "options" in f.metadata:
             lines += _part_options(key, f, seen)
             continue
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
             lines += describe(tp, key, seen)
             continue
         # Mappings and lists of configs (policies.<name>.*, reward.terms[].*) list their keys too.
         args = typing.get_args(tp)
-        if args and dataclasses.is_dataclass(args[-1]) and typing.get_origin(tp) in (dict, list):
+        item = args[-1] if args else None
+        if (
+            isinstance(item, type)
+            and dataclasses.is_dataclass(item)
+            and typing.get_origin(tp) in (dict, list)
+        ):
             lines.append(f"{key}: {f.metadata.get('doc', '')}")
             lines += describe(
-                args[-1],
+                item,
                 f"{key}.<name>" if typing.get_origin(tp) is dict else f"{key}[]",
                 seen,
             )

@@ -497,7 +497,7 @@ class PromptSampler:
 
     def next_batch(self) -> list[PromptItem]:
         """The next ``batch_size`` items, continuing into the next epoch when one ends."""
-        batch = []
+        batch: list[PromptItem] = []
         while len(batch) < self.batch_size:
             if self._position >= len(self._order):
                 self._epoch += 1

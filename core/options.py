@@ -18,10 +18,11 @@ recipe fails before any model loads. An :class:`Options` instance unpacks like a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from polyrl.core.config import ConfigError, from_dict
 
@@ -30,8 +31,11 @@ class Options:
     """Base of every options dataclass: unpacks as keyword arguments, field by field
     (nested option groups stay typed objects)."""
 
+    if TYPE_CHECKING:  # every subclass is a dataclass (a type checker's view only)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        return [f.name for f in dataclasses.fields(self)]
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.keys():
@@ -106,7 +110,8 @@ def derive(
                     p.name,
                     tp,
                     dataclasses.field(
-                        default_factory=lambda v=value: type(v)(v), metadata={"doc": text}
+                        default_factory=functools.partial(type(value), value),
+                        metadata={"doc": text},
                     ),
                 )
             )
@@ -142,7 +147,7 @@ def check_declared(options: type, part: Any, *, name: str, call: str | None, ski
         raise TypeError(f"{name}: declares options {missing} that its signature does not take")
 
 
-def bind(options: type, value: Any, where: str, source: str, part: str) -> Options:
+def bind(options: type[Options], value: Any, where: str, source: str, part: str) -> Options:
     """``value`` (a recipe mapping, or already typed) as an instance of ``options``.
 
     ``part`` names the part for the message, e.g. "workflow 'chain'".

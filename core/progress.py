@@ -7,6 +7,7 @@ step, printed as the step ends, since a bar there would show only when the run i
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -21,7 +22,12 @@ from rich.progress import Progress as RichProgress
 class Progress:
     def __init__(self, total: int, start: int = 0, enabled: bool = True) -> None:
         self.enabled, self.total = enabled, total
-        self.stats = {"reward": float("nan"), "acc": float("nan"), "s_step": float("nan")}
+        # floats; typed Any as they pass on as rich's free task fields (**fields: Any)
+        self.stats: dict[str, Any] = {
+            "reward": float("nan"),
+            "acc": float("nan"),
+            "s_step": float("nan"),
+        }
         self._bar = None
         if enabled:
             bar = RichProgress(

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
@@ -36,7 +36,7 @@ class UnknownNameError(UserError, KeyError):
         return str(self.args[0])
 
 
-def nearest(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
+def nearest(name: str, candidates: Iterable[str]) -> str | None:
     """The closest candidate to ``name``, for 'did you mean' hints."""
     hits = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
     return hits[0] if hits else None
@@ -112,6 +112,7 @@ def _file_module(file: str, path: str) -> ModuleType:
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, found)
+    assert spec is not None and spec.loader is not None  # a .py file: a source loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # before exec: dataclasses and pickling look it up
     folder = str(found.parent)

@@ -1,0 +1,1 @@
+../../polyrl/__init__.py
