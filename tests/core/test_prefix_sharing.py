@@ -224,3 +224,20 @@ def test_no_tree_where_the_attention_cannot_take_its_mask(tiny_model_dir):
     config._attn_implementation = "sdpa"
     config.use_sliding_window, config.sliding_window = True, 8
     assert not shares(policy.model, True, True)
+
+
+def test_shared_ranks_sum_to_the_single_process_gradient(tiny_model_dir):
+    """Two data-parallel ranks, each its share of units balanced by distinct tokens: the
+    ranks' gradients average to the single-process one (as FSDP's reduction makes them)."""
+    base = make_policy(tiny_model_dir, max_tokens_per_micro_batch=80)
+    batch = tree_batch()
+    grads = []
+    for dp in (None, (0, 2), (1, 2)):
+        policy = copy.deepcopy(base)
+        seen = grads_at_step(policy)
+        update(policy, batch.clone(), AlgorithmConfig(), dp=dp)
+        grads.append(seen[0])
+    single, r0, r1 = grads
+    for s, a, b in zip(single, r0, r1, strict=True):
+        torch.testing.assert_close((a + b) / 2, s, atol=1e-7, rtol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(r0, r1, strict=True))
