@@ -41,13 +41,12 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from polyrl.core.config import ConfigError, doc
-from polyrl.core.data import DataConfig, DataError, PromptItem, load_rows
+from polyrl.core.data import DataConfig, DataError, PromptDataset, PromptItem, load_rows
 from polyrl.core.options import Options, bind
 from polyrl.core.registry import DATASETS
 from polyrl.multimodal.images import (
@@ -758,15 +757,10 @@ class VLDataset:
             ) from e
         return text[0] if isinstance(text, list) else text
 
-    # --- access ---------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> VLPromptItem:
-        return self.items[index]
-
-    def __iter__(self) -> Iterator[VLPromptItem]:
-        return iter(self.items)
+    # --- access: a sequence of ``items``, as the text datasets are ------------------
+    __len__ = PromptDataset.__len__
+    __getitem__ = PromptDataset.__getitem__
+    __iter__ = PromptDataset.__iter__
 
 
 DATASETS.register("vl", VLDataset, options=VLDataOptions)
