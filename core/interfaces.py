@@ -69,6 +69,22 @@ class Policy(Protocol):
     reference: torch.nn.Module | None
     reference_warmed: bool
 
+    def __init__(
+        self,
+        name: str,
+        cfg: Any,
+        *,
+        total_steps: int,
+        need_reference: bool,
+        shared: dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """How the core builds a policy: ``POLICIES.get(kind)(name, cfg, ...)``."""
+
+    @staticmethod
+    def load_tokenizer(cfg: Any) -> Any:
+        """The tokenizer (or processor) ``cfg`` names, without loading any weights."""
+
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...

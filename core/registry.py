@@ -19,10 +19,13 @@ from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from polyrl.core import options as opts
 from polyrl.core.config import UserError
+
+if TYPE_CHECKING:  # the parts' contracts, for the registries' types only
+    from polyrl.core.interfaces import Engine, Policy, Workflow
 
 T = TypeVar("T")
 
@@ -328,21 +331,24 @@ KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
 # reward(sample_or_samples, **options)
 REWARDS: Registry[Callable] = Registry("reward", options_key="reward.terms[].args", skip=1)
 # engine(policy, seed=..., **options)
-ENGINES: Registry[Callable] = Registry(
+ENGINES: Registry[Callable[..., Engine]] = Registry(
     "engine", options_key="policies.<name>.engine.args", skip=1, reserved=("seed",)
 )
 # policy_kind(name, cfg, ...): reads cfg.args
-POLICIES: Registry[Callable] = Registry(
+POLICIES: Registry[type[Policy]] = Registry(
     "policy kind", options_key="policies.<name>.args", keywords=False
 )
 # workflow(ctx, **options)
-WORKFLOWS: Registry[Callable] = Registry("workflow", options_key="rollout.args", skip=1)
+WORKFLOWS: Registry[Callable[..., Workflow]] = Registry(
+    "workflow", options_key="rollout.args", skip=1
+)
 # builder(path, **options)
 MODELS: Registry[Callable] = Registry(
     "model builder", options_key="policies.<name>.build_args", skip=1
 )
-# task.write_dataset(out_dir, seed=..., **options)
-TASKS: Registry[Callable] = Registry(
+# task.write_dataset(out_dir, seed=..., **options): a module or an object (interfaces.Task,
+# whose write_dataset takes its own keywords, so not typed as the protocol)
+TASKS: Registry[Any] = Registry(
     "task", options_key="task.args", call="write_dataset", skip=1, reserved=("seed",)
 )
 # dataset_kind(cfg, tokenizer, name=...): reads cfg.args
