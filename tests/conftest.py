@@ -32,20 +32,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny Qwen2 + tokenizer for the arithmetic task, built once per test session."""
-    from polyrl.core.tiny import tiny_qwen2
+    from tests.helpers.models import ARITHMETIC, tiny_text_model
 
-    path = tmp_path_factory.mktemp("models") / "tiny-arith"
-    tiny_qwen2(
-        path,
-        corpus="arithmetic",
-        hidden_size=128,
-        num_layers=2,
-        num_heads=2,
-        head_dim=64,
-        intermediate_size=256,
-        seed=0,
-    )
-    return str(path)
+    return tiny_text_model(tmp_path_factory, "tiny-arith", ARITHMETIC)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.agents.test_agents_workflow import gw_rows
+from tests.helpers.agents import gw_rows
 
 
 def _real_workflow(grid_model_dir, **args):

@@ -9,18 +9,12 @@ import pytest
 import torch
 
 from polyrl.agents.env import Environment, StepResult, register_env
-from polyrl.agents.gridworld import render
 from polyrl.agents.tools import ToolEnv, tool
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from tests.helpers.agents import gw_rows
 
-GRID = ["S.H", "...", "H.G"]  # start top-left, goal bottom-right
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
-
-
-def gw_rows(k=2):
-    grids = [GRID, ["S..", ".H.", "..G"], ["G..", ".H.", "..S"]]
-    return [{"prompt": render(g, (0, 0)), "grid": g, "answer": "4"} for g in grids[:k]]
 
 
 def moves(*actions, stop=True):

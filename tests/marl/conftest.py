@@ -85,22 +85,9 @@ def algo():
 @pytest.fixture(scope="session")
 def signaling_model_dir(tmp_path_factory) -> str:
     """A tiny Qwen2 whose tokenizer is trained on the signaling game's corpus."""
-    import polyrl.marl  # noqa: F401  (registers the signaling task)
-    from polyrl.core.tiny import tiny_qwen2
+    from tests.helpers.models import SIGNALING, tiny_text_model
 
-    path = tmp_path_factory.mktemp("marl-models") / "tiny-signaling"
-    tiny_qwen2(
-        path,
-        corpus="signaling",
-        vocab_size=200,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=1,
-        head_dim=64,
-        intermediate_size=128,
-        seed=0,
-    )
-    return str(path)
+    return tiny_text_model(tmp_path_factory, "tiny-signaling", SIGNALING, plugin="polyrl.marl")
 
 
 class CountingEngine:
