@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from typing import Annotated, Any
 from polyrl.agents.env import StepResult, register_env
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.agents.tools import ParsedAction, Tool, ToolEnv, tool
+from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
 from polyrl.core.rewards import extract_answer, normalize_answer
 from polyrl.core.tasks.common import chat_text
@@ -139,15 +139,8 @@ def write_dataset(
         )
     kw = dict(digits=digits, ops=ops)
     out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, n, s in (("train", n_train, seed), ("eval", n_eval, seed + 10_007)):
-        path = out / f"{name}.jsonl"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in make_rows(n, s, **kw)))
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths[0], paths[1]
+    train = write_jsonl(out / "train.jsonl", make_rows(n_train, seed, **kw))
+    return train, write_jsonl(out / "eval.jsonl", make_rows(n_eval, seed + 10_007, **kw))
 
 
 def _call(code: str) -> str:
