@@ -14,7 +14,7 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from tensordict import TensorDict
@@ -412,6 +412,7 @@ def pack_rows(lengths: list[int], width: int | None) -> tuple[list, list, int, i
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
         return [0] * len(lengths), starts, 1, sum(lengths)
+    used: list[int]  # tokens used in each bin
     row_bin, row_start, used = [0] * len(lengths), [0] * len(lengths), []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         b = next((b for b, u in enumerate(used) if u + lengths[i] <= width), len(used))
@@ -462,7 +463,9 @@ class CausalLMPolicy:
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
         self.tokenizer = self.load_tokenizer(cfg)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # transformers types the model's wrapped .to() as taking the model itself
+        model = model.to(self.device)  # type: ignore[arg-type]
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.need_reference = need_reference
@@ -505,7 +508,7 @@ class CausalLMPolicy:
         batch = to_device(batch, self.device)
         model = self.model if self.reference is None else self.reference
         pack = packs(model, self.cfg.pack)
-        kw = dict(
+        kw: dict[str, Any] = dict(
             shared_prefix=self.cfg.shared_prefix,
             pack=pack,
             min_shared=self.cfg.shared_prefix_min_tokens,
@@ -598,7 +601,8 @@ def prepare_for_training(
             model,
             PeftLora(
                 r=cfg.lora.r,
-                lora_alpha=cfg.lora.alpha,
+                # peft types lora_alpha int; a float scales (alpha / r) as well
+                lora_alpha=cfg.lora.alpha,  # type: ignore[arg-type]
                 lora_dropout=cfg.lora.dropout,
                 target_modules=cfg.lora.target_modules if lora_targets is None else lora_targets,
             ),
@@ -614,7 +618,7 @@ def prepare_for_training(
     optimizer = torch.optim.AdamW(
         params,
         lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
+        betas=cast("tuple[float, float]", tuple(cfg.optim.betas)),  # two: checked in recipe.py
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )

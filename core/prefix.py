@@ -27,6 +27,7 @@ token sees the earlier tokens of its own node and of its ancestors only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -233,7 +234,7 @@ def tree_layout(units: list[Unit], tokens: torch.Tensor, lengths: list[int], n: 
     unit_bin, unit_start, bins, width = pack_rows(sizes, max(sizes))
     device = tokens.device
     src_row, src_pos, tok_bin, tok_col, tok_end = [], [], [], [], []
-    row_bin, cols = [0] * n, [None] * n
+    row_bin, cols = [0] * n, cast("list[torch.Tensor]", [None] * n)  # each row's set below
     for u, b, base in zip(units, unit_bin, unit_start, strict=True):
         nodes, last, children = _tree(u, lengths)
         col = {}  # node id -> first column
@@ -241,7 +242,7 @@ def tree_layout(units: list[Unit], tokens: torch.Tensor, lengths: list[int], n: 
         for start, end, _rep, _parent, v in nodes:
             col[v] = c
             c += end - start
-        end_col = {}  # node id -> column after its subtree
+        end_col: dict[int, int] = {}  # node id -> column after its subtree
         for start, end, _rep, _parent, v in reversed(nodes):
             end_col[v] = max([col[v] + end - start] + [end_col[k] for k in children[v]])
         info = {v: (start, end, rep, parent) for start, end, rep, parent, v in nodes}

@@ -68,7 +68,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -409,6 +409,7 @@ class RayEngine:
     def state_dict(self) -> dict:
         if self._state is None:
             self._keep(self.group.call_engine("state_dict"))
+        assert self._state is not None  # _keep set it
         return copy.deepcopy(self._state[1])
 
     def load_state_dict(self, state: dict) -> None:
@@ -502,7 +503,7 @@ class RayBackend:
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        self.args = BACKENDS.bind("ray", cfg.distributed.args, "distributed.args")
+        self.args = cast(RayArgs, BACKENDS.bind("ray", cfg.distributed.args, "distributed.args"))
         for name in self.args.policies:
             if name not in cfg.policies:
                 hint = nearest(name, list(cfg.policies))

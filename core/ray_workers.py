@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -31,6 +31,9 @@ from polyrl.core.interfaces import (
     ShardsItsRoot,
 )
 from polyrl.core.registry import ENGINES, POLICIES
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 class ActorError(RuntimeError):
@@ -190,7 +193,8 @@ def lora_factors(name: str, model: torch.nn.Module) -> LoraFactors:
     from peft.tuners.lora import LoraLayer
 
     factors = []
-    for path, module in model.get_base_model().named_modules():
+    base = cast("PeftModel", model).get_base_model()  # nn.Module types attributes loosely
+    for path, module in base.named_modules():
         if not isinstance(module, LoraLayer):
             continue
         if (
@@ -207,8 +211,8 @@ def lora_factors(name: str, model: torch.nn.Module) -> LoraFactors:
             factors.append(
                 (
                     f"{path}.weight",
-                    _full_tensor(module.lora_A[adapter].weight),
-                    _full_tensor(module.lora_B[adapter].weight),
+                    _full_tensor(cast(torch.nn.Linear, module.lora_A[adapter]).weight),
+                    _full_tensor(cast(torch.nn.Linear, module.lora_B[adapter]).weight),
                     float(module.scaling[adapter]),
                 )
             )
@@ -332,6 +336,7 @@ class PolicyWorker:
         p = self.policy
         opts = self._full(trainable_only=self.lora)
         stepped = p.optimizer is not None and bool(p.optimizer.state)
+        optim: dict[str, Any] | None
         if stepped:
             weights, optim = get_state_dict(p.model, p.optimizer, options=opts)
         else:  # no step yet: the empty state is the local one (and DCP would create it
@@ -348,7 +353,7 @@ class PolicyWorker:
             weights = {k: v for k, v in weights.items() if k in trainable}
         state = {
             "weights": weights,
-            "optimizer": _optim_by_index(optim) if stepped else optim,
+            "optimizer": _optim_by_index(optim) if stepped and optim is not None else optim,
             "scheduler": p.scheduler.state_dict() if p.scheduler is not None else None,
         }
         return state | ({"reference": reference} if warmed else {})
@@ -441,8 +446,8 @@ class PolicyWorker:
         weights = get_model_state_dict(self.policy.model, options=self._full())
         if self.rank == 0:
             out = Path(out_dir)
-            if isinstance(self.policy, ExportsWeights):
-                self.policy.export_weights(out, weights)
+            if isinstance(self.policy, ExportsWeights):  # a model's state: tensors only
+                self.policy.export_weights(out, cast("dict[str, torch.Tensor]", weights))
             else:
                 self.policy.model.save_pretrained(out, state_dict=weights)
                 # a VLM's processor (tokenizer, image processor, chat template) if it has one

@@ -89,7 +89,7 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 128) -> Qwen2Tokeni
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        unk_token=None,
+        unk_token=None,  # type: ignore[arg-type]  # transformers types it str; None: no unk token
         bos_token=None,
         chat_template=CHAT_TEMPLATE,
     )
@@ -121,8 +121,9 @@ def build_tiny_qwen2(
 
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    # one token in, one id out (transformers types the result int | list[int])
+    pad_id: int = tokenizer.convert_tokens_to_ids(PAD_TOKEN)  # type: ignore[assignment]
+    eos_id: int = tokenizer.convert_tokens_to_ids(EOS_TOKEN)  # type: ignore[assignment]
     if vocab_rows and vocab_rows < len(tokenizer):
         raise ValueError(f"vocab_rows={vocab_rows} is below the tokenizer's {len(tokenizer)}")
     config = Qwen2Config(
@@ -137,7 +138,7 @@ def build_tiny_qwen2(
             pad_id=pad_id,
             eos_id=eos_id,
         ),
-        head_dim=head_dim,
+        head_dim=head_dim,  # type: ignore[call-arg]  # Qwen2Config takes it; not in its typed init
         max_window_layers=num_layers,
         tie_word_embeddings=tie_word_embeddings,
         dtype="float32",
@@ -546,11 +547,13 @@ def ensure_model(path: str | Path, builder: str | None, args: Any = None) -> str
         keyed = keyed_path(target, want)
         if str(keyed) not in _warned:
             _warned.add(str(keyed))
+            have = _read_record(target)
+            assert have is not None  # plan "other": a build record, with other settings
             log.warning(
                 "model %s was built with other settings (%s); these settings are built at "
                 "%s and used from there, and %s is left as it is",
                 resolved,
-                "; ".join(setting_differences(_read_record(target), want)),
+                "; ".join(setting_differences(have, want)),
                 keyed,
                 resolved,
             )

@@ -126,7 +126,7 @@ def corpus(max_operand: int = 20) -> list[str]:
     for a, op, b in _problems(max_operand, OPS):
         for style in STYLES:
             texts.append(
-                chat_text(("user", render(a, op, b, style)), ("assistant", solve(a, op, b)))
+                chat_text(("user", render(a, op, b, style)), ("assistant", str(solve(a, op, b))))
             )
     texts.extend(chat_text((role, "")) for role in ROLES)
     return texts
