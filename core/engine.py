@@ -11,7 +11,7 @@ recomputes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +227,11 @@ class HFEngine:
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
     gives_top_logprobs = True  # honours SamplingParams.top_logprobs
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
-    refresh: Any = None  # set by the async producer in partial mode: newer weights mid-call
+    _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
+
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
+        """interfaces.PartialRollouts: called before each decoding step while set."""
+        self._refresh = refresh
 
     def sync(self) -> None:  # same module as the trainer's
         return None
@@ -273,7 +277,7 @@ class HFEngine:
         ids, mask = ids.to(device), mask.to(device)
         b = len(rows)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        refresh = self.refresh
+        refresh = self._refresh
         version = refresh() if refresh is not None else 0  # of the weights that make `logits`
         out = model(
             input_ids=ids,
@@ -439,13 +443,8 @@ class AutoEngine:
 
     partial_rollouts = True  # both engines take newer weights mid-call
 
-    @property
-    def refresh(self) -> Any:
-        return self.inner.refresh
-
-    @refresh.setter
-    def refresh(self, fn: Any) -> None:
-        self.inner.refresh = fn
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
+        self.inner.set_refresh(refresh)
 
     def __getattr__(self, name: str) -> Any:  # engine-specific extras (sleep, wake, tokenizer)
         if name in ("inner", "spare"):

@@ -11,7 +11,7 @@ How to add each kind of part, with an example, is in ``docs/ARCHITECTURE.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -227,9 +227,13 @@ class PacksRows(Protocol):
     """A policy whose log-prob pass drops padding (rows packed into one sequence), so the
     trainer may form micro-batches by a token budget instead of a row count."""
 
-    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
+    def token_budget(
+        self, batch: TensorDict
+    ) -> tuple[torch.Tensor, int] | tuple[torch.Tensor, int, list[list[int]]] | None:
         """(tokens per row of ``batch``, tokens per micro-batch), or None for row-count
-        micro-batches (packing off, or not exact for this model)."""
+        micro-batches (packing off, or not exact for this model). A third item, when the
+        passes share prefixes: the units (lists of rows) that must share a micro-batch;
+        each row's tokens are then what it adds to its unit (a shared prefix once)."""
 
 
 # --------------------------------------------------------------------------- engines
@@ -293,13 +297,15 @@ class NeedsImages(Protocol):
 @runtime_checkable
 class PartialRollouts(Protocol):
     """An engine class that takes newer weights in the middle of a call
-    (``rollout.partial``): when ``refresh`` is set, the engine calls it before each
-    decoding step; it loads any newer weights and returns their version, and the requests in
-    flight go on under them with the KV cache they have. Each :class:`Completion` then
-    carries ``versions``, the weights version of every token."""
+    (``rollout.partial``): after ``set_refresh(refresh)``, the engine calls ``refresh()``
+    before each decoding step; it loads any newer weights and returns their version, and the
+    requests in flight go on under them with the KV cache they have. Each
+    :class:`Completion` then carries ``versions``, the weights version of every token.
+    ``set_refresh(None)`` ends it."""
 
     partial_rollouts: ClassVar[bool]
-    refresh: Any  # Callable[[], int] | None
+
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None: ...
 
 
 @runtime_checkable

@@ -545,12 +545,12 @@ class EngineWorker:
         """Partial rollouts on (the weights are version ``start``): the engine's calls take
         offered versions between decoding steps; None: off, and offers are dropped."""
         if start is None:
-            self.engine.refresh = None
+            self.engine.set_refresh(None)
             with self.offer_lock:
                 self.offered = None
             return
         self.version = start
-        self.engine.refresh = self._refresh
+        self.engine.set_refresh(self._refresh)
 
     def _refresh(self) -> int:
         """The engine's hook before each decoding step: the newest offered version, loaded

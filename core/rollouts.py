@@ -162,13 +162,13 @@ class LocalVersions:
     engine_in_process = True
 
     def begin_partial(self, engine: Any, start: int, refresh: Any) -> None:
-        engine.refresh = refresh
+        engine.set_refresh(refresh)
 
     def offer(self, engine: Any, number: int, version: Any) -> None:
         return None  # refresh reads the producer's versions itself
 
     def end_partial(self, engine: Any) -> None:
-        engine.refresh = None
+        engine.set_refresh(None)
 
     def saved(self, version: Any) -> Any:
         return version

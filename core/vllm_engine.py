@@ -58,7 +58,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,11 @@ class VLLMEngine:
 
     lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
-    refresh: Any = None  # set by the async producer in partial mode: newer weights mid-call
+    _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
+
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
+        """interfaces.PartialRollouts: called before each engine step while set."""
+        self._refresh = refresh
 
     def __init__(
         self,
@@ -197,7 +201,7 @@ class VLLMEngine:
         caps = [requests[i].budget(params) for i in index]
         seeds = self._row_seeds(len(rows), params)
         decode = self.tokenizer.decode
-        if self.refresh is not None:
+        if self._refresh is not None:
             partial = self._generate_partial(rows, params, seeds, caps)
             return [
                 Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
@@ -291,7 +295,7 @@ class VLLMEngine:
     def _generate_partial(
         self, rows: list, params: SamplingParams, seeds: list[int], caps: list[int]
     ) -> list[tuple[list[int], list[float], str, list[int]]]:
-        """One sample per row, calling ``refresh()`` before every engine step: a weight
+        """One sample per row, calling the refresh before every engine step: a weight
         sync it makes lands between two decoding steps, and the requests in flight go on
         under the new weights with the KV cache they have (AReaL's partial rollouts).
         Returns each row's (ids, log-probs, finish reason, version of each token)."""
@@ -312,7 +316,7 @@ class VLLMEngine:
         self._in_flight, self._reset_after = True, False
         try:
             while engine.has_unfinished_requests():
-                version = self.refresh()
+                version = self._refresh()
                 for out in engine.step():
                     c = out.outputs[0]
                     toks, lps, vers = got[out.request_id]

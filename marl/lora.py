@@ -139,9 +139,10 @@ class LoraAgentPolicy:
                 model, to_device(batch, self.device), temperature, pack=packs(model, self.cfg.pack)
             )[0]
 
-    def token_budget(self, batch: TensorDict) -> tuple[torch.Tensor, int] | None:
-        """Tokens per row and per micro-batch when the passes are packed (PacksRows)."""
-        return token_budget(batch, self.cfg, packs(self._peft, self.cfg.pack))
+    def token_budget(self, batch: TensorDict):
+        """Tokens per row and per micro-batch when the passes are packed, and the rows that
+        share a prefix (PacksRows)."""
+        return token_budget(batch, self.cfg, packs(self._peft, self.cfg.pack), self._peft)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self._own.items()}

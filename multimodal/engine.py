@@ -88,7 +88,7 @@ class VLEngine(HFEngine):
             image_mask = image_masks(p, ids, mask, visions, token_mask(p, ids))
             video_mask = token_mask(p, ids, video=True)
             video_mask[turns] = False
-        refresh = self.refresh
+        refresh = self._refresh
         version = refresh() if refresh is not None else 0  # of the weights that make `logits`
         logits, cache, pos = vl_forward(
             model,

@@ -60,7 +60,7 @@ def test_multi_turn_records_token_versions_equal_to_a_switching_reference(
     new = moved(old, 0.05, seed=1)
     engine = HFEngine(twin, seed=0)
     calls: list[int] = []
-    engine.refresh = switching_refresh(twin.model, new, calls)
+    engine.set_refresh(switching_refresh(twin.model, new, calls))
     wf = MultiTurn(
         Context(None, {"main": twin}, {"main": engine}),
         env="test_agents_partial_echo",

@@ -13,25 +13,21 @@ class CrawlingEngine(HFEngine):
     the first until the trainer publishes newer weights (at most 30 s): every batch after
     the first spans an update, whatever the machine's load."""
 
-    _refresh = None
+    _producer = None
     partial_calls = 0
 
-    @property
-    def refresh(self):
-        return None if self._refresh is None else self._waiting_refresh
-
-    @refresh.setter
-    def refresh(self, fn):
-        self._refresh, self._steps, self._start = fn, 0, None
+    def set_refresh(self, fn):
+        self._producer, self._steps, self._start = fn, 0, None
         self.partial_calls += fn is not None
+        super().set_refresh(None if fn is None else self._waiting_refresh)
 
     def _waiting_refresh(self) -> int:
-        version = self._refresh()
+        version = self._producer()
         self._steps += 1
         self._start = version if self._start is None else self._start
         if self.partial_calls > 1 and self._steps == 2:
             deadline = time.monotonic() + 30
             while version == self._start and time.monotonic() < deadline:
                 time.sleep(0.05)
-                version = self._refresh()
+                version = self._producer()
         return version

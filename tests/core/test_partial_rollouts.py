@@ -54,9 +54,9 @@ def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(po
 
     engine.load_state_dict(start)
     calls: list[int] = []
-    engine.refresh = switching_refresh(twin.model, new, calls)
+    engine.set_refresh(switching_refresh(twin.model, new, calls))
     outs = engine.generate(ids, params)
-    engine.refresh = None
+    engine.set_refresh(None)
     assert any(len(o.token_ids) > SWITCH for o in outs)
     for o, p in zip(outs, plain, strict=True):
         n = len(o.token_ids)

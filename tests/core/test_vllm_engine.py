@@ -238,10 +238,10 @@ def test_partial_call_takes_new_weights_between_steps(policy, engine):
 
     try:
         engine.load_state_dict(start)
-        engine.refresh = refresh
+        engine.set_refresh(refresh)
         outs = engine.generate(ids, params)
     finally:
-        engine.refresh = None
+        engine.set_refresh(None)
         policy.model.load_state_dict(original)
         engine.sync()
     assert any(len(o.token_ids) > SWITCH for o in outs)

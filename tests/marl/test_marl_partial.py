@@ -20,9 +20,7 @@ ROWS = [
 ]
 
 
-def test_agent_rows_record_token_versions_equal_to_a_switching_reference(
-    marl_config, make_items
-):
+def test_agent_rows_record_token_versions_equal_to_a_switching_reference(marl_config, make_items):
     from polyrl.core.registry import POLICIES, WORKFLOWS
     from polyrl.core.rollouts import shadow
     from polyrl.core.workflow import Context
@@ -44,8 +42,8 @@ def test_agent_rows_record_token_versions_equal_to_a_switching_reference(
         return int(len(calls) >= 2)
 
     engines = {n: HFEngine(p, seed=i) for i, (n, p) in enumerate(policies.items())}
-    engines["speaker"].refresh = lambda: 0
-    engines["listener"].refresh = switching
+    engines["speaker"].set_refresh(lambda: 0)
+    engines["listener"].set_refresh(switching)
     wf = WORKFLOWS.get(cfg.rollout.workflow)(Context(cfg, policies, engines), **cfg.rollout.args)
     rec = wf.rollout(make_items(ROWS), SamplingParams(n=2, max_new_tokens=2))
 

@@ -90,7 +90,7 @@ def test_vl_turns_record_versions_equal_to_the_trainer_under_each_weights(policy
         return int(len(calls) > SWITCH)
 
     engine = VLEngine(twin, seed=0)
-    engine.refresh = refresh
+    engine.set_refresh(refresh)
     wf = MultiTurn(
         Context(None, {"main": twin}, {"main": engine}),
         env="test_vl_partial_zoom",
