@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import trainer
+from polyrl.core.interfaces import Engine, Policy
 from polyrl.core.policy import resolve_device
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
 from polyrl.core.rollouts import LocalVersions, Versions
@@ -21,13 +22,13 @@ from polyrl.core.rollouts import LocalVersions, Versions
 class Backend(Protocol):
     def make_policy(
         self, name: str, cfg: Any, *, total_steps: int, need_reference: bool, shared: dict
-    ) -> Any: ...
+    ) -> Policy: ...
 
-    def make_engine(self, name: str, policy: Any, cfg: Any, *, seed: int) -> Any: ...
+    def make_engine(self, name: str, policy: Policy, cfg: Any, *, seed: int) -> Engine: ...
 
     def update(
         self,
-        policy: Any,
+        policy: Policy,
         batch: TensorDict,
         algo: Any,
         *,
@@ -36,11 +37,11 @@ class Backend(Protocol):
         correction: str | None = None,
     ) -> dict[str, float]: ...
 
-    def sft_update(self, policy: Any, batch: TensorDict) -> dict[str, float]: ...
+    def sft_update(self, policy: Policy, batch: TensorDict) -> dict[str, float]: ...
 
     def reward_runners(self, reward_cfg: Any) -> dict: ...
 
-    def versioned(self, policy: Any) -> Versions: ...  # async rollouts: the engine's copy
+    def versioned(self, policy: Policy) -> Versions: ...  # async rollouts: the engine's copy
 
     def shutdown(self) -> None: ...
 
@@ -75,7 +76,7 @@ class LocalBackend:
     def reward_runners(self, reward_cfg):
         return {}  # every reward term runs in this process
 
-    def versioned(self, policy: Any) -> LocalVersions:
+    def versioned(self, policy: Policy) -> LocalVersions:
         return LocalVersions(policy)
 
     def shutdown(self) -> None:

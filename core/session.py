@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,10 +28,13 @@ from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.data import DataConfig, PromptSampler, check_paths, load_rows, write_jsonl
 from polyrl.core.failures import failed_rows
 from polyrl.core.interfaces import (
+    Engine,
     ExactLogprobs,
     HasSFTRows,
     Learns,
+    Policy,
     Stateful,
+    Workflow,
     WritesTranscriptKeys,
 )
 from polyrl.core.recipe import Config
@@ -40,6 +43,9 @@ from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
 from polyrl.core.rollouts import Ahead, InStep, Parts
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
 from polyrl.core.workflow import Context
+
+if TYPE_CHECKING:
+    from polyrl.core.backend import Backend
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -92,11 +98,11 @@ def prepare_task(cfg: Config, run_dir: Path) -> DataSources:
 class Session:
     cfg: Config
     run: RunDir
-    backend: Any
-    policies: dict[str, Any]
-    engines: dict[str, Any]
+    backend: Backend
+    policies: dict[str, Policy]
+    engines: dict[str, Engine]
     ctx: Context
-    workflow: Any
+    workflow: Workflow
     sampler: PromptSampler
     eval_items: list
     trained: list[str]
@@ -228,7 +234,7 @@ class Session:
                 self._sft(name, policy, sampler)
             self.rollouts.publish(name, 0)  # the warmed-up weights are version 0
 
-    def _sft(self, name: str, policy: Any, sampler: PromptSampler) -> None:
+    def _sft(self, name: str, policy: Policy, sampler: PromptSampler) -> None:
         tok = policy.tokenizer
         for k in range(self.cfg.sft.steps):
             items = sampler.next_batch()

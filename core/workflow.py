@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Completion, SamplingParams
-from polyrl.core.interfaces import Phase
+from polyrl.core.interfaces import Engine, Phase, Policy
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS
 
@@ -27,8 +27,8 @@ class Context:
     """What a workflow may use: the recipe, policies and their engines."""
 
     cfg: Any
-    policies: dict[str, Any]
-    engines: dict[str, Any]
+    policies: dict[str, Policy]
+    engines: dict[str, Engine]
     extras: dict[str, Any] = field(default_factory=dict)
 
     def sampling(
