@@ -12,6 +12,7 @@ How to add each kind of part, with an example, is in ``docs/ARCHITECTURE.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -96,6 +97,11 @@ class Policy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def export(self, out_dir: str | Path) -> Path: ...
+
+    def sft_optimizer(self, lr: float | None) -> AbstractContextManager[Any]:
+        """A context in which updates use a constant-rate optimizer (``sft.lr``; None: the
+        RL rate), for a supervised warm start; the RL optimizer and schedule come back
+        after it, untouched."""
 
 
 @runtime_checkable
