@@ -21,11 +21,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from polyrl.core.config import UserError
+
+if TYPE_CHECKING:
+    from polyrl.core.interfaces import Policy
 
 META = "meta.pt"
 
@@ -63,7 +66,7 @@ class WritesShards(Protocol):
     def save_sharded(self, path: Path) -> None: ...
 
 
-def policy_part(policy: Any) -> Any:
+def policy_part(policy: Policy) -> Any:
     """What a checkpoint holds for ``policy``: its shards when it writes them, else its
     full state dict."""
     if isinstance(policy, WritesShards) and policy.sharded_checkpoint:

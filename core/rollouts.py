@@ -51,11 +51,11 @@ from tensordict import TensorDict
 
 from polyrl.core.data import PromptSampler
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import Engine, ReportsRollout, Workflow
+from polyrl.core.interfaces import Engine, Policy, ReportsRollout, Workflow
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
 
 
-def _own_metrics(workflow: Any) -> dict[str, float]:
+def _own_metrics(workflow: Workflow) -> dict[str, float]:
     return dict(workflow.rollout_metrics()) if isinstance(workflow, ReportsRollout) else {}
 
 
@@ -97,7 +97,7 @@ class InStep:
         return None
 
 
-def shadow(policy: Any) -> Any:
+def shadow(policy: Policy) -> Policy:
     """A copy of ``policy`` for an engine: same object, its own (frozen) model weights."""
     twin = copy.copy(policy)
     twin.model = copy.deepcopy(policy.model)
@@ -106,7 +106,7 @@ def shadow(policy: Any) -> Any:
     return twin
 
 
-def _trainable(policy: Any) -> dict[str, torch.Tensor]:
+def _trainable(policy: Policy) -> dict[str, torch.Tensor]:
     """The weights an update can change (the rest never moves from the shadow's copy)."""
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
 
@@ -114,21 +114,21 @@ def _trainable(policy: Any) -> dict[str, torch.Tensor]:
 class Versions(Protocol):
     """How a backend keeps versions of a trained policy's weights for its engine."""
 
-    engine_policy: Any  # what the engine is built on (its own copy of the weights)
+    engine_policy: Policy  # what the engine is built on (its own copy of the weights)
 
     def capture(self) -> Any: ...  # the policy's weights now, as a version
 
-    def load(self, engine: Any, version: Any) -> None: ...  # into the engine's copy
+    def load(self, engine: Engine, version: Any) -> None: ...  # into the engine's copy
 
     # toward the engine ahead of its load, while an earlier batch generates (any thread)
-    def prefetch(self, engine: Any, version: Any) -> None: ...
+    def prefetch(self, engine: Engine, version: Any) -> None: ...
 
     # partial rollouts: the engine's calls take newer versions mid-call from ``start``;
     # ``refresh()`` is the producer's (the newest published, loaded), ``offer`` hands a
     # newly published version ``number`` to an engine that refreshes on its own
     def begin_partial(self, engine: Any, start: int, refresh: Any) -> None: ...
 
-    def offer(self, engine: Any, number: int, version: Any) -> None: ...
+    def offer(self, engine: Engine, number: int, version: Any) -> None: ...
 
     def end_partial(self, engine: Any) -> None: ...
 
@@ -143,20 +143,20 @@ class LocalVersions:
     """Local mode: versions are clones of the trainable weights; the engine runs on a
     shadow copy of the policy, and loading a version copies it in."""
 
-    def __init__(self, policy: Any) -> None:
+    def __init__(self, policy: Policy) -> None:
         self.policy, self.engine_policy = policy, shadow(policy)
 
     def capture(self) -> dict[str, torch.Tensor]:
         return _trainable(self.policy)
 
-    def load(self, engine: Any, version: dict[str, torch.Tensor]) -> None:
+    def load(self, engine: Engine, version: dict[str, torch.Tensor]) -> None:
         params = dict(self.engine_policy.model.named_parameters())
         with torch.no_grad():
             for key, value in version.items():
                 params[key].copy_(value)
         engine.sync()
 
-    def prefetch(self, engine: Any, version: Any) -> None:
+    def prefetch(self, engine: Engine, version: Any) -> None:
         return None  # a load is a copy within this process: nothing to move ahead
 
     engine_in_process = True
@@ -164,7 +164,7 @@ class LocalVersions:
     def begin_partial(self, engine: Any, start: int, refresh: Any) -> None:
         engine.set_refresh(refresh)
 
-    def offer(self, engine: Any, number: int, version: Any) -> None:
+    def offer(self, engine: Engine, number: int, version: Any) -> None:
         return None  # refresh reads the producer's versions itself
 
     def end_partial(self, engine: Any) -> None:
@@ -277,8 +277,12 @@ class Ahead:
         try:
             for b in range(self.first, s.steps + 1):
                 need = max(0, b - 1 - self.k)
+
+                def ready(n: int = need) -> bool:
+                    return self.published >= n or self.stop
+
                 with self.cond:
-                    self.cond.wait_for(lambda n=need: self.published >= n or self.stop)
+                    self.cond.wait_for(ready)
                     if self.stop:
                         return
                 with self.engine_lock:
@@ -358,8 +362,8 @@ class Ahead:
                     self.ahead = None
                     self._prefetch(step)
                 for snaps in self.snapshots.values():  # later batches need >= step - k
-                    for v in [v for v in snaps if v < step - self.k]:
-                        del snaps[v]
+                    for old in [v for v in snaps if v < step - self.k]:
+                        del snaps[old]
                 self.cond.notify_all()
 
     @contextlib.contextmanager
