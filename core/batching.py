@@ -122,8 +122,8 @@ class Batcher:
             while True:
                 await self._settle(tasks)
                 for t in tasks:
-                    if t.done() and not t.cancelled() and t.exception() is not None:
-                        raise t.exception()
+                    if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                        raise exc
                 if self.pending:
                     await self.flush()
                     if self._failure is not None:
@@ -205,16 +205,15 @@ class Batcher:
             owner, n = list(range(len(waiting))), counts[0]
         else:  # mixed n: one prompt copy per sample, still one call
             owner, n = [j for j, k in enumerate(counts) for _ in range(k)], 1
+        budgets = [waiting[j].request.budget(waiting[j].params) for j in owner]
         requests = [
-            dataclasses.replace(
-                waiting[j].request, max_new_tokens=waiting[j].request.budget(waiting[j].params)
-            )
-            for j in owner
+            dataclasses.replace(waiting[j].request, max_new_tokens=b)
+            for j, b in zip(owner, budgets, strict=True)
         ]
         params = dataclasses.replace(
             first,
             n=n,
-            max_new_tokens=max(r.max_new_tokens for r in requests),
+            max_new_tokens=max(budgets),
             top_logprobs=max(w.params.top_logprobs for w in waiting),  # the gateway's
             stop=list(first.stop),
             stop_token_ids=list(first.stop_token_ids),

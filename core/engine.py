@@ -174,11 +174,11 @@ class _ReservedLayer(DynamicLayer):
             )
         self.k_buf[:, :, t : t + n] = key_states
         self.v_buf[:, :, t : t + n] = value_states
-        self._views(t + n)
-        return self.keys, self.values
+        return self._views(t + n)
 
-    def _views(self, length: int) -> None:
-        self.keys, self.values = self.k_buf[:, :, :length], self.v_buf[:, :, :length]
+    def _views(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys, self.values = k, v = self.k_buf[:, :, :length], self.v_buf[:, :, :length]
+        return k, v
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if t := self.get_seq_length():
@@ -198,9 +198,10 @@ def reserved_cache(model: torch.nn.Module, room: int) -> Cache | None:
     ``None`` (the model's own cache) unless every layer is plain full attention: sliding
     windows, shared KV layers and linear attention keep their own cache classes.
     """
-    cfg = model.config.get_text_config(decoder=True)
+    config: Any = model.config  # a transformers model's (nn.Module types attributes loosely)
+    cfg = config.get_text_config(decoder=True)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    if any(t != "full_attention" for t in types) or getattr(cfg, "num_kv_shared_layers", 0):
+    if any(t != "full_attention" for t in types) or getattr(cfg, "num_kv_shared_layers", None):
         return None
     return Cache(layers=[_ReservedLayer(room) for _ in range(len(types))])
 
@@ -431,7 +432,7 @@ class AutoEngine:
             engine.generate(ids, params)
             self.timings[name] = time.perf_counter() - t0
             engine.load_state_dict(state)  # the probe leaves no trace in the sampling stream
-        choice = min(self.timings, key=self.timings.get)
+        choice = min(self.timings, key=self.timings.__getitem__)
         self.spare = built["vllm" if choice == "hf" else "hf"]
         return choice, built[choice]
 

@@ -142,10 +142,11 @@ def text_record(
         },
         batch_size=[n],
     )
-    if token_version is not None and all(v is not None for v in token_version):
-        if [len(v) for v in token_version] != [len(r) for r in response_ids]:
+    known = [v for v in token_version if v is not None] if token_version is not None else []
+    if token_version is not None and len(known) == len(token_version):
+        if [len(v) for v in known] != [len(r) for r in response_ids]:
             raise ValueError("text_record: token_version needs one version per response token")
-        td["token_version"] = pad_right(token_version, -1, torch.long)
+        td["token_version"] = pad_right(known, -1, torch.long)
     td["policy"] = _stack_non_tensor(list(policy))
     td["prompt_text"] = _stack_non_tensor(list(prompt_text or [""] * n))
     td["response_text"] = _stack_non_tensor(list(response_text or [""] * n))
@@ -306,9 +307,7 @@ def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
         policy=[r.policy for r in rows],
         uid=[r.uid for r in rows],
         pad_id=pad_id,
-        loss_mask=[
-            [1] * len(r.response_ids) if r.loss_mask is None else r.loss_mask for r in rows
-        ],
+        loss_mask=[[1] * len(r.response_ids) if r.loss_mask is None else r.loss_mask for r in rows],
         agent_id=[r.agent_id for r in rows],
         turn=[r.turn for r in rows],
         node=[r.node for r in rows],

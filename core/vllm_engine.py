@@ -316,12 +316,16 @@ class VLLMEngine:
         self._in_flight, self._reset_after = True, False
         try:
             while engine.has_unfinished_requests():
+                assert self._refresh is not None  # set for the whole partial call
                 version = self._refresh()
                 for out in engine.step():
-                    c = out.outputs[0]
+                    # vLLM types step()'s outputs as a union with pooling outputs; generation
+                    # requests give RequestOutputs
+                    c = out.outputs[0]  # type: ignore[index]
                     toks, lps, vers = got[out.request_id]
                     new = list(c.token_ids)
                     toks += new
+                    assert c.logprobs is not None  # requested (logprobs=0)
                     lps += [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(new)]
                     vers += [version] * len(new)
                     if out.finished:
@@ -380,13 +384,20 @@ class VLLMEngine:
             for s, c in zip(seeds, caps, strict=True)
         ]
         prompts = [r if isinstance(r, dict) else TokensPrompt(prompt_token_ids=r) for r in rows]
-        outs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
+        # vLLM's prompt union leaves out multimodal dict prompts, which generate() takes
+        outs = self.llm.generate(
+            prompts,  # type: ignore[arg-type]
+            sampling,
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
         result = []
         for k, out in enumerate(outs):
             if check is not None:
                 check(k, out)
             c = out.outputs[0]
             ids = list(c.token_ids)
+            assert c.logprobs is not None  # requested (logprobs=0)
             lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
             result.append((ids, lps, "length" if c.finish_reason == "length" else "stop"))
         return result
