@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from polyrl.core.config import load
 from polyrl.core.loop import train
 from polyrl.core.recipe import Config
-
-
-def accuracy_after_sft_and_grpo(run_dir) -> tuple[float, float]:
-    with open(run_dir / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-    return evals[0], evals[-1]
-
-
-RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
+from tests.helpers.runs import ARITHMETIC_RECIPE, accuracy_after_sft_and_grpo
 
 
 @pytest.mark.slow
@@ -29,7 +17,7 @@ def test_grpo_beats_sft_on_held_out_arithmetic(tiny_model_dir, tmp_path):
     for seed in (0, 1, 2):
         cfg = load(
             Config,
-            RECIPE,
+            ARITHMETIC_RECIPE,
             [
                 f"seed={seed}",
                 f"run.dir={tmp_path}/seed{seed}",

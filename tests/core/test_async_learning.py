@@ -9,7 +9,7 @@ import pytest
 from polyrl.core.config import load
 from polyrl.core.loop import train
 from polyrl.core.recipe import Config
-from tests.core.test_arithmetic_e2e import RECIPE, accuracy_after_sft_and_grpo
+from tests.helpers.runs import ARITHMETIC_RECIPE, accuracy_after_sft_and_grpo
 
 VLLM = [
     "policies.main.engine.name=vllm",
@@ -20,7 +20,7 @@ VLLM = [
 def _gain(tiny_model_dir, tmp_path, seed: int, k: int, engine: str = "hf") -> tuple[float, float]:
     cfg = load(
         Config,
-        RECIPE,
+        ARITHMETIC_RECIPE,
         [
             f"seed={seed}",
             f"run.dir={tmp_path}/{engine}-k{k}-seed{seed}",

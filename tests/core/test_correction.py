@@ -120,10 +120,10 @@ def test_auto_is_off_only_for_exact_synchronous_engines():
 
 
 def _policy_and_record(model_dir):
-    from tests.core.test_trainer import make_policy, rollout
+    from tests.helpers.trainer import make_policy, sampled_record
 
     policy = make_policy(model_dir, max_grad_norm=0.0)
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     with torch.no_grad():  # the engine == the trainer: its log-probs, exactly
         rec["rollout_logprobs"] = policy.logprobs(rec)[0] * rec["loss_mask"]
     return policy, rec
@@ -133,7 +133,7 @@ def _grads(model_dir, rec, algo, correction):
     import copy
 
     from polyrl.core.trainer import update
-    from tests.core.test_trainer import grads_at_step, make_policy
+    from tests.helpers.trainer import grads_at_step, make_policy
 
     policy = make_policy(model_dir, max_grad_norm=0.0)
     seen = grads_at_step(policy)
@@ -146,7 +146,7 @@ def test_correction_is_a_no_op_when_engine_equals_trainer(tiny_model_dir):
 
     from polyrl.core.algorithms import AlgorithmConfig
     from polyrl.core.trainer import update
-    from tests.core.test_trainer import grads_at_step
+    from tests.helpers.trainer import grads_at_step
 
     policy, rec = _policy_and_record(tiny_model_dir)
     outs, grads = {}, {}
@@ -173,7 +173,7 @@ def test_truncated_weights_scale_each_tokens_gradient(tiny_model_dir):
 
     from polyrl.core.algorithms import AlgorithmConfig
     from polyrl.core.trainer import update
-    from tests.core.test_trainer import grads_at_step
+    from tests.helpers.trainer import grads_at_step
 
     policy, rec = _policy_and_record(tiny_model_dir)
     mask = rec["loss_mask"].float()

@@ -8,6 +8,7 @@ import torch
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.record import text_record
+from tests.helpers.trainer import TEXTS, chat_ids
 
 
 @pytest.fixture(scope="module")
@@ -15,20 +16,6 @@ def policy(tiny_model_dir):
     return CausalLMPolicy(
         "main", PolicyConfig(model=tiny_model_dir), total_steps=1, need_reference=False
     )
-
-
-def prompts(policy, texts=("12+7=", "3+4=", "25+30=")):
-    tok = policy.tokenizer
-    return [
-        tok.apply_chat_template(
-            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-        )
-        for t in texts
-    ]
-
-
-def encode(policy, texts):
-    return [policy.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 def record_of(policy, ids, outs):
@@ -44,7 +31,7 @@ def record_of(policy, ids, outs):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_match_trainer(policy, temperature):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     outs = HFEngine(policy, seed=1).generate(
         ids, SamplingParams(n=4, temperature=temperature, max_new_tokens=8)
     )
@@ -57,14 +44,14 @@ def test_engine_logprobs_match_trainer(policy, temperature):
 
 
 def test_groups_are_contiguous_and_complete(policy):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     outs = HFEngine(policy).generate(ids, SamplingParams(n=5, max_new_tokens=4))
     assert [o.prompt_index for o in outs] == [i for i in range(3) for _ in range(5)]
     assert all(len(o.token_ids) == len(o.logprobs) >= 1 for o in outs)
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(policy):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=4, max_new_tokens=6)
     a = [o.token_ids for o in HFEngine(policy, seed=3).generate(ids, params)]
     b = [o.token_ids for o in HFEngine(policy, seed=3).generate(ids, params)]
@@ -76,7 +63,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(policy):
 
 
 def test_engine_state_restores_the_sample_stream(policy):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=2, max_new_tokens=5)
     eng = HFEngine(policy, seed=9)
     eng.generate(ids, params)
@@ -89,7 +76,7 @@ def test_engine_state_restores_the_sample_stream(policy):
 def test_a_call_with_its_own_seed_repeats_and_leaves_the_stream_alone(policy):
     """``SamplingParams.seed``: the same seed gives the same samples whatever the engine's
     stream, another seed others, and the engine's stream goes on as if the call never ran."""
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     own = SamplingParams(n=4, max_new_tokens=6, seed=11)
     plain = SamplingParams(n=4, max_new_tokens=6)
     eng = HFEngine(policy, seed=9)
@@ -106,7 +93,7 @@ def test_a_call_with_its_own_seed_repeats_and_leaves_the_stream_alone(policy):
 
 
 def test_length_limit_and_eos(policy):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     outs = HFEngine(policy).generate(ids, SamplingParams(n=8, max_new_tokens=3))
     eos = policy.tokenizer.eos_token_id
     for o in outs:
@@ -119,7 +106,7 @@ def test_length_limit_and_eos(policy):
 
 def test_stop_strings_end_the_response(policy):
     """Greedy text from the untrained model, then stop at a piece of it."""
-    ids = encode(policy, prompts(policy)[:1])
+    ids = chat_ids(policy.tokenizer, TEXTS[:1])
     free = HFEngine(policy).generate(ids, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
     text = free.text
     if len(text) < 3:
@@ -134,7 +121,7 @@ def test_stop_strings_end_the_response(policy):
 
 
 def test_top_p_tiny_is_greedy(policy):
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     nucleus = HFEngine(policy, seed=0).generate(
         ids, SamplingParams(n=2, top_p=1e-6, max_new_tokens=5)
     )
@@ -145,7 +132,7 @@ def test_top_p_tiny_is_greedy(policy):
 def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
     from polyrl.core.engine import AutoEngine
 
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=3, max_new_tokens=5)
     auto = AutoEngine(policy, seed=7)
     assert auto.choice == "hf" and isinstance(auto.inner, HFEngine)
@@ -179,7 +166,7 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero():
 def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypatch):
     import polyrl.core.engine as engine_mod
 
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=4, max_new_tokens=10)
     ours = HFEngine(policy, seed=5).generate(ids, params)
     monkeypatch.setattr(engine_mod, "reserved_cache", lambda model, room: None)  # transformers'

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.core.test_run import _assert_same_tensors, _load
+from tests.helpers.runs import assert_same_tensors, load_part
 
 RAY = ["distributed.backend=ray", "distributed.args={workers_per_policy: 2}"]
 ASYNC = ["rollout.max_staleness=1", "train.steps=4", "run.save_every=1", "eval.every=0"]
@@ -68,10 +68,10 @@ def test_ray_async_follows_the_local_schedule_and_resumes_exactly(
         assert b[step]["main/loss"] == a[step]["main/loss"], step
     ckpt = "checkpoints/step_000004"
     pa, pb = (read_full(SavedDirectory(r / ckpt / "policy_main")) for r in (run_a, run_b))
-    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")  # sharded (the default)
+    assert_same_tensors(pa["weights"], pb["weights"], "final weights")  # sharded (the default)
     for k, moments in pa["optimizer"]["state"].items():
-        _assert_same_tensors(moments, pb["optimizer"]["state"][k], f"optimizer {k}")
-    ra, rb = _load(run_a / ckpt, "rollouts"), _load(run_b / ckpt, "rollouts")
+        assert_same_tensors(moments, pb["optimizer"]["state"][k], f"optimizer {k}")
+    ra, rb = load_part(run_a / ckpt, "rollouts"), load_part(run_b / ckpt, "rollouts")
     assert ra["before_next"]["sampler"] == rb["before_next"]["sampler"]
     assert torch.equal(
         ra["before_next"]["engines"]["main"]["inner"]["rng"],

@@ -17,62 +17,10 @@ import torch
 
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, from_dict
-from polyrl.core.credit import group_credit
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import text_record
-
-PROMPTS = ["12+7=", "3+4=", "25+30=", "8+8="]
-
-
-def _config(model_dir: str, *extra: str):
-    import polyrl.core  # noqa: F401
-    from polyrl.core.config import load
-    from polyrl.core.recipe import Config
-
-    return load(
-        Config,
-        None,
-        [
-            f"policies.main.model={model_dir}",
-            "policies.main.optim.lr=1e-3",
-            "policies.main.micro_batch_size=4",
-            "distributed.backend=ray",
-            "distributed.args={workers_per_policy: 2}",
-            *extra,
-        ],
-    )
-
-
-def _prompts(tok) -> list[list[int]]:
-    return [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )
-        for t in PROMPTS
-    ]
-
-
-def _record(policy, seed: int):
-    """A GRPO-ready record sampled from the local policy, with random 0/1 rewards."""
-    tok = policy.tokenizer
-    ids = _prompts(tok)
-    outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=4, max_new_tokens=6))
-    rec = text_record(
-        prompt_ids=[ids[o.prompt_index] for o in outs],
-        response_ids=[o.token_ids for o in outs],
-        rollout_logprobs=[o.logprobs for o in outs],
-        policy=["main"] * len(outs),
-        uid=[o.prompt_index for o in outs],
-        pad_id=tok.pad_token_id,
-    )
-    rec["reward"] = torch.randint(
-        0, 2, (len(outs),), generator=torch.Generator().manual_seed(seed)
-    ).float()
-    group_credit(rec, AlgorithmConfig())
-    return rec
+from tests.helpers.distributed import LORA, ray_config
+from tests.helpers.trainer import chat_ids, sampled_record
 
 
 def _assert_states_close(local: dict, remote: dict) -> None:
@@ -110,7 +58,7 @@ def pair(ray_cluster, tiny_model_dir):
     from polyrl.core.backend import LocalBackend
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(tiny_model_dir)
+    cfg = ray_config(tiny_model_dir)
     backend = RayBackend(cfg)
     try:
         remote = backend.make_policy(
@@ -145,18 +93,18 @@ def test_ray_backend_rejects_what_it_cannot_run(tiny_model_dir):
     LoRA policy passes the check (it trains below)."""
     from polyrl.core.ray_backend import RayBackend, _check_lora_kind
 
-    cfg = _config(tiny_model_dir, "distributed.args={policies: {mian: {workers_per_policy: 1}}}")
+    cfg = ray_config(tiny_model_dir, "distributed.args={policies: {mian: {workers_per_policy: 1}}}")
     with pytest.raises(ConfigError, match="did you mean 'main'"):
         RayBackend(cfg)
     pytest.importorskip("polyrl.marl")
-    cfg = _config(tiny_model_dir, "policies.main.kind=lora_agent", "policies.main.lora.r=4")
+    cfg = ray_config(tiny_model_dir, "policies.main.kind=lora_agent", "policies.main.lora.r=4")
     with pytest.raises(
         ConfigError,
         match=r"policies.main: kind 'lora_agent' with lora.r=4 is "
         r"not supported by distributed.backend=ray",
     ):
         RayBackend(cfg)
-    cfg = _config(tiny_model_dir, LORA)
+    cfg = ray_config(tiny_model_dir, LORA)
     _check_lora_kind("main", cfg.policies["main"])
 
 
@@ -170,12 +118,12 @@ def test_updates_match_local_training(pair):
 
     backend, remote, _, local = pair
     assert remote.world_size == 2 and len(remote.group.nodes) == 2
-    rec = _record(local, seed=0)
+    rec = sampled_record(local, seed=0)
     cases = [
         (rec, AlgorithmConfig()),
         (rec[:1], AlgorithmConfig(loss_agg="seq-mean-token-mean")),
-        (_record(local, seed=1), AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)),
-        (_record(local, seed=2), AlgorithmConfig(ppo_epochs=2, minibatches=2)),
+        (sampled_record(local, seed=1), AlgorithmConfig(kl_coef=0.1, entropy_coef=0.01)),
+        (sampled_record(local, seed=2), AlgorithmConfig(ppo_epochs=2, minibatches=2)),
     ]
     for batch, algo in cases:
         g_local, g_ray = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
@@ -202,7 +150,7 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
     # Weight sync: after it, the engine actor answers exactly like an engine on the local
     # policy (greedy, so equal weights give equal tokens).
     engine.sync()
-    ids = _prompts(local.tokenizer)
+    ids = chat_ids(local.tokenizer)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
     want = HFEngine(local, seed=0).generate(ids, greedy)
     got = engine.generate(ids, greedy)
@@ -236,7 +184,7 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
     # Checkpoints have the local layout: a local checkpoint loads into the worker group
     # (and back), and the group then holds exactly that state; an RL step first, so the
     # optimizer state it carries is not empty whichever tests ran before.
-    trainer.update(local, _record(local, seed=4), AlgorithmConfig())
+    trainer.update(local, sampled_record(local, seed=4), AlgorithmConfig())
     state = local.state_dict()
     remote.load_state_dict(state)
     back = remote.state_dict()
@@ -255,7 +203,7 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
 def test_placement_that_cannot_fit_says_so(ray_cluster, tiny_model_dir):
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(
+    cfg = ray_config(
         tiny_model_dir, "distributed.args={workers_per_policy: 64, placement_timeout_s: 1}"
     )
     backend = RayBackend(cfg)
@@ -343,7 +291,7 @@ def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_m
     from polyrl.core import rewards
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(
+    cfg = ray_config(
         tiny_model_dir,
         "reward.terms=[{name: exact_match, actor: {num_cpus: 0.5}}, {name: regex_format}]",
     )
@@ -382,12 +330,10 @@ def test_unknown_reward_actor_key_fails_at_config_time(tiny_model_dir):
     with pytest.raises(
         (ConfigError, ValueError), match=r"unknown actor keys \['num_cpu'\].*num_cpus"
     ):
-        _config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpu: 1}}]")
+        ray_config(tiny_model_dir, "reward.terms=[{name: exact_match, actor: {num_cpu: 1}}]")
 
 
 # ------------------------------------------------------------------------------ LoRA policies
-
-LORA = "policies.main.lora={r: 4, alpha: 8.0, target_modules: [q_proj, v_proj, up_proj]}"
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +343,7 @@ def lora_pair(ray_cluster, tiny_model_dir):
     from polyrl.core.backend import LocalBackend
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(tiny_model_dir, LORA)
+    cfg = ray_config(tiny_model_dir, LORA)
     backend = RayBackend(cfg)
     try:
         rng = torch.get_rng_state()
@@ -431,7 +377,7 @@ def test_lora_updates_match_local_training(lora_pair):
     remote.load_state_dict(local.state_dict())  # a checkpoint from before the first step
     algo = AlgorithmConfig(kl_coef=0.1)
     for seed in (0, 1):  # the second update starts from B != 0, so the KL is not 0
-        batch = _record(local, seed=seed)
+        batch = sampled_record(local, seed=seed)
         out_l = trainer.update(local, batch.clone(), algo, generator=torch.Generator())
         out_r = backend.update(
             remote, batch.clone(), algo, temperature=1.0, generator=torch.Generator()
@@ -453,7 +399,7 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
     # empty whichever tests ran before.
     backend.update(
         remote,
-        _record(local, seed=4),
+        sampled_record(local, seed=4),
         AlgorithmConfig(),
         temperature=1.0,
         generator=torch.Generator(),
@@ -478,7 +424,7 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
     assert set(got) == set(merged)
     for k, v in merged.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6, msg=k)
-    ids = _prompts(local.tokenizer)
+    ids = chat_ids(local.tokenizer)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
     want = HFEngine(local, seed=0).generate(ids, greedy)
     outs = engine.generate(ids, greedy)

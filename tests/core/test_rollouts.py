@@ -3,33 +3,10 @@ not depend on which side is slower."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from polyrl.core.engine import HFEngine
-from polyrl.core.registry import ENGINES, REWARDS
-from tests.core.test_run import _metrics
-
-LOW_DIGIT = "{name: regex_format, args: {pattern: '[0-4]', mode: search}}"
-
-
-class SlowEngine(HFEngine):
-    """The HF engine, slowed down: stands in for an engine slower than the trainer."""
-
-    def generate(self, prompts, params):
-        time.sleep(0.3)
-        return super().generate(prompts, params)
-
-
-def slow_reward(sample) -> float:
-    """Scored on the trainer's side: makes the trainer the slower one."""
-    time.sleep(0.05)
-    return 1.0 if any(c in "01234" for c in sample.response) else 0.0
-
-
-ENGINES.register("test_slow_hf", SlowEngine)
-REWARDS.register("test_slow_low_digit", slow_reward)
+from tests.helpers.rollouts import LOW_DIGIT  # registers test_slow_hf, test_slow_low_digit
+from tests.helpers.runs import metrics_by_step
 
 
 def _run(make_config, tmp_path, name, *overrides):
@@ -45,7 +22,7 @@ def _run(make_config, tmp_path, name, *overrides):
         f"reward.terms=[{LOW_DIGIT}]",
         *overrides,
     )
-    return _metrics(train(cfg).path)
+    return metrics_by_step(train(cfg).path)
 
 
 @pytest.mark.parametrize("k", [1, 2])

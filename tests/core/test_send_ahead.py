@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core import test_rollouts  # noqa: F401  (registers test_slow_hf, test_slow_low_digit)
+from tests.helpers import rollouts  # noqa: F401  (registers test_slow_hf, test_slow_low_digit)
 
 
 def _events(make_config, tmp_path, monkeypatch, name, *overrides) -> list[tuple[str, int]]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from polyrl.core.algorithms import AlgorithmConfig
-from tests.core.test_ray_backend import _config, _record
+from tests.helpers.distributed import LORA, ray_config
+from tests.helpers.trainer import sampled_record
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -38,11 +39,11 @@ def trained(ray_cluster, tiny_model_dir, tmp_path_factory):
     from polyrl.core.backend import LocalBackend
     from polyrl.core.ray_backend import RayBackend
 
-    cfg = _config(tiny_model_dir)
+    cfg = ray_config(tiny_model_dir)
     local = LocalBackend(cfg).make_policy(
         "main", cfg.policies["main"], total_steps=10, need_reference=False, shared={}
     )
-    batches = [_record(local, seed=s) for s in (0, 1)]
+    batches = [sampled_record(local, seed=s) for s in (0, 1)]
     backend = RayBackend(cfg)
     two = _group(cfg, backend, 2)
     try:
@@ -110,9 +111,8 @@ def test_local_policy_round_trips_through_shards(tiny_model_dir, tmp_path, lora)
     from polyrl.core import trainer
     from polyrl.core.backend import LocalBackend
     from polyrl.core.checkpoint import SavedDirectory, load_part, read_full, save_policy
-    from tests.core.test_ray_backend import LORA
 
-    cfg = _config(tiny_model_dir, *([LORA] if lora else []))
+    cfg = ray_config(tiny_model_dir, *([LORA] if lora else []))
     kw = {"total_steps": 10, "need_reference": True, "shared": {}}
 
     def fresh():
@@ -120,7 +120,7 @@ def test_local_policy_round_trips_through_shards(tiny_model_dir, tmp_path, lora)
 
     a = fresh()
     save_policy(a, tmp_path / "start", lora=lora)
-    trainer.update(a, _record(a, seed=0), AlgorithmConfig(), generator=torch.Generator())
+    trainer.update(a, sampled_record(a, seed=0), AlgorithmConfig(), generator=torch.Generator())
     if not lora:  # (under LoRA the reference is the base with the adapter off)
         a.reference.load_state_dict(a.model.state_dict())  # as a warm start's end does
         a.reference_warmed = True
@@ -142,7 +142,7 @@ def test_local_policy_round_trips_through_shards(tiny_model_dir, tmp_path, lora)
     c = fresh()
     load_part(c, SavedDirectory(tmp_path / "start"), "main")
     assert c.optimizer.state_dict()["state"] == {} and not c.reference_warmed
-    other = _config(tiny_model_dir, *([] if lora else [LORA]))
+    other = ray_config(tiny_model_dir, *([] if lora else [LORA]))
     d = LocalBackend(other).make_policy("main", other.policies["main"], **kw)
     with pytest.raises(RuntimeError, match="written (with|without) LoRA"):
         load_part(d, SavedDirectory(tmp_path / "trained"), "main")

@@ -9,20 +9,10 @@ import torch
 
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.credit import group_credit
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 from polyrl.core.record import concat, select_policy, strings, text_record
 from polyrl.core.trainer import sft_update, update
-
-
-def make_policy(model_dir, name="main", lr=1e-3, micro=64, max_grad_norm=1.0, **kw):
-    cfg = PolicyConfig(
-        model=model_dir,
-        optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm),
-        micro_batch_size=micro,
-        **kw,
-    )
-    return CausalLMPolicy(name, cfg, total_steps=10, need_reference=False)
+from tests.helpers.trainer import grads_at_step, make_policy, sampled_record
 
 
 def weights(policy):
@@ -33,37 +23,10 @@ def same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def rollout(policy, seed=0, n=4, name="main"):
-    tok = policy.tokenizer
-    texts = ["12+7=", "3+4=", "25+30=", "8+8="]
-    ids = [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )
-        for t in texts
-    ]
-    outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=n, max_new_tokens=6))
-    rec = text_record(
-        prompt_ids=[ids[o.prompt_index] for o in outs],
-        response_ids=[o.token_ids for o in outs],
-        rollout_logprobs=[o.logprobs for o in outs],
-        policy=[name] * len(outs),
-        uid=[o.prompt_index for o in outs],
-        pad_id=tok.pad_token_id,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    rec["reward"] = torch.randint(0, 2, (len(outs),), generator=gen).float()
-    group_credit(rec, AlgorithmConfig())
-    return rec
-
-
 def test_recomputed_old_logprobs_give_ratio_exactly_one(tiny_model_dir):
     """The no-grad pass (old log-probs) and the grad pass agree bitwise before any update."""
     policy = make_policy(tiny_model_dir)
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     with torch.no_grad():
         old, _ = policy.logprobs(rec)
     new, _ = policy.logprobs(rec)
@@ -76,7 +39,7 @@ def test_recomputed_old_logprobs_give_ratio_exactly_one(tiny_model_dir):
 def test_first_update_is_on_policy(tiny_model_dir, epochs, minibatches):
     policy = make_policy(tiny_model_dir)
     algo = AlgorithmConfig(ppo_epochs=epochs, minibatches=minibatches)
-    out = update(policy, rollout(policy), algo, generator=torch.Generator().manual_seed(0))
+    out = update(policy, sampled_record(policy), algo, generator=torch.Generator().manual_seed(0))
     if epochs == 1 and minibatches == 1:
         assert out["ppo_kl"] == 0.0 and out["pg_clipfrac"] == 0.0
     assert out["skipped_nonfinite"] == 0 and out["grad_norm"] > 0
@@ -85,7 +48,7 @@ def test_first_update_is_on_policy(tiny_model_dir, epochs, minibatches):
 def test_masked_tokens_do_not_move_the_weights(tiny_model_dir):
     """Tokens outside loss_mask (environment/tool/other-agent text) carry no gradient."""
     base = make_policy(tiny_model_dir)
-    rec = rollout(base)
+    rec = sampled_record(base)
     # Mask the middle of every response as if a tool had written it.
     mask = rec["loss_mask"].clone()
     mask[:, 1:3] = 0
@@ -102,19 +65,9 @@ def test_masked_tokens_do_not_move_the_weights(tiny_model_dir):
     assert not same(weights(a), weights(base))
 
 
-def grads_at_step(policy) -> list:
-    seen = []
-    policy.optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: seen.append(
-            [p.grad.clone() for g in opt.param_groups for p in g["params"]]
-        )
-    )
-    return seen
-
-
 def test_micro_batching_matches_one_big_batch(tiny_model_dir):
     """No clipping (it would hide a wrongly scaled gradient): the same gradient either way."""
-    rec = rollout(make_policy(tiny_model_dir))
+    rec = sampled_record(make_policy(tiny_model_dir))
     big = make_policy(tiny_model_dir, micro=64, max_grad_norm=0.0)
     small = make_policy(tiny_model_dir, micro=3, max_grad_norm=0.0)
     gb, gs = grads_at_step(big), grads_at_step(small)
@@ -137,7 +90,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_gradient(
     from polyrl.core.config import ConfigError
 
     policy = make_policy(tiny_model_dir)
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     rec["reward"] = torch.tensor([1.0] * 8 + [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
     group_credit(rec, AlgorithmConfig())
     assert not rec["advantages"][:8].any() and rec["advantages"][8:].any(-1).all()
@@ -176,7 +129,7 @@ def test_two_policies_update_only_from_their_own_rows(tiny_model_dir):
     assert not {id(p) for g in pa.optimizer.param_groups for p in g["params"]} & {
         id(p) for g in pb.optimizer.param_groups for p in g["params"]
     }
-    rows_a, rows_b = rollout(pa, seed=1, name="a"), rollout(pb, seed=2, name="b")
+    rows_a, rows_b = sampled_record(pa, seed=1, name="a"), sampled_record(pb, seed=2, name="b")
     mixed = concat([rows_a, rows_b])
     assert strings(select_policy(mixed, "a"), "policy") == ["a"] * rows_a.batch_size[0]
     alone = copy.deepcopy(pa)
@@ -191,7 +144,7 @@ def test_two_policies_update_only_from_their_own_rows(tiny_model_dir):
 
 def test_nonfinite_gradient_skips_the_step_and_leaves_weights(tiny_model_dir):
     policy = make_policy(tiny_model_dir)
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     adv = rec["advantages"].clone()
     adv[0, 0] = float("nan")
     rec["advantages"] = adv
@@ -227,7 +180,7 @@ def test_entropy_is_reported_per_trained_token_without_a_bonus(tiny_model_dir):
     mean over loss-mask tokens, computed here from a direct forward. The metric alone leaves
     the update bitwise unchanged; the bonus changes it."""
     policy = make_policy(tiny_model_dir, lr=0.0)
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     rec["loss_mask"][0] = 0  # a row the policy does not train
     ids = torch.cat([rec["prompt_ids"], rec["response_ids"]], 1)
     mask = torch.cat([rec["prompt_mask"], rec["response_mask"]], 1)
@@ -261,7 +214,9 @@ def test_entropy_is_reported_per_trained_token_without_a_bonus(tiny_model_dir):
 def test_kl_to_reference_is_zero_before_the_first_step(tiny_model_dir):
     cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-3))
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
-    out = update(policy, rollout(policy), AlgorithmConfig(kl_coef=0.1, kl_estimator="low_var_kl"))
+    out = update(
+        policy, sampled_record(policy), AlgorithmConfig(kl_coef=0.1, kl_estimator="low_var_kl")
+    )
     assert out["kl"] == 0.0
 
 
@@ -270,7 +225,7 @@ def test_lora_reference_is_the_base_and_only_adapters_train(tiny_model_dir):
     cfg.lora.r, cfg.lora.target_modules = 4, ["q_proj", "v_proj"]
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)
     base = {k: v.clone() for k, v in policy.model.state_dict().items() if "lora_" not in k}
-    rec = rollout(policy)
+    rec = sampled_record(policy)
     for _ in range(3):
         update(policy, rec.clone(), AlgorithmConfig(kl_coef=0.1))
     now = policy.model.state_dict()
