@@ -16,7 +16,6 @@ from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.credit import group_credit
 from polyrl.core.policy import (
     CausalLMPolicy,
-    OptimConfig,
     PolicyConfig,
     pack_rows,
     packs,
@@ -24,7 +23,8 @@ from polyrl.core.policy import (
 )
 from polyrl.core.record import text_record
 from polyrl.core.trainer import _micro_batch_rows, update
-from tests.core.test_trainer import grads_at_step
+from tests.helpers.packing import make_policy, passes
+from tests.helpers.trainer import grads_at_step
 
 # response lengths: most short, some long (the workload packing is for)
 LENGTHS = [1, 2, 40, 3, 1, 2, 33, 4, 2, 1, 3, 27]
@@ -57,30 +57,6 @@ def variable_batch(tok, lengths=LENGTHS, seed=0):
     rec["reward"] = torch.rand(len(lengths), generator=gen)
     group_credit(rec, AlgorithmConfig())
     return rec
-
-
-def make_policy(model_dir, *, attn="sdpa", lora=0, **kw):
-    from polyrl.core.policy import LoraConfig
-
-    cfg = PolicyConfig(
-        model=model_dir,
-        optim=OptimConfig(lr=1e-3, max_grad_norm=0.0),
-        lora=LoraConfig(r=lora),
-        **kw,
-    )
-    policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=False)
-    policy.model.set_attn_implementation(attn)
-    return policy
-
-
-def passes(model, batch, **kw):
-    """Log-probs, entropies and parameter gradients of one pass (T = 0.7)."""
-    model.zero_grad()
-    mask = batch["response_mask"].bool()
-    logp, ent = response_logprobs(model, batch, 0.7, True, **kw)
-    (logp * mask * torch.linspace(0.5, 1.5, mask.shape[1])).sum().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    return logp, ent, grads
 
 
 @pytest.mark.parametrize("attn,lora", [("sdpa", 0), ("eager", 0), ("sdpa", 4)])

@@ -18,8 +18,8 @@ from polyrl.core.credit import group_credit
 from polyrl.core.policy import PolicyConfig, prefix_units, response_logprobs
 from polyrl.core.record import text_record
 from polyrl.core.trainer import _micro_batch_rows, update
-from tests.core.test_packing import make_policy, passes
-from tests.core.test_trainer import grads_at_step
+from tests.helpers.packing import make_policy, passes
+from tests.helpers.trainer import grads_at_step
 
 
 def tree_batch(seed=0, plens=(40, 25, 33), group=4):
