@@ -167,8 +167,9 @@ def test_tests_mirror_packages():
         rel = path.relative_to(tests)
         if len(rel.parts) == 1:
             continue  # top-level tests (layout, examples) and conftest.py
-        assert rel.parts[0] in PACKAGES, (
+        assert rel.parts[0] in (*PACKAGES, "helpers"), (
             f"tests/{rel} is not under a package folder; put it in tests/<package>/ for one "
-            f"of {', '.join(PACKAGES)}, or at the top of tests/"
+            f"of {', '.join(PACKAGES)}, in tests/helpers/ if other tests import it, or at "
+            "the top of tests/"
         )
     assert not list(tests.rglob("__init__.py")), "tests/ must not be a package"
