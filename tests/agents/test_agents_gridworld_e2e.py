@@ -10,29 +10,24 @@ finer step-level credit shows.
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.helpers.examples import example_for_spawned_workers
+
 STEPS = 10
 
 
 @pytest.mark.slow
 def test_gigpo_beats_episode_grpo_on_the_grid_world(grid_model_dir, tmp_path):
-    sys.path.insert(0, str(EXAMPLES))  # spawned workers inherit sys.path and import it too
-    try:
-        compare = importlib.import_module("gridworld_compare")
+    with example_for_spawned_workers("gridworld_compare") as compare:
         start = time.perf_counter()
         result = compare.compare(
             tmp_path, steps=STEPS, seeds=(0, 1, 2), workers=2, model=grid_model_dir, eval_every=5
         )
         elapsed = time.perf_counter() - start
-    finally:
-        sys.path.remove(str(EXAMPLES))
     for key, run in sorted(result["runs"].items()):
         curve = " ".join(f"{s}:{a:.2f}" for s, a in run["curve"])
         print(f"{key:16s} {curve}  ({run['step_s']:.2f} s/step, {run['wall_s']:.0f} s)")

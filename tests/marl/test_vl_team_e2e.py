@@ -21,8 +21,8 @@ from PIL import Image
 
 from polyrl.marl import vl_team
 from polyrl.marl.workflows import LOOKER_ROLE, SOLVER_ROLE
+from tests.helpers.recipes import vl_team_recipe
 
-EXAMPLES = Path(__file__).parents[2] / "examples"
 CHANCE = 1 / len(vl_team.COLOURS)
 
 
@@ -74,30 +74,8 @@ def test_options_are_checked_with_the_key_named(tmp_path):
         vl_team.write_dataset(tmp_path, seed=0, solver_bias=1.5)
 
 
-def _recipe(tmp_path: Path, models: Path, *overrides: str):
-    from polyrl.core.config import load
-    from polyrl.core.recipe import Config
-    from polyrl.core.registry import load_plugins
-
-    load_plugins()
-    return load(
-        Config,
-        EXAMPLES / "vl_team_colour.yaml",
-        [
-            f"run.dir={tmp_path}/run",
-            "run.progress=false",
-            "run.tensorboard=false",
-            f"task.dir={tmp_path}/data",
-            f"rollout.args.image_root={tmp_path}/data",
-            f"policies.looker.model={models}/looker",
-            f"policies.solver.model={models}/solver",
-            *overrides,
-        ],
-    )
-
-
 def test_recipe_loads_with_the_task_and_workflow(tmp_path):
-    cfg = _recipe(tmp_path, tmp_path / "models")
+    cfg = vl_team_recipe(tmp_path, tmp_path / "models")
     assert cfg.task.name == "vl_team_colour" and cfg.rollout.workflow == "look_and_answer"
     assert cfg.task.args["solver_bias"] > 0 and cfg.sft.steps > 0
 
@@ -131,13 +109,13 @@ def _three_seeds(tmp_path_factory, loop, Session) -> None:
     ends, swaps = [], []
     for seed in (0, 1, 2):
         where = tmp_path_factory.mktemp(f"seed{seed}")
-        run = loop.train(_recipe(where, models, f"seed={seed}"))
+        run = loop.train(vl_team_recipe(where, models, f"seed={seed}"))
         points = _curve(run.path)
         print(f"\nseed {seed}: held-out success {points}")
         assert points[0][1] <= 0.4, f"after the warm start success should be near 1/4: {points}"
         ends.append(points[-1][1])
         # the trained solver, frozen, with the looker's warm start only (the same SFT rows)
-        swap = _recipe(
+        swap = vl_team_recipe(
             where / "swap",
             models,
             f"seed={seed}",

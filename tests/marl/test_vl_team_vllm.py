@@ -9,9 +9,7 @@ pushed after the first update reached the vision tower and the language model al
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -20,18 +18,11 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 
-def _sibling(name: str):
-    """A test module beside this one (importlib mode makes no package of tests/)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_vl_looker_on_vllm_matches_the_trainer_across_a_sync(tmp_path):
     from polyrl.core import loop
+    from tests.helpers.recipes import vl_team_recipe
 
-    recipe = _sibling("test_vl_team_e2e")._recipe(
+    recipe = vl_team_recipe(
         tmp_path,
         tmp_path / "models",
         "policies.looker.engine.name=vllm_vl",
