@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import math
 import secrets
@@ -40,6 +41,10 @@ from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
+
+# Requests with more messages than this are rendered on a worker thread, so a long
+# conversation (thousands of messages: seconds of templating) never stalls the others.
+LONG = 64
 
 # --------------------------------------------------------------------------- episodes
 
@@ -102,17 +107,20 @@ class _Cache:
 
     def __init__(self, size: int) -> None:
         self.size, self.data = size, OrderedDict()
+        self.lock = threading.Lock()  # long prompts render on worker threads
 
     def get(self, key):
-        value = self.data.get(key)
-        if value is not None:
-            self.data.move_to_end(key)
-        return value
+        with self.lock:
+            value = self.data.get(key)
+            if value is not None:
+                self.data.move_to_end(key)
+            return value
 
     def put(self, key, value) -> None:
-        self.data[key] = value
-        if len(self.data) > self.size:
-            self.data.popitem(last=False)
+        with self.lock:
+            self.data[key] = value
+            if len(self.data) > self.size:
+                self.data.popitem(last=False)
 
 
 # --------------------------------------------------------------------------- server
@@ -169,7 +177,7 @@ class GatewayServer:
         self.contexts = contexts or {}
         self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
         self.limits = limits
-        self._joined = 0  # names each request's joined images
+        self._joined = itertools.count(1)  # names each request's joined images
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
         # Templates that never mention tool_calls would drop an assistant's calls when a
         # conversation is rendered afresh; those get the calls as Hermes text instead.
@@ -498,10 +506,8 @@ class GatewayServer:
             raise RequestError(400, str(e), param="messages") from None
         handles = (before.handles if before else []) + [handle]
         starts = (before.starts if before else []) + [offset + s for s in starts]
-        self._joined += 1
-        return ids, Images(
-            handles, starts, vision.join_images(handles, starts, f"gw:{self._joined}")
-        )
+        joined = next(self._joined)  # atomic: long prompts are placed on worker threads
+        return ids, Images(handles, starts, vision.join_images(handles, starts, f"gw:{joined}"))
 
     def _fit(self, req: Request, prompt: list[int]) -> int:
         """The request's token budget within its model's context: a prompt that leaves no
@@ -533,7 +539,10 @@ class GatewayServer:
                 "gives no top_logprobs; leave top_logprobs out or use the hf engine",
                 param="top_logprobs",
             )
-        prompt, stitched, images = self.prompt_ids(ep, req)
+        if len(req.messages) > LONG:  # rendering it takes a while: off the event loop
+            prompt, stitched, images = await asyncio.to_thread(self.prompt_ids, ep, req)
+        else:
+            prompt, stitched, images = self.prompt_ids(ep, req)
         req.max_tokens = self._fit(req, prompt)
         vision = images.joined if images is not None else None
         params = SamplingParams(

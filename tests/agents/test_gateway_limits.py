@@ -4,6 +4,8 @@ goes on. The tiny grid model takes 512 positions (``core.tiny``'s default)."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 
 import httpx
@@ -15,6 +17,9 @@ from polyrl.core.record import strings
 from tests.agents.test_gateway import SpyEngine, by_episode, first, ids, rows
 
 RESULTS: dict = {}
+DONE = itertools.count()  # the order in which the crowd's requests came back
+BIG_SENT = threading.Event()  # the crowd's big request is on its way
+RELEASED = threading.Event()  # the held engine call of the timeout test returned
 HERE = "tests.agents.test_gateway_limits"
 CONTEXT = 512
 
@@ -169,33 +174,52 @@ def crowd_agent(row, ep):
     """Episode 0 sends a 10,000-message conversation; the others a short one."""
     client = ep.openai()
     if row["big"]:
-        msgs = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k}"}
+        msgs = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k} " * 8}
                 for k in range(10_000)]  # fmt: skip
-        RESULTS[("crowd", ep.episode)] = status(
-            lambda: client.chat.completions.create(model="main", messages=msgs)
-        )
+        if row["raw"]:  # the openai client spends seconds building a 10,000-message body
+            BIG_SENT.set()
+            r = httpx.post(
+                ep.base_url + "/chat/completions",
+                json={"model": "main", "messages": msgs},
+                headers={"Authorization": f"Bearer {ep.api_key}"},
+                timeout=60,
+            )
+            RESULTS[("crowd", ep.episode)] = (r.status_code, r.json()["error"]["message"])
+        else:
+            BIG_SENT.set()
+            RESULTS[("crowd", ep.episode)] = status(
+                lambda: client.chat.completions.create(model="main", messages=msgs)
+            )
+        RESULTS[("crowd", ep.episode)] += (next(DONE),)
         client.chat.completions.create(model="main", messages=msgs[:1], max_tokens=2)
         return 1.0
+    BIG_SENT.wait(30)
+    time.sleep(0.5)  # the big request is being rendered now (seconds of templating)
     r = client.chat.completions.create(
         model="main", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=4
     )
-    RESULTS[("crowd", ep.episode)] = (200, r.choices[0].message.content)
+    RESULTS[("crowd", ep.episode)] = (200, r.choices[0].message.content, next(DONE))
     return 1.0
 
 
 @pytest.mark.parametrize("max_messages", [1024, 20_000])
 def test_a_10000_message_request_never_reaches_the_engine(gateway, models, items, max_messages):
     """Refused by the message cap (default) or, with the cap raised, by the context check;
-    either way before the engine, so the other episodes' requests are served as usual."""
+    either way before the engine. With the cap raised its rendering takes seconds, on a
+    worker thread: the other episodes' requests are answered before its refusal."""
     _, engines = models
+    BIG_SENT.clear()
     wf = gateway("crowd_agent", max_messages=max_messages)
-    data = [{"prompt": "grid S.G", "big": True}] + [{"prompt": f"grid {k}", "big": False}
-                                                   for k in range(3)]  # fmt: skip
+    raw = max_messages > 10_000
+    data = [{"prompt": "grid S.G", "big": True, "raw": raw}] + [
+        {"prompt": f"grid {k}", "big": False, "raw": raw} for k in range(3)
+    ]
     rec = wf.rollout(items(data), SamplingParams(n=1, max_new_tokens=4))
     assert rec["valid"].all() and rec.batch_size[0] == 4
     metas = strings(rec, "meta")
+    order = {}
     for i, m in enumerate(metas):
-        code, msg = RESULTS[("crowd", m["episode"])]
+        code, msg, order[m["row"]["big"], i] = RESULTS[("crowd", m["episode"])]
         if m["row"]["big"]:
             want = "10000 messages" if max_messages == 1024 else f"takes {CONTEXT} tokens"
             assert code == 400 and want in msg, msg
@@ -203,6 +227,9 @@ def test_a_10000_message_request_never_reaches_the_engine(gateway, models, items
             assert code == 200 and len(ids(rec, "response_ids", i)) >= 1
     assert len(engines["main"].log) == 4
     assert all(len(p) < CONTEXT for p, _ in engines["main"].log)
+    if max_messages > 10_000:
+        big = next(v for (b, _), v in order.items() if b)
+        assert all(v < big for (b, _), v in order.items() if not b), order
 
 
 class SlowEngine:
@@ -215,7 +242,10 @@ class SlowEngine:
         self.calls.append((params.temperature, len(prompts)))
         if len(self.calls) == 1:
             time.sleep(self.hold)
-        return self.engine.generate(prompts, params)
+        try:
+            return self.engine.generate(prompts, params)
+        finally:
+            RELEASED.set()
 
 
 def timeout_agent(row, ep):
@@ -226,7 +256,7 @@ def timeout_agent(row, ep):
             model="main", messages=msgs, max_tokens=2, temperature=row["t"]
         )
     )
-    time.sleep(2.0)  # until the held call is over: the retry is served at once
+    RELEASED.wait(30)  # the held call is over: the retry is served at once
     again = client.chat.completions.create(model="main", messages=msgs, max_tokens=2)
     RESULTS[("timeout", ep.episode)] = (first_try, again.choices[0].finish_reason)
     return 1.0
@@ -240,6 +270,7 @@ def test_a_request_that_timed_out_waiting_is_never_sent_to_the_engine(models, it
     from polyrl.core.workflow import Context
 
     policies, engines = models
+    RELEASED.clear()
     slow = SlowEngine(engines["main"].engine, hold=2.0)
     wf = Gateway(
         Context(None, policies, {"main": slow}), agent=f"{HERE}:timeout_agent", request_timeout=0.8
