@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from polyrl.core.interfaces import Closable
+from polyrl.core.interfaces import Closable, Engine
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 
@@ -75,7 +75,7 @@ def as_requests(prompts: Sequence[Prompt]) -> list[Request]:
     return [p if isinstance(p, Request) else Request(list(p)) for p in prompts]
 
 
-def text_requests(engine: Any, prompts: Sequence[Prompt]) -> list[Request]:
+def text_requests(engine: Engine, prompts: Sequence[Prompt]) -> list[Request]:
     """The requests, for an engine that takes no images (a clear error if one has any)."""
     out = as_requests(prompts)
     for i, r in enumerate(out):

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
-from polyrl.core.interfaces import ChecksConfig, PartialRollouts, RecordsTokenVersions
+from polyrl.core.interfaces import (
+    ChecksConfig,
+    PartialRollouts,
+    RecordsTokenVersions,
+    Workflow,
+)
 from polyrl.core.loggers import LoggerName, check_loggers
 from polyrl.core.policy import PolicyConfig, resolve_device
 from polyrl.core.registry import (
@@ -236,7 +242,7 @@ class Config:
                 "(a full fine-tune's frozen reference takes the warmed-up weights)."
             )
 
-    def check_partial(self, workflow: Any, source: str) -> None:
+    def check_partial(self, workflow: Callable[..., Workflow], source: str) -> None:
         """``rollout.partial`` needs a producer ahead, engines that take weights mid-call
         (interfaces.PartialRollouts) and a workflow that records token versions."""
         where = f"rollout.partial in {source}"
