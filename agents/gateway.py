@@ -72,28 +72,27 @@ class Endpoint:
         """A synchronous ``openai.OpenAI`` client for this episode (no retries). Its HTTP
         client skips TLS setup (plain HTTP to 127.0.0.1): loading the CA store costs ~40 ms
         per client, more than an engine call on a small model."""
-        import httpx
-        import openai
-
-        return openai.OpenAI(
-            base_url=self.base_url,
-            api_key=self.api_key,
-            max_retries=0,
-            timeout=self.timeout,
-            http_client=httpx.Client(verify=False, timeout=self.timeout),
-        )
+        return self._client(asynchronous=False)
 
     def async_openai(self):
         """An ``openai.AsyncOpenAI`` client for this episode (no retries, no TLS setup)."""
+        return self._client(asynchronous=True)
+
+    def _client(self, *, asynchronous: bool):
         import httpx
         import openai
 
-        return openai.AsyncOpenAI(
+        client, http = (
+            (openai.AsyncOpenAI, httpx.AsyncClient)
+            if asynchronous
+            else (openai.OpenAI, httpx.Client)
+        )
+        return client(
             base_url=self.base_url,
             api_key=self.api_key,
             max_retries=0,
             timeout=self.timeout,
-            http_client=httpx.AsyncClient(verify=False, timeout=self.timeout),
+            http_client=http(verify=False, timeout=self.timeout),
         )
 
     def reward(self, value: float, turn: int | None = None) -> None:

@@ -14,7 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import (
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    Required,
+    TypedDict,
+    Unpack,
+    runtime_checkable,
+)
 
 import torch
 from tensordict import TensorDict
@@ -51,6 +60,15 @@ class HasCorpus(Protocol):
 # --------------------------------------------------------------------------- policies
 
 
+class PolicyBuild(TypedDict, total=False):
+    """The keyword arguments every policy kind is built with, besides its name and config."""
+
+    total_steps: Required[int]  # updates in the run: the learning-rate schedule's length
+    need_reference: Required[bool]  # keep a frozen KL reference (full fine-tunes)
+    shared: dict | None  # one dict per run: what the run's policies share (a LoRA base)
+    device: str | torch.device | None  # absent or None: the kind's default
+
+
 @runtime_checkable
 class Policy(Protocol):
     """A trainable model with its own optimizer, schedule and checkpoint (``POLICIES``).
@@ -70,17 +88,8 @@ class Policy(Protocol):
     reference: torch.nn.Module | None
     reference_warmed: bool
 
-    def __init__(
-        self,
-        name: str,
-        cfg: Any,
-        *,
-        total_steps: int,
-        need_reference: bool,
-        shared: dict | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        """How the core builds a policy: ``POLICIES.get(kind)(name, cfg, ...)``."""
+    def __init__(self, name: str, cfg: Any, **build: Unpack[PolicyBuild]) -> None:
+        """How the core builds a policy: ``POLICIES.get(kind)(name, cfg, **build)``."""
 
     @staticmethod
     def load_tokenizer(cfg: Any) -> Any:

@@ -14,13 +14,14 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Unpack, cast
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core import prefix
 from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
 from polyrl.core.tiny import ensure_model
@@ -442,19 +443,11 @@ def token_logprobs(
 class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
-    def __init__(
-        self,
-        name: str,
-        cfg: PolicyConfig,
-        *,
-        total_steps: int,
-        need_reference: bool,
-        shared: dict | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
+    def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.name, self.cfg = name, cfg
+        self.device = torch.device(build.get("device") or "cpu")
         if cfg.args:
             raise ValueError(
                 f"policies.{name}.args {sorted(cfg.args)}: the causal_lm policy kind "
@@ -468,10 +461,10 @@ class CausalLMPolicy:
         model = model.to(self.device)  # type: ignore[arg-type]
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.need_reference = need_reference
+        self.need_reference = build["need_reference"]
         self.reference_warmed = False  # a warm start has not moved the reference yet
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
-            model, cfg, need_reference=need_reference, total_steps=total_steps
+            model, cfg, need_reference=self.need_reference, total_steps=build["total_steps"]
         )
 
     @staticmethod

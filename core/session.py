@@ -94,6 +94,13 @@ def prepare_task(cfg: Config, run_dir: Path) -> DataSources:
     )
 
 
+def _part(state: dict[str, Any], key: str, step: int, why: str) -> Any:
+    """A checkpoint part the run needs; a checkpoint without it is refused with ``why``."""
+    if key not in state:
+        raise ValueError(f"checkpoint of step {step} holds no {key} state, but {why}")
+    return state[key]
+
+
 @dataclass
 class Session:
     cfg: Config
@@ -376,22 +383,16 @@ class Session:
             e.load_state_dict(t["engines"][n])
         self.sampler.load_state_dict(t["sampler"])
         if isinstance(self.workflow, Stateful):
-            if "workflow" not in state:
-                raise ValueError(
-                    f"checkpoint of step {step} holds no workflow state, but "
-                    f"workflow {self.cfg.rollout.workflow!r} keeps one; was it "
-                    "written by an older PolyRL or another recipe?"
-                )
-            self.workflow.load_state_dict(state["workflow"])
+            workflow = self.cfg.rollout.workflow
+            self.workflow.load_state_dict(
+                _part(state, "workflow", step, f"workflow {workflow!r} keeps a state")
+            )
         set_rng_state(t["rng"])
         self.gen.set_state(t["gen"])
         if isinstance(self.rollouts, Ahead):
-            if "rollouts" not in state:
-                raise ValueError(
-                    f"checkpoint of step {step} was written with rollout.max_staleness: 0; "
-                    f"resume it with max_staleness 0, not {self.cfg.rollout.max_staleness}"
-                )
-            self.rollouts.load_state_dict(state["rollouts"], step)
+            k = self.cfg.rollout.max_staleness
+            why = f"it was written with rollout.max_staleness: 0; resume with 0, not {k}"
+            self.rollouts.load_state_dict(_part(state, "rollouts", step, why), step)
         self.step = step
 
     def finish(self, final: dict[str, float], *, export: bool = True) -> None:

@@ -33,11 +33,10 @@ steps to run (see :meth:`DiffusionPolicy._steps_to_run`), so each calls it equal
 from __future__ import annotations
 
 import contextlib
-import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar, Unpack
 
 import torch
 import torch.distributed as dist
@@ -45,16 +44,13 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc
+from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
 from polyrl.core.policy import (
+    CausalLMPolicy,
     LoraConfig,
     PolicyConfig,
-    checkpoint_state,
-    load_checkpoint_state,
-    load_weights,
     prepare_for_training,
-    trainable_weights,
-    warm_start_optimizer,
 )
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
@@ -156,17 +152,9 @@ class DiffusionPolicy:
     # the engine trains the selected steps of any sampler (the ODE too) and records seeds
     forward_process: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        name: str,
-        cfg: PolicyConfig,
-        *,
-        total_steps: int,
-        need_reference: bool,
-        shared: dict | None = None,
-        device: str | torch.device | None = None,
-    ) -> None:
-        self.name, self.cfg, self.device = name, cfg, _device(device)
+    def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
+        self.name, self.cfg, self.device = name, cfg, _device(build.get("device"))
+        need_reference, total_steps = build["need_reference"], build["total_steps"]
         self.args = policy_options(cfg, name)
         from polyrl.diffusion.engine import sampling_options  # engine imports this module
 
@@ -431,29 +419,14 @@ class DiffusionPolicy:
             logp, _, _ = self._transitions(batch, ref, want_means=False)
         return logp
 
-    # --- state --------------------------------------------------------------------------
-    def trainable_state(self) -> dict[str, Tensor]:
-        return trainable_weights(self.model, lora=self.cfg.lora.r > 0)
-
-    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
-        load_weights(self.name, self.model, state, lora=self.cfg.lora.r > 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        return checkpoint_state(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_checkpoint_state(self, state)
-
-    def sft_optimizer(self, lr: float | None):
-        return warm_start_optimizer(
-            self, [p for p in self.model.parameters() if p.requires_grad], lr
-        )
-
-    def named_weights(self):
-        if self.cfg.lora.r > 0:
-            merged = copy.deepcopy(self.model).merge_and_unload()
-            return merged.state_dict().items()
-        return self.model.state_dict().items()
+    # --- state: the causal-LM policy's, which reads the same name, cfg, model, optimizer
+    # and scheduler attributes (a PEFT adapter on ``model`` for LoRA)
+    trainable_state = CausalLMPolicy.trainable_state
+    load_trainable_state = CausalLMPolicy.load_trainable_state
+    state_dict = CausalLMPolicy.state_dict
+    load_state_dict = CausalLMPolicy.load_state_dict
+    sft_optimizer = CausalLMPolicy.sft_optimizer
+    named_weights = CausalLMPolicy.named_weights
 
     def export(self, out_dir: str | Path) -> Path:
         """diffusers format: a LoRA as ``pytorch_lora_weights.safetensors`` (load it with

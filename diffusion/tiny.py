@@ -45,10 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,6 +57,7 @@ import torch
 from torch import Tensor
 
 from polyrl.core.registry import MODELS, TASKS
+from polyrl.core.tiny import build_once
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 COMPLETE = "model_index.json"
@@ -118,7 +116,7 @@ def build_tiny(
     ``corpus``'s prompts (``texts``, its tokenizers' vocabulary), which is saved, then
     pre-trained by ``pretrain(dir, training)`` when ``training.steps`` (on task ``task``
     only, and with ``vae`` given, only with the exact ``patch`` VAE), all in a temp dir
-    renamed into place once complete (:func:`_build_once`)."""
+    renamed into place once complete (:func:`polyrl.core.tiny.build_once`)."""
     if training.steps and (corpus != task or vae not in (None, "patch")):
         raise ValueError(
             f"{builder} pre-trains on the {task} task"
@@ -131,34 +129,11 @@ def build_tiny(
         if training.steps:
             pretrain(tmp, training)
 
-    return _build_once(path, write)
+    return build_once(path, write, is_complete)
 
 
 def is_complete(path: str | Path) -> bool:
     return (Path(path).expanduser() / COMPLETE).is_file()
-
-
-def _build_once(path: str | Path, write) -> Path:
-    """Run ``write(tmp_dir)`` in a temp dir next to ``path`` and rename it into place, so a
-    crash never leaves a half-built model; an existing complete checkpoint is returned."""
-    path = Path(path).expanduser()
-    if is_complete(path):
-        return path
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{path} exists but is not a complete model; remove it to rebuild")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-        write(tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not is_complete(path):  # a concurrent builder that finished first is fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 # ------------------------------------------------------------- tokenizers and encoders

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.policy import (
     CausalLMPolicy,
     checkpoint_state,
@@ -41,16 +42,7 @@ class LoraAgentPolicy:
 
     load_tokenizer = staticmethod(CausalLMPolicy.load_tokenizer)
 
-    def __init__(
-        self,
-        name: str,
-        cfg: Any,
-        *,
-        total_steps: int,
-        need_reference: bool,
-        shared: dict | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
+    def __init__(self, name: str, cfg: Any, **build: Unpack[PolicyBuild]) -> None:
         from peft import LoraConfig as PeftLora
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
@@ -59,7 +51,10 @@ class LoraAgentPolicy:
             raise ValueError(
                 f"policy {name!r}: kind lora_agent needs lora.r > 0 (got {cfg.lora.r})"
             )
-        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.name, self.cfg = name, cfg
+        self.device = torch.device(build.get("device") or "cpu")
+        need_reference, total_steps = build["need_reference"], build["total_steps"]
+        shared = build.get("shared")
         self.adapter = name
         self.need_reference = need_reference
         self.reference = None

@@ -20,12 +20,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import doc
+from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
 from polyrl.core.record import strings
@@ -100,19 +101,11 @@ class QwenVLPolicy(CausalLMPolicy):
     """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
     default); see the module docstring for its options."""
 
-    def __init__(
-        self,
-        name: str,
-        cfg: PolicyConfig,
-        *,
-        total_steps: int,
-        need_reference: bool,
-        shared: dict | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
+    def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForImageTextToText
 
-        self.name, self.cfg, self.device = name, cfg, torch.device(device)
+        self.name, self.cfg = name, cfg
+        self.device = torch.device(build.get("device") or "cpu")
         # typed by the recipe; bound here too for a config built in code
         self.options = bind(
             QwenVLOptions, cfg.args, f"policies.{name}.args", "<config>", "policy kind 'qwen_vl'"
@@ -130,13 +123,13 @@ class QwenVLPolicy(CausalLMPolicy):
             model.gradient_checkpointing_enable()
         if self.options.freeze_vision:
             forward.parts(model).visual.requires_grad_(False)
-        self.need_reference = need_reference
+        self.need_reference = build["need_reference"]
         self.reference_warmed = False  # a warm start has not moved the reference yet
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model,
             cfg,
-            need_reference=need_reference,
-            total_steps=total_steps,
+            need_reference=self.need_reference,
+            total_steps=build["total_steps"],
             lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision),
         )
         self.scorer = ResponseScorer(self.model)

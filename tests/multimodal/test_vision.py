@@ -217,7 +217,7 @@ def test_export_reloads_as_a_hugging_face_vl_model(make_policy, tmp_path):
 
 
 def test_evaluation_rollouts_draw_answers_under_their_images(vl_dataset, tmp_path, one_thread):
-    """Training rollouts draw nothing; each evaluation (other sampling settings) writes a
+    """Training rollouts draw nothing; each evaluation (``phase="eval"``) writes a
     sheet of the held-out images with the first answer and the ground truth."""
     from pathlib import Path
 
@@ -239,8 +239,9 @@ def test_evaluation_rollouts_draw_answers_under_their_images(vl_dataset, tmp_pat
     items = list(ds)
     wf.rollout(items, ctx.sampling())
     assert not (tmp_path / "samples").exists()
-    wf.rollout(items, ctx.sampling(n=1, temperature=0.0, max_new_tokens=2))
-    wf.rollout(items, ctx.sampling(n=1, temperature=0.0, max_new_tokens=2))
+    evaluation = ctx.sampling(n=1, temperature=0.0, max_new_tokens=2)
+    wf.rollout(items, evaluation, phase="eval")
+    wf.rollout(items, evaluation, phase="eval")
     sheets = sorted((tmp_path / "samples").glob("eval_answers_*.png"))
     assert [p.name for p in sheets] == ["eval_answers_000000.png", "eval_answers_000001.png"]
     with Image.open(tmp_path / "answers_after.png") as sheet:
