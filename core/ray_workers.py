@@ -27,6 +27,7 @@ from polyrl.core.interfaces import (
     ExportsWeights,
     HasProcessor,
     LoadsTrainableState,
+    Policy,
     RemoteMethods,
     ShardsItsRoot,
 )
@@ -76,7 +77,7 @@ def _shard(
     fully_shard(model if root is None else root, mesh=mesh, offload_policy=policy)
 
 
-def _fsdp_root(policy: Any, model: torch.nn.Module) -> torch.nn.Module | None:
+def _fsdp_root(policy: Policy, model: torch.nn.Module) -> torch.nn.Module | None:
     """The policy's FSDP root for ``model`` (its ``fsdp_root``), or None: the model itself."""
     return policy.fsdp_root(model) if isinstance(policy, ShardsItsRoot) else None
 
@@ -159,7 +160,7 @@ def _local_bytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
-def memory_report(policy: Any) -> dict[str, int]:
+def memory_report(policy: Policy) -> dict[str, int]:
     """Peak (``VmHWM``) and current (``VmRSS``) resident bytes of this process, and the
     bytes this process holds of the policy's parameters, gradients (during a step) and
     optimizer state: its shards under FSDP, everything in local mode."""
