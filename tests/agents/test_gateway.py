@@ -10,31 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams, as_requests
+from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from tests.helpers.gateway import (
+    GRID_AGENT,
+    SpyEngine,
+    by_episode,
+    first,
+    gateway_recipe,
+    ids,
+    rows,
+)
 
 RESULTS: dict = {}
 HERE = "tests.agents.test_gateway"
-
-
-class SpyEngine:
-    """The real engine, keeping every (prompt, completion) it served."""
-
-    def __init__(self, engine):
-        self.engine, self.log = engine, []
-
-    def generate(self, prompts, params):
-        outs = self.engine.generate(prompts, params)
-        requests = as_requests(prompts)
-        self.log += [(requests[o.prompt_index].prompt, o) for o in outs]
-        return outs
 
 
 @pytest.fixture(scope="module")
@@ -69,29 +64,6 @@ def gateway(models):
     yield make
     for wf in made:
         wf.close()
-
-
-def rows(*prompts, **extra):
-    return [{"prompt": p, **extra} for p in prompts]
-
-
-def first(messages, tokenizer):
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def by_episode(rec):
-    out: dict[int, list[int]] = {}
-    for i, m in enumerate(strings(rec, "meta")):
-        out.setdefault(m["episode"], []).append(i)
-    return out
-
-
-def ids(rec, key, i):
-    mask = rec["loss_mask"][i].bool()
-    if key == "prompt_ids":
-        return rec["prompt_ids"][i][rec["prompt_mask"][i].bool()].tolist()
-    return rec[key][i][mask].tolist()
 
 
 # --------------------------------------------------------------------------- agents
@@ -480,7 +452,7 @@ def test_tool_calls_are_parsed_and_the_tool_turn_is_stitched(grid_tokenizer, ite
     with one; the server, the client and the record are the real ones."""
     from polyrl.agents.gateway import Gateway
     from polyrl.core.workflow import Context
-    from tests.agents.conftest import FakePolicy, ScriptedEngine
+    from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
@@ -512,34 +484,6 @@ def test_tool_calls_are_parsed_and_the_tool_turn_is_stitched(grid_tokenizer, ite
     assert ids(rec, "response_ids", 0) == engine.calls[0][2][0].token_ids  # scripted, exact
 
 
-def grid_agent(row, ep):
-    """Walks the grid by asking the model for moves; the reward is the share of its
-    replies that start with a lowercase letter (dense enough that an untrained model's
-    episodes differ, so the batch has a gradient)."""
-    client = ep.openai()
-    msgs = [{"role": "user", "content": row["prompt"]}]
-    named = 0
-    for _ in range(2):
-        r = client.chat.completions.create(model=ep.model, messages=msgs)
-        text = r.choices[0].message.content
-        named += text[:1].islower()
-        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
-    return named / 2
-
-
-def gateway_recipe(tmp_path, agent: str) -> str:
-    """The grid-world GiGPO example with its workflow swapped for the gateway."""
-    import yaml
-
-    example = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
-    recipe = yaml.safe_load(example.read_text())
-    recipe["rollout"]["workflow"] = "gateway"
-    recipe["rollout"]["args"] = {"agent": agent, "episode_timeout": 60.0}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return str(path)
-
-
 def test_a_recipe_naming_a_missing_agent_fails_at_load(tmp_path):
     from polyrl.core.config import ConfigError, load
     from polyrl.core.recipe import Config
@@ -558,7 +502,7 @@ def test_the_core_loop_trains_on_gateway_episodes_with_gigpo(grid_model_dir, tmp
 
     cfg = load(
         Config,
-        gateway_recipe(tmp_path, f"{HERE}:grid_agent"),
+        gateway_recipe(tmp_path, GRID_AGENT),
         [
             f"run.dir={tmp_path}/run",
             "run.progress=false",
@@ -604,7 +548,7 @@ def plain_agent(row, ep):
 def test_an_engine_error_is_a_500_for_its_call_and_the_server_goes_on(grid_tokenizer, items):
     from polyrl.agents.gateway import Gateway
     from polyrl.core.workflow import Context
-    from tests.agents.conftest import FakePolicy, ScriptedEngine
+    from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     def script(text, call, i):
         if "boom" in text:
@@ -690,7 +634,7 @@ def test_another_model_sees_earlier_tool_calls_as_hermes_text(grid_tokenizer, it
     another model gets them as the same ``<tool_call>`` text the first model wrote."""
     from polyrl.agents.gateway import Gateway
     from polyrl.core.workflow import Context
-    from tests.agents.conftest import FakePolicy, ScriptedEngine
+    from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     tok = grid_tokenizer

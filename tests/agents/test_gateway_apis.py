@@ -17,7 +17,7 @@ import torch
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.agents.test_gateway import SpyEngine, by_episode, first, ids, rows
+from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows
 
 RESULTS: dict = {}
 HERE = "tests.agents.test_gateway_apis"
@@ -59,7 +59,7 @@ def run(ctx_models, agent, data, max_new_tokens=8, **args):
 
 def scripted(tok, names=("main",)):
     """Policies and scripted engines: a tool call first, then the sum once a tool spoke."""
-    from tests.agents.conftest import FakePolicy, ScriptedEngine
+    from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     def script(text, call, i):
         return ("it is 5" if "<|im_start|>tool" in text else CALL), True
@@ -430,7 +430,7 @@ def reasoning_agent(row, ep):
 
 
 def test_a_thinking_reply_is_a_reasoning_item_and_comes_back_stitched(grid_tokenizer, items):
-    from tests.agents.conftest import FakePolicy, ScriptedEngine
+    from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     tok = grid_tokenizer
     engine = ScriptedEngine(tok, lambda text, call, i: ("<think>hm</think>yes", True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from polyrl.core.cli import main
-from tests.agents.test_gateway import HERE, gateway_recipe
+from tests.helpers.gateway import HERE, gateway_recipe
 
 
 @pytest.mark.parametrize(
