@@ -14,7 +14,7 @@ import torch
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings
-from tests.core.partial_reference import mixed_logprobs, moved
+from tests.helpers.partial import mixed_logprobs, moved
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
 SWITCH = 6  # the refresh loads the new weights at its 7th call (inside the first turn's call)

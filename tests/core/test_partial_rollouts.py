@@ -14,11 +14,9 @@ from polyrl.core.registry import ENGINES, WORKFLOWS
 from polyrl.core.rollouts import shadow
 from polyrl.core.workflow import SingleTurn
 from tests.core.crawling_engine import CrawlingEngine
-from tests.core.partial_reference import mixed_logprobs, moved
-from tests.core.test_engine import encode, prompts
-from tests.core.test_run import _metrics
-
-SWITCH = 3  # tokens 0..2 come from the old weights, the rest from the new
+from tests.helpers.partial import SWITCH, mixed_logprobs, moved, switching_refresh
+from tests.helpers.runs import metrics_by_step
+from tests.helpers.trainer import TEXTS, chat_ids
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +26,11 @@ def policy(tiny_model_dir):
     )
 
 
-def switching_refresh(model: torch.nn.Module, new_state: dict, calls: list[int]):
-    """A refresh that loads ``new_state`` at its (SWITCH + 1)-th call: the version the next
-    token is sampled with, as the async producer's refresh returns it."""
-
-    def refresh() -> int:
-        calls.append(1)
-        if len(calls) == SWITCH + 1:
-            model.load_state_dict(new_state)
-        return int(len(calls) > SWITCH)
-
-    return refresh
-
-
 def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(policy):
     twin = shadow(policy)
     old = {k: v.clone() for k, v in twin.model.state_dict().items()}
     new = moved(old, 0.05, seed=1)
-    ids = encode(policy, prompts(policy))
+    ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
     engine = HFEngine(twin, seed=3)
     start = engine.state_dict()
@@ -128,7 +113,7 @@ def test_partial_rollouts_mix_versions_within_the_bound(make_config, tmp_path):
         "rollout.partial=true",
         "policies.main.engine.name=test_crawling_hf",
     )
-    m = _metrics(train(cfg).path)
+    m = metrics_by_step(train(cfg).path)
     for step in range(1, 5):
         assert m[step]["async/staleness_max"] <= 1
         assert m[step]["async/dropped_groups"] == 0

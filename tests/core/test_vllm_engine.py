@@ -219,8 +219,7 @@ def test_stop_strings_end_the_response_without_reencoding(policy, engine):
 def test_partial_call_takes_new_weights_between_steps(policy, engine):
     """rollout.partial: a sync from ``refresh`` lands between two engine steps; the requests
     in flight go on under the new weights, and each token's version says which it had."""
-    from tests.core.partial_reference import mixed_logprobs, moved
-    from tests.core.test_partial_rollouts import SWITCH, switching_refresh
+    from tests.helpers.partial import SWITCH, mixed_logprobs, moved, switching_refresh
 
     ids = encode(policy)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)

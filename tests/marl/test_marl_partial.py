@@ -12,7 +12,7 @@ from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.signaling import make_row
-from tests.core.partial_reference import mixed_logprobs, moved
+from tests.helpers.partial import mixed_logprobs, moved
 
 ROWS = [
     make_row("apple", ["cat", "apple", "dog"], "QXZJ"),

@@ -17,7 +17,7 @@ from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
 from polyrl.core.registry import ENVIRONMENTS
 from polyrl.core.workflow import Context
-from tests.core.partial_reference import moved
+from tests.helpers.partial import moved
 
 SWITCH = 2  # tokens 0 and 1 of the first call come from the old weights
 

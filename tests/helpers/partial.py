@@ -1,15 +1,28 @@
-"""An independent reference for partial rollouts: the log-probs of a response whose tokens
-were sampled under changing weights, computed step by step with the model's own cache.
-
-Token ``t``'s distribution comes from the forward pass that produced its logits: the prompt
-pass for ``t = 0``, the pass over token ``t - 1`` otherwise, made with the weights of
-``versions[t]`` on the KV cache the earlier passes (with their own weights) left.
-"""
+"""Partial rollouts: a refresh that switches an engine's weights at a known decoding step,
+and an independent reference for what such a response's log-probs must be: computed step
+by step with the model's own cache, token ``t``'s distribution from the forward pass that
+produced its logits (the prompt pass for ``t = 0``, the pass over token ``t - 1`` otherwise),
+made with the weights of ``versions[t]`` on the KV cache the earlier passes left."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+
+SWITCH = 3  # tokens 0..2 come from the old weights, the rest from the new
+
+
+def switching_refresh(model: torch.nn.Module, new_state: dict, calls: list[int]):
+    """A refresh that loads ``new_state`` at its (SWITCH + 1)-th call: the version the next
+    token is sampled with, as the async producer's refresh returns it."""
+
+    def refresh() -> int:
+        calls.append(1)
+        if len(calls) == SWITCH + 1:
+            model.load_state_dict(new_state)
+        return int(len(calls) > SWITCH)
+
+    return refresh
 
 
 @torch.no_grad()
