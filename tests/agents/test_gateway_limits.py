@@ -14,7 +14,7 @@ import pytest
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.agents.test_gateway import SpyEngine, by_episode, first, ids, rows
+from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows
 
 RESULTS: dict = {}
 DONE = itertools.count()  # the order in which the crowd's requests came back
