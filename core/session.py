@@ -187,9 +187,7 @@ class Session:
         sampler = PromptSampler(
             dataset, cfg.rollout.prompts_per_step, cfg.seed, shuffle=cfg.data.shuffle
         )
-        ctx = Context(
-            cfg, policies, engines, extras={"dataset_stats": dataset.stats, "run_dir": run.path}
-        )
+        ctx = Context(cfg, policies, engines, run_dir=run.path)
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
         s = cls(
             cfg,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tensordict import TensorDict
@@ -24,12 +25,13 @@ from polyrl.core.registry import WORKFLOWS
 
 @dataclass
 class Context:
-    """What a workflow may use: the recipe, policies and their engines."""
+    """What a workflow may use: the recipe, policies and their engines, and the run
+    directory (None outside a run) for what a workflow draws or writes beside the metrics."""
 
     cfg: Any
     policies: dict[str, Policy]
     engines: dict[str, Engine]
-    extras: dict[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
 
     def sampling(
         self,

@@ -291,7 +291,7 @@ class TextToImage:
         pcfg = self.cfg.policies[name]
         self.ratio_norm = policy_options(pcfg, name).ratio_norm
         self.logprob_form = sampling_options(pcfg, name).logprob
-        self.run_dir = ctx.extras.get("run_dir")
+        self.run_dir = ctx.run_dir
         self.grid_scale = grid_scale
         self.save_grids = save_grids
         self._grids = 0

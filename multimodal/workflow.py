@@ -59,7 +59,7 @@ class VLSingleTurn:
         self.tokenizer = ctx.policies[name].tokenizer
         self.processor = processor_of(self.tokenizer)
         self.ctx = ctx
-        self.run_dir = ctx.extras.get("run_dir")
+        self.run_dir = ctx.run_dir
         self._sheets = 0
 
     @staticmethod

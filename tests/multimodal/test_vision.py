@@ -233,7 +233,7 @@ def test_evaluation_rollouts_draw_answers_under_their_images(vl_dataset, tmp_pat
         cfg=cfg,
         policies={"main": policy},
         engines={"main": VLEngine(policy)},
-        extras={"run_dir": tmp_path},
+        run_dir=tmp_path,
     )
     wf = VLSingleTurn(ctx)
     items = list(ds)
