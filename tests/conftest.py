@@ -69,6 +69,28 @@ def make_config(tiny_model_dir, tmp_path):
     return make
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while the test runs: tiny models run fastest on one, above all
+    on a busy machine (two spin-waiting threads on a shared 2-core machine are slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def spawned():
+    """Child processes a test started (``tests.helpers.runs.spawn_train``); any still
+    running when the test ends (a failure) are killed."""
+    procs: list = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance for the whole test session (starting one costs ~8 s)."""

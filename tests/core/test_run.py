@@ -11,8 +11,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +21,16 @@ import torch
 from polyrl.core import run as run_mod
 from polyrl.core.config import ConfigError
 from polyrl.core.run import RunDir, RunDirError, rng_state, set_rng_state
+from tests.helpers.rollouts import LOW_DIGIT
+from tests.helpers.runs import (
+    KILL_MID_WRITE,
+    assert_same_tensors,
+    finish_train,
+    load_part,
+    metrics,
+    metrics_by_step,
+    spawn_train,
+)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -51,31 +59,9 @@ def _steps(rd: RunDir) -> list[int]:
     return [s for s, _ in rd.checkpoints()]
 
 
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    """Step -> every metric logged at that step (later lines win, as after a resume)."""
-    out: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        step = row.pop("step")
-        row.pop("time")
-        out.setdefault(step, {}).update({k: v for k, v in row.items() if not k.startswith("time/")})
-    return out
-
-
 def _trained_steps(run_dir: Path) -> list[int]:
     """Steps of the RL-step lines in metrics.jsonl, in the order they were written."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "reward/mean" in r]
-
-
-def _assert_same_tensors(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
-
-
-def _load(ckpt: Path, part: str) -> dict:
-    return torch.load(ckpt / f"{part}.pt", weights_only=False)
+    return [r["step"] for r in metrics(run_dir) if "reward/mean" in r]
 
 
 # --------------------------------------------------------------------------- RunDir unit tests
@@ -91,7 +77,7 @@ def test_save_load_round_trip(tmp_path):
     step, loaded = rd.load_latest()
     assert step == 3 and loaded.keys() == state.keys()
     assert loaded["trainer"]["sampler"] == {"epoch": 1, "position": 3}
-    _assert_same_tensors(
+    assert_same_tensors(
         loaded["policy_main"]["weights"], state["policy_main"]["weights"], "weights"
     )
     assert loaded["policy_main"]["weights"]["b"].dtype == torch.float64
@@ -239,7 +225,6 @@ def test_cli_resume_of_missing_dir_refuses(tmp_path, capsys):
 # the reward is "the response has a digit 0-4": it varies within groups, the advantages are
 # non-zero and the weights really move with the data order and the sampled tokens.
 
-LOW_DIGIT = "{name: regex_format, args: {pattern: '[0-4]', mode: search}}"
 
 RESUME_OVERRIDES = (
     "algorithm.minibatches=2",
@@ -251,15 +236,6 @@ RESUME_OVERRIDES = (
     "task.args={n_train: 40, n_eval: 8, max_operand: 30, ops: '+'}",
     f"reward.terms=[{LOW_DIGIT}]",
 )
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model runs fastest on one thread, above all on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 RECIPE = """\
@@ -283,72 +259,6 @@ train: {{steps: {steps}}}
 STEPS = 12  # 24 prompts, 4 per step: the data stream goes into its second epoch at step 7
 
 
-def _spawn(recipe: Path, cwd: Path, *args: str, script: str | None = None) -> subprocess.Popen:
-    """``polyrl train RECIPE ARGS`` in a fresh process (``script``: run this code instead of
-    the CLI module, with the same arguments)."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONHASHSEED="0",
-    )
-    log = open(cwd / f"log-{len(list(cwd.glob('log-*')))}.txt", "w")  # noqa: SIM115
-    entry = ["-c", script] if script else ["-m", "polyrl.core.cli"]
-    proc = subprocess.Popen(
-        [sys.executable, *entry, "train", str(recipe), *args],
-        cwd=cwd,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    proc.log = log  # type: ignore[attr-defined]
-    return proc
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    rc = proc.wait(timeout=timeout)
-    proc.log.close()
-    text = Path(proc.log.name).read_text()
-    assert rc == 0, f"training exited with {rc}:\n{text[-4000:]}"
-    return text
-
-
-# The child trains normally until it writes checkpoint KILL_AT: it writes half of that
-# checkpoint's first file and then SIGKILLs itself, as a power cut or an OOM kill would.
-KILL_MID_WRITE = """\
-import io, os, signal, sys
-import torch
-
-real_save = torch.save
-
-def save(obj, f, *args, **kwargs):
-    if isinstance(f, io.IOBase) and "step_{step:06d}.tmp" in getattr(f, "name", ""):
-        buf = io.BytesIO()
-        real_save(obj, buf, *args, **kwargs)
-        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-        f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real_save(obj, f, *args, **kwargs)
-
-torch.save = save
-from polyrl.core.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@pytest.fixture
-def spawned():
-    """Processes a test started; any still running when it ends (a failure) are killed."""
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness):
@@ -358,8 +268,8 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
     recipe.write_text(RECIPE.format(model=tiny_model_dir, steps=STEPS, reward=LOW_DIGIT))
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
     k = f"rollout.max_staleness={staleness}"
-    run_a = _spawn(recipe, tmp_path, f"run.dir={dir_a}", k)  # uninterrupted, alongside B
-    run_b = _spawn(recipe, tmp_path, f"run.dir={dir_b}", k)
+    run_a = spawn_train(recipe, tmp_path, f"run.dir={dir_a}", k)  # uninterrupted, alongside B
+    run_b = spawn_train(recipe, tmp_path, f"run.dir={dir_b}", k)
     spawned += [run_a, run_b]
     killed_after = None
     deadline = time.monotonic() + 240
@@ -388,25 +298,25 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
     )
 
     # a fresh start into B's directory is refused; --resume continues it
-    refused = _spawn(recipe, tmp_path, f"run.dir={dir_b}", k)
+    refused = spawn_train(recipe, tmp_path, f"run.dir={dir_b}", k)
     spawned.append(refused)
     assert refused.wait(timeout=120) != 0
     refused.log.close()
     assert "already has checkpoints" in Path(refused.log.name).read_text()
-    spawned.append(resume := _spawn(recipe, tmp_path, k, "--resume", str(dir_b)))
-    _finish(resume)
-    _finish(run_a)
+    spawned.append(resume := spawn_train(recipe, tmp_path, k, "--resume", str(dir_b)))
+    finish_train(resume)
+    finish_train(run_a)
 
     ckpt_a = dir_a / "checkpoints" / f"step_{STEPS:06d}"
-    pa, pb = _load(ckpt_a, "policy_main"), _load(final, "policy_main")
-    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    pa, pb = load_part(ckpt_a, "policy_main"), load_part(final, "policy_main")
+    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
     for (ka, sa), (kb, sb) in zip(
         pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
     ):
         assert ka == kb
-        _assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
+        assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
     assert pa["scheduler"] == pb["scheduler"]
-    ta, tb = _load(ckpt_a, "trainer"), _load(final, "trainer")
+    ta, tb = load_part(ckpt_a, "trainer"), load_part(final, "trainer")
     assert ta["sampler"] == tb["sampler"] == {"epoch": 1, "position": 24}  # end of the 2nd epoch
     assert torch.equal(ta["gen"], tb["gen"]) and torch.equal(ta["rng"]["torch"], tb["rng"]["torch"])
     ea, eb = ta["engines"]["main"], tb["engines"]["main"]  # engine.name auto: {choice, inner}
@@ -415,7 +325,7 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
 
     from safetensors.torch import load_file
 
-    _assert_same_tensors(
+    assert_same_tensors(
         load_file(dir_a / "export" / "main" / "model.safetensors"),
         load_file(dir_b / "export" / "main" / "model.safetensors"),
         "export",
@@ -428,7 +338,7 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
     resumed_at = len(trained_b) - (STEPS - killed_after)  # steps the killed run had logged
     assert trained_b[:killed_after] == list(range(1, killed_after + 1))
     assert trained_b[resumed_at:] == list(range(killed_after + 1, STEPS + 1))
-    ma, mb = _metrics(dir_a), _metrics(dir_b)
+    ma, mb = metrics_by_step(dir_a), metrics_by_step(dir_b)
     assert sorted(ma) == sorted(mb) == list(range(STEPS + 1))
     assert sum(ma[s]["advantage/zero_frac"] < 1 for s in range(1, STEPS + 1)) >= STEPS // 2
     # warm-up + cosine over every optimizer step (2 per RL step here), not over RL steps only
@@ -450,9 +360,9 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(model=tiny_model_dir, steps=steps, reward=LOW_DIGIT))
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
-    spawned.append(run_a := _spawn(recipe, tmp_path, f"run.dir={dir_a}"))
+    spawned.append(run_a := spawn_train(recipe, tmp_path, f"run.dir={dir_a}"))
     spawned.append(
-        run_b := _spawn(
+        run_b := spawn_train(
             recipe, tmp_path, f"run.dir={dir_b}", script=KILL_MID_WRITE.format(step=steps)
         )
     )
@@ -467,17 +377,17 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(
         "step_000004",
     ]
 
-    spawned.append(resume := _spawn(recipe, tmp_path, "--resume", str(dir_b)))
-    _finish(resume)
-    _finish(run_a)
+    spawned.append(resume := spawn_train(recipe, tmp_path, "--resume", str(dir_b)))
+    finish_train(resume)
+    finish_train(run_a)
     assert not half.exists()
     assert _trained_steps(dir_b) == [1, 2, 3, 4, 5, 6, 5, 6]  # the killed run had logged 5, 6
     final_a, final_b = (d / "checkpoints" / f"step_{steps:06d}" for d in (dir_a, dir_b))
-    pa, pb = _load(final_a, "policy_main"), _load(final_b, "policy_main")
-    _assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    pa, pb = load_part(final_a, "policy_main"), load_part(final_b, "policy_main")
+    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
     for (_, sa), (_, sb) in zip(
         pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
     ):
-        _assert_same_tensors(sa, sb, "optimizer state")
-    ma, mb = _metrics(dir_a), _metrics(dir_b)
+        assert_same_tensors(sa, sb, "optimizer state")
+    ma, mb = metrics_by_step(dir_a), metrics_by_step(dir_b)
     assert all(ma[s] == mb[s] for s in range(1, steps + 1))

@@ -31,15 +31,6 @@ def tiny_flux_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, two spin-waiting threads are slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def make_policy(tiny_sd3_dir, one_thread):
     """make_policy(engine_args..., lora=0, need_reference=False, model=tiny SD3,
     max_sequence_length=1, policy_args=None) -> (policy, engine built with those engine

@@ -53,15 +53,6 @@ if "test_vl_look_and_solve" not in WORKFLOWS:
         ep.joint([look, answer], final=answer.text)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run faster on one thread, above all on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Recorder:
     """Keeps each engine call's prompts, to compare with the record's rows."""
 

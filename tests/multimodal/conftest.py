@@ -42,15 +42,6 @@ def make_policy(tiny_vl_dir):
 
 
 @pytest.fixture
-def one_thread():
-    """Tiny models run faster on one thread, above all on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def vl_rows():
     """In-memory VL rows: one image, two images of other sizes, a text-only row."""
     from PIL import Image
