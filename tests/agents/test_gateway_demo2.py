@@ -11,33 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.examples import example_for_spawned_workers, load_example
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
 def demos():
-    """``examples/gateway_demos.py`` (on sys.path, so spawned workers import it too)."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("gateway_demos")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    """``examples/gateway_demos.py``, importable by name in the spawned workers too."""
+    with example_for_spawned_workers("gateway_demos") as module:
+        yield module
 
 
 def test_each_role_gets_its_own_habit_and_the_answerer_never_sees_the_question(tmp_path):
     """The warm start's two habits, at the shares the recipe sets: the planner writes a+b
     for a*b, the answerer hedges "about N"; the answerer's prompt is the reading alone."""
     import json
-    import sys
 
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from gateway_calculator import PlanAndRead, calculate
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    calculator = load_example("gateway_calculator")
+    PlanAndRead, calculate = calculator.PlanAndRead, calculator.calculate
     train, _ = PlanAndRead.write_dataset(tmp_path, seed=0, times_share=0.4, read_share=0.4)
     rows = [json.loads(x) for x in train.read_text().splitlines()]
     sft = PlanAndRead.sft_rows(rows)

@@ -13,20 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.examples import example_for_spawned_workers
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
 def demos():
-    """``examples/gateway_demos.py`` (on sys.path, so spawned workers import it too)."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        yield importlib.import_module("gateway_demos")
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    """``examples/gateway_demos.py``, importable by name in the spawned workers too."""
+    with example_for_spawned_workers("gateway_demos") as module:
+        yield module
 
 
 EVAL_TRANSCRIPT_ROWS = 32  # an evaluation writes its first 32 rows (Session.evaluate)

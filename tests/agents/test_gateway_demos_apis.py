@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.examples import example_for_spawned_workers
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 AGENTS = {  # an override is not looked up beside the recipe: the full path
     "agents_sdk": f"{EXAMPLES}/gateway_calculator_apis.py:solve_agents_sdk",
@@ -18,15 +20,11 @@ AGENTS = {  # an override is not looked up beside the recipe: the full path
 }
 
 
-def gateway_demos():
-    """``examples/gateway_demos.py`` (its directory on sys.path, which spawned workers
-    inherit)."""
-    import importlib
-    import sys
-
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    return importlib.import_module("gateway_demos")
+@pytest.fixture(scope="module")
+def demos():
+    """``examples/gateway_demos.py``, importable by name in the spawned workers too."""
+    with example_for_spawned_workers("gateway_demos") as module:
+        yield module
 
 
 def overrides(out: Path, api: str, seed: int) -> list[str]:
@@ -43,8 +41,7 @@ def overrides(out: Path, api: str, seed: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("api", sorted(AGENTS))
-def test_an_agent_on_another_api_learns_to_use_its_calculator(api, tmp_path):
-    demos = gateway_demos()
+def test_an_agent_on_another_api_learns_to_use_its_calculator(api, demos, tmp_path):
     result = demos.run_recipe(str(demos.DEMO1), overrides(tmp_path, api, 0))
     (_, start), (_, end) = result["curve"][0], result["curve"][-1]
     print(f"demo 1 via {api}, seed 0: held-out success {start:.3f} -> {end:.3f}")
@@ -53,11 +50,10 @@ def test_an_agent_on_another_api_learns_to_use_its_calculator(api, tmp_path):
 
 @pytest.mark.seeds
 @pytest.mark.parametrize("api", sorted(AGENTS))
-def test_an_agent_on_another_api_three_seeds(api, tmp_path):
+def test_an_agent_on_another_api_three_seeds(api, demos, tmp_path):
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    demos = gateway_demos()
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
         jobs = [
             pool.submit(demos.run_recipe, str(demos.DEMO1), overrides(tmp_path, api, s))
