@@ -4,8 +4,9 @@ tokens' versions and the staleness bound holds."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tests.helpers.partial import check_partial_run
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -39,11 +40,5 @@ def test_gateway_partial_rollouts_keep_the_staleness_bound(tmp_path):
         ],
     )
     run = train(cfg)
-    rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
-    steps = {r["step"]: r for r in rows if "async/staleness_max" in r}
-    assert sorted(steps) == [1, 2, 3]
-    for r in steps.values():
-        assert r["async/staleness_max"] <= 1
-        assert r["async/dropped_groups"] == 0
-        assert r["rollout/valid_frac"] > 0
-    assert all(steps[s]["async/mixed_version_rows"] > 0 for s in (2, 3))
+    steps = check_partial_run(run.path, 3)
+    assert all(r["rollout/valid_frac"] > 0 for r in steps.values())

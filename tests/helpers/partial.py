@@ -6,6 +6,9 @@ made with the weights of ``versions[t]`` on the KV cache the earlier passes left
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import DynamicCache
 
@@ -56,3 +59,17 @@ def moved(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, 
         k: v + scale * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
         for k, v in state.items()
     }
+
+
+def check_partial_run(run_dir: Path, steps: int) -> dict[int, dict]:
+    """A ``rollout.partial`` run's per-step async metrics, checked: every batch within the
+    staleness bound of 1, no group dropped, and rows that span a publish in every batch
+    after the first (the crawling engine waits for one mid-call)."""
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in rows if "async/staleness_max" in r}
+    assert sorted(by_step) == list(range(1, steps + 1))
+    for r in by_step.values():
+        assert r["async/staleness_max"] <= 1
+        assert r["async/dropped_groups"] == 0
+    assert all(by_step[s]["async/mixed_version_rows"] > 0 for s in range(2, steps + 1))
+    return by_step
