@@ -26,6 +26,7 @@ from tests.helpers.gateway import (
     gateway_recipe,
     ids,
     rows,
+    spied_models,
 )
 
 RESULTS: dict = {}
@@ -34,16 +35,7 @@ HERE = "tests.agents.test_gateway"
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-
-    policies, engines = {}, {}
-    for seed, name in enumerate(("main", "checker")):
-        policies[name] = CausalLMPolicy(
-            name, PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
-        )
-        engines[name] = SpyEngine(HFEngine(policies[name], seed=seed))
-    return policies, engines
+    return spied_models(grid_model_dir, SpyEngine)
 
 
 @pytest.fixture

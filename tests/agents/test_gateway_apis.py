@@ -17,7 +17,7 @@ import torch
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows
+from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows, spied_models
 
 RESULTS: dict = {}
 HERE = "tests.agents.test_gateway_apis"
@@ -30,16 +30,7 @@ class Spy(SpyEngine):
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-
-    policies, engines = {}, {}
-    for seed, name in enumerate(("main", "checker")):
-        policies[name] = CausalLMPolicy(
-            name, PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
-        )
-        engines[name] = Spy(HFEngine(policies[name], seed=seed))
-    return policies, engines
+    return spied_models(grid_model_dir, Spy)
 
 
 def run(ctx_models, agent, data, max_new_tokens=8, **args):

@@ -80,3 +80,18 @@ def gateway_recipe(tmp_path, agent: str) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return str(path)
+
+
+def spied_models(model_dir: str, spy=SpyEngine):
+    """Two tiny policies ("main", "checker") on ``model_dir``, each with an HF engine
+    wrapped in ``spy`` (it keeps every prompt and completion it served)."""
+    from polyrl.core.engine import HFEngine
+    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+
+    policies, engines = {}, {}
+    for seed, name in enumerate(("main", "checker")):
+        policies[name] = CausalLMPolicy(
+            name, PolicyConfig(model=model_dir), total_steps=1, need_reference=False
+        )
+        engines[name] = spy(HFEngine(policies[name], seed=seed))
+    return policies, engines
