@@ -177,6 +177,7 @@ class PolyRLStepper:
         device: str = "cpu",
         dtype: str = "float32",
         reward: str = "digits",
+        shared_prefix: bool = True,
     ) -> None:
         from types import SimpleNamespace
 
@@ -198,6 +199,7 @@ class PolyRLStepper:
                 optim=OptimConfig(lr=lr),
                 dtype=dtype,
                 device=device,
+                shared_prefix=shared_prefix,
             ),
             total_steps=total_steps,
             need_reference=False,

@@ -35,6 +35,8 @@ as its own table with its ratios and limits:
   ~45% of groups agree (``_contenders.agree_reward``: every sample of those prompts gets
   0, as an untrained model's math answers would), PolyRL at its defaults and TRL at its
   documented defaults (only what defines the workload is set). Target: TRL / PolyRL >= 2.
+  ``--prefix-off`` adds PolyRL with ``shared_prefix: false`` (the packed pass before
+  prefix trees) beside the default.
 - ``equal``: the uniform workload with each half of PolyRL's step measured against its
   own limit in the same run: the update against a bare PyTorch forward/backward/AdamW
   step over the same number of tokens (no padding in either: PolyRL packs its rows), the
@@ -56,6 +58,7 @@ from _contenders import AGREE_PERCENT  # noqa: E402
 TARGET = 1.5
 REALISTIC_TARGET, HALF_TARGET = 2.0, 0.9
 HF, VLLM, TRL = "PolyRL (HF engine)", "PolyRL (vLLM engine)", "TRL GRPOTrainer"
+HF_OFF = "PolyRL (HF engine, no prefix tree)"
 REALISTIC_PLAN = {"long_frac": 0.2, "short_max": 4}
 # Dense peak TFLOP/s by GPU name and dtype (vendor data sheets, SXM unless named; bf16 on
 # the tensor cores, float32 without TF32, as PyTorch's default matmul runs). First match wins.
@@ -129,6 +132,11 @@ def realistic(args, sizes, threads, warmup, steps, ok) -> dict:
         common = dict(n=8, prompts=16, max_new_tokens=T, reward="agree")
         plan = {"stop_plan_args": REALISTIC_PLAN}
         specs = {HF: ("polyrl", dict(model=model, engine="hf", **common, **plan))}
+        if args.prefix_off:  # the packed pass before prefix trees, beside today's (issue 30)
+            specs[HF_OFF] = (
+                "polyrl",
+                dict(model=model, engine="hf", shared_prefix=False, **common, **plan),
+            )
         if ok:
             vargs = {"max_model_len": 64 + T + 32, "kv_cache_gb": 0.25}
             specs[VLLM] = (
@@ -153,8 +161,17 @@ def realistic(args, sizes, threads, warmup, steps, ok) -> dict:
             )
         trl = res[TRL + " (defaults)"].get("median_s")
         polys = {
-            k: v["median_s"] for k, v in res.items() if k.startswith("PolyRL") and "median_s" in v
+            k: v["median_s"]
+            for k, v in res.items()
+            if k.startswith("PolyRL") and k != HF_OFF and "median_s" in v
         }
+        off, hf = res.get(HF_OFF, {}), res[HF]
+        if "median_s" in off and "median_s" in hf:
+            lines.append(
+                f"  {size:>5}: no prefix tree / default (HF engine): step "
+                f"{off['median_s'] / hf['median_s']:.2f}x, update "
+                f"{off['update_s'] / hf['update_s']:.2f}x (>= 1: the default is no slower)"
+            )
         if polys:
             best = min(polys, key=polys.get)
             b = res[best]
@@ -301,6 +318,12 @@ def main() -> None:
         default=["uniform"],
         choices=["uniform", "realistic", "equal"],
         help="uniform: the comparison above; realistic / equal: see the module doc",
+    )
+    p.add_argument(
+        "--prefix-off",
+        action="store_true",
+        help="realistic: also PolyRL with shared_prefix off (the packed pass before prefix "
+        "trees), to show the default is no slower",
     )
     args = p.parse_args()
     threads, why = c.resolve_threads(args.threads)

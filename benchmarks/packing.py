@@ -10,7 +10,10 @@ fresh process, steps interleaved round-robin:
 - ``padded, shared prefix``: ``pack: false`` (each distinct prompt once, its KV cache
   shared by its group: the default before packing);
 - ``packed``: ``pack: true`` with the default token budget (``micro_batch_size`` x the
-  longest row), rows packed without padding;
+  longest row), rows packed without padding (shared prefixes in a tree, core/prefix.py,
+  where the cost model finds it pays);
+- ``packed, no prefix tree``: the same with ``shared_prefix: false``: the packed pass as it
+  was before prefix trees, measured beside it (issue 30's "before and after");
 - with ``--budget N``, also ``packed, N tokens`` (``max_tokens_per_micro_batch: N``).
 
 Printed per model size: median wall and CPU seconds per update (CPU time: the process's
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 PADDED, SHARED, PACKED = "padded", "padded, shared prefix", "packed"
+PACKED_OFF = "packed, no prefix tree"  # the packed pass before core/prefix.py (issue 30)
 TAG = "@@packing@@"
 
 
@@ -234,6 +238,7 @@ def main() -> None:
         PADDED: {"pack": False, "shared_prefix": False},
         SHARED: {"pack": False, "shared_prefix": True},
         PACKED: {"pack": True},
+        PACKED_OFF: {"pack": True, "shared_prefix": False},
     }
     if args.budget:
         contenders[f"packed, {args.budget} tokens"] = {
@@ -285,7 +290,7 @@ def main() -> None:
             )
         )
         pk = per[PACKED]
-        for ref in (PADDED, SHARED):
+        for ref in (PADDED, SHARED, PACKED_OFF):
             r = per[ref]
             print(
                 f"  {ref} / packed: wall {r['wall_s'] / pk['wall_s']:.2f}x, "
