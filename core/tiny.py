@@ -1,4 +1,4 @@
-"""Tiny Qwen2 models built offline, for tests and CPU demos.
+"""Tiny Qwen2 (and Qwen3-MoE) models built offline, for tests and CPU demos.
 
 Nothing is downloaded: a byte-level BPE tokenizer is trained on a task's corpus and a small
 Qwen2 is initialised from a seed. Both save as an ordinary Hugging Face checkpoint, so every
@@ -308,6 +308,126 @@ def tiny_qwen2(
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=tie_word_embeddings,
             vocab_rows=vocab_rows,
+        )
+        if pretrain_steps:
+            texts = (
+                TASKS.get(corpus).corpus()
+                if pretrain_on == "corpus"
+                else warm_start_texts(corpus, tokenizer, seed, task_args)
+            )
+            pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return build_once(path, write)
+
+
+def build_tiny_qwen3_moe(
+    tokenizer: Qwen2Tokenizer,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
+    norm_topk_prob: bool = True,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> Any:
+    """A float32 Qwen3-MoE (every layer a sparse MoE block: ``num_experts`` experts, top-
+    ``experts_per_token`` routing) sized to ``tokenizer``, initialised from ``seed``.
+
+    The architecture of Qwen3-30B-A3B at toy size, so every engine loads it as that family
+    (``Qwen3MoeForCausalLM``); its routers are ``Qwen3MoeTopKRouter`` modules, which
+    :mod:`polyrl.core.moe` hooks. ``norm_topk_prob`` renormalises the chosen experts'
+    weights to sum to 1, as Qwen3-30B-A3B does. The global torch RNG is left as it was.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if not 1 <= experts_per_token <= num_experts:
+        raise ValueError(
+            f"experts_per_token={experts_per_token} must be between 1 and num_experts={num_experts}"
+        )
+    pad_id: int = tokenizer.convert_tokens_to_ids(PAD_TOKEN)  # type: ignore[assignment]
+    eos_id: int = tokenizer.convert_tokens_to_ids(EOS_TOKEN)  # type: ignore[assignment]
+    config = Qwen3MoeConfig(
+        **text_config(
+            len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=moe_intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            pad_id=pad_id,
+            eos_id=eos_id,
+        ),
+        head_dim=head_dim,  # type: ignore[call-arg]  # Qwen3MoeConfig takes it; not typed
+        num_experts=num_experts,
+        num_experts_per_tok=experts_per_token,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype="float32",
+    )
+    return seeded_model(Qwen3MoeForCausalLM, config, seed, pad_id=pad_id, eos_ids=[eos_id, pad_id])
+
+
+@MODELS.register("tiny_qwen3_moe")
+def tiny_qwen3_moe(
+    path: str | Path,
+    *,
+    corpus: Annotated[str, "task whose corpus() trains the tokenizer (and pretraining)"] = (
+        "arithmetic"
+    ),
+    vocab_size: Annotated[int, "BPE vocabulary size of the tokenizer"] = 128,
+    seed: Annotated[int, "initialisation and pretraining seed"] = 0,
+    pretrain_steps: Annotated[int, "next-token steps on the corpus (0: random init)"] = 0,
+    pretrain_lr: Annotated[float, "AdamW learning rate of pretraining"] = 1e-3,
+    pretrain_on: Annotated[str, "corpus, or sft: the task's format warm start"] = "corpus",
+    task_args: Annotated[dict | None, "the task's options, for pretrain_on: sft"] = None,
+    hidden_size: Annotated[int, "model width"] = 64,
+    num_layers: Annotated[int, "decoder layers (each a sparse MoE block)"] = 2,
+    num_heads: Annotated[int, "attention heads"] = 1,
+    num_kv_heads: Annotated[int, "key/value heads"] = 1,
+    head_dim: Annotated[int, "per-head width (vLLM's CPU kernel needs 64)"] = 64,
+    num_experts: Annotated[int, "experts per layer"] = 4,
+    experts_per_token: Annotated[int, "experts each token is routed to (top-k)"] = 2,
+    moe_intermediate_size: Annotated[int, "each expert's MLP width"] = 64,
+    norm_topk_prob: Annotated[bool, "renormalise the chosen experts' weights to sum 1"] = True,
+    max_position_embeddings: Annotated[int, "longest sequence"] = 512,
+    tie_word_embeddings: Annotated[bool, "share input and output embeddings"] = True,
+) -> Path:
+    """Build a tiny Qwen3-MoE + tokenizer at ``path`` (once): :func:`tiny_qwen2`'s
+    tokenizer and pretraining (the same corpus gives the same tokenizer, token for token),
+    with a mixture-of-experts model (:func:`build_tiny_qwen3_moe`) in place of the dense one.
+    """
+    if pretrain_on not in ("corpus", "sft"):
+        raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
+
+    def write(tmp: Path) -> None:
+        tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
+        model = build_tiny_qwen3_moe(
+            tokenizer,
+            seed=seed,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_experts=num_experts,
+            experts_per_token=experts_per_token,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
         )
         if pretrain_steps:
             texts = (
