@@ -1,5 +1,7 @@
 """The episode runtime's batcher: concurrent episodes ask for completions, and each
-*flush* serves everything waiting with one engine call per policy and sampling setting.
+*flush* serves everything waiting with one engine call per policy and sampling setting
+(per group of policies, when their engines serve each other's requests in one call:
+``MixedCalls``, e.g. LoRA adapters on one base).
 
 Every workflow that runs episodes side by side uses it: ``multi_turn`` (both schedules),
 marl's teams, vision-language agents and the agent gateway. An episode awaits
@@ -31,7 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from polyrl.core.engine import Completion, Request, SamplingParams
-from polyrl.core.interfaces import Engine, takes_images
+from polyrl.core.interfaces import Engine, MixedCalls, takes_images
 
 
 class EpisodeClosed(Exception):
@@ -48,18 +50,21 @@ class _Waiting:
     episode: Any  # who asked (serve: "every open episode waits" counts distinct ones)
     alive: Callable[[], bool] | None
 
-    def group(self) -> tuple:
-        """Requests that may share one engine call: same policy and sampling setting (a
-        seeded request's samples: a call of their own, as the seed fixes that call)."""
+    def group(self, engine: Any) -> tuple:
+        """Requests that may share one engine call: same engine (or ``engine``, the mix key
+        of engines that serve each other's requests) and sampling setting (a seeded
+        request's samples: a call of their own, as the seed fixes that call)."""
         p = self.params
-        key = (self.policy, p.temperature, p.top_p, tuple(p.stop), tuple(p.stop_token_ids))
+        key = (engine, p.temperature, p.top_p, tuple(p.stop), tuple(p.stop_token_ids))
         return key + ((p.seed, id(p)) if p.seed is not None else (None,))
 
 
 class Batcher:
     """Queues the requests of concurrent episodes; one engine call per (policy, sampling
-    setting) per flush. ``sizes``: requests per engine call; ``calls``: engine calls per
-    policy; ``generate_s``: seconds spent in engine calls."""
+    setting) per flush, or per (mix key, sampling setting) for engines that declare
+    ``MixedCalls``. ``sizes``: requests per engine call; ``calls``: engine calls each policy
+    took part in; ``mixed``: calls that served several policies; ``generate_s``: seconds
+    spent in engine calls."""
 
     def __init__(self, engines: Mapping[str, Engine], *, in_thread: bool = True) -> None:
         self.engines = engines
@@ -67,6 +72,7 @@ class Batcher:
         self.pending: list[_Waiting] = []
         self.sizes: list[int] = []
         self.calls: Counter[str] = Counter()
+        self.mixed = 0
         self.flushes = 0
         self.generate_s = 0.0
         self.flushing = False  # an engine call may be running (read from other threads)
@@ -186,14 +192,22 @@ class Batcher:
             return
         self.flushes += 1
         groups: dict[tuple, list[_Waiting]] = {}
+        mix = {p: self._mix_key(p) for p in {w.policy for w in taken}}
         for w in sorted(taken, key=lambda w: w.key):
-            groups.setdefault(w.group(), []).append(w)
+            groups.setdefault(w.group(mix[w.policy]), []).append(w)
         self.flushing = True
         try:
             for waiting in groups.values():
                 await self._call(waiting)
         finally:
             self.flushing = False
+
+    def _mix_key(self, policy: str) -> tuple:
+        """Policies whose requests may share an engine call: their engines' equal mix key,
+        else the policy alone."""
+        engine = self.engines[policy]
+        key = engine.mix_key() if isinstance(engine, MixedCalls) else None
+        return ("policy", policy) if key is None else ("mix", key)
 
     async def _call(self, waiting: list[_Waiting]) -> None:
         waiting = [w for w in waiting if not w.future.done()]  # given up while others ran
@@ -218,11 +232,16 @@ class Batcher:
             stop=list(first.stop),
             stop_token_ids=list(first.stop_token_ids),
         )
+        policies = list(dict.fromkeys(w.policy for w in waiting))
         self.sizes.append(len(waiting))
-        self.calls[policy] += 1
+        self.calls.update(policies)
+        self.mixed += len(policies) > 1
         t0 = time.perf_counter()
         try:
-            generate = self.engines[policy].generate
+            if len(policies) == 1:
+                generate = self.engines[policy].generate
+            else:  # one call over several engines' requests; `outs` in `requests` order
+                generate = self._mixed_generate(policies, [waiting[j].policy for j in owner])
             if self.in_thread:
                 outs = await asyncio.to_thread(generate, requests, params)
             else:
@@ -246,3 +265,28 @@ class Batcher:
         for w, cs in zip(waiting, got, strict=True):
             if not w.future.done():  # an episode that already failed may have cancelled it
                 w.future.set_result(cs)
+
+    def _mixed_generate(
+        self, policies: list[str], owners: list[str]
+    ) -> Callable[[list[Request], SamplingParams], list[Completion]]:
+        """``generate`` over requests of several policies (``owners[i]``: request i's), as
+        one ``generate_mixed`` on the first policy's engine, its answer in request order."""
+
+        def generate(requests: list[Request], params: SamplingParams) -> list[Completion]:
+            index = {p: [i for i, o in enumerate(owners) if o == p] for p in policies}
+            calls = [(self.engines[p], [requests[i] for i in index[p]]) for p in policies]
+            engine = self.engines[policies[0]]
+            assert isinstance(engine, MixedCalls)  # how the group was formed
+            answers = engine.generate_mixed(calls, params)
+            outs: list[Completion] = []
+            for p, got in zip(policies, answers, strict=True):
+                if len(got) != len(index[p]) * params.n:
+                    raise RuntimeError(
+                        f"the mixed call of policies {policies} returned {len(got)} "
+                        f"completions of policy {p!r} for {len(index[p])} prompts x "
+                        f"n={params.n}"
+                    )
+                outs += [dataclasses.replace(c, prompt_index=index[p][c.prompt_index]) for c in got]
+            return outs
+
+        return generate

@@ -199,6 +199,22 @@ class LoadsTrainableState(Protocol):
 
 
 @runtime_checkable
+class MixesRows(Protocol):
+    """A policy whose model runs rows of other policies in the same forward (LoRA adapters
+    on one shared base), as an engine serving them in one call needs: policies with equal
+    ``row_group()`` (None: none) may share a batch. ``rows_of(owners)`` is a context that
+    yields ``select``: ``select(ids)`` (a long tensor, one entry per row of the next
+    forwards) makes row ``i`` run as policy ``owners[ids[i]]`` and returns the model to call
+    (``select(None)``: the model, rows unchanged)."""
+
+    def row_group(self) -> Any: ...
+
+    def rows_of(
+        self, owners: Sequence[Any]
+    ) -> AbstractContextManager[Callable[[torch.Tensor | None], torch.nn.Module]]: ...
+
+
+@runtime_checkable
 class RayLoRA(Protocol):
     """A policy kind (class) whose LoRA adapters train under the Ray backend."""
 
@@ -321,6 +337,20 @@ class PartialRollouts(Protocol):
     partial_rollouts: ClassVar[bool]
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None: ...
+
+
+@runtime_checkable
+class MixedCalls(Protocol):
+    """An engine that serves other engines' requests in its own call (LoRA adapters on one
+    shared base): the batcher merges the waiting requests of engines whose ``mix_key()`` is
+    equal (None: this engine serves only its own) into one ``generate_mixed`` on the first
+    of them. ``calls``: (engine, requests) per engine; the answer: each engine's
+    ``params.n`` completions per request, grouped by request as ``generate`` gives them,
+    each engine's rows sampled as its own (its adapter, weights and seeds)."""
+
+    def mix_key(self) -> Any: ...
+
+    def generate_mixed(self, calls: Sequence[tuple[Any, Sequence[Any]]], params: Any) -> list: ...
 
 
 @runtime_checkable
