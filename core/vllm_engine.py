@@ -370,10 +370,12 @@ class VLLMEngine:
         seeds: list[int],
         caps: list[int] | None = None,
         check: Any = None,
+        loras: list[Any] | None = None,
     ) -> list[tuple[list[int], list[float], str]]:
         """One sample per row, each at most its ``caps`` tokens (None: the call's). ``rows``:
         token-id lists, or prepared vLLM prompts (dicts, e.g. with ``multi_modal_data``);
-        ``check(k, output)`` may inspect each output."""
+        ``check(k, output)`` may inspect each output; ``loras``: each row's LoRARequest
+        (None: ``lora_request`` for all)."""
         from vllm import SamplingParams as VLLMParams
         from vllm.inputs import TokensPrompt
 
@@ -389,7 +391,7 @@ class VLLMEngine:
             prompts,  # type: ignore[arg-type]
             sampling,
             use_tqdm=False,
-            lora_request=self.lora_request,
+            lora_request=self.lora_request if loras is None else loras,
         )
         result = []
         for k, out in enumerate(outs):

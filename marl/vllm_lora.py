@@ -22,6 +22,10 @@ adapters are never evicted). vLLM 0.31 loads adapters only from a directory
 in-memory path. The fresh id and path also give the adapter new prefix-cache keys (vLLM
 hashes the LoRA name and path into each block), so no stale KV is reused.
 
+Requests of several handles waiting at once (a marl team's acts, a gateway's models) take
+one ``llm.generate`` with each prompt's own ``LoRARequest`` (``MixedCalls``: the batcher
+merges them); each handle's rows keep the seeds its own call would have given them.
+
 One LLM per process: vLLM keeps its distributed state in module globals, so the shared LLM
 lives in a module-level registry, started by the first handle with ``max_loras`` = the
 number of adapters on the shared PEFT model (the session builds every policy before any
@@ -40,10 +44,12 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+from polyrl.core.engine import Completion, SamplingParams, text_requests
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import ensure_model
 from polyrl.core.vllm_engine import VLLMEngine
@@ -187,6 +193,49 @@ class VLLMLoraEngine(VLLMEngine):
         self.llm = self.server.engine.llm
         self.sync()
         self.startup_s = time.perf_counter() - t0
+
+    def mix_key(self) -> Any:
+        """interfaces.MixedCalls: every handle on this process's LLM serves the others'
+        requests (not in partial mode, whose refresh is per policy)."""
+        server = self.__dict__.get("server")
+        return None if server is None or self._refresh is not None else ("vllm_lora", id(server))
+
+    def generate_mixed(
+        self, calls: Sequence[tuple[Any, Sequence[Any]]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """interfaces.MixedCalls: one ``llm.generate`` over the requests of several handles,
+        each prompt through its handle's adapter with the seeds its own call would draw."""
+        key = self.mix_key()
+        rows: list[list[int]] = []
+        seeds: list[int] = []
+        caps: list[int] = []
+        loras: list[Any] = []
+        index: list[list[int]] = []
+        for engine, prompts in calls:
+            if not isinstance(engine, VLLMLoraEngine) or engine.mix_key() != key:
+                raise TypeError(
+                    f"engine vllm_lora of policy {self.policy.name!r} cannot serve the "
+                    f"requests of {type(engine).__name__} in its call (another LLM or mode)"
+                )
+            requests = text_requests(engine, prompts)
+            idx = [i for i in range(len(requests)) for _ in range(params.n)]
+            rows += [requests[i].prompt for i in idx]
+            caps += [requests[i].budget(params) for i in idx]
+            seeds += engine._row_seeds(len(idx), params)
+            loras += [engine.lora_request] * len(idx)
+            index.append(idx)
+        outs = self._generate_rows(rows, params, seeds, caps, loras=loras)
+        decode, answers, start = self.tokenizer.decode, [], 0
+        for idx in index:
+            got = outs[start : start + len(idx)]
+            start += len(idx)
+            answers.append(
+                [
+                    Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+                    for i, (ids, lps, reason) in zip(idx, got, strict=True)
+                ]
+            )
+        return answers
 
     def sync(self) -> None:
         """Serve the adapter's current weights: write it, then swap it in under a fresh id."""
