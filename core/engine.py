@@ -12,13 +12,13 @@ recomputes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from polyrl.core.interfaces import Closable, Engine
+from polyrl.core.interfaces import Closable, Engine, MixedCalls, MixesRows
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 
@@ -229,10 +229,64 @@ class HFEngine:
     gives_top_logprobs = True  # honours SamplingParams.top_logprobs
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
     _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
+    # generate_mixed: the model that runs these prompts' rows each as its own policy's
+    # (prompt indices in; None: the model alone, rows set before each forward)
+    _route: Callable[[torch.Tensor | None], torch.nn.Module] | None = None
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
         """interfaces.PartialRollouts: called before each decoding step while set."""
         self._refresh = refresh
+
+    def mix_key(self) -> Any:
+        """interfaces.MixedCalls: engines whose policies run each other's rows in one
+        forward (``MixesRows``: LoRA adapters on one base) share calls; not in partial
+        mode, whose weight refresh is per policy."""
+        if self._refresh is not None or not isinstance(self.policy, MixesRows):
+            return None
+        group = self.policy.row_group()
+        return None if group is None else ("hf", group)
+
+    @torch.no_grad()
+    def generate_mixed(
+        self, calls: Sequence[tuple[Any, Sequence[Prompt]]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """interfaces.MixedCalls: one decode loop over the requests of several engines'
+        policies, every forward running each row through its own policy (``rows_of``);
+        sampled from this engine's stream (or ``params.seed``'s)."""
+        key = self.mix_key()
+        rows: list = []
+        owner: list[int] = []  # per prompt of the call: which engine's
+        starts: list[int] = []
+        for k, (engine, prompts) in enumerate(calls):
+            if key is None or not isinstance(engine, MixedCalls) or engine.mix_key() != key:
+                raise TypeError(
+                    f"HFEngine of policy {self.policy.name!r} cannot serve the requests of "
+                    f"{type(engine).__name__} in its call (a policy on another base?)"
+                )
+            requests = text_requests(engine, prompts)
+            starts.append(len(owner))
+            rows += [
+                (starts[k] + i, r.prompt, r.budget(params))
+                for i, r in enumerate(requests)
+                for _ in range(params.n)
+            ]
+            owner += [k] * len(requests)
+        assert isinstance(self.policy, MixesRows)  # mix_key says so
+        gen = self.gen if params.seed is None else seeded(params.seed)
+        owners = torch.tensor(owner, dtype=torch.long)
+        out: list[Completion] = []
+        with self.policy.rows_of([engine.policy for engine, _ in calls]) as select:
+            self._route = lambda pis: select(None if pis is None else owners[pis.cpu()])
+            try:
+                for start in range(0, len(rows), self.batch_size):
+                    out += self._generate_batch(rows[start : start + self.batch_size], params, gen)
+            finally:
+                self._route = None
+        answers: list[list[Completion]] = [[] for _ in calls]
+        for c in out:
+            k = owner[c.prompt_index]
+            answers[k].append(replace(c, prompt_index=c.prompt_index - starts[k]))
+        return answers
 
     def sync(self) -> None:  # same module as the trainer's
         return None
@@ -264,7 +318,7 @@ class HFEngine:
         return torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
     def _generate_batch(self, rows, params: SamplingParams, gen) -> list[Completion]:
-        model = self.policy.model
+        model = self.policy.model if self._route is None else self._route(None)
         device = next(model.parameters()).device
         stop_t = self._stop_ids(params, device)
         # Each distinct prompt is prefilled once; the n rows of its group then share its
@@ -280,6 +334,8 @@ class HFEngine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         refresh = self._refresh
         version = refresh() if refresh is not None else 0  # of the weights that make `logits`
+        if self._route is not None:  # generate_mixed: each prompt through its own policy
+            self._route(torch.tensor(list(distinct)))
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -335,6 +391,8 @@ class HFEngine:
             )
             if refresh is not None:  # newer weights go on from the cache the old ones made
                 version = refresh()
+            if self._route is not None:  # this step's rows, each through its own policy
+                self._route(torch.tensor([rows[k][0] for k in live.tolist()]))
             out = model(
                 input_ids=tok[:, None],
                 attention_mask=mask,

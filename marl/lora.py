@@ -15,13 +15,15 @@ adapter only.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Unpack
 
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import PolicyBuild
+from polyrl.core.interfaces import MixesRows, PolicyBuild
 from polyrl.core.policy import (
     CausalLMPolicy,
     checkpoint_state,
@@ -133,6 +135,31 @@ class LoraAgentPolicy:
             return response_logprobs(
                 model, to_device(batch, self.device), temperature, pack=packs(model, self.cfg.pack)
             )[0]
+
+    def row_group(self) -> Any:
+        """interfaces.MixesRows: the adapters of one shared PEFT model run together."""
+        return ("lora_agent", id(self._peft))
+
+    @contextmanager
+    def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable[[torch.Tensor | None], Any]]:
+        """interfaces.MixesRows: ``select(ids)`` sets the next forwards' row ``i`` to run
+        through ``owners[ids[i]]``'s adapter (marl.multi_lora) and returns the model."""
+        from polyrl.marl.multi_lora import adapter_rows
+
+        for o in owners:
+            if not isinstance(o, MixesRows) or o.row_group() != self.row_group():
+                raise ValueError(
+                    f"policy {self.name!r}: policy {getattr(o, 'name', o)!r} is not a "
+                    f"lora_agent on the same base; it cannot share a batch with it"
+                )
+        with adapter_rows(self._peft, [o.adapter for o in owners]) as router:
+
+            def select(ids: torch.Tensor | None) -> Any:
+                if ids is not None:
+                    router.set_rows(ids)
+                return self._peft
+
+            yield select
 
     def token_budget(self, batch: TensorDict):
         """Tokens per row and per micro-batch when the passes are packed, and the rows that

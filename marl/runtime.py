@@ -113,6 +113,7 @@ class MarlWorkflow:
             "marl/episodes": float(len(episodes)),
             "marl/episode_errors": float(sum(bool(ep.error) for ep in episodes)),
             "marl/generate_rounds": float(runtime.rounds),
+            "marl/engine_calls": float(len(runtime.batcher.sizes)),  # a mixed call counts once
             "marl/acts": float(runtime.acts),
             "marl/generate_s": runtime.generate_s,
             "marl/rollout_s": time.perf_counter() - t0,
