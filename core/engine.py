@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from polyrl.core import moe
 from polyrl.core.interfaces import Closable, Engine, MixedCalls, MixesRows
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -98,6 +99,10 @@ class Completion:
     # per token (params.top_logprobs > 0): the k likeliest ids and their log-probs, likeliest
     # first, in the distribution ``logprobs`` are from; else None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # mixture-of-experts models (engines that record routing): the experts each prompt then
+    # response token was routed to, int8/int16 [prompt + response tokens, MoE layers, k],
+    # -1 where not recorded (the last response token is never fed back); see core/moe.py
+    experts: torch.Tensor | None = None
 
 
 def sample_next(
@@ -321,6 +326,7 @@ class HFEngine:
         model = self.policy.model if self._route is None else self._route(None)
         device = next(model.parameters()).device
         stop_t = self._stop_ids(params, device)
+        routing = moe.record(model)  # MoE models: each token's experts (None: dense)
         # Each distinct prompt is prefilled once; the n rows of its group then share its
         # KV cache (expanded by index), so a group costs one prompt pass, not n.
         distinct: dict[int, int] = {}
@@ -347,6 +353,11 @@ class HFEngine:
         cache = out.past_key_values
         can_select = hasattr(cache, "batch_select_indices")
         logits = out.logits[:, -1]
+        if routing is not None:  # each distinct prompt's real tokens, as prefilled
+            shape = (routing.num_layers, routing.top_k)
+            routed = routing.take().view(*ids.shape, *shape).cpu()
+            prompt_experts = [routed[d][mask[d].bool().cpu()] for d in range(len(distinct))]
+            response_experts = torch.full((b, params.max_new_tokens, *shape), -1).to(routing.dtype)
         if len(distinct) < b:
             expand = torch.tensor([distinct[pi] for pi, _, _ in rows], device=device)
             if not can_select:
@@ -401,6 +412,8 @@ class HFEngine:
                 use_cache=True,
             )
             logits = out.logits[:, -1]
+            if routing is not None:  # the tokens fed in: response position t
+                response_experts[live.cpu(), t] = routing.take().cpu()
             next_pos = next_pos + 1
         result = []
         for k, (pi, _, _) in enumerate(rows):
@@ -413,6 +426,11 @@ class HFEngine:
             if k_top:
                 tops = list(zip(top_ids[k, :n].tolist(), top_lps[k, :n].tolist(), strict=True))
             result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers, tops))
+        if routing is not None:
+            moe.finish(routing, model)
+            for k, c in enumerate(result):
+                own = response_experts[k, : len(c.token_ids)]
+                c.experts = torch.cat([prompt_experts[distinct[c.prompt_index]], own])
         return result
 
     def _hit_stop_string(

@@ -267,6 +267,19 @@ class PacksRows(Protocol):
         each row's tokens are then what it adds to its unit (a shared prefix once)."""
 
 
+@runtime_checkable
+class RoutesExperts(Protocol):
+    """A policy whose model may route tokens to experts (mixture of experts, core/moe.py).
+    After each update pass the trainer adds ``router_loss`` to the loss: the load-balancing
+    term of that pass over ``batch`` (the micro-batch), weighted by its share of the
+    mini-batch ``agg`` describes, 0.0 when off or dense; the policy appends its router
+    metrics (expert load, engine/trainer routing mismatch, the aux loss) to ``metrics``."""
+
+    def router_loss(
+        self, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]
+    ) -> torch.Tensor | float: ...
+
+
 # --------------------------------------------------------------------------- engines
 
 

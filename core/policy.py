@@ -19,7 +19,7 @@ from typing import Any, Literal, Unpack, cast
 import torch
 from tensordict import TensorDict
 
-from polyrl.core import prefix
+from polyrl.core import moe, prefix
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.record import to_device
@@ -105,6 +105,9 @@ class PolicyConfig:
         "with pack: micro-batches by real tokens (rows grouped by length up to this "
         "many; a longer row goes alone) instead of micro_batch_size rows; null: "
         "micro_batch_size x the longest row, never more than a padded micro-batch",
+    )
+    moe: moe.MoeConfig = doc_factory(
+        moe.MoeConfig, "mixture-of-experts models: routing replay, load-balancing loss"
     )
     args: Any = doc(
         {},
@@ -219,6 +222,7 @@ def response_logprobs(
     shared_prefix: bool = True,
     pack: bool = False,
     min_shared: int = 16,
+    routing: moe.Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
 
@@ -233,14 +237,17 @@ def response_logprobs(
     KV cache is expanded to the rows (gradients flow back through the expansion), and the
     responses attend to it -- equal to the full pass up to float rounding, and about
     (n-1)/n of the prompt compute cheaper.
+
+    ``routing`` (MoE models): an open :class:`polyrl.core.moe.Routing`, told each forward's
+    token layout (recorded experts to replay, token kinds).
     """
     if pack:
         sharing = shares(model, pack, shared_prefix) and batch.batch_size[0] > 1
         if sharing and bool(batch["response_mask"].any()):
             units = prefix_units(model, batch, min_shared)
             if any(u.shared for u in units):
-                return shared_logprobs(model, batch, units, temperature, with_entropy)
-        return packed_logprobs(model, batch, temperature, with_entropy)
+                return shared_logprobs(model, batch, units, temperature, with_entropy, routing)
+        return packed_logprobs(model, batch, temperature, with_entropy, routing)
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
     inverse = None
@@ -252,6 +259,8 @@ def response_logprobs(
         ids = torch.cat([prompt, batch["response_ids"]], dim=1)
         mask = torch.cat([pmask, batch["response_mask"]], dim=1)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        if routing is not None:
+            routing.plan(*moe.token_layout(batch))
         logits = (
             model(
                 input_ids=ids,
@@ -267,6 +276,12 @@ def response_logprobs(
         width = prompt.shape[1]
         d_ids, d_mask = distinct[:, :width], distinct[:, width:]
         d_pos = (d_mask.cumsum(-1) - 1).clamp(min=0)
+        if routing is not None:  # a distinct prompt's experts: its first row's
+            experts, where = moe.token_layout(batch)
+            rows = torch.arange(len(inverse), device=inverse.device)
+            first = torch.full((len(distinct),), len(inverse), device=inverse.device)
+            first = first.scatter_reduce(0, inverse, rows, "amin")
+            routing.plan(None if experts is None else experts[first, :width], where[first, :width])
         head = model(
             input_ids=d_ids,
             attention_mask=d_mask,
@@ -278,6 +293,8 @@ def response_logprobs(
         cache.batch_select_indices(inverse)
         mask = torch.cat([d_mask[inverse], batch["response_mask"]], dim=1)
         pos = d_pos[inverse][:, -1:] + 1 + torch.arange(r, device=prompt.device)[None]
+        if routing is not None:
+            routing.plan(None if experts is None else experts[:, width:], where[:, width:])
         tail = model(
             input_ids=batch["response_ids"],
             attention_mask=mask,
@@ -294,6 +311,7 @@ def packed_logprobs(
     batch: TensorDict,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    routing: moe.Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` without padding: the rows' real tokens (prompt then
     response) are packed end to end, with position ids restarting at 0 on each row. With
@@ -333,6 +351,10 @@ def packed_logprobs(
     r_bin = token_bin[:, prompt.shape[1] :][rmask]
     r_col = token_col[:, prompt.shape[1] :][rmask] - 1
     keep, slot = torch.unique(r_col, return_inverse=True) if bins > 1 else (r_col, None)
+    if routing is not None:
+        ex, where = moe.token_layout(batch)
+        where_at = (token_bin[mask], token_col[mask], tuple(ids.shape))
+        routing.plan(*moe.scatter_layout(ex, where, mask, *where_at))
     logits = model(
         input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False
     ).logits
@@ -352,6 +374,7 @@ def shared_logprobs(
     units: list[prefix.Unit],
     temperature: float = 1.0,
     with_entropy: bool = False,
+    routing: moe.Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`packed_logprobs` with each unit's shared prefixes computed once.
 
@@ -386,6 +409,12 @@ def shared_logprobs(
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(dtype).min
         )
+    if routing is not None:  # a shared prefix's columns take each of its rows' experts
+        ex, where = moe.token_layout(batch)
+        real = torch.cat([batch["prompt_mask"].bool(), rmask], 1)
+        bins = torch.as_tensor(layout.row_bin, device=real.device).repeat_interleave(lengths)
+        cols = torch.cat(layout.cols)
+        routing.plan(*moe.scatter_layout(ex, where, real, bins, cols, tuple(layout.ids.shape)))
     logits = model(
         input_ids=layout.ids,
         attention_mask=mask,
@@ -466,6 +495,8 @@ class CausalLMPolicy:
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model, cfg, need_reference=self.need_reference, total_steps=build["total_steps"]
         )
+        self.moe = check_moe(name, cfg, self.model)
+        self._routing: moe.Routing | None = None  # the last pass with gradients (router_loss)
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
@@ -484,16 +515,52 @@ class CausalLMPolicy:
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         pack = packs(self.model, self.cfg.pack)
-        return response_logprobs(
-            self.model,
-            to_device(batch, self.device),
-            temperature,
-            with_entropy,
-            # the padded pass shares through a KV cache, which checkpointing cannot keep
-            self.cfg.shared_prefix and (pack or not self.cfg.gradient_checkpointing),
-            pack=pack,
-            min_shared=self.cfg.shared_prefix_min_tokens,
-        )
+        batch = to_device(batch, self.device)
+        routing = self._routing = self.open_routing(batch)
+        with routing or contextlib.nullcontext():
+            return response_logprobs(
+                self.model,
+                batch,
+                temperature,
+                with_entropy,
+                # the padded pass shares through a KV cache, which checkpointing cannot keep
+                self.cfg.shared_prefix and (pack or not self.cfg.gradient_checkpointing),
+                pack=pack,
+                min_shared=self.cfg.shared_prefix_min_tokens,
+                routing=routing,
+            )
+
+    def open_routing(self, batch: TensorDict) -> moe.Routing | None:
+        """MoE models: the :class:`~polyrl.core.moe.Routing` of a log-prob pass over
+        ``batch`` (replaying the record's experts under ``moe.replay: rollout``; keeping
+        the router logits for :meth:`router_loss` when gradients are on); None if dense."""
+        if not self.moe:
+            return None
+        replay = self.cfg.moe.replay == "rollout"
+        routing = moe.Routing(self.model, replay=replay, keep_logits=torch.is_grad_enabled())
+        if replay:
+            moe.check_replay(self.name, batch, routing)
+        return routing
+
+    def router_loss(self, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]):
+        """interfaces.RoutesExperts: the load-balancing loss of the last pass with gradients
+        (``batch``), weighted by the micro-batch's share of the mini-batch's loss tokens so
+        micro-batches sum to the mini-batch's value (0.0 when ``moe.aux_loss_coef`` is 0 or
+        the model is dense); its router metrics and ``moe/aux_loss`` go to ``metrics``."""
+        routing, self._routing = self._routing, None
+        if routing is None or not routing.keep_logits:
+            return 0.0
+        for key, value in routing.metrics().items():
+            metrics.setdefault(key, []).append(value)
+        coef = self.cfg.moe.aux_loss_coef
+        with contextlib.nullcontext() if coef else torch.no_grad():
+            aux = routing.aux_loss()
+        metrics.setdefault("moe/aux_loss", []).append(float(aux.detach()))
+        if not coef:
+            return 0.0
+        total = getattr(agg, "batch_num_tokens", None)
+        share = float(batch["loss_mask"].sum()) * agg.dp_size / total if total else 1.0
+        return coef * share * aux
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
@@ -552,6 +619,24 @@ class CausalLMPolicy:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def check_moe(name: str, cfg: PolicyConfig, model: torch.nn.Module) -> bool:
+    """Whether ``model`` routes tokens to experts; ``moe`` options it cannot honour fail."""
+    routed = bool(moe.routers(model))
+    asked = cfg.moe.replay != "off" or cfg.moe.aux_loss_coef != 0
+    if asked and not routed:
+        raise ConfigError(
+            f"policies.{name}.moe (replay: {cfg.moe.replay}, aux_loss_coef: "
+            f"{cfg.moe.aux_loss_coef}): model {cfg.model!r} has no top-k router modules, so "
+            "it is not a mixture-of-experts model PolyRL can route; remove the moe options"
+        )
+    if cfg.moe.replay != "off" and cfg.gradient_checkpointing:
+        raise ConfigError(
+            f"policies.{name}: moe.replay with gradient_checkpointing is not supported (the "
+            "backward's recompute would route freely); turn one of them off"
+        )
+    return routed
 
 
 def check_lora_targets(model: torch.nn.Module, targets: list[str]) -> None:

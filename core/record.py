@@ -14,6 +14,9 @@ Text rows carry (``P`` prompt length, ``R`` response length):
 - ``rollout_logprobs [B,R]``: the engine's log-probs of the sampled ids (0 elsewhere)
 - async mode: ``policy_version [B]``, the oldest weights version among the row's tokens;
   with ``rollout.partial`` also ``token_version [B,R]``, each token's version (-1: padding)
+- mixture-of-experts policies, engines that record routing: ``prompt_experts [B,P,L,k]``
+  and ``response_experts [B,R,L,k]`` (int8/int16), the experts the engine routed each
+  token to in each of the L MoE layers (-1: padding or not recorded; see ``core/moe.py``)
 - group key parts ``uid`` (prompt), ``agent_id``, ``turn``, ``node`` (int64 ``[B]``)
 - ``reward [B]`` (NaN until scored, or when scoring failed), ``valid [B]`` (bool)
 - non-tensor ``policy``, ``prompt_text``, ``response_text``, ``error`` (str; "" = none),
@@ -42,7 +45,10 @@ RESPONSE_COLUMNS = {
     "rollout_logprobs": 0,
     "advantages": 0,
     "token_version": -1,
+    "response_experts": -1,
 }
+# per-prompt-token columns (left-padded), with the value their padding takes
+PROMPT_COLUMNS = {"prompt_ids": 0, "prompt_mask": 0, "prompt_experts": -1}
 NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
 
 
@@ -74,6 +80,16 @@ def pad_left(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, tor
             ids[i, width - len(r) :] = torch.as_tensor(r, dtype=torch.long)
             mask[i, width - len(r) :] = 1
     return ids, mask
+
+
+def pad_tokens(t: torch.Tensor, before: int, after: int, value: float) -> torch.Tensor:
+    """``t [B, T, ...]`` padded along its token dimension (dim 1)."""
+    if not (before or after):
+        return t
+    pad = torch.full((t.shape[0], before + t.shape[1] + after, *t.shape[2:]), value, dtype=t.dtype)
+    pad = pad.to(t.device)
+    pad[:, before : before + t.shape[1]] = t
+    return pad
 
 
 def pad_right(rows: Sequence[Sequence[float]], pad: float, dtype: torch.dtype) -> torch.Tensor:
@@ -222,8 +238,9 @@ def trim(td: TensorDict) -> TensorDict:
     p_keep = int(td["prompt_mask"].sum(1).max())
     r_keep = int(td["response_mask"].sum(1).max())
     out = shallow(td)
-    for key in ("prompt_ids", "prompt_mask"):
-        out[key] = td[key][:, td[key].shape[1] - p_keep :]
+    for key in PROMPT_COLUMNS:
+        if key in td.keys():  # noqa: SIM118 (TensorDict)
+            out[key] = td[key][:, td[key].shape[1] - p_keep :]
     for key in RESPONSE_COLUMNS:
         if key in td.keys():  # noqa: SIM118 (TensorDict)
             out[key] = td[key][:, :r_keep]
@@ -244,12 +261,13 @@ def concat(records: Sequence[TensorDict]) -> TensorDict:
         r = shallow(r)
         dp, dr = p - r["prompt_ids"].shape[1], rl - r["response_ids"].shape[1]
         if dp:
-            for key in ("prompt_ids", "prompt_mask"):  # pad value is hidden by the mask
-                r[key] = torch.nn.functional.pad(r[key], (dp, 0), value=0)
+            for key, pad in PROMPT_COLUMNS.items():  # ids' pad value is hidden by the mask
+                if key in r.keys():  # noqa: SIM118 (TensorDict)
+                    r[key] = pad_tokens(r[key], dp, 0, pad)
         if dr:
             for key, pad in RESPONSE_COLUMNS.items():
                 if key in r.keys():  # noqa: SIM118 (TensorDict)
-                    r[key] = torch.nn.functional.pad(r[key], (0, dr), value=pad)
+                    r[key] = pad_tokens(r[key], 0, dr, pad)
         fixed.append(r)
     return torch.cat(fixed)
 
@@ -271,6 +289,9 @@ class Row:
     ``loss_mask`` None: every response token is this row's policy's own. ``versions``:
     each response token's weights version (``Completion.versions``; -1 for tokens the
     policy did not sample); the record gets ``token_version`` when every row has them.
+    ``experts``: the experts each prompt then response token was routed to by the engine
+    (``Completion.experts``, ``[P + R, L, k]``, -1 unrecorded); the record gets
+    ``prompt_experts`` and ``response_experts`` when any row has them.
     ``vision``: the row's joined images (the policy's log-prob pass reads them). ``error``:
     recorded on the row, which leaves the update (never scored 0). ``pending``: kept out
     of the update until a later part validates it (e.g. a credit that scores it).
@@ -293,6 +314,20 @@ class Row:
     vision: Any = None
     error: str = ""
     pending: bool = False
+    experts: torch.Tensor | None = None
+
+
+def record_experts(rows: Sequence[Row]) -> dict[str, torch.Tensor] | None:
+    """The record's expert columns from rows' ``experts`` (None: no row has any)."""
+    if all(r.experts is None for r in rows):
+        return None
+    from polyrl.core.moe import record_columns
+
+    return record_columns(
+        [r.experts for r in rows],
+        [len(r.prompt_ids) for r in rows],
+        [len(r.response_ids) for r in rows],
+    )
 
 
 def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
@@ -319,6 +354,9 @@ def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
     )
     if any(r.vision is not None for r in rows):
         set_strings(record, "vision", [r.vision for r in rows])
+    experts = record_experts(rows)
+    if experts is not None:
+        record.update(experts)
     pending = [i for i, r in enumerate(rows) if r.pending]
     if pending:
         record["valid"][torch.tensor(pending)] = False

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.correction import Mismatch, weights
-from polyrl.core.interfaces import OwnsKL, PacksRows
+from polyrl.core.interfaces import OwnsKL, PacksRows, RoutesExperts
 from polyrl.core.policy import pack_rows
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
@@ -289,6 +289,8 @@ def update(
                     kl_sum += float(kl.detach()) if real else 0.0
                 if ent is not None and algo.entropy_coef > 0:
                     loss = loss - algo.entropy_coef * aggregate(ent, mask, agg)
+                if isinstance(policy, RoutesExperts):  # MoE: load balancing, router metrics
+                    loss = loss + policy.router_loss(mb, agg, extra if real else {})
                 if ent is not None and real:  # a metric: the mean over trained tokens
                     stats["entropy_sum"] += float((ent.detach() * mask).sum())
                     stats["entropy_tokens"] += float(mask.sum())

@@ -94,6 +94,7 @@ def completion_rows(
                 response_text=o.text,
                 truncated=o.finish_reason == "length",
                 versions=o.versions,
+                experts=o.experts,
             )
         )
     return rows

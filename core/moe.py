@@ -1,0 +1,373 @@
+"""Mixture-of-experts routing: what the engine chose, recorded and replayed in the trainer.
+
+An MoE layer's router sends each token to its top-k experts. The engine and the trainer
+run the same weights through different kernels and batch shapes, so a near tie can fall
+the other way: the token goes to other experts and the trainer's log-prob of a sampled
+token drifts from the engine's (the failure mode that makes MoE RL runs collapse).
+Routing replay records the engine's choices per token and layer and has the trainer's
+passes route every recorded token to those experts, with the weights recomputed from the
+router's own softmax at them, so the router still gets gradients.
+
+Both work through forward hooks on the router modules (a forward hook's return value
+replaces the module's output, a supported torch API). Routers are the modules following
+transformers' top-k router convention (Qwen2/3-MoE, Mixtral, OLMoE, ...): a class named
+``*TopKRouter`` with ``top_k``, ``num_experts`` and ``weight``, whose forward returns
+``(logits [N, E], scores [N, k], indices [N, k])`` over the N tokens of its input, the
+scores being the softmax over all experts at the chosen ones (renormalised to sum 1 when
+``norm_topk_prob``). Tested on Qwen3-MoE.
+
+Layout. Experts are int8 (int16 from 128 experts) tensors ``[tokens, layers, k]``, -1
+where no choice was recorded (the router then routes freely). ``Completion.experts``
+covers the prompt's tokens then the response's; the record holds them as
+``prompt_experts [B, P, L, k]`` (left-padded like ``prompt_ids``) and
+``response_experts [B, R, L, k]`` (right-padded). The prompt's tokens are recorded too:
+the response's log-probs attend to the prompt's keys and values, which depend on how the
+prompt's tokens were routed in every earlier layer, and an engine's prefill (another
+kernel, batch or padding) need not route them as the trainer would. A response's last
+token is never fed to the engine, so its row is -1 (nothing the trainer scores reads it).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDict
+
+from polyrl.core.config import UserError, doc
+
+# token kinds in a plan's ``where``: padding or packing filler, prompt, response
+PAD, PROMPT, RESPONSE = 0, 1, 2
+EXPERT_COLUMNS = ("prompt_experts", "response_experts")
+
+
+@dataclass
+class MoeConfig:
+    """A policy's mixture-of-experts options (``policies.<n>.moe``; dense models ignore them)."""
+
+    replay: Literal["off", "rollout"] = doc(
+        "off",
+        "routing replay: rollout routes every token of the trainer's log-prob and update "
+        "passes to the experts the engine chose (the record's prompt_experts / "
+        "response_experts; an engine that cannot record them is an error); off: the "
+        "trainer's router chooses",
+    )
+    aux_loss_coef: float = doc(
+        0.0,
+        "weight of the load-balancing loss (Switch-style: E * sum_e f_e * P_e per MoE "
+        "layer, averaged over layers; 1 when balanced) added to the update's loss; 0: off "
+        "(it is still reported as moe/aux_loss)",
+    )
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's top-k router modules, in layer order (empty for a dense model)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.lower().endswith("topkrouter")
+        and hasattr(m, "top_k")
+        and hasattr(m, "num_experts")
+    ]
+
+
+def expert_dtype(num_experts: int) -> torch.dtype:
+    """The smallest signed int type holding every expert index and -1."""
+    return torch.int8 if num_experts <= 127 else torch.int16
+
+
+def replay_scores(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The weights the router gives experts ``idx`` [N, k]: its softmax over all experts at
+    them, renormalised to sum 1 if the router does (what its own forward computes for its
+    own top-k), differentiable in ``logits``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    scores = probs.gather(-1, idx)
+    if getattr(router, "norm_topk_prob", False):
+        scores = scores / scores.sum(-1, keepdim=True)
+    return scores.to(logits.dtype)
+
+
+class Routing:
+    """Forward hooks on every router of ``model`` while open (a ``with`` block, or
+    :meth:`open` / :meth:`close`).
+
+    Every forward through the model is one *step*. Before one, :meth:`plan` may give its
+    tokens' recorded experts (``[N, L, k]``, N the forward's tokens in ``input_ids``
+    order, -1 rows unrecorded) and kinds (``where`` [N]: PAD, PROMPT, RESPONSE). With
+    ``replay`` each recorded token is routed to its recorded experts. Per step the hooks
+    keep each layer's own top-k (the router's choice, before replay), the experts used and,
+    with ``keep_logits``, the router logits (with their graph, for the loss). Hooks act
+    only in the thread that opened them (an engine in a background thread may share the
+    module).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, *, replay: bool = False, keep_logits: bool = False
+    ) -> None:
+        self.routers = routers(model)
+        if not self.routers:
+            raise ValueError("Routing: the model has no top-k router modules (not an MoE model)")
+        first = self.routers[0]
+        self.num_layers, self.top_k = len(self.routers), int(first.top_k)
+        self.num_experts = int(first.num_experts)
+        self.dtype = expert_dtype(self.num_experts)
+        self.replay, self.keep_logits = replay, keep_logits
+        self.steps: list[dict[str, Any]] = []
+        self._plan: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self._handles: list[Any] = []
+        self._thread: int | None = None
+
+    # --- hooks --------------------------------------------------------------------------
+    def open(self) -> Routing:
+        self._thread = threading.get_ident()
+        for layer, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(layer)))
+        return self
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._thread = [], None
+
+    def __enter__(self) -> Routing:
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _hook(self, layer: int):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                return None
+            logits, _scores, own = output
+            if layer == 0:  # the first router of a forward opens its step
+                self.steps.append({"own": [], "used": [], "logits": [], "plan": self._plan})
+                self._plan = (None, None)
+            step = self.steps[-1]
+            recorded = step["plan"][0]
+            used = own
+            if self.replay and recorded is not None:
+                want = recorded[:, layer].to(device=own.device, dtype=own.dtype)
+                if want.shape != own.shape:
+                    raise ValueError(
+                        f"routing replay: layer {layer} routes {tuple(own.shape)} tokens x "
+                        f"experts, the plan has {tuple(want.shape)}"
+                    )
+                rec = (want >= 0).all(-1, keepdim=True)
+                used = torch.where(rec, want, own)
+                output = (logits, replay_scores(module, logits, used), used)
+            step["own"].append(own.detach().to(self.dtype))
+            step["used"].append(used.detach().to(self.dtype))
+            if self.keep_logits:
+                step["logits"].append(logits)
+            return output
+
+        return hook
+
+    # --- what callers give and take --------------------------------------------------------
+    def plan(self, experts: torch.Tensor | None, where: torch.Tensor | None) -> None:
+        """The next forward's tokens: recorded experts ``[..., L, k]`` (or None) and kinds
+        ``[...]`` (or None: every token real), flattened in ``input_ids`` order."""
+        if experts is not None:
+            experts = experts.reshape(-1, self.num_layers, self.top_k)
+        self._plan = (experts, None if where is None else where.reshape(-1))
+
+    def take(self) -> torch.Tensor:
+        """The experts the last forward used, ``[N, L, k]`` (and forget the step)."""
+        step = self.steps.pop()
+        return torch.stack(step["used"], 1)
+
+    # --- the trainer's terms ---------------------------------------------------------------
+    def _pooled(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Over every step: own and used experts [T, L, k] and recorded ones (None if no step
+        had any) of the real tokens, and their kinds [T]."""
+        own, used, rec, kinds = [], [], [], []
+        for step in self.steps:
+            experts, where = step["plan"]
+            o, u = torch.stack(step["own"], 1), torch.stack(step["used"], 1)
+            w = (
+                torch.ones(o.shape[0], dtype=torch.long, device=o.device)
+                if where is None
+                else where
+            )
+            real = w.to(o.device) > PAD
+            own.append(o[real])
+            used.append(u[real])
+            kinds.append(w.to(o.device)[real])
+            if experts is not None:
+                rec.append(experts.to(o.device)[real].to(self.dtype))
+            else:
+                rec.append(torch.full_like(o[real], -1))
+        recorded = torch.cat(rec) if any(bool((r >= 0).any()) for r in rec) else None
+        return torch.cat(own), torch.cat(used), recorded, torch.cat(kinds)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Switch Transformer's load-balancing loss for top-k, over the real tokens of every
+        step: per MoE layer ``E * sum_e f_e * P_e``, with ``f_e`` the share of the layer's
+        ``k * T`` token-expert assignments that went to expert e (as routed, replayed or
+        not) and ``P_e`` the mean router probability of e; averaged over layers. 1 for a
+        uniform router; the gradient flows through ``P``. (transformers'
+        ``load_balancing_loss_func`` pools the layers and sums the k slots: k at balance.)"""
+        if not self.keep_logits:
+            raise RuntimeError("Routing.aux_loss needs keep_logits=True")
+        per_layer = []
+        for layer in range(self.num_layers):
+            probs, counts = [], []
+            for step in self.steps:
+                where = step["plan"][1]
+                logits = step["logits"][layer]
+                real = (
+                    torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+                    if where is None
+                    else where.to(logits.device) > PAD
+                )
+                probs.append(torch.softmax(logits[real].float(), -1))
+                used = step["used"][layer][real].long()
+                counts.append(torch.nn.functional.one_hot(used, self.num_experts).sum((0, 1)))
+            p = torch.cat(probs).mean(0)
+            f = torch.stack(counts).sum(0).float()
+            f = f / f.sum().clamp(min=1)
+            per_layer.append(self.num_experts * (f * p).sum())
+        return torch.stack(per_layer).mean()
+
+    def metrics(self) -> dict[str, float]:
+        """Router metrics of the steps: per layer the busiest expert's load relative to a
+        balanced one (``moe/load_max/l<i>``: E * max_e f_e, 1 = balanced; each expert's share
+        ``moe/load/l<i>/e<j>`` too when there are at most 64 of them in all), and where
+        experts were recorded the share of response (and prompt) tokens whose own top-k set
+        differs from the recorded one in at least one layer (``moe/route_mismatch``,
+        ``moe/route_mismatch_prompt``)."""
+        if not self.steps:
+            return {}
+        own, used, recorded, kinds = self._pooled()
+        out: dict[str, float] = {}
+        e = self.num_experts
+        for layer in range(self.num_layers):
+            counts = torch.bincount(used[:, layer].reshape(-1).long(), minlength=e)[:e].float()
+            share = counts / counts.sum().clamp(min=1)
+            out[f"moe/load_max/l{layer}"] = float(e * share.max())
+            if self.num_layers * e <= 64:
+                for j in range(e):
+                    out[f"moe/load/l{layer}/e{j}"] = float(share[j])
+        if recorded is not None:
+            has = (recorded >= 0).all(-1).all(-1)  # tokens recorded in every layer
+            differs = (own.sort(-1).values != recorded.sort(-1).values).any(-1).any(-1)
+            for name, kind in (
+                ("moe/route_mismatch", RESPONSE),
+                ("moe/route_mismatch_prompt", PROMPT),
+            ):
+                sel = has & (kinds == kind)
+                if bool(sel.any()):
+                    out[name] = float(differs[sel].float().mean())
+        return out
+
+
+# --- the engine side -------------------------------------------------------------------------
+_recording: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record(model: torch.nn.Module) -> Routing | None:
+    """Open a capturing :class:`Routing` on ``model`` for an engine's generate call (None: a
+    dense model). One per model: a call that raised before closing its own is closed
+    here, so no hook outlives its call."""
+    stale = _recording.pop(model, None)
+    if stale is not None:
+        stale.close()
+    if not routers(model):
+        return None
+    routing = Routing(model).open()
+    _recording[model] = routing
+    return routing
+
+
+def finish(routing: Routing, model: torch.nn.Module) -> None:
+    """Close ``routing`` (opened by :func:`record` on ``model``)."""
+    routing.close()
+    if _recording.get(model) is routing:
+        del _recording[model]
+
+
+# --- the record side -------------------------------------------------------------------------
+def record_columns(
+    experts: list[torch.Tensor | None], prompt_lens: list[int], response_lens: list[int]
+) -> dict[str, torch.Tensor] | None:
+    """``prompt_experts`` (left-padded) and ``response_experts`` (right-padded) for rows whose
+    ``experts`` cover prompt then response tokens (None: a row without, all -1); None when
+    no row has any."""
+    known = [x for x in experts if x is not None]
+    if not known:
+        return None
+    layers, k = known[0].shape[1:]
+    dtype = known[0].dtype
+    n, p, r = len(experts), max(prompt_lens, default=0), max(response_lens, default=0)
+    prompt = torch.full((n, p, layers, k), -1, dtype=dtype)
+    response = torch.full((n, r, layers, k), -1, dtype=dtype)
+    for i, (x, pl, rl) in enumerate(zip(experts, prompt_lens, response_lens, strict=True)):
+        if x is None:
+            continue
+        if x.shape[0] != pl + rl or tuple(x.shape[1:]) != (layers, k):
+            raise ValueError(
+                f"record row {i}: experts of shape {tuple(x.shape)} for {pl} prompt and {rl} "
+                f"response tokens; need [{pl + rl}, {layers}, {k}]"
+            )
+        if pl:
+            prompt[i, p - pl :] = x[:pl]
+        response[i, :rl] = x[pl:]
+    return {"prompt_experts": prompt, "response_experts": response}
+
+
+def has_experts(batch: TensorDict) -> bool:
+    keys = set(batch.keys())
+    return all(c in keys for c in EXPERT_COLUMNS)
+
+
+def token_layout(batch: TensorDict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The batch's recorded experts ``[B, P+R, L, k]`` (None without them) and token kinds
+    ``[B, P+R]``, laid out as the padded pass's ``cat([prompt_ids, response_ids], 1)``."""
+    where = torch.cat(
+        [batch["prompt_mask"].long() * PROMPT, batch["response_mask"].long() * RESPONSE], 1
+    )
+    if not has_experts(batch):
+        return None, where
+    return torch.cat([batch["prompt_experts"], batch["response_experts"]], 1), where
+
+
+def scatter_layout(
+    experts: torch.Tensor | None,
+    where: torch.Tensor,
+    mask: torch.Tensor,
+    bins: torch.Tensor,
+    cols: torch.Tensor,
+    shape: tuple[int, int],
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`token_layout` moved to a packed input of ``shape`` (bins x width): the real
+    tokens (``mask``, row-major) go to ``(bins, cols)``, one entry per real token, as the
+    packed ids do; fillers are PAD, unrecorded."""
+    out_where = torch.zeros(shape, dtype=torch.long, device=where.device)
+    out_where[bins, cols] = where[mask]
+    if experts is None:
+        return None, out_where
+    out = torch.full((*shape, *experts.shape[2:]), -1, dtype=experts.dtype, device=experts.device)
+    out[bins, cols] = experts[mask]
+    return out, out_where
+
+
+def check_replay(policy: str, batch: TensorDict, routing: Routing) -> None:
+    """``replay: rollout`` needs the record's expert columns, of this model's shape."""
+    if not has_experts(batch):
+        raise UserError(
+            f"policies.{policy}.moe.replay is 'rollout' but the record has no "
+            "prompt_experts/response_experts columns: the engine did not record its experts "
+            "(engine.name: hf records them; other engines may not), or the workflow dropped "
+            "them. Use an engine that records experts, or set moe.replay: off"
+        )
+    shape = tuple(batch["response_experts"].shape[2:])
+    if shape != (routing.num_layers, routing.top_k):
+        raise UserError(
+            f"policies.{policy}.moe.replay: the record's response_experts hold {shape[0]} "
+            f"layers x top-{shape[1]}, but the model has {routing.num_layers} MoE layers "
+            f"with top-{routing.top_k}: the experts were recorded by another model"
+        )
