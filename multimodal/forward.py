@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from polyrl.core.policy import token_logprobs
+from polyrl.core import prefix
+from polyrl.core.policy import shares, token_logprobs
 from polyrl.multimodal.turns import placeholder_mask
 from polyrl.multimodal.vision import COUNTERS, VisionInputs
 
@@ -187,18 +188,17 @@ def _dummy(
     return _features(p, pv, grid)
 
 
-def _place(
+def _media_index(
     p: Parts,
     order: list[VisionInputs],
     rows: list[VisionInputs | None],
     unique: dict[str, int],
     mask: torch.Tensor,
     video: bool,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
-    """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
-    the distinct prompts' images (or videos); None when the batch has none."""
+) -> tuple[list[VisionInputs], torch.Tensor, int]:
+    """For every placeholder in ``mask`` (row-major order), its row in the features of the
+    distinct prompts' images (or videos) that have any; those prompts, and how many
+    features they give. Checks each row's placeholders against its grids."""
     what = "video" if video else "image"
     count = (lambda v: v.num_videos) if video else (lambda v: v.num_images)
     grid_of = (lambda v: v.video_grid_thw) if video else (lambda v: v.image_grid_thw)
@@ -216,18 +216,46 @@ def _place(
                 f"in its prompt but {whose} (t*h*w/merge^2 per {what}); the "
                 f"prompt ids and the {what}s do not belong together"
             )
-    if not with_media:
-        return None
-    values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
-    pv = torch.cat(values).to(device=device, dtype=dtype)
-    feats, deep = _features(p, pv, torch.cat([grid_of(v) for v in with_media]).to(device), video)
     starts = torch.tensor([0] + per_prompt[:-1]).cumsum(0).tolist()
     index = [
         torch.arange(starts[unique[v.key]], starts[unique[v.key]] + per_prompt[unique[v.key]])
         for v in rows
         if v is not None
     ]
-    gather = torch.cat(index).to(device)
+    gather = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+    return with_media, gather, sum(per_prompt)
+
+
+def _media_features(
+    p: Parts, with_media: list[VisionInputs], video: bool, device: torch.device, dtype
+) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+    """One vision pass over ``with_media``'s images (or videos); None when there are none."""
+    if not with_media:
+        return None
+    values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
+    grids = [v.video_grid_thw if video else v.image_grid_thw for v in with_media]
+    pv = torch.cat(values).to(device=device, dtype=dtype)
+    return _features(p, pv, torch.cat(grids).to(device), video)
+
+
+def _place(
+    p: Parts,
+    order: list[VisionInputs],
+    rows: list[VisionInputs | None],
+    unique: dict[str, int],
+    mask: torch.Tensor,
+    video: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+    """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
+    the distinct prompts' images (or videos); None when the batch has none."""
+    with_media, gather, _ = _media_index(p, order, rows, unique, mask, video)
+    out = _media_features(p, with_media, video, device, dtype)
+    if out is None:
+        return None
+    feats, deep = out
+    gather = gather.to(device)
     return feats[gather], ([d[gather] for d in deep] if deep else None)
 
 
@@ -496,14 +524,35 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     dummy_if_empty: bool = True,
+    shared_prefix: bool = False,
+    min_shared: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token, images and videos included, positions
-    by M-RoPE."""
+    by M-RoPE.
+
+    ``shared_prefix``: where the cost model says it pays, :func:`shared_logprobs` (each
+    shared prefix, images included, once); else the padded pass over every row."""
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     r = response_ids.shape[1]
     p = parts(model)
     positions, image_mask, video_mask = row_positions(p, prompt_ids, prompt_mask, ids, mask, rows)
+    if shared_prefix:
+        out = shared_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            rows,
+            (positions, image_mask, video_mask),
+            temperature,
+            with_entropy,
+            dummy_if_empty=dummy_if_empty,
+            min_shared=min_shared,
+        )
+        if out is not None:
+            return out
     logits, _, _ = vl_forward(
         model,
         ids,
@@ -516,3 +565,173 @@ def response_logprobs(
         position_ids=positions,
     )
     return token_logprobs(logits[:, :-1].float(), response_ids, temperature, with_entropy)
+
+
+def mark_media(
+    p: Parts,
+    ids: torch.Tensor,
+    rows: list[VisionInputs | None],
+    image_mask: torch.Tensor,
+    video_mask: torch.Tensor,
+) -> tuple[torch.Tensor, list[list[VisionInputs]]]:
+    """``ids`` with each image (video) placeholder replaced by ``-2 - i``, ``i`` the row of its
+    feature in the distinct images' features followed by the distinct videos' (prompts
+    told apart by :attr:`VisionInputs.key`), and the prompts whose images and whose
+    videos the vision tower takes: equal marks mean equal inputs to the language model."""
+    unique: dict[str, int] = {}
+    order: list[VisionInputs] = []
+    for v in rows:
+        if v is not None and v.key not in unique:
+            unique[v.key] = len(order)
+            order.append(v)
+    media, offset = [], 0
+    marked = ids.clone()
+    for video, where in ((False, image_mask), (True, video_mask)):
+        with_media, gather, count = _media_index(p, order, rows, unique, where, video)
+        media.append(with_media)
+        marked[where] = -2 - (gather.to(ids.device) + offset)
+        offset = count
+    return marked, media
+
+
+def shared_units(
+    model: torch.nn.Module,
+    marked: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    min_shared: int,
+) -> tuple[list[prefix.Unit], torch.Tensor, torch.Tensor] | None:
+    """How :func:`shared_logprobs` would run the rows (``marked``: prompt + response ids with
+    each vision placeholder replaced by ``-2 - its feature's index``, so rows share an image
+    only where they share its features): the units of
+    :func:`polyrl.core.prefix.plan_units` with the rows' left-aligned tokens and lengths;
+    None where no prefix is shared (the attention cannot take a tree mask, or the cost
+    model says sharing does not pay)."""
+    if len(marked) < 2 or not shares(model, True, True):
+        return None
+    plen = prompt_mask.shape[1]
+    view = {
+        "prompt_ids": marked[:, :plen],
+        "prompt_mask": prompt_mask,
+        "response_ids": marked[:, plen:],
+        "response_mask": response_mask,
+    }
+    tokens, lengths = prefix.row_tokens(view)
+    order, lcp = prefix.sorted_lcp(tokens, lengths)
+    units = prefix.plan_units(
+        lengths.tolist(),
+        order,
+        lcp,
+        min_shared=max(1, min_shared),
+        weights=prefix.cost_weights(hf_model(model).config),
+    )
+    if not any(u.shared for u in units):
+        return None
+    return units, tokens, lengths
+
+
+def shared_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: list[VisionInputs | None],
+    placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    *,
+    dummy_if_empty: bool = True,
+    min_shared: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`response_logprobs` with each shared prefix computed once, images included;
+    None where nothing is shared (the caller runs the padded pass).
+
+    ``placed``: :func:`row_positions` of the rows (M-RoPE positions ``[3, B, P + R]``, image
+    and video masks). Each distinct image (by :attr:`VisionInputs.key`) goes through the
+    vision tower once, as in the padded pass; a vision placeholder is told apart by the
+    feature it takes, so rows share a prefix only where its tokens and images are the same.
+    The rows' units (:func:`shared_units`) are packed as trees
+    (:func:`polyrl.core.prefix.tree_layout`): the distinct tokens once, each row's M-RoPE
+    positions at its columns (a shared prefix has the same positions in every row: they
+    depend only on what comes before), image features (and Qwen3-VL's deepstack features)
+    at the image columns, a tree mask (sdpa, eager). Only the columns that predict a
+    response token reach the LM head. Equal to the padded pass up to float rounding.
+    """
+    positions, image_mask, video_mask = placed
+    rmask = response_mask.bool()
+    if not bool(rmask.any()) or not bool(prompt_mask.bool().any(-1).all()):
+        return None
+    p = parts(model)
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1).bool()
+    if not any(v is not None for v in rows) and bool(image_mask.any() or video_mask.any()):
+        return None  # the padded pass says what is wrong
+    marked, media = mark_media(p, ids, rows, image_mask, video_mask)
+    plan = shared_units(model, marked, prompt_mask, response_mask, min_shared)
+    if plan is None:
+        return None
+    units, tokens, lengths = plan
+    lay = prefix.tree_layout(units, tokens, lengths.tolist(), len(lengths))
+    device = ids.device
+    # each row's M-RoPE positions at its columns (rows sharing a column agree on it)
+    real = mask.sum(-1).tolist()
+    col_bin = torch.cat(
+        [torch.full((n,), b, device=device) for n, b in zip(real, lay.row_bin, strict=True)]
+    )
+    cols = torch.cat(lay.cols)
+    pos = torch.zeros((3, *lay.ids.shape), dtype=positions.dtype, device=device)
+    pos[:, col_bin, cols] = positions[:, mask]
+    # embeddings: text tokens, then the vision features at their columns
+    vis = lay.ids < -1
+    emb = p.language_model.get_input_embeddings()(lay.ids.clamp(min=0))
+    dtype = p.visual.dtype if hasattr(p.visual, "dtype") else emb.dtype
+    feats = [
+        _media_features(p, m, video, device, dtype)
+        for m, video in zip(media, (False, True), strict=True)
+    ]
+    got = [f for f in feats if f is not None]
+    extra: dict[str, Any] = {}
+    if got:
+        at = -2 - lay.ids[vis]
+        emb = emb.masked_scatter(
+            vis.unsqueeze(-1), torch.cat([f[0] for f in got])[at].to(emb.dtype)
+        )
+        if p.deepstack and all(f[1] for f in got):
+            layers = zip(*[f[1] for f in got], strict=True)
+            extra = {
+                "visual_pos_masks": vis,
+                "deepstack_visual_embeds": [torch.cat(d)[at].to(emb.dtype) for d in layers],
+            }
+    elif dummy_if_empty:  # every parameter takes part, so FSDP ranks stay in step
+        dfeats, deep = _dummy(p, device, dtype)
+        zero = dfeats.sum() * 0.0 + sum((d.sum() * 0.0 for d in deep or []), 0.0)
+        emb = emb + zero.to(emb.dtype)
+    attn = lay.visible
+    if str(getattr(hf_model(model).config, "_attn_implementation", "")) == "eager":
+        attn = torch.zeros(attn.shape, dtype=emb.dtype, device=device).masked_fill_(
+            ~attn, torch.finfo(emb.dtype).min
+        )
+    hidden = p.language_model(
+        input_ids=None,
+        inputs_embeds=emb,
+        attention_mask=attn,
+        position_ids=pos,
+        use_cache=False,
+        **extra,
+    ).last_hidden_state
+    # response token k of row i is predicted from the column of its position plen + k - 1
+    plen = prompt_mask.sum(-1).tolist()
+    width = lay.ids.shape[1]
+    flat = []
+    for i, c in enumerate(lay.cols):
+        n = int(rmask[i].sum())
+        if n:
+            flat.append(lay.row_bin[i] * width + c[plen[i] - 1 : plen[i] - 1 + n])
+    keep, slot = torch.unique(torch.cat(flat), return_inverse=True)
+    logits = p.lm_head(hidden.reshape(-1, hidden.shape[-1])[keep])[slot]
+    logp, ent = token_logprobs(logits.float(), response_ids[rmask], temperature, with_entropy)
+    out = torch.zeros(rmask.shape, dtype=logp.dtype, device=device).masked_scatter(rmask, logp)
+    if ent is not None:
+        ent = torch.zeros_like(out).masked_scatter(rmask, ent)
+    return out, ent

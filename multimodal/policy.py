@@ -5,8 +5,10 @@ optimizer, export) with a vision-language forward pass: each record row carries 
 prompt's processed images and videos (the ``vision`` column a VL workflow writes, shared by
 the prompt's ``n`` samples), the vision tower runs once per distinct prompt in a micro-batch,
 and M-RoPE position ids come from the model's own ``get_rope_index`` over prompt and
-response. Rows without a ``vision`` column (the core's SFT warm start) are processed from
-the references their dataset row keeps. A batch without images runs the vision tower on a
+response. With ``shared_prefix`` (the default) rows of a micro-batch that share a prefix
+(a group's prompt and image) compute it once where the cost model says that pays
+(:func:`polyrl.multimodal.forward.shared_logprobs`). Rows without a ``vision`` column (the
+core's SFT warm start) are processed from the references their dataset row keeps. A batch without images runs the vision tower on a
 dummy patch with weight zero (safe under FSDP). Under ``distributed.backend: ray`` each rank
 shards the vision blocks and decoder layers with FSDP2, with :class:`ResponseScorer` (the
 module whose forward runs the pass) as the root unit.
@@ -74,9 +76,12 @@ class ResponseScorer(torch.nn.Module):
     and their gradients reduced after its backward.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, shared_prefix: bool = False, min_shared: int = 16
+    ) -> None:
         super().__init__()
         self.model = model
+        self.shared_prefix, self.min_shared = shared_prefix, min_shared
 
     def forward(
         self,
@@ -94,6 +99,8 @@ class ResponseScorer(torch.nn.Module):
             rows,
             temperature,
             with_entropy,
+            shared_prefix=self.shared_prefix,
+            min_shared=self.min_shared,
         )
 
 
@@ -132,8 +139,11 @@ class QwenVLPolicy(CausalLMPolicy):
             total_steps=build["total_steps"],
             lora_targets=lora_target_regex(list(cfg.lora.target_modules), self.options.lora_vision),
         )
-        self.scorer = ResponseScorer(self.model)
-        self.ref_scorer = ResponseScorer(self.reference) if self.reference is not None else None
+        share = (cfg.shared_prefix, cfg.shared_prefix_min_tokens)
+        self.scorer = ResponseScorer(self.model, *share)
+        self.ref_scorer = (
+            ResponseScorer(self.reference, *share) if self.reference is not None else None
+        )
 
     def fsdp_root(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module whose forward runs ``model`` (the policy's or the reference) in training;
