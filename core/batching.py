@@ -238,6 +238,7 @@ class Batcher:
         self.mixed += len(policies) > 1
         t0 = time.perf_counter()
         try:
+            generate: Callable[[list[Request], SamplingParams], list[Completion]]
             if len(policies) == 1:
                 generate = self.engines[policy].generate
             else:  # one call over several engines' requests; `outs` in `requests` order

@@ -268,7 +268,7 @@ class HFEngine:
                     f"HFEngine of policy {self.policy.name!r} cannot serve the requests of "
                     f"{type(engine).__name__} in its call (a policy on another base?)"
                 )
-            requests = text_requests(engine, prompts)
+            requests = text_requests(self, prompts)
             starts.append(len(owner))
             rows += [
                 (starts[k] + i, r.prompt, r.budget(params))
