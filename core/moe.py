@@ -332,6 +332,13 @@ def token_layout(batch: TensorDict) -> tuple[torch.Tensor | None, torch.Tensor]:
     )
     if not has_experts(batch):
         return None, where
+    for key, ids in zip(EXPERT_COLUMNS, ("prompt_ids", "response_ids"), strict=True):
+        if batch[key].shape[:2] != batch[ids].shape:
+            raise ValueError(
+                f"record column {key} is {tuple(batch[key].shape[:2])} rows x tokens but "
+                f"{ids} is {tuple(batch[ids].shape)}: a part that reshaped the record's "
+                "token columns left the experts out (see core/record.py PROMPT_COLUMNS)"
+            )
     return torch.cat([batch["prompt_experts"], batch["response_experts"]], 1), where
 
 

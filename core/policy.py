@@ -533,13 +533,15 @@ class CausalLMPolicy:
     def open_routing(self, batch: TensorDict) -> moe.Routing | None:
         """MoE models: the :class:`~polyrl.core.moe.Routing` of a log-prob pass over
         ``batch`` (replaying the record's experts under ``moe.replay: rollout``; keeping
-        the router logits for :meth:`router_loss` when gradients are on); None if dense."""
+        the router logits for :meth:`router_loss` when gradients are on); None if dense.
+        Rows no engine sampled (a warm start's data: no experts, no advantages) route
+        freely; a rollout record without experts is an error under replay."""
         if not self.moe:
             return None
         replay = self.cfg.moe.replay == "rollout"
         routing = moe.Routing(self.model, replay=replay, keep_logits=torch.is_grad_enabled())
-        if replay:
-            moe.check_replay(self.name, batch, routing)
+        if replay and (moe.has_experts(batch) or "advantages" in batch.keys()):  # noqa: SIM118
+            moe.check_replay(self.name, batch, routing)  # an RL record must have them
         return routing
 
     def router_loss(self, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]):
