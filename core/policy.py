@@ -88,7 +88,8 @@ class PolicyConfig:
         "reference and update passes. Packed sdpa/eager passes: a tree of prefixes packed "
         "with its suffixes, where a cost model from the lengths says it is cheaper; "
         "padded passes (pack false, or flash attention): each distinct prompt once, its "
-        "KV cache shared with its group's rows",
+        "KV cache shared with its group's rows. qwen_vl: images in the prefix too (a tree "
+        "pass where the cost model says it pays, else its padded pass)",
     )
     shared_prefix_min_tokens: int = doc(
         16, "packed passes: share a prefix only when at least this many tokens long"
@@ -98,7 +99,7 @@ class PolicyConfig:
         "padding-free log-prob passes: a micro-batch's rows packed end to end, position "
         "ids restarting per row (sdpa/eager: bins as wide as the longest row; flash "
         "attention: one sequence). Same values as the padded pass; causal_lm and "
-        "lora_agent kinds (VLM kinds stay padded)",
+        "lora_agent kinds (VLM kinds stay padded, packed only as shared_prefix trees)",
     )
     max_tokens_per_micro_batch: int | None = doc(
         None,
