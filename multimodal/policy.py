@@ -132,6 +132,7 @@ class QwenVLPolicy(CausalLMPolicy):
             forward.parts(model).visual.requires_grad_(False)
         self.need_reference = build["need_reference"]
         self.reference_warmed = False  # a warm start has not moved the reference yet
+        self._routing = None  # CausalLMPolicy.router_loss: no MoE routing in this pass
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model,
             cfg,
