@@ -70,6 +70,18 @@ class LocalBackend:
             policy, batch, algo, temperature=temperature, generator=generator, correction=correction
         )
 
+    def update_together(self, policies, batches, algo, *, temperature, generator, correction=None):
+        """Policies that update together (interfaces.UpdatesTogether): one pass per
+        micro-batch over all their rows (only this backend offers it; the session asks)."""
+        return trainer.update_together(
+            policies,
+            batches,
+            algo,
+            temperature=temperature,
+            generator=generator,
+            correction=correction,
+        )
+
     def sft_update(self, policy, batch):
         return trainer.sft_update(policy, batch)
 

@@ -254,6 +254,28 @@ class OwnsKL(Protocol):
 
 
 @runtime_checkable
+class UpdatesTogether(Protocol):
+    """A policy whose update passes may merge with other policies' (LoRA adapters on one
+    shared base): the session updates the trained policies with equal ``update_group()``
+    (None: alone) in one ``trainer.update_together`` (local backend), which runs micro-batch
+    ``k`` of each as ONE forward/backward, each policy's rows through its own weights.
+
+    ``logprobs_together(policies, batches, temperature, with_entropy)`` is called on the
+    first of them; it answers, for each batch, what ``policies[i].logprobs(batches[i], ...)``
+    would (gradients reaching each policy's own weights only)."""
+
+    def update_group(self) -> Any: ...
+
+    def logprobs_together(
+        self,
+        policies: Sequence[Any],
+        batches: Sequence[TensorDict],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]: ...
+
+
+@runtime_checkable
 class PacksRows(Protocol):
     """A policy whose log-prob pass drops padding (rows packed into one sequence), so the
     trainer may form micro-batches by a token budget instead of a row count."""

@@ -8,7 +8,7 @@ from polyrl.core.credit import assign
 from polyrl.core.failures import Failures
 from polyrl.core.progress import Progress
 from polyrl.core.recipe import Config
-from polyrl.core.record import select_policy, valid_rows
+from polyrl.core.record import valid_rows
 from polyrl.core.run import RunDir
 from polyrl.core.session import Session
 
@@ -29,10 +29,10 @@ def train(cfg: Config) -> RunDir:
             metrics |= s.learn(record)  # a workflow's own learned parts (a critic), if any
             failures.step(step, record)  # no valid row: the first error and the count, said
             valid = valid_rows(record)
-            for name in s.trained:
-                upd = s.update(name, select_policy(valid, name))
-                metrics |= {f"{name}/{k}": v for k, v in upd.items()}
-                rollouts.publish(name, step)  # its engine gets the new weights
+            for names in s.update_groups():  # LoRA agents of one base: one pass for all
+                for name, upd in s.update_group(names, valid).items():
+                    metrics |= {f"{name}/{k}": v for k, v in upd.items()}
+                    rollouts.publish(name, step)  # its engine gets the new weights
             metrics |= s.rollout_stats(record, own) | {"time/step_s": time.perf_counter() - t0}
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                 metrics |= s.evaluate("eval", step)

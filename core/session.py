@@ -34,11 +34,12 @@ from polyrl.core.interfaces import (
     Learns,
     Policy,
     Stateful,
+    UpdatesTogether,
     Workflow,
     WritesTranscriptKeys,
 )
 from polyrl.core.recipe import Config
-from polyrl.core.record import strings, text_record
+from polyrl.core.record import select_policy, strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
 from polyrl.core.rollouts import Ahead, InStep, Parts
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
@@ -272,6 +273,33 @@ class Session:
             generator=self.gen,
             correction=self.correction,
         )
+
+    def update_groups(self) -> list[list[str]]:
+        """The trained policies in update order, those that update together in one list
+        (kinds declaring UpdatesTogether with equal ``update_group()``, on a backend that
+        offers ``update_together``), placed where the first of them stands."""
+        together = hasattr(self.backend, "update_together")
+        groups: dict = {}
+        for name in self.trained:
+            p = self.policies[name]
+            key = p.update_group() if together and isinstance(p, UpdatesTogether) else None
+            groups.setdefault(name if key is None else ("together", key), []).append(name)
+        return list(groups.values())
+
+    def update_group(self, names: list[str], record: TensorDict) -> dict[str, dict[str, float]]:
+        """The RL update of the policies ``names`` (one of :meth:`update_groups`) from their
+        rows of ``record``: one by one, or together in shared passes. Each one's metrics."""
+        if len(names) == 1:
+            return {names[0]: self.update(names[0], select_policy(record, names[0]))}
+        out = self.backend.update_together(
+            [self.policies[n] for n in names],
+            [select_policy(record, n) for n in names],
+            self.cfg.algorithm,
+            temperature=self.cfg.rollout.temperature,
+            generator=self.gen,
+            correction=self.correction,
+        )
+        return dict(zip(names, out, strict=True))
 
     def learn(self, record: TensorDict) -> dict[str, float]:
         """Let the workflow fit what it learns itself (e.g. a centralized critic) on the

@@ -169,30 +169,58 @@ def _step(policy, stats: dict) -> None:
     stats["grad_norm"].append(float(norm))
 
 
-def update(
-    policy,
-    batch: TensorDict,
-    algo: AlgorithmConfig,
-    *,
-    temperature: float = 1.0,
-    generator: torch.Generator | None = None,
-    dp: tuple[int, int] | None = None,
-    correction: str | None = None,
-) -> dict[str, float]:
-    """RL update of one policy from its own rows (which carry ``advantages``).
+@dataclasses.dataclass
+class _Run:
+    """One policy's update in progress: its prepared rows, what its loss needs and the
+    statistics its metrics are made of (shared by :func:`update` and
+    :func:`update_together`)."""
 
-    ``dp=(rank, world)``: this process is one rank of a data-parallel (FSDP) group and
-    ``batch`` is the whole batch, the same on every rank (see the module docstring).
-    ``correction``: the rollout-correction level in force (``algorithm.rollout_correction``
-    resolved for the run's engines; None: ``auto`` read as exact engines, no staleness).
-    The engine/trainer mismatch metrics are reported whatever the level.
-    """
+    policy: object
+    batch: TensorDict
+    algo: AlgorithmConfig
+    temperature: float
+    dp: tuple[int, int] | None
+    reuse_old: bool
+    owns_kl: bool
+    kl_fn: object
+    corr: object
+    level: str
+    want_entropy: bool
+    mismatch: Mismatch = dataclasses.field(default_factory=Mismatch)
+    stats: dict = dataclasses.field(
+        default_factory=lambda: {
+            "skipped_nonfinite": 0,
+            "grad_norm": [],
+            "loss": [],
+            "kl": [],
+            "rows_skipped": 0,
+            "entropy_sum": 0.0,
+            "entropy_tokens": 0.0,
+        }
+    )
+    extra: dict = dataclasses.field(default_factory=dict)
+    kl_sum: float = 0.0  # this mini-batch's: micro-batch terms sum to its value
+
+    @property
+    def n(self) -> int:
+        return self.batch.batch_size[0]
+
+    def micro_batches(self, mini_batch: TensorDict):
+        """(micro-batch, is_real) pairs of a mini-batch, by the policy's own size or budget."""
+        size = self.policy.cfg.micro_batch_size
+        return _rank_micro_batches(
+            mini_batch, size, self.dp, _token_budget(self.policy)(mini_batch)
+        )
+
+
+def _prepare(policy, batch, algo, temperature, dp, correction) -> _Run | None:
+    """The rows on the policy's device with the old and reference terms the loss needs
+    (see :func:`update`); None when there is nothing to update."""
     n = batch.batch_size[0]
     if n == 0 or policy.optimizer is None:
-        return {}
+        return None
     batch = to_device(batch, policy.device)  # losses mix log-probs with the record's tensors
     mb_size = policy.cfg.micro_batch_size
-    loss_fn = POLICY_LOSSES.get(algo.policy_loss)
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
     tokens = _token_budget(policy)
     if not reuse_old:
@@ -221,13 +249,24 @@ def update(
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 and not owns_kl else None
     corr = algo.rollout_correction
     level = correction or corr.resolved(exact_engines=True)
-    correct = corr.active(level)
-    mismatch = Mismatch()
+    run = _Run(
+        policy,
+        batch,
+        algo,
+        temperature,
+        dp,
+        reuse_old,
+        owns_kl,
+        kl_fn,
+        corr,
+        level,
+        want_entropy=algo.entropy_coef > 0 or algo.log_entropy,
+    )
     if not reuse_old:  # the proximal policy is the pre-update recompute: weigh rows once
         batch["is_weights"], dropped = weights(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"], corr, level
         )
-        mismatch.add(
+        run.mismatch.add(
             batch["old_logprobs"],
             batch["rollout_logprobs"],
             batch["loss_mask"],
@@ -235,90 +274,193 @@ def update(
             level,
             dropped,
         )
-    skip_zero = algo.skips_zero_advantage()
-    want_entropy = algo.entropy_coef > 0 or algo.log_entropy
-    stats: dict = {
-        "skipped_nonfinite": 0,
-        "grad_norm": [],
-        "loss": [],
-        "kl": [],
-        "rows_skipped": 0,
-        "entropy_sum": 0.0,
-        "entropy_tokens": 0.0,
-    }
-    extra: dict[str, list[float]] = {}
-    policy.model.train(True)
-    for _ in range(algo.ppo_epochs):
-        order = torch.randperm(n, generator=generator) if algo.minibatches > 1 else torch.arange(n)
-        for mini in torch.tensor_split(order, algo.minibatches):
-            mini_batch = batch[mini]
-            agg = _agg_info(mini_batch, algo.loss_agg, algo.loss_scale_factor, dp)
-            if skip_zero:  # after the totals: they still count every row
-                mini_batch, skipped = _rows_with_signal(mini_batch)
-                stats["rows_skipped"] += skipped
-            kl_sum = 0.0  # micro-batch terms sum to the mini-batch's value
-            for mb, real in _rank_micro_batches(mini_batch, mb_size, dp, tokens(mini_batch)):
-                mask = mb["loss_mask"].float()
-                kl_tokens = None
-                if owns_kl:
-                    logp, ent, kl_tokens = policy.logprobs_and_kl(
-                        mb,
-                        temperature,
-                        with_entropy=want_entropy,
-                        estimator=algo.kl_estimator,
-                        reference=mb["ref_logprobs"],
-                    )
-                else:
-                    logp, ent = policy.logprobs(mb, temperature, with_entropy=want_entropy)
-                if ent is not None and algo.entropy_coef == 0:
-                    ent = ent.detach()  # metric only: free its softmax before the backward
-                old = logp.detach() if reuse_old else mb["old_logprobs"]
-                if reuse_old:
-                    w, dropped = weights(old, mb["rollout_logprobs"], mask, corr, level)
-                    if real:
-                        mismatch.add(old, mb["rollout_logprobs"], mask, corr, level, dropped)
-                else:
-                    w = mb["is_weights"]
-                extra_args = {"weights": w} if correct else {}
-                loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg, **extra_args)
-                if kl_fn is not None:
-                    kl_tokens = kl_fn(logp, mb["ref_logprobs"])
-                if kl_tokens is not None:
-                    kl = aggregate(kl_tokens, mask, agg)
-                    loss = loss + algo.kl_coef * kl
-                    kl_sum += float(kl.detach()) if real else 0.0
-                if ent is not None and algo.entropy_coef > 0:
-                    loss = loss - algo.entropy_coef * aggregate(ent, mask, agg)
-                if isinstance(policy, RoutesExperts):  # MoE: load balancing, router metrics
-                    loss = loss + policy.router_loss(mb, agg, extra if real else {})
-                if ent is not None and real:  # a metric: the mean over trained tokens
-                    stats["entropy_sum"] += float((ent.detach() * mask).sum())
-                    stats["entropy_tokens"] += float(mask.sum())
-                if not real:  # a stand-in pass keeps FSDP's collectives in step; no gradient
-                    (loss * 0.0).backward()
-                    continue
-                loss.backward()
-                stats["loss"].append(float(loss.detach()))
-                for k, v in metrics.items():
-                    extra.setdefault(k, []).append(float(v))
-            if algo.kl_coef > 0:
-                stats["kl"].append(kl_sum)
-            _step(policy, stats)
-    policy.model.train(False)
+    return run
+
+
+def _orders(run: _Run, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """Each PPO epoch's row order (a shuffle only with several mini-batches)."""
+    algo, n = run.algo, run.n
+    return [
+        torch.randperm(n, generator=generator) if algo.minibatches > 1 else torch.arange(n)
+        for _ in range(algo.ppo_epochs)
+    ]
+
+
+def _mini_batch(run: _Run, rows: torch.Tensor) -> tuple[TensorDict, AggInfo]:
+    """A mini-batch's rows and its loss totals (taken before rows without signal go)."""
+    mini_batch = run.batch[rows]
+    agg = _agg_info(mini_batch, run.algo.loss_agg, run.algo.loss_scale_factor, run.dp)
+    if run.algo.skips_zero_advantage():  # after the totals: they still count every row
+        mini_batch, skipped = _rows_with_signal(mini_batch)
+        run.stats["rows_skipped"] += skipped
+    run.kl_sum = 0.0
+    return mini_batch, agg
+
+
+def _forward(run: _Run, mb: TensorDict):
+    """(log-probs, entropy, KL terms or None) of a micro-batch through the policy alone."""
+    policy, algo = run.policy, run.algo
+    if run.owns_kl:
+        return policy.logprobs_and_kl(
+            mb,
+            run.temperature,
+            with_entropy=run.want_entropy,
+            estimator=algo.kl_estimator,
+            reference=mb["ref_logprobs"],
+        )
+    logp, ent = policy.logprobs(mb, run.temperature, with_entropy=run.want_entropy)
+    return logp, ent, None
+
+
+def _micro_loss(run: _Run, mb, real, agg, logp, ent, kl_tokens) -> torch.Tensor:
+    """A micro-batch's loss from its log-probs, divided by the mini-batch totals ``agg``;
+    a real micro-batch's metrics are recorded (a stand-in's are not)."""
+    algo, corr, level, stats = run.algo, run.corr, run.level, run.stats
+    mask = mb["loss_mask"].float()
+    if ent is not None and algo.entropy_coef == 0:
+        ent = ent.detach()  # metric only: free its softmax before the backward
+    old = logp.detach() if run.reuse_old else mb["old_logprobs"]
+    if run.reuse_old:
+        w, dropped = weights(old, mb["rollout_logprobs"], mask, corr, level)
+        if real:
+            run.mismatch.add(old, mb["rollout_logprobs"], mask, corr, level, dropped)
+    else:
+        w = mb["is_weights"]
+    extra_args = {"weights": w} if corr.active(level) else {}
+    loss_fn = POLICY_LOSSES.get(algo.policy_loss)
+    loss, metrics = loss_fn(logp, old, mb["advantages"], mask, algo, agg, **extra_args)
+    if run.kl_fn is not None:
+        kl_tokens = run.kl_fn(logp, mb["ref_logprobs"])
+    if kl_tokens is not None:
+        kl = aggregate(kl_tokens, mask, agg)
+        loss = loss + algo.kl_coef * kl
+        run.kl_sum += float(kl.detach()) if real else 0.0
+    if ent is not None and algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * aggregate(ent, mask, agg)
+    if isinstance(run.policy, RoutesExperts):  # MoE: load balancing, router metrics
+        loss = loss + run.policy.router_loss(mb, agg, run.extra if real else {})
+    if ent is not None and real:  # a metric: the mean over trained tokens
+        stats["entropy_sum"] += float((ent.detach() * mask).sum())
+        stats["entropy_tokens"] += float(mask.sum())
+    if real:
+        stats["loss"].append(float(loss.detach()))
+        for k, v in metrics.items():
+            run.extra.setdefault(k, []).append(float(v))
+    return loss
+
+
+def _end_mini_batch(run: _Run) -> None:
+    if run.algo.kl_coef > 0:
+        run.stats["kl"].append(run.kl_sum)
+    _step(run.policy, run.stats)
+
+
+def _metrics(run: _Run) -> dict[str, float]:
+    stats, algo = run.stats, run.algo
     out = {
         "loss": sum(stats["loss"]),
         "skipped_nonfinite": float(stats["skipped_nonfinite"]),
-        "lr": policy.scheduler.get_last_lr()[0],
+        "lr": run.policy.scheduler.get_last_lr()[0],
     }
-    if skip_zero:
-        out["zero_adv_skipped_frac"] = stats["rows_skipped"] / (n * algo.ppo_epochs)
+    if algo.skips_zero_advantage():
+        out["zero_adv_skipped_frac"] = stats["rows_skipped"] / (run.n * algo.ppo_epochs)
     for key in ("grad_norm", "kl"):
         if stats[key]:
             out[key] = sum(stats[key]) / len(stats[key])
     if stats["entropy_tokens"] > 0:
         out["entropy"] = stats["entropy_sum"] / stats["entropy_tokens"]
-    out.update({k: sum(v) / len(v) for k, v in extra.items()})
-    return out | mismatch.metrics()
+    out.update({k: sum(v) / len(v) for k, v in run.extra.items()})
+    return out | run.mismatch.metrics()
+
+
+def update(
+    policy,
+    batch: TensorDict,
+    algo: AlgorithmConfig,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    dp: tuple[int, int] | None = None,
+    correction: str | None = None,
+) -> dict[str, float]:
+    """RL update of one policy from its own rows (which carry ``advantages``).
+
+    ``dp=(rank, world)``: this process is one rank of a data-parallel (FSDP) group and
+    ``batch`` is the whole batch, the same on every rank (see the module docstring).
+    ``correction``: the rollout-correction level in force (``algorithm.rollout_correction``
+    resolved for the run's engines; None: ``auto`` read as exact engines, no staleness).
+    The engine/trainer mismatch metrics are reported whatever the level.
+    """
+    run = _prepare(policy, batch, algo, temperature, dp, correction)
+    if run is None:
+        return {}
+    policy.model.train(True)
+    for order in _orders(run, generator):
+        for mini in torch.tensor_split(order, algo.minibatches):
+            mini_batch, agg = _mini_batch(run, mini)
+            for mb, real in run.micro_batches(mini_batch):
+                loss = _micro_loss(run, mb, real, agg, *_forward(run, mb))
+                # a stand-in pass keeps FSDP's collectives in step; no gradient
+                (loss if real else loss * 0.0).backward()
+            _end_mini_batch(run)
+    policy.model.train(False)
+    return _metrics(run)
+
+
+def update_together(
+    policies: list,
+    batches: list[TensorDict],
+    algo: AlgorithmConfig,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    correction: str | None = None,
+) -> list[dict[str, float]]:
+    """:func:`update` of several policies that share one forward/backward per micro-batch
+    (:class:`~polyrl.core.interfaces.UpdatesTogether`, equal ``update_group()``; local).
+
+    Each policy keeps what its own update does: its rows' old and reference terms, its
+    mini-batch partition (the shuffles drawn from ``generator`` in the order the one-by-one
+    updates draw them), its micro-batches (size or token budget), its loss totals, its
+    optimizer step with its own clipping and learning rate, and its metrics. Only the
+    passes merge: micro-batch ``k`` of every policy runs as one forward
+    (``logprobs_together``), the losses are summed and take one backward -- each policy's
+    weights get exactly the gradient of its own loss, as the one-by-one update computes it.
+    Returns each policy's metrics, in order.
+    """
+    runs = [
+        _prepare(p, b, algo, temperature, None, correction)
+        for p, b in zip(policies, batches, strict=True)
+    ]
+    live = [r for r in runs if r is not None]
+    orders = {id(r): _orders(r, generator) for r in live}  # drawn as one-by-one would
+    if live:
+        live[0].policy.model.train(True)  # one shared model
+    for epoch in range(algo.ppo_epochs):
+        parts = [torch.tensor_split(orders[id(r)][epoch], algo.minibatches) for r in live]
+        for m in range(algo.minibatches):
+            plans = []
+            for r, part in zip(live, parts, strict=True):
+                mini_batch, agg = _mini_batch(r, part[m])
+                plans.append((r, agg, [mb for mb, _ in r.micro_batches(mini_batch)]))
+            for k in range(max((len(mbs) for _, _, mbs in plans), default=0)):
+                group = [(r, agg, mbs[k]) for r, agg, mbs in plans if k < len(mbs)]
+                outs = group[0][0].policy.logprobs_together(
+                    [r.policy for r, _, _ in group],
+                    [mb for _, _, mb in group],
+                    temperature,
+                    with_entropy=group[0][0].want_entropy,
+                )
+                loss = sum(
+                    _micro_loss(r, mb, True, agg, logp, ent, None)
+                    for (r, agg, mb), (logp, ent) in zip(group, outs, strict=True)
+                )
+                loss.backward()
+            for r in live:
+                _end_mini_batch(r)
+    if live:
+        live[0].policy.model.train(False)
+    return [_metrics(r) if r is not None else {} for r in runs]
 
 
 def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:

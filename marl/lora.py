@@ -10,6 +10,12 @@ adapter only.
     policies:
       speaker:  {model: ..., kind: lora_agent, lora: {r: 8}}
       listener: {model: ..., kind: lora_agent, lora: {r: 8}}
+
+The trained adapters of one base update together (``args.batch_update``, on by default;
+:class:`~polyrl.core.interfaces.UpdatesTogether`): each micro-batch of every adapter runs
+in ONE forward/backward over the base, each row through its own adapter
+(:mod:`polyrl.marl.multi_lora`), while each policy keeps its own optimizer, learning rate,
+clipping and micro-batches.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
 
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.config import doc
 from polyrl.core.interfaces import MixesRows, PolicyBuild
+from polyrl.core.options import Options, bind
 from polyrl.core.policy import (
     CausalLMPolicy,
     checkpoint_state,
@@ -34,9 +43,23 @@ from polyrl.core.policy import (
     token_budget,
     warm_start_optimizer,
 )
-from polyrl.core.record import to_device
+from polyrl.core.record import concat, to_device
 from polyrl.core.registry import POLICIES
 from polyrl.core.tiny import ensure_model
+
+
+@dataclass
+class LoraAgentOptions(Options):
+    """``policies.<name>.args`` of the ``lora_agent`` policy kind."""
+
+    batch_update: bool = doc(
+        True,
+        "update together with the other trained lora_agent policies on the same base "
+        "(same pack setting, no gradient checkpointing): one forward/backward per "
+        "micro-batch over all their rows, each through its own adapter; gradients, "
+        "optimizers and metrics stay each policy's own. false: this policy's update runs "
+        "its own passes",
+    )
 
 
 class LoraAgentPolicy:
@@ -54,6 +77,13 @@ class LoraAgentPolicy:
                 f"policy {name!r}: kind lora_agent needs lora.r > 0 (got {cfg.lora.r})"
             )
         self.name, self.cfg = name, cfg
+        self.options = bind(  # typed by the recipe; bound here too for a config built in code
+            LoraAgentOptions,
+            cfg.args,
+            f"policies.{name}.args",
+            "<config>",
+            "policy kind 'lora_agent'",
+        )
         self.device = torch.device(build.get("device") or "cpu")
         need_reference, total_steps = build["need_reference"], build["total_steps"]
         shared = build.get("shared")
@@ -143,8 +173,9 @@ class LoraAgentPolicy:
     @contextmanager
     def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable[[torch.Tensor | None], Any]]:
         """interfaces.MixesRows: ``select(ids)`` sets the next forwards' row ``i`` to run
-        through ``owners[ids[i]]``'s adapter (marl.multi_lora) and returns the model."""
-        from polyrl.marl.multi_lora import adapter_rows
+        through ``owners[ids[i]]``'s adapter (marl.lora_rows: generation, no gradient) and
+        returns the model."""
+        from polyrl.marl.lora_rows import adapter_deltas
 
         for o in owners:
             if not isinstance(o, MixesRows) or o.row_group() != self.row_group():
@@ -152,14 +183,64 @@ class LoraAgentPolicy:
                     f"policy {self.name!r}: policy {getattr(o, 'name', o)!r} is not a "
                     f"lora_agent on the same base; it cannot share a batch with it"
                 )
-        with adapter_rows(self._peft, [o.adapter for o in owners]) as router:
+        with adapter_deltas(self._peft, [o.adapter for o in owners]) as set_rows:
 
             def select(ids: torch.Tensor | None) -> Any:
                 if ids is not None:
-                    router.set_rows(ids)
+                    set_rows(ids)
                 return self._peft
 
             yield select
+
+    def update_group(self) -> Any:
+        """interfaces.UpdatesTogether: the policies whose passes can merge -- adapters of one
+        shared model, passes laid out alike (pack); None (alone) when ``args.batch_update`` is
+        off or gradient checkpointing is on (multi_lora cannot route its recompute)."""
+        if not self.options.batch_update or self.cfg.gradient_checkpointing:
+            return None
+        return ("lora_agent", id(self._peft), packs(self._peft, self.cfg.pack))
+
+    def logprobs_together(
+        self,
+        policies: Sequence[Any],
+        batches: Sequence[TensorDict],
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """interfaces.UpdatesTogether: ``policies[i].logprobs(batches[i])`` for every ``i`` from
+        one forward over the union of the rows, each row through its own policy's adapter
+        (the prompt ids tagged with it: marl.multi_lora), gradients to every trained one."""
+        from polyrl.marl.multi_lora import adapter_rows
+
+        if any(p.update_group() != self.update_group() for p in policies):
+            raise ValueError(
+                f"policy {self.name!r}: logprobs_together takes lora_agent policies of one "
+                f"update group, got {[getattr(p, 'name', p) for p in policies]}"
+            )
+        keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+        union = concat(
+            [TensorDict({k: b[k] for k in keys}, batch_size=b.batch_size) for b in batches]
+        )
+        union = to_device(union, self.device)
+        sizes = [b.batch_size[0] for b in batches]
+        owner = torch.repeat_interleave(torch.arange(len(policies)), torch.tensor(sizes))
+        names = [p.adapter for p in policies]
+        trainable = [p.adapter for p in policies if p.cfg.train]
+        with adapter_rows(self._peft, names, trainable) as router:
+            union["prompt_ids"] = router.tag(union["prompt_ids"], owner)
+            logp, ent = response_logprobs(
+                self._peft, union, temperature, with_entropy, pack=packs(self._peft, self.cfg.pack)
+            )
+        out = []
+        for b, lp, en in zip(
+            batches,
+            logp.split(sizes),
+            ent.split(sizes) if ent is not None else [None] * len(sizes),
+            strict=True,
+        ):
+            width = b["response_ids"].shape[1]
+            out.append((lp[:, :width], en[:, :width] if en is not None else None))
+        return out
 
     def token_budget(self, batch: TensorDict):
         """Tokens per row and per micro-batch when the passes are packed, and the rows that
@@ -219,4 +300,4 @@ class LoraAgentPolicy:
         return out
 
 
-POLICIES.register("lora_agent", LoraAgentPolicy)
+POLICIES.register("lora_agent", LoraAgentPolicy, options=LoraAgentOptions)

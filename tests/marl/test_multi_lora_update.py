@@ -26,6 +26,7 @@ def make_agents(marl_config, names=NAMES, *overrides):
         sets += [f"policies.{n}.lora.r=4"]
     cfg = marl_config(*sets, *overrides)
     shared: dict = {}
+    torch.manual_seed(0)  # PEFT draws lora_A from the global generator
     gen = torch.Generator().manual_seed(0)
     pols = {}
     for n in names:
@@ -144,3 +145,109 @@ def test_per_row_ids_route_a_plain_forward(marl_config):
                 peft(input_ids=ids[:2], attention_mask=mask[:2])
     keep = mask.bool()
     assert torch.allclose(got[keep], want[keep], atol=1e-5)
+
+
+def with_advantages(parts):
+    """Each adapter's rows with uneven advantages (some zero) and a rollout log-prob."""
+    out = []
+    for k, b in enumerate(parts):
+        g = torch.Generator().manual_seed(10 + k)
+        b = b.clone()
+        b["advantages"] = torch.randn(b["response_ids"].shape, generator=g)
+        b["advantages"][0] = 0.0
+        b["rollout_logprobs"] = -torch.rand(b["response_ids"].shape, generator=g) * 3
+        out.append(b)
+    return out
+
+
+# per agent: learning rate, clipping (0: none), micro-batch rows, packed token budget
+AGENT_OPTS = [("1e-2", "0.05", 2, 40), ("3e-3", "0", 3, 60), ("5e-2", "1.0", 5, 1000)]
+
+
+def agents_with_own_optim(marl_config, pack, *extra):
+    overrides = [f"policies.{n}.pack={str(pack).lower()}" for n in NAMES]
+    for n, (lr, clip, rows_, tokens) in zip(NAMES, AGENT_OPTS, strict=True):
+        overrides += [
+            f"policies.{n}.optim.lr={lr}",
+            f"policies.{n}.optim.max_grad_norm={clip}",
+            f"policies.{n}.micro_batch_size={rows_}",
+            # Adam's first step is g / (|g| + eps): with the default eps a gradient of
+            # rounding size (1e-9) moves a weight by lr. A larger eps keeps the step a
+            # smooth function of the gradient, so weights compare at 1e-5 too
+            f"policies.{n}.optim.eps=0.1",
+        ]
+        overrides += [f"policies.{n}.max_tokens_per_micro_batch={tokens}"] if pack else []
+    return make_agents(marl_config, NAMES, *overrides, *extra)
+
+
+def record_grads(pols) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Each optimizer step's gradients (after clipping), per policy, via step pre-hooks."""
+    seen: dict[str, list] = {n: [] for n in pols}
+    for n, p in pols.items():
+        own = {id(w): k for k, w in p._own.items()}
+
+        def hook(opt, args, kwargs, n=n, own=own):
+            seen[n].append(
+                {own[id(w)]: w.grad.clone() for g in opt.param_groups for w in g["params"]}
+            )
+
+        p.optimizer.register_step_pre_hook(hook)
+    return seen
+
+
+def run_both(marl_config, pack, algo_kw, seed=0):
+    """The one-by-one updates and the batched one from equal starts: (metrics, grads,
+    weights after) of each."""
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.trainer import update, update_together
+
+    algo = AlgorithmConfig(**algo_kw)
+    parts = with_advantages(batches())
+    out = []
+    for together in (False, True):
+        _, pols = agents_with_own_optim(marl_config, pack)
+        assert len({p.update_group() for p in pols.values()}) == 1
+        grads = record_grads(pols)
+        gen = torch.Generator().manual_seed(seed)
+        ps = list(pols.values())
+        if together:
+            metrics = update_together(ps, parts, algo, generator=gen)
+        else:
+            metrics = [update(p, b, algo, generator=gen) for p, b in zip(ps, parts, strict=True)]
+        out.append((metrics, grads, {n: p.trainable_state() for n, p in pols.items()}))
+    return out
+
+
+def assert_same(one, batched):
+    (m1, g1, w1), (m2, g2, w2) = one, batched
+    for a, b in zip(m1, m2, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key
+    for n in NAMES:
+        assert len(g1[n]) == len(g2[n]) >= 1
+        for s1, s2 in zip(g1[n], g2[n], strict=True):
+            assert any(bool(g.abs().sum() > 0) for g in s1.values())
+            for key, g in s1.items():
+                assert torch.allclose(s2[key], g, atol=1e-5, rtol=1e-4), (n, key)
+        for key, w in w1[n].items():
+            assert torch.allclose(w2[n][key], w, atol=1e-5), (n, key)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_batched_update_equals_one_by_one(marl_config, pack):
+    """Three adapters with their own learning rate, clipping (one clipped hard, one not at
+    all) and micro-batches: one batched update takes each adapter's gradient, step and
+    metrics of its own update."""
+    one, batched = run_both(marl_config, pack, {})
+    assert_same(one, batched)
+    clipped = one[0][0]["grad_norm"]  # the first agent's norm lies above its 0.05 clip
+    assert clipped > 0.05
+
+
+def test_batched_update_keeps_each_partition(marl_config):
+    """Two mini-batches and two epochs (old log-probs recomputed, shuffles from the
+    generator) and a KL term: each policy's mini-batches are those of its own update."""
+    kw = {"minibatches": 2, "ppo_epochs": 2, "kl_coef": 0.1}
+    one, batched = run_both(marl_config, True, kw, seed=3)
+    assert_same(one, batched)
