@@ -173,8 +173,9 @@ class LoraAgentPolicy:
     @contextmanager
     def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable[[torch.Tensor | None], Any]]:
         """interfaces.MixesRows: ``select(ids)`` sets the next forwards' row ``i`` to run
-        through ``owners[ids[i]]``'s adapter (marl.multi_lora) and returns the model."""
-        from polyrl.marl.multi_lora import adapter_rows
+        through ``owners[ids[i]]``'s adapter (marl.lora_rows: generation, no gradient) and
+        returns the model."""
+        from polyrl.marl.lora_rows import adapter_deltas
 
         for o in owners:
             if not isinstance(o, MixesRows) or o.row_group() != self.row_group():
@@ -182,11 +183,11 @@ class LoraAgentPolicy:
                     f"policy {self.name!r}: policy {getattr(o, 'name', o)!r} is not a "
                     f"lora_agent on the same base; it cannot share a batch with it"
                 )
-        with adapter_rows(self._peft, [o.adapter for o in owners]) as router:
+        with adapter_deltas(self._peft, [o.adapter for o in owners]) as set_rows:
 
             def select(ids: torch.Tensor | None) -> Any:
                 if ids is not None:
-                    router.set_rows(ids)
+                    set_rows(ids)
                 return self._peft
 
             yield select

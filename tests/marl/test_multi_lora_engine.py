@@ -83,7 +83,10 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
     }
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
     apart = {n: engines[n].generate(asks[n], greedy) for n in NAMES}
+    peft = pols["speaker"].model
+    grads = {k: p.requires_grad for k, p in peft.named_parameters()}
     merged = s.generate_mixed([(engines[n], asks[n]) for n in NAMES], greedy)
+    assert grads == {k: p.requires_grad for k, p in peft.named_parameters()}
     for n, got in zip(NAMES, merged, strict=True):
         want = apart[n]
         assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
