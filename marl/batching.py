@@ -4,7 +4,8 @@ All episodes of a step run concurrently on one event loop. ``act()`` does not ge
 renders and encodes its prompt, hands a :class:`~polyrl.core.engine.Request` to the core
 :class:`~polyrl.core.batching.Batcher` and waits. When every episode is blocked, the
 batcher flushes the queue with *one* engine call per policy (per distinct sampling
-setting), resolves the waiting acts, and repeats. Two agents on one policy share its call.
+setting), resolves the waiting acts, and repeats. Two agents on one policy share its call;
+``lora_agent`` policies on one base share one call too (``MixedCalls`` engines).
 
 A policy that takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`) gets
 acts with images through the same call: each act's images are encoded once, their ids
