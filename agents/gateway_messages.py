@@ -26,7 +26,8 @@ from polyrl.agents.gateway_requests import (
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway_tokens import join_think, logprob_entries, pieces, split_think
+from polyrl.agents.gateway_stream import Live, Reply, entry, failure, piece, unsent
+from polyrl.agents.gateway_tokens import join_think, logprob_entries, split_think
 
 if TYPE_CHECKING:
     from polyrl.agents.gateway_server import Call, EpisodeState, GatewayServer
@@ -235,10 +236,10 @@ def _content(choice) -> list[dict]:
     return blocks
 
 
-def answer(req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict:
+def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, mid: str | None = None) -> dict:
     choice = call.choices[0]
     out: dict[str, Any] = {
-        "id": "msg_" + uuid.uuid4().hex,
+        "id": mid or "msg_" + uuid.uuid4().hex,
         "type": "message",
         "role": "assistant",
         "model": req.model,
@@ -258,52 +259,105 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict:
     return out
 
 
-def events(message: dict, req: Request, call: Call, tok: Any):
-    """The message as Anthropic streaming events: message_start, per content block its
-    start / deltas / stop (one ``text_delta`` per sampled token), message_delta (the stop
-    reason and usage), message_stop."""
+async def stream(live: Live, req: Request, tok: Any, ep: EpisodeState):
+    """Anthropic streaming events as the engine samples: message_start; a thinking block
+    once its ``<think>`` block is closed; the text block with one ``text_delta`` per sampled
+    token (the text it makes safe to show; asked for, the log-prob entries of the tokens
+    since the last delta); once the call ends, the text still held back, the tool_use
+    blocks, message_delta (the stop reason and usage) and message_stop."""
 
     def event(kind: str, **data) -> bytes:
         return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind} | data) + b"\n\n"
 
-    choice = call.choices[0]
-    usage = message["usage"]
-    start = message | {
+    mid = "msg_" + uuid.uuid4().hex
+    start = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": usage | {"output_tokens": 0},
+        "usage": {
+            "input_tokens": live.prompt_len,
+            "output_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
     }
-    start.pop("logprobs", None)
     yield event("message_start", message=start)
-    entries = (message.get("logprobs") or {}).get("content")
-    text = choice.message["content"] or ""
-    for index, block in enumerate(message["content"]):
-        if block["type"] == "text":
-            yield event(
-                "content_block_start", index=index, content_block={"type": "text", "text": ""}
-            )
-            thinking, _ = split_think(text)
-            skip = 0 if thinking is None else len(thinking) + 15  # <think></think>
-            for k, piece in enumerate(pieces(tok, choice.ids, text)):
-                shown = piece[max(0, skip) :]
-                skip -= len(piece)
-                delta = {"type": "text_delta", "text": shown}
-                extra = {"logprobs": [entries[k]]} if entries else {}
-                yield event("content_block_delta", index=index, delta=delta, **extra)
-        elif block["type"] == "thinking":
-            yield event("content_block_start", index=index,
-                        content_block={"type": "thinking", "thinking": "", "signature": ""})  # fmt: skip
+    reply = Reply(tok, req, think=True)
+    sent: list[str] = []  # the block types begun, in order
+    shown, pending = "", []
+
+    def begin(block: dict) -> list[bytes]:
+        sent.append(block["type"])
+        index = len(sent) - 1
+        if block["type"] == "thinking":
+            empty = {"type": "thinking", "thinking": "", "signature": ""}
             delta = {"type": "thinking_delta", "thinking": block["thinking"]}
-            yield event("content_block_delta", index=index, delta=delta)
-        else:
+            return [
+                event("content_block_start", index=index, content_block=empty),
+                event("content_block_delta", index=index, delta=delta),
+                event("content_block_stop", index=index),
+            ]
+        empty = {"type": "text", "text": ""}
+        return [event("content_block_start", index=index, content_block=empty)]
+
+    def delta(text: str) -> bytes:
+        nonlocal shown, pending
+        shown, lps, pending = shown + text, pending, []
+        extra = {"logprobs": lps} if req.logprobs else {}
+        index = sent.index("text")
+        return event("content_block_delta", index=index,
+                     delta={"type": "text_delta", "text": text}, **extra)  # fmt: skip
+
+    def token(tid: int, lp: float, top: Any) -> list[bytes]:
+        if not reply.add(tid):
+            return []
+        if req.logprobs:
+            pending.append(entry(tok, tid, lp, top, req.top_logprobs))
+        thinking, text, decided = reply.view()
+        out = []
+        if thinking is not None and "thinking" not in sent:
+            out += begin({"type": "thinking", "thinking": thinking})
+        if "text" not in sent and (text or (decided and not req.tools)):
+            out += begin({"type": "text"})
+        if "text" in sent:
+            out.append(delta(piece(shown, text)))
+        return out
+
+    async for _, tid, lp, top in live.tokens():
+        for chunk in token(tid, lp, top):
+            yield chunk
+    try:
+        call = live.call()
+    except Exception as e:
+        yield event("error", error=error_body(failure(e, live.timeout))["error"])
+        return
+    for _, tid, lp, top in unsent(reply, call, 0):  # an engine that cannot stream: all now
+        for chunk in token(tid, lp, top):
+            yield chunk
+    message = answer(req, call, tok, ep, mid)
+    for block in message["content"]:
+        kind = block["type"]
+        if kind in ("thinking", "text") and kind not in sent:
+            for chunk in begin(block):
+                yield chunk
+        if kind == "text":
+            if (rest := piece(shown, block["text"])) or pending:
+                yield delta(rest)
+            yield event("content_block_stop", index=sent.index("text"))
+        elif kind == "tool_use":
+            sent.append(kind)
+            index = len(sent) - 1
             yield event("content_block_start", index=index, content_block=block | {"input": {}})
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield event("content_block_delta", index=index, delta=delta)
-        yield event("content_block_stop", index=index)
+            delta_json = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            yield event("content_block_delta", index=index, delta=delta_json)
+            yield event("content_block_stop", index=index)
     yield event(
         "message_delta",
         delta={"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-        usage={"output_tokens": usage["output_tokens"]},
+        usage={"output_tokens": message["usage"]["output_tokens"]},
     )
     yield event("message_stop")

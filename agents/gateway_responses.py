@@ -27,7 +27,8 @@ from polyrl.agents.gateway_requests import (
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway_tokens import join_think, logprob_entries, pieces, split_think
+from polyrl.agents.gateway_stream import Live, Reply, entry, failure, piece, unsent
+from polyrl.agents.gateway_tokens import join_think, logprob_entries, split_think
 
 if TYPE_CHECKING:
     from polyrl.agents.gateway_server import Call, EpisodeState, GatewayServer
@@ -239,21 +240,33 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
     return req
 
 
+def _reasoning_item(text: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": "rs_" + uuid.uuid4().hex,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
+
+
+def _message_item(content: list[dict]) -> dict:
+    return {
+        "type": "message",
+        "id": "msg_" + uuid.uuid4().hex,
+        "status": "completed",
+        "role": "assistant",
+        "content": content,
+    }
+
+
 def _output(req: Request, choice, tok) -> list[dict]:
     """A choice as output items: reasoning (``<think>`` text), the message, its calls."""
     text = choice.message["content"] or ""
     reasoning, answer_text = split_think(text)
     items: list[dict] = []
     if reasoning is not None:
-        items.append(
-            {
-                "type": "reasoning",
-                "id": "rs_" + uuid.uuid4().hex,
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": reasoning}],
-                "status": "completed",
-            }
-        )
+        items.append(_reasoning_item(reasoning))
     calls = choice.message.get("tool_calls") or []
     if answer_text or not calls:
         part: dict[str, Any] = {"type": "output_text", "text": answer_text, "annotations": []}
@@ -261,15 +274,7 @@ def _output(req: Request, choice, tok) -> list[dict]:
             part["logprobs"] = logprob_entries(
                 tok, choice.ids, choice.logprobs, choice.tops, req.top_logprobs
             )
-        items.append(
-            {
-                "type": "message",
-                "id": "msg_" + uuid.uuid4().hex,
-                "status": "completed",
-                "role": "assistant",
-                "content": [part],
-            }
-        )
+        items.append(_message_item([part]))
     for c in calls:
         items.append(
             {
@@ -284,26 +289,19 @@ def _output(req: Request, choice, tok) -> list[dict]:
     return items
 
 
-def answer(req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict:
-    """The response object; stored (``store``) for a later ``previous_response_id``."""
-    choice = call.choices[0]
-    rid = "resp_" + uuid.uuid4().hex
-    if req.api["store"]:
-        with ep.lock:
-            ep.responses[rid] = req.api["history"] + [dict(choice.message)]
-    done = choice.finish != "length"
-    usage_out = len(choice.ids)
+def _shell(req: Request, rid: str) -> dict:
+    """The response object before its output: what ``response.created`` carries."""
     return {
         "id": rid,
         "object": "response",
         "created_at": int(time.time()),
-        "status": "completed" if done else "incomplete",
-        "incomplete_details": None if done else {"reason": "max_output_tokens"},
+        "status": "in_progress",
+        "incomplete_details": None,
         "error": None,
         "instructions": req.api["instructions"],
         "max_output_tokens": req.max_tokens,
         "model": req.model,
-        "output": _output(req, choice, tok),
+        "output": [],
         "parallel_tool_calls": True,
         "previous_response_id": req.api["previous_response_id"],
         "reasoning": {"effort": None, "summary": None},
@@ -316,6 +314,23 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict:
         "top_p": req.top_p,
         "truncation": "disabled",
         "metadata": req.api["metadata"],
+        "usage": None,
+    }
+
+
+def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, rid: str | None = None) -> dict:
+    """The response object; stored (``store``) for a later ``previous_response_id``."""
+    choice = call.choices[0]
+    rid = rid or "resp_" + uuid.uuid4().hex
+    if req.api["store"]:
+        with ep.lock:
+            ep.responses[rid] = req.api["history"] + [dict(choice.message)]
+    done = choice.finish != "length"
+    usage_out = len(choice.ids)
+    return _shell(req, rid) | {
+        "status": "completed" if done else "incomplete",
+        "incomplete_details": None if done else {"reason": "max_output_tokens"},
+        "output": _output(req, choice, tok),
         "usage": {
             "input_tokens": len(call.prompt_ids),
             "input_tokens_details": {"cached_tokens": 0},
@@ -326,10 +341,12 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict:
     }
 
 
-def events(response: dict, req: Request, call: Call, tok: Any):
-    """The response as Responses streaming events: created, then per output item its
-    added / delta / done events (``response.output_text.delta`` once per sampled token),
-    then completed."""
+async def stream(live: Live, req: Request, tok: Any, ep: EpisodeState):
+    """Responses streaming events as the engine samples: created; a reasoning item once
+    its ``<think>`` block is closed; the message item with one
+    ``response.output_text.delta`` per sampled token (the text it makes safe to show, the
+    log-prob entries of the tokens since the last delta); once the call ends, the text
+    still held back, the function calls, and completed (the exact response)."""
     seq = 0
 
     def event(kind: str, **data) -> bytes:
@@ -338,39 +355,91 @@ def events(response: dict, req: Request, call: Call, tok: Any):
         seq += 1
         return f"event: {kind}\ndata: ".encode() + orjson.dumps(body) + b"\n\n"
 
-    choice = call.choices[0]
-    start = response | {"status": "in_progress", "output": [], "usage": None}
+    rid = "resp_" + uuid.uuid4().hex
+    start = _shell(req, rid)
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
-    for index, item in enumerate(response["output"]):
+    reply = Reply(tok, req, think=True)
+    sent: dict[str, tuple[int, str]] = {}  # item type -> (output index, id) of items begun
+    shown, pending = "", []
+
+    def begin(item: dict) -> list[bytes]:
+        index = len(sent)
+        sent[item["type"]] = (index, item["id"])
+        if item["type"] == "reasoning":
+            return [
+                event("response.output_item.added", output_index=index, item=item),
+                event("response.output_item.done", output_index=index, item=item),
+            ]
+        empty = {"type": "output_text", "text": "", "annotations": []}
+        opened = item | {"status": "in_progress", "content": []}
         base = {"output_index": index, "item_id": item["id"]}
-        if item["type"] == "message":
-            part = item["content"][0]
-            empty = {"type": "output_text", "text": "", "annotations": []}
-            yield event("response.output_item.added", output_index=index,
-                        item=item | {"status": "in_progress", "content": []})  # fmt: skip
-            yield event("response.content_part.added", **base, content_index=0, part=empty)
-            entries = part.get("logprobs") or []
-            reasoning, _ = split_think(choice.message["content"] or "")
-            texts = pieces(tok, choice.ids, choice.message["content"] or "")
-            skip = 0 if reasoning is None else len(reasoning) + 15  # <think></think>
-            for k, piece in enumerate(texts):
-                shown = piece[max(0, skip) :]
-                skip -= len(piece)
-                lp = [entries[k]] if entries else []
-                yield event("response.output_text.delta", **base, content_index=0,
-                            delta=shown, logprobs=lp)  # fmt: skip
+        return [
+            event("response.output_item.added", output_index=index, item=opened),
+            event("response.content_part.added", **base, content_index=0, part=empty),
+        ]
+
+    def delta(text: str) -> bytes:
+        nonlocal shown, pending
+        index, item_id = sent["message"]
+        shown, lps, pending = shown + text, pending, []
+        return event("response.output_text.delta", output_index=index, item_id=item_id,
+                     content_index=0, delta=text, logprobs=lps)  # fmt: skip
+
+    def token(tid: int, lp: float, top: Any) -> list[bytes]:
+        if not reply.add(tid):
+            return []
+        if req.logprobs:
+            pending.append(entry(tok, tid, lp, top, req.top_logprobs))
+        reasoning, text, decided = reply.view()
+        out = []
+        if reasoning is not None and "reasoning" not in sent:
+            out += begin(_reasoning_item(reasoning))
+        if "message" not in sent and (text or (decided and not req.tools)):
+            out += begin(_message_item([]))
+        if "message" in sent:
+            out.append(delta(piece(shown, text)))
+        return out
+
+    async for _, tid, lp, top in live.tokens():
+        for chunk in token(tid, lp, top):
+            yield chunk
+    try:
+        call = live.call()
+    except Exception as e:
+        err = failure(e, live.timeout)
+        yield event("error", code=err.code, message=err.message, param=err.param,
+                    error=err.body()["error"])  # fmt: skip
+        return
+    for _, tid, lp, top in unsent(reply, call, 0):  # an engine that cannot stream: all now
+        for chunk in token(tid, lp, top):
+            yield chunk
+    response = answer(req, call, tok, ep, rid)
+    for item in response["output"]:
+        kind = item["type"]
+        if kind in sent:  # begun while the engine sampled: the same item
+            item["id"] = sent[kind][1]
+        elif kind in ("reasoning", "message"):
+            for chunk in begin(item):
+                yield chunk
+        if kind == "message":
+            index, part = sent["message"][0], item["content"][0]
+            if (rest := piece(shown, part["text"])) or pending:
+                yield delta(rest)
+            base = {"output_index": index, "item_id": item["id"]}
             yield event("response.output_text.done", **base, content_index=0,
-                        text=part["text"], logprobs=entries)  # fmt: skip
+                        text=part["text"], logprobs=part.get("logprobs") or [])  # fmt: skip
             yield event("response.content_part.done", **base, content_index=0, part=part)
-        elif item["type"] == "function_call":
+            yield event("response.output_item.done", output_index=index, item=item)
+        elif kind == "function_call":
+            index = len(sent)
+            sent[item["id"]] = (index, item["id"])
+            base = {"output_index": index, "item_id": item["id"]}
             yield event("response.output_item.added", output_index=index,
                         item=item | {"status": "in_progress", "arguments": ""})  # fmt: skip
             yield event("response.function_call_arguments.delta", **base, delta=item["arguments"])
             yield event("response.function_call_arguments.done", **base,
                         arguments=item["arguments"], name=item["name"])  # fmt: skip
-        else:
-            yield event("response.output_item.added", output_index=index, item=item)
-        yield event("response.output_item.done", output_index=index, item=item)
+            yield event("response.output_item.done", output_index=index, item=item)
     kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
     yield event(kind, response=response)

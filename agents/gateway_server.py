@@ -35,12 +35,13 @@ from polyrl.agents.gateway_requests import (
     fold_calls,
     tool_calls_key,
 )
+from polyrl.agents.gateway_stream import Live, failure
 from polyrl.agents.tools import parse_hermes
 from polyrl.core.batching import Batcher, EpisodeClosed
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import TakesImageTurns, splice_images, takes_images
+from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
 
 # Requests with more messages than this are rendered on a worker thread, so a long
 # conversation (thousands of messages: seconds of templating) never stalls the others.
@@ -302,14 +303,8 @@ class GatewayServer:
             async def endpoint(request):
                 try:
                     return await handler(request)
-                except RequestError as e:
-                    err = e
-                except TimeoutError:
-                    msg = f"the engine did not answer within {self.request_timeout} s"
-                    err = RequestError(504, msg, code="timeout")
                 except Exception as e:
-                    msg = f"the engine failed: {type(e).__name__}: {e}"
-                    err = RequestError(500, msg, code="engine_error")
+                    err = failure(e, self.request_timeout)
                 return JSONResponse(shape(err), status_code=err.status)
 
             return endpoint
@@ -321,19 +316,21 @@ class GatewayServer:
             return JSONResponse({"object": "list", "data": data})
 
         def api(module):
-            """A route for an API module (``parse``, ``answer``, ``events``)."""
+            """A route for an API module (``parse``, ``answer``, ``stream``)."""
 
             async def handler(request):
                 check_key(request)
                 ep = episode(request)
                 req = module.parse(await json_body(request), self, ep)
-                call = await self._generate(ep, req)
                 tok = self.tokenizers[req.model]
+                if req.stream:  # events as the engine samples (gateway_stream)
+                    live = Live(self.request_timeout)
+                    live.start(self._generate(ep, req, live))
+                    await live.first()  # an error before the first token: an HTTP error
+                    events = module.stream(live, req, tok, ep)
+                    return StreamingResponse(events, media_type="text/event-stream")
+                call = await self._generate(ep, req)
                 answer = module.answer(req, call, tok, ep)
-                if req.stream:
-                    return StreamingResponse(
-                        module.events(answer, req, call, tok), media_type="text/event-stream"
-                    )
                 return Response(orjson.dumps(answer), media_type="application/json")
 
             return guarded(handler, getattr(module, "error_body", openai_error))
@@ -529,9 +526,10 @@ class GatewayServer:
             )
         return min(req.max_tokens, room)
 
-    async def _generate(self, ep: EpisodeState, req: Request) -> Call:
+    async def _generate(self, ep: EpisodeState, req: Request, live: Live | None = None) -> Call:
         """Sample the request's ``n`` choices and file them under the episode (the rows of
-        the record); every API answers from the :class:`Call` this returns."""
+        the record); every API answers from the :class:`Call` this returns. ``live``: a
+        streamed request, given each token as it is sampled (engines that stream)."""
         if req.top_logprobs and not getattr(self.engines[req.model], "gives_top_logprobs", False):
             raise RequestError(
                 400,
@@ -544,6 +542,9 @@ class GatewayServer:
         else:
             prompt, stitched, images = self.prompt_ids(ep, req)
         req.max_tokens = self._fit(req, prompt)
+        streams = live is not None and streams_tokens(self.engines[req.model])
+        if live is not None:
+            live.prompt_len = len(prompt)
         vision = images.joined if images is not None else None
         params = SamplingParams(
             n=1,
@@ -554,7 +555,10 @@ class GatewayServer:
             seed=req.seed,  # shared by the n calls below: the batcher keeps them together
             top_logprobs=req.top_logprobs,
         )
-        request = EngineRequest(prompt, vision=vision)
+        requests = [
+            EngineRequest(prompt, vision=vision, on_token=live.sink(i) if streams else None)
+            for i in range(req.n)
+        ]
         try:
             outs = await asyncio.wait_for(
                 asyncio.gather(
@@ -562,7 +566,7 @@ class GatewayServer:
                         self.batcher.generate(
                             req.model, request, params, episode=ep, alive=lambda: ep.open
                         )
-                        for _ in range(req.n)
+                        for request in requests
                     )
                 ),
                 self.request_timeout,

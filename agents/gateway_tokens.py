@@ -1,6 +1,6 @@
 """Per-token views of a completion, shared by the gateway's APIs: log-prob entries (with
-``top_logprobs``), the text each sampled token adds (what token-by-token streaming sends),
-and the ``<think>`` split of a reply into reasoning and answer.
+``top_logprobs``) and the ``<think>`` split of a reply into reasoning and answer (what
+streaming shows as it comes is :mod:`polyrl.agents.gateway_stream`).
 
 Every API answers from the same :class:`~polyrl.agents.gateway_server.Choice` (the ids and
 log-probs the engine gave); these helpers only shape them, so what an agent reads equals
@@ -32,29 +32,6 @@ def logprob_entries(tok: Any, ids: list[int], logps: list[float], tops, k: int) 
         entry["top_logprobs"] = alts
         out.append(entry)
     return out
-
-
-def pieces(tok: Any, ids: list[int], content: str) -> list[str]:
-    """The text each sampled token adds to ``content`` (one entry per token, joined they
-    are ``content``): a character split across tokens comes with its last token, tokens
-    past ``content`` (a stop string, the end token) add "". Content that is not a prefix
-    of the decoded tokens (a reply with tool calls taken out) comes whole with the first."""
-    out, shown = [], ""
-    for k in range(len(ids)):
-        text = tok.decode(ids[: k + 1], skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(shown):
-            out.append("")  # an incomplete character: it comes with a later token
-            continue
-        out.append(text[len(shown) :])
-        shown = text
-    full = tok.decode(ids, skip_special_tokens=True)
-    if not ids or "".join(out) != full or not full.startswith(content):
-        return [content] + [""] * (len(ids) - 1) if ids else [content]
-    cut, left = [], len(content)
-    for p in out:
-        cut.append(p[:left])
-        left -= len(cut[-1])
-    return cut
 
 
 def split_think(text: str) -> tuple[str | None, str]:

@@ -32,8 +32,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from polyrl.core.engine import Completion, Request, SamplingParams
+from polyrl.core.engine import Completion, Request, SamplingParams, TokenSink
 from polyrl.core.interfaces import Engine, MixedCalls, takes_images
+
+
+def _as_sample(sink: TokenSink, sample: int) -> TokenSink:
+    """``sink`` for a request copy sampled once in place of its request's sample ``sample``."""
+    return lambda _, token, logprob, top: sink(sample, token, logprob, top)
 
 
 class EpisodeClosed(Exception):
@@ -224,6 +229,10 @@ class Batcher:
             dataclasses.replace(waiting[j].request, max_new_tokens=b)
             for j, b in zip(owner, budgets, strict=True)
         ]
+        if n == 1 and len(owner) > len(waiting):  # mixed n: copy c streams as sample c
+            for c, r in enumerate(requests):
+                if r.on_token is not None:
+                    r.on_token = _as_sample(r.on_token, owner[:c].count(owner[c]))
         params = dataclasses.replace(
             first,
             n=n,

@@ -40,12 +40,20 @@ class SamplingParams:
     top_logprobs: int = 0
 
 
+# Request.on_token(sample, token id, log-prob, top): ``sample`` the completion's index among
+# the request's ``params.n``; ``top`` its k likeliest (ids, log-probs) if top_logprobs > 0
+TokenSink = Callable[[int, int, float, "tuple[list[int], list[float]] | None"], None]
+
+
 @dataclass
 class Request:
     """One prompt of an engine call.
 
     ``max_new_tokens``: this prompt's own budget, at most the call's (None: the call's), so
-    requests with different budgets share one call. ``vision``: the prompt's joined image
+    requests with different budgets share one call. ``on_token``: called from the engine's
+    thread with each token of this prompt's completions as it is sampled, while the call
+    still decodes (:data:`TokenSink`; engines that declare ``StreamsTokens`` only, others
+    never call it); it must return quickly and not raise. ``vision``: the prompt's joined image
     and video inputs, opaque to the core (a VL policy's ``TakesImageTurns.join_images``, or
     the plugin's own processing); ``images``: the resized images themselves, for an engine
     that hands them to another server (None: it recovers them from ``vision``). Only
@@ -56,6 +64,7 @@ class Request:
     max_new_tokens: int | None = None
     vision: Any = None
     images: list[Any] | None = None
+    on_token: TokenSink | None = None
 
     @property
     def text_only(self) -> bool:
@@ -103,6 +112,27 @@ class Completion:
     # response token was routed to, int8/int16 [prompt + response tokens, MoE layers, k],
     # -1 where not recorded (the last response token is never fed back); see core/moe.py
     experts: torch.Tensor | None = None
+
+
+def token_sinks(requests: Sequence[Request], n: int) -> list[tuple[TokenSink, int] | None] | None:
+    """Per sampled row (request-major, ``n`` each): its request's ``on_token`` and sample
+    index; None when no request streams."""
+    if all(r.on_token is None for r in requests):
+        return None
+    return [(r.on_token, s) if r.on_token else None for r in requests for s in range(n)]
+
+
+def stream_tokens(sinks, rows: torch.Tensor, done: torch.Tensor, tok, lp, tops=None) -> None:
+    """Hand each decoding row's new token to its sink: ``rows[j]`` is decode-batch row j's
+    index into ``sinks``; rows already ``done`` sampled a token no completion keeps."""
+    where, toks, lps = rows.tolist(), tok.tolist(), lp.tolist()
+    skip = done.tolist()
+    alts = (tops[1].tolist(), tops[0].tolist()) if tops is not None else None  # (ids, lps)
+    for j, row in enumerate(where):
+        if skip[j] or sinks[row] is None:
+            continue
+        sink, sample = sinks[row]
+        sink(sample, toks[j], lps[j], (alts[0][j], alts[1][j]) if alts is not None else None)
 
 
 def sample_next(
@@ -232,6 +262,7 @@ class HFEngine:
 
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
     gives_top_logprobs = True  # honours SamplingParams.top_logprobs
+    streams_tokens = True  # interfaces.StreamsTokens: Request.on_token at every step
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
     _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
     # generate_mixed: the model that runs these prompts' rows each as its own policy's
@@ -310,9 +341,11 @@ class HFEngine:
             (i, r.prompt, r.budget(params)) for i, r in enumerate(requests) for _ in range(params.n)
         ]
         gen = self.gen if params.seed is None else seeded(params.seed)
+        sinks = token_sinks(requests, params.n)
         out: list[Completion] = []
         for start in range(0, len(rows), self.batch_size):
-            out += self._generate_batch(rows[start : start + self.batch_size], params, gen)
+            part = slice(start, start + self.batch_size)
+            out += self._generate_batch(rows[part], params, gen, sinks and sinks[part])
         return out
 
     def _stop_ids(self, params: SamplingParams, device: torch.device) -> torch.Tensor:
@@ -322,7 +355,7 @@ class HFEngine:
             stop_ids.add(self.tokenizer.eos_token_id)
         return torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
-    def _generate_batch(self, rows, params: SamplingParams, gen) -> list[Completion]:
+    def _generate_batch(self, rows, params: SamplingParams, gen, sinks=None) -> list[Completion]:
         model = self.policy.model if self._route is None else self._route(None)
         device = next(model.parameters()).device
         stop_t = self._stop_ids(params, device)
@@ -381,6 +414,9 @@ class HFEngine:
             tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
             if k_top:
                 top_lps[live, t], top_ids[live, t] = top_logprobs(logits, params)
+            if sinks:
+                step_top = (top_lps[live, t], top_ids[live, t]) if k_top else None
+                stream_tokens(sinks, live, done, tok, lp, step_top)
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[live, : t + 1], done, params.stop)

@@ -340,6 +340,21 @@ class ExactLogprobs(Protocol):
 
 
 @runtime_checkable
+class StreamsTokens(Protocol):
+    """An engine that hands each token to its request's ``Request.on_token`` as it is
+    sampled (from the engine's thread, at every decoding step), so a server can send tokens
+    while the call still decodes. Engines without it (vLLM's offline ``LLM.generate``, a
+    Ray actor's handle) return whole completions only and never call ``on_token``."""
+
+    streams_tokens: bool
+
+
+def streams_tokens(engine: Any) -> bool:
+    """Whether ``engine`` calls ``Request.on_token`` while it decodes."""
+    return isinstance(engine, StreamsTokens) and bool(engine.streams_tokens)
+
+
+@runtime_checkable
 class TakesImages(Protocol):
     """An engine (class or handle) whose requests may carry images and videos
     (``Request.vision``, ``Request.images``); engines without it refuse them."""

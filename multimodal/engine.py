@@ -26,6 +26,8 @@ from polyrl.core.engine import (
     reserved_cache,
     sample_next,
     seeded,
+    stream_tokens,
+    token_sinks,
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -121,9 +123,12 @@ class VLEngine(HFEngine):
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         last = logits[:, -1]
+        sinks, rows = token_sinks(requests, n), torch.arange(b)  # Request.on_token
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(last, params, gen)
             tokens[:, t], logps[:, t], versions[:, t] = tok, lp, version
+            if sinks:
+                stream_tokens(sinks, rows, done, tok, lp)
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)

@@ -26,6 +26,7 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 class Spy(SpyEngine):
     gives_top_logprobs = True  # the HF engine it wraps does
+    streams_tokens = True  # and calls each request's on_token as it decodes
 
 
 @pytest.fixture(scope="module")

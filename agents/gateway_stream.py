@@ -1,0 +1,176 @@
+"""Token-by-token streaming for the gateway's APIs: the engine's tokens reach the HTTP
+client while the engine still decodes.
+
+:class:`Live` is one streamed request: the server gives each choice's engine request an
+``on_token`` sink (``core.engine.Request.on_token``, for engines that declare
+``StreamsTokens``), which the engine calls from its worker thread at every decoding step;
+the sink puts the token on an asyncio queue of the server's loop
+(``loop.call_soon_threadsafe``), and the API's event generator reads the queue. When the
+engine call ends, the finished :class:`~polyrl.agents.gateway_server.Call` (the record's
+exact ids and log-probs) closes the stream; an engine that cannot stream (vLLM's offline
+``LLM.generate``) sends every token then.
+
+:class:`Reply` says how much of a choice's text is safe to show while it grows: never a
+character split across tokens, never text a stop string or a tool call will cut from the
+answer (the longest tail that could start one is held back), never a ``<think>`` block
+before it is closed (Responses and Messages show it as a reasoning block). So the deltas an
+agent reads, joined, are the final answer's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from polyrl.agents.gateway_requests import Request, RequestError
+from polyrl.agents.gateway_tokens import THINK_CLOSE, THINK_OPEN, split_think, token_entry
+
+if TYPE_CHECKING:
+    from polyrl.agents.gateway_server import Call
+
+TOOL_OPEN = "<tool_call>"
+_END = object()
+
+
+def failure(e: BaseException, timeout: float) -> RequestError:
+    """An engine call's failure as the error answer the APIs give: a :class:`RequestError`
+    as raised, a timeout 504, anything else 500."""
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, TimeoutError):
+        return RequestError(504, f"the engine did not answer within {timeout} s", code="timeout")
+    return RequestError(500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error")
+
+
+class Live:
+    """One streamed request: per choice, the tokens the engine sampled so far, then the
+    call. The sampling runs as its own task, so a client that goes away mid-stream leaves
+    the call to finish and be filed in the episode as usual."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+        self.prompt_len = 0  # set once the prompt is built
+        self._head: Any = None
+
+    def sink(self, choice: int) -> Callable[[int, int, float, Any], None]:
+        """``Request.on_token`` of choice ``choice`` (called on the engine's thread)."""
+
+        def on_token(sample: int, token: int, logprob: float, top: Any) -> None:
+            item = (choice, token, logprob, top)
+            with contextlib.suppress(RuntimeError):  # the server's loop is gone (shut down)
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+        return on_token
+
+    def start(self, sampling) -> None:
+        self.task = self.loop.create_task(sampling)
+        self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled():
+            task.exception()  # read here: a client that left never asks for it
+        self.queue.put_nowait(_END)
+
+    async def first(self) -> None:
+        """Wait for the first token, or for the call's end; a call that failed before any
+        token raises here, so the client gets an HTTP error, not a broken stream."""
+        self._head = await self.queue.get()
+        if self._head is _END:
+            self.call()
+
+    async def tokens(self) -> AsyncIterator[tuple[int, int, float, Any]]:
+        """(choice, token id, log-prob, top alternatives) as the engine samples them."""
+        item = self._head if self._head is not None else await self.queue.get()
+        self._head = None
+        while item is not _END:
+            yield item
+            item = await self.queue.get()
+        self.queue.put_nowait(_END)  # a second reader ends too
+
+    def call(self) -> Call:
+        """The finished call (raises the sampling's error)."""
+        assert self.task is not None and self.task.done()
+        return self.task.result()
+
+
+def held(text: str, marks: list[str]) -> int:
+    """The length of the longest tail of ``text`` that could begin one of ``marks``."""
+    best = 0
+    for m in marks:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class Reply:
+    """One choice's tokens as they arrive and the text safe to show so far (see the
+    module's docstring). ``think``: a leading ``<think>`` block is reasoning (Responses,
+    Messages); ``tools``: the request has tools, so a ``<tool_call>`` block is cut from the
+    text and surrounding whitespace may be stripped from it."""
+
+    def __init__(self, tok: Any, req: Request, *, think: bool) -> None:
+        self.tok, self.limit, self.stops = tok, req.max_tokens, list(req.stop or [])
+        self.tools, self.think = bool(req.tools), think
+        self.ids: list[int] = []
+
+    def add(self, token: int) -> bool:
+        """Take the next token; False past the request's budget (a longer call's rows)."""
+        if len(self.ids) >= self.limit:
+            return False
+        self.ids.append(token)
+        return True
+
+    def view(self) -> tuple[str | None, str, bool]:
+        """(reasoning, answer, decided): the closed reasoning block (None: none yet), the
+        answer text safe to show, and whether the reply's shape is known (no ``<think>``
+        block still possible or open)."""
+        text = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        text = text[: min(cuts)] if cuts else text[: len(text) - held(text, self.stops)]
+        if self.tools:
+            if text[:1].isspace():  # stripped or not: only the end tells
+                return None, "", False
+            at = text.find(TOOL_OPEN)
+            text = text[:at] if at >= 0 else text[: len(text) - held(text, [TOOL_OPEN])]
+            text = text.rstrip()
+        if self.think:
+            if THINK_OPEN.startswith(text) or (
+                text.startswith(THINK_OPEN) and THINK_CLOSE not in text
+            ):
+                return None, "", False
+            reasoning, answer = split_think(text)
+            return reasoning, answer, True
+        return None, text, True
+
+
+def piece(shown: str, text: str) -> str:
+    """What ``text`` adds to the ``shown`` text ("" when it does not extend it)."""
+    return text[len(shown) :] if text.startswith(shown) else ""
+
+
+def entry(tok: Any, token: int, logprob: float, top: Any, k: int) -> dict:
+    """A token's OpenAI log-prob entry, with its ``k`` likeliest alternatives."""
+    out = token_entry(tok, token, logprob)
+    alts = []
+    if k and top is not None:
+        alts = [token_entry(tok, a, b) for a, b in zip(top[0][:k], top[1][:k], strict=True)]
+    out["top_logprobs"] = alts
+    return out
+
+
+def unsent(reply: Reply, call: Call, choice: int) -> list[tuple[int, int, float, Any]]:
+    """The call's tokens of ``choice`` that did not come live (all of them from an engine
+    that cannot stream), as the queue would have given them."""
+    c = call.choices[choice]
+    n = len(reply.ids)
+    tops = c.tops or [None] * len(c.ids)
+    return [
+        (choice, t, lp, top) for t, lp, top in zip(c.ids[n:], c.logprobs[n:], tops[n:], strict=True)
+    ]
