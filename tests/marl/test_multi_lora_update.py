@@ -251,3 +251,48 @@ def test_batched_update_keeps_each_partition(marl_config):
     kw = {"minibatches": 2, "ppo_epochs": 2, "kl_coef": 0.1}
     one, batched = run_both(marl_config, True, kw, seed=3)
     assert_same(one, batched)
+
+
+def test_team_run_logs_the_same_batched_and_one_by_one(marl_config, tmp_path, monkeypatch):
+    """The signaling team as two lora_agent policies on one base, 2 steps: every logged
+    metric (rewards, losses, grad norms, eval) equals the run with args.batch_update off,
+    and the batched run did update both in one call per step."""
+    import json
+
+    from polyrl.core import loop, trainer
+
+    calls = []
+    real = trainer.update_together
+    monkeypatch.setattr(
+        trainer, "update_together", lambda ps, *a, **k: calls.append(len(ps)) or real(ps, *a, **k)
+    )
+
+    def timing(key: str) -> bool:
+        return key.startswith("time/") or key.endswith("_s")
+
+    logs = []
+    for batch_update in ("true", "false"):
+        sets = []
+        for n, lr in (("speaker", "1e-3"), ("listener", "3e-3")):
+            sets += [
+                f"policies.{n}.kind=lora_agent",
+                f"policies.{n}.lora.r=4",
+                f"policies.{n}.optim.lr={lr}",
+                f"policies.{n}.args.batch_update={batch_update}",
+            ]
+        cfg = marl_config(*sets, f"run.dir={tmp_path}/run-{batch_update}", "algorithm.kl_coef=0.05")
+        torch.manual_seed(0)
+        run = loop.train(cfg)
+        with open(run.path / "metrics.jsonl") as f:
+            logs.append([json.loads(line) for line in f])
+    assert calls == [2, 2]  # the batched run only: one call for both, each step
+    batched, alone = logs
+    assert len(batched) == len(alone) and any("speaker/grad_norm" in r for r in batched)
+    for a, b in zip(alone, batched, strict=True):
+        keys = {k for k in a if not timing(k)}
+        assert keys == {k for k in b if not timing(k)}
+        for k in keys:
+            if isinstance(a[k], float):
+                assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), k
+            else:
+                assert a[k] == b[k], k
