@@ -15,6 +15,7 @@ part (a rank with only text rows would otherwise hang the others). The inputs co
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -188,17 +189,18 @@ def _dummy(
     return _features(p, pv, grid)
 
 
-def _media_index(
+def _place(
     p: Parts,
     order: list[VisionInputs],
     rows: list[VisionInputs | None],
     unique: dict[str, int],
     mask: torch.Tensor,
     video: bool,
-) -> tuple[list[VisionInputs], torch.Tensor, int]:
-    """For every placeholder in ``mask`` (row-major order), its row in the features of the
-    distinct prompts' images (or videos) that have any; those prompts, and how many
-    features they give. Checks each row's placeholders against its grids."""
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+    """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
+    the distinct prompts' images (or videos); None when the batch has none."""
     what = "video" if video else "image"
     count = (lambda v: v.num_videos) if video else (lambda v: v.num_images)
     grid_of = (lambda v: v.video_grid_thw) if video else (lambda v: v.image_grid_thw)
@@ -216,46 +218,18 @@ def _media_index(
                 f"in its prompt but {whose} (t*h*w/merge^2 per {what}); the "
                 f"prompt ids and the {what}s do not belong together"
             )
+    if not with_media:
+        return None
+    values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
+    pv = torch.cat(values).to(device=device, dtype=dtype)
+    feats, deep = _features(p, pv, torch.cat([grid_of(v) for v in with_media]).to(device), video)
     starts = torch.tensor([0] + per_prompt[:-1]).cumsum(0).tolist()
     index = [
         torch.arange(starts[unique[v.key]], starts[unique[v.key]] + per_prompt[unique[v.key]])
         for v in rows
         if v is not None
     ]
-    gather = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
-    return with_media, gather, sum(per_prompt)
-
-
-def _media_features(
-    p: Parts, with_media: list[VisionInputs], video: bool, device: torch.device, dtype
-) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
-    """One vision pass over ``with_media``'s images (or videos); None when there are none."""
-    if not with_media:
-        return None
-    values = [v.pixel_values_videos if video else v.pixel_values for v in with_media]
-    grids = [v.video_grid_thw if video else v.image_grid_thw for v in with_media]
-    pv = torch.cat(values).to(device=device, dtype=dtype)
-    return _features(p, pv, torch.cat(grids).to(device), video)
-
-
-def _place(
-    p: Parts,
-    order: list[VisionInputs],
-    rows: list[VisionInputs | None],
-    unique: dict[str, int],
-    mask: torch.Tensor,
-    video: bool,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
-    """Features of every placeholder in ``mask`` (row-major order), from one vision pass over
-    the distinct prompts' images (or videos); None when the batch has none."""
-    with_media, gather, _ = _media_index(p, order, rows, unique, mask, video)
-    out = _media_features(p, with_media, video, device, dtype)
-    if out is None:
-        return None
-    feats, deep = out
-    gather = gather.to(device)
+    gather = torch.cat(index).to(device)
     return feats[gather], ([d[gather] for d in deep] if deep else None)
 
 
@@ -567,31 +541,77 @@ def response_logprobs(
     return token_logprobs(logits[:, :-1].float(), response_ids, temperature, with_entropy)
 
 
+def _digest(pixels: torch.Tensor, grid: torch.Tensor) -> bytes:
+    """What tells one image (or video) from another: its grid and its pixel values' bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(grid.cpu().numpy().tobytes())
+    h.update(str(pixels.dtype).encode())
+    h.update(pixels.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+Media = list[tuple[torch.Tensor, torch.Tensor]]  # distinct items: (pixel values, grid [3])
+
+
 def mark_media(
     p: Parts,
     ids: torch.Tensor,
     rows: list[VisionInputs | None],
     image_mask: torch.Tensor,
     video_mask: torch.Tensor,
-) -> tuple[torch.Tensor, list[list[VisionInputs]]]:
+) -> tuple[torch.Tensor, tuple[Media, Media]] | None:
     """``ids`` with each image (video) placeholder replaced by ``-2 - i``, ``i`` the row of its
-    feature in the distinct images' features followed by the distinct videos' (prompts
-    told apart by :attr:`VisionInputs.key`), and the prompts whose images and whose
-    videos the vision tower takes: equal marks mean equal inputs to the language model."""
-    unique: dict[str, int] = {}
-    order: list[VisionInputs] = []
-    for v in rows:
-        if v is not None and v.key not in unique:
-            unique[v.key] = len(order)
-            order.append(v)
-    media, offset = [], 0
+    feature in the features of the distinct images followed by those of the distinct
+    videos, and those images and videos. An image is told apart by its content (grid and
+    pixel values, hashed once per :attr:`VisionInputs.key`), so rows whose prompts carry
+    the same image share it whatever their key or object (a group's rows; a multi-turn
+    episode's later turns, whose rows repeat its earlier images): equal marks mean equal
+    inputs to the language model. None where a row's placeholders do not match its images
+    (the padded pass says what is wrong)."""
     marked = ids.clone()
+    media: list[Media] = []
+    offset, merge = 0, p.merge_size**2
     for video, where in ((False, image_mask), (True, video_mask)):
-        with_media, gather, count = _media_index(p, order, rows, unique, where, video)
-        media.append(with_media)
-        marked[where] = -2 - (gather.to(ids.device) + offset)
-        offset = count
-    return marked, media
+        seen: dict[bytes, int] = {}  # digest -> distinct item
+        items: Media = []
+        starts: list[int] = []  # each item's first feature row
+        of_key: dict[str, list[int]] = {}  # each prompt's items, in order
+        index: list[torch.Tensor] = []
+        total = 0
+        for b, v in enumerate(rows):
+            if v is None:
+                if bool(where[b].any()):
+                    return None
+                continue
+            if v.key not in of_key:
+                grid = v.video_grid_thw if video else v.image_grid_thw
+                pixels = v.pixel_values_videos if video else v.pixel_values
+                mine = []
+                if len(grid):
+                    if pixels is None:
+                        return None
+                    chunks = pixels.split(grid.prod(-1).tolist())
+                    for chunk, g in zip(chunks, grid, strict=True):
+                        d = _digest(chunk, g)
+                        if d not in seen:
+                            seen[d] = len(items)
+                            items.append((chunk, g))
+                            starts.append(total)
+                            total += int(g.prod()) // merge
+                        mine.append(seen[d])
+                of_key[v.key] = mine
+            spans = [
+                torch.arange(starts[i], starts[i] + int(items[i][1].prod()) // merge)
+                for i in of_key[v.key]
+            ]
+            if sum(len(x) for x in spans) != int(where[b].sum()):
+                return None
+            index += spans
+        if index:
+            marked[where] = -2 - (torch.cat(index).to(ids.device) + offset)
+        media.append(items)
+        offset = total
+    return marked, (media[0], media[1])
 
 
 def shared_units(
@@ -665,9 +685,10 @@ def shared_logprobs(
     p = parts(model)
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1).bool()
-    if not any(v is not None for v in rows) and bool(image_mask.any() or video_mask.any()):
-        return None  # the padded pass says what is wrong
-    marked, media = mark_media(p, ids, rows, image_mask, video_mask)
+    found = mark_media(p, ids, rows, image_mask, video_mask)
+    if found is None:
+        return None
+    marked, media = found
     plan = shared_units(model, marked, prompt_mask, response_mask, min_shared)
     if plan is None:
         return None
@@ -686,11 +707,16 @@ def shared_logprobs(
     vis = lay.ids < -1
     emb = p.language_model.get_input_embeddings()(lay.ids.clamp(min=0))
     dtype = p.visual.dtype if hasattr(p.visual, "dtype") else emb.dtype
-    feats = [
-        _media_features(p, m, video, device, dtype)
-        for m, video in zip(media, (False, True), strict=True)
+    got = [
+        _features(
+            p,
+            torch.cat([c for c, _ in items]).to(device=device, dtype=dtype),
+            torch.stack([g for _, g in items]).to(device),
+            video,
+        )
+        for items, video in zip(media, (False, True), strict=True)
+        if items
     ]
-    got = [f for f in feats if f is not None]
     extra: dict[str, Any] = {}
     if got:
         at = -2 - lay.ids[vis]

@@ -231,7 +231,8 @@ def test_shared_vl_pass_lora_gradients_equal_the_padded_pass(models, family, one
 
 def test_images_are_told_apart_by_their_inputs_not_their_token_ids(models, one_thread):
     """Rows on images a and c have the same prompt ids; their marks agree up to the first
-    image token and differ at every image token after it; rows of one image agree."""
+    image token and differ at every image token after it; rows of one image agree; each
+    distinct image goes to the vision tower once."""
     model, patch = models("qwen2.5-vl", "sdpa")
     batch, rows = vl_batch(patch)
     p = forward.parts(model)
@@ -240,7 +241,7 @@ def test_images_are_told_apart_by_their_inputs_not_their_token_ids(models, one_t
         [forward.token_mask(p, batch["prompt_ids"]), torch.zeros_like(batch["response_ids"]) > 0],
         1,
     )
-    marked, media = forward.mark_media(p, ids, rows, image_mask, image_mask & False)
+    marked, (images, videos) = forward.mark_media(p, ids, rows, image_mask, image_mask & False)
     plen = batch["prompt_ids"].shape[1]
     a, c = marked[0, :plen], marked[7, :plen]
     assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][7])
@@ -249,7 +250,9 @@ def test_images_are_told_apart_by_their_inputs_not_their_token_ids(models, one_t
     assert torch.equal(a[~img], c[~img]) and bool((a[img] != c[img]).all())
     assert bool((a[img] < 0).all()) and len(set(a[img].tolist())) == int(img.sum())
     assert int(marked[1, plen]) == IMG  # a sampled image-token id stays text
-    assert [v.key for v in media[0]] == ["a", "b", "c"] and media[1] == []
+    grids = [g.tolist() for _, g in images]  # a, b's two, c: each once, in row order
+    assert grids == [[1, 8, 8], [1, 4, 4], [1, 4, 8], [1, 8, 8]] and videos == []
+    assert torch.equal(images[3][0], rows[7].pixel_values)
 
 
 def test_rows_that_share_too_little_keep_the_padded_pass(models, one_thread):
@@ -270,3 +273,62 @@ def test_rows_that_share_too_little_keep_the_padded_pass(models, one_thread):
         got = ResponseScorer(model, True)(batch, rows, 1.0, False)[0]
         want = ResponseScorer(model, False)(batch, rows, 1.0, False)[0]
     assert torch.equal(got, want)
+
+
+def episode_batch(patch, seed=0):
+    """``step`` rows of one episode: turn t's prompt is turn t-1's prompt, response and an
+    observation; image A in the first prompt, image B in turn 1's observation. Each row
+    has its own key and its own VisionInputs (all its images so far, placed by
+    ``image_starts``), as multi-turn workflows write them; turn 1 is sampled twice."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = 3 * 2 * patch * patch
+    grid_a, grid_b = [1, 8, 8], [1, 4, 8]
+    pix_a = torch.randn(64, dim, generator=gen)
+    pix_b = torch.randn(32, dim, generator=gen)
+
+    def text(n):
+        return torch.randint(1, 60, (n,), generator=gen).tolist()
+
+    prompt = [1, 2, 3, 4, 5, START] + [IMG] * 16 + [END] + text(6)
+    starts = [6]
+    prompts, responses, rows = [], [], []
+    for t in range(3):
+        images = 1 if t == 0 else 2
+        v = vision.VisionInputs(
+            f"episode-turn-{t}",
+            torch.cat([pix_a, pix_b][:images]),
+            torch.tensor([grid_a, grid_b][:images]),
+            image_starts=tuple(starts),
+        )
+        for _ in range(2 if t == 1 else 1):
+            prompts.append(list(prompt))
+            responses.append(text(int(torch.randint(2, 7, (1,), generator=gen))))
+            rows.append(v)
+        obs = [9, START] + [IMG] * 8 + [END, 10] if t == 0 else text(3)
+        if t == 0:
+            starts.append(len(prompt) + len(responses[-1]) + 2)
+        prompt = prompt + responses[-1] + obs
+    prompt_ids, prompt_mask = pad_left(prompts, 0)
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": pad_right(responses, 0, torch.long),
+        "response_mask": pad_right([[1] * len(r) for r in responses], 0, torch.long),
+    }
+    return batch, rows
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_multi_turn_rows_share_their_history_and_its_images(models, family, one_thread):
+    """Step rows whose VisionInputs differ (keys, objects, image counts) share the history
+    and its image A: the tower sees A and B once each (the padded pass: A three times), and
+    values, entropies and gradients equal the padded pass."""
+    model, patch = models(family, "sdpa")
+    batch, rows = episode_batch(patch)
+    weights = torch.randn(batch["response_ids"].shape, generator=torch.Generator().manual_seed(3))
+    before = vision.COUNTERS["vision_images"]
+    shared = _loss_and_grads(model, ResponseScorer(model, True, 4), batch, rows, weights)
+    assert vision.COUNTERS["vision_images"] == before + 2
+    padded = _loss_and_grads(model, ResponseScorer(model, False), batch, rows, weights)
+    assert vision.COUNTERS["vision_images"] == before + 2 + 5  # keys: A, A+B, A+B
+    _assert_same(shared, padded)
