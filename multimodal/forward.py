@@ -7,10 +7,12 @@ per group, gradients flow to every use) and with M-RoPE position ids from the mo
 ``get_rope_index`` over prompt + response (video grids and ``second_per_grid_ts`` too), so
 response positions continue after the vision-compressed prompt positions. Videos go
 through the model's ``get_video_features`` (one pass per micro-batch for all its distinct
-prompts' videos, like images). A batch without images still runs the vision tower on a
-dummy patch with weight zero, so FSDP ranks never disagree about which parameters took
-part (a rank with only text rows would otherwise hang the others). The inputs come from
-:mod:`polyrl.multimodal.vision` (the host side).
+prompts' videos, like images). :func:`response_logprobs` with ``shared_prefix`` computes a
+prefix that rows share (a group's prompt and image, a multi-turn episode's history) once,
+packed as a tree of prefixes (:func:`shared_logprobs`). A batch without images still runs
+the vision tower on a dummy patch with weight zero, so FSDP ranks never disagree about
+which parameters took part (a rank with only text rows would otherwise hang the others).
+The inputs come from :mod:`polyrl.multimodal.vision` (the host side).
 """
 
 from __future__ import annotations
@@ -668,9 +670,9 @@ def shared_logprobs(
     None where nothing is shared (the caller runs the padded pass).
 
     ``placed``: :func:`row_positions` of the rows (M-RoPE positions ``[3, B, P + R]``, image
-    and video masks). Each distinct image (by :attr:`VisionInputs.key`) goes through the
-    vision tower once, as in the padded pass; a vision placeholder is told apart by the
-    feature it takes, so rows share a prefix only where its tokens and images are the same.
+    and video masks). Each distinct image or video (by content, :func:`mark_media`) goes
+    through the vision tower once; a vision placeholder is told apart by the feature it
+    takes, so rows share a prefix only where its tokens and images are the same.
     The rows' units (:func:`shared_units`) are packed as trees
     (:func:`polyrl.core.prefix.tree_layout`): the distinct tokens once, each row's M-RoPE
     positions at its columns (a shared prefix has the same positions in every row: they
