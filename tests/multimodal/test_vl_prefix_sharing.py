@@ -161,6 +161,22 @@ def _loss_and_grads(model, scorer, batch, rows, weights):
     return logp.detach() * m, ent.detach() * m, grads
 
 
+def _takes_the_tree_pass(model, batch, rows, min_shared=4) -> bool:
+    """Whether :func:`forward.shared_logprobs` runs (rather than leaving it to the padded
+    pass) on ``batch``."""
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    placed = forward.row_positions(
+        forward.parts(model), batch["prompt_ids"], batch["prompt_mask"], ids, mask, rows
+    )
+    args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"])
+    with torch.no_grad():
+        out = forward.shared_logprobs(
+            model, *args, batch["response_mask"], rows, placed, min_shared=min_shared
+        )
+    return out is not None
+
+
 def _assert_same(shared, padded):
     (lp_s, ent_s, g_s), (lp_p, ent_p, g_p) = shared, padded
     assert torch.allclose(lp_s, lp_p, atol=2e-5), (lp_s - lp_p).abs().max()
@@ -217,6 +233,7 @@ def test_shared_vl_pass_lora_gradients_equal_the_padded_pass(models, family, one
         if "lora_B" in name:
             torch.nn.init.normal_(w, std=0.02)
     batch, rows = vl_batch(patch, seed=1)
+    assert _takes_the_tree_pass(model, batch, rows)  # through the PEFT wrapper too
     weights = torch.randn(batch["response_ids"].shape, generator=torch.Generator().manual_seed(2))
     shared = _loss_and_grads(model, ResponseScorer(model, True, 4), batch, rows, weights)
     padded = _loss_and_grads(model, ResponseScorer(model, False), batch, rows, weights)
@@ -262,13 +279,7 @@ def test_rows_that_share_too_little_keep_the_padded_pass(models, one_thread):
     keep = [0, 4, 8]  # one row of a, of b, and the text row: 5 tokens in common
     batch = {k: v[keep] for k, v in batch.items()}
     rows = [rows[i] for i in keep]
-    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
-    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
-    placed = forward.row_positions(
-        forward.parts(model), batch["prompt_ids"], batch["prompt_mask"], ids, mask, rows
-    )
-    args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"])
-    assert forward.shared_logprobs(model, *args, batch["response_mask"], rows, placed) is None
+    assert not _takes_the_tree_pass(model, batch, rows, min_shared=16)
     with torch.no_grad():
         got = ResponseScorer(model, True)(batch, rows, 1.0, False)[0]
         want = ResponseScorer(model, False)(batch, rows, 1.0, False)[0]
