@@ -293,6 +293,7 @@ class HFEngine:
         rows: list = []
         owner: list[int] = []  # per prompt of the call: which engine's
         starts: list[int] = []
+        every: list[Request] = []  # the call's requests, in row order
         for k, (engine, prompts) in enumerate(calls):
             if key is None or not isinstance(engine, MixedCalls) or engine.mix_key() != key:
                 raise TypeError(
@@ -300,6 +301,7 @@ class HFEngine:
                     f"{type(engine).__name__} in its call (a policy on another base?)"
                 )
             requests = text_requests(self, prompts)
+            every += requests
             starts.append(len(owner))
             rows += [
                 (starts[k] + i, r.prompt, r.budget(params))
@@ -309,13 +311,15 @@ class HFEngine:
             owner += [k] * len(requests)
         assert isinstance(self.policy, MixesRows)  # mix_key says so
         gen = self.gen if params.seed is None else seeded(params.seed)
+        sinks = token_sinks(every, params.n)
         owners = torch.tensor(owner, dtype=torch.long)
         out: list[Completion] = []
         with self.policy.rows_of([engine.policy for engine, _ in calls]) as select:
             self._route = lambda pis: select(None if pis is None else owners[pis.cpu()])
             try:
                 for start in range(0, len(rows), self.batch_size):
-                    out += self._generate_batch(rows[start : start + self.batch_size], params, gen)
+                    part = slice(start, start + self.batch_size)
+                    out += self._generate_batch(rows[part], params, gen, sinks and sinks[part])
             finally:
                 self._route = None
         answers: list[list[Completion]] = [[] for _ in calls]

@@ -8,6 +8,8 @@ team and the agent gateway with two such policies take the merged path in real r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from polyrl.core.engine import HFEngine, Request, SamplingParams
@@ -85,8 +87,17 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
     apart = {n: engines[n].generate(asks[n], greedy) for n in NAMES}
     peft = pols["speaker"].model
     grads = {k: p.requires_grad for k, p in peft.named_parameters()}
-    merged = s.generate_mixed([(engines[n], asks[n]) for n in NAMES], greedy)
+    streamed: dict = {}  # each request's tokens as the loop samples them (Request.on_token)
+
+    def sink(key):
+        return lambda sample, tok, lp, top: streamed.setdefault((*key, sample), []).append(tok)
+
+    listen = {n: [replace(r, on_token=sink((n, i))) for i, r in enumerate(asks[n])] for n in NAMES}
+    merged = s.generate_mixed([(engines[n], listen[n]) for n in NAMES], greedy)
     assert grads == {k: p.requires_grad for k, p in peft.named_parameters()}
+    for n, got in zip(NAMES, merged, strict=True):
+        for j, c in enumerate(got):
+            assert streamed[(n, c.prompt_index, j % greedy.n)] == c.token_ids
     for n, got in zip(NAMES, merged, strict=True):
         want = apart[n]
         assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
