@@ -363,3 +363,59 @@ def test_each_request_gets_its_own_tokens_through_the_batcher(models):
             assert [lp for _, lp in mine] == c.logprobs  # the same floats, not recomputed
         assert {s for s, *_ in seen[name]} == set(range(len(got[name])))
         assert all(top is None for *_, top in seen[name])  # no top_logprobs asked
+
+
+class FailsMidCall(Streamed):
+    """Every other call streams two tokens, then raises (an engine failing mid-call)."""
+
+    calls = 0
+
+    def generate(self, prompts, params):
+        from polyrl.core.engine import as_requests
+
+        self.calls += 1
+        if self.calls % 2:
+            sink = as_requests(prompts)[0].on_token
+            for t in self.engine.char_ids("ok"):
+                sink(0, t, -0.5, None)
+            raise RuntimeError("out of memory")
+        return super().generate(prompts, params)
+
+
+def failing_agent(row, ep):
+    """Per API a streamed request the engine fails after two tokens, then a plain one."""
+    import openai
+
+    msgs = [{"role": "user", "content": "case tail"}]
+    client = ep.openai()
+    claude = anthropic.Anthropic(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    streams = {
+        "chat": lambda: client.chat.completions.create(model="main", messages=msgs, stream=True),
+        "responses": lambda: client.responses.create(model="main", input=msgs, stream=True),
+        "messages": lambda: claude.messages.create(
+            model="main", max_tokens=8, messages=msgs, stream=True
+        ),
+    }
+    out = {}
+    for api, streamed in streams.items():
+        events = []
+        try:
+            for ev in streamed():
+                events.append(ev)
+        except (openai.APIError, anthropic.APIError) as e:
+            out[api] = (len(events), str(e))
+        client.chat.completions.create(model="main", messages=msgs, max_tokens=4)
+    RESULTS[("fail", ep.episode)] = out
+    return 1.0
+
+
+def test_an_engine_failing_mid_stream_is_the_apis_error_event(byte_tokenizer, items):
+    policies, engines = scripted_models(byte_tokenizer, True)
+    engines["main"] = FailsMidCall(engines["main"].engine, True)
+    rec, _ = run((policies, engines), "failing_agent", items(rows("x")))
+    assert rec["valid"].all() and rec.batch_size[0] == 3, strings(rec, "error")  # the plain ones
+    out = RESULTS[("fail", by_episode(rec).popitem()[0])]
+    assert sorted(out) == ["chat", "messages", "responses"]
+    for api, (seen, message) in out.items():
+        assert seen >= 2, api  # the stream had begun: headers and first events were sent
+        assert "the engine failed: RuntimeError: out of memory" in message, api
