@@ -176,6 +176,7 @@ class VLLMLoraEngine(VLLMEngine):
         self.seed, self.calls = int(seed), 0
         self.sleep_enabled, self.sleeping, self._stale = False, False, False
         self._warned_top_p = False
+        self._capture = None  # VLLMEngine's MoE expert capture: none through LoRA handles
         self.last_sync_s = float("nan")
         t0 = time.perf_counter()
         self.server = shared_server(policy, seed, engine_args)
