@@ -123,7 +123,7 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
 
 
 def test_a_marl_team_takes_one_call_per_round(marl_config, make_items):
-    from polyrl.core.registry import WORKFLOWS
+    from polyrl.core.registry import ENGINES, WORKFLOWS
     from polyrl.core.workflow import Context
 
     cfg, pols = lora_pair(
@@ -131,7 +131,12 @@ def test_a_marl_team_takes_one_call_per_round(marl_config, make_items):
         "rollout.workflow=parallel",
         "rollout.args={agents: [{name: a, policy: speaker}, {name: b, policy: listener}]}",
     )
-    engines = {n: HFEngine(p, seed=i) for i, (n, p) in enumerate(pols.items())}
+    # the engines a run builds: engine.name's default, auto (the HF engine on CPU)
+    engines = {
+        n: ENGINES.get(cfg.policies[n].engine.name)(p, seed=i)
+        for i, (n, p) in enumerate(pols.items())
+    }
+    assert {cfg.policies[n].engine.name for n in NAMES} == {"auto"}
     wf = WORKFLOWS.get(cfg.rollout.workflow)(Context(cfg, pols, engines), **cfg.rollout.args)
     rows = [make_row("apple", ["cat", "apple", "dog"], "QXZJ"), make_row("dog", ["dog"], "QXZJ")]
     rec = wf.rollout(make_items(rows), SamplingParams(n=2, temperature=1.0, max_new_tokens=3))
