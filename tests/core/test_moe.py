@@ -301,3 +301,57 @@ def test_routing_hooks_are_gone_after_each_call(moe_dir):
     with Routing(policy.model) as routing:
         assert all(len(r._forward_hooks) == 1 for r in routers(policy.model))
         assert routing.num_layers == LAYERS
+
+
+# --- learning ---------------------------------------------------------------------------
+
+MOE_DEMO = {  # the dense demo's widths; 4 experts of half its MLP width, 2 per token
+    "corpus": "arithmetic",
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "head_dim": 64,
+    "num_experts": 4,
+    "experts_per_token": 2,
+    "moe_intermediate_size": 128,
+    "seed": 0,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path):
+    """The README demo (SFT warm start, then GRPO on arithmetic) on the tiny Qwen3-MoE with
+    routing replay on: held-out accuracy after 60 GRPO steps beats the warm start's by 0.1
+    (seed 0 measured 0.520 -> 0.745); the router metrics are reported every step."""
+    import yaml
+
+    from polyrl.core.config import load
+    from polyrl.core.loop import train
+    from polyrl.core.recipe import Config
+    from tests.helpers.runs import ARITHMETIC_RECIPE, metrics
+
+    recipe = yaml.safe_load(ARITHMETIC_RECIPE.read_text())
+    recipe["policies"]["main"] |= {
+        "model": str(tmp_path / "tiny-moe"),
+        "build": "tiny_qwen3_moe",
+        "build_args": MOE_DEMO,
+        "moe": {"replay": "rollout"},
+    }
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    quiet = ["run.progress=false", "run.tensorboard=false", "run.save_every=0", "run.export=false"]
+    cfg = load(
+        Config,
+        path,
+        ["seed=0", f"run.dir={tmp_path}/run", "train.steps=60", "eval.every=20", *quiet],
+    )
+    train(cfg)
+    rows = metrics(tmp_path / "run")
+    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+    steps = [r for r in rows if "reward/mean" in r]
+    print(f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in evals)}")
+    assert evals[-1] >= evals[0] + 0.1, evals
+    assert all(r["main/moe/route_mismatch"] == 0.0 for r in steps)  # the HF engine: exact
+    assert all(r["main/mismatch/logp_abs_max"] < 1e-4 for r in steps)
+    assert all(1.0 <= r["main/moe/load_max/l0"] <= E / K for r in steps)
