@@ -2,12 +2,13 @@
 through its own adapter.
 
 PEFT's own mixed batches (``adapter_names=``) refuse training mode, so this is built from
-hooks on supported modules: every adapter of the group is made active at once, a forward
-pre-hook on each adapter's ``lora_A`` keeps only the tokens routed to it (a gather: the
-other tokens never reach its matrices or its dropout) and a forward hook on its ``lora_B``
-scatters the result back into zeros of the full shape. A token's LoRA term is then its own
-adapter's, with that adapter's dropout and scaling, and the gradient of adapter ``k`` comes
-only from its own tokens -- the per-adapter pass's, summed into one backward.
+supported parts: inside the context every LoRA layer runs its base layer only
+(``enable_adapters(False)``), and a forward hook on each layer adds each routed adapter's
+term to that adapter's tokens: a gather of its tokens, its dropout, ``lora_A``, ``lora_B``
+and scaling, and an ``index_add_`` into the base output. A token's LoRA term is then its
+own adapter's, and the gradient of adapter ``k`` comes only from its own tokens -- the
+per-adapter pass's, summed into one backward. The LoRA work is that of the tokens routed,
+whatever the number of adapters.
 
 Which adapter a token belongs to, for each forward while the context is open:
 
@@ -29,16 +30,14 @@ Which adapter a token belongs to, for each forward while the context is open:
         out = peft_model(input_ids=ids, attention_mask=mask)
         batch["prompt_ids"] = router.tag(batch["prompt_ids"], rows)  # for packed passes
 
-Leaving the context restores the active adapter; the autograd graph built inside stays
-valid, so the backward may run after it (the ``trainable`` adapters' weights keep requiring
-grad for it). Not supported
-(refused): LoRA variants (DoRA), non-Linear LoRA layers (embeddings, convolutions), and
+Leaving the context turns the layers' adapters back on; the autograd graph built inside
+stays valid, so the backward may run after it (the ``trainable`` adapters' weights keep
+requiring grad for it). Not supported (refused): LoRA variants (DoRA), non-Linear LoRA layers (embeddings, convolutions), and
 gradient checkpointing (its recompute would run the hooks again after the routing moved on).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -52,7 +51,9 @@ class Router:
         self.names = list(names)
         self.vocab = vocab
         self.rows: torch.Tensor | None = None
-        self._index: list[torch.Tensor] = []  # per adapter: its flat token positions
+        self._order: torch.Tensor | None = None  # token order grouping them by adapter
+        self._inverse: torch.Tensor | None = None
+        self._counts: list[int] = []  # tokens per adapter in the current forward
         self._shape: tuple[int, ...] = ()  # the current forward's (batch, seq)
 
     def set_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
@@ -94,7 +95,12 @@ class Router:
                 )
             token = self.rows.to(ids.device)[:, None].expand_as(ids)
         flat = token.reshape(-1)
-        self._index = [torch.nonzero(flat == k).squeeze(1) for k in range(len(self.names))]
+        self._order = self._inverse = None  # tokens already grouped by adapter
+        if len(flat) > 1 and not bool((flat[1:] >= flat[:-1]).all()):
+            self._order = torch.argsort(flat, stable=True)
+            self._inverse = torch.empty_like(self._order)
+            self._inverse[self._order] = torch.arange(len(flat), device=flat.device)
+        self._counts = torch.bincount(flat, minlength=len(self.names)).tolist()
         self._shape = tuple(ids.shape)
         return ids
 
@@ -107,35 +113,55 @@ class Router:
             raise ValueError("adapter_rows: the model was called without input_ids")
         return args, kwargs
 
-    def _select(self, k: int):
-        def pre_hook(module, args):
+    def _add_terms(self, slots: list[tuple[int, str]]):
+        """A forward hook on a LoRA layer (its adapters disabled: the output is the base
+        layer's) that adds each adapter's term to its own tokens only: the tokens sorted by
+        adapter (one gather), each adapter's slice through its dropout, A, B and scaling,
+        the terms put back in token order (one gather) and added: a fixed number of
+        full-size operations whatever the number of adapters."""
+        here = dict(slots)
+
+        def hook(module, args, out):
             x = args[0]
-            if x.shape[:-1] != self._shape:
+            if tuple(x.shape[:-1]) != self._shape:
                 raise ValueError(
                     f"adapter_rows: a LoRA layer saw tokens of shape {tuple(x.shape[:-1])}, "
                     f"the model's input was {self._shape}"
                 )
-            return (x.reshape(-1, x.shape[-1]).index_select(0, self._index[k].to(x.device)),)
-
-        return pre_hook
-
-    def _scatter(self, k: int):
-        def hook(module, args, out):
-            full = out.new_zeros(math.prod(self._shape), out.shape[-1])
-            return full.index_copy(0, self._index[k].to(out.device), out).view(
-                *self._shape, out.shape[-1]
-            )
+            mine = x.reshape(-1, x.shape[-1])
+            if self._order is not None:  # not already grouped by adapter
+                mine = mine.index_select(0, self._order.to(x.device))
+            terms = []
+            for k, part in enumerate(mine.split(self._counts)):
+                name = here.get(k)
+                if not len(part):
+                    continue
+                if name is None:  # this adapter has no LoRA on this layer
+                    terms.append(out.new_zeros(len(part), out.shape[-1]))
+                    continue
+                lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+                part = module.lora_dropout[name](part.to(lora_a.weight.dtype))
+                terms.append((lora_b(lora_a(part)) * module.scaling[name]).to(out.dtype))
+            term = torch.cat(terms) if len(terms) > 1 else terms[0]
+            if self._order is not None:
+                term = term.index_select(0, self._inverse.to(x.device))
+            return out + term.view_as(out)
 
         return hook
 
 
 def lora_layers(peft_model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
-    """The model's LoRA layers that hold any of ``names``, checked to be plain Linear LoRA."""
+    """Every LoRA layer of the model (all are switched to the base layer in the context),
+    the adapters ``names`` checked to be plain Linear LoRA where they are."""
     layers = []
     for mod_name, mod in peft_model.named_modules():
         lora_a = getattr(mod, "lora_A", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict) or not any(n in lora_a for n in names):
+        if not isinstance(lora_a, torch.nn.ModuleDict) or not hasattr(mod, "enable_adapters"):
             continue
+        if getattr(mod, "merged", False):
+            raise ValueError(
+                f"adapter_rows: adapters are merged into {mod_name!r}; unmerge them first"
+            )
         variants = getattr(mod, "lora_variant", {}) or {}
         embeds = getattr(mod, "lora_embedding_A", {}) or {}
         for n in names:
@@ -159,8 +185,8 @@ def adapter_rows(
 
     Of the LoRA weights, those of the adapters in ``trainable`` require grad, the others
     not; they stay so after the context (a backward after it needs them), until the next
-    ``set_adapter`` (e.g. a ``lora_agent`` policy's ``model``). The active adapter is put
-    back on leaving.
+    ``set_adapter`` (e.g. a ``lora_agent`` policy's ``model``). The active adapter is left
+    as it was.
     """
     names = list(names)
     missing = [n for n in [*names, *trainable] if n not in peft_model.peft_config]
@@ -185,19 +211,20 @@ def adapter_rows(
             if "lora_" in k:
                 p.requires_grad_(any(m in k for m in marks))
 
-    active = peft_model.active_adapter
+    enabled = [layer for layer in layers if not layer.disable_adapters]
     handles = [base.register_forward_pre_hook(router._model_pre_hook, with_kwargs=True)]
     try:
-        peft_model.base_model.set_adapter(names)
+        for layer in enabled:
+            layer.enable_adapters(False)  # the base layer's output; the hooks add the terms
         pin()
         for layer in layers:
-            for k, n in enumerate(names):
-                if n in layer.lora_A:
-                    handles.append(layer.lora_A[n].register_forward_pre_hook(router._select(k)))
-                    handles.append(layer.lora_B[n].register_forward_hook(router._scatter(k)))
+            slots = [(k, n) for k, n in enumerate(names) if n in layer.lora_A]
+            if slots:
+                handles.append(layer.register_forward_hook(router._add_terms(slots)))
         yield router
     finally:
         for h in handles:
             h.remove()
-        peft_model.base_model.set_adapter(active)
+        for layer in enabled:
+            layer.enable_adapters(True)
         pin()
