@@ -61,13 +61,20 @@ def look_twice_agent(row, endpoint):
         {"role": "tool", "content": [image_part(REF.IMAGE_2), {"type": "text", "text": "zoomed in"}]},
         {"role": "user", "content": "Answer now."},
     ]  # fmt: skip
-    for turn in range(3):
+    for turn in range(2):
         reply = client.chat.completions.create(
             model=endpoint.model, messages=messages, max_tokens=3
         )
-        if turn < 2:
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
-            messages += [follow[turn]]
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        messages += [follow[turn]]
+    text, logprobs = "", []  # the last turn streamed: hf_vl hands each token on as sampled
+    for chunk in client.chat.completions.create(
+        model=endpoint.model, messages=messages, max_tokens=3, stream=True, logprobs=True
+    ):
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            logprobs += [e.logprob for e in (c.logprobs.content if c.logprobs else None) or []]
+    RESULTS[("streamed", endpoint.episode)] = (text, logprobs)
     return 1.0
 
 
@@ -187,6 +194,10 @@ def _check_look_twice(policy, items, engine) -> None:
         rows = sorted((m["turn"], i) for i, m in enumerate(metas) if m["episode"] == ep)
         actions = [_response(rec, i) for _, i in rows]
         last = rows[-1][1]
+        text, logprobs = RESULTS[("streamed", ep)]  # the streamed turn is the record's row
+        assert text == strings(rec, "response_text")[last]
+        want = rec["rollout_logprobs"][last][: len(actions[-1])]
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-6)
         ref_ids, types, ref = REF._processor_ids(policy.processor, actions)
         assert REF._row_ids(rec, last) == ref_ids
         v = visions[last]
