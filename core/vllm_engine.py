@@ -45,6 +45,15 @@ pipe. vLLM then shares this process with the trainer, with side effects to know 
 On CPU, the first ``generate`` in a fresh machine compiles a small kernel with inductor
 (about a minute on 2 cores; cached on disk afterwards); the constructor does it, so it is
 counted as start-up.
+
+Mixture-of-experts models (routing replay, :mod:`polyrl.core.moe`): on CPU the engine
+records each token's experts into ``Completion.experts`` as the HF engine does, through the
+capture callback vLLM's MoE routers call with each forward's top-k ids (``set_capture_fn``),
+placed by the model runner's per-token request index and position; prefix caching is off
+for them, so every prompt token is computed, and captured, per request. vLLM's own
+``enable_return_routed_experts`` needs its V2 model runner, which needs Triton: not on CPU
+in 0.31. On GPU the engine does not record experts yet (``moe.replay: rollout`` there is an
+error; use ``engine.name: hf``).
 """
 
 from __future__ import annotations
@@ -65,7 +74,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.core.config import doc
+from polyrl.core import moe
+from polyrl.core.config import UserError, doc
 from polyrl.core.engine import Completion, Prompt, SamplingParams, text_requests
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
@@ -101,12 +111,55 @@ class _GlobalRNG:
             torch.cuda.set_rng_state_all(cuda)
 
 
+class _ExpertCapture:
+    """Each token's routed experts, from the callbacks vLLM's MoE routers call with every
+    forward's top-k ids ``[tokens, k]``: the model runner's ``req_indices`` and
+    ``positions`` (filled before the forward) place each token row in its request."""
+
+    def __init__(self, worker: Any) -> None:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        self.runner = worker.model_runner
+        layers = [m for m in self.runner.model.modules() if isinstance(m, MoERunner)]
+        self.num_layers = len(layers)
+        self.chunks: list[tuple[int, list[str], np.ndarray, np.ndarray]] = []
+        for layer in layers:
+            layer.router.set_capture_fn(lambda ids, at=layer.layer_id: self.capture(at, ids))
+
+    def capture(self, layer: int, ids: torch.Tensor) -> None:
+        r = self.runner
+        batch = r.input_batch
+        n = min(int(r.query_start_loc.np[batch.num_reqs]), ids.shape[0])  # padding excluded
+        reqs = [batch.req_ids[i] for i in r.req_indices.np[:n].tolist()]
+        # copies: both are views of buffers the next forward overwrites
+        pos, routed = r.positions[:n].cpu().numpy().copy(), ids[:n].cpu().numpy().copy()
+        self.chunks.append((layer, reqs, pos, routed))
+
+    def take(self, lengths: dict[str, int], k: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Each request's experts ``[length, layers, k]`` (-1 where none was captured), by
+        the request id it was added with (vLLM appends ``-<random>`` internally); the
+        captured chunks are dropped."""
+        out = {
+            rid: np.full((n, self.num_layers, k), -1, dtype=np.int64) for rid, n in lengths.items()
+        }
+        for layer, reqs, pos, ids in self.chunks:
+            for j, req in enumerate(reqs):
+                got = out.get(req.rpartition("-")[0])
+                if got is not None and pos[j] < len(got):
+                    got[pos[j], layer] = ids[j]
+        self.chunks = []
+        for x in out.values():  # never needed (the HF engine's convention), though an
+            x[-1] = -1  # async-scheduled step may have fed it before the request ended
+        return {rid: torch.from_numpy(x).to(dtype) for rid, x in out.items()}
+
+
 class VLLMEngine:
     """Sampling with a vLLM ``LLM`` that follows the policy's weights (``sync``)."""
 
     lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
     _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
+    _capture: _ExpertCapture | None = None  # MoE on CPU: each token's experts
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
         """interfaces.PartialRollouts: called before each engine step while set."""
@@ -168,6 +221,15 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = self.sleep_enabled
             if kv_cache_gb:
                 kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        self.routed = bool(moe.routers(policy.model))  # MoE: record each token's experts
+        if self.routed and not self.on_cpu and cfg.moe.replay != "off":
+            raise UserError(
+                f"policies.{policy.name}.moe.replay is {cfg.moe.replay!r}, but the vllm engine "
+                "records routed experts on CPU only (vLLM 0.31 returns them only with its V2 "
+                "model runner); use engine.name: hf, or moe.replay: off"
+            )
+        if self.routed and self.on_cpu:  # every prompt token computed, so captured, per row
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(llm_kwargs)  # what an engine built on this one sets (LoRA, images)
         kwargs.update(llm_args or {})
 
@@ -188,6 +250,14 @@ class VLLMEngine:
                 [[self.tokenizer.eos_token_id or 0]], SamplingParams(max_new_tokens=2), seeds=[0]
             )
         self.llm.reset_prefix_cache()
+        if self.routed and self.on_cpu:
+            (self._capture,) = self.llm.collective_rpc(_ExpertCapture)
+            if self._capture.num_layers != len(moe.routers(policy.model)):
+                raise RuntimeError(
+                    f"vllm engine: vLLM runs {self._capture.num_layers} MoE layers, the policy "
+                    f"has {len(moe.routers(policy.model))} routers"
+                )
+            self._capture.chunks = []  # the warm-up's
         self.startup_s = time.perf_counter() - t0
         log.info("vllm engine: started in %.1f s (%s, %s)", self.startup_s, path, dtype)
 
@@ -203,17 +273,38 @@ class VLLMEngine:
         decode = self.tokenizer.decode
         if self._refresh is not None:
             partial = self._generate_partial(rows, params, seeds, caps)
-            return [
-                Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
-                for i, (ids, lps, reason, vers) in zip(index, partial, strict=True)
-            ]
+            return self._with_experts(
+                [
+                    Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
+                    for i, (ids, lps, reason, vers) in zip(index, partial, strict=True)
+                ]
+            )
         outs = self._generate_rows(rows, params, seeds, caps)
         if self.sleep_enabled:
             self.sleep()
-        return [
-            Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
-            for i, (ids, lps, reason) in zip(index, outs, strict=True)
-        ]
+        return self._with_experts(
+            [
+                Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+                for i, (ids, lps, reason) in zip(index, outs, strict=True)
+            ]
+        )
+
+    def _with_experts(self, completions: list[Completion]) -> list[Completion]:
+        """MoE on CPU: each completion's experts, prompt then response tokens (the last
+        response token, never fed to the model, -1), from the call's request ids in row
+        order (``_request_ids``, set by the generating method)."""
+        if self._capture is None:
+            return completions
+        cfg = self.policy.model.config
+        k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
+        lengths = {
+            rid: len(p) + len(c.token_ids)
+            for rid, p, c in zip(self._request_ids, self._request_prompts, completions, strict=True)
+        }
+        got = self._capture.take(lengths, k, moe.expert_dtype(e))
+        for rid, c in zip(self._request_ids, completions, strict=True):
+            c.experts = got[rid]
+        return completions
 
     def sync(self) -> None:
         """Push the policy's current weights into the running model, in place."""
@@ -305,6 +396,7 @@ class VLLMEngine:
 
         engine = self.llm.llm_engine
         ids = [f"polyrl-{self.calls}-{k}" for k in range(len(rows))]
+        self._request_ids, self._request_prompts = ids, rows
         got: dict[str, tuple[list[int], list[float], list[int]]] = {i: ([], [], []) for i in ids}
         reason: dict[str, str] = {}
         for rid, row, seed, cap in zip(ids, rows, seeds, caps, strict=True):
@@ -393,6 +485,8 @@ class VLLMEngine:
             use_tqdm=False,
             lora_request=self.lora_request if loras is None else loras,
         )
+        self._request_ids = [out.request_id for out in outs]
+        self._request_prompts = [r["prompt_token_ids"] if isinstance(r, dict) else r for r in rows]
         result = []
         for k, out in enumerate(outs):
             if check is not None:
