@@ -119,19 +119,35 @@ class Reply:
         self.tok, self.limit, self.stops = tok, req.max_tokens, list(req.stop or [])
         self.tools, self.think = bool(req.tools), think
         self.ids: list[int] = []
+        # Detokenized incrementally: ``text`` is ids[:read]'s, whole characters; a new
+        # token's text is what decoding ids[start:] adds to decoding ids[start:read], so a
+        # token's text sees the token before it (SentencePiece's leading spaces) and a
+        # reply costs linear, not quadratic, decoding. Tokenizers that clean up spaces
+        # across tokens decode the whole reply each time instead.
+        self.text, self.start, self.read = "", 0, 0
+        self.whole = bool(getattr(tok, "clean_up_tokenization_spaces", False))
 
     def add(self, token: int) -> bool:
         """Take the next token; False past the request's budget (a longer call's rows)."""
         if len(self.ids) >= self.limit:
             return False
         self.ids.append(token)
+        if self.whole:
+            self.text = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+            return True
+        decode = self.tok.decode
+        before = decode(self.ids[self.start : self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.start :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.start, self.read = self.read, len(self.ids)
         return True
 
     def view(self) -> tuple[str | None, str, bool]:
         """(reasoning, answer, decided): the closed reasoning block (None: none yet), the
         answer text safe to show, and whether the reply's shape is known (no ``<think>``
         block still possible or open)."""
-        text = self.tok.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        text = self.text
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         text = text[: min(cuts)] if cuts else text[: len(text) - held(text, self.stops)]
         if self.tools:

@@ -419,3 +419,30 @@ def test_an_engine_failing_mid_stream_is_the_apis_error_event(byte_tokenizer, it
     for api, (seen, message) in out.items():
         assert seen >= 2, api  # the stream had begun: headers and first events were sent
         assert "the engine failed: RuntimeError: out of memory" in message, api
+
+
+def test_text_built_token_by_token_is_the_whole_decode(byte_tokenizer, grid_tokenizer):
+    """The streamed text, built one token at a time, against decoding all the ids at once
+    after every token: multi-byte text fed one byte-symbol per token, and random ids."""
+    import random
+
+    from polyrl.agents.gateway_stream import Reply
+    from tests.helpers.agents import ScriptedEngine
+
+    class Req:
+        max_tokens, stop, tools = 10**6, None, None
+
+    rng = random.Random(0)
+    split = ScriptedEngine(byte_tokenizer, None).char_ids("héllo 中文 wörld 🙂 naïve")
+    for tok in (byte_tokenizer, grid_tokenizer):
+        end = tok.convert_tokens_to_ids("a")
+        cases = [rng.choices(range(len(tok)), k=150) + [end] for _ in range(4)]
+        for seq in cases + ([split + [end]] if tok is byte_tokenizer else []):
+            reply = Reply(tok, Req, think=False)
+            for k, t in enumerate(seq):
+                reply.add(t)
+                whole = tok.decode(seq[: k + 1], skip_special_tokens=True)
+                # all of it, or all but a character still incomplete
+                assert whole.startswith(reply.text)
+                assert reply.text == whole or whole.endswith("\ufffd")
+            assert reply.text == tok.decode(seq, skip_special_tokens=True)
