@@ -1,0 +1,273 @@
+"""Many LoRA agents on one base: batched against one-by-one.
+
+**Update** (:func:`update_case`): 2, 4 and 8 ``lora_agent`` policies (rank 16 on every
+linear layer, each its own AdamW) on the 20M benchmark model, each with its own record of
+``--prompts`` prompts x ``--n`` responses (arithmetic prompts, chat-templated, 12 to 14
+tokens; responses of ``--max-new-tokens`` random tokens; random advantages). One GRPO update
+of every agent (ppo_clip, token-mean, one epoch, no reference):
+
+- ``one-by-one``: ``polyrl.core.trainer.update`` per agent, as the loop ran them before
+  (``args.batch_update: false``): each agent's micro-batches are passes of their own;
+- ``batched``: ``polyrl.core.trainer.update_together`` (the default for lora_agent
+  policies on one base): micro-batch k of every agent in ONE forward/backward, each row
+  through its own adapter (``polyrl.marl.multi_lora``); each agent's own optimizer step.
+
+Each contender is built in its own fresh process and the steps are interleaved
+round-robin (benchmarks/_common.py), so machine load hits both alike; the median wall and
+CPU seconds of the timed updates are printed per agent count, and the one-by-one /
+batched ratio, measured in the same run.
+
+    .venv/bin/python benchmarks/multi_lora.py [--quick] [--agents 2 4 8] [--size 20M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+TAG = "@@multi_lora@@"
+ONE, BATCHED = "one-by-one", "batched"
+
+
+# ------------------------------------------------------------------------------ update
+def _records(policies, plan: dict) -> list:
+    """Each agent's fixed record (its own prompts), the same in every process (seeded)."""
+    import torch
+
+    from polyrl.core.record import text_record
+
+    tok = policies[0].tokenizer
+    rows = c.read_rows(c.data_file())
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for k, p in enumerate(policies):
+        mine = rows[k * plan["prompts"] : (k + 1) * plan["prompts"]]
+        prompts = [
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["prompt"]}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                ),
+                add_special_tokens=False,
+            )
+            for r in mine
+            for _ in range(plan["n"])
+        ]
+        width = plan["max_new_tokens"]
+        responses = [torch.randint(3, len(tok), (width,), generator=gen).tolist() for _ in prompts]
+        rec = text_record(
+            prompt_ids=prompts,
+            response_ids=responses,
+            rollout_logprobs=[[-1.0] * width for _ in prompts],
+            policy=[p.name] * len(prompts),
+            uid=[i // plan["n"] for i in range(len(prompts))],
+            pad_id=tok.pad_token_id,
+        )
+        adv = torch.randn(len(prompts), 1, generator=gen).expand(-1, width).contiguous()
+        rec["advantages"] = adv
+        out.append(rec)
+    return out
+
+
+def update_worker(spec: dict) -> None:
+    """Build one contender (``agents`` lora_agent policies on one base), then answer
+    ``step`` lines on stdin with one tagged JSON line each."""
+    import torch
+
+    from polyrl.core import trainer
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.policy import LoraConfig, OptimConfig, PolicyConfig
+    from polyrl.core.registry import POLICIES, load_plugins
+
+    load_plugins()
+    c.set_threads(spec["threads"])
+    shared: dict = {}
+    policies = []
+    for k in range(spec["agents"]):
+        cfg = PolicyConfig(
+            model=spec["model"],
+            kind="lora_agent",
+            lora=LoraConfig(r=16, alpha=32),
+            optim=OptimConfig(lr=1e-6),
+            device=spec["device"],
+            dtype=spec["dtype"],
+            micro_batch_size=spec["micro_batch_size"],
+            args={"batch_update": spec["together"]},
+        )
+        policies.append(
+            POLICIES.get("lora_agent")(
+                f"agent{k}", cfg, total_steps=1000, need_reference=False, shared=shared
+            )
+        )
+    records = _records(policies, spec["plan"])
+    rows = sum(len(r) for r in records)
+    tokens = sum(int(r["prompt_mask"].sum() + r["response_mask"].sum()) for r in records)
+    print(TAG + json.dumps({"rows": rows, "tokens": tokens}), flush=True)
+    algo = AlgorithmConfig()
+    for line in sys.stdin:
+        if json.loads(line).get("op") != "step":
+            break
+        w0, c0 = time.perf_counter(), time.process_time()
+        if spec["together"]:
+            trainer.update_together(policies, records, algo)
+        else:
+            for p, rec in zip(policies, records, strict=True):
+                trainer.update(p, rec, algo)
+        if spec["device"] == "cuda":
+            torch.cuda.synchronize()
+        out = {"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
+        print(TAG + json.dumps(out), flush=True)
+
+
+class Contender:
+    """One worker process (``--worker``), stepped on request."""
+
+    def __init__(self, name: str, spec: dict) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])
+        raise RuntimeError(f"{self.name}: worker exited with {self.proc.wait()}")
+
+    def step(self) -> dict:
+        self.proc.stdin.write(json.dumps({"op": "step"}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict:
+    """The update section: per agent count, one-by-one and batched contenders stepped
+    round-robin; prints the table and the ratios, returns the numbers."""
+    plan = {"prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens}
+    print(
+        f"\nupdate: one GRPO update of every agent, {args.prompts} prompts x {args.n} "
+        f"responses of {args.max_new_tokens} tokens each; micro_batch_size "
+        f"{args.micro_batch_size}; {warmup} warm-up + {steps} timed, interleaved round-robin"
+    )
+    results: dict = {"plan": plan, "agents": {}}
+    rows = []
+    for agents in args.agents:
+        procs = {
+            name: Contender(
+                f"{agents} agents, {name}",
+                {
+                    "model": model,
+                    "agents": agents,
+                    "together": name == BATCHED,
+                    "threads": threads,
+                    "device": args.device,
+                    "dtype": args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
+                    "micro_batch_size": args.micro_batch_size,
+                    "plan": plan,
+                },
+            )
+            for name in (ONE, BATCHED)
+        }
+        times: dict[str, list[dict]] = {name: [] for name in procs}
+        names = list(procs)
+        for rnd in range(warmup + steps):
+            for name in names[rnd % 2 :] + names[: rnd % 2]:
+                out = procs[name].step()
+                if rnd >= warmup:
+                    times[name].append(out)
+            print(f"  {agents} agents: round {rnd + 1}/{warmup + steps}", file=sys.stderr)
+        for proc in procs.values():
+            proc.close()
+        per = {
+            name: {
+                "wall_s": c.median_of(times[name], "wall_s"),
+                "cpu_s": c.median_of(times[name], "cpu_s"),
+            }
+            for name in procs
+        }
+        ratio = {k: per[ONE][k] / per[BATCHED][k] for k in ("wall_s", "cpu_s")}
+        info = procs[ONE].info
+        rows.append(
+            [
+                agents,
+                info["rows"],
+                info["tokens"],
+                per[ONE]["wall_s"],
+                per[BATCHED]["wall_s"],
+                f"{ratio['wall_s']:.2f}x",
+                per[ONE]["cpu_s"],
+                per[BATCHED]["cpu_s"],
+                f"{ratio['cpu_s']:.2f}x",
+            ]
+        )
+        results["agents"][agents] = {"contenders": per, "ratio": ratio, "steps": times, **info}
+    print(
+        c.table(
+            [
+                "agents",
+                "rows",
+                "tokens",
+                "one-by-one wall s",
+                "batched wall s",
+                "ratio",
+                "one-by-one cpu s",
+                "batched cpu s",
+                "ratio",
+            ],
+            rows,
+        )
+    )
+    return results
+
+
+# ------------------------------------------------------------------------------ driver
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    c.common_args(p)
+    p.add_argument("--size", default="20M", choices=list(c.SIZES))
+    p.add_argument("--agents", nargs="+", type=int, default=None, help="agent counts")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per agent")
+    p.add_argument("--n", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return update_worker(json.loads(args.worker))
+    threads, why = c.resolve_threads(args.threads)
+    if args.quick:
+        args.size = "0.3M" if args.size == "20M" else args.size
+    args.agents = args.agents or ([2, 4] if args.quick else [2, 4, 8])
+    warmup = args.warmup if args.warmup is not None else 1
+    steps = args.steps if args.steps is not None else (2 if args.quick else 5)
+    print("multi_lora: LoRA agents on one base, batched against one-by-one\n")
+    info = c.print_machine(threads, why)
+    model = c.build_model(args.size)
+    print(f"\n{args.size} base ({c.fmt_params(c.param_count(model))} parameters)")
+    results = {"machine": info, "size": args.size}
+    results["update"] = update_case(args, threads, model, warmup, steps)
+    c.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
