@@ -17,7 +17,17 @@ round-robin (benchmarks/_common.py), so machine load hits both alike; the median
 CPU seconds of the timed updates are printed per agent count, and the one-by-one /
 batched ratio, measured in the same run.
 
+**Rollout** (:func:`rollout_case`): the same agent counts, every agent's ``--prompts``
+prompts x ``--n`` samples of ``--max-new-tokens`` tokens (random prompts, temperature 1),
+in ONE engine call (``generate_mixed``: what the episode runtime sends when the agents'
+acts wait together; HF engine: one decode loop, each row through its own adapter,
+``polyrl.marl.lora_rows``; vLLM: one ``llm.generate`` with a LoRARequest per prompt)
+against one call per agent (``generate`` each, as before), timed alternately in one
+process on the same engines. ``--rollout-engines hf vllm`` adds vLLM (``vllm_lora``; one
+LLM per process, built once for the largest count); none skips the section.
+
     .venv/bin/python benchmarks/multi_lora.py [--quick] [--agents 2 4 8] [--size 20M]
+        [--rollout-engines hf vllm]
 """
 
 from __future__ import annotations
@@ -240,6 +250,102 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
     return results
 
 
+# ------------------------------------------------------------------------------ rollout
+def _rollout_engines(model: str, agents: int, engine: str, spec: dict) -> tuple[list, list]:
+    """``agents`` lora_agent policies (rank 16, adapters moved off PEFT's zero start so
+    they differ) on the base at ``model`` and their engines (``hf`` or ``vllm_lora``)."""
+    import torch
+
+    from polyrl.core.engine import HFEngine
+    from polyrl.core.policy import LoraConfig, PolicyConfig
+    from polyrl.core.registry import ENGINES, POLICIES, load_plugins
+
+    load_plugins()
+    torch.manual_seed(0)
+    shared: dict = {}
+    cfg = PolicyConfig(
+        model=model, kind="lora_agent", lora=LoraConfig(r=16, alpha=32), device=spec["device"]
+    )
+    policies = [
+        POLICIES.get("lora_agent")(
+            f"agent{k}", cfg, total_steps=1, need_reference=False, shared=shared
+        )
+        for k in range(agents)
+    ]
+    for p in policies:
+        state = p.trainable_state()
+        p.load_trainable_state({k: v + 0.05 * torch.randn_like(v) for k, v in state.items()})
+    if engine == "hf":
+        return policies, [HFEngine(p, seed=k) for k, p in enumerate(policies)]
+    args = {"max_model_len": 256, "kv_cache_gb": 0.5}
+    return policies, [ENGINES.get("vllm_lora")(p, seed=k, **args) for k, p in enumerate(policies)]
+
+
+def rollout_case(args, threads: int, model: str, warmup: int, steps: int) -> dict:
+    """The rollout section: per engine and agent count, the agents' requests (``--prompts``
+    prompts x ``--n`` samples of ``--max-new-tokens`` tokens each) in ONE engine call
+    (``generate_mixed``: what the batcher sends when the agents' acts wait together) against
+    one call per agent (``generate`` each: what it sent before). Both run in this process on
+    the same engines, timed alternately (``warmup`` + ``steps``, medians); vLLM allows one
+    LLM per process, so its engines are built once for the largest count."""
+    import statistics
+
+    import torch
+
+    from polyrl.core.engine import SamplingParams
+
+    c.set_threads(threads)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    print(
+        f"\nrollout: every agent's {args.prompts} prompts x {args.n} samples of "
+        f"{args.max_new_tokens} tokens; one engine call for all agents (merged) against one "
+        f"per agent; {warmup} warm-up + {steps} timed, alternating, in one process"
+    )
+    results: dict = {}
+    rows = []
+    for engine in args.rollout_engines:
+        policies, engines = _rollout_engines(model, max(args.agents), engine, vars(args))
+        gen = torch.Generator().manual_seed(1)
+        vocab = len(policies[0].tokenizer)
+        prompts = [
+            torch.randint(4, vocab, (12 + i % 3,), generator=gen).tolist()
+            for i in range(args.prompts)
+        ]
+        for agents in args.agents:
+            mine = engines[:agents]
+
+            def merged(mine=mine, prompts=prompts) -> None:
+                outs = mine[0].generate_mixed([(e, prompts) for e in mine], params)
+                assert [len(o) for o in outs] == [len(prompts) * args.n] * len(mine)
+
+            def apart(mine=mine, prompts=prompts) -> None:
+                for e in mine:
+                    assert len(e.generate(prompts, params)) == len(prompts) * args.n
+
+            times: dict[str, list[float]] = {"merged": [], "apart": []}
+            order = [("merged", merged), ("apart", apart)]
+            for rnd in range(warmup + steps):
+                for name, fn in order if rnd % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    fn()
+                    if rnd >= warmup:
+                        times[name].append(time.perf_counter() - t0)
+                print(f"  {engine}, {agents} agents: round {rnd + 1}", file=sys.stderr)
+            m, a = statistics.median(times["merged"]), statistics.median(times["apart"])
+            results[f"{engine}/{agents}"] = {"merged_s": m, "apart_s": a, "ratio": a / m, **times}
+            rows.append([engine, agents, agents * len(prompts) * args.n, a, m, f"{a / m:.2f}x"])
+        for e in engines:
+            if hasattr(e, "close"):
+                e.close()
+    print(
+        c.table(
+            ["engine", "agents", "rows", "one call per agent s", "one merged call s", "ratio"],
+            rows,
+        )
+    )
+    return results
+
+
 # ------------------------------------------------------------------------------ driver
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -250,6 +356,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument(
+        "--rollout-engines",
+        nargs="*",
+        default=["hf"],
+        choices=["hf", "vllm"],
+        help="engines of the rollout section (none: skip it)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -266,6 +379,8 @@ def main() -> None:
     print(f"\n{args.size} base ({c.fmt_params(c.param_count(model))} parameters)")
     results = {"machine": info, "size": args.size}
     results["update"] = update_case(args, threads, model, warmup, steps)
+    if args.rollout_engines:
+        results["rollout"] = rollout_case(args, threads, model, warmup, steps)
     c.write_json(args.json, results)
 
 
