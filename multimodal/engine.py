@@ -28,6 +28,7 @@ from polyrl.core.engine import (
     seeded,
     stream_tokens,
     token_sinks,
+    top_logprobs,
 )
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -122,13 +123,20 @@ class VLEngine(HFEngine):
         done = torch.zeros(b, dtype=torch.bool, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        k_top = params.top_logprobs  # as the HF engine: the k likeliest of each step
+        top_ids = torch.zeros((b, params.max_new_tokens, k_top), dtype=torch.long, device=device)
+        top_lps = torch.zeros((b, params.max_new_tokens, k_top), device=device)
         last = logits[:, -1]
         sinks, rows = token_sinks(requests, n), torch.arange(b)  # Request.on_token
         for t in range(params.max_new_tokens):
             tok, lp = sample_next(last, params, gen)
             tokens[:, t], logps[:, t], versions[:, t] = tok, lp, version
+            if k_top:
+                top_lps[:, t], top_ids[:, t] = top_logprobs(last, params)
             if sinks:
-                stream_tokens(sinks, rows, done, tok, lp)
+                stream_tokens(
+                    sinks, rows, done, tok, lp, (top_lps[:, t], top_ids[:, t]) if k_top else None
+                )
             finished = ~done & torch.isin(tok, stop_t)
             if params.stop:
                 finished |= ~done & self._hit_stop_string(tokens[:, : t + 1], done, params.stop)
@@ -154,7 +162,12 @@ class VLEngine(HFEngine):
             text = self.tokenizer.decode(tid, skip_special_tokens=True)
             reason = "stop" if bool(stopped[k]) else "length"
             vers = versions[k, :m].tolist() if refresh is not None else None
-            result.append(Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text, vers))
+            tops = None
+            if k_top:
+                tops = list(zip(top_ids[k, :m].tolist(), top_lps[k, :m].tolist(), strict=True))
+            result.append(
+                Completion(index[k // n], tid, logps[k, :m].tolist(), reason, text, vers, tops)
+            )
         return result
 
 

@@ -148,6 +148,34 @@ def test_engine_logprobs_equal_the_policys(family_dir, vl_rows, one_thread):
     assert torch.allclose(logp[row][m[row]], theirs, atol=1e-5)
 
 
+def test_engine_top_logprobs_are_the_models_likeliest(family_dir, vl_rows, one_thread):
+    """``top_logprobs`` on ``hf_vl`` (the gateway's VL models): per sampled token, the k
+    likeliest ids and log-probs of a whole-sequence forward at that position."""
+    from polyrl.multimodal.engine import VLEngine
+
+    _, path = family_dir
+    policy = _policy(path)
+    item = next(it for it in _dataset(policy, vl_rows) if it.vision is not None)
+    v = vision.process(item.vision, policy.processor.image_processor)[0]
+    (out,) = VLEngine(policy, seed=0).generate(
+        [Request(list(item.prompt_ids), vision=v)],
+        SamplingParams(max_new_tokens=4, top_logprobs=3),
+    )
+    assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.token_ids)
+    ids = torch.tensor([list(item.prompt_ids) + out.token_ids])
+    with torch.no_grad():
+        logits = forward.vl_forward(
+            policy.model, ids, torch.ones_like(ids), [v], logits_to_keep=len(out.token_ids) + 1
+        )[0]
+    want = torch.log_softmax(logits[0, :-1].float(), -1).topk(3, -1)
+    for k, (top_ids, top_lps) in enumerate(out.top_logprobs):
+        assert torch.allclose(torch.tensor(top_lps), want.values[k], atol=1e-4)
+        if float((want.values[k][:-1] - want.values[k][1:]).min()) > 1e-3:  # no near-ties
+            assert top_ids == want.indices[k].tolist()
+        if out.token_ids[k] in top_ids:  # the sampled token's entry is its recorded log-prob
+            assert abs(top_lps[top_ids.index(out.token_ids[k])] - out.logprobs[k]) < 1e-5
+
+
 @pytest.mark.parametrize("freeze", [False, True], ids=["trainable", "frozen"])
 def test_one_update_changes_the_weights(family_dir, vl_rows, freeze, one_thread):
     from polyrl.core.algorithms import AlgorithmConfig
