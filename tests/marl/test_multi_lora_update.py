@@ -246,8 +246,9 @@ def test_batched_update_equals_one_by_one(marl_config, pack):
 
 
 def test_batched_update_keeps_each_partition(marl_config):
-    """Two mini-batches and two epochs (old log-probs recomputed, shuffles from the
-    generator) and a KL term: each policy's mini-batches are those of its own update."""
+    """Two mini-batches and two epochs (old log-probs recomputed; each policy's shuffles
+    drawn from the shared generator in the one-by-one order, not epoch by epoch) and a KL
+    term: each policy's mini-batches are those of its own update."""
     kw = {"minibatches": 2, "ppo_epochs": 2, "kl_coef": 0.1}
     one, batched = run_both(marl_config, True, kw, seed=3)
     assert_same(one, batched)
