@@ -473,6 +473,10 @@ def token_logprobs(
 class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
+    # class defaults, so kinds that build their model without this __init__ keep them
+    is_moe = False  # the model routes tokens to experts (set from the model in __init__)
+    _routing: moe.Routing | None = None  # the last pass with gradients (router_loss)
+
     def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -496,8 +500,7 @@ class CausalLMPolicy:
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model, cfg, need_reference=self.need_reference, total_steps=build["total_steps"]
         )
-        self.moe = check_moe(name, cfg, self.model)
-        self._routing: moe.Routing | None = None  # the last pass with gradients (router_loss)
+        self.is_moe = check_moe(name, cfg, self.model)
 
     @staticmethod
     def load_tokenizer(cfg: PolicyConfig):
@@ -537,7 +540,7 @@ class CausalLMPolicy:
         the router logits for :meth:`router_loss` when gradients are on); None if dense.
         Rows no engine sampled (a warm start's data: no experts, no advantages) route
         freely; a rollout record without experts is an error under replay."""
-        if not self.moe:
+        if not self.is_moe:
             return None
         replay = self.cfg.moe.replay == "rollout"
         routing = moe.Routing(self.model, replay=replay, keep_logits=torch.is_grad_enabled())
