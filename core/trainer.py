@@ -13,6 +13,10 @@ by length; rows whose shared prefix the pass computes once stay together and cou
 once. Either way each micro-batch loss is divided by mini-batch totals, so the
 gradient does not depend on how the rows are split.
 
+Policies whose kind declares :class:`~polyrl.core.interfaces.UpdatesTogether` (LoRA
+adapters on one base) may update together (:func:`update_together`, local only): the same
+per-policy steps, but micro-batch ``k`` of every policy in one forward/backward.
+
 Data parallelism (the Ray backend's FSDP2 worker groups) uses the same functions with
 ``dp=(rank, world)``: every rank receives the whole batch, draws the same mini-batches,
 takes the loss totals (``AggInfo``) from the whole mini-batch and then computes only its
@@ -433,6 +437,11 @@ def update_together(
         for p, b in zip(policies, batches, strict=True)
     ]
     live = [r for r in runs if r is not None]
+    if any(r.owns_kl for r in live):  # its KL comes from its own forward (logprobs_and_kl)
+        raise ValueError(
+            "update_together: a policy computing its own KL (OwnsKL) cannot share passes; "
+            "its kind must not declare UpdatesTogether"
+        )
     orders = {id(r): _orders(r, generator) for r in live}  # drawn as one-by-one would
     if live:
         live[0].policy.model.train(True)  # one shared model
