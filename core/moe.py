@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from tensordict import TensorDict
@@ -111,8 +111,8 @@ class Routing:
         if not self.routers:
             raise ValueError("Routing: the model has no top-k router modules (not an MoE model)")
         first = self.routers[0]
-        self.num_layers, self.top_k = len(self.routers), int(first.top_k)
-        self.num_experts = int(first.num_experts)
+        self.num_layers, self.top_k = len(self.routers), int(cast(int, first.top_k))
+        self.num_experts = int(cast(int, first.num_experts))
         self.dtype = expert_dtype(self.num_experts)
         self.replay, self.keep_logits = replay, keep_logits
         self.steps: list[dict[str, Any]] = []
@@ -348,7 +348,7 @@ def scatter_layout(
     mask: torch.Tensor,
     bins: torch.Tensor,
     cols: torch.Tensor,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """:func:`token_layout` moved to a packed input of ``shape`` (bins x width): the real
     tokens (``mask``, row-major) go to ``(bins, cols)``, one entry per real token, as the

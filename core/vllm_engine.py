@@ -59,6 +59,7 @@ error; use ``engine.name: hf``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -124,7 +125,7 @@ class _ExpertCapture:
         self.num_layers = len(layers)
         self.chunks: list[tuple[int, list[str], np.ndarray, np.ndarray]] = []
         for layer in layers:
-            layer.router.set_capture_fn(lambda ids, at=layer.layer_id: self.capture(at, ids))
+            layer.router.set_capture_fn(functools.partial(self.capture, layer.layer_id))
 
     def capture(self, layer: int, ids: torch.Tensor) -> None:
         r = self.runner
