@@ -276,6 +276,23 @@ class UpdatesTogether(Protocol):
 
 
 @runtime_checkable
+class UpdatesTogetherBackend(Protocol):
+    """A backend that runs the update of several policies in shared passes
+    (:func:`polyrl.core.trainer.update_together`; LoRA adapters on one base, local)."""
+
+    def update_together(
+        self,
+        policies: list[Any],
+        batches: list[TensorDict],
+        algo: Any,
+        *,
+        temperature: float,
+        generator: torch.Generator,
+        correction: str | None = None,
+    ) -> list[dict[str, float]]: ...
+
+
+@runtime_checkable
 class PacksRows(Protocol):
     """A policy whose log-prob pass drops padding (rows packed into one sequence), so the
     trainer may form micro-batches by a token budget instead of a row count."""

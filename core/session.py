@@ -35,6 +35,7 @@ from polyrl.core.interfaces import (
     Policy,
     Stateful,
     UpdatesTogether,
+    UpdatesTogetherBackend,
     Workflow,
     WritesTranscriptKeys,
 )
@@ -278,7 +279,7 @@ class Session:
         """The trained policies in update order, those that update together in one list
         (kinds declaring UpdatesTogether with equal ``update_group()``, on a backend that
         offers ``update_together``), placed where the first of them stands."""
-        together = hasattr(self.backend, "update_together")
+        together = isinstance(self.backend, UpdatesTogetherBackend)
         groups: dict = {}
         for name in self.trained:
             p = self.policies[name]
@@ -291,6 +292,7 @@ class Session:
         rows of ``record``: one by one, or together in shared passes. Each one's metrics."""
         if len(names) == 1:
             return {names[0]: self.update(names[0], select_policy(record, names[0]))}
+        assert isinstance(self.backend, UpdatesTogetherBackend)  # as update_groups found
         out = self.backend.update_together(
             [self.policies[n] for n in names],
             [select_policy(record, n) for n in names],

@@ -33,12 +33,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
-from polyrl.core.correction import Mismatch, weights
+from polyrl.core.correction import Mismatch, RolloutCorrection, weights
 from polyrl.core.interfaces import OwnsKL, PacksRows, RoutesExperts
 from polyrl.core.policy import pack_rows
 from polyrl.core.record import to_device
@@ -179,15 +180,15 @@ class _Run:
     statistics its metrics are made of (shared by :func:`update` and
     :func:`update_together`)."""
 
-    policy: object
+    policy: Any
     batch: TensorDict
     algo: AlgorithmConfig
     temperature: float
     dp: tuple[int, int] | None
     reuse_old: bool
     owns_kl: bool
-    kl_fn: object
-    corr: object
+    kl_fn: Any
+    corr: RolloutCorrection
     level: str
     want_entropy: bool
     mismatch: Mismatch = dataclasses.field(default_factory=Mismatch)
@@ -460,11 +461,11 @@ def update_together(
                     temperature,
                     with_entropy=group[0][0].want_entropy,
                 )
-                loss = sum(
+                losses = [
                     _micro_loss(r, mb, True, agg, logp, ent, None)
                     for (r, agg, mb), (logp, ent) in zip(group, outs, strict=True)
-                )
-                loss.backward()
+                ]
+                torch.stack(losses).sum().backward()
             for r in live:
                 _end_mini_batch(r)
     if live:
