@@ -18,20 +18,9 @@ from polyrl.core.moe import routers
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.tiny import tiny_qwen3_moe
 from tests.helpers.partial import moved, switching_refresh
+from tests.helpers.trainer import chat_ids
 
 K = 2
-
-
-def _prompts(tok, texts=("12+7=", "3+4=")) -> list[list[int]]:
-    return [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )
-        for t in texts
-    ]
 
 
 @torch.no_grad()
@@ -78,7 +67,7 @@ def test_partial_call_records_each_tokens_experts_from_its_version(tmp_path):
     engine = HFEngine(policy, seed=0)
     calls: list[int] = []
     engine.set_refresh(switching_refresh(model, new, calls))
-    prompts = _prompts(policy.tokenizer)
+    prompts = chat_ids(policy.tokenizer, ("12+7=", "3+4="))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, stop_token_ids=[])
     outs = engine.generate(prompts, params)
     engine.set_refresh(None)

@@ -31,6 +31,7 @@ from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.recipe import Config
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import tiny_qwen3_moe
+from tests.helpers.trainer import chat_ids
 
 RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
 ENGINE = f"{Path(__file__).with_name('perturbed_engine.py')}:PerturbedEngine"
@@ -45,18 +46,6 @@ QUIET = ["run.progress=false", "run.tensorboard=false", "run.save_every=0"]
 def moe_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("models") / "tiny-moe-arith"
     return str(tiny_qwen3_moe(path, experts_per_token=K, **MOE))
-
-
-def _prompt_ids(tok, texts) -> list[list[int]]:
-    return [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )
-        for t in texts
-    ]
 
 
 class _Routed(torch.nn.Module):
@@ -103,7 +92,7 @@ def test_engine_records_the_experts_it_routed_to(moe_dir, noise):
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=moe_dir), total_steps=1, need_reference=False
     )
-    ids = _prompt_ids(policy.tokenizer, ("12+7=", "3+4=", "25+30=", "8+19="))
+    ids = chat_ids(policy.tokenizer, ("12+7=", "3+4=", "25+30=", "8+19="))
     engine = ENGINES.get(ENGINE)(policy, seed=3, route_noise=noise)
     outs = engine.generate(ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
     worst, differs, tokens = 0.0, 0, 0

@@ -19,6 +19,7 @@ from polyrl.core.moe import routers  # noqa: E402
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
 from polyrl.core.tiny import tiny_qwen3_moe  # noqa: E402
 from polyrl.core.vllm_engine import VLLMEngine  # noqa: E402
+from tests.helpers.trainer import chat_ids
 
 pytestmark = pytest.mark.vllm
 E, K, LAYERS = 4, 2, 2
@@ -39,18 +40,6 @@ def engine(policy):
     eng = VLLMEngine(policy, seed=0, max_model_len=256, kv_cache_gb=0.0625)
     yield eng
     eng.close()
-
-
-def _prompts(tok, texts=("12+7=", "3+4=", "25+30=")) -> list[list[int]]:
-    return [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )
-        for t in texts
-    ]
 
 
 class _Routed(torch.nn.Module):
@@ -115,7 +104,7 @@ def _check(policy, prompts, outs) -> float:
 
 
 def test_vllm_records_the_experts_it_routed_to(policy, engine):
-    prompts = _prompts(policy.tokenizer)
+    prompts = chat_ids(policy.tokenizer, ("12+7=", "3+4=", "25+30="))
     outs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=8))
     # float32 on both sides: vLLM routes nearly every token as HF's router would
     assert _check(policy, prompts, outs) > 0.95
@@ -123,7 +112,7 @@ def test_vllm_records_the_experts_it_routed_to(policy, engine):
 
 def test_vllm_records_experts_in_a_partial_call(policy, engine):
     """rollout.partial's stepping path records them too (here one version throughout)."""
-    prompts = _prompts(policy.tokenizer, ("8+9=", "14+2="))
+    prompts = chat_ids(policy.tokenizer, ("8+9=", "14+2="))
     engine.set_refresh(lambda: 0)
     try:
         outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
