@@ -178,12 +178,34 @@ def token_budget(
     return tokens, budget, [u.rows for u in units]
 
 
+def routed_tokens(batch: TensorDict, tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`polyrl.core.prefix.row_tokens`' ids, told apart where the engine routed equal
+    tokens to different experts (MoE records): a prefix computed once is routed once, so
+    under routing replay rows may share it only where their recorded experts agree too
+    (an engine that routes as the trainer does records equal experts: sharing is kept)."""
+    if "response_experts" not in batch.keys():  # noqa: SIM118 (TensorDict)
+        return tokens
+    mask = torch.cat([batch["prompt_mask"].bool(), batch["response_mask"].bool()], 1)
+    experts = torch.cat([batch["prompt_experts"], batch["response_experts"]], 1).flatten(2)
+    if experts.shape[:2] != mask.shape:  # malformed: the replay pass names the column
+        return tokens
+    keys = torch.full((*tokens.shape, experts.shape[-1]), -2, dtype=torch.long)
+    keys = keys.to(tokens.device)
+    col = mask.long().cumsum(-1) - 1
+    row = torch.arange(len(mask), device=mask.device)[:, None].expand_as(mask)
+    keys[row[mask], col[mask]] = experts.to(tokens.device)[mask].long()
+    both = torch.cat([tokens[..., None].long(), keys], -1).flatten(0, 1)
+    ids = torch.unique(both, dim=0, return_inverse=True)[1].view(tokens.shape)
+    return torch.where(tokens >= 0, ids.to(tokens.dtype), tokens)
+
+
 def prefix_units(
     model: torch.nn.Module, batch: TensorDict, min_shared: int, limit: int | None = None
 ) -> list[prefix.Unit]:
     """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows."""
     min_shared = max(1, min_shared)
     tokens, lengths = prefix.row_tokens(batch)
+    tokens = routed_tokens(batch, tokens)
     head = tokens[:, :min_shared][lengths >= min_shared]
     if len(head) < 2 or len(torch.unique(head, dim=0)) == len(head):  # nothing can share
         return [prefix.Unit([i], [0], n) for i, n in enumerate(lengths.tolist())]

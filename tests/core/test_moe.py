@@ -16,11 +16,13 @@ from polyrl.core.algorithms import AggInfo
 from polyrl.core.config import ConfigError, UserError
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.moe import MoeConfig, Routing, routers
+from polyrl.core.policy import prefix_units
 from polyrl.core.record import Row, build_rows, concat
 from polyrl.core.tiny import tiny_qwen3_moe
 from tests.helpers.trainer import chat_ids, make_policy
 
 E, K, LAYERS = 4, 2, 2  # the tiny model's experts, top-k, MoE layers
+EXPERT_KEYS = ("prompt_experts", "response_experts")
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +192,28 @@ def test_replay_follows_recorded_experts_like_a_hand_built_forward(moe_dir, one_
     for g, r in zip(got_grads, routers(policy.model), strict=True):
         assert float(g.abs().max()) > 0  # gradients reach every router under replay
         torch.testing.assert_close(g, r.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_rows_with_equal_tokens_but_other_experts_share_no_prefix(moe_dir, one_thread):
+    """Two rows of a group with the same response the engine routed differently (a noisy or
+    nondeterministic engine): a tree pass that computed their common tokens once would give
+    one row the other's experts. Under replay each row keeps its own experts (found as a
+    2026-11-28 bug: the tree shared tokens by ids alone)."""
+    policy = make_policy(
+        moe_dir, moe=MoeConfig(replay="rollout"), pack=True, shared_prefix_min_tokens=4
+    )
+    batch, _, _ = _record(policy, n=3, tokens=6)
+    twin = batch.clone()
+    for key in ("response_ids", "response_mask", "rollout_logprobs", "loss_mask"):
+        twin[key][1] = batch[key][0]  # row 1: row 0's response, rerouted below
+    twin = _rerouted(twin, seed=1)
+    assert torch.equal(twin["response_ids"][0], twin["response_ids"][1])
+    assert not torch.equal(twin["response_experts"][0], twin["response_experts"][1])
+    with torch.no_grad():
+        got = policy.logprobs(twin)[0]
+    torch.testing.assert_close(got, _told_logprobs(policy, twin).detach(), atol=1e-5, rtol=0)
+    free = make_policy(moe_dir, pack=True, shared_prefix_min_tokens=4)  # no replay: shares
+    assert any(u.shared for u in prefix_units(free.model, twin.exclude(*EXPERT_KEYS), 4))
 
 
 def test_aux_loss_and_load_by_hand(moe_dir, one_thread):
