@@ -35,10 +35,10 @@ def test_gateway_partial_rollouts_keep_the_staleness_bound(tmp_path):
             "rollout.prompts_per_step=4",
             "rollout.max_staleness=1",
             "rollout.partial=true",
-            "train.steps=3",
+            "train.steps=4",
             "eval.every=0",
         ],
     )
     run = train(cfg)
-    steps = check_partial_run(run.path, 3)
+    steps = check_partial_run(run.path, 4, every=False)  # agents start batches late
     assert all(r["rollout/valid_frac"] > 0 for r in steps.values())

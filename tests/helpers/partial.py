@@ -61,15 +61,19 @@ def moved(state: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, 
     }
 
 
-def check_partial_run(run_dir: Path, steps: int) -> dict[int, dict]:
+def check_partial_run(run_dir: Path, steps: int, every: bool = True) -> dict[int, dict]:
     """A ``rollout.partial`` run's per-step async metrics, checked: every batch within the
     staleness bound of 1, no group dropped, and rows that span a publish in every batch
-    after the first (the crawling engine waits for one mid-call)."""
+    after the first (the crawling engine waits for one mid-call), or in at least one of
+    them (``every=False``: where the next batch's first engine call may come after the
+    trainer published, e.g. agents in worker processes on a loaded machine, the crawler
+    waits in vain for a publish that needs that very batch)."""
     rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in rows if "async/staleness_max" in r}
     assert sorted(by_step) == list(range(1, steps + 1))
     for r in by_step.values():
         assert r["async/staleness_max"] <= 1
         assert r["async/dropped_groups"] == 0
-    assert all(by_step[s]["async/mixed_version_rows"] > 0 for s in range(2, steps + 1))
+    mixed = [by_step[s]["async/mixed_version_rows"] > 0 for s in range(2, steps + 1)]
+    assert all(mixed) if every else any(mixed), mixed
     return by_step
