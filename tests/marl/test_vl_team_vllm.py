@@ -35,6 +35,9 @@ def test_vl_looker_on_vllm_matches_the_trainer_across_a_sync(tmp_path):
         "eval.every=0",
         "rollout.prompts_per_step=4",
         "rollout.n=4",
+        # every row in the update, so the mismatch metric covers them all (a step whose
+        # groups all tie would otherwise keep one row, and the metric could be vacuous)
+        "algorithm.skip_zero_advantage=false",
     )
     run = loop.train(recipe)
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
