@@ -26,11 +26,11 @@ import torch
 from polyrl.core.config import load
 from polyrl.core.engine import SamplingParams
 from polyrl.core.loop import train
-from polyrl.core.moe import routers
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.recipe import Config
 from polyrl.core.registry import ENGINES
 from polyrl.core.tiny import tiny_qwen3_moe
+from tests.helpers.moe import replayed
 from tests.helpers.trainer import chat_ids
 
 RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
@@ -48,45 +48,6 @@ def moe_dir(tmp_path_factory) -> str:
     return str(tiny_qwen3_moe(path, experts_per_token=K, **MOE))
 
 
-class _Routed(torch.nn.Module):
-    """A router that sends token i to ``experts[i]`` (-1: its own top-k), weighted by the
-    original router's softmax there, renormalised (the tiny model's ``norm_topk_prob``):
-    hand-built, from the router's weight alone. Also keeps its own clean top-k."""
-
-    def __init__(self, router: torch.nn.Module, experts: torch.Tensor) -> None:
-        super().__init__()
-        self.weight, self.experts = router.weight, experts.long()
-        self.own: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor):
-        logits = x.reshape(-1, x.shape[-1]) @ self.weight.T
-        probs = torch.softmax(logits.float(), -1)
-        self.own = probs.topk(K, -1).indices
-        idx = torch.where(self.experts >= 0, self.experts, self.own)
-        scores = probs.gather(-1, idx)
-        return logits, scores / scores.sum(-1, keepdim=True), idx
-
-
-def _replayed(policy, ids: list[int], experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-softmax over ``ids`` with every token routed to ``experts`` [N, L, k] by hand,
-    and the clean routers' own top-k [N, L, k]."""
-    blocks = [
-        m for m in policy.model.modules() if hasattr(m, "gate") and m.gate in routers(policy.model)
-    ]
-    saved = [b.gate for b in blocks]
-    told = [_Routed(r, experts[:, layer]) for layer, r in enumerate(saved)]
-    try:
-        for b, t in zip(blocks, told, strict=True):
-            b.gate = t
-        with torch.no_grad():
-            logits = policy.model(input_ids=torch.tensor([ids])).logits[0].double()
-    finally:
-        for b, r in zip(blocks, saved, strict=True):
-            b.gate = r
-    own = torch.stack([t.own for t in told], 1)
-    return torch.log_softmax(logits, -1), own
-
-
 @pytest.mark.parametrize("noise", [0.0, ROUTE_NOISE])
 def test_engine_records_the_experts_it_routed_to(moe_dir, noise):
     policy = CausalLMPolicy(
@@ -101,7 +62,7 @@ def test_engine_records_the_experts_it_routed_to(moe_dir, noise):
         seq = prompt + fed
         assert o.experts is not None and o.experts.shape == (len(prompt) + len(o.token_ids), 2, K)
         assert bool((o.experts[len(seq) :] == -1).all())
-        logp, own = _replayed(policy, seq + o.token_ids[-1:], o.experts)
+        logp, own = replayed(policy.model, seq + o.token_ids[-1:], o.experts)
         steps = torch.arange(len(prompt) - 1, len(seq))
         want = logp[steps, torch.tensor(o.token_ids)]
         worst = max(

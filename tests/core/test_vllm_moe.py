@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("vllm")
 
 from polyrl.core.engine import SamplingParams  # noqa: E402
-from polyrl.core.moe import routers  # noqa: E402
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
 from polyrl.core.tiny import tiny_qwen3_moe  # noqa: E402
 from polyrl.core.vllm_engine import VLLMEngine  # noqa: E402
+from tests.helpers.moe import replayed
 from tests.helpers.trainer import chat_ids
 
 pytestmark = pytest.mark.vllm
@@ -42,41 +42,6 @@ def engine(policy):
     eng.close()
 
 
-class _Routed(torch.nn.Module):
-    """Sends token i to ``experts[i]`` (-1: its own top-k) with the router's renormalised
-    softmax weights there; keeps its own top-k."""
-
-    def __init__(self, router: torch.nn.Module, experts: torch.Tensor) -> None:
-        super().__init__()
-        self.weight, self.experts = router.weight, experts.long()
-        self.own: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor):
-        logits = x.reshape(-1, x.shape[-1]) @ self.weight.T
-        probs = torch.softmax(logits.float(), -1)
-        self.own = probs.topk(K, -1).indices
-        idx = torch.where(self.experts >= 0, self.experts, self.own)
-        scores = probs.gather(-1, idx)
-        return logits, scores / scores.sum(-1, keepdim=True), idx
-
-
-def _replayed(model, ids: list[int], experts: torch.Tensor):
-    """HF log-softmax over ``ids`` with token i routed to ``experts[i]`` by hand, and the
-    routers' own top-k [N, L, k]."""
-    blocks = [m for m in model.modules() if getattr(m, "gate", None) in routers(model)]
-    saved = [b.gate for b in blocks]
-    told = [_Routed(r, experts[:, layer]) for layer, r in enumerate(saved)]
-    try:
-        for b, t in zip(blocks, told, strict=True):
-            b.gate = t
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    finally:
-        for b, r in zip(blocks, saved, strict=True):
-            b.gate = r
-    return torch.log_softmax(logits, -1), torch.stack([t.own for t in told], 1)
-
-
 def _check(policy, prompts, outs) -> float:
     """Every completion's experts: shape, -1 only on the last response row, k distinct
     experts per row, and a hand-routed HF forward on them reproduces vLLM's log-probs.
@@ -92,7 +57,7 @@ def _check(policy, prompts, outs) -> float:
         fed = o.experts[:-1].long()
         assert bool(((fed >= 0) & (fed < E)).all())
         assert bool((fed[..., 0] != fed[..., 1]).all())
-        logp, own = _replayed(policy.model, p + o.token_ids, o.experts)
+        logp, own = replayed(policy.model, p + o.token_ids, o.experts)
         want = logp[torch.arange(len(p) - 1, n - 1), torch.tensor(o.token_ids)]
         worst = max(
             worst, float((torch.tensor(o.logprobs, dtype=torch.float64) - want).abs().max())
