@@ -361,9 +361,14 @@ class HFEngine:
 
     def _generate_batch(self, rows, params: SamplingParams, gen, sinks=None) -> list[Completion]:
         model = self.policy.model if self._route is None else self._route(None)
+        with moe.recording(model) as routing:  # MoE models: each token's experts (None: dense)
+            return self._decode(model, routing, rows, params, gen, sinks)
+
+    def _decode(
+        self, model, routing: moe.Routing | None, rows, params: SamplingParams, gen, sinks
+    ) -> list[Completion]:
         device = next(model.parameters()).device
         stop_t = self._stop_ids(params, device)
-        routing = moe.record(model)  # MoE models: each token's experts (None: dense)
         # Each distinct prompt is prefilled once; the n rows of its group then share its
         # KV cache (expanded by index), so a group costs one prompt pass, not n.
         distinct: dict[int, int] = {}
@@ -467,7 +472,6 @@ class HFEngine:
                 tops = list(zip(top_ids[k, :n].tolist(), top_lps[k, :n].tolist(), strict=True))
             result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers, tops))
         if routing is not None:
-            moe.finish(routing, model)
             for k, c in enumerate(result):
                 own = response_experts[k, : len(c.token_ids)]
                 c.experts = torch.cat([prompt_experts[distinct[c.prompt_index]], own])

@@ -30,7 +30,8 @@ token is never fed to the engine, so its row is -1 (nothing the trainer scores r
 from __future__ import annotations
 
 import threading
-import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -266,28 +267,18 @@ class Routing:
 
 
 # --- the engine side -------------------------------------------------------------------------
-_recording: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def record(model: torch.nn.Module) -> Routing | None:
-    """Open a capturing :class:`Routing` on ``model`` for an engine's generate call (None: a
-    dense model). One per model: a call that raised before closing its own is closed
-    here, so no hook outlives its call."""
-    stale = _recording.pop(model, None)
-    if stale is not None:
-        stale.close()
+@contextmanager
+def recording(model: torch.nn.Module) -> Iterator[Routing | None]:
+    """A capturing :class:`Routing` on ``model`` for one engine generate call (None: a dense
+    model), closed when the call ends, also when it raises: no hook outlives its call."""
     if not routers(model):
-        return None
+        yield None
+        return
     routing = Routing(model).open()
-    _recording[model] = routing
-    return routing
-
-
-def finish(routing: Routing, model: torch.nn.Module) -> None:
-    """Close ``routing`` (opened by :func:`record` on ``model``)."""
-    routing.close()
-    if _recording.get(model) is routing:
-        del _recording[model]
+    try:
+        yield routing
+    finally:
+        routing.close()
 
 
 # --- the record side -------------------------------------------------------------------------
