@@ -6,7 +6,8 @@ of the run's engines, then runs the user's agent once per task row and group sam
 concurrently. ``model`` in a request names a policy, so one program can call several
 trainable models. Every completion an agent asked for becomes rows of the record (one per
 choice, step-style), with the exact prompt ids the engine was given, the ids it sampled
-and its log-probs; ``meta`` carries the episode id and turn so credit can group them.
+and its log-probs (and a mixture-of-experts policy's experts for them, for routing replay);
+``meta`` carries the episode id and turn so credit can group them.
 
 Each episode gets its own base URL (``/ep/<token>/v1``), which is how the gateway knows
 which episode a request belongs to. Concurrent requests wait in one queue; the engine
@@ -490,6 +491,7 @@ class Gateway:
                     )
                     row.vision = call.images.joined if call.images is not None else None
                     row.versions, row.truncated = c.versions, c.finish == "length"
+                    row.experts = c.experts
                     rows.append(row)
         failed = {ep.id for ep in episodes if ep.error}
         self.failed_episodes += len(failed)

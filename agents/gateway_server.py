@@ -60,6 +60,7 @@ class Choice:
     tops: list | None = None  # per token: the likeliest (ids, log-probs) (top_logprobs)
     stop_hit: str | None = None  # the stop string the answer was cut at
     versions: list[int] | None = None  # weights version per token (rollout.partial)
+    experts: Any = None  # MoE: the engine's experts of prompt + ids (Completion.experts)
 
 
 @dataclass
@@ -610,7 +611,8 @@ class GatewayServer:
                 "",
             )
             versions = out.versions[: len(ids)] if out.versions is not None else None
-            choices.append(Choice(ids, logps, finish, message, key, tops, hit, versions))
+            experts = None if out.experts is None else out.experts[: len(prompt) + len(ids)]
+            choices.append(Choice(ids, logps, finish, message, key, tops, hit, versions, experts))
         anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
         call = Call(
             req.model,

@@ -19,6 +19,10 @@ layouts, chosen per recipe with ``mode``:
   earlier turns (0: only the current observation), the response is that turn's action;
   ``turn`` holds the turn index.
 
+A mixture-of-experts policy's rows carry the experts the engine routed their tokens to
+(``Row.experts``, for routing replay): a step row its turn's call's; a concat row each
+token's from the first call that routed it (an observation's from the next turn's prompt).
+
 Observations and tool results may carry images (:mod:`polyrl.agents.env`) when the acting
 policy takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`, e.g. a
 ``qwen_vl`` policy on the ``hf_vl`` engine): each turn is rendered with one placeholder per
@@ -46,6 +50,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import torch
 from tensordict import TensorDict
 
 from polyrl.agents.chat import ChatFormat
@@ -63,6 +68,7 @@ from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
+from polyrl.core.moe import stitch_experts
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.workflow import run_sync
@@ -85,6 +91,8 @@ class Turn:
     env_vision: Any = None  # the images of env_ids (one per-turn handle)
     env_starts: list[int] = field(default_factory=list)  # each image's first token in env_ids
     versions: list[int] | None = None  # weights version per action token (rollout.partial)
+    # MoE: the experts the engine routed prompt_ids + action_ids to (Completion.experts)
+    experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -512,6 +520,7 @@ class MultiTurn:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         anchor = ep.anchors[len(ep.turns)]
         turn = Turn(prompt, ids, logps, text, anchor, finish, vision=vision, versions=out.versions)
+        turn.experts = out.experts
         ep.turns.append(turn)
         ep.tokens += len(ids)
         if finish == "length" and bound != "turn":
@@ -586,7 +595,9 @@ class MultiTurn:
         row_episode: list[Episode] = []
         decode = self.tokenizer.decode
 
-        def add(ep: Episode, prompt, response, logps, mask, turn, text, spans, vision, versions):
+        def add(
+            ep: Episode, prompt, response, logps, mask, turn, text, spans, vision, versions, experts
+        ):
             row_episode.append(ep)
             rows.append(
                 Row(
@@ -604,6 +615,7 @@ class MultiTurn:
                     versions=versions,
                     vision=vision,
                     error=ep.error,
+                    experts=experts,
                 )
             )
 
@@ -611,7 +623,7 @@ class MultiTurn:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
                 vision = self._join([ep.first_vision], ep.first_starts, f"{ep.id}:row")
                 prompt = ep.first_ids or list(ep.item.prompt_ids)
-                add(ep, prompt, [], [], [], 0, "", [], vision, [])
+                add(ep, prompt, [], [], [], 0, "", [], vision, [], None)
             elif self.mode == "step":
                 for t, turn in enumerate(ep.turns):
                     n = len(turn.action_ids)
@@ -626,6 +638,7 @@ class MultiTurn:
                         [[t, 0, n]],
                         turn.vision,
                         turn.versions,
+                        turn.experts,
                     )
             else:
                 response, logps, mask, spans = [], [], [], []
@@ -660,6 +673,10 @@ class MultiTurn:
                     spans,
                     self._join(handles, starts, f"{ep.id}:row"),
                     versions,
+                    stitch_experts(
+                        ep.first_ids + response,
+                        [(t.prompt_ids + t.action_ids, t.experts) for t in ep.turns],
+                    ),
                 )
 
         # Per-episode facts, shared by all of an episode's rows.

@@ -30,7 +30,7 @@ token is never fed to the engine, so its row is -1 (nothing the trainer scores r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -308,6 +308,32 @@ def record_columns(
             prompt[i, p - pl :] = x[:pl]
         response[i, :rl] = x[pl:]
     return {"prompt_experts": prompt, "response_experts": response}
+
+
+def stitch_experts(
+    tokens: Sequence[int], calls: Sequence[tuple[Sequence[int], torch.Tensor | None]]
+) -> torch.Tensor | None:
+    """The experts ``[len(tokens), L, k]`` of a row several engine calls made (a multi-turn
+    trajectory: each call's prompt + sampled ids, with its ``Completion.experts``, begin the
+    row): each token takes those of the first call that routed it (a later call's prompt
+    routes the observations spliced in after an earlier action, and that action's last
+    token); -1 where no call did. None when no call recorded any."""
+    known = [x for _, x in calls if x is not None]
+    if not known:
+        return None
+    out = torch.full((len(tokens), *known[0].shape[1:]), -1, dtype=known[0].dtype)
+    for i, (ids, x) in enumerate(calls):
+        if x is None:
+            continue
+        n = len(ids)
+        if x.shape[0] != n or list(ids) != list(tokens[:n]):
+            raise ValueError(
+                f"stitch_experts: call {i}'s {n} ids (experts for {x.shape[0]}) do not begin "
+                f"the row's {len(tokens)} tokens"
+            )
+        unset = (out[:n] < 0).all(-1).all(-1) & (x >= 0).any(-1).any(-1)
+        out[:n][unset] = x[unset]
+    return out
 
 
 def has_experts(batch: TensorDict) -> bool:

@@ -1,0 +1,140 @@
+"""A mixture-of-experts policy's multi-turn and gateway rows carry the experts the engine
+routed their tokens to, so routing replay works on them (issue 32, core/moe.py).
+
+References independent of core/moe.py's hooks and layouts: each row's tokens forwarded
+whole, unpadded, with routers that compute their top-k by hand or route as told
+(tests/helpers/moe.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl.agents.env import Environment, StepResult, register_env
+from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.moe import MoeConfig
+from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.workflow import Context
+from tests.helpers.moe import replayed
+from tests.helpers.trainer import make_policy
+
+HERE = "tests.agents.test_agents_moe"
+E, K = 4, 2
+
+
+@register_env("test_agents_moe_echo")
+class EchoEnv(Environment):
+    """Two turns; each reply names the turn."""
+
+    def reset(self, task):
+        self.t = 0
+        return task["prompt"]
+
+    def step(self, action):
+        self.t += 1
+        return StepResult(f"turn {self.t} seen, go on", 0.0, self.t >= 2, {})
+
+
+def two_chats(row, ep):
+    """A gateway agent: a chat completion, then another continuing the conversation."""
+    client = ep.openai()
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for follow in ("and then?", None):
+        r = client.chat.completions.create(model=ep.model, messages=messages, max_tokens=4)
+        if follow is None:
+            return 1.0
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": follow},
+        ]
+
+
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory):
+    path = tiny_qwen3_moe(tmp_path_factory.mktemp("models") / "moe", num_experts=E, num_layers=2)
+    return make_policy(str(path), moe=MoeConfig(replay="rollout"))
+
+
+def _rows(rec):
+    """Per row: its tokens (prompt + response, unpadded), prompt length and experts."""
+    out = []
+    for i in range(rec.batch_size[0]):
+        pm, rm = rec["prompt_mask"][i].bool(), rec["response_mask"][i].bool()
+        tokens = rec["prompt_ids"][i][pm].tolist() + rec["response_ids"][i][rm].tolist()
+        experts = torch.cat([rec["prompt_experts"][i][pm], rec["response_experts"][i][rm]])
+        out.append((tokens, int(pm.sum()), experts))
+    return out
+
+
+def _check(policy, rec) -> None:
+    """Every token but each row's last carries the experts a whole-row forward's routers
+    choose (the last was never fed to the engine: -1); replay of the engine's experts
+    gives the engine's log-probs; replay of other experts gives a forward told them."""
+    assert "prompt_experts" in rec.keys() and "response_experts" in rec.keys()  # noqa: SIM118
+    rows = _rows(rec)
+    for tokens, _, experts in rows:
+        assert experts.shape == (len(tokens), 2, K)
+        _, own = replayed(policy.model, tokens, torch.full_like(experts, -1))
+        assert bool((experts[-1] == -1).all())
+        assert bool((experts[:-1] >= 0).all())  # every other token: some call routed it
+        assert torch.equal(experts[:-1].long().sort(-1).values, own[:-1].sort(-1).values)
+    lm = rec["loss_mask"].bool() & rec["response_mask"].bool()
+    with torch.no_grad():
+        got = policy.logprobs(rec)[0]
+    torch.testing.assert_close(got[lm], rec["rollout_logprobs"][lm], atol=1e-5, rtol=0)
+
+    # experts the trainer would not choose: the replayed pass is the told forward
+    gen = torch.Generator().manual_seed(0)
+    moved = rec.clone()
+    for key in ("prompt_experts", "response_experts"):
+        ex = moved[key]
+        rand = torch.rand((*ex.shape[:-1], E), generator=gen).topk(K, -1).indices
+        moved[key] = torch.where(ex >= 0, rand.to(ex.dtype), ex)
+    with torch.no_grad():
+        got = policy.logprobs(moved)[0]
+    changed = 0.0
+    for i, (tokens, p, experts) in enumerate(_rows(moved)):
+        lsm, _ = replayed(policy.model, tokens, experts)
+        r = len(tokens) - p
+        want = lsm[p - 1 : -1].gather(-1, torch.tensor(tokens[p:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(got[i, :r].double(), want, atol=1e-5, rtol=0)
+        changed = max(changed, float((want - rec["rollout_logprobs"][i, :r]).abs().max()))
+    assert changed > 1e-3  # the other experts do change the log-probs
+
+
+@pytest.mark.parametrize("mode", ["step", "concat"])
+def test_multi_turn_rows_carry_and_replay_the_engines_experts(moe_policy, items, mode, one_thread):
+    from polyrl.agents.workflow import MultiTurn
+
+    policy = moe_policy
+    wf = MultiTurn(
+        Context(None, {"main": policy}, {"main": HFEngine(policy, seed=0)}),
+        env="test_agents_moe_echo",
+        mode=mode,
+        max_turns=2,
+        max_turn_tokens=4,
+    )
+    rows = [{"prompt": "go 1"}, {"prompt": "go 23"}]
+    rec = wf.rollout(items(rows), SamplingParams(n=2, max_new_tokens=4, stop_token_ids=[]))
+    turns = rec["turn"].tolist()
+    assert (max(turns) == 1) if mode == "step" else (rec.batch_size[0] == 4)
+    if mode == "concat":  # observations spliced in: their tokens are out of the loss
+        assert bool((rec["loss_mask"] < rec["response_mask"]).any())
+    _check(policy, rec)
+
+
+def test_gateway_rows_carry_and_replay_the_engines_experts(moe_policy, items, one_thread):
+    from polyrl.agents.gateway import Gateway
+
+    policy = moe_policy
+    wf = Gateway(
+        Context(None, {"main": policy}, {"main": HFEngine(policy, seed=0)}),
+        agent=f"{HERE}:two_chats",
+    )
+    try:
+        rec = wf.rollout(items([{"prompt": "go 1"}]), SamplingParams(n=2, max_new_tokens=4))
+    finally:
+        wf.close()
+    assert rec.batch_size[0] == 4 and sorted(rec["turn"].tolist()) == [0, 0, 1, 1]
+    _check(policy, rec)
