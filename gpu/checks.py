@@ -9,8 +9,9 @@ prints a table. ``POLYRL_TEST_DEVICE=cpu`` runs every step at tiny sizes on the 
 Steps: ``env`` (versions, device, kit), ``pytest`` (``pytest -m gpu``), ``bench`` (
 ``benchmarks/grpo_vs_trl.py`` at one size against TRL: s/step, tokens/s, MFU), ``memory``
 (peak device memory of PolyRL's GRPO step at Qwen2.5-0.5B's shape), ``arithmetic`` (the
-README demo in bf16: held-out accuracy after SFT and after GRPO), ``diffusion`` (the
-colour demo, when the kit carries diffusers).
+README demo in bf16: held-out accuracy after SFT and after GRPO), ``multi_lora``
+(``benchmarks/multi_lora.py``: LoRA agents on one base, batched update and merged rollout
+against one-by-one), ``diffusion`` (the colour demo, when the kit carries diffusers).
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ OK, FAILED, SKIPPED = 0, 1, 3
 # Sizes per device: the GPU's, and the CPU's tiny stand-ins (the same code paths).
 BENCH = {"bench_20m": "20M" if GPU else "0.3M", "bench_05b": "0.5B" if GPU else "0.3M"}
 MEMORY_SIZE = "0.5B" if GPU else "0.3M"
+# multi_lora: the base, the agent count every run has and the one added while the step's
+# time limit allows, and two per-agent records: the benchmark's default (4 prompts x 4 x 16
+# tokens, one pass per agent) and examples/gsm8k_debate_qwen2.5.yaml's rows per agent (64)
+# and micro-batch (8), responses cut to 64 tokens: eight small passes per agent, where a
+# GPU pays each pass's weight reads and launches. Sized for ~60 s on an H200: the update
+# at 20M is launch-bound there (3.7k tokens take ~0.5 TFLOP), so each run's ~20-25 s is
+# mostly its three processes starting (torch, CUDA, eight adapters on the base).
+ML_SIZE = "20M" if GPU else "0.3M"
+ML_AGENTS, ML_AGENTS_IF_TIME = (8, 2) if GPU else (3, 2)
+ML_PLANS = {
+    "default": (4, 4, 16, 32) if GPU else (1, 2, 8, 4),
+    "debate_batch": (8, 8, 64, 8) if GPU else (2, 2, 8, 2),
+}  # prompts per agent, responses per prompt, response tokens, micro_batch_size
 
 
 def _finite(x):
@@ -320,6 +334,93 @@ def step_diffusion(work: Path, args) -> int:
     return OK if rewards else FAILED
 
 
+def _multi_lora_figures(res: dict, figures: dict, plan: str) -> None:
+    """Fold one ``multi_lora.py --json`` result into the step's figures, by plan and agent
+    count: the update's median seconds one-by-one and batched and their ratio; the HF
+    engine's one call per agent against one merged call."""
+    upd = figures["update"].setdefault(plan, {"plan": dict(res["update"]["plan"]), "agents": {}})
+    upd["plan"]["micro_batch_size"] = ML_PLANS[plan][3]
+    for agents, r in res["update"]["agents"].items():
+        one, both = r["contenders"]["one-by-one"], r["contenders"]["batched"]
+        upd["agents"][str(agents)] = {
+            "rows": r["rows"],
+            "tokens": r["tokens"],
+            "one_by_one_s": one["wall_s"],
+            "batched_s": both["wall_s"],
+            "ratio": r["ratio"]["wall_s"],
+            "one_by_one_cpu_s": one["cpu_s"],
+            "batched_cpu_s": both["cpu_s"],
+        }
+    for key, r in (res.get("rollout") or {}).items():
+        engine, agents = key.split("/")
+        out = figures.setdefault(f"rollout_{engine}", {"plan": dict(res["update"]["plan"])})
+        out.setdefault("agents", {})[agents] = {
+            "one_call_per_agent_s": r["apart_s"],
+            "merged_s": r["merged_s"],
+            "ratio": r["ratio"],
+        }
+
+
+def step_multi_lora(work: Path, args) -> int:
+    """``benchmarks/multi_lora.py``: LoRA agents on one base, the update batched against
+    one-by-one at two per-agent sizes and the HF engine's merged rollout against one call
+    per agent. Runs in order of importance, each written as it ends (a cut run keeps the
+    others); the smaller agent count only while ``POLYRL_STEP_LIMIT_S`` (run.sh's limit
+    for the step) leaves the time the larger count's run took."""
+    t0 = time.monotonic()
+    limit = float(os.environ.get("POLYRL_STEP_LIMIT_S") or 0) or None
+    dtype = "bfloat16" if GPU else "float32"
+    figures: dict = {"size": ML_SIZE, "dtype": dtype, "warmup": 1, "steps": 2}
+    figures.update(update={}, runs={})
+    runs = [  # plan, agents, engines of the rollout section, only if time allows
+        ("debate_batch", ML_AGENTS, [], False),
+        ("default", ML_AGENTS, ["hf"], False),
+        ("default", ML_AGENTS_IF_TIME, ["hf"], True),
+    ]
+    status, took = OK, 0.0
+    for plan, agents, engines, optional in runs:
+        name = f"{plan}/{agents}"
+        left = None if limit is None else limit - (time.monotonic() - t0) - 3
+        if optional and left is not None and left < took:
+            figures["runs"][name] = {
+                "skipped": f"{left:.0f} s left, the last run took {took:.0f} s"
+            }
+            _write(work, "multi_lora", figures)
+            continue
+        prompts, n, tokens, mbs = ML_PLANS[plan]
+        out = work / f"multi_lora_{plan}_{agents}.json"
+        cmd = [sys.executable, "benchmarks/multi_lora.py", "--size", ML_SIZE]
+        cmd += ["--device", "cuda" if GPU else "cpu", "--dtype", dtype, "--agents", str(agents)]
+        cmd += ["--prompts", str(prompts), "--n", str(n), "--max-new-tokens", str(tokens)]
+        cmd += ["--micro-batch-size", str(mbs), "--warmup", "1", "--steps", "2"]
+        cmd += ["--rollout-engines", *engines, "--json", str(out)]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        log = work / f"multi_lora_{plan}_{agents}.log"
+        s0 = time.monotonic()
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run(
+                    cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=left
+                ).returncode
+            except subprocess.TimeoutExpired:  # its workers exit when their stdin closes
+                rc = 124
+        took = time.monotonic() - s0
+        print(log.read_text(errors="replace"), flush=True)
+        run: dict = {"rc": rc, "seconds": round(took, 1)}
+        if rc == 0 and out.is_file():
+            _multi_lora_figures(json.loads(out.read_text()), figures, plan)
+        else:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            run["error"] = "cut at the step's time limit" if rc == 124 else tail[0][:200]
+            status = 124 if rc == 124 else FAILED
+        figures["runs"][name] = run
+        _write(work, "multi_lora", figures)
+        if rc == 124:
+            break
+    print(json.dumps(figures, indent=2))
+    return status
+
+
 # ------------------------------------------------------------------------------ report
 
 STATUS = {0: "ok", 3: "skipped", 124: "timeout", 137: "timeout"}
@@ -359,6 +460,26 @@ def _summary(name: str, f: dict) -> str:
             f"held-out accuracy {num(f.get('accuracy_after_sft'))} after SFT -> "
             f"{num(f.get('accuracy_after_grpo'))} after {f.get('grpo_steps')} GRPO steps"
         )
+    if name == "multi_lora":
+        upd, ro = f.get("update", {}), f.get("rollout_hf", {}).get("agents", {})
+        counts = {a for u in upd.values() for a in u["agents"]} | set(ro)
+        parts = []
+        for a in sorted(counts, key=int, reverse=True):
+            big = upd.get("debate_batch", {}).get("agents", {}).get(a)
+            small = upd.get("default", {}).get("agents", {}).get(a)
+            got = []
+            if big:
+                got.append(
+                    f"update {num(big['ratio'], '{:.2f}x')} "
+                    f"({num(big['one_by_one_s'])} -> {num(big['batched_s'])} s)"
+                )
+            if small:
+                got.append(f"small update {num(small['ratio'], '{:.2f}x')}")
+            if a in ro:
+                got.append(f"HF rollout {num(ro[a]['ratio'], '{:.2f}x')}")
+            parts.append(f"{a} agents: " + ", ".join(got))
+        head = f"{f.get('size')} {f.get('dtype')}, one-by-one/batched"
+        return "; ".join([head, *parts]) if parts else head + ": no run finished"
     if name == "diffusion":
         if "why" in f:
             return f["why"]
@@ -427,6 +548,7 @@ STEPS = {
     "bench_05b": step_bench,
     "memory": step_memory,
     "arithmetic": step_arithmetic,
+    "multi_lora": step_multi_lora,
     "diffusion": step_diffusion,
 }
 
