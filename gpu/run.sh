@@ -6,8 +6,9 @@
 # and PolyRL without dependencies, then runs each step under its own time limit, all of them
 # within POLYRL_GPU_BUDGET_S (400 s on a GPU: with the report and a killed step's grace the
 # run stays under 7 minutes; 1800 s on the CPU). A failing step is recorded and the next
-# one runs. Writes $OUT/gpu_checks.json (a field per check: status, seconds, figures) and
-# $OUT/gpu_checks.log, and prints a table. Exit code 0 when every check is ok or skipped.
+# one runs; a step sees its limit as POLYRL_STEP_LIMIT_S. Writes $OUT/gpu_checks.json (a
+# field per check: status, seconds, figures) and $OUT/gpu_checks.log, and prints a table.
+# Exit code 0 when every check is ok or skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -27,10 +28,10 @@ VPY=$VENV/bin/python
 # step: limit in seconds (the CPU mode's tiny sizes need less device work but slower cores)
 if [ "$POLYRL_TEST_DEVICE" = cpu ]; then
   BUDGET=${BUDGET:-1800}
-  STEPS="env:240 pytest:420 arithmetic:240 bench_20m:240 bench_05b:240 memory:120 diffusion:300"
+  STEPS="env:240 pytest:420 arithmetic:240 bench_20m:240 multi_lora:240 bench_05b:240 memory:120 diffusion:300"
 else
   BUDGET=${BUDGET:-400}
-  STEPS="env:60 pytest:120 arithmetic:90 bench_20m:80 bench_05b:120 memory:60 diffusion:80"
+  STEPS="env:60 pytest:120 arithmetic:90 bench_20m:80 multi_lora:70 bench_05b:120 memory:60 diffusion:80"
 fi
 START=$SECONDS
 echo "PolyRL GPU checks: device $POLYRL_TEST_DEVICE, budget ${BUDGET}s, work $WORK, out $OUT"
@@ -53,7 +54,7 @@ run_step() {  # name limit command...
   [ "$limit" -gt "$left" ] && limit=$left
   echo "=== $name (limit ${limit}s)"
   t0=$(date +%s.%N)
-  timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/steps/$name.log"
+  POLYRL_STEP_LIMIT_S=$limit timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/steps/$name.log"
   rc=${PIPESTATUS[0]}
   status "$name" "$rc" "$("$PY" -c "print(round($(date +%s.%N) - $t0, 1))")" "$limit"
   echo "=== $name: exit $rc"
