@@ -103,6 +103,93 @@ def test_the_report_has_a_field_per_check_and_says_which_failed(tmp_path):
     assert all({"status", "seconds", "figures"} <= set(v) for v in c.values())
 
 
+def _multi_lora_result(plan: dict, update: dict, rollout: dict) -> dict:
+    """A ``benchmarks/multi_lora.py --json`` result: ``update`` maps an agent count to
+    (rows, tokens, one-by-one s, batched s), ``rollout`` to (one call per agent s, merged s)."""
+    agents = {
+        str(a): {
+            "rows": rows,
+            "tokens": tokens,
+            "contenders": {
+                "one-by-one": {"wall_s": one, "cpu_s": 2 * one},
+                "batched": {"wall_s": both, "cpu_s": 2 * both},
+            },
+            "ratio": {"wall_s": one / both, "cpu_s": one / both},
+        }
+        for a, (rows, tokens, one, both) in update.items()
+    }
+    out = {
+        f"hf/{a}": {"apart_s": apart, "merged_s": merged, "ratio": apart / merged}
+        for a, (apart, merged) in rollout.items()
+    }
+    return {"size": "20M", "update": {"plan": plan, "agents": agents}, "rollout": out}
+
+
+def test_multi_lora_figures_keep_each_plan_and_agent_count_and_print_one_line():
+    """The step folds its runs (the big per-agent plan at 8 agents, the small one with the
+    HF rollout at 8 and then 2) by plan and agent count; the table line has every ratio."""
+    checks = _load("checks")
+    figures: dict = {"size": "20M", "dtype": "bfloat16", "update": {}, "runs": {}}
+    big = {"prompts": 8, "n": 8, "max_new_tokens": 64}
+    small = {"prompts": 4, "n": 4, "max_new_tokens": 16}
+    checks._multi_lora_figures(
+        _multi_lora_result(big, {8: (512, 39000, 2.4, 0.6)}, {}), figures, "debate_batch"
+    )
+    checks._multi_lora_figures(
+        _multi_lora_result(small, {8: (128, 3748, 0.5, 0.4)}, {8: (2.0, 0.5)}), figures, "default"
+    )
+    checks._multi_lora_figures(
+        _multi_lora_result(small, {2: (32, 952, 0.2, 0.25)}, {2: (0.6, 0.4)}), figures, "default"
+    )
+    upd = figures["update"]
+    assert upd["debate_batch"]["plan"] == {
+        **big,
+        "micro_batch_size": checks.ML_PLANS["debate_batch"][3],
+    }
+    assert upd["debate_batch"]["agents"]["8"] == {
+        "rows": 512,
+        "tokens": 39000,
+        "one_by_one_s": 2.4,
+        "batched_s": 0.6,
+        "ratio": 2.4 / 0.6,
+        "one_by_one_cpu_s": 4.8,
+        "batched_cpu_s": 1.2,
+    }
+    assert sorted(upd["default"]["agents"]) == ["2", "8"]
+    assert upd["default"]["agents"]["2"]["ratio"] == 0.2 / 0.25
+    assert figures["rollout_hf"]["agents"] == {
+        "8": {"one_call_per_agent_s": 2.0, "merged_s": 0.5, "ratio": 4.0},
+        "2": {"one_call_per_agent_s": 0.6, "merged_s": 0.4, "ratio": 0.6 / 0.4},
+    }
+    assert checks._summary("multi_lora", figures) == (
+        "20M bfloat16, one-by-one/batched; "
+        "8 agents: update 4.00x (2.4 -> 0.6 s), small update 1.25x, HF rollout 4.00x; "
+        "2 agents: small update 0.80x, HF rollout 1.50x"
+    )
+
+
+def test_the_multi_lora_step_stops_at_its_limit_and_keeps_what_it_has(tmp_path):
+    """A limit too short for the benchmark's first run: the step cuts it, records why and
+    exits with the runner's timeout code instead of starting the next run."""
+    env = dict(os.environ, POLYRL_TEST_DEVICE="cpu", POLYRL_STEP_LIMIT_S="4")
+    env["POLYRL_BENCH_CACHE"] = str(tmp_path / "cache")
+    ran = subprocess.run(
+        [sys.executable, "gpu/checks.py", "multi_lora", "--work", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 124, ran.stdout[-2000:] + ran.stderr[-2000:]
+    figures = json.loads((tmp_path / "steps" / "multi_lora.json").read_text())["figures"]
+    cut = figures["runs"]
+    assert list(cut) == ["debate_batch/3"]  # the next run never started
+    assert cut["debate_batch/3"]["rc"] == 124
+    assert cut["debate_batch/3"]["error"] == "cut at the step's time limit"
+    assert figures["update"] == {}
+
+
 def test_verl_imports_without_ray_and_nothing_else_sees_a_ray(tmp_path):
     """gpu/polyrl_kit_noray.py, in a bare interpreter (no site-packages, so no Ray), with a
     stand-in package named verl that does what verl does: ``import ray`` at the top of a
@@ -212,3 +299,10 @@ def test_the_kit_builds_and_its_runner_passes_on_the_cpu(tmp_path):
     assert c["bench_20m"]["figures"]["polyrl_hf"]["median_s"] > 0
     assert c["bench_20m"]["figures"]["trl"]["median_s"] > 0
     assert 0 <= c["arithmetic"]["figures"]["accuracy_after_grpo"] <= 1
+    m = c["multi_lora"]["figures"]  # CPU mode: 3 agents, then 2 while the limit allows
+    assert all(r["rc"] == 0 for r in m["runs"].values() if "rc" in r), m["runs"]
+    for plan, rows in (("debate_batch", 3 * 2 * 2), ("default", 3 * 1 * 2)):  # prompts x n
+        got = m["update"][plan]["agents"]["3"]
+        assert got["rows"] == rows and got["tokens"] > rows * 8  # 8 response tokens a row
+        assert got["one_by_one_s"] > 0 and got["batched_s"] > 0
+    assert m["rollout_hf"]["agents"]["3"]["merged_s"] > 0
