@@ -136,7 +136,7 @@ def stream_tokens(sinks, rows: torch.Tensor, done: torch.Tensor, tok, lp, tops=N
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | RowStreams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick next tokens; return (ids, log-probs under the temperature-scaled distribution)."""
     logits = logits.float()
@@ -168,7 +168,55 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+class RowStreams:
+    """The random streams of a merged call (``generate_mixed``): each request's rows draw
+    from the stream its own engine's separate call would (the engine's generator, or a fresh
+    one of ``params.seed``), as many numbers per step as that call would, so a merged call
+    samples what the separate calls would (up to the logits' float rounding in another
+    batch). A separate call draws one number per row of its decode batch, finished rows
+    included until they leave it (``drop_finished``: once an eighth of its batch is done;
+    all done: it stops); each engine's decode batch is followed here as that call would
+    shrink it. Exact when each engine's rows and the merged call fit one decode batch
+    (``batch_size``); past it the batches split otherwise (still each engine's stream).
+    """
+
+    def __init__(
+        self, gens: Sequence[torch.Generator], groups: Sequence[int], drops: Sequence[bool]
+    ) -> None:
+        self.gens, self.drops = list(gens), list(drops)
+        owner = torch.tensor(list(groups), dtype=torch.long)
+        # per engine: the rows (of this batch) its own call's decode batch holds now
+        self.batches = [(owner == k).nonzero().squeeze(1) for k in range(len(self.gens))]
+        self.ended = torch.zeros(len(owner), dtype=torch.bool)
+        self.live = torch.arange(len(owner))  # decode-batch row -> row; set by the engine
+
+    def uniforms(self) -> torch.Tensor:
+        """One number per decode-batch row (``live``), each from its engine's stream;
+        every engine draws for its whole own batch (rows the merged batch dropped too)."""
+        live = self.live.cpu()
+        at = torch.full((len(self.ended),), -1, dtype=torch.long)
+        at[live] = torch.arange(len(live))
+        u = torch.zeros((len(live), 1), dtype=torch.float64)
+        for gen, rows in zip(self.gens, self.batches, strict=True):
+            if len(rows):
+                x = torch.rand((len(rows), 1), generator=gen, dtype=torch.float64)
+                j = at[rows]
+                u[j[j >= 0]] = x[j >= 0]
+        return u
+
+    def settle(self, live: torch.Tensor, done: torch.Tensor, can_select: bool) -> None:
+        """After a step: rows ``live[done]`` are finished; shrink each engine's own batch
+        as its separate call would."""
+        self.ended[live.cpu()[done.cpu()]] = True
+        for k, rows in enumerate(self.batches):
+            ended = self.ended[rows]
+            if bool(ended.all()):
+                self.batches[k] = rows[:0]
+            elif self.drops[k] and can_select and int(ended.sum()) * 8 >= len(rows):
+                self.batches[k] = rows[~ended]
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | RowStreams) -> torch.Tensor:
     """One index per row of ``probs [B, V]``, with probability proportional to its entry.
 
     Inverse CDF: one uniform number per row against the row's cumulative sum (float64, so
@@ -176,7 +224,10 @@ def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     120) to 16x (152k) more per draw; at a real vocabulary that is most of a decoding step.
     """
     cdf = probs.double().cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64).to(probs.device)
+    if isinstance(gen, RowStreams):
+        u = gen.uniforms().to(probs.device)
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=gen, dtype=torch.float64).to(probs.device)
     ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     return ids.clamp_(max=probs.shape[-1] - 1)  # u * total < total, so only rounding reaches V
 
@@ -288,7 +339,8 @@ class HFEngine:
     ) -> list[list[Completion]]:
         """interfaces.MixedCalls: one decode loop over the requests of several engines'
         policies, every forward running each row through its own policy (``rows_of``);
-        sampled from this engine's stream (or ``params.seed``'s)."""
+        each engine's rows sampled from its own stream (or ``params.seed``'s), as its
+        separate call would (:class:`RowStreams`)."""
         key = self.mix_key()
         rows: list = []
         owner: list[int] = []  # per prompt of the call: which engine's
@@ -310,7 +362,9 @@ class HFEngine:
             ]
             owner += [k] * len(requests)
         assert isinstance(self.policy, MixesRows)  # mix_key says so
-        gen = self.gen if params.seed is None else seeded(params.seed)
+        gens = [engine.gen if params.seed is None else seeded(params.seed) for engine, _ in calls]
+        drops = [engine.drop_finished for engine, _ in calls]
+        groups = [owner[pi] for pi, _, _ in rows]
         sinks = token_sinks(every, params.n)
         owners = torch.tensor(owner, dtype=torch.long)
         out: list[Completion] = []
@@ -319,7 +373,8 @@ class HFEngine:
             try:
                 for start in range(0, len(rows), self.batch_size):
                     part = slice(start, start + self.batch_size)
-                    out += self._generate_batch(rows[part], params, gen, sinks and sinks[part])
+                    streams = RowStreams(gens, groups[part], drops)
+                    out += self._generate_batch(rows[part], params, streams, sinks and sinks[part])
             finally:
                 self._route = None
         answers: list[list[Completion]] = [[] for _ in calls]
@@ -418,7 +473,10 @@ class HFEngine:
         lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
         live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
         done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
+        streams = gen if isinstance(gen, RowStreams) else None
         for t in range(params.max_new_tokens):
+            if streams is not None:
+                streams.live = live
             tok, lp = sample_next(logits, params, gen)
             tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
             if k_top:
@@ -435,6 +493,8 @@ class HFEngine:
             capped = ~done & (caps[live] <= t + 1)  # a request's own, shorter budget
             lengths[live[capped]] = t + 1
             done |= capped
+            if streams is not None:
+                streams.settle(live, done, can_select)
             if bool(done.all()) or t == params.max_new_tokens - 1:
                 break
             if can_drop and int(done.sum()) * 8 >= done.numel():
