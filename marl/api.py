@@ -54,6 +54,7 @@ class Message:
     episode: Episode = field(repr=False)
     vision: Any = field(default=None, repr=False)  # the prompt's images joined; None: none
     versions: list[int] | None = None  # weights version per token (rollout.partial)
+    experts: Any = field(default=None, repr=False)  # MoE: Completion.experts (prompt + ids)
     turn: int = -1  # set by the first joint action it joins
     node: int = 0
     joints: list[int] = field(default_factory=list)
@@ -229,6 +230,7 @@ class AgentHandle:
                     self._ep,
                     vision=vision,
                     versions=c.versions,
+                    experts=c.experts,
                 )
             )
             for c in completions

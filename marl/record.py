@@ -144,6 +144,7 @@ def build_record(
                     truncated=m.finish_reason == "length",
                     versions=m.versions,
                     vision=m.vision,
+                    experts=m.experts,
                     error=err,
                     pending=not err,  # the credit validates rows whose joints were scored
                 )

@@ -9,14 +9,13 @@ whole, unpadded, with routers that compute their top-k by hand or route as told
 from __future__ import annotations
 
 import pytest
-import torch
 
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.moe import MoeConfig
 from polyrl.core.tiny import tiny_qwen3_moe
 from polyrl.core.workflow import Context
-from tests.helpers.moe import replayed
+from tests.helpers.moe import check_replayed_rows
 from tests.helpers.trainer import make_policy
 
 HERE = "tests.agents.test_agents_moe"
@@ -56,53 +55,6 @@ def moe_policy(tmp_path_factory):
     return make_policy(str(path), moe=MoeConfig(replay="rollout"))
 
 
-def _rows(rec):
-    """Per row: its tokens (prompt + response, unpadded), prompt length and experts."""
-    out = []
-    for i in range(rec.batch_size[0]):
-        pm, rm = rec["prompt_mask"][i].bool(), rec["response_mask"][i].bool()
-        tokens = rec["prompt_ids"][i][pm].tolist() + rec["response_ids"][i][rm].tolist()
-        experts = torch.cat([rec["prompt_experts"][i][pm], rec["response_experts"][i][rm]])
-        out.append((tokens, int(pm.sum()), experts))
-    return out
-
-
-def _check(policy, rec) -> None:
-    """Every token but each row's last carries the experts a whole-row forward's routers
-    choose (the last was never fed to the engine: -1); replay of the engine's experts
-    gives the engine's log-probs; replay of other experts gives a forward told them."""
-    assert "prompt_experts" in rec.keys() and "response_experts" in rec.keys()  # noqa: SIM118
-    rows = _rows(rec)
-    for tokens, _, experts in rows:
-        assert experts.shape == (len(tokens), 2, K)
-        _, own = replayed(policy.model, tokens, torch.full_like(experts, -1))
-        assert bool((experts[-1] == -1).all())
-        assert bool((experts[:-1] >= 0).all())  # every other token: some call routed it
-        assert torch.equal(experts[:-1].long().sort(-1).values, own[:-1].sort(-1).values)
-    lm = rec["loss_mask"].bool() & rec["response_mask"].bool()
-    with torch.no_grad():
-        got = policy.logprobs(rec)[0]
-    torch.testing.assert_close(got[lm], rec["rollout_logprobs"][lm], atol=1e-5, rtol=0)
-
-    # experts the trainer would not choose: the replayed pass is the told forward
-    gen = torch.Generator().manual_seed(0)
-    moved = rec.clone()
-    for key in ("prompt_experts", "response_experts"):
-        ex = moved[key]
-        rand = torch.rand((*ex.shape[:-1], E), generator=gen).topk(K, -1).indices
-        moved[key] = torch.where(ex >= 0, rand.to(ex.dtype), ex)
-    with torch.no_grad():
-        got = policy.logprobs(moved)[0]
-    changed = 0.0
-    for i, (tokens, p, experts) in enumerate(_rows(moved)):
-        lsm, _ = replayed(policy.model, tokens, experts)
-        r = len(tokens) - p
-        want = lsm[p - 1 : -1].gather(-1, torch.tensor(tokens[p:])[:, None]).squeeze(-1)
-        torch.testing.assert_close(got[i, :r].double(), want, atol=1e-5, rtol=0)
-        changed = max(changed, float((want - rec["rollout_logprobs"][i, :r]).abs().max()))
-    assert changed > 1e-3  # the other experts do change the log-probs
-
-
 @pytest.mark.parametrize("mode", ["step", "concat"])
 def test_multi_turn_rows_carry_and_replay_the_engines_experts(moe_policy, items, mode, one_thread):
     from polyrl.agents.workflow import MultiTurn
@@ -121,7 +73,7 @@ def test_multi_turn_rows_carry_and_replay_the_engines_experts(moe_policy, items,
     assert (max(turns) == 1) if mode == "step" else (rec.batch_size[0] == 4)
     if mode == "concat":  # observations spliced in: their tokens are out of the loss
         assert bool((rec["loss_mask"] < rec["response_mask"]).any())
-    _check(policy, rec)
+    check_replayed_rows(policy, rec, E)
 
 
 def test_gateway_rows_carry_and_replay_the_engines_experts(moe_policy, items, one_thread):
@@ -137,4 +89,4 @@ def test_gateway_rows_carry_and_replay_the_engines_experts(moe_policy, items, on
     finally:
         wf.close()
     assert rec.batch_size[0] == 4 and sorted(rec["turn"].tolist()) == [0, 0, 1, 1]
-    _check(policy, rec)
+    check_replayed_rows(policy, rec, E)
