@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Unpack, cast
@@ -246,6 +247,7 @@ def response_logprobs(
     pack: bool = False,
     min_shared: int = 16,
     routing: moe.Routing | None = None,
+    segments: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
 
@@ -263,14 +265,22 @@ def response_logprobs(
 
     ``routing`` (MoE models): an open :class:`polyrl.core.moe.Routing`, told each forward's
     token layout (recorded experts to replay, token kinds).
+
+    ``segments`` (packed layouts): each row's segment; rows of different segments never
+    share a packed row and the packed rows come in segment order, so with the batch's rows
+    in segment order every segment's tokens lie together in the model's input (what a
+    per-segment computation inside the model, marl.multi_lora's adapters, reads without a
+    gather).
     """
     if pack:
         sharing = shares(model, pack, shared_prefix) and batch.batch_size[0] > 1
         if sharing and bool(batch["response_mask"].any()):
             units = prefix_units(model, batch, min_shared)
             if any(u.shared for u in units):
-                return shared_logprobs(model, batch, units, temperature, with_entropy, routing)
-        return packed_logprobs(model, batch, temperature, with_entropy, routing)
+                return shared_logprobs(
+                    model, batch, units, temperature, with_entropy, routing, segments
+                )
+        return packed_logprobs(model, batch, temperature, with_entropy, routing, segments)
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
     inverse = None
@@ -335,6 +345,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: moe.Routing | None = None,
+    segments: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` without padding: the rows' real tokens (prompt then
     response) are packed end to end, with position ids restarting at 0 on each row. With
@@ -361,7 +372,9 @@ def packed_logprobs(
             "token from; give every row a prompt, or set the policy's pack: false"
         )
     one_sequence = "flash" in str(getattr(model.config, "_attn_implementation", ""))
-    row_bin, row_start, bins, width = pack_rows(lengths, None if one_sequence else max(lengths))
+    row_bin, row_start, bins, width = pack_rows(
+        lengths, None if one_sequence else max(lengths), segments
+    )
     device = prompt.device
     pos = mask.long().cumsum(-1) - 1  # each row's own positions, as in the padded pass
     token_bin = torch.as_tensor(row_bin, device=device)[:, None].expand_as(mask)
@@ -398,6 +411,7 @@ def shared_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: moe.Routing | None = None,
+    segments: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`packed_logprobs` with each unit's shared prefixes computed once.
 
@@ -416,7 +430,12 @@ def shared_logprobs(
             "token from; give every row a prompt, or set the policy's pack: false"
         )
     tokens, lengths = prefix.row_tokens(batch)
-    layout = prefix.tree_layout(units, tokens, lengths.tolist(), len(lengths))
+    unit_segments = None
+    if segments is not None:
+        unit_segments = [segments[u.rows[0]] for u in units]
+        if any(segments[r] != s for u, s in zip(units, unit_segments, strict=True) for r in u.rows):
+            raise ValueError("shared log-probs: a prefix tree spans rows of several segments")
+    layout = prefix.tree_layout(units, tokens, lengths.tolist(), len(lengths), unit_segments)
     plen = batch["prompt_mask"].sum(-1).tolist()
     r_bin, r_col = [], []
     for i, cols in enumerate(layout.cols):  # response token k of row i: from position p+k-1
@@ -456,15 +475,27 @@ def shared_logprobs(
     return out, ent
 
 
-def pack_rows(lengths: list[int], width: int | None) -> tuple[list, list, int, int]:
+def pack_rows(
+    lengths: list[int], width: int | None, segments: Sequence[int] | None = None
+) -> tuple[list, list, int, int]:
     """First-fit-decreasing packing of rows of ``lengths`` into bins of ``width`` tokens
-    (None: one bin holding every row). Returns each row's bin and start column, the number
-    of bins and their width."""
+    (None: one bin holding every row, in order). Returns each row's bin and start column,
+    the number of bins and their width. ``segments``: rows of different segments never
+    share a bin; each segment's bins follow the previous segment's (ascending)."""
     if width is None:
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
         return [0] * len(lengths), starts, 1, sum(lengths)
+    if segments is not None and len(set(segments)) > 1:
+        row_bin, row_start, offset = [0] * len(lengths), [0] * len(lengths), 0
+        for seg in sorted(set(segments)):
+            rows = [i for i, s in enumerate(segments) if s == seg]
+            seg_bin, seg_start, n, _ = pack_rows([lengths[i] for i in rows], width)
+            for i, bi, si in zip(rows, seg_bin, seg_start, strict=True):
+                row_bin[i], row_start[i] = bi + offset, si
+            offset += n
+        return row_bin, row_start, offset, width
     used: list[int]  # tokens used in each bin
     row_bin, row_start, used = [0] * len(lengths), [0] * len(lengths), []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):

@@ -26,6 +26,7 @@ token sees the earlier tokens of its own node and of its ancestors only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -225,13 +226,20 @@ def _tree(unit: Unit, lengths: list[int]) -> tuple[list[list[int]], list[int], l
     return ordered, [end_node[r] for r in unit.rows], children
 
 
-def tree_layout(units: list[Unit], tokens: torch.Tensor, lengths: list[int], n: int) -> Layout:
-    """Pack ``units`` (trees) first-fit-decreasing into bins as wide as the largest one;
-    see :class:`Layout`."""
+def tree_layout(
+    units: list[Unit],
+    tokens: torch.Tensor,
+    lengths: list[int],
+    n: int,
+    segments: Sequence[int] | None = None,
+) -> Layout:
+    """Pack ``units`` (trees) first-fit-decreasing into bins as wide as the largest one
+    (``segments``: each unit's; see :func:`polyrl.core.policy.pack_rows`); see
+    :class:`Layout`."""
     from polyrl.core.policy import pack_rows
 
     sizes = [u.distinct for u in units]
-    unit_bin, unit_start, bins, width = pack_rows(sizes, max(sizes))
+    unit_bin, unit_start, bins, width = pack_rows(sizes, max(sizes), segments)
     device = tokens.device
     src_row, src_pos, tok_bin, tok_col, tok_end = [], [], [], [], []
     row_bin, cols = [0] * n, cast("list[torch.Tensor]", [None] * n)  # each row's set below

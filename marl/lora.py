@@ -229,7 +229,12 @@ class LoraAgentPolicy:
         with adapter_rows(self._peft, names, trainable) as router:
             union["prompt_ids"] = router.tag(union["prompt_ids"], owner)
             logp, ent = response_logprobs(
-                self._peft, union, temperature, with_entropy, pack=packs(self._peft, self.cfg.pack)
+                self._peft,
+                union,
+                temperature,
+                with_entropy,
+                pack=packs(self._peft, self.cfg.pack),
+                segments=owner.tolist(),  # each adapter's tokens together: no gathers
             )
         out = []
         for b, lp, en in zip(

@@ -115,10 +115,9 @@ class Router:
 
     def _add_terms(self, slots: list[tuple[int, str]]):
         """A forward hook on a LoRA layer (its adapters disabled: the output is the base
-        layer's) that adds each adapter's term to its own tokens only: the tokens sorted by
-        adapter (one gather), each adapter's slice through its dropout, A, B and scaling,
-        the terms put back in token order (one gather) and added: a fixed number of
-        full-size operations whatever the number of adapters."""
+        layer's) that adds each adapter's term to its own tokens only (:class:`_Terms`: in
+        place, tokens grouped by adapter by at most one gather). A layer whose adapters
+        drop out in training takes the autograd path (:meth:`_terms_by_autograd`)."""
         here = dict(slots)
 
         def hook(module, args, out):
@@ -128,26 +127,124 @@ class Router:
                     f"adapter_rows: a LoRA layer saw tokens of shape {tuple(x.shape[:-1])}, "
                     f"the model's input was {self._shape}"
                 )
-            mine = x.reshape(-1, x.shape[-1])
-            if self._order is not None:  # not already grouped by adapter
-                mine = mine.index_select(0, self._order.to(x.device))
-            terms = []
-            for k, part in enumerate(mine.split(self._counts)):
+            order = None if self._order is None else self._order.to(x.device)
+            drops = [module.lora_dropout[n] for n in here.values()]
+            if any(not isinstance(d, torch.nn.Identity) and d.training for d in drops):
+                return self._terms_by_autograd(module, here, x, out, order)
+            weights: list[torch.Tensor | None] = []
+            scales = []
+            for k in range(len(self.names)):
                 name = here.get(k)
-                if not len(part):
-                    continue
                 if name is None:  # this adapter has no LoRA on this layer
-                    terms.append(out.new_zeros(len(part), out.shape[-1]))
+                    weights += [None, None]
+                    scales.append(0.0)
                     continue
-                lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-                part = module.lora_dropout[name](part.to(lora_a.weight.dtype))
-                terms.append((lora_b(lora_a(part)) * module.scaling[name]).to(out.dtype))
-            term = torch.cat(terms) if len(terms) > 1 else terms[0]
-            if self._order is not None:
-                term = term.index_select(0, self._inverse.to(x.device))
-            return out + term.view_as(out)
+                weights += [module.lora_A[name].weight, module.lora_B[name].weight]
+                scales.append(float(module.scaling[name]))
+            if x.dtype != out.dtype or not out.is_contiguous():
+                return self._terms_by_autograd(module, here, x, out, order)
+            if any(w is not None and w.dtype != x.dtype for w in weights):
+                return self._terms_by_autograd(module, here, x, out, order)
+            inverse = None if order is None else self._inverse.to(x.device)
+            return _Terms.apply(out, x, order, inverse, self._counts, scales, *weights)
 
         return hook
+
+    def _terms_by_autograd(self, module, here: dict[int, str], x, out, order):
+        """The terms through PEFT's own modules (dropout, dtype casts) and autograd: the
+        tokens sorted by adapter, each adapter's slice through its dropout, A, B and
+        scaling, put back in token order and added."""
+        mine = x.reshape(-1, x.shape[-1])
+        if order is not None:  # not already grouped by adapter
+            mine = mine.index_select(0, order)
+        terms = []
+        for k, part in enumerate(mine.split(self._counts)):
+            name = here.get(k)
+            if not len(part):
+                continue
+            if name is None:
+                terms.append(out.new_zeros(len(part), out.shape[-1]))
+                continue
+            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+            part = module.lora_dropout[name](part.to(lora_a.weight.dtype))
+            terms.append((lora_b(lora_a(part)) * module.scaling[name]).to(out.dtype))
+        term = torch.cat(terms) if len(terms) > 1 else terms[0]
+        if order is not None:
+            term = term.index_select(0, self._inverse.to(x.device))
+        return out + term.view_as(out)
+
+
+class _Terms(torch.autograd.Function):
+    """``out[t] += s_k * B_k A_k x[t]`` for each token ``t`` of adapter ``k``, written into
+    ``out`` in place: per adapter two small matrix products on its slice of the tokens (a
+    view when the tokens come grouped by adapter, else one gather of ``x`` and one
+    scatter-add of the terms), with no full-size temporaries, and the backward's products
+    likewise (``out`` comes first: autograd's in-place bookkeeping for a view, which the
+    output of a Linear over 3-D input is, takes the first input as the one written). ``weights`` holds ``A_k, B_k`` per adapter (None, None: no LoRA here; its
+    tokens pass unchanged)."""
+
+    @staticmethod
+    def forward(ctx, out, x, order, inverse, counts, scales, *weights):
+        ctx.x_shape = x.shape
+        x, flat = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        xs = x if order is None else x.index_select(0, order)
+        term = flat if order is None else torch.empty_like(flat)
+        hs = []
+        start = 0
+        for k, n in enumerate(counts):
+            a, b = weights[2 * k], weights[2 * k + 1]
+            part = slice(start, start + n)
+            start += n
+            if a is None or not n:
+                hs.append(None)
+                if order is not None and n:
+                    term[part].zero_()
+                continue
+            h = xs[part] @ a.t()  # [n, r]
+            hs.append(h)
+            if order is None:
+                term[part].addmm_(h, b.t(), alpha=scales[k])
+            else:
+                torch.mm(h, b.t(), out=term[part]).mul_(scales[k])
+        if order is not None:
+            flat.index_add_(0, order, term)
+        ctx.mark_dirty(out)
+        ctx.counts, ctx.scales = counts, scales
+        ctx.save_for_backward(xs, order, inverse, *hs, *weights)
+        ctx.n_hs = len(hs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs, order, inverse, *rest = ctx.saved_tensors
+        hs, weights = rest[: ctx.n_hs], rest[ctx.n_hs :]
+        grad_out = grad
+        grad = grad.reshape(-1, grad.shape[-1])
+        gs = grad if order is None else grad.index_select(0, order)
+        need_x = ctx.needs_input_grad[1]
+        dxs = torch.empty_like(xs) if need_x else None
+        dweights: list[torch.Tensor | None] = [None] * len(weights)
+        start = 0
+        for k, n in enumerate(ctx.counts):
+            a, b, h = weights[2 * k], weights[2 * k + 1], hs[k]
+            part = slice(start, start + n)
+            start += n
+            if h is None:
+                if dxs is not None and n:
+                    dxs[part].zero_()
+                continue
+            g = gs[part]
+            dh = (g @ b).mul_(ctx.scales[k])  # [n, r]
+            if ctx.needs_input_grad[6 + 2 * k + 1]:
+                dweights[2 * k + 1] = (g.t() @ h).mul_(ctx.scales[k])
+            if ctx.needs_input_grad[6 + 2 * k]:
+                dweights[2 * k] = dh.t() @ xs[part]
+            if dxs is not None:
+                torch.mm(dh, a, out=dxs[part])
+        dx = None
+        if dxs is not None:
+            dx = (dxs if order is None else dxs.index_select(0, inverse)).view(ctx.x_shape)
+        return grad_out, dx, None, None, None, None, *dweights
 
 
 def lora_layers(peft_model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:

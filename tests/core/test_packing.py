@@ -104,6 +104,19 @@ def test_pack_rows_first_fit_decreasing():
     assert pack_rows([3, 12, 2], 8) == ([1, 0, 1], [0, 0, 3], 2, 8)  # too long: alone
 
 
+def test_pack_rows_keeps_segments_apart_and_in_order():
+    """By hand: segment 1 rows (lengths 5, 3) and segment 0 rows (8, 2, 4) into bins of 8.
+    Segment 0 first: 8 -> bin 0, 4 -> bin 1, 2 -> bin 1 (4+2); then segment 1: 5 -> bin 2,
+    3 -> bin 2 (5+3)."""
+    row_bin, start, bins, width = pack_rows([5, 8, 3, 2, 4], 8, segments=[1, 0, 1, 0, 0])
+    assert (bins, width) == (3, 8)
+    assert row_bin == [2, 0, 2, 1, 1]
+    assert start == [0, 0, 5, 4, 0]
+    # lengths 5, 6, 2: alone the 2 joins the 6 (first fit); in the 5's segment, the 5
+    assert pack_rows([5, 6, 2], 8) == ([1, 0, 0], [0, 0, 6], 2, 8)
+    assert pack_rows([5, 6, 2], 8, segments=[0, 1, 0]) == ([0, 1, 0], [0, 0, 5], 2, 8)
+
+
 def test_token_budget_micro_batches_cover_every_row_within_budget():
     lengths = torch.tensor([30, 5, 7, 60, 6, 5, 31, 8, 5, 9, 70, 4, 6, 5])
     budget = 64

@@ -9,7 +9,7 @@ import torch
 
 from polyrl.core.policy import response_logprobs
 from polyrl.core.record import concat, text_record
-from polyrl.marl.multi_lora import adapter_rows
+from polyrl.marl.multi_lora import _Terms, adapter_rows
 
 NAMES = ("a0", "a1", "a2")
 
@@ -78,14 +78,18 @@ def zero(pols):
             w.grad = None
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed", "tree"])
+@pytest.mark.parametrize(
+    "layout", ["padded", "packed", "tree", "packed by adapter", "tree by adapter"]
+)
 def test_routed_forward_equals_each_adapters_own(marl_config, layout):
     """Log-probs and each adapter's gradient from one routed pass over every adapter's rows
     equal the per-adapter passes, in the three layouts: padded (prompts shared through a
-    KV cache), packed, and packed trees of shared prefixes (the long prompts). A prompt used
-    by every adapter must not be shared across them."""
+    KV cache), packed, and packed trees of shared prefixes (the long prompts); packed with
+    the tokens interleaved across adapters (a gather in each layer) and grouped by adapter
+    (``segments``: no gather). A prompt used by every adapter must not be shared across
+    them."""
     pack = layout != "padded"
-    opts = {"pack": pack, "min_shared": 10**6 if layout == "packed" else 16}
+    opts = {"pack": pack, "min_shared": 10**6 if layout.startswith("packed") else 16}
     _, pols = make_agents(marl_config)
     peft = pols["a0"]._peft
     parts = batches()
@@ -105,9 +109,13 @@ def test_routed_forward_equals_each_adapters_own(marl_config, layout):
     # one pass over the union, each row through its own adapter
     union = concat(parts)
     ids = torch.cat([torch.full((b.batch_size[0],), k) for k, b in enumerate(parts)])
+    if layout.endswith("by adapter"):
+        opts["segments"] = ids.tolist()
     with adapter_rows(peft, list(NAMES), trainable=NAMES) as router:
         union["prompt_ids"] = router.tag(union["prompt_ids"], ids)
         lp = response_logprobs(peft, union, **opts)[0]
+        if pack:  # the last forward's tokens: grouped by adapter only with segments
+            assert (router._order is None) == layout.endswith("by adapter")
     (lp * torch.cat(weights)).sum().backward()
     got_grads = grads_of(pols)
     peft.train(False)
@@ -119,6 +127,44 @@ def test_routed_forward_equals_each_adapters_own(marl_config, layout):
         assert want_grads[n].keys() == got_grads[n].keys() and want_grads[n]
         for key, g in want_grads[n].items():
             assert torch.allclose(got_grads[n][key], g, atol=1e-5, rtol=1e-4), key
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias):
+    """_Terms (each adapter's LoRA term written into the base output in place, its backward
+    by hand) against the terms of every adapter for every token, picked by owner, through
+    autograd: output, input gradient and each trained adapter's A and B gradients. Three
+    adapters: one without LoRA on this layer (its tokens pass unchanged), one frozen (no
+    gradient). A Linear with bias over 3-D input returns a view (the in-place bookkeeping
+    case); tokens interleaved (one gather) or grouped by adapter."""
+    gen = torch.Generator().manual_seed(0)
+    d_in, d_out, r, scales = 6, 5, 3, [0.5, 0.0, 2.0]
+    base = torch.nn.Linear(d_in, d_out, bias=bias).requires_grad_(False)
+    a = [torch.randn(r, d_in, generator=gen) for _ in range(3)]
+    b = [torch.randn(d_out, r, generator=gen) for _ in range(3)]
+    a[0].requires_grad_(), b[0].requires_grad_()  # adapter 2 frozen, adapter 1 absent
+    emb = torch.randn(2, 6, d_in, generator=gen, requires_grad=True)
+    owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
+    if grouped:
+        owner = owner.sort().values
+    order = None if grouped else torch.argsort(owner, stable=True)
+    inverse = None if grouped else torch.argsort(order)
+    counts = torch.bincount(owner, minlength=3).tolist()
+    x = emb * 1.5
+    weights = [a[0], b[0], None, None, a[2], b[2]]
+    got = _Terms.apply(base(x), x, order, inverse, counts, scales, *weights)
+    probe = torch.randn(got.shape, generator=gen)
+    got_grads = torch.autograd.grad((got * probe).sum(), [emb, a[0], b[0]])
+    x = emb * 1.5
+    flat = x.reshape(-1, d_in)
+    every = torch.stack([(flat @ a[k].t() @ b[k].t()) * scales[k] * (k != 1) for k in range(3)])
+    want = base(x) + every[owner, torch.arange(len(owner))].view(2, 6, d_out)
+    want_grads = torch.autograd.grad((want * probe).sum(), [emb, a[0], b[0]])
+    assert torch.allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.allclose(g, w, atol=1e-5)
+    assert torch.equal(got.view(-1, d_out)[owner == 1], base(x).view(-1, d_out)[owner == 1])
 
 
 def test_per_row_ids_route_a_plain_forward(marl_config):
