@@ -15,7 +15,9 @@ of every agent (ppo_clip, token-mean, one epoch, no reference):
 Each contender is built in its own fresh process and the steps are interleaved
 round-robin (benchmarks/_common.py), so machine load hits both alike; the median wall and
 CPU seconds of the timed updates are printed per agent count, and the one-by-one /
-batched ratio, measured in the same run.
+batched ratio, measured in the same run, and the limit: the GEMM floor (:func:`gemm_floor`,
+the base's matrix products for the same tokens timed alone), below which no batching of
+the passes can go on the device.
 
 **Rollout** (:func:`rollout_case`): the same agent counts, every agent's ``--prompts``
 prompts x ``--n`` samples of ``--max-new-tokens`` tokens (random prompts, temperature 1),
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -121,7 +124,8 @@ def update_worker(spec: dict) -> None:
     records = _records(policies, spec["plan"])
     rows = sum(len(r) for r in records)
     tokens = sum(int(r["prompt_mask"].sum() + r["response_mask"].sum()) for r in records)
-    print(TAG + json.dumps({"rows": rows, "tokens": tokens}), flush=True)
+    floor = gemm_floor(policies[0].model, tokens, spec["device"], spec["dtype"])
+    print(TAG + json.dumps({"rows": rows, "tokens": tokens, "floor_s": floor}), flush=True)
     algo = AlgorithmConfig()
     for line in sys.stdin:
         if json.loads(line).get("op") != "step":
@@ -132,10 +136,45 @@ def update_worker(spec: dict) -> None:
         else:
             for p, rec in zip(policies, records, strict=True):
                 trainer.update(p, rec, algo)
+        out = {}
         if spec["device"] == "cuda":
             torch.cuda.synchronize()
-        out = {"wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0}
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out.update(wall_s=time.perf_counter() - w0, cpu_s=time.process_time() - c0)
         print(TAG + json.dumps(out), flush=True)
+
+
+def gemm_floor(model, tokens: int, device: str, dtype: str, reps: int = 3) -> float:
+    """The limit: seconds of the base's matrix products for ``tokens`` tokens, forward and
+    input gradient (the frozen base's share of a LoRA update's backward), each decoder
+    layer's Linear timed alone on random data (min of ``reps``). A batched pass does these
+    products too, so on a device where they dominate no batching goes below this."""
+    import collections
+
+    import torch
+
+    shapes = collections.Counter(
+        (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in name and "lora_" not in name
+    )
+    dt = getattr(torch, dtype)
+    total = 0.0
+    for (d_in, d_out), count in shapes.items():
+        x = torch.randn(tokens, d_in, device=device, dtype=dt)
+        w = torch.randn(d_out, d_in, device=device, dtype=dt)
+        g = torch.randn(tokens, d_out, device=device, dtype=dt)
+        best = math.inf
+        for _ in range(reps + 1):  # the first warms up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            x @ w.t(), g @ w
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        total += best * count
+    return total
 
 
 class Contender:
@@ -212,11 +251,17 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
             name: {
                 "wall_s": c.median_of(times[name], "wall_s"),
                 "cpu_s": c.median_of(times[name], "cpu_s"),
+                **(
+                    {"peak_gib": max(t["peak_gib"] for t in times[name])}
+                    if args.device == "cuda"
+                    else {}
+                ),
             }
             for name in procs
         }
         ratio = {k: per[ONE][k] / per[BATCHED][k] for k in ("wall_s", "cpu_s")}
-        info = procs[ONE].info
+        info = dict(procs[ONE].info)
+        info["floor_s"] = min(p.info["floor_s"] for p in procs.values())
         rows.append(
             [
                 agents,
@@ -228,6 +273,8 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
                 per[ONE]["cpu_s"],
                 per[BATCHED]["cpu_s"],
                 f"{ratio['cpu_s']:.2f}x",
+                info["floor_s"],
+                f"{per[ONE]['wall_s'] / info['floor_s']:.2f}x",
             ]
         )
         results["agents"][agents] = {"contenders": per, "ratio": ratio, "steps": times, **info}
@@ -243,9 +290,15 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
                 "one-by-one cpu s",
                 "batched cpu s",
                 "ratio",
+                "GEMM floor s",
+                "one-by-one / floor",
             ],
             rows,
         )
+    )
+    print(
+        "GEMM floor: the base's matrix products for these tokens alone (forward and input "
+        "gradient); one-by-one / floor bounds what any batching of the passes can gain here"
     )
     return results
 
@@ -264,7 +317,11 @@ def _rollout_engines(model: str, agents: int, engine: str, spec: dict) -> tuple[
     torch.manual_seed(0)
     shared: dict = {}
     cfg = PolicyConfig(
-        model=model, kind="lora_agent", lora=LoraConfig(r=16, alpha=32), device=spec["device"]
+        model=model,
+        kind="lora_agent",
+        lora=LoraConfig(r=16, alpha=32),
+        device=spec["device"],
+        dtype=spec.get("dtype") or ("bfloat16" if spec["device"] == "cuda" else "float32"),
     )
     policies = [
         POLICIES.get("lora_agent")(

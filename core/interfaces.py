@@ -262,9 +262,14 @@ class UpdatesTogether(Protocol):
 
     ``logprobs_together(policies, batches, temperature, with_entropy)`` is called on the
     first of them; it answers, for each batch, what ``policies[i].logprobs(batches[i], ...)``
-    would (gradients reaching each policy's own weights only)."""
+    would (gradients reaching each policy's own weights only); ``ref_logprobs_together``
+    likewise what ``policies[i].ref_logprobs(batches[i], ...)`` would."""
 
     def update_group(self) -> Any: ...
+
+    def ref_logprobs_together(
+        self, policies: Sequence[Any], batches: Sequence[TensorDict], temperature: float = 1.0
+    ) -> list[torch.Tensor]: ...
 
     def logprobs_together(
         self,

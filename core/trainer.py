@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -218,9 +218,11 @@ class _Run:
         )
 
 
-def _prepare(policy, batch, algo, temperature, dp, correction) -> _Run | None:
+def _prepare(policy, batch, algo, temperature, dp, correction, terms=None) -> _Run | None:
     """The rows on the policy's device with the old and reference terms the loss needs
-    (see :func:`update`); None when there is nothing to update."""
+    (see :func:`update`); None when there is nothing to update. ``terms``: those terms
+    already computed (``old_logprobs``, ``ref_logprobs``: :func:`update_together`'s shared
+    passes)."""
     n = batch.batch_size[0]
     if n == 0 or policy.optimizer is None:
         return None
@@ -228,10 +230,13 @@ def _prepare(policy, batch, algo, temperature, dp, correction) -> _Run | None:
     mb_size = policy.cfg.micro_batch_size
     reuse_old = algo.ppo_epochs == 1 and algo.minibatches == 1
     tokens = _token_budget(policy)
+    terms = terms or {}
     if not reuse_old:
-        batch["old_logprobs"] = _per_row(
-            lambda mb: policy.logprobs(mb, temperature)[0], batch, mb_size, dp, tokens(batch)
-        )
+        batch["old_logprobs"] = terms.get("old_logprobs")
+        if batch["old_logprobs"] is None:
+            batch["old_logprobs"] = _per_row(
+                lambda mb: policy.logprobs(mb, temperature)[0], batch, mb_size, dp, tokens(batch)
+            )
     # a policy may compute the recipe's KL estimator itself (OwnsKL): the reference terms
     # it needs (e.g. means) are stored where ref_logprobs would be
     owns_kl = (
@@ -247,6 +252,8 @@ def _prepare(policy, batch, algo, temperature, dp, correction) -> _Run | None:
             dp,
             tokens(batch),
         )
+    elif algo.kl_coef > 0 and "ref_logprobs" in terms:
+        batch["ref_logprobs"] = terms["ref_logprobs"]
     elif algo.kl_coef > 0:
         batch["ref_logprobs"] = _per_row(
             lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp, tokens(batch)
@@ -431,11 +438,33 @@ def update_together(
     passes merge: micro-batch ``k`` of every policy runs as one forward
     (``logprobs_together``), the losses are summed and take one backward -- each policy's
     weights get exactly the gradient of its own loss, as the one-by-one update computes it.
-    Returns each policy's metrics, in order.
+    The old log-probs (several epochs or mini-batches) and the reference log-probs (KL)
+    come from shared passes too (:func:`_terms_together`). Returns each policy's metrics,
+    in order.
     """
+    terms: list[dict] = [{} for _ in policies]
+    trained = [
+        i
+        for i, (p, b) in enumerate(zip(policies, batches, strict=True))
+        if b.batch_size[0] and p.optimizer is not None
+    ]
+    if trained and not isinstance(policies[trained[0]], OwnsKL):
+        first = policies[trained[0]]
+        some = ([policies[i] for i in trained], [batches[i] for i in trained])
+        wanted = {}
+        if not (algo.ppo_epochs == 1 and algo.minibatches == 1):
+            wanted["old_logprobs"] = lambda ps, bs: [
+                lp for lp, _ in first.logprobs_together(ps, bs, temperature)
+            ]
+        if algo.kl_coef > 0:
+            wanted["ref_logprobs"] = lambda ps, bs: first.ref_logprobs_together(ps, bs, temperature)
+        for key, fn in wanted.items():
+            with torch.no_grad():
+                for i, out in zip(trained, _terms_together(*some, fn), strict=True):
+                    terms[i][key] = out
     runs = [
-        _prepare(p, b, algo, temperature, None, correction)
-        for p, b in zip(policies, batches, strict=True)
+        _prepare(p, b, algo, temperature, None, correction, t)
+        for p, b, t in zip(policies, batches, terms, strict=True)
     ]
     live = [r for r in runs if r is not None]
     if any(r.owns_kl for r in live):  # its KL comes from its own forward (logprobs_and_kl)
@@ -471,6 +500,32 @@ def update_together(
     if live:
         live[0].policy.model.train(False)
     return [_metrics(r) if r is not None else {} for r in runs]
+
+
+def _terms_together(policies: list, batches: list[TensorDict], fn) -> list[torch.Tensor]:
+    """Per-row terms of every policy's rows (as :func:`_per_row` computes them for each
+    alone: its own micro-batches, by size or token budget) with micro-batch ``k`` of every
+    policy in ONE call ``fn(policies, micro_batches) -> [per-row tensor]``."""
+    plans = [
+        _micro_batch_rows(b.batch_size[0], p.cfg.micro_batch_size, None, _token_budget(p)(b))
+        for p, b in zip(policies, batches, strict=True)
+    ]
+    parts: list[list] = [[] for _ in policies]
+    for k in range(max(len(plan) for plan in plans)):
+        now = [i for i, plan in enumerate(plans) if k < len(plan)]
+        picks = [cast("torch.Tensor", plans[i][k]) for i in now]
+        outs = fn(
+            [policies[i] for i in now], [batches[i][r] for i, r in zip(now, picks, strict=True)]
+        )
+        for i, r, out in zip(now, picks, outs, strict=True):
+            parts[i].append((r, out))
+    result = []
+    for got in parts:
+        rows = torch.cat([r for r, _ in got])
+        local = torch.cat([o for _, o in got])
+        order = torch.empty_like(rows).index_copy_(0, rows, torch.arange(len(rows)))
+        result.append(local[order.to(local.device)])
+    return result
 
 
 def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:

@@ -350,6 +350,11 @@ def _multi_lora_figures(res: dict, figures: dict, plan: str) -> None:
             "ratio": r["ratio"]["wall_s"],
             "one_by_one_cpu_s": one["cpu_s"],
             "batched_cpu_s": both["cpu_s"],
+            **{
+                f"{k}_peak_gib": c["peak_gib"]
+                for k, c in (("one_by_one", one), ("batched", both))
+                if "peak_gib" in c
+            },
         }
     for key, r in (res.get("rollout") or {}).items():
         engine, agents = key.split("/")

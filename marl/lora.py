@@ -212,17 +212,8 @@ class LoraAgentPolicy:
         (the prompt ids tagged with it: marl.multi_lora), gradients to every trained one."""
         from polyrl.marl.multi_lora import adapter_rows
 
-        if any(p.update_group() != self.update_group() for p in policies):
-            raise ValueError(
-                f"policy {self.name!r}: logprobs_together takes lora_agent policies of one "
-                f"update group, got {[getattr(p, 'name', p) for p in policies]}"
-            )
-        keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-        union = concat(
-            [TensorDict({k: b[k] for k in keys}, batch_size=b.batch_size) for b in batches]
-        )
-        union = to_device(union, self.device)
-        sizes = [b.batch_size[0] for b in batches]
+        self._check_group(policies)
+        union, sizes = self._union(batches)
         owner = torch.repeat_interleave(torch.arange(len(policies)), torch.tensor(sizes))
         names = [p.adapter for p in policies]
         trainable = [p.adapter for p in policies if p.cfg.train]
@@ -246,6 +237,41 @@ class LoraAgentPolicy:
             width = b["response_ids"].shape[1]
             out.append((lp[:, :width], en[:, :width] if en is not None else None))
         return out
+
+    @torch.no_grad()
+    def ref_logprobs_together(
+        self, policies: Sequence[Any], batches: Sequence[TensorDict], temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """interfaces.UpdatesTogether: ``policies[i].ref_logprobs(batches[i])`` for every
+        ``i`` from one pass of the base (every adapter off) over the union of the rows;
+        untagged, so rows of different agents with one prompt share it where the pass
+        shares prefixes."""
+        self._check_group(policies)
+        union, sizes = self._union(batches)
+        with self._peft.disable_adapter():
+            logp, _ = response_logprobs(
+                self._peft, union, temperature, pack=packs(self._peft, self.cfg.pack)
+            )
+        return [
+            lp[:, : b["response_ids"].shape[1]]
+            for b, lp in zip(batches, logp.split(sizes), strict=True)
+        ]
+
+    def _check_group(self, policies: Sequence[Any]) -> None:
+        if any(p.update_group() != self.update_group() for p in policies):
+            raise ValueError(
+                f"policy {self.name!r}: passes together take lora_agent policies of one "
+                f"update group, got {[getattr(p, 'name', p) for p in policies]}"
+            )
+
+    def _union(self, batches: Sequence[TensorDict]) -> tuple[TensorDict, list[int]]:
+        """The rows of ``batches`` in one record (the columns a log-prob pass reads), on
+        this policy's device, and each batch's row count."""
+        keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+        union = concat(
+            [TensorDict({k: b[k] for k in keys}, batch_size=b.batch_size) for b in batches]
+        )
+        return to_device(union, self.device), [b.batch_size[0] for b in batches]
 
     def token_budget(self, batch: TensorDict):
         """Tokens per row and per micro-batch when the passes are packed, and the rows that

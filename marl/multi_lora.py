@@ -38,6 +38,7 @@ gradient checkpointing (its recompute would run the hooks again after the routin
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -250,27 +251,67 @@ class _Terms(torch.autograd.Function):
 def lora_layers(peft_model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:
     """Every LoRA layer of the model (all are switched to the base layer in the context),
     the adapters ``names`` checked to be plain Linear LoRA where they are."""
-    layers = []
-    for mod_name, mod in peft_model.named_modules():
+    layers = _lora_parts(peft_model)[0]
+    check_plain(peft_model, layers, names)
+    return layers
+
+
+_PARTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _lora_parts(peft_model: torch.nn.Module) -> tuple[list, list[tuple[str, torch.Tensor]]]:
+    """The model's LoRA layers and every LoRA weight with its adapter's name, found by one
+    walk over the modules and kept until the model's adapters change (a context per
+    micro-batch would otherwise walk the whole model three times)."""
+    key = tuple(sorted(getattr(peft_model, "peft_config", {})))
+    hit = _PARTS.get(peft_model)
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    layers, weights = [], []
+    for mod in peft_model.modules():
         lora_a = getattr(mod, "lora_A", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict) or not hasattr(mod, "enable_adapters"):
-            continue
+        if isinstance(lora_a, torch.nn.ModuleDict) and hasattr(mod, "enable_adapters"):
+            layers.append(mod)
+        for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            table = getattr(mod, attr, None)
+            if isinstance(table, (torch.nn.ModuleDict, torch.nn.ParameterDict)):
+                for adapter, part in table.items():
+                    if isinstance(part, torch.nn.Module):
+                        weights += [(adapter, w) for w in part.parameters(recurse=True)]
+                    else:
+                        weights.append((adapter, part))
+        variants = getattr(mod, "lora_magnitude_vector", None)
+        if isinstance(variants, torch.nn.ModuleDict):
+            for adapter, part in variants.items():
+                weights += [(adapter, w) for w in part.parameters()]
+    _PARTS[peft_model] = (key, layers, weights)
+    return layers, weights
+
+
+def check_plain(
+    peft_model: torch.nn.Module, layers: list[torch.nn.Module], names: Sequence[str]
+) -> None:
+    """Refuse merged layers and adapters of ``names`` that are not plain Linear LoRA."""
+
+    def where(mod: torch.nn.Module) -> str:
+        return next(n for n, m in peft_model.named_modules() if m is mod)
+
+    for mod in layers:
         if getattr(mod, "merged", False):
             raise ValueError(
-                f"adapter_rows: adapters are merged into {mod_name!r}; unmerge them first"
+                f"adapter_rows: adapters are merged into {where(mod)!r}; unmerge them first"
             )
+        lora_a = mod.lora_A
         variants = getattr(mod, "lora_variant", {}) or {}
         embeds = getattr(mod, "lora_embedding_A", {}) or {}
         for n in names:
             plain = n not in lora_a or isinstance(lora_a[n], torch.nn.Linear)
             if n in variants or n in embeds or not plain:
                 raise ValueError(
-                    f"adapter_rows: adapter {n!r} at {mod_name!r} is not a plain Linear LoRA "
-                    "(DoRA, embedding and convolution adapters are not supported); batch "
+                    f"adapter_rows: adapter {n!r} at {where(mod)!r} is not a plain Linear LoRA"
+                    " (DoRA, embedding and convolution adapters are not supported); batch "
                     "only plain LoRA adapters"
                 )
-        layers.append(mod)
-    return layers
 
 
 @contextmanager
@@ -300,13 +341,13 @@ def adapter_rows(
             "a later forward's rows. Train these adapters one by one (or turn it off)"
         )
     router = Router(names, base.get_input_embeddings().num_embeddings)
-    layers = lora_layers(peft_model, names)
-    marks = tuple(f".lora_{ab}.{n}." for n in trainable for ab in "AB")
+    layers, lora_weights = _lora_parts(peft_model)
+    check_plain(peft_model, layers, names)
+    keep = set(trainable)
 
     def pin() -> None:  # PEFT's set_adapter sets requires_grad by activity; ours instead
-        for k, p in peft_model.named_parameters():
-            if "lora_" in k:
-                p.requires_grad_(any(m in k for m in marks))
+        for adapter, w in lora_weights:
+            w.requires_grad_(adapter in keep)
 
     enabled = [layer for layer in layers if not layer.disable_adapters]
     handles = [base.register_forward_pre_hook(router._model_pre_hook, with_kwargs=True)]

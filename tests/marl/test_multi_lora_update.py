@@ -291,13 +291,37 @@ def test_batched_update_equals_one_by_one(marl_config, pack):
     assert clipped > 0.05
 
 
-def test_batched_update_keeps_each_partition(marl_config):
+def test_batched_update_keeps_each_partition(marl_config, monkeypatch):
     """Two mini-batches and two epochs (old log-probs recomputed; each policy's shuffles
     drawn from the shared generator in the one-by-one order, not epoch by epoch) and a KL
-    term: each policy's mini-batches are those of its own update."""
+    term: each policy's mini-batches are those of its own update. The batched update takes
+    the old and reference log-probs from shared passes too: no per-policy pass."""
+    from polyrl.core import trainer
+    from polyrl.marl.lora import LoraAgentPolicy
+
+    calls: list[str] = []
+    for name in ("logprobs", "ref_logprobs"):
+        real = getattr(LoraAgentPolicy, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(LoraAgentPolicy, name, counted)
+    inside: list[str] = []
+    real_together = trainer.update_together
+
+    def together(*a, **k):
+        start = len(calls)
+        out = real_together(*a, **k)
+        inside.extend(calls[start:])
+        return out
+
+    monkeypatch.setattr(trainer, "update_together", together)
     kw = {"minibatches": 2, "ppo_epochs": 2, "kl_coef": 0.1}
     one, batched = run_both(marl_config, True, kw, seed=3)
     assert_same(one, batched)
+    assert {"logprobs", "ref_logprobs"} <= set(calls) and inside == []
 
 
 def test_team_run_logs_the_same_batched_and_one_by_one(marl_config, tmp_path, monkeypatch):
