@@ -4,7 +4,8 @@
 linear layer, each its own AdamW) on the 20M benchmark model, each with its own record of
 ``--prompts`` prompts x ``--n`` responses (arithmetic prompts, chat-templated, 12 to 14
 tokens; responses of ``--max-new-tokens`` random tokens; random advantages). One GRPO update
-of every agent (ppo_clip, token-mean, one epoch, no reference):
+of every agent (ppo_clip, token-mean, one epoch; ``--minibatches`` above 1 recomputes the
+old log-probs first, ``--kl-coef`` above 0 adds the reference pass):
 
 - ``one-by-one``: ``polyrl.core.trainer.update`` per agent, as the loop ran them before
   (``args.batch_update: false``): each agent's micro-batches are passes of their own;
@@ -126,7 +127,7 @@ def update_worker(spec: dict) -> None:
     tokens = sum(int(r["prompt_mask"].sum() + r["response_mask"].sum()) for r in records)
     floor = gemm_floor(policies[0].model, tokens, spec["device"], spec["dtype"])
     print(TAG + json.dumps({"rows": rows, "tokens": tokens, "floor_s": floor}), flush=True)
-    algo = AlgorithmConfig()
+    algo = AlgorithmConfig(minibatches=spec["minibatches"], kl_coef=spec["kl_coef"])
     for line in sys.stdin:
         if json.loads(line).get("op") != "step":
             break
@@ -216,7 +217,8 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
     print(
         f"\nupdate: one GRPO update of every agent, {args.prompts} prompts x {args.n} "
         f"responses of {args.max_new_tokens} tokens each; micro_batch_size "
-        f"{args.micro_batch_size}; {warmup} warm-up + {steps} timed, interleaved round-robin"
+        f"{args.micro_batch_size}; {args.minibatches} mini-batch(es), KL coef {args.kl_coef}; "
+        f"{warmup} warm-up + {steps} timed, interleaved round-robin"
     )
     results: dict = {"plan": plan, "agents": {}}
     rows = []
@@ -233,6 +235,8 @@ def update_case(args, threads: int, model: str, warmup: int, steps: int) -> dict
                     "dtype": args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
                     "micro_batch_size": args.micro_batch_size,
                     "plan": plan,
+                    "minibatches": args.minibatches,
+                    "kl_coef": args.kl_coef,
                 },
             )
             for name in (ONE, BATCHED)
@@ -413,6 +417,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4, help="responses per prompt")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument(
+        "--minibatches",
+        type=int,
+        default=1,
+        help="mini-batches per update (more than 1: old log-probs recomputed first)",
+    )
+    p.add_argument("--kl-coef", type=float, default=0.0, help="KL to the base (reference pass)")
     p.add_argument(
         "--rollout-engines",
         nargs="*",
