@@ -125,7 +125,9 @@ def update_worker(spec: dict) -> None:
     records = _records(policies, spec["plan"])
     rows = sum(len(r) for r in records)
     tokens = sum(int(r["prompt_mask"].sum() + r["response_mask"].sum()) for r in records)
-    floor = gemm_floor(policies[0].model, tokens, spec["device"], spec["dtype"])
+    # forward-only passes before the update: old log-probs (several mini-batches), reference
+    extra = int(spec["minibatches"] > 1) + int(spec["kl_coef"] > 0)
+    floor = gemm_floor(policies[0].model, tokens, spec["device"], spec["dtype"], extra)
     print(TAG + json.dumps({"rows": rows, "tokens": tokens, "floor_s": floor}), flush=True)
     algo = AlgorithmConfig(minibatches=spec["minibatches"], kl_coef=spec["kl_coef"])
     for line in sys.stdin:
@@ -145,11 +147,14 @@ def update_worker(spec: dict) -> None:
         print(TAG + json.dumps(out), flush=True)
 
 
-def gemm_floor(model, tokens: int, device: str, dtype: str, reps: int = 3) -> float:
+def gemm_floor(
+    model, tokens: int, device: str, dtype: str, forwards: int = 0, reps: int = 3
+) -> float:
     """The limit: seconds of the base's matrix products for ``tokens`` tokens, forward and
-    input gradient (the frozen base's share of a LoRA update's backward), each decoder
-    layer's Linear timed alone on random data (min of ``reps``). A batched pass does these
-    products too, so on a device where they dominate no batching goes below this."""
+    input gradient (the frozen base's share of a LoRA update's backward) plus ``forwards``
+    forward-only passes (old and reference log-probs), each decoder layer's Linear timed
+    alone on random data (min of ``reps``). Batched passes do these products too, so on a
+    device where they dominate no batching goes below this."""
     import collections
 
     import torch
@@ -165,16 +170,17 @@ def gemm_floor(model, tokens: int, device: str, dtype: str, reps: int = 3) -> fl
         x = torch.randn(tokens, d_in, device=device, dtype=dt)
         w = torch.randn(d_out, d_in, device=device, dtype=dt)
         g = torch.randn(tokens, d_out, device=device, dtype=dt)
-        best = math.inf
+        best = [math.inf, math.inf]
         for _ in range(reps + 1):  # the first warms up
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            x @ w.t(), g @ w
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        total += best * count
+            for k, (a, b) in enumerate(((x, w.t()), (g, w))):  # forward, input gradient
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                a @ b
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                best[k] = min(best[k], time.perf_counter() - t0)
+        total += (best[0] * (1 + forwards) + best[1]) * count
     return total
 
 
