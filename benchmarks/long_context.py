@@ -237,7 +237,8 @@ def worker(spec: dict) -> None:
 
     from polyrl.core import prefix, trainer
     from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig, prefix_units
+    from polyrl.core.passes import prefix_units
+    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
     c.set_threads(spec["threads"])
     device = spec["device"]

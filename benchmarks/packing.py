@@ -110,7 +110,8 @@ def worker(spec: dict) -> None:
 
     from polyrl.core import trainer
     from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig, pack_rows, packs
+    from polyrl.core.passes import pack_rows, packs
+    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
     c.set_threads(spec["threads"])
     device = spec["device"]

@@ -234,9 +234,9 @@ def tree_layout(
     segments: Sequence[int] | None = None,
 ) -> Layout:
     """Pack ``units`` (trees) first-fit-decreasing into bins as wide as the largest one
-    (``segments``: each unit's; see :func:`polyrl.core.policy.pack_rows`); see
+    (``segments``: each unit's; see :func:`polyrl.core.passes.pack_rows`); see
     :class:`Layout`."""
-    from polyrl.core.policy import pack_rows
+    from polyrl.core.passes import pack_rows  # lazily: passes imports this module
 
     sizes = [u.distinct for u in units]
     unit_bin, unit_start, bins, width = pack_rows(sizes, max(sizes), segments)

@@ -41,7 +41,7 @@ from tensordict import TensorDict
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.correction import Mismatch, RolloutCorrection, weights
 from polyrl.core.interfaces import OwnsKL, PacksRows, RoutesExperts
-from polyrl.core.policy import pack_rows
+from polyrl.core.passes import pack_rows
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
 

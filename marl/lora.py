@@ -33,13 +33,12 @@ from tensordict import TensorDict
 from polyrl.core.config import doc
 from polyrl.core.interfaces import MixesRows, PolicyBuild
 from polyrl.core.options import Options, bind
+from polyrl.core.passes import packs, response_logprobs
 from polyrl.core.policy import (
     CausalLMPolicy,
     checkpoint_state,
     load_checkpoint_state,
     lr_lambda,
-    packs,
-    response_logprobs,
     token_budget,
     warm_start_optimizer,
 )

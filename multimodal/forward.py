@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from polyrl.core import prefix
-from polyrl.core.policy import shares, token_logprobs
+from polyrl.core.passes import shares, token_logprobs
 from polyrl.multimodal.turns import placeholder_mask
 from polyrl.multimodal.vision import COUNTERS, VisionInputs
 

@@ -16,7 +16,7 @@ from polyrl.core.algorithms import AggInfo
 from polyrl.core.config import ConfigError, UserError
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.moe import MoeConfig, Routing, routers
-from polyrl.core.policy import prefix_units
+from polyrl.core.passes import prefix_units
 from polyrl.core.record import Row, build_rows, concat
 from polyrl.core.tiny import tiny_qwen3_moe
 from tests.helpers.trainer import chat_ids, make_policy

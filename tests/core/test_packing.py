@@ -14,13 +14,8 @@ import torch
 
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.credit import group_credit
-from polyrl.core.policy import (
-    CausalLMPolicy,
-    PolicyConfig,
-    pack_rows,
-    packs,
-    response_logprobs,
-)
+from polyrl.core.passes import pack_rows, packs, response_logprobs
+from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.record import text_record
 from polyrl.core.trainer import _micro_batch_rows, update
 from tests.helpers.packing import make_policy, passes

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig, response_logprobs
+from polyrl.core.passes import response_logprobs
+from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 from polyrl.core.record import text_record
 
 

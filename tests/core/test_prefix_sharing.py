@@ -15,7 +15,8 @@ import torch
 from polyrl.core import prefix
 from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.credit import group_credit
-from polyrl.core.policy import PolicyConfig, prefix_units, response_logprobs
+from polyrl.core.passes import prefix_units, response_logprobs
+from polyrl.core.policy import PolicyConfig
 from polyrl.core.record import text_record
 from polyrl.core.trainer import _micro_batch_rows, update
 from tests.helpers.packing import make_policy, passes
@@ -211,7 +212,7 @@ def test_reference_pass_shares_and_matches(tiny_model_dir):
 def test_no_tree_where_the_attention_cannot_take_its_mask(tiny_model_dir):
     """Flash attention (varlen: no tree mask) and sliding windows keep the packed pass, and
     the token budget then has no units; ``shared_prefix: false`` too."""
-    from polyrl.core.policy import shares
+    from polyrl.core.passes import shares
 
     policy = make_policy(tiny_model_dir)
     batch = tree_batch()

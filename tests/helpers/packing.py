@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig, response_logprobs
+from polyrl.core.passes import response_logprobs
+from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
 
 def make_policy(model_dir, *, attn="sdpa", lora=0, **kw):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.policy import response_logprobs
+from polyrl.core.passes import response_logprobs
 from polyrl.core.record import concat, text_record
 from polyrl.marl.multi_lora import _Terms, adapter_rows
 
