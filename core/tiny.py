@@ -291,24 +291,50 @@ def tiny_qwen2(
     already at ``path`` is returned untouched (recipes build through :func:`ensure_model`,
     which first checks the directory's build record).
     """
+    return _write_tiny(
+        path,
+        build_tiny_qwen2,
+        corpus=corpus,
+        vocab_size=vocab_size,
+        seed=seed,
+        pretrain_steps=pretrain_steps,
+        pretrain_lr=pretrain_lr,
+        pretrain_on=pretrain_on,
+        task_args=task_args,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        vocab_rows=vocab_rows,
+    )
+
+
+def _write_tiny(
+    path: str | Path,
+    build_model: Callable[..., Any],
+    *,
+    corpus: str,
+    vocab_size: int,
+    seed: int,
+    pretrain_steps: int,
+    pretrain_lr: float,
+    pretrain_on: str,
+    task_args: dict | None,
+    **model_args: Any,
+) -> Path:
+    """What the registered tiny builders share: ``corpus``'s tokenizer, the model
+    ``build_model(tokenizer, seed=seed, **model_args)`` makes for it, optionally pretrained
+    (see :func:`tiny_qwen2`), written once at ``path`` (:func:`build_once`)."""
     if pretrain_on not in ("corpus", "sft"):
         raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
 
     def write(tmp: Path) -> None:
         tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
-        model = build_tiny_qwen2(
-            tokenizer,
-            seed=seed,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
-            vocab_rows=vocab_rows,
-        )
+        model = build_model(tokenizer, seed=seed, **model_args)
         if pretrain_steps:
             texts = (
                 TASKS.get(corpus).corpus()
@@ -409,37 +435,28 @@ def tiny_qwen3_moe(
     tokenizer and pretraining (the same corpus gives the same tokenizer, token for token),
     with a mixture-of-experts model (:func:`build_tiny_qwen3_moe`) in place of the dense one.
     """
-    if pretrain_on not in ("corpus", "sft"):
-        raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {pretrain_on!r}")
-
-    def write(tmp: Path) -> None:
-        tokenizer = build_tokenizer(TASKS.get(corpus).corpus(), vocab_size=vocab_size)
-        model = build_tiny_qwen3_moe(
-            tokenizer,
-            seed=seed,
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_experts=num_experts,
-            experts_per_token=experts_per_token,
-            moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=norm_topk_prob,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
-        )
-        if pretrain_steps:
-            texts = (
-                TASKS.get(corpus).corpus()
-                if pretrain_on == "corpus"
-                else warm_start_texts(corpus, tokenizer, seed, task_args)
-            )
-            pretrain(model, tokenizer, texts, pretrain_steps, pretrain_lr, seed)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    return build_once(path, write)
+    return _write_tiny(
+        path,
+        build_tiny_qwen3_moe,
+        corpus=corpus,
+        vocab_size=vocab_size,
+        seed=seed,
+        pretrain_steps=pretrain_steps,
+        pretrain_lr=pretrain_lr,
+        pretrain_on=pretrain_on,
+        task_args=task_args,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+    )
 
 
 def build_once(
