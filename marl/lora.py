@@ -150,11 +150,7 @@ class LoraAgentPolicy:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = self.model
         return response_logprobs(
-            model,
-            to_device(batch, self.device),
-            temperature,
-            with_entropy,
-            pack=packs(model, self.cfg.pack),
+            model, to_device(batch, self.device), temperature, with_entropy, **self._layout(True)
         )
 
     @torch.no_grad()
@@ -162,8 +158,20 @@ class LoraAgentPolicy:
         model = self.model
         with model.disable_adapter():
             return response_logprobs(
-                model, to_device(batch, self.device), temperature, pack=packs(model, self.cfg.pack)
+                model, to_device(batch, self.device), temperature, **self._layout(False)
             )[0]
+
+    def _layout(self, grads: bool) -> dict[str, Any]:
+        """The pass layout the policy's config asks for (``pack``, ``shared_prefix``,
+        ``shared_prefix_min_tokens``); a padded pass under gradient checkpointing does not
+        share prompts (their KV cache would not survive the recompute)."""
+        pack = packs(self._peft, self.cfg.pack)
+        ckpt = grads and self.cfg.gradient_checkpointing
+        return {
+            "shared_prefix": self.cfg.shared_prefix and (pack or not ckpt),
+            "pack": pack,
+            "min_shared": self.cfg.shared_prefix_min_tokens,
+        }
 
     def row_group(self) -> Any:
         """interfaces.MixesRows: the adapters of one shared PEFT model run together."""
@@ -223,7 +231,7 @@ class LoraAgentPolicy:
                 union,
                 temperature,
                 with_entropy,
-                pack=packs(self._peft, self.cfg.pack),
+                **self._layout(True),
                 segments=owner.tolist(),  # each adapter's tokens together: no gathers
             )
         out = []
@@ -248,9 +256,7 @@ class LoraAgentPolicy:
         self._check_group(policies)
         union, sizes = self._union(batches)
         with self._peft.disable_adapter():
-            logp, _ = response_logprobs(
-                self._peft, union, temperature, pack=packs(self._peft, self.cfg.pack)
-            )
+            logp, _ = response_logprobs(self._peft, union, temperature, **self._layout(False))
         return [
             lp[:, : b["response_ids"].shape[1]]
             for b, lp in zip(batches, logp.split(sizes), strict=True)

@@ -367,3 +367,39 @@ def test_team_run_logs_the_same_batched_and_one_by_one(marl_config, tmp_path, mo
                 assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(a[k])), k
             else:
                 assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize(
+    ("shared", "min_tokens", "trees"), [(True, 16, True), (False, 16, False), (True, 64, False)]
+)
+def test_lora_passes_follow_the_shared_prefix_options(
+    marl_config, monkeypatch, shared, min_tokens, trees
+):
+    """A lora_agent's own passes, its reference pass and the shared passes take the
+    policy's ``shared_prefix`` and ``shared_prefix_min_tokens``: the 20-token prompts run as
+    prefix trees only when sharing is on and their length reaches the minimum."""
+    from polyrl.core import passes
+
+    sets = []
+    for n in NAMES:
+        sets += [f"policies.{n}.pack=true", f"policies.{n}.shared_prefix={str(shared).lower()}"]
+        sets += [f"policies.{n}.shared_prefix_min_tokens={min_tokens}"]
+    _, pols = make_agents(marl_config, NAMES, *sets)
+    seen: list[str] = []
+    for name in ("shared_logprobs", "packed_logprobs"):
+        real = getattr(passes, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(passes, name, spy)
+    parts = batches()
+    first = pols[NAMES[0]]
+    with torch.no_grad():
+        first.logprobs(parts[0])
+        first.ref_logprobs(parts[0])
+        first.logprobs_together(list(pols.values()), parts)
+        first.ref_logprobs_together(list(pols.values()), parts)
+    want = "shared_logprobs" if trees else "packed_logprobs"
+    assert seen == [want] * 4
