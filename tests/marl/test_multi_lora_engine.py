@@ -12,44 +12,13 @@ from dataclasses import replace
 
 import torch
 
-from polyrl.core.engine import HFEngine, Request, SamplingParams
+from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings, text_record
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.signaling import make_row
+from tests.helpers.lora import NAMES, lora_pair, mixed_asks, prompts
 
 HERE = "tests.marl.test_multi_lora_engine"
-NAMES = ("speaker", "listener")
-
-
-def lora_pair(marl_config, *extra: str):
-    """Two lora_agent policies on the tiny signaling base, with adapters that differ from
-    each other and from the base (random lora_B: PEFT starts it at zero)."""
-    from polyrl.core.registry import POLICIES
-
-    cfg = marl_config(
-        *(f"policies.{n}.{k}" for n in NAMES for k in ("kind=lora_agent", "lora.r=4")), *extra
-    )
-    torch.manual_seed(0)
-    shared: dict = {}
-    pols = {
-        n: POLICIES.get(p.kind)(n, p, total_steps=1, need_reference=False, shared=shared)
-        for n, p in cfg.policies.items()
-    }
-    for p in pols.values():
-        state = p.trainable_state()
-        p.load_trainable_state({k: v + 0.3 * torch.randn_like(v) for k, v in state.items()})
-    return cfg, pols
-
-
-def prompts(policy, texts):
-    tok = policy.tokenizer
-    chat = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-        )
-        for t in texts
-    ]
-    return [tok.encode(c, add_special_tokens=False) for c in chat]
 
 
 def trainer_logprobs(policy, prompt_ids, outs):
@@ -73,16 +42,7 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
     engines = {n: HFEngine(p, seed=i) for i, (n, p) in enumerate(pols.items())}
     s, lis = engines["speaker"], engines["listener"]
     assert s.mix_key() == lis.mix_key() is not None
-    # prompts of different lengths; short budgets make rows leave the decode batch early
-    texts = {"speaker": ["object 1", "pick the object 2 3"], "listener": ["c", "dog 2", "ab"]}
-    budgets = {"speaker": (2, None), "listener": (None, 1, 3)}
-    asks = {
-        n: [
-            Request(p, max_new_tokens=b)
-            for p, b in zip(prompts(pols[n], texts[n]), budgets[n], strict=True)
-        ]
-        for n in NAMES
-    }
+    asks = mixed_asks(pols)
     greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
     apart = {n: engines[n].generate(asks[n], greedy) for n in NAMES}
     peft = pols["speaker"].model

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import HFEngine, Request, SamplingParams
-from tests.marl.test_multi_lora_engine import NAMES, lora_pair, prompts
+from polyrl.core.engine import HFEngine, SamplingParams
+from tests.helpers.lora import NAMES, lora_pair, mixed_asks
 
 
 @pytest.mark.parametrize("seed", [None, 7])
@@ -25,15 +25,7 @@ def test_merged_sampled_call_equals_the_separate_calls(marl_config, one_thread, 
     engines = {n: HFEngine(p, seed=i) for i, (n, p) in enumerate(pols.items())}
     # different budgets and eos make rows finish at different steps; the merged batch
     # drops them when an eighth of ITS rows is done, each separate call of its own
-    texts = {"speaker": ["object 1", "pick the object 2 3"], "listener": ["c", "dog 2", "ab"]}
-    budgets = {"speaker": (2, None), "listener": (None, 1, 3)}
-    asks = {
-        n: [
-            Request(p, max_new_tokens=b)
-            for p, b in zip(prompts(pols[n], texts[n]), budgets[n], strict=True)
-        ]
-        for n in NAMES
-    }
+    asks = mixed_asks(pols)
     hot = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=seed)
     before = {n: e.state_dict() for n, e in engines.items()}
     apart = {n: engines[n].generate(asks[n], hot) for n in NAMES}
