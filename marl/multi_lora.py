@@ -144,8 +144,6 @@ class Router:
                 scales.append(float(module.scaling[name]))
             if x.dtype != out.dtype or not out.is_contiguous():
                 return self._terms_by_autograd(module, here, x, out, order)
-            if any(w is not None and w.dtype != x.dtype for w in weights):
-                return self._terms_by_autograd(module, here, x, out, order)
             inverse = None if order is None else self._inverse.to(x.device)
             return _Terms.apply(out, x, order, inverse, self._counts, scales, *weights)
 
@@ -180,9 +178,12 @@ class _Terms(torch.autograd.Function):
     ``out`` in place: per adapter two small matrix products on its slice of the tokens (a
     view when the tokens come grouped by adapter, else one gather of ``x`` and one
     scatter-add of the terms), with no full-size temporaries, and the backward's products
-    likewise (``out`` comes first: autograd's in-place bookkeeping for a view, which the
-    output of a Linear over 3-D input is, takes the first input as the one written). ``weights`` holds ``A_k, B_k`` per adapter (None, None: no LoRA here; its
-    tokens pass unchanged)."""
+    likewise. ``out`` comes first: autograd's in-place bookkeeping for a view (a Linear's
+    output over 3-D input is one) takes the first input as the one written. ``weights``
+    holds ``A_k, B_k`` per adapter (None, None: no LoRA here; its tokens pass unchanged).
+    Adapter weights in another dtype than the activations (PEFT keeps them in float32 over
+    a bfloat16 base) get their tokens cast to theirs and their terms cast back, as PEFT's
+    own layer does."""
 
     @staticmethod
     def forward(ctx, out, x, order, inverse, counts, scales, *weights):
@@ -201,12 +202,16 @@ class _Terms(torch.autograd.Function):
                 if order is not None and n:
                     term[part].zero_()
                 continue
-            h = xs[part] @ a.t()  # [n, r]
+            h = xs[part].to(a.dtype) @ a.t()  # [n, r]
             hs.append(h)
-            if order is None:
+            if order is None and a.dtype == term.dtype:
                 term[part].addmm_(h, b.t(), alpha=scales[k])
-            else:
+            elif a.dtype == term.dtype:
                 torch.mm(h, b.t(), out=term[part]).mul_(scales[k])
+            elif order is None:
+                term[part].add_((h @ b.t()).mul_(scales[k]).to(term.dtype))
+            else:
+                term[part].copy_((h @ b.t()).mul_(scales[k]))
         if order is not None:
             flat.index_add_(0, order, term)
         ctx.mark_dirty(out)
@@ -234,14 +239,16 @@ class _Terms(torch.autograd.Function):
                 if dxs is not None and n:
                     dxs[part].zero_()
                 continue
-            g = gs[part]
+            g = gs[part].to(b.dtype)
             dh = (g @ b).mul_(ctx.scales[k])  # [n, r]
             if ctx.needs_input_grad[6 + 2 * k + 1]:
                 dweights[2 * k + 1] = (g.t() @ h).mul_(ctx.scales[k])
             if ctx.needs_input_grad[6 + 2 * k]:
-                dweights[2 * k] = dh.t() @ xs[part]
-            if dxs is not None:
+                dweights[2 * k] = dh.t() @ xs[part].to(a.dtype)
+            if dxs is not None and a.dtype == dxs.dtype:
                 torch.mm(dh, a, out=dxs[part])
+            elif dxs is not None:
+                dxs[part].copy_(dh @ a)
         dx = None
         if dxs is not None:
             dx = (dxs if order is None else dxs.index_select(0, inverse)).view(ctx.x_shape)

@@ -130,21 +130,25 @@ def test_routed_forward_equals_each_adapters_own(marl_config, layout):
 
 
 @pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("bias", [True, False])
-def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias):
+@pytest.mark.parametrize(
+    ("bias", "base_dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")]
+)
+def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias, base_dtype):
     """_Terms (each adapter's LoRA term written into the base output in place, its backward
     by hand) against the terms of every adapter for every token, picked by owner, through
     autograd: output, input gradient and each trained adapter's A and B gradients. Three
     adapters: one without LoRA on this layer (its tokens pass unchanged), one frozen (no
     gradient). A Linear with bias over 3-D input returns a view (the in-place bookkeeping
-    case); tokens interleaved (one gather) or grouped by adapter."""
+    case); tokens interleaved (one gather) or grouped by adapter; a bfloat16 base with
+    float32 adapters (PEFT's autocast) summed as PEFT does: in float32, then cast."""
     gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, base_dtype)
     d_in, d_out, r, scales = 6, 5, 3, [0.5, 0.0, 2.0]
-    base = torch.nn.Linear(d_in, d_out, bias=bias).requires_grad_(False)
+    base = torch.nn.Linear(d_in, d_out, bias=bias).to(dt).requires_grad_(False)
     a = [torch.randn(r, d_in, generator=gen) for _ in range(3)]
     b = [torch.randn(d_out, r, generator=gen) for _ in range(3)]
     a[0].requires_grad_(), b[0].requires_grad_()  # adapter 2 frozen, adapter 1 absent
-    emb = torch.randn(2, 6, d_in, generator=gen, requires_grad=True)
+    emb = torch.randn(2, 6, d_in, generator=gen).to(dt).requires_grad_()
     owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
     if grouped:
         owner = owner.sort().values
@@ -154,16 +158,18 @@ def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias):
     x = emb * 1.5
     weights = [a[0], b[0], None, None, a[2], b[2]]
     got = _Terms.apply(base(x), x, order, inverse, counts, scales, *weights)
-    probe = torch.randn(got.shape, generator=gen)
+    probe = torch.randn(got.shape, generator=gen).to(dt)
     got_grads = torch.autograd.grad((got * probe).sum(), [emb, a[0], b[0]])
     x = emb * 1.5
-    flat = x.reshape(-1, d_in)
+    flat = x.reshape(-1, d_in).float()
     every = torch.stack([(flat @ a[k].t() @ b[k].t()) * scales[k] * (k != 1) for k in range(3)])
-    want = base(x) + every[owner, torch.arange(len(owner))].view(2, 6, d_out)
+    picked = every[owner, torch.arange(len(owner))].view(2, 6, d_out)
+    want = (base(x).float() + picked).to(dt)
     want_grads = torch.autograd.grad((want * probe).sum(), [emb, a[0], b[0]])
-    assert torch.allclose(got, want, atol=1e-5)
+    tol = {"atol": 1e-5} if dt == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    assert got.dtype == dt and torch.allclose(got, want, **tol)
     for g, w in zip(got_grads, want_grads, strict=True):
-        assert torch.allclose(g, w, atol=1e-5)
+        assert g.dtype == w.dtype and torch.allclose(g, w, **tol)
     assert torch.equal(got.view(-1, d_out)[owner == 1], base(x).view(-1, d_out)[owner == 1])
 
 
