@@ -38,6 +38,7 @@ gradient checkpointing (its recompute would run the hooks again after the routin
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ class Router:
         self._inverse: torch.Tensor | None = None
         self._counts: list[int] = []  # tokens per adapter in the current forward
         self._shape: tuple[int, ...] = ()  # the current forward's (batch, seq)
+        self._slots: dict[tuple, tuple] = {}  # the current forward's stacked layouts
 
     def set_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
         """Per-row adapter indices (into ``names``) for the following forwards."""
@@ -103,6 +105,7 @@ class Router:
             self._inverse[self._order] = torch.arange(len(flat), device=flat.device)
         self._counts = torch.bincount(flat, minlength=len(self.names)).tolist()
         self._shape = tuple(ids.shape)
+        self._slots = {}
         return ids
 
     def _model_pre_hook(self, module, args, kwargs):
@@ -144,10 +147,46 @@ class Router:
                 scales.append(float(module.scaling[name]))
             if x.dtype != out.dtype or not out.is_contiguous():
                 return self._terms_by_autograd(module, here, x, out, order)
+            present = [k for k, n in enumerate(self._counts) if n and weights[2 * k] is not None]
+            kinds = {(weights[2 * k].shape[0], weights[2 * k].dtype) for k in present}
+            if len(present) > 1 and len(kinds) == 1:  # one rank and dtype: batched products
+                slots = self._stack_slots(tuple(present), order, x.device)
+                pairs = [w for k in present for w in weights[2 * k : 2 * k + 2]]
+                rates = torch.tensor([scales[k] for k in present], device=x.device)
+                return _StackedTerms.apply(out, x, slots, rates, *pairs)
             inverse = None if order is None else self._inverse.to(x.device)
             return _Terms.apply(out, x, order, inverse, self._counts, scales, *weights)
 
         return hook
+
+    def _stack_slots(self, present: tuple[int, ...], order, device) -> tuple:
+        """Where each token of the adapters ``present`` sits in the stacked ``[adapter,
+        position]`` layout of :class:`_StackedTerms` (one per forward and adapter set, shared
+        by every layer): (input rows, stack index, position, longest count, whether the
+        stack is a plain view of the tokens)."""
+        key = (present, device)
+        if key not in self._slots:
+            starts = [0]
+            for n in self._counts[:-1]:
+                starts.append(starts[-1] + n)
+            rows = torch.cat(
+                [torch.arange(starts[k], starts[k] + self._counts[k]) for k in present]
+            )
+            stack = torch.cat([torch.full((self._counts[k],), j) for j, k in enumerate(present)])
+            pos = torch.cat([torch.arange(self._counts[k]) for k in present])
+            longest = max(self._counts[k] for k in present)
+            total = sum(self._counts)
+            view = order is None and len(rows) == total and longest * len(present) == total
+            if order is not None:
+                rows = order.cpu()[rows]
+            self._slots[key] = (
+                rows.to(device),
+                stack.to(device),
+                pos.to(device),
+                longest,
+                view,
+            )
+        return self._slots[key]
 
     def _terms_by_autograd(self, module, here: dict[int, str], x, out, order):
         """The terms through PEFT's own modules (dropout, dtype casts) and autograd: the
@@ -253,6 +292,67 @@ class _Terms(torch.autograd.Function):
         if dxs is not None:
             dx = (dxs if order is None else dxs.index_select(0, inverse)).view(ctx.x_shape)
         return grad_out, dx, None, None, None, None, *dweights
+
+
+class _StackedTerms(torch.autograd.Function):
+    """:class:`_Terms` for adapters of one rank and dtype, as batched products: the tokens
+    stacked per adapter (``[adapters, longest count, features]``, zero-padded; a plain view
+    when the tokens come grouped and every adapter has as many), each product ONE ``bmm``
+    over all adapters, forward and backward, instead of one per adapter: a fixed number of
+    operations (kernel launches) per layer whatever the number of adapters. ``slots`` from
+    :meth:`Router._stack_slots`; ``rates`` the adapters' scalings; ``pairs`` their ``A, B``."""
+
+    @staticmethod
+    def forward(ctx, out, x, slots, rates, *pairs):
+        rows, stack, pos, longest, view = slots
+        flat, xf = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+        a = torch.stack(pairs[0::2])  # [K, r, in]
+        b = torch.stack(pairs[1::2])  # [K, out, r]
+        k = len(a)
+        if view:
+            xp = xf.view(k, longest, -1).to(a.dtype)
+        else:
+            xp = xf.new_zeros((k, longest, xf.shape[-1]), dtype=a.dtype)
+            xp[stack, pos] = xf[rows].to(a.dtype)
+        hs = torch.bmm(xp, a.transpose(1, 2)).mul_(rates.to(a.dtype)[:, None, None])
+        term = torch.bmm(hs, b.transpose(1, 2))  # [K, longest, out]
+        if view:
+            flat.add_(term.view(flat.shape).to(flat.dtype))
+        else:
+            flat.index_put_((rows,), term[stack, pos].to(flat.dtype), accumulate=True)
+        ctx.mark_dirty(out)
+        ctx.slots, ctx.x_meta = slots, (x.shape, x.dtype)
+        ctx.save_for_backward(xp, hs, a, b, rates)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp, hs, a, b, rates = ctx.saved_tensors
+        rows, stack, pos, longest, view = ctx.slots
+        gf = grad.reshape(-1, grad.shape[-1])
+        if view:
+            gp = gf.view(len(a), longest, -1).to(b.dtype)
+        else:
+            gp = gf.new_zeros((len(a), longest, gf.shape[-1]), dtype=b.dtype)
+            gp[stack, pos] = gf[rows].to(b.dtype)
+        d_b = torch.bmm(gp.transpose(1, 2), hs)  # [K, out, r]
+        dh = torch.bmm(gp, b).mul_(rates.to(b.dtype)[:, None, None])  # [K, longest, r]
+        d_a = torch.bmm(dh.transpose(1, 2), xp)  # [K, r, in]
+        dx = None
+        if ctx.needs_input_grad[1]:
+            x_shape, x_dtype = ctx.x_meta
+            dxp = torch.bmm(dh, a)
+            if view:
+                dx = dxp.reshape(x_shape).to(x_dtype)
+            else:
+                dx = dxp.new_zeros((math.prod(x_shape[:-1]), x_shape[-1]), dtype=x_dtype)
+                dx[rows] = dxp[stack, pos].to(x_dtype)
+                dx = dx.view(x_shape)
+        grads = []
+        for j in range(len(a)):
+            grads.append(d_a[j] if ctx.needs_input_grad[4 + 2 * j] else None)
+            grads.append(d_b[j] if ctx.needs_input_grad[5 + 2 * j] else None)
+        return grad, dx, None, None, *grads
 
 
 def lora_layers(peft_model: torch.nn.Module, names: Sequence[str]) -> list[torch.nn.Module]:

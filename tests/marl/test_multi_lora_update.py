@@ -129,6 +129,36 @@ def test_routed_forward_equals_each_adapters_own(marl_config, layout):
             assert torch.allclose(got_grads[n][key], g, atol=1e-5, rtol=1e-4), key
 
 
+def terms_case(owner, bias, dt, absent=True):
+    """A layer (Linear with or without bias, in ``dt``) and three float32 adapters (rank 3,
+    scalings 0.5 / 0 / 2): adapter 0 trained, 1 absent from the layer (``absent``; else
+    trained), 2 frozen; the input ``x`` (from a leaf ``emb``) and a probe for the loss."""
+    gen = torch.Generator().manual_seed(0)
+    d_in, d_out, r = 6, 5, 3
+    base = torch.nn.Linear(d_in, d_out, bias=bias).to(dt).requires_grad_(False)
+    a = [torch.randn(r, d_in, generator=gen) for _ in range(3)]
+    b = [torch.randn(d_out, r, generator=gen) for _ in range(3)]
+    for k in (0,) if absent else (0, 1):
+        a[k].requires_grad_(), b[k].requires_grad_()
+    emb = torch.randn(2, len(owner) // 2, d_in, generator=gen).to(dt).requires_grad_()
+    probe = torch.randn(2, len(owner) // 2, d_out, generator=gen).to(dt)
+    return base, a, b, emb, probe, [0.5, 0.0 if absent else 1.5, 2.0]
+
+
+def terms_reference(base, a, b, emb, probe, scales, owner, absent):
+    """Every adapter's term for every token, picked by owner, added as PEFT adds it (in the
+    adapters' float32, then cast): output and gradients of emb and the trained A, B."""
+    x = emb * 1.5
+    flat = x.reshape(-1, x.shape[-1]).float()
+    every = torch.stack([(flat @ a[k].t() @ b[k].t()) * scales[k] for k in range(3)])
+    if absent:
+        every[1] = 0
+    picked = every[owner, torch.arange(len(owner))].view(*x.shape[:-1], -1)
+    want = (base(x).float() + picked).to(x.dtype)
+    trained = [w for w in (*a, *b) if w.requires_grad]
+    return want, torch.autograd.grad((want * probe).sum(), [emb, *trained])
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize(
     ("bias", "base_dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")]
@@ -141,36 +171,62 @@ def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias, base_dtype):
     gradient). A Linear with bias over 3-D input returns a view (the in-place bookkeeping
     case); tokens interleaved (one gather) or grouped by adapter; a bfloat16 base with
     float32 adapters (PEFT's autocast) summed as PEFT does: in float32, then cast."""
-    gen = torch.Generator().manual_seed(0)
     dt = getattr(torch, base_dtype)
-    d_in, d_out, r, scales = 6, 5, 3, [0.5, 0.0, 2.0]
-    base = torch.nn.Linear(d_in, d_out, bias=bias).to(dt).requires_grad_(False)
-    a = [torch.randn(r, d_in, generator=gen) for _ in range(3)]
-    b = [torch.randn(d_out, r, generator=gen) for _ in range(3)]
-    a[0].requires_grad_(), b[0].requires_grad_()  # adapter 2 frozen, adapter 1 absent
-    emb = torch.randn(2, 6, d_in, generator=gen).to(dt).requires_grad_()
     owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
     if grouped:
         owner = owner.sort().values
+    base, a, b, emb, probe, scales = terms_case(owner, bias, dt)
     order = None if grouped else torch.argsort(owner, stable=True)
     inverse = None if grouped else torch.argsort(order)
     counts = torch.bincount(owner, minlength=3).tolist()
     x = emb * 1.5
     weights = [a[0], b[0], None, None, a[2], b[2]]
     got = _Terms.apply(base(x), x, order, inverse, counts, scales, *weights)
-    probe = torch.randn(got.shape, generator=gen).to(dt)
     got_grads = torch.autograd.grad((got * probe).sum(), [emb, a[0], b[0]])
-    x = emb * 1.5
-    flat = x.reshape(-1, d_in).float()
-    every = torch.stack([(flat @ a[k].t() @ b[k].t()) * scales[k] * (k != 1) for k in range(3)])
-    picked = every[owner, torch.arange(len(owner))].view(2, 6, d_out)
-    want = (base(x).float() + picked).to(dt)
-    want_grads = torch.autograd.grad((want * probe).sum(), [emb, a[0], b[0]])
+    want, want_grads = terms_reference(base, a, b, emb, probe, scales, owner, True)
     tol = {"atol": 1e-5} if dt == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     assert got.dtype == dt and torch.allclose(got, want, **tol)
     for g, w in zip(got_grads, want_grads, strict=True):
         assert g.dtype == w.dtype and torch.allclose(g, w, **tol)
-    assert torch.equal(got.view(-1, d_out)[owner == 1], base(x).view(-1, d_out)[owner == 1])
+    assert torch.equal(got.view(-1, 5)[owner == 1], base(x).view(-1, 5)[owner == 1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "base_dtype"),
+    [("interleaved", "float32"), ("grouped", "float32"), ("even", "float32"), ("even", "bfloat16")],
+)
+def test_stacked_terms_match_a_plain_autograd_sum(layout, base_dtype):
+    """_StackedTerms (adapters of one rank: each product one bmm over all adapters) against
+    the same autograd sum: tokens interleaved, grouped with uneven counts (zero-padded
+    stacks; an adapter absent from the layer left out), and grouped with even counts and
+    every adapter present (the stack is a view of the tokens, nothing copied)."""
+    from polyrl.marl.multi_lora import Router, _StackedTerms
+
+    dt = getattr(torch, base_dtype)
+    absent = layout != "even"
+    owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
+    if layout == "even":
+        owner = torch.arange(3).repeat_interleave(4)
+    elif layout == "grouped":
+        owner = owner.sort().values
+    base, a, b, emb, probe, scales = terms_case(owner, True, dt, absent)
+    order = torch.argsort(owner, stable=True) if layout == "interleaved" else None
+    router = Router(["a0", "a1", "a2"], vocab=100)
+    router._counts = torch.bincount(owner, minlength=3).tolist()
+    present = (0, 2) if absent else (0, 1, 2)
+    slots = router._stack_slots(present, order, torch.device("cpu"))
+    assert slots[-1] == (layout == "even")  # a view only when grouped and even
+    x = emb * 1.5
+    pairs = [w for k in present for w in (a[k], b[k])]
+    rates = torch.tensor([scales[k] for k in present])
+    got = _StackedTerms.apply(base(x), x, slots, rates, *pairs)
+    trained = [w for w in (*a, *b) if w.requires_grad]
+    got_grads = torch.autograd.grad((got * probe).sum(), [emb, *trained])
+    want, want_grads = terms_reference(base, a, b, emb, probe, scales, owner, absent)
+    tol = {"atol": 1e-5} if dt == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    assert got.dtype == dt and torch.allclose(got, want, **tol)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == w.dtype and torch.allclose(g, w, **tol)
 
 
 def test_per_row_ids_route_a_plain_forward(marl_config):
