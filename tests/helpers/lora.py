@@ -53,3 +53,13 @@ def mixed_asks(pols) -> dict[str, list[Request]]:
         ]
         for n in NAMES
     }
+
+
+def assert_same_completions(got, want, atol: float) -> None:
+    """A merged call's completions for one request list equal its separate call's: the
+    same prompts and token ids, log-probs within ``atol``."""
+    assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    a = torch.tensor([x for c in got for x in c.logprobs])
+    b = torch.tensor([x for c in want for x in c.logprobs])
+    assert torch.allclose(a, b, atol=atol, rtol=0), (a - b).abs().max()

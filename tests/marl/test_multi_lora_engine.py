@@ -16,7 +16,7 @@ from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings, text_record
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.signaling import make_row
-from tests.helpers.lora import NAMES, lora_pair, mixed_asks, prompts
+from tests.helpers.lora import NAMES, assert_same_completions, lora_pair, mixed_asks, prompts
 
 HERE = "tests.marl.test_multi_lora_engine"
 
@@ -59,12 +59,7 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
         for j, c in enumerate(got):
             assert streamed[(n, c.prompt_index, j % greedy.n)] == c.token_ids
     for n, got in zip(NAMES, merged, strict=True):
-        want = apart[n]
-        assert [c.prompt_index for c in got] == [c.prompt_index for c in want]
-        assert [c.token_ids for c in got] == [c.token_ids for c in want]
-        a = torch.tensor([x for c in got for x in c.logprobs])
-        b = torch.tensor([x for c in want for x in c.logprobs])
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+        assert_same_completions(got, apart[n], atol=1e-5)
     # the two adapters really answer differently on a shared prompt
     same = prompts(pols["speaker"], ["object 1"])
     one = s.generate_mixed([(s, same), (lis, same)], greedy)
