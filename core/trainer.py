@@ -132,6 +132,12 @@ def _per_row(
         gathered: list = [None] * dp[1]
         torch.distributed.all_gather_object(gathered, parts)
         parts = [part for rank_parts in gathered for part in rank_parts]
+    return _in_row_order(parts)
+
+
+def _in_row_order(parts: list) -> torch.Tensor:
+    """``(rows, per-row results)`` pairs covering every row once, as one tensor in row
+    order."""
     rows = torch.cat([r for r, _ in parts])
     local = torch.cat([o for _, o in parts])
     if torch.equal(rows, torch.arange(len(rows))):
@@ -519,13 +525,7 @@ def _terms_together(policies: list, batches: list[TensorDict], fn) -> list[torch
         )
         for i, r, out in zip(now, picks, outs, strict=True):
             parts[i].append((r, out))
-    result = []
-    for got in parts:
-        rows = torch.cat([r for r, _ in got])
-        local = torch.cat([o for _, o in got])
-        order = torch.empty_like(rows).index_copy_(0, rows, torch.arange(len(rows)))
-        result.append(local[order.to(local.device)])
-    return result
+    return [_in_row_order(got) for got in parts]
 
 
 def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:

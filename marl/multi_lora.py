@@ -4,8 +4,9 @@ through its own adapter.
 PEFT's own mixed batches (``adapter_names=``) refuse training mode, so this is built from
 supported parts: inside the context every LoRA layer runs its base layer only
 (``enable_adapters(False)``), and a forward hook on each layer adds each routed adapter's
-term to that adapter's tokens: a gather of its tokens, its dropout, ``lora_A``, ``lora_B``
-and scaling, and an ``index_add_`` into the base output. A token's LoRA term is then its
+term to that adapter's tokens, in place, with each LoRA product one batched product over
+the adapters (:class:`_StackedTerms`; adapters with dropout in training take PEFT's own
+modules). A token's LoRA term is then its
 own adapter's, and the gradient of adapter ``k`` comes only from its own tokens -- the
 per-adapter pass's, summed into one backward. The LoRA work is that of the tokens routed,
 whatever the number of adapters.
@@ -38,12 +39,14 @@ gradient checkpointing (its recompute would run the hooks again after the routin
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 
 class Router:
@@ -119,9 +122,10 @@ class Router:
 
     def _add_terms(self, slots: list[tuple[int, str]]):
         """A forward hook on a LoRA layer (its adapters disabled: the output is the base
-        layer's) that adds each adapter's term to its own tokens only (:class:`_Terms`: in
-        place, tokens grouped by adapter by at most one gather). A layer whose adapters
-        drop out in training takes the autograd path (:meth:`_terms_by_autograd`)."""
+        layer's) that adds each adapter's term to its own tokens only
+        (:class:`_StackedTerms`: in place, each product one batched product over the
+        adapters). A layer whose adapters drop out in training takes the autograd path
+        (:meth:`_terms_by_autograd`)."""
         here = dict(slots)
 
         def hook(module, args, out):
@@ -133,29 +137,20 @@ class Router:
                 )
             order = None if self._order is None else self._order.to(x.device)
             drops = [module.lora_dropout[n] for n in here.values()]
-            if any(not isinstance(d, torch.nn.Identity) and d.training for d in drops):
+            dropping = any(not isinstance(d, torch.nn.Identity) and d.training for d in drops)
+            if dropping or x.dtype != out.dtype or not out.is_contiguous():
                 return self._terms_by_autograd(module, here, x, out, order)
-            weights: list[torch.Tensor | None] = []
-            scales = []
-            for k in range(len(self.names)):
-                name = here.get(k)
-                if name is None:  # this adapter has no LoRA on this layer
-                    weights += [None, None]
-                    scales.append(0.0)
-                    continue
-                weights += [module.lora_A[name].weight, module.lora_B[name].weight]
-                scales.append(float(module.scaling[name]))
-            if x.dtype != out.dtype or not out.is_contiguous():
-                return self._terms_by_autograd(module, here, x, out, order)
-            present = [k for k, n in enumerate(self._counts) if n and weights[2 * k] is not None]
-            kinds = {(weights[2 * k].shape[0], weights[2 * k].dtype) for k in present}
-            if len(present) > 1 and len(kinds) == 1:  # one rank and dtype: batched products
-                slots = self._stack_slots(tuple(present), order, x.device)
-                pairs = [w for k in present for w in weights[2 * k : 2 * k + 2]]
-                rates = torch.tensor([scales[k] for k in present], device=x.device)
-                return _StackedTerms.apply(out, x, slots, rates, *pairs)
-            inverse = None if order is None else self._inverse.to(x.device)
-            return _Terms.apply(out, x, order, inverse, self._counts, scales, *weights)
+            present = [k for k, n in enumerate(self._counts) if n and k in here]
+            if not present:
+                return out
+            pairs = [
+                w
+                for k in present
+                for w in (module.lora_A[here[k]].weight, module.lora_B[here[k]].weight)
+            ]
+            rates = torch.tensor([float(module.scaling[here[k]]) for k in present])
+            slots = self._stack_slots(tuple(present), order, x.device)
+            return _StackedTerms.apply(out, x, slots, rates.to(x.device), *pairs)
 
         return hook
 
@@ -212,109 +207,36 @@ class Router:
         return out + term.view_as(out)
 
 
-class _Terms(torch.autograd.Function):
-    """``out[t] += s_k * B_k A_k x[t]`` for each token ``t`` of adapter ``k``, written into
-    ``out`` in place: per adapter two small matrix products on its slice of the tokens (a
-    view when the tokens come grouped by adapter, else one gather of ``x`` and one
-    scatter-add of the terms), with no full-size temporaries, and the backward's products
-    likewise. ``out`` comes first: autograd's in-place bookkeeping for a view (a Linear's
-    output over 3-D input is one) takes the first input as the one written. ``weights``
-    holds ``A_k, B_k`` per adapter (None, None: no LoRA here; its tokens pass unchanged).
-    Adapter weights in another dtype than the activations (PEFT keeps them in float32 over
-    a bfloat16 base) get their tokens cast to theirs and their terms cast back, as PEFT's
-    own layer does."""
-
-    @staticmethod
-    def forward(ctx, out, x, order, inverse, counts, scales, *weights):
-        ctx.x_shape = x.shape
-        x, flat = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        xs = x if order is None else x.index_select(0, order)
-        term = flat if order is None else torch.empty_like(flat)
-        hs = []
-        start = 0
-        for k, n in enumerate(counts):
-            a, b = weights[2 * k], weights[2 * k + 1]
-            part = slice(start, start + n)
-            start += n
-            if a is None or not n:
-                hs.append(None)
-                if order is not None and n:
-                    term[part].zero_()
-                continue
-            h = xs[part].to(a.dtype) @ a.t()  # [n, r]
-            hs.append(h)
-            if order is None and a.dtype == term.dtype:
-                term[part].addmm_(h, b.t(), alpha=scales[k])
-            elif a.dtype == term.dtype:
-                torch.mm(h, b.t(), out=term[part]).mul_(scales[k])
-            elif order is None:
-                term[part].add_((h @ b.t()).mul_(scales[k]).to(term.dtype))
-            else:
-                term[part].copy_((h @ b.t()).mul_(scales[k]))
-        if order is not None:
-            flat.index_add_(0, order, term)
-        ctx.mark_dirty(out)
-        ctx.counts, ctx.scales = counts, scales
-        ctx.save_for_backward(xs, order, inverse, *hs, *weights)
-        ctx.n_hs = len(hs)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        xs, order, inverse, *rest = ctx.saved_tensors
-        hs, weights = rest[: ctx.n_hs], rest[ctx.n_hs :]
-        grad_out = grad
-        grad = grad.reshape(-1, grad.shape[-1])
-        gs = grad if order is None else grad.index_select(0, order)
-        need_x = ctx.needs_input_grad[1]
-        dxs = torch.empty_like(xs) if need_x else None
-        dweights: list[torch.Tensor | None] = [None] * len(weights)
-        start = 0
-        for k, n in enumerate(ctx.counts):
-            a, b, h = weights[2 * k], weights[2 * k + 1], hs[k]
-            part = slice(start, start + n)
-            start += n
-            if h is None:
-                if dxs is not None and n:
-                    dxs[part].zero_()
-                continue
-            g = gs[part].to(b.dtype)
-            dh = (g @ b).mul_(ctx.scales[k])  # [n, r]
-            if ctx.needs_input_grad[6 + 2 * k + 1]:
-                dweights[2 * k + 1] = (g.t() @ h).mul_(ctx.scales[k])
-            if ctx.needs_input_grad[6 + 2 * k]:
-                dweights[2 * k] = dh.t() @ xs[part].to(a.dtype)
-            if dxs is not None and a.dtype == dxs.dtype:
-                torch.mm(dh, a, out=dxs[part])
-            elif dxs is not None:
-                dxs[part].copy_(dh @ a)
-        dx = None
-        if dxs is not None:
-            dx = (dxs if order is None else dxs.index_select(0, inverse)).view(ctx.x_shape)
-        return grad_out, dx, None, None, None, None, *dweights
-
-
 class _StackedTerms(torch.autograd.Function):
-    """:class:`_Terms` for adapters of one rank and dtype, as batched products: the tokens
-    stacked per adapter (``[adapters, longest count, features]``, zero-padded; a plain view
-    when the tokens come grouped and every adapter has as many), each product ONE ``bmm``
-    over all adapters, forward and backward, instead of one per adapter: a fixed number of
-    operations (kernel launches) per layer whatever the number of adapters. ``slots`` from
-    :meth:`Router._stack_slots`; ``rates`` the adapters' scalings; ``pairs`` their ``A, B``."""
+    """``out[t] += s_k * B_k A_k x[t]`` for each token ``t`` of adapter ``k``, written into
+    ``out`` in place as batched products: the tokens stacked per adapter (``[adapters,
+    longest count, features]``, zero-padded; a plain view when the tokens come grouped and
+    every adapter has as many), the adapters' ``A`` and ``B`` stacked (a lower rank
+    zero-padded to the highest), so each product of the forward and the backward is ONE
+    ``bmm`` over all adapters: a fixed number of operations (kernel launches) per layer
+    whatever the number of adapters, with no full-size temporaries beyond the stacks.
+    ``out`` comes first: autograd's in-place bookkeeping for a view (a Linear's output over
+    3-D input is one) takes the first input as the one written. Adapter weights in another
+    dtype than the activations (PEFT keeps them in float32 over a bfloat16 base) get their
+    tokens cast to theirs and their terms cast back, as PEFT's own layer does. ``slots``
+    from :meth:`Router._stack_slots`; ``rates`` the adapters' scalings; ``pairs`` their
+    ``A, B``."""
 
     @staticmethod
     def forward(ctx, out, x, slots, rates, *pairs):
         rows, stack, pos, longest, view = slots
         flat, xf = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
-        a = torch.stack(pairs[0::2])  # [K, r, in]
-        b = torch.stack(pairs[1::2])  # [K, out, r]
+        ranks = [w.shape[0] for w in pairs[0::2]]
+        top, wdt = max(ranks), functools.reduce(torch.promote_types, [w.dtype for w in pairs])
+        a = torch.stack([F.pad(w.to(wdt), (0, 0, 0, top - w.shape[0])) for w in pairs[0::2]])
+        b = torch.stack([F.pad(w.to(wdt), (0, top - w.shape[1])) for w in pairs[1::2]])
         k = len(a)
         if view:
-            xp = xf.view(k, longest, -1).to(a.dtype)
+            xp = xf.view(k, longest, -1).to(wdt)
         else:
-            xp = xf.new_zeros((k, longest, xf.shape[-1]), dtype=a.dtype)
-            xp[stack, pos] = xf[rows].to(a.dtype)
-        hs = torch.bmm(xp, a.transpose(1, 2)).mul_(rates.to(a.dtype)[:, None, None])
+            xp = xf.new_zeros((k, longest, xf.shape[-1]), dtype=wdt)
+            xp[stack, pos] = xf[rows].to(wdt)
+        hs = torch.bmm(xp, a.transpose(1, 2)).mul_(rates.to(wdt)[:, None, None])
         term = torch.bmm(hs, b.transpose(1, 2))  # [K, longest, out]
         if view:
             flat.add_(term.view(flat.shape).to(flat.dtype))
@@ -322,6 +244,7 @@ class _StackedTerms(torch.autograd.Function):
             flat.index_put_((rows,), term[stack, pos].to(flat.dtype), accumulate=True)
         ctx.mark_dirty(out)
         ctx.slots, ctx.x_meta = slots, (x.shape, x.dtype)
+        ctx.ranks, ctx.dtypes = ranks, [w.dtype for w in pairs]
         ctx.save_for_backward(xp, hs, a, b, rates)
         return out
 
@@ -348,10 +271,11 @@ class _StackedTerms(torch.autograd.Function):
                 dx = dxp.new_zeros((math.prod(x_shape[:-1]), x_shape[-1]), dtype=x_dtype)
                 dx[rows] = dxp[stack, pos].to(x_dtype)
                 dx = dx.view(x_shape)
-        grads = []
-        for j in range(len(a)):
-            grads.append(d_a[j] if ctx.needs_input_grad[4 + 2 * j] else None)
-            grads.append(d_b[j] if ctx.needs_input_grad[5 + 2 * j] else None)
+        grads: list[torch.Tensor | None] = []
+        for j, r in enumerate(ctx.ranks):
+            da, db = d_a[j, :r].to(ctx.dtypes[2 * j]), d_b[j, :, :r].to(ctx.dtypes[2 * j + 1])
+            grads.append(da if ctx.needs_input_grad[4 + 2 * j] else None)
+            grads.append(db if ctx.needs_input_grad[5 + 2 * j] else None)
         return grad, dx, None, None, *grads
 
 

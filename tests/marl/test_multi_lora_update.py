@@ -9,7 +9,7 @@ import torch
 
 from polyrl.core.passes import response_logprobs
 from polyrl.core.record import concat, text_record
-from polyrl.marl.multi_lora import _Terms, adapter_rows
+from polyrl.marl.multi_lora import Router, _StackedTerms, adapter_rows
 
 NAMES = ("a0", "a1", "a2")
 
@@ -164,24 +164,27 @@ def terms_reference(base, a, b, emb, probe, scales, owner, absent):
     ("bias", "base_dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")]
 )
 def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias, base_dtype):
-    """_Terms (each adapter's LoRA term written into the base output in place, its backward
-    by hand) against the terms of every adapter for every token, picked by owner, through
-    autograd: output, input gradient and each trained adapter's A and B gradients. Three
-    adapters: one without LoRA on this layer (its tokens pass unchanged), one frozen (no
-    gradient). A Linear with bias over 3-D input returns a view (the in-place bookkeeping
-    case); tokens interleaved (one gather) or grouped by adapter; a bfloat16 base with
-    float32 adapters (PEFT's autocast) summed as PEFT does: in float32, then cast."""
+    """_StackedTerms (each adapter's LoRA term written into the base output in place, its
+    backward by hand) against the terms of every adapter for every token, picked by owner,
+    through autograd: output, input gradient and each trained adapter's A and B gradients.
+    Three adapters: one without LoRA on this layer (its tokens pass unchanged), one frozen
+    (no gradient), the trained one of a lower rank (zero-padded in the stack). A Linear with bias over
+    3-D input returns a view (the in-place bookkeeping case); tokens interleaved or grouped
+    by adapter; a bfloat16 base with float32 adapters (PEFT's autocast) summed as PEFT
+    does: in float32, then cast."""
     dt = getattr(torch, base_dtype)
     owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
     if grouped:
         owner = owner.sort().values
     base, a, b, emb, probe, scales = terms_case(owner, bias, dt)
+    a[0] = a[0][:2].detach().requires_grad_()  # the trained adapter: rank 2 of 3
+    b[0] = b[0][:, :2].detach().requires_grad_()
     order = None if grouped else torch.argsort(owner, stable=True)
-    inverse = None if grouped else torch.argsort(order)
-    counts = torch.bincount(owner, minlength=3).tolist()
+    router = Router(["a0", "a1", "a2"], vocab=100)
+    router._counts = torch.bincount(owner, minlength=3).tolist()
+    slots = router._stack_slots((0, 2), order, torch.device("cpu"))
     x = emb * 1.5
-    weights = [a[0], b[0], None, None, a[2], b[2]]
-    got = _Terms.apply(base(x), x, order, inverse, counts, scales, *weights)
+    got = _StackedTerms.apply(base(x), x, slots, torch.tensor([0.5, 2.0]), a[0], b[0], a[2], b[2])
     got_grads = torch.autograd.grad((got * probe).sum(), [emb, a[0], b[0]])
     want, want_grads = terms_reference(base, a, b, emb, probe, scales, owner, True)
     tol = {"atol": 1e-5} if dt == torch.float32 else {"atol": 0.05, "rtol": 0.02}
@@ -200,8 +203,6 @@ def test_stacked_terms_match_a_plain_autograd_sum(layout, base_dtype):
     the same autograd sum: tokens interleaved, grouped with uneven counts (zero-padded
     stacks; an adapter absent from the layer left out), and grouped with even counts and
     every adapter present (the stack is a view of the tokens, nothing copied)."""
-    from polyrl.marl.multi_lora import Router, _StackedTerms
-
     dt = getattr(torch, base_dtype)
     absent = layout != "even"
     owner = torch.tensor([0, 2, 1, 0, 2, 2, 0, 1, 0, 2, 1, 0])
