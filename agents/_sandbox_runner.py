@@ -332,10 +332,14 @@ class _Candidate:
         try:
             sent = {"op": "call", "name": name, "args": encode(list(args))}
             sent["kwargs"] = encode(dict(kwargs))
-        except (TypeError, ValueError) as e:  # the row's own checks pass something unsendable
+        except TypeError as e:  # a lambda, an object: only the row's own checks make those
             msg = f"an argument to {name}() cannot be sent to the candidate's process: {e}"
             os.write(self.status_fd, f"harness {msg}\n".encode())
             raise TypeError(msg) from None
+        except Exception as e:
+            # too deep (a wrong answer's own value fed back) or any other failure to send:
+            # values the candidate shaped, so the check fails (0), the row is not dropped
+            raise ValueError(f"an argument to {name}() cannot be sent: {e}") from None
         return self.ask(sent)[1]
 
 
@@ -386,6 +390,60 @@ class _Checks(dict):
         return self._candidate.lookup(name)
 
 
+# Comparisons in the row's checks see each operand through this (a name the checks do not
+# use): a NaN makes every comparison false, so ``assert not abs(a - b) > tol`` would pass.
+GUARD = "__polyrl_comparable__"
+
+
+class NotComparable(BaseException):
+    """A comparison in the checks met a NaN. Not an ``Exception``: a check's own
+    ``except Exception`` (or ``except ValueError``) cannot turn it into a pass."""
+
+
+def _comparable(value):
+    """``value`` unless it is or holds a NaN (float or complex): then the comparison, and
+    so the check, fails. Infinities stay: they order as IEEE says, so they satisfy no
+    tolerance against a finite value (and ``inf - inf`` is a NaN, refused here)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if kind is float or kind is complex:
+            if v != v:
+                raise NotComparable("a NaN cannot satisfy a check (a value compared is NaN)")
+        elif kind in (list, tuple, set, frozenset, dict) and id(v) not in seen:
+            seen.add(id(v))
+            stack.extend(v.items() if kind is dict else v)
+    return value
+
+
+def _guarded(source: str):
+    """The checks' syntax tree with every comparison's operands passed through
+    :func:`_comparable` (``is``/``is not`` and the container of ``in`` excepted).
+    Chains, evaluation order and short-circuiting are those of the source."""
+    import ast
+
+    class Guard(ast.NodeTransformer):
+        def visit_Compare(self, node: ast.Compare) -> ast.AST:
+            self.generic_visit(node)
+            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                return node
+
+            def wrap(operand: ast.expr) -> ast.expr:
+                call = ast.Call(ast.Name(GUARD, ast.Load()), [operand], [])
+                return ast.copy_location(call, operand)
+
+            node.left = wrap(node.left)
+            node.comparators = [
+                c if isinstance(op, (ast.In, ast.NotIn)) else wrap(c)
+                for op, c in zip(node.ops, node.comparators, strict=True)
+            ]
+            return node
+
+    tree = Guard().visit(ast.parse(source, "checks"))
+    return ast.fix_missing_locations(tree)
+
+
 def _check(status_fd: int, tests_fd: int, req_fd: int, rep_fd: int) -> None:
     """The checker process: runs the row's checks; ``done <nonce>`` once they returned."""
     import json
@@ -412,10 +470,24 @@ def _check(status_fd: int, tests_fd: int, req_fd: int, rep_fd: int) -> None:
         os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
         os._exit(126)
     try:
-        for name, source in (("preamble", payload["preamble"]), ("checks", payload["source"])):
-            exec(compile(source, name, "exec"), scope)
+        exec(compile(payload["preamble"], "preamble", "exec"), scope)
+        scope[GUARD] = _comparable
+        exec(compile(_guarded(payload["source"]), "checks", "exec"), scope)
         if entry:
-            exec(compile(f"check({entry})", "checks", "exec"), scope)
+            check = dict.get(scope, "check")  # the checks' own, never a lookup in the code
+            if not callable(check):
+                msg = f"the row names the entry point {entry!r} but its tests define no check()"
+                os.write(status_fd, f"harness {msg}\n".encode())
+                raise NameError(msg)
+            # the candidate's own definition, never a builtin of the same name (``sorted``)
+            try:
+                candidate = scope._candidate.lookup(entry)
+            except KeyError:
+                raise NameError(
+                    f"the response defines no {entry!r}: the function this row's checks call "
+                    "(its entry point)"
+                ) from None
+            check(candidate)
     except BaseException as e:
         import traceback
 
