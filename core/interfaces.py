@@ -215,6 +215,17 @@ class MixesRows(Protocol):
 
 
 @runtime_checkable
+class Shadows(Protocol):
+    """A policy that makes its own engine-side copy for asynchronous rollouts
+    (``core.rollouts.shadow``): same tokenizer and config, frozen weights of its own that
+    the trainer's updates do not touch. For when a copy of ``model`` alone does not fit
+    (LoRA adapters on a base shared by several policies: their copies share one copied
+    model, so one engine call still serves them all)."""
+
+    def shadow(self) -> Any: ...
+
+
+@runtime_checkable
 class RayLoRA(Protocol):
     """A policy kind (class) whose LoRA adapters train under the Ray backend."""
 

@@ -51,7 +51,7 @@ from tensordict import TensorDict
 
 from polyrl.core.data import PromptSampler
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import Engine, Policy, ReportsRollout, Workflow
+from polyrl.core.interfaces import Engine, Policy, ReportsRollout, Shadows, Workflow
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
 
 
@@ -98,7 +98,10 @@ class InStep:
 
 
 def shadow(policy: Policy) -> Policy:
-    """A copy of ``policy`` for an engine: same object, its own (frozen) model weights."""
+    """A copy of ``policy`` for an engine: same object, its own (frozen) model weights
+    (the policy's own copy where it makes one: interfaces.Shadows)."""
+    if isinstance(policy, Shadows):
+        return policy.shadow()
     twin = copy.copy(policy)
     twin.model = copy.deepcopy(policy.model)
     twin.model.requires_grad_(False)

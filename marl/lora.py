@@ -111,6 +111,8 @@ class LoraAgentPolicy:
                 raise ValueError(f"policy {name!r}: an adapter of that name already exists")
             shared[key].add_adapter(name, peft_cfg)
         self._peft = shared[key]
+        self._shared, self._key = shared, key  # shadow(): one engine-side copy per base
+        self._trains = bool(cfg.train)
         self._peft.train(False)
         marker = (f".lora_A.{name}.", f".lora_B.{name}.")
         self._own = {k: p for k, p in self._peft.named_parameters() if any(m in k for m in marker)}
@@ -141,8 +143,27 @@ class LoraAgentPolicy:
             self._peft.set_adapter(self.adapter)
         for k, p in self._peft.named_parameters():  # set_adapter re-enables grads; pin ours
             if "lora_" in k:
-                p.requires_grad_(k in self._own and bool(self.cfg.train))
+                p.requires_grad_(k in self._own and self._trains)
         return self._peft
+
+    def shadow(self) -> LoraAgentPolicy:
+        """interfaces.Shadows: this policy on the engine-side copy of the shared model, for
+        asynchronous rollouts (core.rollouts.shadow), frozen. The lora_agent policies of
+        one base share one copy (made by the first to ask; the base weights themselves
+        are shared, never trained), so an engine call still mixes their rows and each
+        engine's weight versions load into its own adapter there."""
+        key = ("lora_agent shadow", *self._key)
+        if key not in self._shared:
+            base = {id(p): p for k, p in self._peft.named_parameters() if "lora_" not in k}
+            copied = copy.deepcopy(self._peft, memo=base)
+            copied.requires_grad_(False)
+            copied.train(False)
+            self._shared[key] = copied
+        twin = copy.copy(self)
+        twin._peft = self._shared[key]
+        twin._own = {k: p for k, p in twin._peft.named_parameters() if k in self._own}
+        twin._trains, twin.optimizer, twin.scheduler = False, None, None
+        return twin
 
     # --- what the trainer calls -------------------------------------------------------
     def logprobs(
