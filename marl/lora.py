@@ -20,6 +20,7 @@ clipping and micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from polyrl.core.options import Options, bind
 from polyrl.core.passes import packs, response_logprobs
 from polyrl.core.policy import (
     CausalLMPolicy,
+    check_moe,
     checkpoint_state,
     load_checkpoint_state,
     lr_lambda,
@@ -57,7 +59,8 @@ class LoraAgentOptions(Options):
         "(same pack setting, no gradient checkpointing): one forward/backward per "
         "micro-batch over all their rows, each through its own adapter; gradients, "
         "optimizers and metrics stay each policy's own. false: this policy's update runs "
-        "its own passes",
+        "its own passes (so does every policy on a mixture-of-experts base, whose passes "
+        "replay and balance each policy's routing: moe.replay, moe.aux_loss_coef)",
     )
 
 
@@ -114,6 +117,7 @@ class LoraAgentPolicy:
         self._shared, self._key = shared, key  # shadow(): one engine-side copy per base
         self._trains = bool(cfg.train)
         self._peft.train(False)
+        self.is_moe = check_moe(name, cfg, self._peft)  # refuses moe options on a dense base
         marker = (f".lora_A.{name}.", f".lora_B.{name}.")
         self._own = {k: p for k, p in self._peft.named_parameters() if any(m in k for m in marker)}
         for p in self._own.values():
@@ -166,13 +170,22 @@ class LoraAgentPolicy:
         return twin
 
     # --- what the trainer calls -------------------------------------------------------
+    _routing = None  # an MoE base: the last pass with gradients, for router_loss
+    # MoE routing as a causal_lm's: replay of the record's experts in the passes
+    # (moe.replay), the load-balancing loss and router metrics (interfaces.RoutesExperts)
+    open_routing = CausalLMPolicy.open_routing
+    router_loss = CausalLMPolicy.router_loss
+
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = self.model
-        return response_logprobs(
-            model, to_device(batch, self.device), temperature, with_entropy, **self._layout(True)
-        )
+        batch = to_device(batch, self.device)
+        routing = self._routing = self.open_routing(batch)
+        with routing or contextlib.nullcontext():
+            return response_logprobs(
+                model, batch, temperature, with_entropy, **self._layout(True), routing=routing
+            )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
@@ -195,8 +208,10 @@ class LoraAgentPolicy:
         }
 
     def row_group(self) -> Any:
-        """interfaces.MixesRows: the adapters of one shared PEFT model run together."""
-        return ("lora_agent", id(self._peft))
+        """interfaces.MixesRows: the adapters of one shared PEFT model run together; on a
+        mixture-of-experts base each runs alone (marl.lora_rows adds a layer's adapter
+        terms per row, which an experts layer's gathered tokens do not keep)."""
+        return None if self.is_moe else ("lora_agent", id(self._peft))
 
     @contextmanager
     def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable[[torch.Tensor | None], Any]]:
@@ -223,8 +238,10 @@ class LoraAgentPolicy:
     def update_group(self) -> Any:
         """interfaces.UpdatesTogether: the policies whose passes can merge -- adapters of one
         shared model, passes laid out alike (pack); None (alone) when ``args.batch_update`` is
-        off or gradient checkpointing is on (multi_lora cannot route its recompute)."""
-        if not self.options.batch_update or self.cfg.gradient_checkpointing:
+        off, gradient checkpointing is on (multi_lora cannot route its recompute) or the
+        base is a mixture of experts (multi_lora routes rows by token position, which the
+        experts' gathered tokens lose; and replay and the balancing loss are per pass)."""
+        if not self.options.batch_update or self.cfg.gradient_checkpointing or self.is_moe:
             return None
         return ("lora_agent", id(self._peft), packs(self._peft, self.cfg.pack))
 

@@ -27,7 +27,7 @@ from typing import Any, Unpack
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.config import doc
+from polyrl.core.config import ConfigError, doc
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
@@ -111,6 +111,12 @@ class QwenVLPolicy(CausalLMPolicy):
     def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForImageTextToText
 
+        if cfg.moe.replay != "off" or cfg.moe.aux_loss_coef != 0:  # before any weights load
+            raise ConfigError(
+                f"policies.{name}.moe (replay: {cfg.moe.replay}, aux_loss_coef: "
+                f"{cfg.moe.aux_loss_coef}): the qwen_vl policy kind does not route experts in "
+                "its passes (no routing replay, no load-balancing loss); remove the moe options"
+            )
         self.name, self.cfg = name, cfg
         self.device = torch.device(build.get("device") or "cpu")
         # typed by the recipe; bound here too for a config built in code
