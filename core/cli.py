@@ -1,4 +1,4 @@
-"""``polyrl train | eval | plot | export | config``.
+"""``polyrl train | eval | plot | export | serve | config``.
 
 Exit status: 0 done; 2 the recipe, data or run directory is wrong (one message, before any
 training); 3 the run ran but no step had a valid row (every rollout or reward failed), so
@@ -149,6 +149,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """A long-running service a plugin registers (``tinker``: the Tinker API)."""
+    from polyrl.core.registry import SERVICES, load_plugins
+
+    load_plugins()
+    if not Path(args.config).is_file():
+        raise ConfigError(f"polyrl serve: the config {args.config!r} does not exist")
+    return SERVICES.get(args.service)(args.config, list(args.overrides))
+
+
 def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     parser = argparse.ArgumentParser(
@@ -189,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("overrides", nargs="*")
     x.add_argument("--out", default=None)
     x.set_defaults(fn=cmd_export)
+    v = sub.add_parser("serve", help="run a service (tinker: the Tinker training API)")
+    v.add_argument("service", help="the service's name, e.g. tinker")
+    v.add_argument("--config", required=True, help="the service's YAML config")
+    v.add_argument("overrides", nargs="*", help="key=value")
+    v.set_defaults(fn=cmd_serve)
     h = sub.add_parser("config", help="list every recipe key with its type, default and doc")
     h.set_defaults(fn=cmd_config)
     args, extra = parser.parse_known_args(argv)

@@ -361,3 +361,5 @@ BACKENDS: Registry[Callable] = Registry(
 )
 # Recipes shipped inside a package, runnable by name (`polyrl train signaling`).
 RECIPES: Registry[Any] = Registry("packaged recipe")
+# `polyrl serve NAME --config FILE`: service(config_path, overrides) -> exit status
+SERVICES: Registry[Callable] = Registry("service")

@@ -31,7 +31,16 @@ Write your own workflow as an async function over the agent API::
             ep.joint([d, c], final=c.text)
 """
 
-from polyrl.marl import credit, critic, lora, signaling, vl_team, vllm_lora, workflows
+from polyrl.marl import (
+    credit,
+    critic,
+    lora,
+    signaling,
+    tinker_api,
+    vl_team,
+    vllm_lora,
+    workflows,
+)
 from polyrl.marl.api import AgentHandle, Episode, Joint, Message, Team
 from polyrl.marl.config import AgentSpec, CriticOptions, MarlOptions
 from polyrl.marl.record import JOINT_POLICY
@@ -53,6 +62,7 @@ __all__ = [
     "critic",
     "lora",
     "signaling",
+    "tinker_api",
     "vl_team",
     "vllm_lora",
     "workflow",
