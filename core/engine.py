@@ -22,6 +22,7 @@ from polyrl.core import moe
 from polyrl.core.interfaces import Closable, Engine, MixedCalls, MixesRows
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
+from polyrl.core.timeline import span
 
 
 @dataclass
@@ -416,8 +417,13 @@ class HFEngine:
 
     def _generate_batch(self, rows, params: SamplingParams, gen, sinks=None) -> list[Completion]:
         model = self.policy.model if self._route is None else self._route(None)
-        with moe.recording(model) as routing:  # MoE models: each token's experts (None: dense)
-            return self._decode(model, routing, rows, params, gen, sinks)
+        with (
+            span("generate", engine=self.policy.name, requests=len(rows)) as traced,
+            moe.recording(model) as routing,  # MoE models: each token's experts (None: dense)
+        ):
+            out = self._decode(model, routing, rows, params, gen, sinks)
+            traced.add(tokens=sum(len(c.token_ids) for c in out))
+            return out
 
     def _decode(
         self, model, routing: moe.Routing | None, rows, params: SamplingParams, gen, sinks

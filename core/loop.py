@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from polyrl.core import timeline
 from polyrl.core.credit import assign
 from polyrl.core.failures import Failures
 from polyrl.core.progress import Progress
@@ -11,36 +12,55 @@ from polyrl.core.recipe import Config
 from polyrl.core.record import valid_rows
 from polyrl.core.run import RunDir
 from polyrl.core.session import Session
+from polyrl.core.throughput import Throughput
+from polyrl.core.timeline import Tracer, span, tracing
 
 
 def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
     run, rollouts, failures = s.run, s.rollouts, Failures()
+    perf = Throughput(s.policies, cfg.algorithm)  # tokens/s and MFU
+    tracer = Tracer(run.path / "trace", cfg.run.trace_every) if cfg.run.trace_every else None
     first = s.evaluate("eval") if s.step == 0 else {}
     run.log(s.step, first)
-    with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar:
+    with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar, tracing(tracer):
         bar.update(s.step, first)
         for step in range(s.step + 1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            record, own = rollouts.next(step)  # made now, or by a producer k versions ahead
-            metrics = s.score(record)
-            metrics |= assign(record, cfg.algorithm)
-            metrics |= s.learn(record)  # a workflow's own learned parts (a critic), if any
-            failures.step(step, record)  # no valid row: the first error and the count, said
-            valid = valid_rows(record)
-            for names in s.update_groups():  # LoRA agents of one base: one pass for all
-                for name, upd in s.update_group(names, valid).items():
-                    metrics |= {f"{name}/{k}": v for k, v in upd.items()}
-                    rollouts.publish(name, step)  # its engine gets the new weights
-            metrics |= s.rollout_stats(record, own) | {"time/step_s": time.perf_counter() - t0}
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                metrics |= s.evaluate("eval", step)
-            if step % cfg.run.log_every == 0 or step == cfg.train.steps:
-                run.log(step, metrics)
-                s.write_samples(step, record)
-            if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
-                s.save(step)
+            t0, updates = time.perf_counter(), dict[str, float]()
+            with timeline.step(step):  # recorded every run.trace_every steps
+                with span("rollout"):
+                    record, own = rollouts.next(step)  # made now, or by a producer k ahead
+                with span("rewards"):
+                    metrics = s.score(record)
+                with span("credit"):
+                    metrics |= assign(record, cfg.algorithm)
+                    metrics |= s.learn(record)  # a workflow's own learned parts (a critic)
+                failures.step(step, record)  # no valid row: the first error and the count
+                valid = valid_rows(record)
+                for names in s.update_groups():  # LoRA agents of one base: one pass for all
+                    t1 = time.perf_counter()
+                    with span("update", policies=names):
+                        out = s.update_group(names, valid)
+                    updates |= dict.fromkeys(names, (time.perf_counter() - t1) / len(names))
+                    for name, upd in out.items():
+                        metrics |= {f"{name}/{k}": v for k, v in upd.items()}
+                        with span("weight_sync", policy=name):
+                            rollouts.publish(name, step)  # its engine gets the new weights
+                step_s = time.perf_counter() - t0
+                metrics |= s.rollout_stats(record, own) | {"time/step_s": step_s}
+                metrics |= perf.step(record, step_s, updates)
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
+                    with span("eval"):
+                        metrics |= s.evaluate("eval", step)
+                if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+                    run.log(step, metrics)
+                    s.write_samples(step, record)
+                if (cfg.run.save_every and step % cfg.run.save_every == 0) or (
+                    step == cfg.train.steps
+                ):
+                    with span("checkpoint"):
+                        s.save(step)
             bar.update(step, metrics)
         final = s.evaluate("eval", cfg.train.steps)
         run.log(cfg.train.steps, final)

@@ -62,6 +62,12 @@ class RunConfig:
         "wandb and mlflow need pip install 'polyrl[loggers]'",
     )
     progress: bool = doc(True, "show a progress bar")
+    trace_every: int = doc(
+        0,
+        "record every N-th step's timeline (phases, engine calls, micro-batches, syncs) in "
+        "run.dir/trace/ for Perfetto or chrome://tracing; `polyrl trace RUN_DIR` sums it "
+        "up (0: off). See polyrl.core.timeline",
+    )
     export: bool = doc(True, "export final models in Hugging Face format to run.dir/export")
 
 
@@ -321,6 +327,7 @@ class Config:
                 ">= 1",
             ),
             ("run.log_every", self.run.log_every, self.run.log_every >= 1, ">= 1"),
+            ("run.trace_every", self.run.trace_every, self.run.trace_every >= 0, ">= 0"),
         ]
         for name, p in self.policies.items():
             o, lora = p.optim, p.lora

@@ -39,6 +39,7 @@ generated again from that state, identically.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import queue
 import threading
@@ -53,6 +54,8 @@ from polyrl.core.data import PromptSampler
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Engine, Policy, ReportsRollout, Shadows, Workflow
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
+from polyrl.core.timeline import span
+from polyrl.core.timeline import step as traced_step
 
 
 def _own_metrics(workflow: Workflow) -> dict[str, float]:
@@ -284,40 +287,48 @@ class Ahead:
                 def ready(n: int = need) -> bool:
                     return self.published >= n or self.stop
 
-                with self.cond:
-                    self.cond.wait_for(ready)
-                    if self.stop:
-                        return
-                with self.engine_lock:
-                    if self.partial:
+                with traced_step(b, "batch"):  # this batch's phases, when its step is traced
+                    with span("wait_staleness_bound", version=need), self.cond:
+                        self.cond.wait_for(ready)
+                        if self.stop:
+                            return
+                    with self.engine_lock:
+                        if self.partial:
+                            with self.cond:
+                                need = self.published  # the newest; newer ones come mid-call
+                        with span("load_weights", version=need):
+                            self._load(need)
+                        pre = self._capture()
                         with self.cond:
-                            need = self.published  # the newest; newer ones come mid-call
-                    self._load(need)
-                    pre = self._capture()
-                    with self.cond:
-                        self.prestates[b] = pre
+                            self.prestates[b] = pre
+                        with span("rollout", version=need):
+                            if self.partial:
+                                record = self._partial_rollout(s.sampler.next_batch(), need)
+                            else:
+                                self._send_ahead(b, need)
+                                record = s.workflow.rollout(
+                                    s.sampler.next_batch(), s.sampling(), phase="train"
+                                )
+                                record["policy_version"] = torch.full((record.batch_size[0],), need)
+                        own = _own_metrics(s.workflow)
                     if self.partial:
-                        record = self._partial_rollout(s.sampler.next_batch(), need)
-                    else:
-                        self._send_ahead(b, need)
-                        record = s.workflow.rollout(
-                            s.sampler.next_batch(), s.sampling(), phase="train"
-                        )
-                        record["policy_version"] = torch.full((record.batch_size[0],), need)
-                    own = _own_metrics(s.workflow)
-                if self.partial:
-                    own["async/mixed_version_rows"] = float(self.mixed_rows)
-                self.out.put((b, record, own))
+                        own["async/mixed_version_rows"] = float(self.mixed_rows)
+                    self.out.put((b, record, own))
         except BaseException as e:  # surfaces in the trainer's next()
             self.out.put((None, e, None))
 
     # --- trainer side -------------------------------------------------------------------
     def next(self, step: int) -> tuple[TensorDict, dict[str, float]]:
         if self.thread is None:
-            self.thread = threading.Thread(target=self._produce, name="polyrl-rollouts")
+            # the producer runs in this context (the run's tracer: timeline.step finds it)
+            run = contextvars.copy_context().run
+            self.thread = threading.Thread(
+                target=run, args=(self._produce,), name="polyrl-rollouts"
+            )
             self.thread.daemon = True
             self.thread.start()
-        b, record, own = self.out.get()
+        with span("wait_rollout"):
+            b, record, own = self.out.get()
         if b is None:
             raise record
         if b != step:

@@ -44,6 +44,7 @@ from polyrl.core.interfaces import OwnsKL, PacksRows, RoutesExperts
 from polyrl.core.passes import pack_rows
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
+from polyrl.core.timeline import span
 
 
 def _agg_info(
@@ -240,9 +241,14 @@ def _prepare(policy, batch, algo, temperature, dp, correction, terms=None) -> _R
     if not reuse_old:
         batch["old_logprobs"] = terms.get("old_logprobs")
         if batch["old_logprobs"] is None:
-            batch["old_logprobs"] = _per_row(
-                lambda mb: policy.logprobs(mb, temperature)[0], batch, mb_size, dp, tokens(batch)
-            )
+            with span("old_logprobs", rows=n):
+                batch["old_logprobs"] = _per_row(
+                    lambda mb: policy.logprobs(mb, temperature)[0],
+                    batch,
+                    mb_size,
+                    dp,
+                    tokens(batch),
+                )
     # a policy may compute the recipe's KL estimator itself (OwnsKL): the reference terms
     # it needs (e.g. means) are stored where ref_logprobs would be
     owns_kl = (
@@ -261,9 +267,10 @@ def _prepare(policy, batch, algo, temperature, dp, correction, terms=None) -> _R
     elif algo.kl_coef > 0 and "ref_logprobs" in terms:
         batch["ref_logprobs"] = terms["ref_logprobs"]
     elif algo.kl_coef > 0:
-        batch["ref_logprobs"] = _per_row(
-            lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp, tokens(batch)
-        )
+        with span("ref_logprobs", rows=n):
+            batch["ref_logprobs"] = _per_row(
+                lambda mb: policy.ref_logprobs(mb, temperature), batch, mb_size, dp, tokens(batch)
+            )
     kl_fn = KL_ESTIMATORS.get(algo.kl_estimator) if algo.kl_coef > 0 and not owns_kl else None
     corr = algo.rollout_correction
     level = correction or corr.resolved(exact_engines=True)
@@ -417,10 +424,12 @@ def update(
         for mini in torch.tensor_split(order, algo.minibatches):
             mini_batch, agg = _mini_batch(run, mini)
             for mb, real in run.micro_batches(mini_batch):
-                loss = _micro_loss(run, mb, real, agg, *_forward(run, mb))
-                # a stand-in pass keeps FSDP's collectives in step; no gradient
-                (loss if real else loss * 0.0).backward()
-            _end_mini_batch(run)
+                with span("micro_batch", rows=mb.batch_size[0], real=real):
+                    loss = _micro_loss(run, mb, real, agg, *_forward(run, mb))
+                    # a stand-in pass keeps FSDP's collectives in step; no gradient
+                    (loss if real else loss * 0.0).backward()
+            with span("optimizer_step"):
+                _end_mini_batch(run)
     policy.model.train(False)
     return _metrics(run)
 
@@ -496,13 +505,15 @@ def update_together(
                     temperature,
                     with_entropy=group[0][0].want_entropy,
                 )
-                losses = [
-                    _micro_loss(r, mb, True, agg, logp, ent, None)
-                    for (r, agg, mb), (logp, ent) in zip(group, outs, strict=True)
-                ]
-                torch.stack(losses).sum().backward()
-            for r in live:
-                _end_mini_batch(r)
+                with span("micro_batch", policies=len(group)):
+                    losses = [
+                        _micro_loss(r, mb, True, agg, logp, ent, None)
+                        for (r, agg, mb), (logp, ent) in zip(group, outs, strict=True)
+                    ]
+                    torch.stack(losses).sum().backward()
+            with span("optimizer_step", policies=len(live)):
+                for r in live:
+                    _end_mini_batch(r)
     if live:
         live[0].policy.model.train(False)
     return [_metrics(r) if r is not None else {} for r in runs]

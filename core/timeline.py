@@ -1,0 +1,223 @@
+"""A per-step timeline of a run: where each sampled step's time went, as a trace file.
+
+``run.trace_every: N`` (0, the default: off) records every N-th step's phases -- the
+rollout and each engine call (requests, tokens), rewards, the old / reference log-prob
+passes, each micro-batch of the update, optimizer steps, weight syncs, checkpoint writes,
+waits on the staleness bound -- into ``RUN_DIR/trace/<process>-<pid>.json``, in the Chrome
+Trace Event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+
+Each process (and each Ray actor that traces) writes its own file; events carry the
+process and thread ids and a wall-clock timestamp, so the files of one run merge on one
+time axis. A file is a JSON array written one event per line and flushed as it goes: a
+run that is killed leaves every finished span readable (the format allows the missing
+closing bracket; :func:`read_trace` reads such a file).
+
+Code marks phases with :func:`span` and :func:`instant`; both find the recording tracer
+in a context variable that :func:`step` sets for a sampled step (a thread inherits it
+where it is started with the caller's context, as the async producer is), so nothing is
+handed through every call and an unsampled step costs one ``ContextVar.get``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# the run's tracer (set for the whole run) and the one recording now (a sampled step)
+_TRACER: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar(
+    "polyrl_tracer", default=None
+)
+_LIVE: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("polyrl_live", default=None)
+
+
+def _now_us() -> float:
+    """Wall-clock microseconds: one time axis for every process of the run (one machine;
+    across nodes as good as their clocks agree)."""
+    return time.time_ns() / 1000.0
+
+
+class Tracer:
+    """Writes one process's events to ``directory/<process>-<pid>.json``; thread-safe."""
+
+    def __init__(self, directory: Path | str, every: int, process: str = "trainer") -> None:
+        if every < 0:
+            raise ValueError(f"trace every={every}: give 0 (off) or a step interval >= 1")
+        self.directory, self.every, self.process = Path(directory), every, process
+        self.pid = os.getpid()
+        self.path = self.directory / f"{process}-{self.pid}.json"
+        self._lock = threading.Lock()
+        self._file: Any = None
+        self._threads: set[int] = set()
+
+    def sampled(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def emit(self, event: dict[str, Any]) -> None:
+        tid = threading.get_native_id()
+        event = {"pid": self.pid, "tid": tid, **event}
+        with self._lock:
+            if self._file is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+                if self._file.tell() == 0:
+                    self._file.write("[\n")
+                self._write(self._meta("process_name", self.pid, {"name": self.process}))
+            if tid not in self._threads:
+                self._threads.add(tid)
+                name = threading.current_thread().name
+                self._write(self._meta("thread_name", tid, {"name": name}))
+            self._write(event)
+            self._file.flush()  # a killed run keeps what ran
+
+    def _meta(self, name: str, tid: int, args: dict) -> dict[str, Any]:
+        return {"ph": "M", "name": name, "pid": self.pid, "tid": tid, "args": args}
+
+    def _write(self, event: dict[str, Any]) -> None:
+        self._file.write(json.dumps(event, default=float) + ",\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class Span:
+    """An open span; :meth:`add` puts facts learned inside it (tokens made) in its args."""
+
+    __slots__ = ("tracer", "name", "args", "start")
+
+    def __init__(self, tracer: Tracer, name: str, args: dict[str, Any]) -> None:
+        self.tracer, self.name, self.args = tracer, name, args
+
+    def add(self, **args: Any) -> None:
+        self.args.update(args)
+
+    def __enter__(self) -> Span:
+        self.start = _now_us()
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        end = _now_us()
+        if kind is not None:
+            self.args["error"] = kind.__name__
+        self.tracer.emit(
+            {
+                "ph": "X",
+                "name": self.name,
+                "ts": self.start,
+                "dur": end - self.start,
+                "args": self.args,
+            }
+        )
+
+
+class _Off:
+    """What :func:`span` returns when nothing records: enters, adds and exits as no-ops."""
+
+    __slots__ = ()
+
+    def add(self, **args: Any) -> None:
+        return None
+
+    def __enter__(self) -> _Off:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+OFF = _Off()
+
+
+def span(name: str, **args: Any) -> Span | _Off:
+    """``with span("generate", requests=8) as s: ...; s.add(tokens=n)``: one complete
+    event when a sampled step is recording, nothing otherwise."""
+    tracer = _LIVE.get()
+    return OFF if tracer is None else Span(tracer, name, args)
+
+
+def instant(name: str, **args: Any) -> None:
+    """A point in time (a dropped group, a refresh), when a sampled step is recording."""
+    tracer = _LIVE.get()
+    if tracer is not None:
+        tracer.emit({"ph": "i", "s": "t", "name": name, "ts": _now_us(), "args": args})
+
+
+def recording() -> Tracer | None:
+    """The tracer recording now (for a thread or server that does not share this context:
+    hand it over and enter :func:`recording_with` there)."""
+    return _LIVE.get()
+
+
+@contextlib.contextmanager
+def recording_with(tracer: Tracer | None) -> Iterator[None]:
+    """Record into ``tracer`` (None: nothing) within the block, e.g. in a server thread
+    serving a request of a sampled step."""
+    token = _LIVE.set(tracer)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+@contextlib.contextmanager
+def tracing(tracer: Tracer | None) -> Iterator[Tracer | None]:
+    """The run's tracer for the block (closed at its end); None: no tracing."""
+    token = _TRACER.set(tracer)
+    try:
+        yield tracer
+    finally:
+        _TRACER.reset(token)
+        if tracer is not None:
+            tracer.close()
+
+
+@contextlib.contextmanager
+def step(number: int, name: str = "step") -> Iterator[Span | _Off]:
+    """Step ``number``'s block: recorded (as span ``name`` holding its phases) when the
+    run's tracer samples it; the phases of other steps record nothing."""
+    tracer = _TRACER.get()
+    live = tracer if tracer is not None and tracer.sampled(number) else None
+    token = _LIVE.set(live)
+    try:
+        with span(name, step=number) as s:
+            yield s
+    finally:
+        _LIVE.reset(token)
+
+
+def read_trace(path: Path | str) -> list[dict[str, Any]]:
+    """The events of a trace file as written (a JSON array, one event a line; a killed
+    run's file without its closing bracket reads as well)."""
+    events = []
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        line = line.strip().rstrip(",")
+        if line in ("", "[", "]"):
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # the line a kill cut short: what ran before stays
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a trace event ({e})") from None
+    return events
+
+
+def read_run(run_dir: Path | str) -> list[dict[str, Any]]:
+    """Every process's events of a run (``RUN_DIR/trace/*.json``), merged by time."""
+    files = sorted((Path(run_dir) / "trace").glob("*.json"))
+    if not files:
+        raise FileNotFoundError(
+            f"{run_dir}: no trace/*.json; trace a run with run.trace_every: N (every N-th step)"
+        )
+    events = [e for f in files for e in read_trace(f)]
+    return sorted(events, key=lambda e: (e.get("ts", 0.0), -e.get("dur", 0.0)))
