@@ -9,7 +9,9 @@ seccomp filter and executes the runner. A tests run (``"tests"`` in the request)
 two: the checker first (the row's checks, arriving on a pipe), then, once the checker
 has read them, the code's worker, which answers the checker's calls; passing is read
 from the checker's status channel only. The supervisor reads the worker's output with a
-size cap, enforces the wall-time limit and kills everything the code started. Because the supervisor is the worker's parent, code that signals "its
+size cap, enforces the wall-time limit and the run's memory budget (``_sandbox_memory``)
+and kills everything the code started. The seccomp filter and keyring (``_sandbox_seccomp``)
+and the memory accounting arrive as source in the request, loaded by :func:`_load`. Because the supervisor is the worker's parent, code that signals "its
 parent" reaches the supervisor (or, in a PID namespace, nothing), never the trainer.
 """
 
@@ -32,7 +34,6 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x20000000,
     0x40000000,
 )
-IPC_RMID = 0
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1,
     2,
@@ -44,138 +45,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     1 << 18,
 )
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
-KEYCTL_JOIN_SESSION_KEYRING = 1
-# System calls the code never needs and that widen what it can reach (per architecture):
-# io_uring (its own path around the syscall layer), the kernel keyrings, new or other
-# namespaces (nested user namespaces with mounts), BPF, perf, reading or writing other
-# processes' memory, userfaultfd. ``clone`` is refused only with a namespace flag; clone3
-# (whose flags seccomp cannot read) answers ENOSYS, so libc falls back to clone.
-SYSCALLS = {
-    "x86_64": {
-        "io_uring_setup": 425,
-        "io_uring_enter": 426,
-        "io_uring_register": 427,
-        "keyctl": 250,
-        "add_key": 248,
-        "request_key": 249,
-        "unshare": 272,
-        "setns": 308,
-        "bpf": 321,
-        "perf_event_open": 298,
-        "ptrace": 101,
-        "process_vm_readv": 310,
-        "process_vm_writev": 311,
-        "userfaultfd": 323,
-        "clone": 56,
-        "clone3": 435,
-    },
-    "aarch64": {
-        "io_uring_setup": 425,
-        "io_uring_enter": 426,
-        "io_uring_register": 427,
-        "keyctl": 219,
-        "add_key": 217,
-        "request_key": 218,
-        "unshare": 97,
-        "setns": 268,
-        "bpf": 280,
-        "perf_event_open": 241,
-        "ptrace": 117,
-        "process_vm_readv": 270,
-        "process_vm_writev": 271,
-        "userfaultfd": 282,
-        "clone": 220,
-        "clone3": 435,
-    },
-}
-AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET}
-X32_SYSCALL_BIT = 0x40000000
-
-
-class _SockFilter(ctypes.Structure):
-    _fields_ = [
-        ("code", ctypes.c_ushort),
-        ("jt", ctypes.c_ubyte),
-        ("jf", ctypes.c_ubyte),
-        ("k", ctypes.c_uint),
-    ]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-def _seccomp_program(machine: str) -> list:
-    """A classic-BPF seccomp filter (code, jt, jf, k): refuse SYSCALLS with EPERM."""
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
-    nrs = SYSCALLS[machine]
-    denied = [nr for name, nr in nrs.items() if name not in ("clone", "clone3")]
-    head = [
-        (ld, 0, 0, 4),  # seccomp_data.arch
-        (jeq, 1, 0, AUDIT_ARCH[machine]),
-        (ret, 0, 0, kill),  # another ABI (i386 on x86_64): its numbers differ
-        (ld, 0, 0, 0),  # seccomp_data.nr
-    ]
-    checks = [(jge, None, 0, X32_SYSCALL_BIT)] if machine == "x86_64" else []
-    checks += [(jeq, None, 0, nr) for nr in denied]
-    checks.append((jeq, "enosys", 0, nrs["clone3"]))
-    tail = [
-        (jeq, 0, 2, nrs["clone"]),
-        (ld, 0, 0, 16),  # args[0], low half: clone's flags
-        (jset, 1, 0, NAMESPACE_FLAGS),
-        (ret, 0, 0, allow),
-        (ret, 0, 0, errno | 1),  # EPERM
-        (ret, 0, 0, errno | 38),  # ENOSYS
-    ]
-    prog = head + checks + tail
-    deny_at, enosys_at = len(prog) - 2, len(prog) - 1
-    out = []
-    for i, (code, jt, jf, k) in enumerate(prog):
-        if jt is None:
-            jt = deny_at - i - 1
-        elif jt == "enosys":
-            jt = enosys_at - i - 1
-        out.append((code, jt, jf, k))
-    return out
-
-
-def _install_seccomp() -> str:
-    machine = os.uname().machine
-    if machine not in SYSCALLS:
-        return ""
-    prog = _seccomp_program(machine)
-    filters = (_SockFilter * len(prog))(*[_SockFilter(*insn) for insn in prog])
-    fprog = _SockFprog(len(prog), filters)
-    _check(
-        _libc.prctl(
-            ctypes.c_int(PR_SET_SECCOMP),
-            ctypes.c_ulong(SECCOMP_MODE_FILTER),
-            ctypes.byref(fprog),
-            ctypes.c_ulong(0),
-            ctypes.c_ulong(0),
-        ),
-        "prctl(PR_SET_SECCOMP)",
-    )
-    return machine
-
-
-def _fresh_keyring() -> None:
-    """Join a new, empty session keyring: the trainer's (and the keys it holds, which a
-    possessor may read whatever its uid) is no longer the process's."""
-    nr = SYSCALLS.get(os.uname().machine, {}).get("keyctl")
-    if nr is None:
-        raise OSError(0, "unknown system call numbers on this architecture")
-    ret = _libc.syscall(
-        ctypes.c_long(nr), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), ctypes.c_void_p(None)
-    )
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"keyctl(KEYCTL_JOIN_SESSION_KEYRING): {os.strerror(err)}")
-
-
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 # Top-level directories the worker keeps (system files it needs to run Python); every
 # other top-level directory -- wherever the project, its data or the user's home live --
 # is replaced by an empty tmpfs in the worker's private mount namespace, and the Python
@@ -321,75 +191,6 @@ def _isolate(req: dict, layers: list, notes: list) -> tuple:
     return work, root
 
 
-# /proc/sysvipc tables (read through a descriptor of the host's /proc, opened before the
-# worker starts): each lists the System V objects of the reader's IPC namespace.
-SYSVIPC = {"shm": "shmid", "msg": "msqid", "sem": "semid"}
-IPC_NAMES = {"shm": "shared-memory segment", "msg": "message queue", "sem": "semaphore set"}
-
-
-def _ipc_objects(proc_fd: int) -> list:
-    """(kind, id, creator uid, bytes) of every System V IPC object this process can see."""
-    out = []
-    for kind, id_col in SYSVIPC.items():
-        try:
-            fd = os.open(f"sysvipc/{kind}", os.O_RDONLY, dir_fd=proc_fd)
-        except OSError:
-            continue
-        with os.fdopen(fd) as f:
-            lines = f.read().splitlines()
-        header = lines[0].split() if lines else []
-        for line in lines[1:]:
-            row = dict(zip(header, line.split(), strict=False))
-            size = int(row.get("size", row.get("cbytes", 0)))
-            out.append((kind, int(row[id_col]), int(row["cuid"]), size))
-    return out
-
-
-def _remove_ipc(kind: str, ident: int) -> bool:
-    if kind == "shm":
-        return _libc.shmctl(ctypes.c_int(ident), IPC_RMID, None) == 0
-    if kind == "msg":
-        return _libc.msgctl(ctypes.c_int(ident), IPC_RMID, None) == 0
-    return _libc.semctl(ctypes.c_int(ident), 0, IPC_RMID) == 0
-
-
-def _cleanup_ipc(proc_fd: int, before: set, own_ns: bool, uid, notes: list) -> dict:
-    """The per-call check: System V objects the code left behind, reported and removed.
-
-    In its own IPC namespace every object is the code's (and would vanish with the
-    namespace anyway); without one, new objects created by the throwaway uid are; with
-    neither, new objects cannot be told from the host's, so they are reported, not removed.
-    """
-    left = [o for o in _ipc_objects(proc_fd) if (o[0], o[1]) not in before]
-    if not own_ns:
-        if uid is None:
-            if left:
-                notes.append(
-                    f"{len(left)} System V IPC object(s) appeared during the run; without an "
-                    "IPC namespace or a throwaway uid they cannot be attributed, so they were "
-                    "left in place"
-                )
-            return {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
-        left = [o for o in left if o[2] == uid]
-    counts = {"shm": 0, "msg": 0, "sem": 0, "shm_bytes": 0}
-    failed = [o for o in left if not _remove_ipc(o[0], o[1])]
-    for kind, _, _, size in left:
-        counts[kind] += 1
-        counts["shm_bytes"] += size if kind == "shm" else 0
-    if left:
-        what = ", ".join(
-            f"{n} {IPC_NAMES[k]}(s)" for k, n in counts.items() if k in IPC_NAMES and n
-        )
-        notes.append(
-            f"removed System V IPC the code left behind: {what} "
-            f"({counts['shm_bytes'] / 2**20:.0f} MiB of shared memory)"
-        )
-    still = {(o[0], o[1]) for o in _ipc_objects(proc_fd)} & {(o[0], o[1]) for o in left}
-    if failed or still:
-        notes.append(f"could not remove {len(still) or len(failed)} System V IPC object(s)")
-    return counts
-
-
 def _reachable(paths: list) -> bool:
     """Whether a user with no relation to these files may reach (traverse into) them all."""
     for path in paths:
@@ -437,7 +238,7 @@ def _status(kind: str, text: str) -> None:
 STATUS_FD, NONCE_FD, REQUEST_FD, REPLY_FD = 3, 4, 5, 6
 
 
-def _worker(req: dict, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> None:
+def _worker(req: dict, kernel, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> None:
     """In the child: limits, privileges, keyring, seccomp, then exec the runner in
     ``mode`` with ``fds`` ({target descriptor: pipe end}). Never returns."""
     try:
@@ -476,19 +277,19 @@ def _worker(req: dict, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> N
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         try:
-            _fresh_keyring()
+            kernel.fresh_keyring()
         except OSError as e:
             _status("note", f"could not join a fresh session keyring ({e.strerror})")
         else:
             _status("layer", "fresh session keyring (the trainer's keys are not possessed)")
         if req.get("seccomp", True):
             try:
-                machine = _install_seccomp()
+                machine = kernel.install_seccomp()
             except OSError as e:
                 _status("note", f"no seccomp filter ({e.strerror})")
             else:
                 if machine:
-                    _status("layer", SECCOMP_LAYER)
+                    _status("layer", kernel.SECCOMP_LAYER)
                 else:
                     _status("note", f"no seccomp filter for {os.uname().machine}")
         os.chdir(cwd)
@@ -513,12 +314,6 @@ def _worker(req: dict, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> N
             os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(126)
-
-
-SECCOMP_LAYER = (
-    "seccomp filter (refuses io_uring, keyctl/add_key/request_key, unshare, setns, "
-    "clone with namespace flags, bpf, perf_event_open, ptrace, process_vm_*, userfaultfd)"
-)
 
 
 def _kill_all(pid: int, uid, pid_ns: bool) -> None:
@@ -616,8 +411,20 @@ def _throwaway_uid(taken: set) -> int:
     return uid
 
 
+def _load(name: str, source: str):
+    """One of the sandbox's modules, from the source the trainer sent (this process has
+    no import path to them)."""
+    import types
+
+    module = types.ModuleType(name)
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)
+    return module
+
+
 def main() -> None:
     req = json.loads(sys.stdin.read())
+    kernel = _load("_sandbox_seccomp", req["modules"]["_sandbox_seccomp"])
+    memory = _load("_sandbox_memory", req["modules"]["_sandbox_memory"])
     lim = req["limits"]
     tests = req.get("tests")
     layers: list = []
@@ -667,7 +474,13 @@ def main() -> None:
         )
     own_ipc = any(x.startswith("ipc-namespace") for x in layers)
     proc_fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)  # the host's view, kept
-    ipc_before = {(o[0], o[1]) for o in _ipc_objects(proc_fd)}
+    ipc_before = {(o[0], o[1]) for o in memory.ipc_objects(proc_fd)}
+    # the run's processes are this one's descendants, orphans included (they come back
+    # here, or to the PID namespace's init), and its memory is summed against the budget
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    budget = memory.RunMemory(
+        proc_fd, os.getpid(), int(lim["run_memory_mb"]) * 2**20, own_ipc, set(uids)
+    )
     nonce = os.urandom(16).hex()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -713,8 +526,8 @@ def main() -> None:
     first.pid = os.fork()
     if first.pid == 0:
         if checker is not None:
-            _worker(req, checks_dir, check_uid, check_fds, own_proc, "check")
-        _worker(req, work, code_uid, code_fds, own_proc, "run")
+            _worker(req, kernel, checks_dir, check_uid, check_fds, own_proc, "check")
+        _worker(req, kernel, work, code_uid, code_fds, own_proc, "run")
     if checker is not None:
         for fd in (chk_out_w, chk_st_w, in_r, req_w, rep_r):
             os.close(fd)
@@ -732,6 +545,7 @@ def main() -> None:
     if checker is not None:
         open_fds = [chk_out_r, chk_st_r]  # the code's streams open once it is forked
     ended_at = None
+    next_poll = start
 
     def kill_everything() -> None:
         for w in workers:
@@ -748,20 +562,25 @@ def main() -> None:
         if now >= deadline and not killed:
             killed = "wall_time"
             kill_everything()
+        if now >= next_poll and not killed:
+            if budget.poll(now):
+                killed = "memory"
+                kill_everything()
+            next_poll = now + budget.interval()
         if checker is not None and code.pid is None:
             if killed or checker.status is not None:
                 code.pid = -1  # the checker ended (or was stopped) before it was ready
             elif checker.channel.started:
                 code.pid = os.fork()
                 if code.pid == 0:
-                    _worker(req, work, code_uid, code_fds, False, "serve")
+                    _worker(req, kernel, work, code_uid, code_fds, False, "serve")
                 for fd in code_fds.values():
                     os.close(fd)
                 workers.append(code)
                 open_fds += [out_r, err_r, st_r]
         writing = [in_w] if pending else []
         ready, can_write, _ = select.select(
-            open_fds, writing, [], max(0.0, min(0.05, deadline - now))
+            open_fds, writing, [], max(0.0, min(0.05, deadline - now, next_poll - now))
         )
         if can_write:
             try:
@@ -822,7 +641,14 @@ def main() -> None:
         )
     if killed == "wall_time":
         notes.append(f"stopped by the wall-time limit after {elapsed:.1f} s")
-    ipc_left = _cleanup_ipc(proc_fd, ipc_before, own_ipc, code_uid, notes)
+    ipc_left = memory.cleanup_ipc(proc_fd, ipc_before, own_ipc, code_uid, notes)
+    if not private_fs:  # /dev/shm is the host's: what the run's uids left there goes
+        ipc_left.update(memory.cleanup_dev_shm(set(uids), budget.dev_shm_before, notes))
+    if killed == "memory":
+        notes.append(
+            f"stopped by the run's memory budget (run_memory_mb={lim['run_memory_mb']}): "
+            f"its processes and shared memory held {budget.peak / 2**20:.0f} MiB"
+        )
     for path in (temp, None if checker is None or private_fs else checks_dir):
         if path is not None:
             import shutil
@@ -843,6 +669,7 @@ def main() -> None:
         "layers": layers,
         "notes": notes,
         "ipc_left": ipc_left,
+        "memory_peak": budget.peak,
         "started": code.channel.started,
         "completed": code.channel.completed,
     }

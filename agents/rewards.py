@@ -146,6 +146,9 @@ def unit_tests(
     cpu_seconds: Annotated[float, "CPU seconds each program may use"] = 5.0,
     wall_seconds: Annotated[float, "wall seconds each program may take"] = 10.0,
     memory_mb: Annotated[int, "address space of each program's processes, MiB"] = 512,
+    run_memory_mb: Annotated[
+        int, "memory each program's run holds in all (every process, shared memory), MiB"
+    ] = 1024,
     workers: Annotated[int, "programs run at once"] = 8,
 ) -> list[float | Exception]:
     """1.0 when the row's tests pass against the response's code, else 0.0.
@@ -155,8 +158,10 @@ def unit_tests(
     (None, bool, numbers, str, bytes and lists, tuples, dicts, sets of them; anything
     else fails the call), so an object whose ``__eq__`` is always true, patched builtins,
     forged status lines, exits of any kind and reading its own files cannot pass. Passing
-    is said by the checker alone. Failing asserts, exceptions, time-outs and forbidden
-    operations score 0.
+    is said by the checker alone. Failing asserts, exceptions, time-outs, memory past
+    the run's budget and forbidden operations score 0; so do a missing entry point (a
+    builtin of its name never stands in), a NaN in any comparison of the checks, and a
+    value of the code's that cannot be sent back to it.
 
     A row the sandbox could not run, or whose tests cannot run as written (an argument
     that is not plain data), gets an exception in its place (that row alone is invalid,
@@ -164,7 +169,12 @@ def unit_tests(
     message says why."""
     programs = [program_parts(s, tests_field, entry_point_field, imports_field) for s in samples]
     box = Sandbox(
-        SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb)
+        SandboxLimits(
+            cpu_seconds=cpu_seconds,
+            wall_seconds=wall_seconds,
+            memory_mb=memory_mb,
+            run_memory_mb=run_memory_mb,
+        )
     )
 
     def run(p: Program):

@@ -87,12 +87,21 @@ class SandboxLimits:
     # so that a busy loop ends on its CPU limit rather than on wall time
     load_grace_seconds: float = 10.0
     memory_mb: int = 512  # address space of each process
+    # resident memory of the whole run: every process, System V and POSIX shared memory,
+    # memory files; the run is stopped when it holds more (see agents/SANDBOX.md)
+    run_memory_mb: int = 1024
     output_bytes: int = 16_384  # stdout + stderr kept; more kills the run
     max_processes: int = 16  # processes the throwaway uid may own (fork-bomb cap)
     file_size_mb: int = 16  # largest file the code may write
     open_files: int = 64
     tmpfs_mb: int = 64  # size of the private working directory (mount namespace)
     tmpfs_inodes: int = 4096  # files and directories it may hold (the sandbox's own included)
+
+    def __post_init__(self) -> None:
+        for name in ("memory_mb", "run_memory_mb", "max_processes", "open_files"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be a positive integer, not {value!r}")
 
 
 @dataclass
@@ -119,6 +128,13 @@ class SandboxResult:
     # traceback) and why the row's checks could not run as written (not the code's fault)
     checks: str = ""
     harness: list[str] = field(default_factory=list)
+    # the SandboxLimits field that stopped the run ("" when none did): wall_seconds,
+    # cpu_seconds, output_bytes, memory_mb (an allocation past a process's address
+    # space) or run_memory_mb (the run's processes and shared memory together)
+    limit: str = ""
+    # the most memory the run's processes and shared memory held, as the supervisor
+    # measured it while the run went (MiB)
+    memory_peak_mb: float = 0.0
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
@@ -248,6 +264,7 @@ class Sandbox:
             "audit": self.audit,
             "python": os.path.realpath(self.python),
             "runner": _source("_sandbox_runner.py"),
+            "modules": {m: _source(f"{m}.py") for m in ("_sandbox_seccomp", "_sandbox_memory")},
             "python_paths": list(_python_paths(self.python)),
         }
         start = time.monotonic()
@@ -292,15 +309,32 @@ class Sandbox:
             rep["completed"],
             rep["started"],
         )
+        result.memory_peak_mb = rep["memory_peak"] / 2**20
         if tests is not None:
-            return _tests_result(rep, result)
-        result.error = _classify(rep, result, float(self.limits.cpu_seconds))
+            result = _tests_result(rep, result)
+        else:
+            result.error = _classify(rep, result, float(self.limits.cpu_seconds))
+        result.limit = _LIMITS.get(result.error, "")
+        if rep["killed"] == "memory":
+            result.limit = "run_memory_mb"
+        if tests is not None:
+            return result
         if result.error == "cpu_time":
             result.notes.append(
                 f"stopped by the CPU-time limit (RLIMIT_CPU) after {result.cpu_seconds:.1f} s "
                 "of CPU"
             )
         return result
+
+
+# the SandboxLimits field behind each error kind (a supervisor's "memory" kill is the
+# run's budget; a MemoryError in the code is its address space)
+_LIMITS = {
+    "wall_time": "wall_seconds",
+    "cpu_time": "cpu_seconds",
+    "output_limit": "output_bytes",
+    "memory": "memory_mb",
+}
 
 
 def _tests_result(rep: dict, r: SandboxResult) -> SandboxResult:

@@ -1,0 +1,232 @@
+"""One memory budget per sandbox run (issue 38): ``run_memory_mb`` covers every process
+of the run and its shared memory, where ``memory_mb`` bounds each process alone.
+
+Each test watches the run from outside, in the kernel's own tables, while it goes: the
+anonymous resident memory of every process below this one (``/proc/<pid>/status``), the
+System V segments of the sandbox's IPC namespace (read from a thread that joined it) and
+the run's files in ``/dev/shm``. The sandbox's own report is checked against that view,
+never taken for it. The audit hook is off: the OS layers and the budget are the wall.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import uuid
+
+import pytest
+
+from polyrl.agents.sandbox import Sandbox, SandboxLimits, capabilities
+
+MiB = 2**20
+BUDGET = 512
+# what the run may hold past its budget before it is stopped: a poll's latency at the
+# rate 4 processes fault in pages on a loaded 2-core machine, plus the interpreters'
+SLACK = 192
+
+
+class HostView(threading.Thread):
+    """The most memory the processes below this one held at once, sampled from /proc:
+    their anonymous resident pages (``RssAnon``, which leaves shared memory out), plus the
+    System V segments of the first other IPC namespace a child enters, plus the files in
+    /dev/shm named with ``shm_prefix``."""
+
+    def __init__(self, shm_prefix: str = "") -> None:
+        super().__init__(daemon=True)
+        self.shm_prefix = shm_prefix
+        self.peak = 0
+        self.samples = 0
+        self.stop = threading.Event()
+        self.ipc_joined = False
+
+    def _descendants(self) -> list[int]:
+        parent = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat", "rb") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                parent[int(name)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        mine, grew = {os.getpid()}, True
+        while grew:
+            new = {p for p, pp in parent.items() if pp in mine and p not in mine}
+            mine |= new
+            grew = bool(new)
+        return sorted(mine - {os.getpid()})
+
+    def _join_ipc(self, pids: list[int]) -> None:
+        """Enter the IPC namespace of a child that left ours (this thread only)."""
+        own = os.readlink("/proc/self/ns/ipc")
+        for pid in pids:
+            try:
+                if os.readlink(f"/proc/{pid}/ns/ipc") == own:
+                    continue
+                fd = os.open(f"/proc/{pid}/ns/ipc", os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, 0x08000000) == 0:
+                    self.ipc_joined = True
+                    return
+            finally:
+                os.close(fd)
+
+    def _held(self, pids: list[int]) -> int:
+        total = 0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("RssAnon:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        if self.ipc_joined:
+            with open("/proc/sysvipc/shm") as f:
+                rows = f.read().splitlines()
+            col = rows[0].split().index("rss")
+            total += sum(int(r.split()[col]) for r in rows[1:])
+        if self.shm_prefix:
+            for e in os.scandir("/dev/shm"):
+                if e.name.startswith(self.shm_prefix):
+                    try:
+                        total += e.stat().st_blocks * 512
+                    except OSError:
+                        continue
+        return total
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            pids = self._descendants()
+            if not self.ipc_joined:
+                self._join_ipc(pids)
+            self.peak = max(self.peak, self._held(pids))
+            self.samples += 1
+            self.stop.wait(0.002)
+
+
+def watched(box: Sandbox, code: str, shm_prefix: str = ""):
+    view = HostView(shm_prefix)
+    view.start()
+    try:
+        result = box.run(code)
+    finally:
+        view.stop.set()
+        view.join()
+    assert view.samples >= 10, view.samples  # it watched the run, not a moment of it
+    return result, view.peak / MiB
+
+
+def limits(**kw) -> SandboxLimits:
+    return SandboxLimits(
+        **{"cpu_seconds": 10, "wall_seconds": 20, "max_processes": 8, "run_memory_mb": BUDGET, **kw}
+    )
+
+
+FORK = """
+import os, time
+kids = []
+for _ in range({n}):
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray({mb} << 20)
+        b[::4096] = b"\\x01" * len(b[::4096])
+        time.sleep({sleep})
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
+print("survived")
+"""
+
+
+def test_four_processes_of_300_mb_are_stopped_at_the_runs_budget():
+    """``memory_mb=512`` bounds each process; four of them took 1.63 GB before."""
+    r, host_peak = watched(
+        Sandbox(limits(memory_mb=512), audit=False), FORK.format(n=4, mb=300, sleep=20)
+    )
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert "survived" not in r.stdout
+    assert host_peak <= BUDGET + SLACK, host_peak
+    assert BUDGET <= r.memory_peak_mb <= BUDGET + SLACK, r.memory_peak_mb
+    assert any("run_memory_mb=512" in n for n in r.notes), r.notes
+
+
+def test_a_run_inside_its_budget_is_not_stopped_and_is_seen_from_outside():
+    """The control: two processes of 150 MB finish, and the outside view saw them."""
+    r, host_peak = watched(Sandbox(limits(), audit=False), FORK.format(n=2, mb=150, sleep=0.5))
+    assert r.error == "" and r.stdout == "survived\n" and r.limit == "", (r.error, r.stderr)
+    assert host_peak >= 280, host_peak
+    assert 280 <= r.memory_peak_mb <= BUDGET, r.memory_peak_mb
+
+
+SYSV = """
+import ctypes, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size = 200 << 20
+for _ in range(4):
+    shmid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    assert shmid >= 0, ctypes.get_errno()
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(ctypes.c_void_p(addr))  # out of the address space, still in memory
+time.sleep(20)
+print("survived")
+"""
+
+
+def test_system_v_segments_count_against_the_runs_budget():
+    if not capabilities()["ipc_namespace"]:
+        pytest.skip("no IPC namespace here: the outside view cannot find the segments")
+    r, host_peak = watched(Sandbox(limits(), audit=False), SYSV)
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert "survived" not in r.stdout
+    # a segment mapped while it is filled counts in its process too (stopped early, never
+    # late): the run held at least half its budget
+    assert BUDGET / 2 <= host_peak <= BUDGET + SLACK, host_peak
+    assert r.ipc_left["shm"] >= 2  # removed after the run
+
+
+POSIX = """
+import _posixshmem, mmap, os, time
+size = 16 << 20  # RLIMIT_FSIZE caps one file; the budget caps them all
+for k in range(48):
+    fd = _posixshmem.shm_open("/{prefix}%d" % k, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    with mmap.mmap(fd, size) as m:
+        m.write(b"\\x01" * size)
+    os.close(fd)
+time.sleep(20)
+print("survived")
+"""
+
+
+def test_posix_shared_memory_counts_against_the_runs_budget():
+    """Without namespaces /dev/shm is the host's: the run's files there count, and go
+    with the run when a throwaway uid marks them as its own."""
+    prefix = f"polyrl-budget-{uuid.uuid4().hex[:8]}-"
+    try:
+        r, host_peak = watched(
+            Sandbox(limits(), isolate=False, audit=False), POSIX.format(prefix=prefix), prefix
+        )
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    finally:
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix):
+                os.unlink(f"/dev/shm/{n}")
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert BUDGET / 2 <= host_peak <= BUDGET + SLACK, host_peak
+    if any(layer.startswith("throwaway uid") for layer in r.layers):
+        assert left == [] and r.ipc_left["posix_shm"] >= 20, (left, r.ipc_left)
+    else:  # the host's files and the run's share a uid: named, not removed
+        assert len(left) >= 20 and r.ipc_left["posix_shm"] == 0
+        assert any("appeared in /dev/shm" in n for n in r.notes), r.notes
+
+
+def test_the_budget_is_a_typed_option():
+    with pytest.raises(ValueError, match=r"run_memory_mb must be a positive integer, not 0"):
+        SandboxLimits(run_memory_mb=0)
