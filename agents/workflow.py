@@ -64,7 +64,7 @@ from polyrl.agents.env import (
     observation_text,
 )
 from polyrl.core.batching import Batcher
-from polyrl.core.config import ConfigError
+from polyrl.core.config import AT_LEAST_1, ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
@@ -174,13 +174,19 @@ class MultiTurn:
             "step mode: earlier turns kept in each prompt (0: the current observation "
             "only; null: all)",
         ] = 0,
-        max_turns: Annotated[int, "turns per episode (an environment's max_turns may cut it)"] = 8,
-        max_tokens: Annotated[int | None, "sampled tokens per episode (null: no limit)"] = None,
+        max_turns: Annotated[
+            int, "turns per episode (an environment's max_turns may cut it)", AT_LEAST_1
+        ] = 8,
+        max_tokens: Annotated[
+            int | None, "sampled tokens per episode (null: no limit)", AT_LEAST_1
+        ] = None,
         max_turn_tokens: Annotated[
-            int | None, "sampled tokens per turn (null: rollout.max_new_tokens)"
+            int | None, "sampled tokens per turn (null: rollout.max_new_tokens)", AT_LEAST_1
         ] = None,
         max_context: Annotated[
-            int | None, "longest prompt + action of one turn, in tokens (null: no limit)"
+            int | None,
+            "longest prompt + action of one turn, in tokens (null: no limit)",
+            AT_LEAST_1,
         ] = None,
         system_prompt: Annotated[
             str | None, "system message before the first observation (null: none)"

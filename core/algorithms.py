@@ -27,7 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.config import (
+    AT_LEAST_1,
+    NONNEGATIVE,
+    POSITIVE,
+    SHARE,
+    Bound,
+    ConfigError,
+    doc,
+    doc_factory,
+)
 from polyrl.core.correction import RolloutCorrection
 from polyrl.core.credit import group_advantages, group_stats
 from polyrl.core.dependencies import require
@@ -49,15 +58,15 @@ LOSS_AGG_MODES = (
 class SapoOptions(Options):
     """SAPO's gate temperatures."""
 
-    tau_pos: float = doc(1.0, "gate temperature for positive advantages")
-    tau_neg: float = doc(1.05, "gate temperature for non-positive advantages")
+    tau_pos: float = doc(1.0, "gate temperature for positive advantages", bound=POSITIVE)
+    tau_neg: float = doc(1.05, "gate temperature for non-positive advantages", bound=POSITIVE)
 
 
 @dataclass
 class ClipCovOptions(Options):
     """Which tokens Clip-Cov cuts from the gradient."""
 
-    clip_cov_ratio: float = doc(0.0002, "fraction of tokens whose gradient is cut")
+    clip_cov_ratio: float = doc(0.0002, "fraction of tokens whose gradient is cut", bound=SHARE)
     clip_cov_lb: float = doc(1.0, "lower covariance bound of cut candidates")
     clip_cov_ub: float = doc(5.0, "upper covariance bound of cut candidates")
 
@@ -66,8 +75,12 @@ class ClipCovOptions(Options):
 class KlCovOptions(Options):
     """Which tokens KL-Cov penalises, and how much."""
 
-    kl_cov_ratio: float = doc(0.0002, "fraction of highest-covariance tokens penalised")
-    ppo_kl_coef: float = doc(0.1, "weight of the |log-ratio| penalty on those tokens")
+    kl_cov_ratio: float = doc(
+        0.0002, "fraction of highest-covariance tokens penalised", bound=SHARE
+    )
+    ppo_kl_coef: float = doc(
+        0.1, "weight of the |log-ratio| penalty on those tokens", bound=NONNEGATIVE
+    )
 
 
 # What verl's ActorConfig needs beyond the clip ratios: each loss's own options' defaults.
@@ -99,12 +112,15 @@ class AlgorithmConfig:
         3.0,
         "dual clip (ppo_clip): a negative advantage's loss is at most -A * clip_ratio_c, "
         "whatever the ratio (> 1; .inf: no dual clip, as Flow-GRPO)",
+        bound=Bound(above=1, finite=False),
     )
     loss_agg: str = doc("token-mean", f"loss aggregation: {', '.join(LOSS_AGG_MODES)}")
     loss_scale_factor: int | None = doc(
         None, "divisor for seq-mean-token-sum-norm; None = the padded response length"
     )
-    kl_coef: float = doc(0.0, "weight of the KL-to-reference loss term (0 = no reference model)")
+    kl_coef: float = doc(
+        0.0, "weight of the KL-to-reference loss term (0 = no reference model)", bound=NONNEGATIVE
+    )
     kl_estimator: str = doc(
         "low_var_kl",
         "per-token KL estimator for the KL loss term: k1, k2, k3 (= low_var_kl: exp(-x) + "
@@ -112,18 +128,24 @@ class AlgorithmConfig:
         "token past it is under-counted and gets no KL gradient), abs; a '+' suffix keeps "
         "the value and takes the k2 gradient",
     )
-    entropy_coef: float = doc(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    entropy_coef: float = doc(
+        0.0, "weight of the entropy bonus (subtracted from the loss)", bound=NONNEGATIVE
+    )
     log_entropy: bool = doc(
         True,
         "report the policy's mean entropy per trained token (metric <policy>/entropy) "
         "even when entropy_coef is 0: one softmax over the vocabulary per response token, "
         "no gradient through it",
     )
-    gamma: float = doc(1.0, "discount factor (reinforce_plus_plus returns, turn returns)")
+    gamma: float = doc(
+        1.0, "discount factor (reinforce_plus_plus returns, turn returns)", bound=SHARE
+    )
     norm_adv_by_std: bool = doc(True, "grpo/grpo_passk: divide by the group std (off = Dr.GRPO)")
-    epsilon: float = doc(1e-6, "added to the std before dividing, against zero-variance groups")
-    ppo_epochs: int = doc(1, "passes over each rollout batch")
-    minibatches: int = doc(1, "optimizer steps per rollout batch per epoch")
+    epsilon: float = doc(
+        1e-6, "added to the std before dividing, against zero-variance groups", bound=NONNEGATIVE
+    )
+    ppo_epochs: int = doc(1, "passes over each rollout batch", bound=AT_LEAST_1)
+    minibatches: int = doc(1, "optimizer steps per rollout batch per epoch", bound=AT_LEAST_1)
     loss_args: Any = doc(
         {}, "options of the policy loss", options=POLICY_LOSSES, chooser="algorithm.policy_loss"
     )

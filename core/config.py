@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import field
@@ -19,14 +20,57 @@ from typing import Any
 import yaml
 
 
-def doc(default: Any, text: str, *, options: Any = None, chooser: str = "") -> Any:
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The numbers a field may hold beyond its type, checked by the loader on every value a
+    recipe gives it (``doc(..., bound=...)``, or an extra of ``Annotated[int, "doc",
+    Bound(...)]`` for a part's derived options). ``low``/``high`` are inclusive, ``above``
+    exclusive; ``finite=False`` admits +-inf. NaN is refused for every number field,
+    bounded or not, and inf unless a field's bound admits it: no setting trains on them."""
+
+    low: float | None = None
+    above: float | None = None
+    high: float | None = None
+    finite: bool = True
+
+    def need(self) -> str:
+        """What the bound asks, as the error says it."""
+        parts = [f">= {self.low:g}"] if self.low is not None else []
+        parts += [f"> {self.above:g}"] if self.above is not None else []
+        parts += [f"<= {self.high:g}"] if self.high is not None else []
+        return " and ".join(parts) if parts else "a number"
+
+    def holds(self, x: float) -> bool:
+        return (
+            (self.low is None or x >= self.low)
+            and (self.above is None or x > self.above)
+            and (self.high is None or x <= self.high)
+        )
+
+
+NONNEGATIVE = Bound(low=0)  # coefficients, weights, counts where 0 means off
+POSITIVE = Bound(above=0)  # rates, scales
+AT_LEAST_1 = Bound(low=1)  # sizes and counts of what must happen at least once
+SHARE = Bound(low=0, high=1)  # fractions, discounts
+
+
+def doc(
+    default: Any,
+    text: str,
+    *,
+    options: Any = None,
+    chooser: str = "",
+    bound: Bound | None = None,
+) -> Any:
     """A dataclass field with a default and a one-line description.
 
     ``options`` marks a field that holds the options of the part that the sibling field
     ``chooser`` names, looked up in that registry (``rollout.args`` of ``rollout.workflow``);
-    ``polyrl config`` lists every part's options under it.
+    ``polyrl config`` lists every part's options under it. ``bound``: the numbers the field
+    may hold (:class:`Bound`), checked when a recipe sets it.
     """
     meta = {"doc": text} | ({"options": options, "chooser": chooser} if options else {})
+    meta |= {"bound": bound} if bound is not None else {}
     nested = dataclasses.is_dataclass(default)  # a bool: `default` itself stays Any
     if isinstance(default, (list, dict, set)) or nested:
         value = default
@@ -146,11 +190,32 @@ def from_dict(cls: type, data: dict, prefix: str = "", source: str = "<config>")
                 + f" Valid keys here: {', '.join(sorted(fields))}."
             )
         kwargs[key] = _convert(hints[key], value, where, source)
+        check_bound(fields[key].metadata.get("bound"), kwargs[key], where, source)
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing
         raise ConfigError(f"{prefix or 'config'} in {source}: {e}") from None
     return obj
+
+
+def check_bound(bound: Bound | None, value: Any, where: str, source: str) -> None:
+    """``value`` (a number, or a list of them) as :class:`Bound` ``bound`` allows: never
+    NaN, inf only where the bound admits it."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_bound(bound, v, f"{where}[{i}]", source)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    bound = bound or Bound()
+    if math.isnan(value) or (math.isinf(value) and bound.finite):
+        raise ConfigError(
+            f"{where}={value!r} in {source}: must be a finite number"
+            + (f" ({bound.need()})" if bound != Bound() else "")
+            + "; nothing trains on NaN or inf"
+        )
+    if not bound.holds(value):
+        raise ConfigError(f"{where}={value!r} in {source}: must be {bound.need()}")
 
 
 def parse_overrides(overrides: list[str]) -> dict:

@@ -38,7 +38,7 @@ from typing import Any, Literal, cast
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.config import UserError, doc
+from polyrl.core.config import NONNEGATIVE, UserError, doc
 
 # token kinds in a plan's ``where``: padding or packing filler, prompt, response
 PAD, PROMPT, RESPONSE = 0, 1, 2
@@ -61,6 +61,7 @@ class MoeConfig:
         "weight of the load-balancing loss (Switch-style: E * sum_e f_e * P_e per MoE "
         "layer, averaged over layers; 1 when balanced) added to the update's loss; 0: off "
         "(it is still reported as moe/aux_loss)",
+        bound=NONNEGATIVE,
     )
 
 

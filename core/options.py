@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from polyrl.core.config import ConfigError, from_dict
+from polyrl.core.config import Bound, ConfigError, from_dict
 
 
 class Options:
@@ -56,12 +56,15 @@ class Options:
         ``where`` (the recipe key of these options) and ``source``. Run at load time."""
 
 
-def _doc_of(hint: Any) -> tuple[Any, str]:
-    """(type, doc) of an annotation; ``Annotated[T, "doc"]`` carries the doc."""
+def field_meta(hint: Any) -> tuple[Any, dict[str, Any]]:
+    """(type, field metadata) of an annotation: ``Annotated[T, "doc", Bound(...)]`` carries
+    the doc and the numbers the option may hold (checked at load, as ``doc(bound=)``)."""
     if typing.get_origin(hint) is Annotated:
         base, *extra = typing.get_args(hint)
-        return base, next((e for e in extra if isinstance(e, str)), "")
-    return hint, ""
+        meta: dict[str, Any] = {"doc": next((e for e in extra if isinstance(e, str)), "")}
+        bound = next((e for e in extra if isinstance(e, Bound)), None)
+        return base, meta | ({"bound": bound} if bound is not None else {})
+    return hint, {"doc": ""}
 
 
 def _target(part: Any, call: str | None) -> Callable:
@@ -100,9 +103,9 @@ def derive(
             )
         if p.kind is inspect.Parameter.VAR_POSITIONAL or p.name in reserved:
             continue
-        tp, text = _doc_of(hints.get(p.name, Any))
+        tp, meta = field_meta(hints.get(p.name, Any))
         if p.default is inspect.Parameter.empty:
-            fields.append((p.name, tp, dataclasses.field(metadata={"doc": text})))
+            fields.append((p.name, tp, dataclasses.field(metadata=meta)))
         elif isinstance(p.default, (list, dict, set)):
             value = p.default
             fields.append(
@@ -111,14 +114,12 @@ def derive(
                     tp,
                     dataclasses.field(
                         default_factory=functools.partial(type(value), value),
-                        metadata={"doc": text},
+                        metadata=meta,
                     ),
                 )
             )
         else:
-            fields.append(
-                (p.name, tp, dataclasses.field(default=p.default, metadata={"doc": text}))
-            )
+            fields.append((p.name, tp, dataclasses.field(default=p.default, metadata=meta)))
     cls = dataclasses.make_dataclass(
         "".join(w.capitalize() for w in name.replace("-", "_").split("_")) + "Options",
         fields,

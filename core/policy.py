@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import moe, prefix
-from polyrl.core.config import ConfigError, doc, doc_factory
+from polyrl.core.config import NONNEGATIVE, ConfigError, doc, doc_factory
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.passes import packs, prefix_units, response_logprobs, shares
 from polyrl.core.record import to_device
@@ -94,7 +94,9 @@ class PolicyConfig:
         "pass where the cost model says it pays, else its padded pass)",
     )
     shared_prefix_min_tokens: int = doc(
-        16, "packed passes: share a prefix only when at least this many tokens long"
+        16,
+        "packed passes: share a prefix only when at least this many tokens long",
+        bound=NONNEGATIVE,
     )
     pack: bool = doc(
         True,

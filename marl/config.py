@@ -29,10 +29,10 @@ import os
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from polyrl.core.config import ConfigError, doc, doc_factory
-from polyrl.core.options import Options
+from polyrl.core.config import AT_LEAST_1, NONNEGATIVE, POSITIVE, ConfigError, doc, doc_factory
+from polyrl.core.options import Options, field_meta
 from polyrl.core.registry import nearest
 
 JOINT_MODES = ("aligned", "cross")
@@ -77,10 +77,10 @@ class CriticOptions:
         None, "model builder to run first when the path is missing (e.g. tiny_qwen2)"
     )
     build_args: dict = doc({}, "arguments of the builder")
-    lr: float = doc(1e-4, "AdamW learning rate of the critic's backbone and head")
-    epochs: int = doc(1, "passes over each step's (state, return) pairs")
-    micro_batch_size: int = doc(64, "states per forward/backward")
-    max_grad_norm: float = doc(1.0, "gradient clipping of the critic (0: off)")
+    lr: float = doc(1e-4, "AdamW learning rate of the critic's backbone and head", bound=POSITIVE)
+    epochs: int = doc(1, "passes over each step's (state, return) pairs", bound=AT_LEAST_1)
+    micro_batch_size: int = doc(64, "states per forward/backward", bound=AT_LEAST_1)
+    max_grad_norm: float = doc(1.0, "gradient clipping of the critic (0: off)", bound=NONNEGATIVE)
 
 
 @dataclass
@@ -112,14 +112,6 @@ TREE_DOC = (
     "multi-turn: each joint action branches into G children per turn and groups are "
     "siblings (else the G lines continue one to one and groups are per turn)"
 )
-
-
-def _doc_of(hint: Any) -> tuple[Any, str]:
-    """(type, doc) of an annotation; ``Annotated[T, "doc"]`` carries the doc."""
-    if typing.get_origin(hint) is Annotated:
-        base, *extra = typing.get_args(hint)
-        return base, next((e for e in extra if isinstance(e, str)), "")
-    return hint, ""
 
 
 def function_params(name: str, fn: Callable) -> list[inspect.Parameter]:
@@ -165,8 +157,7 @@ def workflow_options(
     if multi_turn:
         fields.append(("tree", bool, dataclasses.field(default=False, metadata={"doc": TREE_DOC})))
     for p in function_params(name, fn):
-        tp, text = _doc_of(hints.get(p.name, Any))
-        meta = {"doc": text}
+        tp, meta = field_meta(hints.get(p.name, Any))  # doc, and a Bound if any
         if p.default is inspect.Parameter.empty:
             f = dataclasses.field(metadata=meta)
         elif isinstance(p.default, (list, dict, set)):
