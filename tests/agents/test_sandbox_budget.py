@@ -28,8 +28,8 @@ SLACK = 192
 
 class HostView(threading.Thread):
     """The most memory the processes below this one held at once, sampled from /proc:
-    their anonymous resident pages (``RssAnon``, which leaves shared memory out), plus the
-    System V segments of the first other IPC namespace a child enters, plus the files in
+    their anonymous resident pages (``RssAnon``, which leaves shared memory out) and the
+    memory files they hold open, plus the System V segments of the first other IPC namespace a child enters, plus the files in
     /dev/shm named with ``shm_prefix``."""
 
     def __init__(self, shm_prefix: str = "") -> None:
@@ -74,8 +74,27 @@ class HostView(threading.Thread):
             finally:
                 os.close(fd)
 
+    def _memory_files(self, pids: list[int]) -> int:
+        seen, total = set(), 0
+        for pid in pids:
+            try:
+                names = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("/memfd:"):
+                        continue
+                    st = os.stat(f"/proc/{pid}/fd/{name}")
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+        return total
+
     def _held(self, pids: list[int]) -> int:
-        total = 0
+        total = self._memory_files(pids)
         for pid in pids:
             try:
                 with open(f"/proc/{pid}/status") as f:
@@ -225,6 +244,50 @@ def test_posix_shared_memory_counts_against_the_runs_budget():
     else:  # the host's files and the run's share a uid: named, not removed
         assert len(left) >= 20 and r.ipc_left["posix_shm"] == 0
         assert any("appeared in /dev/shm" in n for n in r.notes), r.notes
+
+
+MEMFD = """
+import os, time
+chunk = b"\\x01" * (1 << 20)
+fds = []
+for _ in range(40):  # 16 MB each (RLIMIT_FSIZE), in no address space
+    fd = os.memfd_create("x")
+    for _ in range(16):
+        os.write(fd, chunk)
+    fds.append(fd)
+time.sleep(20)
+print("survived")
+"""
+
+
+def test_memory_files_count_against_the_runs_budget():
+    r, host_peak = watched(Sandbox(limits(), audit=False), MEMFD)
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert BUDGET / 2 <= host_peak <= BUDGET + SLACK, host_peak
+
+
+def test_a_tests_run_past_its_budget_scores_0():
+    """``unit_tests``: the checker and the code's process share the run's budget; the
+    code's memory past it is the code's failure (0), not a dropped row."""
+    from polyrl.agents.rewards import unit_tests
+    from polyrl.core.rewards import Sample
+
+    hog = "def total(xs):\n    b = bytearray(300 << 20)\n    b[::4096] = b'\\x01' * len(b[::4096])\n    return sum(xs)"
+    right = "def total(xs):\n    return sum(xs)"
+    test = "def check(candidate):\n    assert candidate([1, 2]) == 3\n"
+    rows = [
+        Sample(
+            prompt="",
+            response=f"```python\n{code}\n```",
+            answer=None,
+            meta={"row": {"prompt": "", "test": test, "entry_point": "total"}},
+            index=i,
+        )
+        for i, code in enumerate([hog, right])
+    ]
+    assert unit_tests(rows, cpu_seconds=8, wall_seconds=15, run_memory_mb=200) == [0.0, 1.0]
+    r = Sandbox(limits(run_memory_mb=200)).run_tests(hog, test, entry_point="total")
+    assert r.error == "memory" and r.limit == "run_memory_mb" and not r.completed
 
 
 def test_the_budget_is_a_typed_option():
