@@ -44,6 +44,7 @@ from typing import Annotated, Any
 
 from tensordict import TensorDict
 
+from polyrl.agents.agent_loop import AgentLoop
 from polyrl.agents.gateway_images import Limits
 from polyrl.agents.gateway_server import EpisodeState, GatewayServer, context_length
 from polyrl.core.config import ConfigError
@@ -52,7 +53,6 @@ from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
-from polyrl.core.workflow import run_sync
 
 # --------------------------------------------------------------------------- the workflow
 
@@ -243,6 +243,8 @@ class Gateway:
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
         self._next_episode = 0
         self.failed_episodes = 0  # over the run
+        # every rollout on one loop: agents' cached async clients outlive a step
+        self.loop = AgentLoop("polyrl-gateway-agents")
 
     @staticmethod
     def _check(
@@ -318,13 +320,15 @@ class Gateway:
         check_host(a.host)
 
     def close(self) -> None:
-        """Stop the server (the run's end; a daemon thread otherwise)."""
+        """Close the agents' loop (their clients close first) and stop the server (the
+        run's end; daemon threads otherwise)."""
+        self.loop.close()
         self.server.close()
 
     def rollout(
         self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
     ) -> TensorDict:
-        return run_sync(self.arollout(items, params))
+        return self.loop.run(self.arollout(items, params))
 
     async def arollout(self, items: list[PromptItem], params: SamplingParams) -> TensorDict:
         if self.server.port == 0:
