@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from polyrl.core.checksums import COMPLETE, MANIFEST, check_manifest, has_manifest
 from polyrl.core.config import UserError
 
 if TYPE_CHECKING:
@@ -218,8 +220,8 @@ def read_full(part: Any) -> dict[str, Any]:
 # Resuming or evaluating a damaged or mismatched checkpoint used to fail deep inside a load
 # (a zip error, a size mismatch, a KeyError), after the models had loaded. These checks
 # read only file sizes, zip directories, pickled structure (tensors memory-mapped, never
-# read), DCP's ``.metadata`` and safetensors headers, so they run in seconds and before
-# any model loads.
+# read), DCP's ``.metadata`` and safetensors headers, then hash every file against the
+# checkpoint's manifest (polyrl.core.checksums), all before any model loads.
 
 _LORA_KEY = re.compile(r"^(.*)\.lora_([AB])\.[^.]+\.weight$")
 
@@ -248,18 +250,40 @@ class SavedPosition:
 
 
 def _fix(ckpt: Path) -> str:
-    """What to do about a damaged checkpoint: an older complete one, or a fresh run."""
+    """What to do about a damaged checkpoint: resume from the newest older complete one
+    whose files match their checksums, or start a fresh run."""
     older = sorted(
-        p.name
-        for p in ckpt.parent.iterdir()
-        if p != ckpt and re.fullmatch(r"step_\d+", p.name) and (p / "COMPLETE").is_file()
+        (
+            p
+            for p in ckpt.parent.iterdir()
+            if p.name < ckpt.name and re.fullmatch(r"step_\d+", p.name) and (p / COMPLETE).is_file()
+        ),
+        reverse=True,
     )
-    if older and older[-1] < ckpt.name:
+    for prev in older:
+        if has_manifest(prev) and check_manifest(prev) is not None:
+            continue  # damaged too: never offer it
         return (
-            f"move {ckpt.name} out of {ckpt.parent} to resume from {older[-1]}, or start a "
-            "fresh run (another run.dir)"
+            f"move {ckpt.name} out of {ckpt.parent} (mv {ckpt} {ckpt}.damaged) to resume "
+            f"from {prev.name}, the previous complete checkpoint ({prev}), with --resume "
+            f"{ckpt.parent.parent}; or start a fresh run (another run.dir)"
         )
     return "start a fresh run (another run.dir), or resume from a copy of the run you kept"
+
+
+def _check_sums(ckpt: Path) -> None:
+    """Every file against the checkpoint's SHA-256 manifest (bit rot in a tensor is seen
+    only here); a checkpoint written before manifests gets a one-line note."""
+    if not has_manifest(ckpt):
+        print(
+            f"note: checkpoint {ckpt} has no {MANIFEST} (written before checkpoints carried "
+            "checksums): its files are checked for size and structure only",
+            file=sys.stderr,
+        )
+        return
+    damage = check_manifest(ckpt)
+    if damage is not None:
+        raise CheckpointError(f"checkpoint {ckpt}: {damage.file} {damage.what}; {_fix(ckpt)}")
 
 
 def _read_pt(path: Path, ckpt: Path) -> Any:
@@ -468,7 +492,7 @@ def verify_checkpoint(cfg: Any, run_dir: Path) -> SavedPosition:
     if not found:
         return SavedPosition(None)
     ckpt = found[-1]
-    holds = sorted(p.name for p in ckpt.iterdir() if p.name != "COMPLETE")
+    holds = sorted(p.name for p in ckpt.iterdir() if p.name not in (COMPLETE, MANIFEST))
     parts = {Path(n).stem if n.endswith(".pt") else n for n in holds}
 
     def need(part: str, why: str) -> None:
@@ -507,4 +531,5 @@ def verify_checkpoint(cfg: Any, run_dir: Path) -> SavedPosition:
     for part in ("workflow", "rollouts"):
         if (ckpt / f"{part}.pt").is_file():
             _read_pt(ckpt / f"{part}.pt", ckpt)
+    _check_sums(ckpt)  # last: the checks above name a missing or cut file more precisely
     return SavedPosition(ckpt, int(sampler.get("epoch", 0)), int(sampler["position"]))

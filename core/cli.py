@@ -1,7 +1,8 @@
 """``polyrl train | eval | plot | export | serve | config``.
 
 Exit status: 0 done; 2 the recipe, data or run directory is wrong (one message, before any
-training); 3 the run ran but no step had a valid row (every rollout or reward failed), so
+training; or, mid-run, a checkpoint could not be written: disk full, file-size limit,
+permission); 3 the run ran but no step had a valid row (every rollout or reward failed), so
 nothing was trained and no model was exported. ``key.sub=value`` overrides may come
 anywhere on the command line, before or after the options.
 """

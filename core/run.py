@@ -8,11 +8,13 @@ the data position and the step.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import random
 import re
+import resource
 import shutil
 import time
 from collections.abc import Sequence
@@ -24,6 +26,7 @@ import torch
 import yaml
 
 from polyrl.core.checkpoint import DirectoryPart, SavedDirectory
+from polyrl.core.checksums import COMPLETE, MANIFEST, write_manifest
 from polyrl.core.config import UserError
 from polyrl.core.loggers import open_loggers
 
@@ -32,6 +35,51 @@ CKPT_RE = re.compile(r"^step_(\d+)$")
 
 class RunDirError(UserError, OSError):
     """The run directory cannot be used (said before any training starts)."""
+
+
+class CheckpointWriteError(RunDirError):
+    """A checkpoint could not be written (disk full, file-size limit, permission); the
+    earlier checkpoints are intact and the run resumes from the latest."""
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write: torch's zip writer reports it as a
+    ``RuntimeError: [enforce fail at inline_container.cc]`` whose context holds it."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number above 1."""
+    units = ["bytes", "KiB", "MiB", "GiB", "TiB"]
+    while n >= 1024 and len(units) > 1:
+        n /= 1024
+        units.pop(0)
+    return f"{n:.0f} bytes" if units[0] == "bytes" else f"{n:.1f} {units[0]}"
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _bytes_needed(state: dict[str, Any], kept: list[tuple[int, Path]]) -> int:
+    """About what the checkpoint takes: its tensors, or the last one's size if larger
+    (a sharded part's size is known only from the last checkpoint)."""
+    last = kept[-1][1] if kept else None
+    on_disk = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last else 0
+    return max(on_disk, _tensor_bytes(list(state.values())))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -133,22 +181,40 @@ class RunDir:
         return sorted(found)
 
     def save(self, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-        """Atomically write ``state`` (a dict of picklable parts) as checkpoint ``step``."""
+        """Atomically write ``state`` (a dict of picklable parts) as checkpoint ``step``,
+        with the checksum manifest of every file in it. A write that fails (disk full,
+        file-size limit, permission) removes the ``.tmp``, keeps the earlier checkpoints and
+        raises :class:`CheckpointWriteError`."""
         final = self.ckpt_dir / f"step_{step:06d}"
         tmp = self.ckpt_dir / f"step_{step:06d}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        for name, part in state.items():
-            if isinstance(part, DirectoryPart):  # e.g. a policy's shards, one file per rank
-                part.write(tmp / name)
-                continue
-            with open(tmp / f"{name}.pt", "wb") as f:
-                torch.save(part, f)
-                f.flush()
-                os.fsync(f.fileno())
-        (tmp / "COMPLETE").write_text(str(step))
-        _fsync_dir(tmp)
+        writing = tmp
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            for name, part in state.items():
+                if isinstance(part, DirectoryPart):  # e.g. a policy's shards, one file per rank
+                    writing = tmp / name
+                    part.write(writing)
+                    continue
+                writing = tmp / f"{name}.pt"
+                with open(writing, "wb") as f:
+                    torch.save(part, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            writing = tmp / MANIFEST
+            write_manifest(tmp)
+            writing = tmp / COMPLETE
+            (tmp / COMPLETE).write_text(str(step))
+            _fsync_dir(tmp)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = _os_error(e)
+            if err is None:  # not a failed write: the error is someone else's to say
+                raise
+            raise CheckpointWriteError(
+                self._write_failure(step, writing, err, _bytes_needed(state, self.checkpoints()))
+            ) from e
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -156,6 +222,42 @@ class RunDir:
         for _, old in self.checkpoints()[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
         return final
+
+    def _write_failure(self, step: int, file: Path, err: OSError, need: int) -> str:
+        """One line: which file, why, the space needed against the space free, what is
+        kept and how to go on."""
+        code = err.errno
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(self.ckpt_dir).free
+            why = (
+                f"the disk is full ({err.strerror}): the checkpoint needs about "
+                f"{_size(need)}, {_size(free)} is free there"
+            )
+            fix = "free space (or set run.keep_checkpoints lower, or run.dir on a larger disk)"
+        elif code == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            shown = "unlimited" if limit == resource.RLIM_INFINITY else _size(limit)
+            why = (
+                f"a file grew past the file-size limit ({err.strerror}; ulimit -f: {shown}); "
+                f"the checkpoint needs about {_size(need)}"
+            )
+            fix = "raise the limit (ulimit -f unlimited)"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            why = f"{err.strerror}" + (f" ({err.filename})" if err.filename else "")
+            fix = f"make {self.ckpt_dir} writable"
+        else:
+            why = f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+            fix = "fix the disk"
+        kept = self.checkpoints()
+        keep = (
+            f"the earlier checkpoints are intact (latest {kept[-1][1].name})"
+            if kept
+            else "no earlier checkpoint exists"
+        )
+        return (
+            f"checkpoint step {step} could not be written, {file} failed: {why}. The .tmp "
+            f"was removed and {keep}; {fix}, then continue with --resume {self.path}"
+        )
 
     def load_latest(self) -> tuple[int, dict[str, Any]] | None:
         ckpts = self.checkpoints()

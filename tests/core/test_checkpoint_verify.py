@@ -33,6 +33,7 @@ def saved(tiny_model_dir, tmp_path_factory):
     """A run with two complete checkpoints (steps 1 and 2), and a copy of step 2 whose
     policy part is sharded (DCP) as Ray writes it."""
     from polyrl.core.checkpoint import save_policy
+    from polyrl.core.checksums import write_manifest
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
     from polyrl.core.session import Session
@@ -52,6 +53,7 @@ def saved(tiny_model_dir, tmp_path_factory):
     step = sharded / "checkpoints" / "step_000002"
     (step / "policy_main.pt").unlink()
     save_policy(s.policies["main"], step / "policy_main", lora=False)
+    write_manifest(step)  # the checksums of the files as Ray writes them
     s.run.close()
     s.backend.shutdown()
     return recipe, root / "run", sharded

@@ -114,6 +114,7 @@ def test_checkpoints_ignore_incomplete(tmp_path):
     assert _steps(rd) == [2, 6] and rd.load_latest()[0] == 6
     assert sorted(p.name for p in (rd.ckpt_dir / "step_000006").iterdir()) == [
         "COMPLETE",
+        "MANIFEST.json",  # the checksums of the other files
         "policy_main.pt",
         "trainer.pt",
     ]
