@@ -6,6 +6,7 @@ step, printed as the step ends, since a bar there would show only when the run i
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -27,6 +28,8 @@ class Progress:
             "reward": float("nan"),
             "acc": float("nan"),
             "s_step": float("nan"),
+            "tok_s": float("nan"),  # generated tokens per second (perf/gen_tokens_per_s)
+            "mfu": float("nan"),  # model FLOPs utilisation of the step (perf/mfu)
         }
         self._bar = None
         if enabled:
@@ -36,7 +39,8 @@ class Progress:
                 MofNCompleteColumn(),
                 TextColumn(
                     "reward {task.fields[reward]:.3f}  acc {task.fields[acc]:.3f}  "
-                    "{task.fields[s_step]:.2f}s/step"
+                    "{task.fields[s_step]:.2f}s/step  {task.fields[tok_s]:.0f} tok/s  "
+                    "mfu {task.fields[mfu]:.1%}"
                 ),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
@@ -59,6 +63,8 @@ class Progress:
         self.stats["reward"] = metrics.get("reward/mean", self.stats["reward"])
         self.stats["acc"] = metrics.get("eval/accuracy", self.stats["acc"])
         self.stats["s_step"] = metrics.get("time/step_s", self.stats["s_step"])
+        self.stats["tok_s"] = metrics.get("perf/gen_tokens_per_s", self.stats["tok_s"])
+        self.stats["mfu"] = metrics.get("perf/mfu", self.stats["mfu"])
         if self._bar is not None:
             self._bar.update(self._task, completed=step, **self.stats)
         elif self.enabled:
@@ -66,7 +72,10 @@ class Progress:
             if final:
                 what = "final eval"
             elif "time/step_s" in metrics:
-                what = f"{t:.2f}s/step"
+                tok, mfu = self.stats["tok_s"], self.stats["mfu"]
+                perf = f"{tok:.0f} tok/s  " if math.isfinite(tok) else ""
+                perf += f"mfu {mfu:.1%}  " if math.isfinite(mfu) else ""
+                what = f"{perf}{t:.2f}s/step"
             else:
                 what = "eval"  # the evaluation before the first step
             print(

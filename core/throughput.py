@@ -127,7 +127,11 @@ def row_lengths(record: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
 class Throughput:
     """Each step's tokens/s and MFU; the FLOP counts of the policies are read once."""
 
-    def __init__(self, policies: Mapping[str, Any], algo: Any, device: Any = None) -> None:
+    def __init__(
+        self, policies: Mapping[str, Any], algo: Any, device: Any = None, peak: float | None = None
+    ) -> None:
+        """``device``: whose peak (None: the GPU if any, else the CPU); ``peak``: FLOP/s to
+        use instead of looking it up (a device missing from the table)."""
         self.flops: dict[str, ModelFlops | None] = {}
         for name, p in policies.items():
             config = getattr(getattr(p, "model", None), "config", None)  # Ray: on its actors
@@ -139,7 +143,7 @@ class Throughput:
         self.epochs = algo.ppo_epochs
         self.skips_zero = algo.skips_zero_advantage()  # such rows never run forward
         self.device = device
-        self.peak: float | None = None
+        self.peak = peak
 
     def _peak(self) -> float:
         if self.peak is None:
@@ -166,7 +170,8 @@ class Throughput:
             rows = [i for i, n in enumerate(names) if n == name]
             gen = int(response[rows].sum())
             mine = [i for i in rows if bool(valid[i])] if name in update_s else []
-            run = [i for i in mine if bool(signal[i])]  # the rows the epochs run
+            # the rows the epochs run (one at least: the optimizer steps on zero gradients)
+            run = [i for i in mine if bool(signal[i])] or mine[:1]
             trained = int(total[run].sum()) * self.epochs
             key = f"perf/{name}"
             out[f"{key}/gen_tokens"] = float(gen)
