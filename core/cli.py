@@ -101,10 +101,14 @@ def _require_checkpoint(run_dir: str, cmd: str) -> None:
         )
     else:
         why = "the run stopped before its first checkpoint"
-    raise ConfigError(
-        f"polyrl {cmd}: {run_dir!r} has no complete checkpoint (checkpoints/step_*/COMPLETE): "
-        f"{why}. Start a fresh run without --resume (another run.dir), or give the right "
-        "directory."
+    fix = (
+        "Start a fresh run without --resume (another run.dir), or give the right directory."
+        if cmd == "train --resume"
+        else f"Give {cmd} the directory of a run that saved a checkpoint (every "
+        "run.save_every steps and at its end)."
+    )
+    raise ConfigError(  # main() prefixes "polyrl <cmd>: error:"
+        f"{run_dir!r} has no complete checkpoint (checkpoints/step_*/COMPLETE): {why}. {fix}"
     )
 
 

@@ -275,6 +275,33 @@ def _duplicate_key(node: yaml.Node, where: str = "", seen: set | None = None) ->
     return None
 
 
+def _self_alias(
+    node: yaml.Node, where: str = "", above: tuple = (), done: set | None = None
+) -> str | None:
+    """The first place where an alias refers to a node that contains it (``a: &x [*x]``):
+    such a value is infinite, so nothing could read it. "key (line n)", or None. A node
+    aliased many times is walked once (``done``)."""
+    done = set() if done is None else done
+    if any(node is a for a in above):
+        return f"{where or 'the top level'!r} (line {node.start_mark.line + 1})"
+    if id(node) in done:
+        return None
+    above = (*above, node)
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            found = _self_alias(value_node, f"{where}.{key}" if where else str(key), above, done)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _self_alias(item, f"{where}[{i}]", above, done)
+            if found:
+                return found
+    done.add(id(node))
+    return None
+
+
 def load(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
     """Load ``cls`` from a YAML recipe plus command-line overrides."""
     data: dict = {}
@@ -285,8 +312,14 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
             raise ConfigError(f"recipe {str(path)!r} does not exist")
         try:
             text = path.read_text(encoding="utf-8")
-            data = yaml.safe_load(text) or {}
             root = yaml.compose(text, Loader=yaml.SafeLoader)
+            loop = _self_alias(root) if root is not None else None
+            if loop:
+                raise ConfigError(
+                    f"recipe {str(path)!r}: the alias at {loop} refers to a value that "
+                    "contains it, so the value never ends; alias another key's value instead"
+                )
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:

@@ -112,6 +112,26 @@ def _missing_file_message(path: Path, what: str) -> str:
     return msg + " Fix data.path."
 
 
+def task_paths(task: str, result: Any, used: Sequence[bool]) -> tuple[Path, Path]:
+    """What task ``task``'s ``write_dataset`` returned, checked: the (train, eval) paths of
+    files it wrote; ``used[i]``: the run reads path ``i`` (no data.path overrides it)."""
+    ok = isinstance(result, (tuple, list)) and len(result) == 2
+    if not ok or not all(isinstance(p, (str, os.PathLike)) for p in result):
+        raise DataError(
+            f"task {task!r} (task.name): write_dataset returned {result!r}; it must return "
+            "(train_path, eval_path), the two files it wrote. Fix the task's write_dataset"
+        )
+    paths = (Path(result[0]), Path(result[1]))
+    for which, path, read in zip(("train", "eval"), paths, used, strict=True):
+        if read and not path.is_file():
+            raise DataError(
+                f"task {task!r} (task.name): write_dataset returned {str(path)!r} as its "
+                f"{which} file, but wrote no such file. Fix the task's write_dataset (or "
+                f"give the {which} data's path in the recipe)"
+            )
+    return paths
+
+
 class _DuplicateKey(ValueError):
     pass
 

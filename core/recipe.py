@@ -177,6 +177,11 @@ def _positive(x: float) -> bool:
     return _finite(x) and x > 0
 
 
+def _plain_name(name: str) -> bool:
+    """One path component: run.name goes into run.dir, and must not lead out of it."""
+    return bool(name) and not set(name) & {"/", "\\", "\0"} and name not in (".", "..")
+
+
 @dataclass
 class Config:
     seed: int = doc(0, "seed for data order, sampling and initialisation")
@@ -327,6 +332,12 @@ class Config:
                 ">= 1",
             ),
             ("run.log_every", self.run.log_every, self.run.log_every >= 1, ">= 1"),
+            (
+                "run.name",
+                self.run.name,
+                _plain_name(self.run.name),
+                "a plain name (no '/', '\\' or '..'; it becomes part of run.dir)",
+            ),
             ("run.trace_every", self.run.trace_every, self.run.trace_every >= 0, ">= 0"),
         ]
         for name, p in self.policies.items():

@@ -25,7 +25,14 @@ from tensordict import TensorDict
 from polyrl.core import rewards
 from polyrl.core.checkpoint import load_part, policy_part, verify_checkpoint
 from polyrl.core.config import ConfigError, to_dict
-from polyrl.core.data import DataConfig, PromptSampler, check_paths, load_rows, write_jsonl
+from polyrl.core.data import (
+    DataConfig,
+    PromptSampler,
+    check_paths,
+    load_rows,
+    task_paths,
+    write_jsonl,
+)
 from polyrl.core.failures import failed_rows
 from polyrl.core.interfaces import (
     Engine,
@@ -77,7 +84,12 @@ def prepare_task(cfg: Config, run_dir: Path) -> DataSources:
         return sources
     task = TASKS.get(cfg.task.name)
     out = Path(cfg.task.dir.format(run_dir=run_dir))
-    train_path, eval_path = task.write_dataset(out, seed=cfg.seed, **cfg.task.args)
+    reads = (
+        not cfg.data.path or bool(cfg.sft.steps and not cfg.sft.data.path),
+        not cfg.eval.data.path,
+    )
+    written = task.write_dataset(out, seed=cfg.seed, **cfg.task.args)
+    train_path, eval_path = task_paths(cfg.task.name, written, reads)
     sft = cfg.sft.data
     if cfg.sft.steps and not sft.path:
         if not isinstance(task, HasSFTRows):

@@ -64,3 +64,56 @@ def test_an_infinite_dual_clip_is_still_a_setting(recipe):
 
     cfg = load(Config, recipe, ["algorithm.clip_ratio_c=.inf"])  # Flow-GRPO: no dual clip
     assert cfg.algorithm.clip_ratio_c == float("inf")
+
+
+def test_a_recursive_yaml_alias_names_the_key_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "recipe.yaml"
+    path.write_text("policies: {main: {model: no/such-model}}\nrollout:\n  stop: &s [a, *s]\n")
+    refused(capsys, ["train", str(path)], "alias at 'rollout.stop[1]' (line 3)", "contains it")
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", ".."])
+def test_a_run_name_that_leads_out_of_the_run_folder_is_refused(recipe, capsys, name):
+    refused(capsys, ["train", str(recipe), f"run.name={name}"], f"run.name={name!r}", "plain")
+    assert not Path("x").exists() and not (Path("..") / "x").exists()
+
+
+TASK = """\
+from pathlib import Path
+
+class Task:
+    @staticmethod
+    def write_dataset(out_dir, seed=0, *, rows: int = 4):
+        RESULT
+"""
+
+
+@pytest.mark.parametrize(
+    "result, needles",
+    [
+        ("return None", ("write_dataset returned None", "(train_path, eval_path)")),
+        (  # paths it never wrote: the task is at fault, not data.path
+            "return Path(out_dir) / 'train.jsonl', Path(out_dir) / 'eval.jsonl'",
+            ("train.jsonl' as its train file, but wrote no such file", "Fix the task's"),
+        ),
+    ],
+    ids=["none", "unwritten"],
+)
+def test_a_task_that_returns_no_files_is_told_to_fix_the_task(recipe, capsys, result, needles):
+    (recipe.parent / "my_task.py").write_text(TASK.replace("RESULT", result))
+    cfg = RECIPE | {"task": {"name": "./my_task.py:Task"}, "run": {"dir": "out/run"}}
+    recipe.write_text(yaml.safe_dump(cfg))
+    err = refused(capsys, ["train", str(recipe)], "task", *needles)
+    assert "Fix data.path" not in err
+
+
+def test_export_of_a_run_without_checkpoint_says_what_to_give_it(recipe, capsys, tmp_path):
+    run = tmp_path / "stopped"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    err = refused(
+        capsys, ["export", str(recipe), str(run)], "has no complete checkpoint", "Give export"
+    )
+    assert "polyrl export: error:" in err and "--resume" not in err
+    assert [p.name for p in run.iterdir()] == ["config.yaml"]
