@@ -408,7 +408,12 @@ def _comparable(value):
     while stack:
         v = stack.pop()
         kind = type(v)
-        if kind is float or kind is complex:
+        if str(getattr(kind, "__module__", "")).split(".")[0] == "numpy":
+            # arrays and scalars the checks built with numpy: NaN anywhere in them
+            nan = getattr(v, "dtype", None) is not None and v.dtype.kind in "fc"
+            if nan and bool((v != v).any()):
+                raise NotComparable("a NaN cannot satisfy a check (a value compared holds NaN)")
+        elif isinstance(v, (float, complex)):
             if v != v:
                 raise NotComparable("a NaN cannot satisfy a check (a value compared is NaN)")
         elif kind in (list, tuple, set, frozenset, dict) and id(v) not in seen:

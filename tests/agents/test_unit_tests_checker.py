@@ -65,6 +65,9 @@ CLOSE_TESTS = [
     # a comparison inside a generator, on values inside a list
     "def check(candidate):\n    got = [candidate([0.5, 0.25]), 1.0]\n"
     "    assert not any(abs(a - b) > 1e-9 for a, b in zip(got, [0.75, 1.0]))\n",
+    # numpy arrays built from the candidate's value
+    "import numpy as np\ndef check(candidate):\n    got = np.array([candidate([0.5, 0.25])])\n"
+    "    assert not np.any(np.abs(got - 0.75) > 1e-9)\n",
     # the check's own ``except Exception`` cannot catch the refusal into a pass
     "def check(candidate):\n    try:\n        bad = abs(candidate([0.5, 0.25]) - 0.75) > 1e-9\n"
     "    except Exception:\n        bad = False\n    assert not bad\n",
