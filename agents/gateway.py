@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import json
+import logging
 import math
 import os
 import secrets
+import subprocess
 import traceback
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -45,8 +48,9 @@ from typing import Annotated, Any
 from tensordict import TensorDict
 
 from polyrl.agents.agent_loop import AgentLoop
-from polyrl.agents.gateway_images import Limits
-from polyrl.agents.gateway_server import EpisodeState, GatewayServer, context_length
+from polyrl.agents.gateway_limits import Limits
+from polyrl.agents.gateway_prompts import context_length
+from polyrl.agents.gateway_server import EpisodeState, GatewayServer
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
@@ -140,6 +144,28 @@ def _as_result(value: Any) -> tuple[float | None, bool | None]:
     )
 
 
+@functools.cache
+def isolation() -> list[str]:
+    """The ``unshare`` prefix that runs a command agent in a user, mount and PID namespace
+    of its own (its /proc shows only its processes: no other episode's environment, which
+    holds that episode's key, and no trainer memory to read), or [] where this machine
+    allows none (a warning, once)."""
+    for mapping in ("--map-current-user", "--map-root-user"):
+        argv = ["unshare", mapping, "--pid", "--fork", "--mount-proc", "--kill-child", "--"]
+        try:
+            ok = subprocess.run([*argv, "true"], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return argv
+    logging.getLogger(__name__).warning(
+        "the gateway cannot run command agents in namespaces of their own here (unshare "
+        "with a user namespace failed): each agent can read the others' keys through /proc; "
+        "run only agents you trust (metric gateway/isolated=0)"
+    )
+    return []
+
+
 def check_host(host: str) -> None:
     """``rollout.args.host`` must be an IPv4 address (or name) of this machine: bound here
     and released, as the server binds it at start, so a typo fails at load, not mid-run."""
@@ -207,9 +233,51 @@ class Gateway:
         max_messages: Annotated[int, "messages (or input items) one request may carry"] = 1024,
         max_stop: Annotated[int, "stop strings one request may give"] = 4,
         max_stop_chars: Annotated[int, "characters one stop string may have"] = 64,
+        max_episode_bytes: Annotated[
+            int,
+            "bytes one episode may hold: every request's body, stored history it continues, "
+            "images (3 bytes a pixel), 8 a token id (413 past it)",
+        ] = Limits.max_episode_bytes,
+        max_rollout_bytes: Annotated[
+            int, "bytes all episodes of one rollout may hold together (413 past it)"
+        ] = Limits.max_rollout_bytes,
+        max_episode_requests: Annotated[
+            int, "completion requests one episode may make (429 past it)"
+        ] = Limits.max_episode_requests,
+        max_episode_rows: Annotated[
+            int, "record rows (choices, n per request) one episode may make (429 past it)"
+        ] = Limits.max_episode_rows,
+        max_episode_tokens: Annotated[
+            int, "tokens the engine may sample for one episode (429 once reached)"
+        ] = Limits.max_episode_tokens,
+        body_timeout: Annotated[
+            float, "seconds a request's body may take to arrive (408 and closed past it)"
+        ] = Limits.body_timeout,
+        reward_posts: Annotated[
+            bool,
+            "take rewards agents post (POST <base_url>/rewards); false: only their return "
+            "value (403 to a post)",
+        ] = True,
+        isolate_commands: Annotated[
+            bool,
+            "run each command agent in its own user and PID namespace (unshare), so it "
+            "cannot read other episodes' keys or the trainer's memory; a warning where the "
+            "machine offers none",
+        ] = True,
     ) -> None:
         limits = Limits(
-            max_images, max_pixels, max_body_bytes, max_messages, max_stop, max_stop_chars
+            max_images,
+            max_pixels,
+            max_body_bytes,
+            max_messages,
+            max_stop,
+            max_stop_chars,
+            max_episode_bytes,
+            max_rollout_bytes,
+            max_episode_requests,
+            max_episode_rows,
+            max_episode_tokens,
+            body_timeout,
         )
         self.agent = self._check(
             agent,
@@ -223,6 +291,7 @@ class Gateway:
             limits,
         )
         self.command = list(command) if command else None
+        self.isolate = isolate_commands
         self.name = policy or next(iter(ctx.policies))
         self.concurrency = concurrency
         self.request_timeout, self.episode_timeout = request_timeout, episode_timeout
@@ -238,6 +307,7 @@ class Gateway:
             },
             limits=limits,
             contexts={name: context_length(p) for name, p in ctx.policies.items()},
+            reward_posts=reward_posts,
         )
         self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
@@ -245,6 +315,8 @@ class Gateway:
         self.failed_episodes = 0  # over the run
         # every rollout on one loop: agents' cached async clients outlive a step
         self.loop = AgentLoop("polyrl-gateway-agents")
+        self._refused: dict[str, int] = {}  # the last rollout's budget refusals
+        self._isolated = 1.0  # the last rollout's command agents ran in namespaces
 
     @staticmethod
     def _check(
@@ -315,6 +387,12 @@ class Gateway:
                 a.max_messages,
                 a.max_stop,
                 a.max_stop_chars,
+                a.max_episode_bytes,
+                a.max_rollout_bytes,
+                a.max_episode_requests,
+                a.max_episode_rows,
+                a.max_episode_tokens,
+                a.body_timeout,
             ),
         )
         check_host(a.host)
@@ -325,6 +403,17 @@ class Gateway:
         self.loop.close()
         self.server.close()
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last rollout's requests refused by a budget (``core.ReportsRollout``), and
+        for command agents whether they ran isolated (1) or not (0)."""
+        out = {
+            f"gateway/refused_{what}": float(self._refused.get(what, 0))
+            for what in ("requests", "rows", "tokens", "bytes")
+        }
+        if self.command:
+            out["gateway/isolated"] = self._isolated
+        return out
+
     def rollout(
         self, items: list[PromptItem], params: SamplingParams, phase: Phase = "train"
     ) -> TensorDict:
@@ -334,6 +423,7 @@ class Gateway:
         if self.server.port == 0:
             self.server.start()
         self.server.defaults = params
+        self.server.new_rollout()
         episodes = []
         for item in items:
             for g in range(params.n):
@@ -351,13 +441,14 @@ class Gateway:
         # running (a timed-out agent's request) before the trainer touches the weights.
         while self.server.batcher.flushing:
             await asyncio.sleep(0.005)
+        self._refused = dict(self.server.refusals.counts)
         return self._record(episodes)
 
     async def _episode(self, ep: EpisodeState, gate: asyncio.Semaphore, pool) -> None:
         async with gate:
             endpoint = Endpoint(
                 self.server.open_episode(ep),
-                self.server.api_key,
+                ep.key,
                 self.name,
                 list(self.server.engines),
                 ep.id,
@@ -397,7 +488,10 @@ class Gateway:
             POLYRL_TASK=json.dumps(row),
             POLYRL_EPISODE=str(endpoint.episode),
         )
+        wrap = isolation() if self.isolate else []
+        self._isolated = float(bool(wrap))
         proc = await asyncio.create_subprocess_exec(
+            *wrap,
             *self.command,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,

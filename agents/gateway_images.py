@@ -16,45 +16,17 @@ import binascii
 import hashlib
 import io
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
+
+from polyrl.agents.gateway_limits import Limits
 
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,(.*)", re.S)
 
 
 class ImagePartError(ValueError):
     """A content part that is not a usable image; the message names the part and the fix."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may carry (``rollout.args`` of the gateway): a request past one is
-    refused before it costs the run memory or engine time."""
-
-    max_images: int = 16
-    max_pixels: int = 4096 * 4096  # source pixels, summed over the request's images
-    max_body_bytes: int = 32 * 1024 * 1024  # the HTTP body, checked before it is parsed
-    max_messages: int = 1024  # messages (or input items) one request may carry
-    max_stop: int = 4  # stop strings one request may give
-    max_stop_chars: int = 64  # characters one stop string may have
-
-    def check(self) -> None:
-        """The ranges, at config time (a ``ConfigError`` naming the option)."""
-        from polyrl.core.config import ConfigError
-
-        for key, lo in (
-            ("max_images", 0),
-            ("max_pixels", 1),
-            ("max_body_bytes", 1024),
-            ("max_messages", 1),
-            ("max_stop", 0),
-            ("max_stop_chars", 1),
-        ):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"rollout.args.{key} must be an integer >= {lo}, got {value!r}")
 
 
 def image_url(part: dict, where: str) -> str:

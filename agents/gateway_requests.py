@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.agents import gateway_images
-from polyrl.agents.gateway_images import Limits
+from polyrl.agents.gateway_limits import Limits
 from polyrl.core.engine import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -24,12 +24,15 @@ MAX_TOP_LOGPROBS = 20
 class RequestError(Exception):
     """An OpenAI-style error answer: HTTP status, message, type and code."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param=None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param=None, kind=None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind = kind  # the OpenAI error type when not the status's (a 429's "requests")
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "invalid_request_error"}.get(
+        kind = self.kind or {401: "authentication_error", 404: "invalid_request_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )
         return {

@@ -114,6 +114,8 @@ def to_messages(items: Any, known_calls: set[str]) -> list[dict]:
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not call_id:
                 raise _bad(f"{where}: a function_call needs name, arguments (a string) and call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}.call_id must be a string, got {type(call_id).__name__}")
             call = {
                 "id": call_id,
                 "type": "function",
@@ -172,10 +174,18 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     history: list[dict] = []
+    held = 0  # bytes the continued history holds (charged again: its keys are rebuilt)
     prev = body.get("previous_response_id")
     if prev is not None:
+        if not isinstance(prev, str):
+            raise _bad(
+                f"previous_response_id must be a string (a response's id), got "
+                f"{type(prev).__name__}",
+                "previous_response_id",
+            )
         with ep.lock:
             history = ep.responses.get(prev)
+            held = ep.response_bytes.get(prev, 0)
         if history is None:
             raise _bad(
                 f"previous_response_id={prev!r} is no stored response of this episode "
@@ -236,6 +246,7 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
         "tools": body.get("tools") or [],
         "tool_choice": choice or "auto",
         "metadata": body.get("metadata") or {},
+        "history_bytes": held,
     }
     return req
 
@@ -325,6 +336,7 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, rid: str | None
     if req.api["store"]:
         with ep.lock:
             ep.responses[rid] = req.api["history"] + [dict(choice.message)]
+            ep.response_bytes[rid] = call.held
     done = choice.finish != "length"
     usage_out = len(choice.ids)
     return _shell(req, rid) | {

@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,8 @@ import orjson
 
 from polyrl.agents import gateway_chat, gateway_images, gateway_messages, gateway_responses
 from polyrl.agents.chat import ChatFormat
-from polyrl.agents.gateway_images import Limits
+from polyrl.agents.gateway_limits import Limits, Refusals, Spent, admit, charge, read_body, refund
+from polyrl.agents.gateway_prompts import LengthCheck, RenderCache
 from polyrl.agents.gateway_requests import (
     Request,
     RequestError,
@@ -42,10 +42,6 @@ from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
-
-# Requests with more messages than this are rendered on a worker thread, so a long
-# conversation (thousands of messages: seconds of templating) never stalls the others.
-LONG = 64
 
 # --------------------------------------------------------------------------- episodes
 
@@ -87,10 +83,14 @@ class Call:
     anchor: str  # the last non-assistant message (GiGPO-style grouping)
     temperature: float
     images: Images | None = None  # the prompt's images (a VLM's request); None: none
+    held: int = 0  # bytes charged to the episode for it (gateway_limits)
 
 
 @dataclass
 class EpisodeState:
+    """One episode: its URL token and its key, the two secrets only its own agent is given
+    (every request must carry both), and what its requests filed and cost."""
+
     id: int
     token: str
     item: PromptItem
@@ -101,28 +101,10 @@ class EpisodeState:
     result: Any = None
     posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: id -> messages
+    response_bytes: dict[str, int] = field(default_factory=dict)  # id -> bytes it holds
+    key: str = field(default_factory=lambda: "pk-" + secrets.token_urlsafe(24))
+    spent: Spent = field(default_factory=Spent)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _Cache:
-    """A bounded mapping that forgets the least recently used entry."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.data = size, OrderedDict()
-        self.lock = threading.Lock()  # long prompts render on worker threads
-
-    def get(self, key):
-        with self.lock:
-            value = self.data.get(key)
-            if value is not None:
-                self.data.move_to_end(key)
-            return value
-
-    def put(self, key, value) -> None:
-        with self.lock:
-            self.data[key] = value
-            if len(self.data) > self.size:
-                self.data.popitem(last=False)
 
 
 # --------------------------------------------------------------------------- server
@@ -139,26 +121,6 @@ def orjson_loads(raw: bytes) -> Any:
         raise RequestError(400, "the request body is not valid JSON") from None
 
 
-def context_length(policy) -> int | None:
-    """The positions a policy's model takes (prompt + completion), from its config's
-    ``max_position_embeddings``; None when it does not say (no check)."""
-    config = getattr(getattr(policy, "model", None), "config", None)
-    path = getattr(getattr(policy, "cfg", None), "model", None)
-    if config is None and isinstance(path, str):  # a Ray handle: the weights are elsewhere
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-        except Exception:  # a config it cannot read: no check rather than no run
-            return None
-    if config is None:
-        return None
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 class GatewayServer:
     """OpenAI Chat Completions over the run's engines, on its own thread and event loop."""
 
@@ -173,12 +135,16 @@ class GatewayServer:
         visions: dict[str, TakesImageTurns | None] | None = None,
         limits: Limits = Limits(),
         contexts: dict[str, int | None] | None = None,
+        reward_posts: bool = True,
     ) -> None:
         self.engines, self.tokenizers = engines, tokenizers
         # per model: the positions it takes (prompt + completion); None: not checked
         self.contexts = contexts or {}
         self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
         self.limits = limits
+        self.refusals = Refusals()  # budget refusals and the rollout's bytes held
+        self.reward_posts = reward_posts  # False: POST /rewards is refused (403)
+        self._lengths = LengthCheck(tokenizers, self.contexts)  # before tokenising
         self._joined = itertools.count(1)  # names each request's joined images
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
         # Templates that never mention tool_calls would drop an assistant's calls when a
@@ -189,9 +155,8 @@ class GatewayServer:
         }
         # Rendered prompts by their normalised messages: the samples of a group send the
         # same first messages, and many episodes the same tool or user turns.
-        self._renders = _Cache(4096)
+        self._renders = RenderCache(4096)
         self.host = host
-        self.api_key = "pk-" + secrets.token_urlsafe(24)
         self.request_timeout = request_timeout
         self.batcher = Batcher(engines)
         self.batch_wait = batch_wait
@@ -259,6 +224,11 @@ class GatewayServer:
             self.episodes[ep.token] = ep
         return f"{self.base}/ep/{ep.token}/v1"
 
+    def new_rollout(self) -> Refusals:
+        """Start a rollout's budgets afresh; returns the last rollout's refusals."""
+        last, self.refusals = self.refusals, Refusals()
+        return last
+
     def close_episode(self, ep: EpisodeState) -> None:
         with ep.lock:
             ep.open = False
@@ -274,28 +244,25 @@ class GatewayServer:
         from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        def check_key(request) -> None:
-            auth = request.headers.get("authorization", "")
-            given = auth[7:] if auth.lower().startswith("bearer ") else ""
-            given = given or request.headers.get("x-api-key", "")  # Anthropic clients
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                raise RequestError(
-                    401,
-                    "Incorrect API key provided (use the key the run gave the agent)",
-                    code="invalid_api_key",
-                )
-
         def episode(request) -> EpisodeState:
+            """The request's episode: its URL token names it, and the request must carry
+            that episode's own key (another episode's key, or the token alone, is a 401)."""
             with self._lock:
                 ep = self.episodes.get(request.path_params["token"])
             if ep is None:
                 raise RequestError(
                     404, "unknown or finished episode: use the base_url the run gave this agent"
                 )
+            auth = request.headers.get("authorization", "")
+            given = auth[7:] if auth.lower().startswith("bearer ") else ""
+            given = given or request.headers.get("x-api-key", "")  # Anthropic clients
+            if not hmac.compare_digest(given.encode(), ep.key.encode()):
+                raise RequestError(
+                    401,
+                    "Incorrect API key provided (use the key the run gave this episode's agent)",
+                    code="invalid_api_key",
+                )
             return ep
-
-        async def json_body(request) -> Any:
-            return orjson_loads(await self._read_body(request))
 
         def guarded(handler, shape=openai_error):
             """``handler`` with every failure answered in its API's error shape: a
@@ -306,12 +273,13 @@ class GatewayServer:
                     return await handler(request)
                 except Exception as e:
                     err = failure(e, self.request_timeout)
-                return JSONResponse(shape(err), status_code=err.status)
+                # a body that never arrived in time: the connection is not kept
+                close = {"connection": "close"} if err.status == 408 else None
+                return JSONResponse(shape(err), status_code=err.status, headers=close)
 
             return endpoint
 
         async def models(request):
-            check_key(request)
             episode(request)
             data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
             return JSONResponse({"object": "list", "data": data})
@@ -320,26 +288,36 @@ class GatewayServer:
             """A route for an API module (``parse``, ``answer``, ``stream``)."""
 
             async def handler(request):
-                check_key(request)
                 ep = episode(request)
-                req = module.parse(await json_body(request), self, ep)
+                body = await read_body(request, self.limits)
+                # parsing (JSON, images) and rendering run on a worker thread: a large
+                # request never stalls the other episodes' requests
+                req, held = await asyncio.to_thread(self._parse, module, body, ep)
                 tok = self.tokenizers[req.model]
                 if req.stream:  # events as the engine samples (gateway_stream)
                     live = Live(self.request_timeout)
-                    live.start(self._generate(ep, req, live))
+                    live.start(self._generate(ep, req, live, held))
                     await live.first()  # an error before the first token: an HTTP error
                     events = module.stream(live, req, tok, ep)
                     return StreamingResponse(events, media_type="text/event-stream")
-                call = await self._generate(ep, req)
+                call = await self._generate(ep, req, held=held)
                 answer = module.answer(req, call, tok, ep)
                 return Response(orjson.dumps(answer), media_type="application/json")
 
             return guarded(handler, getattr(module, "error_body", openai_error))
 
         async def rewards(request):
-            check_key(request)
             ep = episode(request)
-            return JSONResponse(self._post_reward(ep, await json_body(request)))
+            if not self.reward_posts:
+                raise RequestError(
+                    403,
+                    "this run takes no rewards from agents (rollout.args.reward_posts=false): "
+                    "return the episode's reward instead",
+                    code="rewards_not_accepted",
+                )
+            return JSONResponse(
+                self._post_reward(ep, orjson_loads(await read_body(request, self.limits)))
+            )
 
         async def other(request):
             raise RequestError(
@@ -364,26 +342,16 @@ class GatewayServer:
             ]
         )
 
-    async def _read_body(self, request) -> bytes:
-        """The body, refused with a 413 once it is past ``max_body_bytes``: from its
-        Content-Length before a byte is read, else while it arrives (never kept whole)."""
-        cap = self.limits.max_body_bytes
-        too_big = RequestError(
-            413,
-            f"the request body is larger than this gateway takes "
-            f"(rollout.args.max_body_bytes={cap} bytes); send a shorter request",
-            code="request_too_large",
-        )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cap:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def _parse(self, module, body: bytes, ep: EpisodeState) -> tuple[Request, int]:
+        """The API module's :class:`Request` of ``body`` and the bytes it will hold once
+        filed (its body, the stored history it continues, its images), charged to the
+        episode and the rollout now: past a budget it is refused before it is rendered."""
+        req = module.parse(orjson_loads(body), self, ep)
+        held = len(body) + int(req.api.get("history_bytes", 0))
+        held += sum(3 * im.width * im.height for im in req.images)
+        with ep.lock:
+            admit(ep.spent, self.refusals, self.limits, req.n, held)
+        return req, held
 
     @staticmethod
     def _post_reward(ep: EpisodeState, body: Any) -> dict:
@@ -445,14 +413,18 @@ class GatewayServer:
             start = len(call.keys) + 1
             key = ("turn", req.model, ended, tuple(req.keys[start:]))
             rest = self._renders.get(key)
+            head = call.prompt_ids + choice.ids
             if rest is None:
                 try:
-                    rest = chat.env_turn(req.messages[start:], ended)
+                    text = chat.env_turn_text(req.messages[start:], ended)
                 except ValueError:
                     rest = False  # the template cannot splice: render afresh
-                self._renders.put(key, rest)
+                else:
+                    self._lengths.check(req.model, text, len(head))
+                    rest = chat.encode(text)
+                nbytes = sum(len(str(k)) for k in key[3]) + 8 * len(rest or ())
+                self._renders.put(key, rest, nbytes)
             if rest is not False:
-                head = call.prompt_ids + choice.ids
                 seen = gateway_images.count(req.messages[:start])
                 rest, images = self._place(req, rest, req.images[seen:], len(head), call.images)
                 return head + rest, True, images
@@ -462,8 +434,10 @@ class GatewayServer:
             messages = req.messages
             if self.fold_calls[req.model]:
                 messages = [fold_calls(m) for m in messages]
-            ids = chat.first_prompt(messages, req.tools)
-            self._renders.put(key, ids)
+            text = chat.render(messages, generation_prompt=True, tools=req.tools)
+            self._lengths.check(req.model, text, 0)
+            ids = chat.encode(text)
+            self._renders.put(key, ids, len(text) + len(tools_key) + 8 * len(ids))
         ids, images = self._place(req, list(ids), req.images, 0, None)
         return ids, False, images
 
@@ -527,10 +501,22 @@ class GatewayServer:
             )
         return min(req.max_tokens, room)
 
-    async def _generate(self, ep: EpisodeState, req: Request, live: Live | None = None) -> Call:
+    async def _generate(
+        self, ep: EpisodeState, req: Request, live: Live | None = None, held: int = 0
+    ) -> Call:
         """Sample the request's ``n`` choices and file them under the episode (the rows of
         the record); every API answers from the :class:`Call` this returns. ``live``: a
-        streamed request, given each token as it is sampled (engines that stream)."""
+        streamed request, given each token as it is sampled (engines that stream);
+        ``held``: the bytes its admission charged (:meth:`_parse`), given back with its
+        rows when it fails before it is filed."""
+        try:
+            return await self._sample(ep, req, live, held)
+        except BaseException:
+            with ep.lock:
+                refund(ep.spent, self.refusals, req.n, held)
+            raise
+
+    async def _sample(self, ep: EpisodeState, req: Request, live: Live | None, held: int) -> Call:
         if req.top_logprobs and not getattr(self.engines[req.model], "gives_top_logprobs", False):
             raise RequestError(
                 400,
@@ -538,10 +524,8 @@ class GatewayServer:
                 "gives no top_logprobs; leave top_logprobs out or use the hf engine",
                 param="top_logprobs",
             )
-        if len(req.messages) > LONG:  # rendering it takes a while: off the event loop
-            prompt, stitched, images = await asyncio.to_thread(self.prompt_ids, ep, req)
-        else:
-            prompt, stitched, images = self.prompt_ids(ep, req)
+        # off the event loop: rendering and tokenising a long prompt takes a while
+        prompt, stitched, images = await asyncio.to_thread(self.prompt_ids, ep, req)
         req.max_tokens = self._fit(req, prompt)
         streams = live is not None and streams_tokens(self.engines[req.model])
         if live is not None:
@@ -625,8 +609,11 @@ class GatewayServer:
             req.temperature,
             images,
         )
+        sampled = sum(len(c.ids) for c in choices)
+        call.held = held + 8 * (len(prompt) + sampled)
         with ep.lock:
             if not ep.open:
                 raise RequestError(409, "the episode is over (it ended or timed out)")
             ep.calls.append(call)
+            charge(ep.spent, self.refusals, 8 * (len(prompt) + sampled), sampled)
         return call

@@ -204,9 +204,9 @@ def crowd_agent(row, ep):
 
 @pytest.mark.parametrize("max_messages", [1024, 20_000])
 def test_a_10000_message_request_never_reaches_the_engine(gateway, models, items, max_messages):
-    """Refused by the message cap (default) or, with the cap raised, by the context check;
-    either way before the engine. With the cap raised its rendering takes seconds, on a
-    worker thread: the other episodes' requests are answered before its refusal."""
+    """Refused by the message cap (default) or, with the cap raised, by the context check
+    on its rendered text's bytes, before it is tokenised; either way before the engine.
+    (That it never stalls the others: tests/agents/test_gateway_budgets.py.)"""
     _, engines = models
     BIG_SENT.clear()
     wf = gateway("crowd_agent", max_messages=max_messages)
@@ -227,9 +227,6 @@ def test_a_10000_message_request_never_reaches_the_engine(gateway, models, items
             assert code == 200 and len(ids(rec, "response_ids", i)) >= 1
     assert len(engines["main"].log) == 4
     assert all(len(p) < CONTEXT for p, _ in engines["main"].log)
-    if max_messages > 10_000:
-        big = next(v for (b, _), v in order.items() if b)
-        assert all(v < big for (b, _), v in order.items() if not b), order
 
 
 class SlowEngine:
