@@ -465,6 +465,10 @@ def main() -> None:
             layers.append(f"checker uid {check_uid} (the code's uid cannot reach it)")
     layers.append("resource limits (cpu, address space, file size, open files, no core dumps)")
     layers.append("new session; output capped; wall-time kill")
+    layers.append(
+        f"run memory budget ({lim['run_memory_mb']} MiB for every process, System V and "
+        "POSIX shared memory and memory files together)"
+    )
     if req["audit"]:
         layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
     if tests is not None:

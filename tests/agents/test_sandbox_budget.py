@@ -180,6 +180,7 @@ def test_a_run_inside_its_budget_is_not_stopped_and_is_seen_from_outside():
     assert r.error == "" and r.stdout == "survived\n" and r.limit == "", (r.error, r.stderr)
     assert host_peak >= 280, host_peak
     assert 280 <= r.memory_peak_mb <= BUDGET, r.memory_peak_mb
+    assert any(layer.startswith(f"run memory budget ({BUDGET} MiB") for layer in r.layers)
 
 
 SYSV = """
