@@ -1,4 +1,4 @@
-"""``polyrl train | eval | plot | export | serve | config``.
+"""``polyrl train | eval | plot | trace | export | serve | config``.
 
 Exit status: 0 done; 2 the recipe, data or run directory is wrong (one message, before any
 training; or, mid-run, a checkpoint could not be written: disk full, file-size limit,
@@ -141,6 +141,19 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from polyrl.core.trace_report import plot_step, report
+
+    if not any((Path(args.run_dir) / "trace").glob("*.json")):
+        raise ConfigError(
+            f"polyrl trace: {args.run_dir!r} has no trace/*.json; trace a run with "
+            "run.trace_every=N (every N-th step)"
+        )
+    print(report(args.run_dir))
+    print(plot_step(args.run_dir, args.step))
+    return 0
+
+
 def cmd_export(args) -> int:
     from polyrl.core.session import Session
 
@@ -198,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="write PNG curves of a run")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_plot)
+    r = sub.add_parser("trace", help="sum up a traced run (run.trace_every) and draw a step")
+    r.add_argument("run_dir")
+    r.add_argument("--step", type=int, default=None, help="the step drawn (default: slowest)")
+    r.set_defaults(fn=cmd_trace)
     x = sub.add_parser("export", help="export a run's last checkpoint in Hugging Face format")
     x.add_argument("recipe")
     x.add_argument("run_dir")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextvars
+import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from polyrl.core import timeline
 from polyrl.core.config import ConfigError
 from polyrl.core.loop import train
+from polyrl.core.trace_report import summarize
 from tests.helpers.timeline import load_checked, nesting, run_events
 
 
@@ -122,3 +127,27 @@ def test_an_async_run_traces_producer_and_trainer_nested(make_config, one_thread
     assert all(0 < e["args"]["tokens"] <= rows * cfg.rollout.max_new_tokens for e in gen)
     producer = {e["tid"] for e in spans if e["name"] == "batch"}
     assert producer.isdisjoint({e["tid"] for e in spans if e["name"] == "step"})
+    # `polyrl trace` on the real trace: the summary's figures and a PNG of the step
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl.core.cli", "trace", str(run.path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "1 traced steps (2)" in out and "update" in out and "engine idle" in out
+    assert re.search(r"async overlap: [\d.]+ s of [\d.]+ s generation", out)
+    png = Path(out.strip().splitlines()[-1])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = summarize(run.path)
+    assert sum(figures["phases"].values()) <= 1.0 + 1e-9
+    assert 0 <= figures["overlap"] <= 1 and figures["generation_s"] > 0
+    assert figures["slowest"][0][0] == "generate"
+
+
+def test_trace_of_a_directory_without_one_is_a_clear_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl.core.cli", "trace", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "run.trace_every" in out.stderr
