@@ -14,12 +14,15 @@ from polyrl.core.run import RunDir
 from polyrl.core.session import Session
 from polyrl.core.throughput import Throughput
 from polyrl.core.timeline import Tracer, span, tracing
+from polyrl.core.truncation import TruncationWatch
 
 
 def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
-    run, rollouts, failures = s.run, s.rollouts, Failures()
+    run, rollouts = s.run, s.rollouts
+    failures = Failures(max_unscored=cfg.train.max_unscored_steps)  # stop early, exit 3
+    cut = TruncationWatch(cfg.rollout.max_new_tokens, cfg.rollout.warn_truncated)
     perf = Throughput(s.policies, cfg.algorithm)  # tokens/s and MFU
     tracer = Tracer(run.path / "trace", cfg.run.trace_every) if cfg.run.trace_every else None
     first = s.evaluate("eval") if s.step == 0 else {}
@@ -50,10 +53,11 @@ def train(cfg: Config) -> RunDir:
                 step_s = time.perf_counter() - t0
                 metrics |= s.rollout_stats(record, own) | {"time/step_s": step_s}
                 metrics |= perf.step(record, step_s, updates)
+                cut.step(step, record, metrics)  # too many cut at max_new_tokens: once
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
                     with span("eval"):
                         metrics |= s.evaluate("eval", step)
-                if step % cfg.run.log_every == 0 or step == cfg.train.steps:
+                if step % cfg.run.log_every == 0 or step == cfg.train.steps or failures.stop:
                     run.log(step, metrics)
                     s.write_samples(step, record)
                 if (cfg.run.save_every and step % cfg.run.save_every == 0) or (
@@ -62,9 +66,12 @@ def train(cfg: Config) -> RunDir:
                     with span("checkpoint"):
                         s.save(step)
             bar.update(step, metrics)
-        final = s.evaluate("eval", cfg.train.steps)
-        run.log(cfg.train.steps, final)
-        bar.update(cfg.train.steps, final, final=True)
-    s.finish(final, export=not failures.failed)  # never a valid row: nothing to export
+            if failures.stop:  # train.max_unscored_steps in a row with no valid row
+                break
+        final = {} if failures.stop else s.evaluate("eval", cfg.train.steps)
+        if not failures.stop:
+            run.log(cfg.train.steps, final)
+            bar.update(cfg.train.steps, final, final=True)
+    s.finish(final, export=not (failures.failed or failures.stop))  # failed: no export
     failures.check(f"{run.path}/samples/")  # RunFailedError; `polyrl train` exits 3
     return run

@@ -94,6 +94,12 @@ class RolloutConfig:
     temperature: float = doc(1.0, "sampling temperature (also used for training log-probs)")
     top_p: float = doc(1.0, "nucleus sampling")
     stop: list[str] = doc([], "extra stop strings")
+    warn_truncated: float = doc(
+        0.25,
+        "print a warning (once per run) when a step's share of responses cut at "
+        "max_new_tokens (rollout/truncated_frac) passes this; 1: never. See "
+        "polyrl.core.truncation",
+    )
     max_staleness: int = doc(
         0,
         "0: synchronous (each rollout uses the newest weights). k >= 1: the engines "
@@ -137,6 +143,12 @@ class SFTConfig:
 class TrainConfig:
     steps: int = doc(100, "RL steps (rollout + update)")
     policies: list[str] | None = doc(None, "policies that train (default: all with train: true)")
+    max_unscored_steps: int = doc(
+        1,
+        "stop the run (exit 3, no export) once this many steps in a row had no valid row "
+        "(every rollout or reward failed): the next step would fail the same way. A step "
+        "with any valid row resets the count. See polyrl.core.failures",
+    )
 
 
 @dataclass
@@ -295,6 +307,18 @@ class Config:
                 "old (core/recipe.py MAX_STALENESS)",
             ),
             ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+            (
+                "rollout.warn_truncated",
+                r.warn_truncated,
+                _finite(r.warn_truncated) and 0 <= r.warn_truncated <= 1,
+                "in [0, 1] (1: never warn)",
+            ),
+            (
+                "train.max_unscored_steps",
+                self.train.max_unscored_steps,
+                self.train.max_unscored_steps >= 1,
+                ">= 1",
+            ),
             (
                 "rollout.temperature",
                 r.temperature,

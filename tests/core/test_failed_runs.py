@@ -57,7 +57,7 @@ def test_a_run_whose_agent_always_raises_exits_3_and_says_where(tiny_model_dir, 
             "prompts_per_step": 2,
             "max_new_tokens": 4,
         },
-        "train": {"steps": 2},
+        "train": {"steps": 2, "max_unscored_steps": 3},  # both steps run: none stops it
     }
     (project / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
