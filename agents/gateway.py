@@ -313,6 +313,8 @@ class Gateway:
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
         self._next_episode = 0
         self.failed_episodes = 0  # over the run
+        self.tool_call_cut = 0  # the last rollout's completions cut inside a tool call
+        self._warned_cut = False  # that warning: once per run
         # every rollout on one loop: agents' cached async clients outlive a step
         self.loop = AgentLoop("polyrl-gateway-agents")
         self._refused: dict[str, int] = {}  # the last rollout's budget refusals
@@ -410,6 +412,7 @@ class Gateway:
             f"gateway/refused_{what}": float(self._refused.get(what, 0))
             for what in ("requests", "rows", "tokens", "bytes")
         }
+        out["rollout/tool_call_cut"] = float(self.tool_call_cut)
         if self.command:
             out["gateway/isolated"] = self._isolated
         return out
@@ -534,8 +537,30 @@ class Gateway:
             error=ep.error,
         )
 
+    def _note_cut(self, cut: list[int], completions: int) -> None:
+        """Count the completions cut inside a tool call (``rollout/tool_call_cut``) and say
+        so once: a framework sees no call at all (the Agents SDK logs a bare ``Error
+        getting response``), so the episode fails and RL unlearns the tool."""
+        self.tool_call_cut = len(cut)
+        if not cut or self._warned_cut:
+            return
+        self._warned_cut = True
+        limit = self.server.defaults.max_new_tokens  # this rollout's (train or eval)
+        logging.getLogger(__name__).warning(
+            "%d of %d completions ended inside a tool call (<tool_call> opened, never "
+            "closed: cut at %d tokens, the length limit; rollout.max_new_tokens=%s), so the "
+            "agent saw no call. Raise rollout.max_new_tokens (or the max_tokens the agent "
+            "asks for) above the longest tool call the model writes. Warned once; "
+            "rollout/tool_call_cut counts them every step.",
+            len(cut),
+            completions,
+            max(cut),
+            limit,
+        )
+
     def _record(self, episodes: list[EpisodeState]) -> TensorDict:
         rows: list[Row] = []
+        cut: list[int] = []  # lengths of the completions cut inside a tool call
         valid_eps = sum(1 for ep in episodes if not ep.error)
         rows_of = {ep.id: max(1, sum(len(c.choices) for c in ep.calls)) for ep in episodes}
         valid_rows = sum(rows_of[ep.id] for ep in episodes if not ep.error)
@@ -584,6 +609,8 @@ class Gateway:
                         "spans": [[t, 0, len(c.ids)]],
                     }
                     text = self.decoders[call.model].decode(c.ids, skip_special_tokens=True)
+                    if c.finish == "length" and call.tools_key != "null" and inside_call(text):
+                        cut.append(len(c.ids))
                     row = self._row(
                         ep, base, call.prompt_ids, c.ids, c.logprobs, call.model, t, text, extra
                     )
@@ -591,9 +618,15 @@ class Gateway:
                     row.versions, row.truncated = c.versions, c.finish == "length"
                     row.experts = c.experts
                     rows.append(row)
+        self._note_cut(cut, len(rows))
         failed = {ep.id for ep in episodes if ep.error}
         self.failed_episodes += len(failed)
         return build_rows(rows, self.pad_id)
+
+
+def inside_call(text: str) -> bool:
+    """The text ends inside a Hermes tool call: ``<tool_call>`` opened, not closed."""
+    return text.rfind("<tool_call>") > text.rfind("</tool_call>")
 
 
 WORKFLOWS.register("gateway", Gateway)

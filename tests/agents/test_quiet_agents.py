@@ -143,3 +143,56 @@ def test_agent_loop_close_lets_dropped_clients_finish_closing():
     finally:
         gc.enable()
     assert closed == ["closed"]
+
+
+def tool_agent(row, ep):
+    """One Chat Completions call with a tool, as an agent framework makes it."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = ep.openai().chat.completions.create(model="main", messages=messages, tools=tools)
+    return float(bool(reply.choices[0].message.tool_calls))
+
+
+@pytest.mark.parametrize("max_new_tokens", [20, 80])
+def test_a_tool_call_cut_at_max_new_tokens_is_counted_and_warned_once(
+    grid_tokenizer, items, caplog, max_new_tokens
+):
+    """The scripted call is ~60 tokens: at 20 every completion ends inside it (counted in
+    rollout/tool_call_cut, one warning over two rollouts); at 80 it closes (no warning)."""
+    from polyrl.agents.gateway import Gateway
+    from polyrl.core.workflow import Context
+
+    tok = grid_tokenizer
+    engine = ScriptedEngine(tok, lambda text, call, i: (CALL, True))
+    wf = Gateway(Context(None, {"main": FakePolicy(tok)}, {"main": engine}), agent=tool_agent)
+    params = SamplingParams(n=2, max_new_tokens=max_new_tokens)
+    caplog.set_level(logging.WARNING, logger="polyrl.agents.gateway")
+    cut = []
+    try:
+        for _ in range(2):
+            rec = wf.rollout(items([{"prompt": "what is 2 + 3?"}]), params)
+            cut.append(wf.rollout_metrics()["rollout/tool_call_cut"])
+    finally:
+        wf.close()
+    warned = [r.getMessage() for r in caplog.records if "inside a tool call" in r.getMessage()]
+    full = len(engine.char_ids(CALL)) + 1  # the call, then eos
+    if max_new_tokens < full:
+        assert cut == [2.0, 2.0] and rec["truncated"].all()
+        assert [m["return"] for m in strings(rec, "meta")] == [0.0, 0.0]  # no call seen
+        assert len(warned) == 1, warned
+        assert "2 of 2 completions" in warned[0] and "cut at 20 tokens" in warned[0]
+        assert "rollout.max_new_tokens=20" in warned[0]
+    else:
+        assert cut == [0.0, 0.0] and not rec["truncated"].any() and warned == []
+        assert [m["return"] for m in strings(rec, "meta")] == [1.0, 1.0]
