@@ -9,10 +9,11 @@ seccomp filter and executes the runner. A tests run (``"tests"`` in the request)
 two: the checker first (the row's checks, arriving on a pipe), then, once the checker
 has read them, the code's worker, which answers the checker's calls; passing is read
 from the checker's status channel only. The supervisor reads the worker's output with a
-size cap, enforces the wall-time limit and the run's memory budget (``_sandbox_memory``)
-and kills everything the code started. The seccomp filter and keyring (``_sandbox_seccomp``)
-and the memory accounting arrive as source in the request, loaded by :func:`_load`. Because the supervisor is the worker's parent, code that signals "its
-parent" reaches the supervisor (or, in a PID namespace, nothing), never the trainer.
+size cap, enforces the wall-time limit and the run's memory budget and kills everything
+the code started. Because the supervisor is the worker's parent, code that signals "its
+parent" reaches the supervisor (or, in a PID namespace, nothing), never the trainer. The
+seccomp filter and keyring (``_sandbox_seccomp``) and the memory accounting
+(``_sandbox_memory``) arrive as source in the request, loaded by :func:`_load`.
 """
 
 import contextlib
