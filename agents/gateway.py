@@ -51,6 +51,7 @@ from polyrl.agents.agent_loop import AgentLoop
 from polyrl.agents.gateway_limits import Limits
 from polyrl.agents.gateway_prompts import context_length
 from polyrl.agents.gateway_server import EpisodeState, GatewayServer
+from polyrl.core import timeline
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import SamplingParams
@@ -431,7 +432,13 @@ class Gateway:
         for item in items:
             for g in range(params.n):
                 episodes.append(
-                    EpisodeState(self._next_episode, secrets.token_urlsafe(12), item, g)
+                    EpisodeState(
+                        self._next_episode,
+                        secrets.token_urlsafe(12),
+                        item,
+                        g,
+                        tracer=timeline.recording(),
+                    )
                 )
                 self._next_episode += 1
         gate = asyncio.Semaphore(self.concurrency)

@@ -37,6 +37,7 @@ from polyrl.agents.gateway_requests import (
 )
 from polyrl.agents.gateway_stream import Live, failure
 from polyrl.agents.tools import parse_hermes
+from polyrl.core import timeline
 from polyrl.core.batching import Batcher, EpisodeClosed
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request as EngineRequest
@@ -105,6 +106,7 @@ class EpisodeState:
     key: str = field(default_factory=lambda: "pk-" + secrets.token_urlsafe(24))
     spent: Spent = field(default_factory=Spent)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tracer: Any = None  # the timeline recording this episode's step (core.timeline), if any
 
 
 # --------------------------------------------------------------------------- server
@@ -510,7 +512,12 @@ class GatewayServer:
         ``held``: the bytes its admission charged (:meth:`_parse`), given back with its
         rows when it fails before it is filed."""
         try:
-            return await self._sample(ep, req, live, held)
+            # the server's thread does not share the rollout's context: the episode carries it
+            with (
+                timeline.recording_with(ep.tracer),
+                timeline.span("gateway_request", lane=f"episode {ep.id}", episode=ep.id, n=req.n),
+            ):
+                return await self._sample(ep, req, live, held)
         except BaseException:
             with ep.lock:
                 refund(ep.spent, self.refusals, req.n, held)

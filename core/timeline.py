@@ -55,12 +55,15 @@ class Tracer:
         self._lock = threading.Lock()
         self._file: Any = None
         self._threads: set[int] = set()
+        self._lanes: dict[str, int] = {}
 
     def sampled(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def emit(self, event: dict[str, Any]) -> None:
-        tid = threading.get_native_id()
+    def emit(self, event: dict[str, Any], lane: str | None = None) -> None:
+        """Write ``event`` on this thread's track, or on track ``lane`` (work that overlaps
+        on one thread, e.g. a server's concurrent requests, each on its own track)."""
+        tid = threading.get_native_id() if lane is None else self._lane(lane)
         event = {"pid": self.pid, "tid": tid, **event}
         with self._lock:
             if self._file is None:
@@ -71,10 +74,15 @@ class Tracer:
                 self._write(self._meta("process_name", self.pid, {"name": self.process}))
             if tid not in self._threads:
                 self._threads.add(tid)
-                name = threading.current_thread().name
+                name = threading.current_thread().name if lane is None else lane
                 self._write(self._meta("thread_name", tid, {"name": name}))
             self._write(event)
             self._file.flush()  # a killed run keeps what ran
+
+    def _lane(self, lane: str) -> int:
+        """A track id for ``lane``, apart from thread ids (which are below 2**22 on Linux)."""
+        with self._lock:
+            return self._lanes.setdefault(lane, (1 << 30) + len(self._lanes))
 
     def _meta(self, name: str, tid: int, args: dict) -> dict[str, Any]:
         return {"ph": "M", "name": name, "pid": self.pid, "tid": tid, "args": args}
@@ -92,10 +100,12 @@ class Tracer:
 class Span:
     """An open span; :meth:`add` puts facts learned inside it (tokens made) in its args."""
 
-    __slots__ = ("tracer", "name", "args", "start")
+    __slots__ = ("tracer", "name", "args", "start", "lane")
 
-    def __init__(self, tracer: Tracer, name: str, args: dict[str, Any]) -> None:
-        self.tracer, self.name, self.args = tracer, name, args
+    def __init__(
+        self, tracer: Tracer, name: str, args: dict[str, Any], lane: str | None = None
+    ) -> None:
+        self.tracer, self.name, self.args, self.lane = tracer, name, args, lane
 
     def add(self, **args: Any) -> None:
         self.args.update(args)
@@ -115,7 +125,8 @@ class Span:
                 "ts": self.start,
                 "dur": end - self.start,
                 "args": self.args,
-            }
+            },
+            self.lane,
         )
 
 
@@ -137,11 +148,12 @@ class _Off:
 OFF = _Off()
 
 
-def span(name: str, **args: Any) -> Span | _Off:
+def span(name: str, *, lane: str | None = None, **args: Any) -> Span | _Off:
     """``with span("generate", requests=8) as s: ...; s.add(tokens=n)``: one complete
-    event when a sampled step is recording, nothing otherwise."""
+    event when a sampled step is recording, nothing otherwise. ``lane``: a track of its
+    own (see :meth:`Tracer.emit`)."""
     tracer = _LIVE.get()
-    return OFF if tracer is None else Span(tracer, name, args)
+    return OFF if tracer is None else Span(tracer, name, args, lane)
 
 
 def instant(name: str, **args: Any) -> None:
