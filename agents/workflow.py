@@ -64,7 +64,7 @@ from polyrl.agents.env import (
     observation_text,
 )
 from polyrl.core.batching import Batcher
-from polyrl.core.config import AT_LEAST_1, ConfigError
+from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
@@ -174,19 +174,13 @@ class MultiTurn:
             "step mode: earlier turns kept in each prompt (0: the current observation "
             "only; null: all)",
         ] = 0,
-        max_turns: Annotated[
-            int, "turns per episode (an environment's max_turns may cut it)", AT_LEAST_1
-        ] = 8,
-        max_tokens: Annotated[
-            int | None, "sampled tokens per episode (null: no limit)", AT_LEAST_1
-        ] = None,
+        max_turns: Annotated[int, "turns per episode (an environment's max_turns may cut it)"] = 8,
+        max_tokens: Annotated[int | None, "sampled tokens per episode (null: no limit)"] = None,
         max_turn_tokens: Annotated[
-            int | None, "sampled tokens per turn (null: rollout.max_new_tokens)", AT_LEAST_1
+            int | None, "sampled tokens per turn (null: rollout.max_new_tokens)"
         ] = None,
         max_context: Annotated[
-            int | None,
-            "longest prompt + action of one turn, in tokens (null: no limit)",
-            AT_LEAST_1,
+            int | None, "longest prompt + action of one turn, in tokens (null: no limit)"
         ] = None,
         system_prompt: Annotated[
             str | None, "system message before the first observation (null: none)"
@@ -513,6 +507,13 @@ class MultiTurn:
             allowed, bound = self.max_tokens - ep.tokens, "max_tokens"
         if self.max_context is not None and self.max_context - len(prompt) < allowed:
             allowed, bound = self.max_context - len(prompt), "max_context"
+            if allowed <= 0 and not ep.turns:  # no episode could ever act: not a truncation
+                raise ConfigError(
+                    f"rollout.args.max_context={self.max_context}: the first prompt of an "
+                    f"episode (row {ep.item.uid}) is already {len(prompt)} tokens, leaving no "
+                    "room for an action; raise max_context above the longest first prompt "
+                    "plus an action (or shorten the observation / system prompt)"
+                )
         if allowed <= 0:
             ep.end(bound, truncated=True)
             return None

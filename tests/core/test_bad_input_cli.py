@@ -47,15 +47,17 @@ def refused(capsys, argv: list[str], *needles: str) -> str:
         ("algorithm.gamma=1.5", ("algorithm.gamma=1.5", "<= 1")),
         ("algorithm.ppo_epochs=0", ("algorithm.ppo_epochs=0", ">= 1")),
         ("policies.main.optim.betas=[0.9, .nan]", ("optim.betas[1]=nan", "finite")),
-        (  # a plugin part's derived options: Annotated[int, "doc", AT_LEAST_1]
-            "rollout.args={max_turns: 0}",
-            ("rollout.args.max_turns=0", ">= 1"),
+        (  # a plugin part's derived options (an environment's keywords)
+            "rollout.args={env: gridworld, env_args: {goal_reward: .nan}}",
+            ("rollout.args.env_args.goal_reward=nan", "finite"),
         ),
     ],
 )
 def test_option_values_that_cannot_train_are_refused(recipe, capsys, override, needles):
-    extra = ["rollout.workflow=multi_turn"] if override.startswith("rollout.args") else []
-    refused(capsys, ["train", str(recipe), *extra, override], *needles, str(recipe))
+    plugin = override.startswith("rollout.args")  # an environment's options: "in the recipe"
+    extra = ["rollout.workflow=multi_turn"] if plugin else []
+    where = () if plugin else (str(recipe),)
+    refused(capsys, ["train", str(recipe), *extra, override], *needles, *where)
 
 
 def test_an_infinite_dual_clip_is_still_a_setting(recipe):
