@@ -134,8 +134,22 @@ def download(wheels: list[Wheel], dest: Path, python_version: str) -> dict[str, 
     return {w.name: files[w.name] for w in wheels}
 
 
+def need_file(flag: str, given: str) -> Path:
+    """``given`` as a list file, or exit saying what is wrong and what exists."""
+    path = Path(given)
+    if path.is_file():
+        return path
+    what = "is a directory" if path.is_dir() else "does not exist"
+    lists = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "gpu/images").glob("*.txt"))
+    raise SystemExit(
+        f"make_kit: {flag} {given} {what}; give a list file (one distribution a line), "
+        f"e.g. {', '.join(lists) or 'gpu/images/<image>.txt'}"
+    )
+
+
 def build(args) -> int:
-    spec, image = read_spec(Path(args.spec)), read_image(Path(args.image))
+    spec = read_spec(need_file("--spec", args.spec))
+    image = read_image(need_file("--image", args.image))
     kit = Path(args.kit)
     parts = plan(spec, image)
     skipped = [w.requirement for w in spec if w.name in image]

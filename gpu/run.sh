@@ -23,6 +23,12 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABL
 export POLYRL_GPU_STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p "$OUT" "$WORK/steps"
 exec > >(tee "$OUT/gpu_checks.log") 2>&1
+# A python for the bookkeeping (JSON, the report) even when $PY is not one: the results
+# file must say what went wrong, whatever it was.
+JPY=
+for c in "$PY" python3 python; do
+  if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import json' >/dev/null 2>&1; then JPY=$c; break; fi
+done
 VENV=$WORK/venv
 VPY=$VENV/bin/python
 # step: limit in seconds (the CPU mode's tiny sizes need less device work but slower cores)
@@ -36,10 +42,16 @@ fi
 START=$SECONDS
 echo "PolyRL GPU checks: device $POLYRL_TEST_DEVICE, budget ${BUDGET}s, work $WORK, out $OUT"
 
+jstr() {  # a JSON string (null when empty), without python if there is none
+  if [ -z "$1" ]; then echo null
+  elif [ -n "$JPY" ]; then "$JPY" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$1"
+  else printf '"%s"\n' "$(printf '%s' "$1" | tr -d '\000-\037' | sed 's/[\\"]/\\&/g')"
+  fi
+}
+
 status() {  # name rc seconds limit [why]
   printf '{"rc": %s, "seconds": %s, "limit_s": %s, "why": %s}\n' "$2" "$3" "$4" \
-    "$("$PY" -c 'import json,sys; print(json.dumps(sys.argv[1] or None))' "${5:-}")" \
-    > "$WORK/steps/$1.status"
+    "$(jstr "${5:-}")" > "$WORK/steps/$1.status"
 }
 
 run_step() {  # name limit command...
@@ -56,13 +68,26 @@ run_step() {  # name limit command...
   t0=$(date +%s.%N)
   POLYRL_STEP_LIMIT_S=$limit timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/steps/$name.log"
   rc=${PIPESTATUS[0]}
-  status "$name" "$rc" "$("$PY" -c "print(round($(date +%s.%N) - $t0, 1))")" "$limit"
+  status "$name" "$rc" "$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b - a}')" \
+    "$limit" "$(cat "$WORK/steps/$name.why" 2>/dev/null)"
   echo "=== $name: exit $rc"
+}
+
+missing() {  # what setup lacks: printed, and the step's "why" in gpu_checks.json
+  echo "setup: $1"
+  echo "$1" > "$WORK/steps/setup.why"
+  exit 1
 }
 
 setup() {
   set -e
-  [ -d "$KIT/wheels" ] || { echo "no kit at $KIT: run gpu/make_kit.sh on a networked machine"; exit 1; }
+  command -v "$PY" >/dev/null 2>&1 && "$PY" -c 'import sys' >/dev/null 2>&1 ||
+    missing "PYTHON=$PY does not run (no such python); set PYTHON to the image's python3"
+  "$PY" -c 'import torch' >/dev/null 2>&1 ||
+    missing "$PY has no torch; the checks need the image's (CUDA) torch: set PYTHON to it"
+  [ -d "$KIT/wheels" ] || missing "no kit at $KIT: run gpu/make_kit.sh on a networked machine"
+  compgen -G "$KIT/wheels/*.whl" >/dev/null ||
+    missing "$KIT/wheels holds no wheels (*.whl): run gpu/make_kit.sh on a networked machine"
   "$PY" -m venv --without-pip --system-site-packages "$VENV"
   local site
   site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -80,8 +105,8 @@ if sys.prefix != sys.base_prefix:
   "$PY" -m pip --python "$VPY" list 2>/dev/null | grep -i -E '^(polyrl|verl|tensordict|trl|datasets|diffusers|torch|transformers) '
 }
 
-export PY VPY VENV KIT
-export -f setup
+export PY VPY VENV KIT WORK
+export -f setup missing
 run_step setup 120 bash -c setup
 if [ "$(sed -n 's/.*"rc": \([0-9]*\).*/\1/p' "$WORK/steps/setup.status")" = 0 ]; then
   for s in $STEPS; do
@@ -90,6 +115,16 @@ if [ "$(sed -n 's/.*"rc": \([0-9]*\).*/\1/p' "$WORK/steps/setup.status")" = 0 ];
   done
   REPORT_PY=$VPY
 else
-  REPORT_PY=$PY
+  REPORT_PY=$JPY
 fi
-"$REPORT_PY" gpu/checks.py report --work "$WORK" --out "$OUT" --order $(for s in $STEPS; do echo "${s%%:*}"; done)
+ORDER=$(for s in $STEPS; do echo "${s%%:*}"; done)
+if [ -n "$REPORT_PY" ]; then
+  # shellcheck disable=SC2086  # ORDER: one word a step
+  "$REPORT_PY" gpu/checks.py report --work "$WORK" --out "$OUT" --order $ORDER
+else  # no python at all: the setup's failure alone, by hand
+  printf '{"device": "%s", "checks": {"setup": {"status": "failed", "error": %s}}}\n' \
+    "$POLYRL_TEST_DEVICE" "$(jstr "$(cat "$WORK/steps/setup.why" 2>/dev/null)")" \
+    > "$OUT/gpu_checks.json"
+  echo "setup failed: $(cat "$WORK/steps/setup.why" 2>/dev/null)"
+  exit 1
+fi

@@ -247,6 +247,60 @@ IMAGE_PACKAGES = [
 ]
 
 
+@pytest.mark.parametrize("image", ["gpu/images/absent.txt", "gpu/images"])
+def test_make_kit_names_an_image_list_it_cannot_read(image):
+    ran = subprocess.run(
+        ["gpu/make_kit.sh", "--image", image], cwd=ROOT, capture_output=True, text=True
+    )
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+    what = "is a directory" if image == "gpu/images" else "does not exist"
+    assert f"--image {image} {what}" in ran.stderr and "gpu/images/h200.txt" in ran.stderr
+
+
+def _python_without_torch() -> str:
+    """A python with no torch (the machine's python3, or a bare venv over it)."""
+    plain = shutil.which("python3")
+    found = subprocess.run([plain, "-c", "import torch"], capture_output=True).returncode
+    return plain if found != 0 else ""
+
+
+@pytest.mark.parametrize("case", ["no-python", "no-torch", "no-wheels", "no-kit"])
+def test_the_runner_names_what_setup_lacks_and_still_writes_its_json(tmp_path, case):
+    """gpu/run.sh with a broken setup: the setup step fails with the missing piece as its
+    error in gpu_checks.json (every other step 'not run'), and the run exits 1."""
+    python = {
+        "no-python": "/nonexistent/python3",
+        "no-torch": _python_without_torch(),
+        "no-wheels": sys.executable,
+        "no-kit": sys.executable,
+    }[case]
+    if not python:
+        pytest.skip("the machine's python3 has torch")
+    kit_dir = tmp_path / "kit"
+    if case == "no-wheels":
+        (kit_dir / "wheels").mkdir(parents=True)
+    env = dict(
+        os.environ,
+        PYTHON=python,
+        POLYRL_TEST_DEVICE="cpu",
+        OUT=str(tmp_path / "out"),
+        POLYRL_KIT_DIR=str(kit_dir),
+        POLYRL_GPU_WORK=str(tmp_path / "work"),
+    )
+    ran = subprocess.run(["gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert ran.returncode == 1, ran.stdout[-2000:]
+    checks = json.loads((tmp_path / "out" / "gpu_checks.json").read_text())["checks"]
+    want = {
+        "no-python": f"PYTHON={python} does not run",
+        "no-torch": f"{python} has no torch",
+        "no-wheels": f"{kit_dir}/wheels holds no wheels",
+        "no-kit": f"no kit at {kit_dir}",
+    }[case]
+    assert checks["setup"]["status"] == "failed" and want in checks["setup"]["error"]
+    assert {c["status"] for k, c in checks.items() if k != "setup"} == {"not run"}
+    assert "command not found" not in ran.stdout and "Invalid wheel" not in ran.stdout
+
+
 def _image_python() -> Path:
     """A Python 3.12 venv holding only what the issue's GPU image holds (made once)."""
     given = os.environ.get("POLYRL_KIT_IMAGE_PYTHON")
