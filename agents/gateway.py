@@ -48,6 +48,7 @@ from typing import Annotated, Any
 from tensordict import TensorDict
 
 from polyrl.agents.agent_loop import AgentLoop
+from polyrl.agents.agent_process import AgentExited, finish
 from polyrl.agents.gateway_limits import Limits
 from polyrl.agents.gateway_prompts import context_length
 from polyrl.agents.gateway_server import EpisodeState, GatewayServer
@@ -118,6 +119,8 @@ class Endpoint:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, AgentExited):  # a command agent's end: its own words say it all
+        return str(exc)
     tb = traceback.extract_tb(exc.__traceback__)
     loc = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
     return f"the agent raised {type(exc).__name__}: {exc}{loc}"
@@ -508,15 +511,7 @@ class Gateway:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        try:
-            out, err = await proc.communicate()
-        except asyncio.CancelledError:
-            proc.kill()
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip()[-500:]
-            raise RuntimeError(f"{self.command[0]} exited with status {proc.returncode}: {tail}")
+        out = await finish(proc, self.command[0])  # AgentExited names a status or signal
         lines = out.decode(errors="replace").strip().splitlines()
         if not lines:
             return None
