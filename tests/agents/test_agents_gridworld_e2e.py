@@ -20,6 +20,7 @@ from tests.helpers.examples import example_for_spawned_workers
 STEPS = 10
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_gigpo_beats_episode_grpo_on_the_grid_world(grid_model_dir, tmp_path):
     with example_for_spawned_workers("gridworld_compare") as compare:

@@ -61,6 +61,7 @@ def check_demo2(results: list[dict], gain: float, answerer: float, planner: floa
     assert mean["warm_planner"] <= mean["trained"] - planner
 
 
+@pytest.mark.learning
 @pytest.mark.seeds  # out of CI: minutes of training (README)
 def test_demo2_two_models_in_one_program_both_train(demos, tmp_path):
     result = demos.demo2(tmp_path, seed=0)
@@ -69,6 +70,7 @@ def test_demo2_two_models_in_one_program_both_train(demos, tmp_path):
     check_demo2([result], gain=0.6, answerer=0.3, planner=0.6)
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_demo2_three_seeds(demos, tmp_path):
     results = demos.seeds(2, tmp_path)

@@ -45,6 +45,7 @@ def check_demo1_transcripts(run_dir: str) -> None:
         assert turns[1]["stitched"] is True and turns[1]["response"] == turns[0]["answer"]
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_demo1_an_openai_agent_learns_to_use_its_calculator(demos, tmp_path):
     result = demos.demo1(tmp_path, seed=0)
@@ -54,6 +55,7 @@ def test_demo1_an_openai_agent_learns_to_use_its_calculator(demos, tmp_path):
     check_demo1_transcripts(result["run_dir"])
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_demo1_three_seeds(demos, tmp_path):
     results = demos.seeds(1, tmp_path)

@@ -39,6 +39,7 @@ def overrides(out: Path, api: str, seed: int) -> list[str]:
     ]
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.parametrize("api", sorted(AGENTS))
 def test_an_agent_on_another_api_learns_to_use_its_calculator(api, demos, tmp_path):
@@ -48,6 +49,7 @@ def test_an_agent_on_another_api_learns_to_use_its_calculator(api, demos, tmp_pa
     assert end >= start + 0.15
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.parametrize("api", sorted(AGENTS))
 def test_an_agent_on_another_api_three_seeds(api, demos, tmp_path):

@@ -10,6 +10,7 @@ from polyrl.core.recipe import Config
 from tests.helpers.runs import ARITHMETIC_RECIPE, accuracy_after_sft_and_grpo
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # ~4 min on 2 idle cores; a loaded machine can be 5x slower
 def test_grpo_beats_sft_on_held_out_arithmetic(tiny_model_dir, tmp_path):

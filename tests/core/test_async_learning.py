@@ -39,6 +39,7 @@ def _gain(tiny_model_dir, tmp_path, seed: int, k: int, engine: str = "hf") -> tu
     return after_sft, after_grpo
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_grpo_with_one_step_stale_rollouts_beats_sft(tiny_model_dir, tmp_path):
@@ -46,6 +47,7 @@ def test_grpo_with_one_step_stale_rollouts_beats_sft(tiny_model_dir, tmp_path):
     assert after_grpo - after_sft >= 0.1
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])

@@ -214,6 +214,7 @@ def _check_mismatch_metrics(runs: dict) -> None:
             assert sum(r[f"main/mismatch/{frac}"] for r in run["steps"]) > 0, name
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_correction_recovers_learning_under_a_perturbed_engine(tiny_model_dir, tmp_path):
@@ -228,6 +229,7 @@ def test_correction_recovers_learning_under_a_perturbed_engine(tiny_model_dir, t
         assert runs[name]["late"] >= off + 0.05, (name, runs[name]["late"], off)
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(7200)
 def test_correction_recovers_learning_three_seeds(tiny_model_dir, tmp_path):

@@ -342,6 +342,7 @@ MOE_DEMO = {  # the dense demo's widths; 4 experts of half its MLP width, 2 per 
 }
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # minutes on 2 idle cores; a loaded machine can be 5x slower
 def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path, one_thread):

@@ -156,6 +156,7 @@ def _check(runs: dict) -> None:
     assert on["gap"] < 0.25 * off["gap"], (on["gap"], off["gap"])
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_replay_closes_the_gap_and_learns(moe_dir, tmp_path):
@@ -167,6 +168,7 @@ def test_replay_closes_the_gap_and_learns(moe_dir, tmp_path):
     assert runs["replay on"]["late"] >= runs["replay off"]["late"] - 0.05
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(7200)
 def test_replay_three_seeds(moe_dir, tmp_path):

@@ -38,6 +38,7 @@ def _train(model: str, run_dir: Path, seed: int, *overrides: str, recipe: Path =
     return run_recipe(recipe, model, run_dir, seed, *overrides)
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
     procs = {}
@@ -58,6 +59,7 @@ def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
         assert (run / "grid_before.png").is_file() and (run / "grid_after.png").is_file()
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_flow_grpo_conventions_with_its_published_kl_and_clip_learn(demo_model, tmp_path):
     """The colour recipe with Flow-GRPO's KL form (kl_form: flow_grpo) and its published
@@ -102,6 +104,7 @@ def _run_seeds(model: str, root: Path, recipe: Path, seeds) -> dict[int, list[fl
     return {s: _training_rewards(root / f"seed{s}") for s in seeds}
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_nft_learns_the_prompt_colour(demo_model, tmp_path):
     """DiffusionNFT (ODE data collection, forward-process loss): the colour reward rises
@@ -116,6 +119,7 @@ def test_nft_learns_the_prompt_colour(demo_model, tmp_path):
     assert (tmp_path / "seed0" / "grid_after.png").is_file()
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_nft_and_grpo_images_to_reach_0_9(demo_model, tmp_path):
     """Three seeds of each recipe: NFT ends at >= 0.9; the sampled images each needs to reach

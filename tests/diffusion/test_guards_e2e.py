@@ -72,6 +72,7 @@ def _check(guard: dict, off: dict, label: str) -> None:
     assert end_guard > 2 * end_off, (end_guard, end_off)
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 114 s at a load average of ~9 on 2 cores; more when busier
 def test_jpeg_reward_collapses_diversity_and_the_guard_reacts(demo_model, tmp_path):
@@ -80,6 +81,7 @@ def test_jpeg_reward_collapses_diversity_and_the_guard_reacts(demo_model, tmp_pa
     _check(guard, off, f"seed 0, 15 steps ({time.perf_counter() - t0:.0f}s)")
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(3600)
 def test_reward_hacking_and_the_guard_three_seeds(demo_model, tmp_path):
@@ -88,6 +90,7 @@ def test_reward_hacking_and_the_guard_three_seeds(demo_model, tmp_path):
         _check(guard, off, f"seed {seed}, 30 steps")
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(3600)
 def test_grpo_guard_learns_the_colour_three_seeds(demo_model, tmp_path):

@@ -299,11 +299,13 @@ def _check_learns(model: str, root: Path, seeds) -> None:
         check_colour_learns(root / f"seed{seed}", seed)
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_grpo_learns_the_prompt_colour_one_seed(demo_qwen, tmp_path):
     _check_learns(demo_qwen, tmp_path, (0,))
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_grpo_learns_the_prompt_colour_three_seeds(demo_qwen, tmp_path):
     _check_learns(demo_qwen, tmp_path, (0, 1, 2))

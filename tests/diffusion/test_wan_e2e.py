@@ -50,6 +50,7 @@ def _check(run: Path, seed: int) -> None:
         assert (run / name).is_file(), name
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_tiny_wan_learns_red_then_blue(wan_model, tmp_path):
     t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -60,6 +61,7 @@ def test_tiny_wan_learns_red_then_blue(wan_model, tmp_path):
     _check(tmp_path / "run", 0)
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_tiny_wan_learns_red_then_blue_three_seeds(wan_model, tmp_path):
     wait({s: _train(wan_model, tmp_path / f"seed{s}", s) for s in (0, 1, 2)}, timeout=1800)

@@ -85,6 +85,7 @@ def _curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 @pytest.mark.timeout(5400)
 def test_looker_and_solver_learn_and_the_untrained_looker_is_back_at_chance(

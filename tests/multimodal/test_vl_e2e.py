@@ -86,6 +86,7 @@ def e2e_runs(tiny_vl_dir, tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_tiny_vlm_learns_the_colour_question(e2e_runs):
     for seed in SEEDS:
@@ -116,6 +117,7 @@ def test_tiny_vlm_learns_the_colour_question(e2e_runs):
         assert (e2e_runs[0] / name).is_file(), name
 
 
+@pytest.mark.learning
 @pytest.mark.slow
 def test_tiny_vlm_grounding_iou_rises(e2e_runs):
     """GRPO raises the held-out mean IoU (3 seeds, mean) and every seed ends above the best

@@ -59,6 +59,7 @@ def demo(seed: int, root: Path) -> dict[str, float]:
     return result
 
 
+@pytest.mark.learning
 @pytest.mark.seeds
 def test_demo_a_the_tool_adds_20_points_over_3_seeds(tmp_path):
     results = [demo(seed, tmp_path) for seed in SEEDS]
