@@ -503,6 +503,13 @@ def verify_checkpoint(cfg: Any, run_dir: Path) -> SavedPosition:
             )
 
     need("trainer", "every checkpoint holds trainer.pt (step, data position, RNG)")
+    theirs = sorted(n.removeprefix("policy_") for n in parts if n.startswith("policy_"))
+    if theirs and not set(theirs) & set(cfg.policies):  # not a deleted part: another recipe
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds policies {theirs}, the recipe names {sorted(cfg.policies)}: "
+            f"the run was made with another recipe; give the run's own ("
+            f"{Path(run_dir).expanduser() / 'config.yaml'}) to resume, evaluate or export it"
+        )
     for name in cfg.policies:
         need(f"policy_{name}", f"the recipe has policy {name!r}")
     if cfg.rollout.max_staleness:

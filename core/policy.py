@@ -438,9 +438,11 @@ def load_weights(
     """Load :func:`trainable_weights` back; a mismatch names the policy and the keys."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or (not lora and missing):
-        raise RuntimeError(
-            f"policy {name!r}: checkpoint does not match the model "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        raise ConfigError(  # the recipe's model is not the run's: a user error, not a crash
+            f"policy {name!r}: checkpoint does not match the model of policies.{name}.model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}): it was written for another "
+            "model; give the recipe the run was made with (its config.yaml), or start a "
+            "fresh run (another run.dir). The checkpoint is unchanged"
         )
 
 

@@ -119,3 +119,58 @@ def test_export_of_a_run_without_checkpoint_says_what_to_give_it(recipe, capsys,
     )
     assert "polyrl export: error:" in err and "--resume" not in err
     assert [p.name for p in run.iterdir()] == ["config.yaml"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A run directory with one complete checkpoint of policy 'main', a tiny Qwen3-MoE as
+    wide as the tiny dense model (conftest's tiny_model_dir), and its recipe."""
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.session import Session
+    from polyrl.core.tiny import tiny_qwen3_moe
+
+    root = tmp_path_factory.mktemp("moe-run")
+    model = tiny_qwen3_moe(root / "moe", corpus="arithmetic", hidden_size=128, num_heads=2)
+    body = {
+        "run": {"dir": str(root / "run"), "progress": False, "tensorboard": False},
+        "task": {"name": "arithmetic", "args": {"n_train": 40, "n_eval": 4}},
+        "policies": {"main": {"model": str(model)}},
+        "rollout": {"n": 2, "prompts_per_step": 2, "max_new_tokens": 4},
+        "train": {"steps": 2},
+    }
+    recipe = root / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(body))
+    s = Session.open(load(Config, recipe))
+    s.save(1)
+    s.run.close()
+    s.backend.shutdown()
+    return body, root / "run"
+
+
+def _files(run: Path) -> dict[str, int]:
+    return {str(p.relative_to(run)): p.stat().st_size for p in run.rglob("*") if p.is_file()}
+
+
+def test_export_with_another_recipe_names_the_runs_own(moe_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    body, run = moe_run
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(body | {"policies": {"actor": body["policies"]["main"]}}))
+    before = _files(run)
+    err = refused(
+        capsys,
+        ["export", str(other), str(run)],
+        "holds policies ['main'], the recipe names ['actor']",
+        f"{run / 'config.yaml'}",
+    )
+    assert "resume from a copy" not in err and _files(run) == before
+
+
+def test_a_moe_checkpoint_into_a_dense_model_is_refused(moe_run, tiny_model_dir, tmp_path, capsys):
+    body, run = moe_run
+    dense = tmp_path / "dense.yaml"
+    dense.write_text(yaml.safe_dump(body | {"policies": {"main": {"model": tiny_model_dir}}}))
+    before = _files(run)
+    refused(capsys, ["export", str(dense), str(run)], "policy 'main'", "another model")
+    assert _files(run) == before and not (run / "export").exists()
