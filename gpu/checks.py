@@ -290,6 +290,9 @@ def step_arithmetic(work: Path, args) -> int:
         "median_grpo_step_s": statistics.median(steps) if steps else None,
         "run_s": seconds,
     }
+    for key in ("perf/gen_tokens_per_s", "perf/train_tokens_per_s", "perf/mfu"):
+        got = [r[key] for r in rows if r.get(key) is not None]  # the run's own figures
+        figures["median_" + key.split("/")[1]] = statistics.median(got) if got else None
     _write(work, "arithmetic", figures)
     print(json.dumps(figures, indent=2))
     return OK if len(evals) >= 2 else FAILED

@@ -353,6 +353,8 @@ def test_the_kit_builds_and_its_runner_passes_on_the_cpu(tmp_path):
     assert c["bench_20m"]["figures"]["polyrl_hf"]["median_s"] > 0
     assert c["bench_20m"]["figures"]["trl"]["median_s"] > 0
     assert 0 <= c["arithmetic"]["figures"]["accuracy_after_grpo"] <= 1
+    a = c["arithmetic"]["figures"]  # the run's own tokens/s and MFU (perf/* metrics)
+    assert a["median_gen_tokens_per_s"] > 0 and 0 < a["median_mfu"] < 1
     m = c["multi_lora"]["figures"]  # CPU mode: 3 agents, then 2 while the limit allows
     assert all(r["rc"] == 0 for r in m["runs"].values() if "rc" in r), m["runs"]
     for plan, rows in (("debate_batch", 3 * 2 * 2), ("default", 3 * 1 * 2)):  # prompts x n
