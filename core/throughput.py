@@ -94,8 +94,9 @@ def model_flops(config: Any) -> ModelFlops | None:
 @functools.cache
 def measured_cpu_peak(size: int = 512, repeats: int = 5) -> float:
     """FLOP/s of the best of a few float32 ``size``-square matrix products on this CPU
-    (measured once per process)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    (measured once per process). Constant operands: drawing them would move the run's
+    random stream, and a resumed run measures at another point than the run it continues."""
+    a, b = torch.full((size, size), 0.5), torch.full((size, size), 0.25)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
