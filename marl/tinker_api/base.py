@@ -100,6 +100,7 @@ class BaseModel:
         self.model.eval()
         self.peft: Any = None
         self.engines: dict[str, HFEngine] = {}
+        self._engines_made = 0
         self.seed = seed
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.vocab = self.model.get_input_embeddings().num_embeddings
@@ -220,8 +221,10 @@ class BaseModel:
         return {"grad_norm:mean": float(norm)}
 
     def engine(self, adapter: str) -> HFEngine:
-        if adapter not in self.engines:
-            self.engines[adapter] = HFEngine(_AdapterView(self, adapter), seed=self.seed)
+        if adapter not in self.engines:  # each sampler its own stream (seed, sampler number)
+            seed = self.seed * 1_000_003 + self._engines_made
+            self._engines_made += 1
+            self.engines[adapter] = HFEngine(_AdapterView(self, adapter), seed=seed)
         return self.engines[adapter]
 
     @torch.no_grad()
