@@ -347,8 +347,12 @@ MOE_DEMO = {  # the dense demo's widths; 4 experts of half its MLP width, 2 per 
 @pytest.mark.timeout(3600)  # minutes on 2 idle cores; a loaded machine can be 5x slower
 def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path, one_thread):
     """The README demo (SFT warm start, then GRPO on arithmetic) on the tiny Qwen3-MoE with
-    routing replay on: held-out accuracy after 60 GRPO steps beats the warm start's by 0.1
-    (seed 0 measured 0.520 -> 0.745); the router metrics are reported every step."""
+    routing replay on: held-out accuracy after 60 GRPO steps beats the warm start's; the
+    router metrics are reported every step.
+
+    Seed 0 under each kernel set (ATEN_CPU_CAPABILITY): avx2 0.520 -> 0.745, default
+    0.595 -> 0.690, avx512 (an AMD EPYC) 0.535 -> 0.635. The bar, a gain of 0.05, is half
+    the lowest gain (0.095); the warm start itself ends apart by kernel set."""
     import yaml
 
     from polyrl.core.config import load
@@ -376,7 +380,7 @@ def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path, one
     evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     steps = [r for r in rows if "reward/mean" in r]
     print(f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in evals)}")
-    assert evals[-1] >= evals[0] + 0.1, evals
+    assert evals[-1] >= evals[0] + 0.05, evals
     assert all(r["main/moe/route_mismatch"] == 0.0 for r in steps)  # the HF engine: exact
     assert all(r["main/mismatch/logp_abs_max"] < 1e-4 for r in steps)
     assert all(1.0 <= r["main/moe/load_max/l0"] <= E / K for r in steps)

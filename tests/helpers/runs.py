@@ -21,13 +21,19 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
     """Step -> every metric logged at that step (later lines win, as after a resume), without
-    the wall-clock ones (``time``, ``time/*``), which differ between equal runs."""
+    the wall-clock ones, which differ between equal runs: ``time``, ``time/*`` and the
+    rates of ``perf/*`` (tokens/s, TFLOP/s, MFU; the token counts stay)."""
     out: dict[int, dict] = {}
     for row in metrics(run_dir):
         step = row.pop("step")
         row.pop("time")
-        out.setdefault(step, {}).update({k: v for k, v in row.items() if not k.startswith("time/")})
+        out.setdefault(step, {}).update({k: v for k, v in row.items() if not wall_clock(k)})
     return out
+
+
+def wall_clock(key: str) -> bool:
+    """A metric measured in wall-clock time (it differs between equal runs)."""
+    return key.startswith("time/") or (key.startswith("perf/") and not key.endswith("_tokens"))
 
 
 def accuracy_after_sft_and_grpo(run_dir) -> tuple[float, float]:
