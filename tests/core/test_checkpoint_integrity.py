@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from polyrl.core.cli import main
+from tests.helpers.checkpoints import copy_run, refused, saved_run
 from tests.helpers.faults import sized_state as _state
 from tests.helpers.faults import zero_block, zero_block_in_tensor
 from tests.helpers.runs import spawn_train
@@ -41,44 +40,7 @@ RECIPE = {
 def saved(tiny_model_dir, tmp_path_factory):
     """A run with two complete checkpoints (after one update, after two), and a copy whose
     step 2 holds its policy sharded (DCP), with the manifest of those files."""
-    from polyrl.core.checkpoint import save_policy
-    from polyrl.core.checksums import write_manifest
-    from polyrl.core.config import load
-    from polyrl.core.recipe import Config
-    from polyrl.core.session import Session
-
-    root = tmp_path_factory.mktemp("integrity")
-    recipe = root / "recipe.yaml"
-    body = RECIPE | {"policies": {"main": {"model": tiny_model_dir, "micro_batch_size": 64}}}
-    recipe.write_text(yaml.safe_dump(body))
-    cfg = load(Config, recipe, [f"run.dir={root}/run"])
-    s = Session.open(cfg)
-    s.save(1)
-    s.save(2)
-    sharded = root / "sharded"
-    shutil.copytree(root / "run", sharded)
-    step = sharded / "checkpoints" / "step_000002"
-    (step / "policy_main.pt").unlink()
-    save_policy(s.policies["main"], step / "policy_main", lora=False)
-    write_manifest(step)
-    s.run.close()
-    s.backend.shutdown()
-    return recipe, root / "run", sharded
-
-
-def _copy(src: Path, tmp_path: Path) -> tuple[Path, Path]:
-    run = tmp_path / "run"
-    shutil.copytree(src, run)
-    return run, run / "checkpoints" / "step_000002"
-
-
-def _refused(capsys, argv: list[str], *needles: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
+    return saved_run(tmp_path_factory.mktemp("integrity"), RECIPE, tiny_model_dir)
 
 
 def _verify(recipe: Path, run: Path):
@@ -113,7 +75,7 @@ def test_a_zeroed_block_in_a_tensor_is_refused_with_the_previous_checkpoint(
     from polyrl.core.checksums import MANIFEST
 
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     before = torch.load(step / "policy_main.pt", weights_only=False)["weights"]
     size = (step / "policy_main.pt").stat().st_size
     zero_block_in_tensor(step / "policy_main.pt")
@@ -128,12 +90,12 @@ def test_a_zeroed_block_in_a_tensor_is_refused_with_the_previous_checkpoint(
         f"--resume {run}",
     )
     msg = f"checkpoint {step}: policy_main.pt does not match its SHA-256 in {MANIFEST}"
-    _refused(capsys, ["train", str(recipe), "--resume", str(run)], msg, *hint)
-    _refused(capsys, ["eval", str(recipe), "--run-dir", str(run)], msg)
-    _refused(capsys, ["export", str(recipe), str(run)], msg)
+    refused(capsys, ["train", str(recipe), "--resume", str(run)], msg, *hint)
+    refused(capsys, ["eval", str(recipe), "--run-dir", str(run)], msg)
+    refused(capsys, ["export", str(recipe), str(run)], msg)
     assert not (run / "export").exists()
     # without the manifest the same file passes every structural check (the old behaviour)
-    legacy, legacy_step = _copy(run, tmp_path / "legacy")
+    legacy, legacy_step = copy_run(run, tmp_path / "legacy")
     for m in legacy.glob(f"checkpoints/*/{MANIFEST}"):
         m.unlink()
     assert _verify(recipe, legacy).checkpoint == legacy_step
@@ -144,10 +106,10 @@ def test_a_zeroed_block_in_a_tensor_is_refused_with_the_previous_checkpoint(
 
 def test_a_zeroed_block_in_a_shard_names_the_shard(saved, tmp_path, capsys):
     recipe, _, sharded = saved
-    run, step = _copy(sharded, tmp_path)
+    run, step = copy_run(sharded, tmp_path)
     shard = step / "policy_main" / "__0_0.distcp"
     zero_block(shard, shard.stat().st_size // 2)
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         f"checkpoint {step}: policy_main/__0_0.distcp does not match its SHA-256",
@@ -157,10 +119,10 @@ def test_a_zeroed_block_in_a_shard_names_the_shard(saved, tmp_path, capsys):
 
 def test_a_damaged_previous_checkpoint_is_not_offered(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     zero_block_in_tensor(step / "policy_main.pt")
     zero_block_in_tensor(run / "checkpoints" / "step_000001" / "policy_main.pt")
-    err = _refused(
+    err = refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         "policy_main.pt does not match its SHA-256",
@@ -171,9 +133,9 @@ def test_a_damaged_previous_checkpoint_is_not_offered(saved, tmp_path, capsys):
 
 def test_a_file_added_after_the_checkpoint_is_named(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     torch.save({"w": torch.zeros(2)}, step / "extra.pt")
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         "extra.pt is not in MANIFEST.json",
@@ -185,7 +147,7 @@ def test_a_checkpoint_without_a_manifest_still_resumes(saved, tmp_path, capsys):
 
     recipe, src, sharded = saved
     for origin in (src, sharded):
-        run, step = _copy(origin, tmp_path / origin.name)
+        run, step = copy_run(origin, tmp_path / origin.name)
         (step / MANIFEST).unlink()
         assert _verify(recipe, run).checkpoint == step
         err = capsys.readouterr().err

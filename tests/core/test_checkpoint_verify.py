@@ -4,13 +4,9 @@ resumes or evaluates a run; local (``.pt``) and sharded (DCP) policy parts alike
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-import yaml
 
-from polyrl.core.cli import main
+from tests.helpers.checkpoints import copy_run, refused, saved_run
 
 PER_STEP = 8  # rollout.prompts_per_step
 BATCHES = 10  # prompts drawn before the checkpoint: its data position is row 80
@@ -32,46 +28,7 @@ RECIPE = {
 def saved(tiny_model_dir, tmp_path_factory):
     """A run with two complete checkpoints (steps 1 and 2), and a copy of step 2 whose
     policy part is sharded (DCP) as Ray writes it."""
-    from polyrl.core.checkpoint import save_policy
-    from polyrl.core.checksums import write_manifest
-    from polyrl.core.config import load
-    from polyrl.core.recipe import Config
-    from polyrl.core.session import Session
-
-    root = tmp_path_factory.mktemp("verify")
-    recipe = root / "recipe.yaml"
-    body = RECIPE | {"policies": {"main": {"model": tiny_model_dir, "micro_batch_size": 64}}}
-    recipe.write_text(yaml.safe_dump(body))
-    cfg = load(Config, recipe, [f"run.dir={root}/run"])
-    s = Session.open(cfg)
-    s.save(1)
-    for _ in range(BATCHES):
-        s.sampler.next_batch()
-    s.save(2)
-    sharded = root / "sharded"
-    shutil.copytree(root / "run", sharded)
-    step = sharded / "checkpoints" / "step_000002"
-    (step / "policy_main.pt").unlink()
-    save_policy(s.policies["main"], step / "policy_main", lora=False)
-    write_manifest(step)  # the checksums of the files as Ray writes them
-    s.run.close()
-    s.backend.shutdown()
-    return recipe, root / "run", sharded
-
-
-def _copy(src: Path, tmp_path: Path) -> tuple[Path, Path]:
-    run = tmp_path / "run"
-    shutil.copytree(src, run)
-    return run, run / "checkpoints" / "step_000002"
-
-
-def _refused(capsys, argv: list[str], *needles: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
+    return saved_run(tmp_path_factory.mktemp("verify"), RECIPE, tiny_model_dir, batches=BATCHES)
 
 
 def test_an_intact_checkpoint_passes_with_its_data_position(saved, tmp_path):
@@ -89,10 +46,10 @@ def test_an_intact_checkpoint_passes_with_its_data_position(saved, tmp_path):
 
 def test_a_truncated_policy_file_names_it_and_the_older_checkpoint(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     data = (step / "policy_main.pt").read_bytes()
     (step / "policy_main.pt").write_bytes(data[: len(data) // 2])
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         f"checkpoint {step}: policy_main.pt ({len(data) // 2} bytes)",
@@ -103,18 +60,18 @@ def test_a_truncated_policy_file_names_it_and_the_older_checkpoint(saved, tmp_pa
 
 def test_an_empty_trainer_state_is_refused_in_eval_too(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     (step / "trainer.pt").write_bytes(b"")
     msg = "trainer.pt is empty (0 bytes)"
-    _refused(capsys, ["train", str(recipe), "--resume", str(run)], msg)
-    _refused(capsys, ["eval", str(recipe), "--run-dir", str(run)], msg)
+    refused(capsys, ["train", str(recipe), "--resume", str(run)], msg)
+    refused(capsys, ["eval", str(recipe), "--run-dir", str(run)], msg)
 
 
 def test_a_deleted_part_with_complete_kept_is_named(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
+    run, step = copy_run(src, tmp_path)
     (step / "policy_main.pt").unlink()
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         "the recipe has policy 'main', but it has no policy_main",
@@ -122,11 +79,11 @@ def test_a_deleted_part_with_complete_kept_is_named(saved, tmp_path, capsys):
     )
 
 
-def test_lora_over_a_full_fine_tune_is_refused(saved, tmp_path, capsys):
+def test_lora_over_a_full_fine_tune_isrefused(saved, tmp_path, capsys):
     recipe, src, sharded = saved
     for origin in (src, sharded):
-        run, _ = _copy(origin, tmp_path / origin.name)
-        _refused(
+        run, _ = copy_run(origin, tmp_path / origin.name)
+        refused(
             capsys,
             ["train", str(recipe), "policies.main.lora.r=4", "--resume", str(run)],
             "policy 'main' is a full fine-tune",
@@ -156,8 +113,8 @@ def wider_model(tmp_path_factory):
 def test_another_hidden_size_names_the_tensor_and_both_shapes(saved, wider_model, tmp_path, capsys):
     recipe, src, sharded = saved
     for origin in (src, sharded):
-        run, _ = _copy(origin, tmp_path / origin.name)
-        err = _refused(
+        run, _ = copy_run(origin, tmp_path / origin.name)
+        err = refused(
             capsys,
             ["train", str(recipe), f"policies.main.model={wider_model}", "--resume", str(run)],
             f"the model in {wider_model} (policies.main.model)",
@@ -169,8 +126,8 @@ def test_another_hidden_size_names_the_tensor_and_both_shapes(saved, wider_model
 
 def test_a_dataset_that_shrank_below_the_saved_position(saved, tmp_path, capsys):
     recipe, src, _ = saved
-    run, step = _copy(src, tmp_path)
-    _refused(
+    run, step = copy_run(src, tmp_path)
+    refused(
         capsys,
         ["eval", str(recipe), "task.args.n_train=50", "--run-dir", str(run)],
         f"checkpoint {step}: its data position is row {BATCHES * PER_STEP}",
@@ -180,18 +137,18 @@ def test_a_dataset_that_shrank_below_the_saved_position(saved, tmp_path, capsys)
 
 def test_a_sharded_part_missing_or_truncated_shard(saved, tmp_path, capsys):
     recipe, _, sharded = saved
-    run, step = _copy(sharded, tmp_path / "gone")
+    run, step = copy_run(sharded, tmp_path / "gone")
     (step / "policy_main" / "__0_0.distcp").unlink()
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         "sharded part policy_main/__0_0.distcp is missing (.metadata names it)",
     )
-    run, step = _copy(sharded, tmp_path / "cut")
+    run, step = copy_run(sharded, tmp_path / "cut")
     shard = step / "policy_main" / "__0_0.distcp"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    _refused(
+    refused(
         capsys,
         ["train", str(recipe), "--resume", str(run)],
         f"policy_main/__0_0.distcp is {len(data) // 2} bytes",
