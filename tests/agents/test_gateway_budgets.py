@@ -19,7 +19,7 @@ import pytest
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.helpers.gateway import SpyEngine, by_episode, rows
+from tests.helpers.gateway import by_episode, rows, spied_models
 
 RESULTS: dict = {}
 HERE = "tests.agents.test_gateway_budgets"
@@ -28,13 +28,7 @@ MB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-
-    policy = CausalLMPolicy(
-        "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
-    )
-    return {"main": policy}, {"main": SpyEngine(HFEngine(policy, seed=0))}
+    return spied_models(grid_model_dir, names=("main",))
 
 
 @pytest.fixture

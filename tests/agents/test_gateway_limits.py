@@ -14,7 +14,7 @@ import pytest
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
-from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows
+from tests.helpers.gateway import by_episode, first, ids, rows, spied_models
 
 RESULTS: dict = {}
 DONE = itertools.count()  # the order in which the crowd's requests came back
@@ -26,13 +26,7 @@ CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-
-    policy = CausalLMPolicy(
-        "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
-    )
-    return {"main": policy}, {"main": SpyEngine(HFEngine(policy, seed=0))}
+    return spied_models(grid_model_dir, names=("main",))
 
 
 @pytest.fixture

@@ -82,14 +82,14 @@ def gateway_recipe(tmp_path, agent: str) -> str:
     return str(path)
 
 
-def spied_models(model_dir: str, spy=SpyEngine):
-    """Two tiny policies ("main", "checker") on ``model_dir``, each with an HF engine
-    wrapped in ``spy`` (it keeps every prompt and completion it served)."""
+def spied_models(model_dir: str, spy=SpyEngine, names=("main", "checker")):
+    """Tiny policies (by default "main" and "checker") on ``model_dir``, each with an HF
+    engine wrapped in ``spy`` (it keeps every prompt and completion it served)."""
     from polyrl.core.engine import HFEngine
     from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 
     policies, engines = {}, {}
-    for seed, name in enumerate(("main", "checker")):
+    for seed, name in enumerate(names):
         policies[name] = CausalLMPolicy(
             name, PolicyConfig(model=model_dir), total_steps=1, need_reference=False
         )
