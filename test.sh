@@ -12,14 +12,14 @@ export TOKENIZERS_PARALLELISM=false
 # keeps one Ray cluster (tests/conftest.py marks every test that starts Ray).
 WORKERS=${POLYRL_TEST_WORKERS:-2}
 if [ "$WORKERS" -gt 0 ]; then
-  OMP_NUM_THREADS=1 .venv/bin/pytest -q --durations=12 -m "not gpu and not vllm and not ray and not seeds and not kit" \
+  OMP_NUM_THREADS=1 .venv/bin/pytest -q --durations=12 -m "not gpu and not vllm and not ray and not seeds and not kit and not alone" \
     -n "$WORKERS" --dist loadfile "$@"
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv/bin/pytest -q --durations=6 \
-    -m "ray and not gpu and not vllm and not seeds and not kit" "$@"
+    -m "ray and not gpu and not vllm and not seeds and not kit and not alone" "$@"
 else
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} .venv/bin/pytest -q --durations=12 \
-    -m "not gpu and not vllm and not seeds and not kit" "$@"
+    -m "not gpu and not vllm and not seeds and not kit and not alone" "$@"
 fi
 # vLLM runs in-process and changes global state (torch threads, gc, torch.distributed),
 # so its tests get their own pytest process.
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} exec .venv/bin/pytest -q -m "vllm and not gpu and not seeds and not kit" "$@"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} exec .venv/bin/pytest -q -m "vllm and not gpu and not seeds and not kit and not alone" "$@"

@@ -162,6 +162,7 @@ print("survived")
 """
 
 
+@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot
 def test_four_processes_of_300_mb_are_stopped_at_the_runs_budget():
     """``memory_mb=512`` bounds each process; four of them took 1.63 GB before."""
     r, host_peak = watched(
@@ -261,6 +262,7 @@ print("survived")
 """
 
 
+@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot
 def test_memory_files_count_against_the_runs_budget():
     r, host_peak = watched(Sandbox(limits(), audit=False), MEMFD)
     assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)

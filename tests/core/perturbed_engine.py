@@ -52,7 +52,7 @@ class _View:
 
     def __init__(self, policy: Any, perturb) -> None:
         self.policy, self.perturb, self.on = policy, perturb, False
-        self.tokenizer = policy.tokenizer
+        self.name, self.tokenizer = policy.name, policy.tokenizer
 
     @property
     def model(self) -> Any:

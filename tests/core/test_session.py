@@ -158,7 +158,11 @@ def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, e
     """A reward that raises or returns None/NaN: the run finishes, the rows are left out of
     the update (never scored 0), the errors are counted and their text is in the samples."""
     cfg = make_config(
-        f"reward.terms=[{term}]", "train.steps=2", "run.export=false", "task.args.n_eval=4"
+        f"reward.terms=[{term}]",
+        "train.steps=2",
+        "train.max_unscored_steps=2",  # both steps run even when neither scores a row
+        "run.export=false",
+        "task.args.n_eval=4",
     )
     if valid_frac == 0:  # no step had a valid row: the run fails (see test_failed_runs.py)
         with pytest.raises(RunFailedError):

@@ -20,8 +20,13 @@ def tinker_service(model_dir: str, tmp_path, **options: Any) -> Iterator[tuple[A
     cfg = TinkerServeConfig(
         models={"tiny": model_dir}, port=0, checkpoint_dir=str(tmp_path / "ckpt"), **options
     )
-    with start(cfg) as running:
-        yield tinker.ServiceClient(base_url=running.url, api_key=API_KEY), running
+    # the client closed before the service stops: its session heartbeat thread ends with it
+    # (left open, it logs a failed heartbeat every 10 s for the rest of the process)
+    with (
+        start(cfg) as running,
+        tinker.ServiceClient(base_url=running.url, api_key=API_KEY) as client,
+    ):
+        yield client, running
 
 
 def sft_datum(tokens: list[int], prompt_len: int) -> Any:

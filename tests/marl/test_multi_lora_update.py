@@ -10,6 +10,7 @@ import torch
 from polyrl.core.passes import response_logprobs
 from polyrl.core.record import concat, text_record
 from polyrl.marl.multi_lora import Router, _StackedTerms, adapter_rows
+from tests.helpers.runs import wall_clock
 
 NAMES = ("a0", "a1", "a2")
 
@@ -402,7 +403,7 @@ def test_team_run_logs_the_same_batched_and_one_by_one(marl_config, tmp_path, mo
     )
 
     def timing(key: str) -> bool:
-        return key.startswith("time/") or key.endswith("_s")
+        return wall_clock(key) or key.endswith("_s")
 
     logs = []
     for batch_update in ("true", "false"):
