@@ -119,7 +119,7 @@ def test_multi_turn_partial_rollouts_keep_the_staleness_bound(grid_model_dir, tm
             f"policies.main.model={grid_model_dir}",
             "policies.main.build=null",
             "policies.main.build_args=null",
-            "policies.main.engine.name=tests.core.crawling_engine:CrawlingEngine",
+            "policies.main.engine.name=tests.helpers.crawling_engine:CrawlingEngine",
             "rollout.args={env: gridworld, mode: step, history: 0, max_turns: 3,"
             " max_turn_tokens: 2}",
             "rollout.n=4",

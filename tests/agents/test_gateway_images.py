@@ -12,9 +12,7 @@ equal the engine's (1e-5, float32). Bad image parts get a 400 that says what to 
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,20 +20,10 @@ import torch
 
 from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from tests.helpers import vl_turns as REF
 
 RESULTS: dict = {}
 HERE = "tests.agents.test_gateway_images"
-
-
-def _sibling(path: Path):
-    """A test module by path (importlib mode makes no package of tests/)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REF = _sibling(Path(__file__).parents[1] / "multimodal" / "test_vl_turns.py")
 
 
 def data_url(img) -> str:
@@ -80,7 +68,7 @@ def look_twice_agent(row, endpoint):
 
 def bad_images_agent(row, endpoint):
     client = endpoint.openai()
-    big = REF._image(300, 300, 7)
+    big = REF.image(300, 300, 7)
     cases = {
         "http": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
         "base64": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}],
@@ -91,7 +79,7 @@ def bad_images_agent(row, endpoint):
             }
         ],
         "big": [image_part(big)],
-        "thin": [image_part(REF._image(3000, 10, 8))],  # the processor's aspect-ratio limit
+        "thin": [image_part(REF.image(3000, 10, 8))],  # the processor's aspect-ratio limit
         "many": [image_part(REF.IMAGE_1)] * 3,
         "audio": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
     }
@@ -198,8 +186,8 @@ def _check_look_twice(policy, items, engine) -> None:
         assert text == strings(rec, "response_text")[last]
         want = rec["rollout_logprobs"][last][: len(actions[-1])]
         assert torch.allclose(torch.tensor(logprobs), want, atol=1e-6)
-        ref_ids, types, ref = REF._processor_ids(policy.processor, actions)
-        assert REF._row_ids(rec, last) == ref_ids
+        ref_ids, types, ref = REF.processor_ids(policy.processor, actions)
+        assert REF.row_ids(rec, last) == ref_ids
         v = visions[last]
         assert torch.equal(v.image_grid_thw, ref["image_grid_thw"])
         assert torch.allclose(v.pixel_values, ref["pixel_values"])
@@ -207,7 +195,7 @@ def _check_look_twice(policy, items, engine) -> None:
         for start, g in zip(v.image_starts, v.image_grid_thw, strict=True):
             n = int(g.prod()) // 4
             assert types[start : start + n] == [1] * n and types[start - 1] == 0
-    REF._check_logprobs(policy, rec)
+    REF.check_logprobs(policy, rec)
 
 
 def test_bad_image_parts_are_told_and_the_episode_goes_on(vl_policy, items, grid_model_dir):

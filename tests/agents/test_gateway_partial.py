@@ -29,7 +29,7 @@ def test_gateway_partial_rollouts_keep_the_staleness_bound(tmp_path):
             f"task.dir={tmp_path}/data",
             "task.args={n_train: 32, n_eval: 4, lo: 10, hi: 49}",
             f"policies.main.model={tmp_path}/model",
-            "policies.main.engine.name=tests.core.crawling_engine:CrawlingEngine",
+            "policies.main.engine.name=tests.helpers.crawling_engine:CrawlingEngine",
             "sft.steps=20",
             "rollout.n=4",
             "rollout.prompts_per_step=4",

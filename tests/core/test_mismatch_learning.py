@@ -1,7 +1,7 @@
 """Rollout correction recovers learning when the engine does not sample from the trainer's
 policy (issue 18, "Mismatch").
 
-The engine is :mod:`tests/core/perturbed_engine.py`: the HF engine with the policy's top
+The engine is :mod:`tests/helpers/perturbed_engine.py`: the HF engine with the policy's top
 logit demoted by ``DEMOTE`` at every sampled step, so it samples away from the answer the
 policy would give, and records the log-probs of the distribution it really sampled from.
 Greedy evaluation is unperturbed: held-out accuracy measures the trained policy.
@@ -31,7 +31,7 @@ from polyrl.core.registry import ENGINES
 
 RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
 # by file path, as a recipe names a part of its own (tests/ is not an installed package)
-ENGINE = f"{Path(__file__).with_name('perturbed_engine.py')}:PerturbedEngine"
+ENGINE = f"{Path(__file__).parents[1] / 'helpers' / 'perturbed_engine.py'}:PerturbedEngine"
 DEMOTE = 3.0
 
 

@@ -1,6 +1,6 @@
 """Routing replay under an engine that routes differently from the trainer (issue 32).
 
-The engine is :mod:`tests/core/perturbed_engine.py` with ``route_noise``: the HF engine on
+The engine is :mod:`tests/helpers/perturbed_engine.py` with ``route_noise``: the HF engine on
 the tiny Qwen3-MoE, whose routers pick their top-k experts from noisy logits while sampling
 (greedy evaluation is unperturbed). Some tokens then go to other experts than the trainer's
 router would choose, so the trainer's log-probs drift from the engine's: the MoE failure
@@ -34,7 +34,7 @@ from tests.helpers.moe import replayed
 from tests.helpers.trainer import chat_ids
 
 RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
-ENGINE = f"{Path(__file__).with_name('perturbed_engine.py')}:PerturbedEngine"
+ENGINE = f"{Path(__file__).parents[1] / 'helpers' / 'perturbed_engine.py'}:PerturbedEngine"
 ROUTE_NOISE = 0.5
 K = 2  # the model's top-k
 # the demo's model: the dense demo's width (hidden 128, 2 heads) as 4 experts, top-2

@@ -13,7 +13,7 @@ from polyrl.core.record import concat, text_record, trim
 from polyrl.core.registry import ENGINES, WORKFLOWS
 from polyrl.core.rollouts import shadow
 from polyrl.core.workflow import SingleTurn
-from tests.core.crawling_engine import CrawlingEngine
+from tests.helpers.crawling_engine import CrawlingEngine
 from tests.helpers.partial import SWITCH, mixed_logprobs, moved, switching_refresh
 from tests.helpers.runs import metrics_by_step
 from tests.helpers.trainer import TEXTS, chat_ids

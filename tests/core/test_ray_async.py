@@ -92,7 +92,7 @@ def test_ray_partial_rollouts_take_newer_weights_mid_call(ray_cluster, make_conf
 
     from polyrl.core.loop import train
 
-    crawling = Path(__file__).with_name("crawling_engine.py")
+    crawling = Path(__file__).parents[1] / "helpers" / "crawling_engine.py"
     run = train(
         make_config(
             *ASYNC,

@@ -272,7 +272,7 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
 def test_two_node_group_trains_a_step(tiny_model_dir):
     """ray.cluster_utils.Cluster with two one-CPU nodes; STRICT_SPREAD puts one worker on
     each; one FSDP update over gloo across them succeeds."""
-    script = Path(__file__).with_name("ray_multinode.py")
+    script = Path(__file__).parents[1] / "helpers" / "ray_multinode.py"
     proc = subprocess.run(
         [sys.executable, str(script), tiny_model_dir], capture_output=True, text=True, timeout=300
     )

@@ -3,7 +3,7 @@ tiny Qwen3-MoE with ``moe.replay: rollout`` matches the single-process update: l
 gradient norm, the routing mismatch metric and the weights after it.
 
 The record comes from an engine that routes differently from the trainer
-(tests/core/perturbed_engine.py, ``route_noise``), so replay changes the update: the local
+(tests/helpers/perturbed_engine.py, ``route_noise``), so replay changes the update: the local
 update without replay is checked to differ, so the match is not that of two free routings.
 """
 
@@ -24,7 +24,7 @@ from polyrl.core.tiny import tiny_qwen3_moe
 from tests.helpers.distributed import ray_config
 from tests.helpers.trainer import chat_ids
 
-ENGINE = f"{Path(__file__).with_name('perturbed_engine.py')}:PerturbedEngine"
+ENGINE = f"{Path(__file__).parents[1] / 'helpers' / 'perturbed_engine.py'}:PerturbedEngine"
 
 
 def _record(policy, seed: int):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.diffusion.recipe_runs import EXAMPLES, build_model, metrics, run_recipe, wait
+from tests.helpers.diffusion_runs import EXAMPLES, build_model, metrics, run_recipe, wait
 
 RECIPE = EXAMPLES / "diffusion_colour_hacking.yaml"
 COLOUR = RECIPE.with_name("diffusion_colour_grpo.yaml")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.diffusion.recipe_runs import (
+from tests.helpers.diffusion_runs import (
     EXAMPLES,
     build_model,
     check_colour_learns,

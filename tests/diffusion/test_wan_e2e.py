@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.diffusion.recipe_runs import EXAMPLES, build_model, metrics, run_recipe, wait
+from tests.helpers.diffusion_runs import EXAMPLES, build_model, metrics, run_recipe, wait
 
 RECIPE = EXAMPLES / "diffusion_wan_colour_video.yaml"
 

@@ -81,7 +81,7 @@ def test_lora_team_trains_one_version_behind(marl_config):
 def test_lora_team_takes_newer_weights_mid_rollout(marl_config):
     from polyrl.core.loop import train
 
-    engine = "tests.core.crawling_engine:CrawlingEngine"
+    engine = "tests.helpers.crawling_engine:CrawlingEngine"
     cfg = marl_config(
         *LORA,
         "rollout.max_staleness=1",

@@ -68,7 +68,7 @@ def test_agent_rows_record_token_versions_equal_to_a_switching_reference(marl_co
 def test_marl_partial_rollouts_keep_the_staleness_bound(marl_config):
     from polyrl.core.loop import train
 
-    engine = "tests.core.crawling_engine:CrawlingEngine"
+    engine = "tests.helpers.crawling_engine:CrawlingEngine"
     cfg = marl_config(
         "train.steps=3",
         "rollout.max_staleness=1",

@@ -23,50 +23,18 @@ from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.record import strings
 from polyrl.core.registry import ENVIRONMENTS
 from polyrl.core.workflow import Context
-
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
-TINY = {
-    "corpus": "vl_shapes",
-    "hidden_size": 64,
-    "num_layers": 1,
-    "num_heads": 2,
-    "vision_depth": 1,
-    "vision_hidden_size": 32,
-    "seed": 0,
-}
-
-
-def _image(w: int, h: int, seed: int) -> Image.Image:
-    g = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8)
-    return Image.fromarray(pixels.numpy())
-
-
-IMAGE_1, IMAGE_2 = _image(70, 50, 1), _image(40, 90, 2)  # resized by the processor
-QUESTION = "What colour is the square?"
-
-
-class LookTwice(Environment):
-    """Turn 1: an image and a question; turn 2: a tool message with an image; turn 3: text."""
-
-    max_turns = 3
-
-    def reset(self, task):
-        self.t = 0
-        return [IMAGE_1, QUESTION]
-
-    def step(self, action):
-        self.t += 1
-        if self.t == 1:
-            obs = {"role": "tool", "name": "zoom", "content": [IMAGE_2, "zoomed in"]}
-            return StepResult(obs)
-        if self.t == 2:
-            return StepResult("Answer now.")
-        return StepResult("bye", 1.0, True)
-
-
-if "test_look_twice" not in ENVIRONMENTS:
-    ENVIRONMENTS.register("test_look_twice", LookTwice)
+from tests.helpers.vl_turns import (
+    FAMILIES,
+    IMAGE_1,
+    IMAGE_2,
+    QUESTION,
+    TINY,
+    actions,
+    check_logprobs,
+    image,
+    processor_ids,
+    row_ids,
+)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -96,49 +64,6 @@ def _rollout(policy, mode: str, seed: int = 0, n: int = 2, **args):
     return wf, record
 
 
-def _row_ids(record, i: int) -> list[int]:
-    p = record["prompt_ids"][i][record["prompt_mask"][i].bool()].tolist()
-    r = record["response_ids"][i][record["response_mask"][i].bool()].tolist()
-    return p + r
-
-
-def _processor_ids(processor, actions: list[list[int]]):
-    """The real processor on the whole conversation, the sampled actions in the assistant
-    turns: rendered with empty assistant contents, then each action's ids put where its
-    content goes (sampled ids are kept, never decoded and re-encoded); the last action
-    ends the row."""
-    tok = processor.tokenizer
-    eos = tok.eos_token_id
-    messages = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
-        {"role": "assistant", "content": ""},
-        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "zoomed in"}]},
-        {"role": "assistant", "content": ""},
-        {"role": "user", "content": "Answer now."},
-    ]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = processor(
-        text=[text], images=[IMAGE_1, IMAGE_2], return_tensors="pt", return_mm_token_type_ids=True
-    )
-    ids = out["input_ids"][0].tolist()
-    types = out["mm_token_type_ids"][0].tolist()
-    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    at = [
-        i + len(header)
-        for i in range(len(ids) - len(header) + 1)
-        if ids[i : i + len(header)] == header
-    ]
-    assert len(at) == 3 and at[-1] == len(ids)  # two closed assistant turns, then the header
-    for where, action in reversed(list(zip(at[:2], actions[:2], strict=True))):
-        assert ids[where] == eos  # the empty content: the template closes the turn at once
-        body = action[:-1] if action[-1] == eos else action  # the policy's own end token
-        ids[where:where] = body
-        types[where:where] = [0] * len(body)
-    ids += actions[2]
-    types += [0] * len(actions[2])
-    return ids, torch.tensor([types]), out
-
-
 def test_concat_rows_equal_the_processor_rope_index_and_engine(family_policy, one_thread):
     from polyrl.multimodal import forward
 
@@ -152,9 +77,9 @@ def test_concat_rows_equal_the_processor_rope_index_and_engine(family_policy, on
         assert meta["turns"] == 3 and meta["finish"] == "done"
         v = visions[i]
         assert v.num_images == 2 and v.image_starts is not None
-        actions = [list(a) for a in _actions(record, i)]
-        ref_ids, types, ref = _processor_ids(policy.processor, actions)
-        ids = _row_ids(record, i)
+        sampled = [list(a) for a in actions(record, i)]
+        ref_ids, types, ref = processor_ids(policy.processor, sampled)
+        ids = row_ids(record, i)
         assert ids == ref_ids
         assert torch.equal(v.image_grid_thw, ref["image_grid_thw"])
         assert torch.allclose(v.pixel_values, ref["pixel_values"])
@@ -177,7 +102,7 @@ def test_concat_rows_equal_the_processor_rope_index_and_engine(family_policy, on
         )
         assert torch.equal(pos, own)
         assert torch.equal(image_mask[0], types[0] == 1)
-    _check_logprobs(policy, record)
+    check_logprobs(policy, record)
 
 
 def test_step_rows_keep_every_image_and_match_the_engine(family_policy, one_thread):
@@ -188,21 +113,7 @@ def test_step_rows_keep_every_image_and_match_the_engine(family_policy, one_thre
     assert sorted(set(turns)) == [0, 1, 2]
     for t, v in zip(turns, visions, strict=True):
         assert v.num_images == (1 if t == 0 else 2)  # turn 2's prompt keeps both images
-    _check_logprobs(policy, record)
-
-
-def _actions(record, i: int) -> list[list[int]]:
-    meta = strings(record, "meta")[i]
-    resp = record["response_ids"][i].tolist()
-    return [resp[a:b] for _, a, b in meta["spans"]]
-
-
-def _check_logprobs(policy, record) -> None:
-    with torch.no_grad():
-        lp, _ = policy.logprobs(record)
-    m = record["loss_mask"].bool() & record["response_mask"].bool()
-    assert int(m.sum()) > 0
-    torch.testing.assert_close(lp[m], record["rollout_logprobs"][m], atol=1e-5, rtol=0)
+    check_logprobs(policy, record)
 
 
 class BadImages(ToolEnv):
@@ -219,11 +130,11 @@ class BadImages(ToolEnv):
 
         def big() -> Image.Image:
             """An image over the episode's pixel limit."""
-            return _image(200, 200, 3)
+            return image(200, 200, 3)
 
         def two() -> list:
             """Two small images."""
-            return ["two views", _image(40, 90, 4), _image(40, 90, 5)]
+            return ["two views", image(40, 90, 4), image(40, 90, 5)]
 
         super().__init__([tool(not_image), tool(big), tool(two)])
         self.t = 0
@@ -269,11 +180,11 @@ def test_bad_and_surplus_images_are_told_counted_and_the_episode_goes_on(family_
     for i, v in enumerate(strings(record, "vision")):
         assert metas[i]["finish"] == "done" and metas[i]["turns"] == 3
         assert v.num_images == 2  # the first observation's and the first of the two
-        text = policy.tokenizer.decode(_row_ids(record, i))
+        text = policy.tokenizer.decode(row_ids(record, i))
         assert "Error: tool 'not_image' should return an image but returned a str" in text
         assert "Error: the image is 200x200 (40000 pixels), over the limit of 22500" in text
         assert "[image not shown: the episode's limit of 2 images is reached]" in text
-    _check_logprobs(policy, record)
+    check_logprobs(policy, record)
 
 
 def test_an_image_for_a_text_only_policy_is_a_clear_error(tmp_path, one_thread):
@@ -325,7 +236,7 @@ def test_a_sampled_vision_token_in_an_earlier_turn_stays_text(family_policy, one
         pad_id=policy.tokenizer.pad_token_id,
     )
     set_strings(rec, "vision", [v, v])
-    _check_logprobs(policy, rec)
+    check_logprobs(policy, rec)
     full = torch.tensor([prompt])
     types = torch.zeros_like(full, dtype=torch.int32)
     for s, g in zip(v.image_starts, v.image_grid_thw, strict=True):
@@ -394,7 +305,7 @@ def test_schedule_episode_carries_images_as_round_does(family_policy, one_thread
     assert torch.equal(by_episode["prompt_ids"], by_round["prompt_ids"])
     for a, b in zip(strings(by_episode, "vision"), strings(by_round, "vision"), strict=True):
         assert a.image_starts == b.image_starts and torch.equal(a.pixel_values, b.pixel_values)
-    _check_logprobs(policy, by_episode)
+    check_logprobs(policy, by_episode)
 
 
 class ThinImage(Environment):
@@ -409,7 +320,7 @@ class ThinImage(Environment):
     def step(self, action):
         if not hasattr(self, "stepped"):
             self.stepped = True
-            thin = _image(3000, 10, 9)
+            thin = image(3000, 10, 9)
             return StepResult({"role": "tool", "content": [thin, IMAGE_2, "two views"]})
         return StepResult("bye", 1.0, True)
 
@@ -434,6 +345,6 @@ def test_an_image_the_processor_refuses_is_told_counted_and_the_episode_goes_on(
         zip(strings(record, "meta"), strings(record, "vision"), strict=True)
     ):
         assert meta["finish"] == "done" and v.num_images == 2  # the first view, then IMAGE_2
-        text = policy.tokenizer.decode(_row_ids(record, i))
+        text = policy.tokenizer.decode(row_ids(record, i))
         assert "Error: the model cannot take this image" in text and "aspect ratio" in text
-    _check_logprobs(policy, record)
+    check_logprobs(policy, record)

@@ -16,29 +16,17 @@ import torch
 
 pytest.importorskip("vllm")
 
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from polyrl.core.data import PromptItem  # noqa: E402
 from polyrl.core.engine import SamplingParams  # noqa: E402
 from polyrl.core.record import strings  # noqa: E402
 from polyrl.core.workflow import Context  # noqa: E402
+from tests.helpers import vl_turns  # noqa: E402  (registers its LookTwice environment)
 
 pytestmark = pytest.mark.vllm
 
 
-def _sibling(name: str):
-    """A test module beside this one (importlib mode makes no package of tests/)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REF = _sibling("test_vl_turns")  # its LookTwice environment and the processor reference
-
-
-@pytest.fixture(scope="module", params=REF.FAMILIES)
+@pytest.fixture(scope="module", params=vl_turns.FAMILIES)
 def policy_engine(request, tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
@@ -48,7 +36,7 @@ def policy_engine(request, tmp_path_factory):
     from polyrl.multimodal.vllm_engine import VLLMVLEngine
 
     path = tmp_path_factory.mktemp("vllm-turns") / request.param
-    tiny_qwen_vl(path, family=request.param, **REF.TINY)
+    tiny_qwen_vl(path, family=request.param, **vl_turns.TINY)
     cfg = from_dict(PolicyConfig, {"model": str(path), "kind": "qwen_vl"})
     policy = QwenVLPolicy("main", cfg, total_steps=10, need_reference=False)
     engine = VLLMVLEngine(policy, seed=0, max_model_len=512, kv_cache_gb=0.0625)
@@ -84,8 +72,8 @@ def test_vllm_samples_image_turns_the_trainer_scores(policy_engine, mode, one_th
         for i in range(record.batch_size[0]):
             assert strings(record, "meta")[i]["turns"] == 3
             assert visions[i].num_images == 2
-            ref_ids, _, ref = REF._processor_ids(policy.processor, REF._actions(record, i))
-            assert REF._row_ids(record, i) == ref_ids
+            ref_ids, _, ref = vl_turns.processor_ids(policy.processor, vl_turns.actions(record, i))
+            assert vl_turns.row_ids(record, i) == ref_ids
             assert torch.equal(visions[i].image_grid_thw, ref["image_grid_thw"])
     else:
         turns = record["turn"].tolist()

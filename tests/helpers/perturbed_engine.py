@@ -16,7 +16,7 @@ often); the HF engine's capture records the experts really used, so replay can r
 
 Greedy decoding (temperature 0, the evaluation) is left unperturbed, so held-out accuracy
 measures the trained policy, not the engine. Name it in a recipe by import path:
-``engine: {name: "tests.core.perturbed_engine:PerturbedEngine", args: {scale: 2.0}}``.
+``engine: {name: "tests.helpers.perturbed_engine:PerturbedEngine", args: {scale: 2.0}}``.
 """
 
 from __future__ import annotations
