@@ -12,12 +12,14 @@ their config and call these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core import moe, prefix
+from polyrl.core.prefix import pack_rows
 
 
 def packs(model: torch.nn.Module, pack: bool) -> bool:
@@ -247,14 +249,32 @@ def packed_logprobs(
     return out, ent
 
 
+@dataclass
+class TreeInputs:
+    """What a model family supplies to the tree pass (:func:`shared_logprobs`) in place of
+    a causal LM's token ids, counted positions and forward (the VL family: images at their
+    placeholders, M-RoPE positions)."""
+
+    # the rows' real tokens, left-aligned [B, L] (-1 after each row; prefix.row_tokens),
+    # what the trees are built from: a family may mark a token (< -1) to tell equal ids
+    # with different inputs apart (an image placeholder by its feature)
+    tokens: torch.Tensor
+    # [..., B, P + R]: the position ids of each prompt and response slot (padded layout)
+    positions: torch.Tensor
+    # (layout ids [bins, W] with the marks, attention mask, position ids [..., bins, W],
+    # the columns to keep) -> logits [bins, len(columns), V]
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def shared_logprobs(
     model: torch.nn.Module,
-    batch: TensorDict,
+    batch: TensorDict | Mapping[str, torch.Tensor],
     units: list[prefix.Unit],
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: moe.Routing | None = None,
     segments: Sequence[int] | None = None,
+    inputs: TreeInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`packed_logprobs` with each unit's shared prefixes computed once.
 
@@ -265,6 +285,11 @@ def shared_logprobs(
     predicted from the column holding the row's token before it, which rows sharing that
     token share too; gradients through a prefix sum every suffix's. Equal to the padded
     pass up to float rounding. Padded response slots hold 0.
+
+    ``inputs``: the model family's tokens, positions and forward (:class:`TreeInputs`;
+    each row's positions are placed at its columns: a shared prefix has the same
+    positions in every row, since they depend only on what comes before); None: the
+    model's own forward over token ids.
     """
     rmask = batch["response_mask"].bool()
     if not bool(batch["prompt_mask"].bool().any(-1).all()):
@@ -273,6 +298,8 @@ def shared_logprobs(
             "token from; give every row a prompt, or set the policy's pack: false"
         )
     tokens, lengths = prefix.row_tokens(batch)
+    if inputs is not None:
+        tokens = inputs.tokens
     unit_segments = None
     if segments is not None:
         unit_segments = [segments[u.rows[0]] for u in units]
@@ -294,19 +321,26 @@ def shared_logprobs(
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(dtype).min
         )
+    real = torch.cat([batch["prompt_mask"].bool(), rmask], 1)
+    bins = torch.as_tensor(layout.row_bin, device=real.device).repeat_interleave(lengths)
+    cols = torch.cat(layout.cols)
     if routing is not None:  # a shared prefix's columns take each of its rows' experts
         ex, where = moe.token_layout(batch)
-        real = torch.cat([batch["prompt_mask"].bool(), rmask], 1)
-        bins = torch.as_tensor(layout.row_bin, device=real.device).repeat_interleave(lengths)
-        cols = torch.cat(layout.cols)
         routing.plan(*moe.scatter_layout(ex, where, real, bins, cols, tuple(layout.ids.shape)))
-    logits = model(
-        input_ids=layout.ids,
-        attention_mask=mask,
-        position_ids=layout.positions,
-        logits_to_keep=keep,
-        use_cache=False,
-    ).logits[r_bin_t, slot]
+    if inputs is None:
+        logits = model(
+            input_ids=layout.ids,
+            attention_mask=mask,
+            position_ids=layout.positions,
+            logits_to_keep=keep,
+            use_cache=False,
+        ).logits
+    else:  # each row's positions at its columns
+        given = inputs.positions
+        pos = given.new_zeros((*given.shape[:-2], *layout.ids.shape))
+        pos[..., bins, cols] = given[..., real]
+        logits = inputs.forward(layout.ids, mask, pos, keep)
+    logits = logits[r_bin_t, slot]
     logp, ent = token_logprobs(
         logits.float(), batch["response_ids"][rmask], temperature, with_entropy
     )
@@ -316,38 +350,6 @@ def shared_logprobs(
     if ent is not None:
         ent = torch.zeros_like(out).masked_scatter(rmask, ent)
     return out, ent
-
-
-def pack_rows(
-    lengths: list[int], width: int | None, segments: Sequence[int] | None = None
-) -> tuple[list, list, int, int]:
-    """First-fit-decreasing packing of rows of ``lengths`` into bins of ``width`` tokens
-    (None: one bin holding every row, in order). Returns each row's bin and start column,
-    the number of bins and their width. ``segments``: rows of different segments never
-    share a bin; each segment's bins follow the previous segment's (ascending)."""
-    if width is None:
-        starts = [0]
-        for n in lengths[:-1]:
-            starts.append(starts[-1] + n)
-        return [0] * len(lengths), starts, 1, sum(lengths)
-    if segments is not None and len(set(segments)) > 1:
-        row_bin, row_start, offset = [0] * len(lengths), [0] * len(lengths), 0
-        for seg in sorted(set(segments)):
-            rows = [i for i, s in enumerate(segments) if s == seg]
-            seg_bin, seg_start, n, _ = pack_rows([lengths[i] for i in rows], width)
-            for i, bi, si in zip(rows, seg_bin, seg_start, strict=True):
-                row_bin[i], row_start[i] = bi + offset, si
-            offset += n
-        return row_bin, row_start, offset, width
-    used: list[int]  # tokens used in each bin
-    row_bin, row_start, used = [0] * len(lengths), [0] * len(lengths), []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        b = next((b for b, u in enumerate(used) if u + lengths[i] <= width), len(used))
-        if b == len(used):
-            used.append(0)
-        row_bin[i], row_start[i] = b, used[b]
-        used[b] += lengths[i]
-    return row_bin, row_start, len(used), width
 
 
 def token_logprobs(

@@ -169,6 +169,38 @@ def charged_tokens(units: list[Unit], lengths: list[int], n: int) -> torch.Tenso
     return out
 
 
+def pack_rows(
+    lengths: list[int], width: int | None, segments: Sequence[int] | None = None
+) -> tuple[list, list, int, int]:
+    """First-fit-decreasing packing of rows of ``lengths`` into bins of ``width`` tokens
+    (None: one bin holding every row, in order). Returns each row's bin and start column,
+    the number of bins and their width. ``segments``: rows of different segments never
+    share a bin; each segment's bins follow the previous segment's (ascending)."""
+    if width is None:
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return [0] * len(lengths), starts, 1, sum(lengths)
+    if segments is not None and len(set(segments)) > 1:
+        row_bin, row_start, offset = [0] * len(lengths), [0] * len(lengths), 0
+        for seg in sorted(set(segments)):
+            rows = [i for i, s in enumerate(segments) if s == seg]
+            seg_bin, seg_start, n, _ = pack_rows([lengths[i] for i in rows], width)
+            for i, bi, si in zip(rows, seg_bin, seg_start, strict=True):
+                row_bin[i], row_start[i] = bi + offset, si
+            offset += n
+        return row_bin, row_start, offset, width
+    used: list[int]  # tokens used in each bin
+    row_bin, row_start, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, u in enumerate(used) if u + lengths[i] <= width), len(used))
+        if b == len(used):
+            used.append(0)
+        row_bin[i], row_start[i] = b, used[b]
+        used[b] += lengths[i]
+    return row_bin, row_start, len(used), width
+
+
 @dataclass
 class Layout:
     """A packed tree pass: ``ids``/``positions`` ``[bins, width]``, ``visible`` the mask
@@ -234,10 +266,7 @@ def tree_layout(
     segments: Sequence[int] | None = None,
 ) -> Layout:
     """Pack ``units`` (trees) first-fit-decreasing into bins as wide as the largest one
-    (``segments``: each unit's; see :func:`polyrl.core.passes.pack_rows`); see
-    :class:`Layout`."""
-    from polyrl.core.passes import pack_rows  # lazily: passes imports this module
-
+    (``segments``: each unit's; see :func:`pack_rows`); see :class:`Layout`."""
     sizes = [u.distinct for u in units]
     unit_bin, unit_start, bins, width = pack_rows(sizes, max(sizes), segments)
     device = tokens.device
