@@ -347,7 +347,7 @@ def _model_dir(p: Any) -> Path | None:
     """The folder a policy's model loads from, when it is on this machine (built or a local
     path, or a hub id already in the cache); None when it cannot be found without a
     download."""
-    from polyrl.core.tiny import ensure_model
+    from polyrl.core.builds import ensure_model
 
     path = Path(ensure_model(p.model, p.build, p.build_args))
     if path.is_dir():

@@ -21,12 +21,12 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core import moe, prefix
+from polyrl.core.builds import ensure_model
 from polyrl.core.config import NONNEGATIVE, ConfigError, doc, doc_factory
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.passes import packs, prefix_units, response_logprobs, shares
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
-from polyrl.core.tiny import ensure_model
 
 
 @dataclass

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.builds import check_build_conflicts
 from polyrl.core.config import ConfigError, doc, doc_factory
 from polyrl.core.data import DataConfig
 from polyrl.core.interfaces import (
@@ -33,7 +34,6 @@ from polyrl.core.registry import (
     nearest,
 )
 from polyrl.core.rewards import RewardConfig
-from polyrl.core.tiny import check_build_conflicts
 
 # rollout.max_staleness above this is refused: a producer k versions ahead keeps up to
 # k + 1 copies of each trained policy's weights (and checkpoints k of them), and trains on

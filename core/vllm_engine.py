@@ -76,11 +76,11 @@ import numpy as np
 import torch
 
 from polyrl.core import moe
+from polyrl.core.builds import ensure_model
 from polyrl.core.config import UserError, doc
 from polyrl.core.engine import Completion, Prompt, SamplingParams, text_requests
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
-from polyrl.core.tiny import ensure_model
 
 log = logging.getLogger(__name__)
 

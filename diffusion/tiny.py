@@ -56,8 +56,8 @@ from typing import Annotated, Any
 import torch
 from torch import Tensor
 
+from polyrl.core.builds import build_once
 from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tiny import build_once
 
 SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 COMPLETE = "model_index.json"
@@ -116,7 +116,7 @@ def build_tiny(
     ``corpus``'s prompts (``texts``, its tokenizers' vocabulary), which is saved, then
     pre-trained by ``pretrain(dir, training)`` when ``training.steps`` (on task ``task``
     only, and with ``vae`` given, only with the exact ``patch`` VAE), all in a temp dir
-    renamed into place once complete (:func:`polyrl.core.tiny.build_once`)."""
+    renamed into place once complete (:func:`polyrl.core.builds.build_once`)."""
     if training.steps and (corpus != task or vae not in (None, "patch")):
         raise ValueError(
             f"{builder} pre-trains on the {task} task"

@@ -31,6 +31,7 @@ from typing import Any, Unpack
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.builds import ensure_model
 from polyrl.core.config import doc
 from polyrl.core.interfaces import MixesRows, PolicyBuild
 from polyrl.core.options import Options, bind
@@ -46,7 +47,6 @@ from polyrl.core.policy import (
 )
 from polyrl.core.record import concat, to_device
 from polyrl.core.registry import POLICIES
-from polyrl.core.tiny import ensure_model
 
 
 @dataclass

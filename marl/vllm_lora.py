@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+from polyrl.core.builds import ensure_model
 from polyrl.core.engine import Completion, SamplingParams, text_requests
 from polyrl.core.registry import ENGINES
-from polyrl.core.tiny import ensure_model
 from polyrl.core.vllm_engine import VLLMEngine
 
 # vLLM's allowed values of max_lora_rank (vllm.config.lora.MaxLoRARanks).

@@ -27,13 +27,13 @@ from typing import Any, Unpack
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.builds import ensure_model
 from polyrl.core.config import ConfigError, doc
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
-from polyrl.core.tiny import ensure_model
 from polyrl.multimodal import forward, turns, vision
 from polyrl.multimodal.data import VISION_FIELD
 

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from polyrl.core.builds import build_once
 from polyrl.core.config import doc
 from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tiny import build_once, build_tokenizer, seeded_model, text_config
+from polyrl.core.tiny import build_tokenizer, seeded_model, text_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VL_CHAT_TEMPLATE = (

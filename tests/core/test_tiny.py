@@ -10,11 +10,11 @@ import torch
 
 from polyrl.core.registry import MODELS, TASKS
 from polyrl.core.tasks import arithmetic
+from polyrl.core.builds import ensure_model
 from polyrl.core.tiny import (
     CHAT_TEMPLATE,
     build_tiny_qwen2,
     build_tokenizer,
-    ensure_model,
     is_complete,
     warm_start_texts,
 )
