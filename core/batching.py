@@ -34,6 +34,7 @@ from typing import Any
 
 from polyrl.core.engine import Completion, Request, SamplingParams, TokenSink
 from polyrl.core.interfaces import Engine, MixedCalls, takes_images
+from polyrl.core.paint import ImageRequest, Painting, paints_images
 
 
 def _as_sample(sink: TokenSink, sample: int) -> TokenSink:
@@ -54,11 +55,15 @@ class _Waiting:
     future: asyncio.Future
     episode: Any  # who asked (serve: "every open episode waits" counts distinct ones)
     alive: Callable[[], bool] | None
+    image: ImageRequest | None = None  # an image request (``request`` then holds no prompt)
 
     def group(self, engine: Any) -> tuple:
         """Requests that may share one engine call: same engine (or ``engine``, the mix key
         of engines that serve each other's requests) and sampling setting (a seeded
-        request's samples: a call of their own, as the seed fixes that call)."""
+        request's samples: a call of their own, as the seed fixes that call). Image
+        requests of one painter share one ``paint`` call."""
+        if self.image is not None:
+            return (engine, "paint")
         p = self.params
         key = (engine, p.temperature, p.top_p, tuple(p.stop), tuple(p.stop_token_ids))
         return key + ((p.seed, id(p)) if p.seed is not None else (None,))
@@ -109,6 +114,30 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         order = self._submitted if key is None else key
         self.pending.append(_Waiting(policy, request, params, order, fut, episode, alive))
+        self._submitted += 1
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+        return await fut
+
+    async def paint(
+        self, policy: str, request: ImageRequest, *, key: Any = None, episode: Any = None
+    ) -> list[Painting]:
+        """``request.n`` paintings of ``request`` by ``policy``'s engine (one that
+        :class:`~polyrl.core.paint.PaintsImages`), from the next flush: every image request
+        of that policy waiting then is served by one ``paint`` call."""
+        if policy not in self.engines:
+            raise KeyError(f"no engine for policy {policy!r}; have {sorted(self.engines)}")
+        if not paints_images(self.engines[policy]):
+            raise TypeError(
+                f"the engine of policy {policy!r} ({type(self.engines[policy]).__name__}) "
+                "paints no images; give it a diffusion policy (kind: diffusion, engine "
+                "diffusion)"
+            )
+        fut = asyncio.get_running_loop().create_future()
+        order = self._submitted if key is None else key
+        self.pending.append(
+            _Waiting(policy, Request([]), SamplingParams(), order, fut, episode, None, request)
+        )
         self._submitted += 1
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
@@ -218,6 +247,9 @@ class Batcher:
         waiting = [w for w in waiting if not w.future.done()]  # given up while others ran
         if not waiting:
             return
+        if waiting[0].image is not None:
+            await self._paint(waiting)
+            return
         policy, first = waiting[0].policy, waiting[0].params
         counts = [w.params.n for w in waiting]
         if len(set(counts)) == 1:  # the engine samples n per prompt itself
@@ -275,6 +307,36 @@ class Batcher:
         for w, cs in zip(waiting, got, strict=True):
             if not w.future.done():  # an episode that already failed may have cancelled it
                 w.future.set_result(cs)
+
+    async def _paint(self, waiting: list[_Waiting]) -> None:
+        """One ``paint`` call for a painter's waiting image requests."""
+        policy = waiting[0].policy
+        requests = [w.image for w in waiting if w.image is not None]
+        self.sizes.append(len(waiting))
+        self.calls.update([policy])
+        paint = self.engines[policy].paint  # type: ignore[attr-defined]  # paints_images
+        t0 = time.perf_counter()
+        try:
+            if self.in_thread:
+                outs = await asyncio.to_thread(paint, requests)
+            else:
+                outs = paint(requests)
+            if len(outs) != len(requests):
+                raise RuntimeError(
+                    f"the engine of policy {policy!r} painted for {len(outs)} of "
+                    f"{len(requests)} image requests"
+                )
+        except Exception as e:  # every waiting request learns it; none hangs
+            self._failure = self._failure or e
+            for w in waiting:
+                if not w.future.done():
+                    w.future.set_exception(e)
+            return
+        finally:
+            self.generate_s += time.perf_counter() - t0
+        for w, got in zip(waiting, outs, strict=True):
+            if not w.future.done():
+                w.future.set_result(got)
 
     def _mixed_generate(
         self, policies: list[str], owners: list[str]

@@ -14,6 +14,7 @@ later latents are zeros, it trains nothing, and the other rows carry on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, runtime_checkable
 
@@ -21,8 +22,10 @@ import torch
 from torch import Tensor
 
 from polyrl.core.config import ConfigError
+from polyrl.core.paint import ImageRequest, Painting
 from polyrl.core.policy import PolicyConfig
 from polyrl.core.registry import ENGINES, POLICIES
+from polyrl.diffusion import member
 from polyrl.diffusion.policy import ENGINE_NAME, DiffusionPolicy
 from polyrl.diffusion.samplers import LOGPROB_FORMS, SAMPLERS, get_sampler
 from polyrl.diffusion.selection import StepSelection, noise_mask, select_steps
@@ -123,7 +126,8 @@ class DiffusionEngine:
     :func:`check_sampling` when the recipe loads and again here."""
 
     # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
-    remote_methods = ("sample", "decode")
+    remote_methods = ("sample", "decode", "paint", "prompt_limit")
+    paints_images = True  # serves the core's image requests (core/paint.py PaintsImages)
 
     def __init__(
         self,
@@ -210,6 +214,14 @@ class DiffusionEngine:
         to the sampler."""
         return self.policy.family.decode(latents, chunk=self.decode_batch)
 
+    def paint(self, requests: Sequence[ImageRequest]) -> list[list[Painting]]:
+        """A flush of a team's image requests in one call (diffusion/member.py)."""
+        return member.paint(self, requests, self.sample, self.decode)
+
+    def prompt_limit(self) -> int:
+        """Tokens of a prompt the first text encoder takes; longer prompts are cut."""
+        return int(self.policy.tokenizer.model_max_length)
+
     def state_dict(self) -> dict:
         return {"rng": self.gen.get_state(), "rollouts": self.rollouts}
 
@@ -226,15 +238,19 @@ class DiffusionEngine:
         deterministic: bool = False,
         steps: int | None = None,
         velocity_hook=None,
+        generator: torch.Generator | None = None,
     ) -> Trajectories:
         """``n`` trajectories per prompt (prompt 0's first). ``deterministic``: the ODE at
         ``eval_steps`` (evaluation); it neither trains nor moves the sliding window.
-        ``velocity_hook(step, first_row, v) -> v`` lets tests tamper with predictions.
+        ``velocity_hook(step, first_row, v) -> v`` lets tests tamper with predictions;
+        ``generator``: the noise of a seeded call (the engine's RNG does not advance).
 
         Deterministic calls draw their starting noise from a fixed seed, so every evaluation
         starts from the same noise; training calls use (and advance) the engine's RNG."""
         policy = self.policy
         gen = torch.Generator().manual_seed(self.seed + 7919) if deterministic else self.gen
+        if generator is not None:  # a seeded image request: its own noise
+            gen = generator
         dev = policy.device
         sampler = get_sampler(self.sampler)
         if steps is None:

@@ -40,6 +40,7 @@ from polyrl.core.workflow import Context
 from polyrl.diffusion.credit import GAUSSIAN_MEAN
 from polyrl.diffusion.engine import Denoises, Trajectories, sampling_options
 from polyrl.diffusion.guards import ratio_scale
+from polyrl.diffusion.member import trajectory_tensors
 from polyrl.diffusion.nft import NFT_LOSS
 from polyrl.diffusion.policy import DiffusionPolicy, policy_options
 from polyrl.diffusion.rewards import prepare_rewards, to_pil
@@ -89,19 +90,7 @@ def diffusion_record(
     zeros = torch.zeros(b, dtype=torch.long)
     td = TensorDict(
         {
-            "latents": traj.latents,
-            "sigmas": traj.sigmas,
-            "timesteps": traj.timesteps,
-            "rollout_logprobs": traj.logprobs,
-            "loss_mask": traj.loss_mask.long(),
-            "response_mask": torch.ones((b, n), dtype=torch.long),
-            "noise_mask": traj.noise_mask,
-            "prompt_embeds": traj.prompt_embeds,
-            "pooled_prompt_embeds": traj.pooled_prompt_embeds,
-            "negative_prompt_embeds": traj.negative_prompt_embeds,
-            "negative_pooled_prompt_embeds": traj.negative_pooled_prompt_embeds,
-            "guidance": traj.guidance,
-            "noise_level": traj.noise_level,
+            **trajectory_tensors(traj),
             "uid": torch.as_tensor(uid, dtype=torch.long),
             "agent_id": zeros.clone(),
             "turn": zeros.clone(),
@@ -118,8 +107,6 @@ def diffusion_record(
     td["error"] = _stack(list(traj.errors))
     td["meta"] = _stack(list(meta))
     td["sampler"] = _stack([traj.sampler] * b)
-    if traj.train_seed is not None:  # forward-process training (NFT): its noise seeds
-        td["train_seed"] = traj.train_seed
     return td
 
 
