@@ -19,9 +19,11 @@ layouts, chosen per recipe with ``mode``:
   earlier turns (0: only the current observation), the response is that turn's action;
   ``turn`` holds the turn index.
 
-A mixture-of-experts policy's rows carry the experts the engine routed their tokens to
-(``Row.experts``, for routing replay): a step row its turn's call's; a concat row each
-token's from the first call that routed it (an observation's from the next turn's prompt).
+Rows are joined from token segments (:class:`~polyrl.core.segment.Tokens`): each turn's
+sampled segment as the engine returned it, environment tokens as ``Tokens.given``, so
+every per-token fact the engine records (weights versions, MoE routing, ...) reaches the
+record. A concat row's tokens also take what a later call's prefill recorded of them
+(``Tokens.fill``: an observation's MoE routing from the next turn's prompt).
 
 Observations and tool results may carry images (:mod:`polyrl.agents.env`) when the acting
 policy takes image turns (:class:`~polyrl.core.interfaces.TakesImageTurns`, e.g. a
@@ -50,7 +52,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import torch
 from tensordict import TensorDict
 
 from polyrl.agents.chat import ChatFormat
@@ -68,9 +69,9 @@ from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
-from polyrl.core.moe import stitch_experts
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
+from polyrl.core.segment import Tokens
 from polyrl.core.workflow import run_sync
 
 MODES = ("concat", "step")
@@ -78,9 +79,8 @@ MODES = ("concat", "step")
 
 @dataclass
 class Turn:
-    prompt_ids: list[int]  # what the engine was given for this turn
-    action_ids: list[int]  # exactly what it sampled (possibly cut to the episode budget)
-    logprobs: list[float]
+    prompt: Tokens  # what the engine was given for this turn (Completion.prompt)
+    action: Tokens  # exactly what it sampled, with every fact recorded (Completion.tokens)
     action_text: str
     anchor: str  # the observation this action answered (GiGPO groups steps by it)
     finish: str  # "stop" or "length"
@@ -90,9 +90,6 @@ class Turn:
     vision: Any = None  # the prompt's images, joined (TakesImageTurns); None: none
     env_vision: Any = None  # the images of env_ids (one per-turn handle)
     env_starts: list[int] = field(default_factory=list)  # each image's first token in env_ids
-    versions: list[int] | None = None  # weights version per action token (rollout.partial)
-    # MoE: the experts the engine routed prompt_ids + action_ids to (Completion.experts)
-    experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -153,7 +150,6 @@ class MultiTurn:
         "finish",
         "final_observation",
     )
-    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(
         self,
@@ -492,7 +488,7 @@ class MultiTurn:
             )
             handles = [images[1] if images else None]
         for turn in ep.turns[start:]:
-            ids += turn.action_ids
+            ids += turn.action.ids
             starts += [len(ids) + s for s in turn.env_starts]
             handles.append(turn.env_vision)
             ids += turn.env_ids
@@ -523,13 +519,11 @@ class MultiTurn:
         self, ep: Episode, prompt: list[int], allowed: int, bound: str, vision: Any, out
     ) -> bool:
         """Append the sampled action as a turn; True when the environment should step it."""
-        ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        finish = out.finish_reason
+        text = self.tokenizer.decode(out.tokens.ids, skip_special_tokens=True)
         anchor = ep.anchors[len(ep.turns)]
-        turn = Turn(prompt, ids, logps, text, anchor, finish, vision=vision, versions=out.versions)
-        turn.experts = out.experts
-        ep.turns.append(turn)
-        ep.tokens += len(ids)
+        ep.turns.append(Turn(out.prompt, out.tokens, text, anchor, finish, vision=vision))
+        ep.tokens += len(out.tokens)
         if finish == "length" and bound != "turn":
             ep.end(bound, truncated=True)  # cut mid-action by the budget: do not act on it
             return False
@@ -586,7 +580,7 @@ class MultiTurn:
             ep.final_observation = text
             ep.end("max_tokens", truncated=True)
             return
-        ended_with_eos = bool(turn.action_ids) and turn.action_ids[-1] == self.chat.eos_id
+        ended_with_eos = bool(turn.action.ids) and turn.action.ids[-1] == self.chat.eos_id
         messages, images = self._images(ep, messages)
         turn.env_ids, turn.env_starts = self._splice(
             self.chat.env_turn(messages, ended_with_eos), images, f"turn {len(ep.turns) - 1}"
@@ -602,88 +596,62 @@ class MultiTurn:
         row_episode: list[Episode] = []
         decode = self.tokenizer.decode
 
-        def add(
-            ep: Episode, prompt, response, logps, mask, turn, text, spans, vision, versions, experts
-        ):
+        def add(ep: Episode, prompt: Tokens, response: Tokens, turn, text, spans, vision):
             row_episode.append(ep)
             rows.append(
                 Row(
                     prompt,
                     response,
-                    logps,
                     self.name,
                     ep.item.uid,
-                    loss_mask=mask,
                     turn=turn,
-                    prompt_text=decode(prompt, skip_special_tokens=False),
+                    prompt_text=decode(prompt.ids, skip_special_tokens=False),
                     response_text=text,
                     meta={"spans": spans, "turn": turn},
                     truncated=ep.truncated,
-                    versions=versions,
                     vision=vision,
                     error=ep.error,
-                    experts=experts,
                 )
             )
 
         for ep in episodes:
             if not ep.turns:  # reset failed (or a budget of zero): one empty row keeps the count
                 vision = self._join([ep.first_vision], ep.first_starts, f"{ep.id}:row")
-                prompt = ep.first_ids or list(ep.item.prompt_ids)
-                add(ep, prompt, [], [], [], 0, "", [], vision, [], None)
+                prompt = Tokens.given(ep.first_ids or ep.item.prompt_ids)
+                add(ep, prompt, Tokens.given([]), 0, "", [], vision)
             elif self.mode == "step":
                 for t, turn in enumerate(ep.turns):
-                    n = len(turn.action_ids)
-                    add(
-                        ep,
-                        turn.prompt_ids,
-                        turn.action_ids,
-                        turn.logprobs,
-                        [1] * n,
-                        t,
-                        turn.action_text,
-                        [[t, 0, n]],
-                        turn.vision,
-                        turn.versions,
-                        turn.experts,
-                    )
+                    n = len(turn.action)
+                    spans = [[t, 0, n]]
+                    add(ep, turn.prompt, turn.action, t, turn.action_text, spans, turn.vision)
             else:
-                response, logps, mask, spans = [], [], [], []
-                versions: list[int] | None = []  # env tokens: -1 (not sampled)
+                parts, spans, length = [], [], 0
                 handles, starts = [ep.first_vision], list(ep.first_starts)
                 for t, turn in enumerate(ep.turns):
-                    start = len(response)
-                    response += turn.action_ids
-                    logps += turn.logprobs
-                    mask += [1] * len(turn.action_ids)
-                    versions = None if versions is None or turn.versions is None else versions
-                    if versions is not None:
-                        versions += turn.versions
-                    spans.append([t, start, len(response)])
+                    parts.append(turn.action)
+                    spans.append([t, length, length + len(turn.action)])
+                    length += len(turn.action)
                     if t == len(ep.turns) - 1:
                         break  # no action follows the last reply: leave it out of the row
-                    starts += [len(ep.first_ids) + len(response) + s for s in turn.env_starts]
+                    starts += [len(ep.first_ids) + length + s for s in turn.env_starts]
                     handles.append(turn.env_vision)
-                    response += turn.env_ids
-                    logps += [0.0] * len(turn.env_ids)
-                    mask += [0] * len(turn.env_ids)
-                    if versions is not None:
-                        versions += [-1] * len(turn.env_ids)
+                    parts.append(Tokens.given(turn.env_ids))
+                    length += len(turn.env_ids)
+                # each token keeps what the first call that saw it recorded: a later turn's
+                # prompt (the whole trajectory so far) was prefilled by its call
+                whole = Tokens.cat([ep.turns[0].prompt, *parts])
+                for turn in ep.turns[1:]:
+                    whole = whole.fill(turn.prompt)
+                cut = len(ep.turns[0].prompt)
+                response = whole[cut:]
                 add(
                     ep,
-                    ep.first_ids,
+                    whole[:cut],
                     response,
-                    logps,
-                    mask,
                     0,
-                    decode(response, skip_special_tokens=False),
+                    decode(response.ids, skip_special_tokens=False),
                     spans,
                     self._join(handles, starts, f"{ep.id}:row"),
-                    versions,
-                    stitch_experts(
-                        ep.first_ids + response,
-                        [(t.prompt_ids + t.action_ids, t.experts) for t in ep.turns],
-                    ),
                 )
 
         # Per-episode facts, shared by all of an episode's rows.

@@ -10,13 +10,12 @@ Text rows carry (``P`` prompt length, ``R`` response length):
 - ``response_ids [B,R]`` right-padded: the exact ids the engine sampled, plus any
   environment/tool/other-agent ids spliced in by a multi-turn workflow
 - ``response_mask [B,R]``: real (non-pad) response tokens
-- ``loss_mask [B,R]``: tokens this row's policy generated; a subset of response_mask
-- ``rollout_logprobs [B,R]``: the engine's log-probs of the sampled ids (0 elsewhere)
-- async mode: ``policy_version [B]``, the oldest weights version among the row's tokens;
-  with ``rollout.partial`` also ``token_version [B,R]``, each token's version (-1: padding)
-- mixture-of-experts policies, engines that record routing: ``prompt_experts [B,P,L,k]``
-  and ``response_experts [B,R,L,k]`` (int8/int16), the experts the engine routed each
-  token to in each of the L MoE layers (-1: padding or not recorded; see ``core/moe.py``)
+- per-token facts, one column each, from the rows' token segments
+  (:mod:`polyrl.core.segment`, which lists them): ``loss_mask [B,R]`` (tokens this row's
+  policy generated, a subset of response_mask), ``rollout_logprobs [B,R]`` (the engine's
+  log-probs, 0 elsewhere), and where recorded the weights version of each token
+  (``rollout.partial``) and MoE routing (prompt and response), padded with the fact's default
+- async mode: ``policy_version [B]``, the oldest weights version among the row's tokens
 - group key parts ``uid`` (prompt), ``agent_id``, ``turn``, ``node`` (int64 ``[B]``)
 - ``reward [B]`` (NaN until scored, or when scoring failed), ``valid [B]`` (bool)
 - non-tensor ``policy``, ``prompt_text``, ``response_text``, ``error`` (str; "" = none),
@@ -36,19 +35,14 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from polyrl.core.segment import Tokens, padding, token_columns
+
 GROUP_KEYS = ("uid", "agent_id", "turn", "node")
+_PROMPT_FACTS, _RESPONSE_FACTS = padding()  # the token facts' columns (core/segment.py)
 # per-response-token columns, with the value their padding takes
-RESPONSE_COLUMNS = {
-    "response_ids": 0,
-    "response_mask": 0,
-    "loss_mask": 0,
-    "rollout_logprobs": 0,
-    "advantages": 0,
-    "token_version": -1,
-    "response_experts": -1,
-}
+RESPONSE_COLUMNS = {"response_ids": 0, "response_mask": 0, "advantages": 0, **_RESPONSE_FACTS}
 # per-prompt-token columns (left-padded), with the value their padding takes
-PROMPT_COLUMNS = {"prompt_ids": 0, "prompt_mask": 0, "prompt_experts": -1}
+PROMPT_COLUMNS = {"prompt_ids": 0, "prompt_mask": 0, **_PROMPT_FACTS}
 NON_TENSOR_FIELDS = ("policy", "prompt_text", "response_text", "error", "meta")
 
 
@@ -117,13 +111,10 @@ def text_record(
     response_text: Sequence[str] | None = None,
     meta: Sequence[dict] | None = None,
     truncated: Sequence[bool] | None = None,
-    token_version: Sequence[Sequence[int] | None] | None = None,
 ) -> TensorDict:
-    """Build a text record from per-row lists (what engines and workflows produce).
-
-    ``token_version``: the weights version of each response token (``Completion.versions``,
-    set in ``rollout.partial`` mode); the record gets a ``token_version [B, T]`` column
-    (-1 past the response) when every row has them."""
+    """A text record from per-row id, log-prob and loss-mask lists (``loss_mask`` None:
+    every response token is the policy's; a shorter mask leaves the rest out). Rows with
+    more per-token facts are built from token segments (:func:`build_rows`)."""
     n = len(prompt_ids)
     for name, value in (
         ("response_ids", response_ids),
@@ -133,21 +124,50 @@ def text_record(
     ):
         if len(value) != n:
             raise ValueError(f"text_record: {name} has {len(value)} rows, prompt_ids has {n}")
-    p_ids, p_mask = pad_left(prompt_ids, pad_id)
-    r_ids = pad_right(response_ids, pad_id, torch.long)
-    r_mask = pad_right([[1] * len(r) for r in response_ids], 0, torch.long)
-    l_mask = r_mask.clone() if loss_mask is None else pad_right(loss_mask, 0, torch.long)
-    if l_mask.shape != r_mask.shape or bool((l_mask > r_mask).any()):
+    masks = loss_mask if loss_mask is not None else [[1] * len(r) for r in response_ids]
+    if len(masks) != n or any(len(m) > len(r) for m, r in zip(masks, response_ids, strict=True)):
         raise ValueError("text_record: loss_mask must mark a subset of the response tokens")
+    responses = [
+        Tokens(list(r), list(lp), list(m) + [0] * (len(r) - len(m)))
+        for r, lp, m in zip(response_ids, rollout_logprobs, masks, strict=True)
+    ]
+    return _assemble(
+        [Tokens.given(p) for p in prompt_ids],
+        responses,
+        policy=policy,
+        uid=uid,
+        pad_id=pad_id,
+        agent_id=agent_id,
+        turn=turn,
+        node=node,
+        prompt_text=prompt_text,
+        response_text=response_text,
+        meta=meta,
+        truncated=truncated,
+    )
+
+
+def _assemble(
+    prompts: Sequence[Tokens],
+    responses: Sequence[Tokens],
+    *,
+    policy: Sequence[str],
+    uid: Sequence[int],
+    pad_id: int,
+    agent_id: Sequence[int] | None = None,
+    turn: Sequence[int] | None = None,
+    node: Sequence[int] | None = None,
+    prompt_text: Sequence[str] | None = None,
+    response_text: Sequence[str] | None = None,
+    meta: Sequence[dict] | None = None,
+    truncated: Sequence[bool] | None = None,
+) -> TensorDict:
+    """The record of rows' prompt and response segments and their per-row fields."""
+    n = len(prompts)
     zeros = [0] * n
     td = TensorDict(
         {
-            "prompt_ids": p_ids,
-            "prompt_mask": p_mask,
-            "response_ids": r_ids,
-            "response_mask": r_mask,
-            "loss_mask": l_mask,
-            "rollout_logprobs": pad_right(rollout_logprobs, 0.0, torch.float32),
+            **token_columns(prompts, responses, pad_id),
             "uid": torch.as_tensor(list(uid), dtype=torch.long),
             "agent_id": torch.as_tensor(list(agent_id or zeros), dtype=torch.long),
             "turn": torch.as_tensor(list(turn or zeros), dtype=torch.long),
@@ -158,11 +178,6 @@ def text_record(
         },
         batch_size=[n],
     )
-    known = [v for v in token_version if v is not None] if token_version is not None else []
-    if token_version is not None and len(known) == len(token_version):
-        if [len(v) for v in known] != [len(r) for r in response_ids]:
-            raise ValueError("text_record: token_version needs one version per response token")
-        td["token_version"] = pad_right(known, -1, torch.long)
     td["policy"] = _stack_non_tensor(list(policy))
     td["prompt_text"] = _stack_non_tensor(list(prompt_text or [""] * n))
     td["response_text"] = _stack_non_tensor(list(response_text or [""] * n))
@@ -284,25 +299,21 @@ def mark_invalid(td: TensorDict, rows: Sequence[int], errors: Sequence[str]) -> 
 @dataclass
 class Row:
     """One text row as a workflow collects it; :func:`build_rows` turns rows into the
-    record (the columns are those of :func:`text_record`, plus ``vision``).
+    record (the columns of :func:`text_record`, each token fact's, plus ``vision``).
 
-    ``loss_mask`` None: every response token is this row's policy's own. ``versions``:
-    each response token's weights version (``Completion.versions``; -1 for tokens the
-    policy did not sample); the record gets ``token_version`` when every row has them.
-    ``experts``: the experts each prompt then response token was routed to by the engine
-    (``Completion.experts``, ``[P + R, L, k]``, -1 unrecorded); the record gets
-    ``prompt_experts`` and ``response_experts`` when any row has them.
-    ``vision``: the row's joined images (the policy's log-prob pass reads them). ``error``:
-    recorded on the row, which leaves the update (never scored 0). ``pending``: kept out
-    of the update until a later part validates it (e.g. a credit that scores it).
+    ``prompt`` / ``response``: the row's token segments (:class:`~polyrl.core.segment.Tokens`):
+    a completion's ``prompt`` and ``tokens``, or a trajectory joined from sampled segments
+    and environment tokens; every fact they carry (loss mask, log-probs, weights
+    versions, MoE routing) becomes its column. ``vision``: the row's joined images (the
+    policy's log-prob pass reads them). ``error``: recorded on the row, which leaves the
+    update (never scored 0). ``pending``: kept out of the update until a later part
+    validates it (e.g. a credit that scores it).
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
+    prompt: Tokens
+    response: Tokens
     policy: str
     uid: int
-    loss_mask: list[int] | None = None
     agent_id: int = 0
     turn: int = 0
     node: int = 0
@@ -310,24 +321,9 @@ class Row:
     response_text: str = ""
     meta: dict = field(default_factory=dict)
     truncated: bool = False
-    versions: list[int] | None = None
     vision: Any = None
     error: str = ""
     pending: bool = False
-    experts: torch.Tensor | None = None
-
-
-def record_experts(rows: Sequence[Row]) -> dict[str, torch.Tensor] | None:
-    """The record's expert columns from rows' ``experts`` (None: no row has any)."""
-    if all(r.experts is None for r in rows):
-        return None
-    from polyrl.core.moe import record_columns
-
-    return record_columns(
-        [r.experts for r in rows],
-        [len(r.prompt_ids) for r in rows],
-        [len(r.response_ids) for r in rows],
-    )
 
 
 def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
@@ -335,14 +331,12 @@ def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
     ``pad_id``; errors marked, pending rows not valid, images in ``vision``."""
     if not rows:
         raise ValueError("build_rows: no rows (a rollout must produce at least one)")
-    record = text_record(
-        prompt_ids=[r.prompt_ids for r in rows],
-        response_ids=[r.response_ids for r in rows],
-        rollout_logprobs=[r.logprobs for r in rows],
+    record = _assemble(
+        [r.prompt for r in rows],
+        [r.response for r in rows],
         policy=[r.policy for r in rows],
         uid=[r.uid for r in rows],
         pad_id=pad_id,
-        loss_mask=[[1] * len(r.response_ids) if r.loss_mask is None else r.loss_mask for r in rows],
         agent_id=[r.agent_id for r in rows],
         turn=[r.turn for r in rows],
         node=[r.node for r in rows],
@@ -350,13 +344,9 @@ def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
         response_text=[r.response_text for r in rows],
         meta=[r.meta for r in rows],
         truncated=[r.truncated for r in rows],
-        token_version=[r.versions for r in rows],
     )
     if any(r.vision is not None for r in rows):
         set_strings(record, "vision", [r.vision for r in rows])
-    experts = record_experts(rows)
-    if experts is not None:
-        record.update(experts)
     pending = [i for i, r in enumerate(rows) if r.pending]
     if pending:
         record["valid"][torch.tensor(pending)] = False

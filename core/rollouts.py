@@ -259,7 +259,8 @@ class Ahead:
         if "token_version" not in record.keys():  # noqa: SIM118 (TensorDict)
             raise RuntimeError(
                 f"rollout.partial: workflow {type(s.workflow).__name__} gave no "
-                "token_version column (interfaces.RecordsTokenVersions)"
+                "token_version column: build its rows from the completions' token segments "
+                "(core/segment.py, record.build_rows)"
             )
         tv = record["token_version"]
         real = tv >= 0

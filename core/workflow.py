@@ -53,8 +53,6 @@ class Context:
 class SingleTurn:
     """One policy answers each prompt ``n`` times; one row per answer."""
 
-    token_versions = True  # interfaces.RecordsTokenVersions
-
     def __init__(self, ctx: Context, policy: str | None = None) -> None:
         name = policy or next(iter(ctx.policies))
         if name not in ctx.policies:
@@ -78,23 +76,20 @@ class SingleTurn:
 def completion_rows(
     policy: str, items: Sequence[PromptItem], outs: Sequence[Completion]
 ) -> list[Row]:
-    """One record row per completion of a single-turn call: the item's prompt, the
-    sampled ids, log-probs and versions (meta is the caller's)."""
+    """One record row per completion of a single-turn call: the completion's prompt and
+    sampled token segments (meta is the caller's)."""
     rows = []
     for o in outs:
         it = items[o.prompt_index]
         rows.append(
             Row(
-                list(it.prompt_ids),
-                list(o.token_ids),
-                list(o.logprobs),
+                o.prompt,
+                o.tokens,
                 policy,
                 it.uid,
                 prompt_text=it.prompt_text,
                 response_text=o.text,
                 truncated=o.finish_reason == "length",
-                versions=o.versions,
-                experts=o.experts,
             )
         )
     return rows

@@ -52,6 +52,7 @@ from typing import Annotated, Any
 from polyrl.core.builds import ensure_model
 from polyrl.core.engine import Completion, SamplingParams, text_requests
 from polyrl.core.registry import ENGINES
+from polyrl.core.segment import Tokens
 from polyrl.core.vllm_engine import VLLMEngine
 
 # vLLM's allowed values of max_lora_rank (vllm.config.lora.MaxLoRARanks).
@@ -229,11 +230,18 @@ class VLLMLoraEngine(VLLMEngine):
         decode, answers, start = self.tokenizer.decode, [], 0
         for idx in index:
             got = outs[start : start + len(idx)]
+            prompts = rows[start : start + len(idx)]
             start += len(idx)
             answers.append(
                 [
-                    Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
-                    for i, (ids, lps, reason) in zip(idx, got, strict=True)
+                    Completion(
+                        i,
+                        Tokens.given(prompt),
+                        Tokens.sampled(ids, lps),
+                        reason,
+                        decode(ids, skip_special_tokens=True),
+                    )
+                    for i, prompt, (ids, lps, reason) in zip(idx, prompts, got, strict=True)
                 ]
             )
         return answers

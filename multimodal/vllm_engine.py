@@ -43,6 +43,7 @@ from typing import Annotated, Any
 
 from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.registry import ENGINES
+from polyrl.core.segment import Tokens
 from polyrl.core.vllm_engine import VLLMEngine
 from polyrl.multimodal.forward import parts
 from polyrl.multimodal.vision import VisionInputs, recover_images
@@ -202,7 +203,13 @@ class VLLMVLEngine(VLLMEngine):
             self.sleep()
         decode = self.tokenizer.decode
         return [
-            Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
+            Completion(
+                i,
+                Tokens.given(requests[i].prompt),
+                Tokens.sampled(ids, lps),
+                reason,
+                decode(ids, skip_special_tokens=True),
+            )
             for i, (ids, lps, reason) in zip(index, outs, strict=True)
         ]
 

@@ -39,8 +39,6 @@ SHEET_PROMPTS = 32  # prompts drawn per evaluation sheet
 class VLSingleTurn:
     """One VL policy answers each image prompt ``n`` times; registered as ``vl_single_turn``."""
 
-    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
-
     def __init__(
         self,
         ctx: Context,

@@ -35,10 +35,7 @@ def _record(policy, seed: int = 0, n: int = 3, tokens: int = 6):
     """HF-engine samples of the test prompts, as build_rows makes the record."""
     ids = chat_ids(policy.tokenizer)
     outs = HFEngine(policy, seed=seed).generate(ids, SamplingParams(n=n, max_new_tokens=tokens))
-    rows = [
-        Row(ids[o.prompt_index], o.token_ids, o.logprobs, "main", o.prompt_index, experts=o.experts)
-        for o in outs
-    ]
+    rows = [Row(o.prompt, o.tokens, "main", o.prompt_index) for o in outs]
     return build_rows(rows, policy.tokenizer.pad_token_id), outs, ids
 
 
@@ -123,14 +120,16 @@ def test_engine_records_the_routing_computed_by_hand(moe_dir, one_thread):
     _, outs, ids = _record(policy, n=2)
     for o in outs:
         prompt = ids[o.prompt_index]
-        assert o.experts is not None and o.experts.dtype == torch.int8
-        assert o.experts.shape == (len(prompt) + len(o.token_ids), LAYERS, K)
+        assert (o.prompt + o.tokens).experts is not None and (
+            o.prompt + o.tokens
+        ).experts.dtype == torch.int8
+        assert (o.prompt + o.tokens).experts.shape == (len(prompt) + len(o.token_ids), LAYERS, K)
         hand = _hand_routing(policy.model, torch.tensor([prompt + o.token_ids]))
         fed = len(prompt) + len(o.token_ids) - 1  # the last token is never fed to the engine
         for layer in range(LAYERS):
-            got = o.experts[:fed, layer].long().sort(-1).values
+            got = (o.prompt + o.tokens).experts[:fed, layer].long().sort(-1).values
             assert torch.equal(got, hand[layer][:fed].sort(-1).values)
-        assert bool((o.experts[fed:] == -1).all())
+        assert bool(((o.prompt + o.tokens).experts[fed:] == -1).all())
 
 
 @pytest.mark.parametrize(
@@ -149,9 +148,9 @@ def test_replayed_pass_equals_engine_and_free_pass(moe_dir, one_thread, pack, sh
         b = free.logprobs(batch)[0]
     torch.testing.assert_close(a[mask], batch["rollout_logprobs"][mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    replayed.logprobs(batch)
+    routed = replayed.routed_logprobs(batch)
     metrics: dict = {}
-    replayed.router_loss(batch, AggInfo(), metrics)
+    replayed.router_loss(routed.router, batch, AggInfo(), metrics)
     assert metrics["moe/route_mismatch"] == [0.0]
     assert metrics["moe/route_mismatch_prompt"] == [0.0]
 
@@ -228,11 +227,11 @@ def test_aux_loss_and_load_by_hand(moe_dir, one_thread):
         moe_dir, moe=MoeConfig(aux_loss_coef=coef), pack=False, shared_prefix=False
     )
     batch, _, _ = _record(policy)
-    policy.logprobs(batch)
+    routed = policy.routed_logprobs(batch)
     metrics: dict = {}
     tokens = int(batch["loss_mask"].sum())
     agg = AggInfo(batch_num_tokens=2 * tokens)  # this micro-batch: half the mini-batch
-    loss = policy.router_loss(batch, agg, metrics)
+    loss = policy.router_loss(routed.router, batch, agg, metrics)
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -271,9 +270,9 @@ def test_route_mismatch_counts_the_tokens_recorded_otherwise(moe_dir, one_thread
         own = set(changed[i, t, 1].tolist())
         changed[i, t, 1] = torch.tensor([e for e in range(E) if e not in own][:K])
     batch["response_experts"] = changed
-    policy.logprobs(batch)
+    routed = policy.routed_logprobs(batch)
     metrics: dict = {}
-    policy.router_loss(batch, AggInfo(), metrics)
+    policy.router_loss(routed.router, batch, AggInfo(), metrics)
     assert metrics["moe/route_mismatch"][0] == pytest.approx(len(where) / int(recorded.sum()))
     assert metrics["moe/route_mismatch_prompt"][0] == 0.0
 
@@ -289,7 +288,8 @@ def test_record_columns_survive_concat_and_selection(moe_dir, one_thread):
         row = both[a.batch_size[0] + i]
         pm, rm = row["prompt_mask"].bool(), row["response_mask"].bool()
         assert torch.equal(
-            torch.cat([row["prompt_experts"][pm], row["response_experts"][rm]]), o.experts
+            torch.cat([row["prompt_experts"][pm], row["response_experts"][rm]]),
+            (o.prompt + o.tokens).experts,
         )
         assert bool((row["response_experts"][~rm] == -1).all())
         assert bool((row["prompt_experts"][~pm] == -1).all())

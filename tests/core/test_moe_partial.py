@@ -74,20 +74,20 @@ def test_partial_call_records_each_tokens_experts_from_its_version(tmp_path):
     spanning, before_differs = 0, 0
     for o in outs:
         prompt, fed = prompts[o.prompt_index], len(prompts[o.prompt_index]) + len(o.token_ids) - 1
-        assert o.versions is not None and o.experts is not None
-        want = _mixed_routing(model, states, prompt, o.token_ids, o.versions)
+        assert o.tokens.versions is not None and (o.prompt + o.tokens).experts is not None
+        want = _mixed_routing(model, states, prompt, o.token_ids, o.tokens.versions)
         assert want.shape[0] == fed
-        got = o.experts[:fed].long()
+        got = (o.prompt + o.tokens).experts[:fed].long()
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-        assert bool((o.experts[fed:] == -1).all())
-        if 0 in o.versions and 1 in o.versions:
+        assert bool(((o.prompt + o.tokens).experts[fed:] == -1).all())
+        if 0 in o.tokens.versions and 1 in o.tokens.versions:
             spanning += 1
             # what the new version alone would have chosen for the tokens the old one routed
             # (the prompt and the responses fed before the switch): not what was recorded
-            alone = _mixed_routing(model, states, prompt, o.token_ids, [1] * len(o.versions))
-            early = len(prompt) + o.versions.index(1) - 1
+            alone = _mixed_routing(model, states, prompt, o.token_ids, [1] * len(o.tokens.versions))
+            early = len(prompt) + o.tokens.versions.index(1) - 1
             before_differs += int(
                 (alone[:early].sort(-1).values != got[:early].sort(-1).values).any()
             )
-    assert spanning > 0, [o.versions for o in outs]  # the switch fell inside responses
+    assert spanning > 0, [o.tokens.versions for o in outs]  # the switch fell inside responses
     assert before_differs == spanning  # so the check above could tell the versions apart

@@ -246,7 +246,7 @@ def test_partial_call_takes_new_weights_between_steps(policy, engine):
     assert any(len(o.token_ids) > SWITCH for o in outs)
     for o, p in zip(outs, plain, strict=True):
         n = len(o.token_ids)
-        assert o.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        assert o.tokens.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
         assert o.token_ids[:SWITCH] == p.token_ids[:SWITCH]
     ref = CausalLMPolicy(
         "ref", PolicyConfig(model=policy.cfg.model), total_steps=1, need_reference=False
@@ -254,7 +254,7 @@ def test_partial_call_takes_new_weights_between_steps(policy, engine):
     states = {0: original, 1: new}
     gaps = torch.cat(
         [
-            mixed_logprobs(ref, states, ids[o.prompt_index], o.token_ids, o.versions)
+            mixed_logprobs(ref, states, ids[o.prompt_index], o.token_ids, o.tokens.versions)
             - torch.tensor(o.logprobs)
             for o in outs
         ]
@@ -308,7 +308,7 @@ def test_auto_engine_probe_times_both_and_leaves_the_stream_untouched(policy):
     """``engine.name: auto`` with ``probe: true`` times both engines on CPU and keeps the
     faster one; the probe's samples do not advance the kept engine's stream. (Last in the
     module: it builds a second vLLM engine.)"""
-    from polyrl.core.engine import AutoEngine
+    from polyrl.core.vllm_engine import AutoEngine
 
     eng = AutoEngine(
         policy,

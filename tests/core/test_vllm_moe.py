@@ -51,13 +51,15 @@ def _check(policy, prompts, outs) -> float:
     for o in outs:
         p = prompts[o.prompt_index]
         n = len(p) + len(o.token_ids)
-        assert o.experts is not None and o.experts.dtype == torch.int8
-        assert o.experts.shape == (n, LAYERS, K)
-        assert bool((o.experts[-1] == -1).all())
-        fed = o.experts[:-1].long()
+        assert (o.prompt + o.tokens).experts is not None and (
+            o.prompt + o.tokens
+        ).experts.dtype == torch.int8
+        assert (o.prompt + o.tokens).experts.shape == (n, LAYERS, K)
+        assert bool(((o.prompt + o.tokens).experts[-1] == -1).all())
+        fed = (o.prompt + o.tokens).experts[:-1].long()
         assert bool(((fed >= 0) & (fed < E)).all())
         assert bool((fed[..., 0] != fed[..., 1]).all())
-        logp, own = replayed(policy.model, p + o.token_ids, o.experts)
+        logp, own = replayed(policy.model, p + o.token_ids, (o.prompt + o.tokens).experts)
         want = logp[torch.arange(len(p) - 1, n - 1), torch.tensor(o.token_ids)]
         worst = max(
             worst, float((torch.tensor(o.logprobs, dtype=torch.float64) - want).abs().max())
@@ -83,5 +85,5 @@ def test_vllm_records_experts_in_a_partial_call(policy, engine):
         outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6))
     finally:
         engine.set_refresh(None)
-    assert all(o.versions == [0] * len(o.token_ids) for o in outs)
+    assert all(o.tokens.versions == [0] * len(o.token_ids) for o in outs)
     assert _check(policy, prompts, outs) > 0.95

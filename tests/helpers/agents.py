@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from polyrl.core.engine import Completion, as_requests
+from polyrl.core.segment import Tokens
 
 GRID = ["S.H", "...", "H.G"]  # start top-left, goal bottom-right
 
@@ -55,7 +56,11 @@ class ScriptedEngine:
                 logps = [base - 1e-6 * k for k in range(len(ids))]
                 outs.append(
                     Completion(
-                        i, ids, logps, reason, self.tokenizer.decode(ids, skip_special_tokens=True)
+                        i,
+                        Tokens.given(request.prompt),
+                        Tokens.sampled(ids, logps),
+                        reason,
+                        self.tokenizer.decode(ids, skip_special_tokens=True),
                     )
                 )
         self.calls.append(([r.prompt for r in requests], params, outs))

@@ -161,14 +161,14 @@ def test_engine_top_logprobs_are_the_models_likeliest(family_dir, vl_rows, one_t
         [Request(list(item.prompt_ids), vision=v)],
         SamplingParams(max_new_tokens=4, top_logprobs=3),
     )
-    assert out.top_logprobs is not None and len(out.top_logprobs) == len(out.token_ids)
+    assert out.tokens.top is not None and len(out.tokens.top) == len(out.token_ids)
     ids = torch.tensor([list(item.prompt_ids) + out.token_ids])
     with torch.no_grad():
         logits = forward.vl_forward(
             policy.model, ids, torch.ones_like(ids), [v], logits_to_keep=len(out.token_ids) + 1
         )[0]
     want = torch.log_softmax(logits[0, :-1].float(), -1).topk(3, -1)
-    for k, (top_ids, top_lps) in enumerate(out.top_logprobs):
+    for k, (top_ids, top_lps) in enumerate(out.tokens.top):
         assert torch.allclose(torch.tensor(top_lps), want.values[k], atol=1e-4)
         if float((want.values[k][:-1] - want.values[k][1:]).min()) > 1e-3:  # no near-ties
             assert top_ids == want.indices[k].tolist()
