@@ -28,6 +28,8 @@ from typing import (
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.router_terms import RoutedPass, RouterTerms
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -79,6 +81,8 @@ class Policy(Protocol):
     """
 
     name: str
+    cfg: Any  # its policies.<name> entry (core.policy.PolicyConfig)
+    device: torch.device  # where it trains
     model: torch.nn.Module
     tokenizer: Any
     optimizer: torch.optim.Optimizer | None  # None: a frozen policy (train: false)
@@ -325,13 +329,19 @@ class PacksRows(Protocol):
 @runtime_checkable
 class RoutesExperts(Protocol):
     """A policy whose model may route tokens to experts (mixture of experts, core/moe.py).
-    After each update pass the trainer adds ``router_loss`` to the loss: the load-balancing
-    term of that pass over ``batch`` (the micro-batch), weighted by its share of the
-    mini-batch ``agg`` describes, 0.0 when off or dense; the policy appends its router
-    metrics (expert load, engine/trainer routing mismatch, the aux loss) to ``metrics``."""
+    Its update passes are ``routed_logprobs``: the log-probs with the pass's own routing
+    (:class:`~polyrl.core.router_terms.RoutedPass`; ``router`` None when dense). The trainer
+    adds ``router_loss(router, batch, agg, metrics)`` to the loss: the load-balancing term
+    of that pass over ``batch`` (the micro-batch), weighted by its share of the mini-batch
+    ``agg`` describes, 0.0 when off; the policy appends its router metrics (expert load,
+    engine/trainer routing mismatch, the aux loss) to ``metrics``."""
+
+    def routed_logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RoutedPass: ...
 
     def router_loss(
-        self, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]
+        self, router: RouterTerms, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]
     ) -> torch.Tensor | float: ...
 
 

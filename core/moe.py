@@ -39,9 +39,8 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import NONNEGATIVE, UserError, doc
+from polyrl.core.router_terms import PROMPT, RESPONSE, RouterTerms
 
-# token kinds in a plan's ``where``: padding or packing filler, prompt, response
-PAD, PROMPT, RESPONSE = 0, 1, 2
 EXPERT_COLUMNS = ("prompt_experts", "response_experts")
 
 
@@ -101,9 +100,10 @@ class Routing:
     order, -1 rows unrecorded) and kinds (``where`` [N]: PAD, PROMPT, RESPONSE). With
     ``replay`` each recorded token is routed to its recorded experts. Per step the hooks
     keep each layer's own top-k (the router's choice, before replay), the experts used and,
-    with ``keep_logits``, the router logits (with their graph, for the loss). Hooks act
-    only in the thread that opened them (an engine in a background thread may share the
-    module).
+    with ``keep_logits``, the router logits (with their graph, for the loss); an engine
+    takes each step's experts (:meth:`take`), a log-prob pass hands all its steps to its
+    caller (:meth:`terms`). Hooks act only in the thread that opened them (an engine in a
+    background thread may share the module).
     """
 
     def __init__(
@@ -182,89 +182,11 @@ class Routing:
         step = self.steps.pop()
         return torch.stack(step["used"], 1)
 
-    # --- the trainer's terms ---------------------------------------------------------------
-    def _pooled(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Over every step: own and used experts [T, L, k] and recorded ones (None if no step
-        had any) of the real tokens, and their kinds [T]."""
-        own, used, rec, kinds = [], [], [], []
-        for step in self.steps:
-            experts, where = step["plan"]
-            o, u = torch.stack(step["own"], 1), torch.stack(step["used"], 1)
-            w = (
-                torch.ones(o.shape[0], dtype=torch.long, device=o.device)
-                if where is None
-                else where
-            )
-            real = w.to(o.device) > PAD
-            own.append(o[real])
-            used.append(u[real])
-            kinds.append(w.to(o.device)[real])
-            if experts is not None:
-                rec.append(experts.to(o.device)[real].to(self.dtype))
-            else:
-                rec.append(torch.full_like(o[real], -1))
-        recorded = torch.cat(rec) if any(bool((r >= 0).any()) for r in rec) else None
-        return torch.cat(own), torch.cat(used), recorded, torch.cat(kinds)
-
-    def aux_loss(self) -> torch.Tensor:
-        """Switch Transformer's load-balancing loss for top-k, over the real tokens of every
-        step: per MoE layer ``E * sum_e f_e * P_e``, with ``f_e`` the share of the layer's
-        ``k * T`` token-expert assignments that went to expert e (as routed, replayed or
-        not) and ``P_e`` the mean router probability of e; averaged over layers. 1 for a
-        uniform router; the gradient flows through ``P``. (transformers'
-        ``load_balancing_loss_func`` pools the layers and sums the k slots: k at balance.)"""
-        if not self.keep_logits:
-            raise RuntimeError("Routing.aux_loss needs keep_logits=True")
-        per_layer = []
-        for layer in range(self.num_layers):
-            probs, counts = [], []
-            for step in self.steps:
-                where = step["plan"][1]
-                logits = step["logits"][layer]
-                real = (
-                    torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-                    if where is None
-                    else where.to(logits.device) > PAD
-                )
-                probs.append(torch.softmax(logits[real].float(), -1))
-                used = step["used"][layer][real].long()
-                counts.append(torch.nn.functional.one_hot(used, self.num_experts).sum((0, 1)))
-            p = torch.cat(probs).mean(0)
-            f = torch.stack(counts).sum(0).float()
-            f = f / f.sum().clamp(min=1)
-            per_layer.append(self.num_experts * (f * p).sum())
-        return torch.stack(per_layer).mean()
-
-    def metrics(self) -> dict[str, float]:
-        """Router metrics of the steps: per layer the busiest expert's load relative to a
-        balanced one (``moe/load_max/l<i>``: E * max_e f_e, 1 = balanced; each expert's share
-        ``moe/load/l<i>/e<j>`` too when there are at most 64 of them in all), and where
-        experts were recorded the share of response (and prompt) tokens whose own top-k set
-        differs from the recorded one in at least one layer (``moe/route_mismatch``,
-        ``moe/route_mismatch_prompt``)."""
-        if not self.steps:
-            return {}
-        own, used, recorded, kinds = self._pooled()
-        out: dict[str, float] = {}
-        e = self.num_experts
-        for layer in range(self.num_layers):
-            counts = torch.bincount(used[:, layer].reshape(-1).long(), minlength=e)[:e].float()
-            share = counts / counts.sum().clamp(min=1)
-            out[f"moe/load_max/l{layer}"] = float(e * share.max())
-            if self.num_layers * e <= 64:
-                for j in range(e):
-                    out[f"moe/load/l{layer}/e{j}"] = float(share[j])
-        if recorded is not None:
-            has = (recorded >= 0).all(-1).all(-1)  # tokens recorded in every layer
-            differs = (own.sort(-1).values != recorded.sort(-1).values).any(-1).any(-1)
-            for name, kind in (
-                ("moe/route_mismatch", RESPONSE),
-                ("moe/route_mismatch_prompt", PROMPT),
-            ):
-                sel = has & (kinds == kind)
-                if bool(sel.any()):
-                    out[name] = float(differs[sel].float().mean())
-        return out
+    def terms(self) -> RouterTerms:
+        """What the forwards so far leave for the trainer's router loss and metrics: every
+        step, as the pass's own value (the hooks keep nothing after this)."""
+        steps, self.steps = self.steps, []
+        return RouterTerms(steps, self.num_layers, self.num_experts, self.dtype, self.keep_logits)
 
 
 # --- the engine side -------------------------------------------------------------------------

@@ -15,18 +15,20 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Unpack, cast
+from typing import Any, ClassVar, Literal, Unpack, cast
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core import moe, prefix
+from polyrl.core.algorithms import AggInfo
 from polyrl.core.builds import ensure_model
 from polyrl.core.config import NONNEGATIVE, ConfigError, doc, doc_factory
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.passes import packs, prefix_units, response_logprobs, shares
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
+from polyrl.core.router_terms import RoutedPass, RouterTerms
 
 
 @dataclass
@@ -183,9 +185,10 @@ def lr_lambda(cfg: OptimConfig, total_steps: int):
 class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
-    # class defaults, so kinds that build their model without this __init__ keep them
+    # its passes route experts: moe options are honoured (check_moe_options)
+    routes_experts: ClassVar[bool] = True
+    # a class default, so kinds that build their model without this __init__ keep it
     is_moe = False  # the model routes tokens to experts (set from the model in __init__)
-    _routing: moe.Routing | None = None  # the last pass with gradients (router_loss)
 
     def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForCausalLM
@@ -228,11 +231,27 @@ class CausalLMPolicy:
     def logprobs(
         self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._pass(batch, temperature, with_entropy, keep_logits=False)
+        return out.logprobs, out.entropy
+
+    def routed_logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RoutedPass:
+        """interfaces.RoutesExperts: :meth:`logprobs` with the pass's routing (MoE models:
+        its :class:`~polyrl.core.router_terms.RouterTerms`, the router logits kept with
+        their graph when gradients are on), what :meth:`router_loss` takes."""
+        if not self.is_moe:  # dense, or a kind with a pass of its own that does not route
+            return RoutedPass(*self.logprobs(batch, temperature, with_entropy))
+        return self._pass(batch, temperature, with_entropy, keep_logits=torch.is_grad_enabled())
+
+    def _pass(
+        self, batch: TensorDict, temperature: float, with_entropy: bool, *, keep_logits: bool
+    ) -> RoutedPass:
         pack = packs(self.model, self.cfg.pack)
         batch = to_device(batch, self.device)
-        routing = self._routing = self.open_routing(batch)
+        routing = self.open_routing(batch, keep_logits)
         with routing or contextlib.nullcontext():
-            return response_logprobs(
+            logp, ent = response_logprobs(
                 self.model,
                 batch,
                 temperature,
@@ -243,38 +262,45 @@ class CausalLMPolicy:
                 min_shared=self.cfg.shared_prefix_min_tokens,
                 routing=routing,
             )
+        return RoutedPass(logp, ent, None if routing is None else routing.terms())
 
-    def open_routing(self, batch: TensorDict) -> moe.Routing | None:
+    def open_routing(self, batch: TensorDict, keep_logits: bool = False) -> moe.Routing | None:
         """MoE models: the :class:`~polyrl.core.moe.Routing` of a log-prob pass over
         ``batch`` (replaying the record's experts under ``moe.replay: rollout``; keeping
-        the router logits for :meth:`router_loss` when gradients are on); None if dense.
+        the router logits for :meth:`router_loss` with ``keep_logits``); None if dense.
         Rows no engine sampled (a warm start's data: no experts, no advantages) route
         freely; a rollout record without experts is an error under replay."""
         if not self.is_moe:
             return None
         replay = self.cfg.moe.replay == "rollout"
-        routing = moe.Routing(self.model, replay=replay, keep_logits=torch.is_grad_enabled())
+        routing = moe.Routing(self.model, replay=replay, keep_logits=keep_logits)
         if replay and (moe.has_experts(batch) or "advantages" in batch.keys()):  # noqa: SIM118
             moe.check_replay(self.name, batch, routing)  # an RL record must have them
         return routing
 
-    def router_loss(self, batch: TensorDict, agg: Any, metrics: dict[str, list[float]]):
-        """interfaces.RoutesExperts: the load-balancing loss of the last pass with gradients
-        (``batch``), weighted by the micro-batch's share of the mini-batch's loss tokens so
-        micro-batches sum to the mini-batch's value (0.0 when ``moe.aux_loss_coef`` is 0 or
-        the model is dense); its router metrics and ``moe/aux_loss`` go to ``metrics``."""
-        routing, self._routing = self._routing, None
-        if routing is None or not routing.keep_logits:
+    def router_loss(
+        self,
+        router: RouterTerms,
+        batch: TensorDict,
+        agg: AggInfo,
+        metrics: dict[str, list[float]],
+    ) -> torch.Tensor | float:
+        """interfaces.RoutesExperts: the load-balancing loss of the pass over ``batch`` (the
+        micro-batch) whose routing is ``router`` (:meth:`routed_logprobs`), weighted by the
+        micro-batch's share of the mini-batch's loss tokens so micro-batches sum to the
+        mini-batch's value (0.0 when ``moe.aux_loss_coef`` is 0 or the pass kept no router
+        logits); its router metrics and ``moe/aux_loss`` go to ``metrics``."""
+        if not router.keep_logits:
             return 0.0
-        for key, value in routing.metrics().items():
+        for key, value in router.metrics().items():
             metrics.setdefault(key, []).append(value)
         coef = self.cfg.moe.aux_loss_coef
         with contextlib.nullcontext() if coef else torch.no_grad():
-            aux = routing.aux_loss()
+            aux = router.aux_loss()
         metrics.setdefault("moe/aux_loss", []).append(float(aux.detach()))
         if not coef:
             return 0.0
-        total = getattr(agg, "batch_num_tokens", None)
+        total = agg.batch_num_tokens
         share = float(batch["loss_mask"].sum()) * agg.dp_size / total if total else 1.0
         return coef * share * aux
 
@@ -335,6 +361,25 @@ class CausalLMPolicy:
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def check_moe_options(
+    name: str, cfg: PolicyConfig, source: str = "<config>", kind: Any = None
+) -> None:
+    """``moe`` options on a policy kind whose passes cannot route experts fail at config
+    time, naming the key: a kind routes them when its class says ``routes_experts = True``
+    (causal_lm, lora_agent); a kind with a pass of its own (qwen_vl) or no token routers
+    at all (diffusion) does not. ``kind``: the kind's class (default: ``cfg.kind``'s); a
+    kind registered as a factory is not checked here."""
+    asked = cfg.moe.replay != "off" or cfg.moe.aux_loss_coef != 0
+    cls = kind or (POLICIES.get(cfg.kind) if cfg.kind in POLICIES else None)
+    if asked and isinstance(cls, type) and not getattr(cls, "routes_experts", False):
+        raise ConfigError(
+            f"policies.{name}.moe (replay: {cfg.moe.replay}, aux_loss_coef: "
+            f"{cfg.moe.aux_loss_coef}) in {source}: the {cfg.kind} policy kind does not "
+            "route experts in its passes (no routing replay, no load-balancing loss); "
+            "remove the moe options"
+        )
 
 
 def check_moe(name: str, cfg: PolicyConfig, model: torch.nn.Module) -> bool:

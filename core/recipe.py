@@ -19,7 +19,7 @@ from polyrl.core.interfaces import (
     Workflow,
 )
 from polyrl.core.loggers import LoggerName, check_loggers
-from polyrl.core.policy import PolicyConfig, resolve_device
+from polyrl.core.policy import PolicyConfig, check_moe_options, resolve_device
 from polyrl.core.registry import (
     BACKENDS,
     CREDIT,
@@ -221,6 +221,7 @@ class Config:
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
+            check_moe_options(name, p, source)
             POLICIES.check(p.kind)
             if p.max_tokens_per_micro_batch is not None and not _packs_rows(p.kind):
                 raise ConfigError(

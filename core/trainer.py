@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -40,10 +40,11 @@ from tensordict import TensorDict
 
 from polyrl.core.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.correction import Mismatch, RolloutCorrection, weights
-from polyrl.core.interfaces import OwnsKL, PacksRows, RoutesExperts
+from polyrl.core.interfaces import OwnsKL, PacksRows, Policy, RoutesExperts, UpdatesTogether
 from polyrl.core.passes import pack_rows
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
+from polyrl.core.router_terms import RouterTerms
 from polyrl.core.timeline import span
 
 
@@ -116,7 +117,7 @@ def _rank_micro_batches(
 
 @torch.no_grad()
 def _per_row(
-    fn,
+    fn: Callable[[TensorDict], torch.Tensor],
     batch: TensorDict,
     size: int,
     dp: tuple[int, int] | None,
@@ -146,7 +147,7 @@ def _in_row_order(parts: list) -> torch.Tensor:
     return torch.empty_like(local).index_copy_(0, rows.to(local.device), local)
 
 
-def _token_budget(policy):
+def _token_budget(policy: Policy) -> Callable[[TensorDict], tuple | None]:
     """``batch -> (tokens per row, budget) or None``: the policy's token budget when its
     passes are packed (:class:`~polyrl.core.interfaces.PacksRows`), else row counts."""
     if isinstance(policy, PacksRows):
@@ -166,18 +167,21 @@ def _rows_with_signal(batch: TensorDict) -> tuple[TensorDict, int]:
     return batch[keep], int((~keep).sum())
 
 
-def _step(policy, stats: dict) -> None:
+def _step(policy: Policy, stats: dict) -> None:
     """Clip, guard against non-finite gradients, step. A bad step leaves weights untouched."""
-    params = [p for g in policy.optimizer.param_groups for p in g["params"]]
+    optimizer = policy.optimizer
+    if optimizer is None:
+        raise ValueError(f"policy {policy.name!r} is frozen (train: false): nothing to step")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     max_norm = policy.cfg.optim.max_grad_norm
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     if not torch.isfinite(norm):
-        policy.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         stats["skipped_nonfinite"] += 1
         return
-    policy.optimizer.step()
+    optimizer.step()
     policy.scheduler.step()
-    policy.optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     stats["grad_norm"].append(float(norm))
 
 
@@ -187,7 +191,7 @@ class _Run:
     statistics its metrics are made of (shared by :func:`update` and
     :func:`update_together`)."""
 
-    policy: Any
+    policy: Policy
     batch: TensorDict
     algo: AlgorithmConfig
     temperature: float
@@ -217,7 +221,7 @@ class _Run:
     def n(self) -> int:
         return self.batch.batch_size[0]
 
-    def micro_batches(self, mini_batch: TensorDict):
+    def micro_batches(self, mini_batch: TensorDict) -> Iterator[tuple[TensorDict, bool]]:
         """(micro-batch, is_real) pairs of a mini-batch, by the policy's own size or budget."""
         size = self.policy.cfg.micro_batch_size
         return _rank_micro_batches(
@@ -225,7 +229,15 @@ class _Run:
         )
 
 
-def _prepare(policy, batch, algo, temperature, dp, correction, terms=None) -> _Run | None:
+def _prepare(
+    policy: Policy,
+    batch: TensorDict,
+    algo: AlgorithmConfig,
+    temperature: float,
+    dp: tuple[int, int] | None,
+    correction: str | None,
+    terms: dict[str, torch.Tensor] | None = None,
+) -> _Run | None:
     """The rows on the policy's device with the old and reference terms the loss needs
     (see :func:`update`); None when there is nothing to update. ``terms``: those terms
     already computed (``old_logprobs``, ``ref_logprobs``: :func:`update_together`'s shared
@@ -251,14 +263,17 @@ def _prepare(policy, batch, algo, temperature, dp, correction, terms=None) -> _R
                 )
     # a policy may compute the recipe's KL estimator itself (OwnsKL): the reference terms
     # it needs (e.g. means) are stored where ref_logprobs would be
-    owns_kl = (
-        algo.kl_coef > 0
+    kl_policy = (
+        policy
+        if algo.kl_coef > 0
         and isinstance(policy, OwnsKL)
         and algo.kl_estimator in policy.kl_estimators
+        else None
     )
-    if owns_kl:
+    owns_kl = kl_policy is not None
+    if kl_policy is not None:
         batch["ref_logprobs"] = _per_row(
-            lambda mb: policy.reference_terms(mb, temperature, algo.kl_estimator),
+            lambda mb: kl_policy.reference_terms(mb, temperature, algo.kl_estimator),
             batch,
             mb_size,
             dp,
@@ -322,24 +337,44 @@ def _mini_batch(run: _Run, rows: torch.Tensor) -> tuple[TensorDict, AggInfo]:
     return mini_batch, agg
 
 
-def _forward(run: _Run, mb: TensorDict):
-    """(log-probs, entropy, KL terms or None) of a micro-batch through the policy alone."""
+def _forward(
+    run: _Run, mb: TensorDict
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, RouterTerms | None]:
+    """(log-probs, entropy, KL terms or None, the pass's routing or None) of a micro-batch
+    through the policy alone."""
     policy, algo = run.policy, run.algo
     if run.owns_kl:
-        return policy.logprobs_and_kl(
-            mb,
-            run.temperature,
-            with_entropy=run.want_entropy,
-            estimator=algo.kl_estimator,
-            reference=mb["ref_logprobs"],
+        assert isinstance(policy, OwnsKL)  # run.owns_kl says so
+        return (
+            *policy.logprobs_and_kl(
+                mb,
+                run.temperature,
+                with_entropy=run.want_entropy,
+                estimator=algo.kl_estimator,
+                reference=mb["ref_logprobs"],
+            ),
+            None,
         )
+    if isinstance(policy, RoutesExperts):  # MoE: the pass hands back its routing
+        out = policy.routed_logprobs(mb, run.temperature, with_entropy=run.want_entropy)
+        return out.logprobs, out.entropy, None, out.router
     logp, ent = policy.logprobs(mb, run.temperature, with_entropy=run.want_entropy)
-    return logp, ent, None
+    return logp, ent, None, None
 
 
-def _micro_loss(run: _Run, mb, real, agg, logp, ent, kl_tokens) -> torch.Tensor:
+def _micro_loss(
+    run: _Run,
+    mb: TensorDict,
+    real: bool,
+    agg: AggInfo,
+    logp: torch.Tensor,
+    ent: torch.Tensor | None,
+    kl_tokens: torch.Tensor | None,
+    router: RouterTerms | None = None,
+) -> torch.Tensor:
     """A micro-batch's loss from its log-probs, divided by the mini-batch totals ``agg``;
-    a real micro-batch's metrics are recorded (a stand-in's are not)."""
+    a real micro-batch's metrics are recorded (a stand-in's are not). ``router``: the
+    routing of the pass that gave ``logp`` (MoE), for the load-balancing loss."""
     algo, corr, level, stats = run.algo, run.corr, run.level, run.stats
     mask = mb["loss_mask"].float()
     if ent is not None and algo.entropy_coef == 0:
@@ -362,8 +397,8 @@ def _micro_loss(run: _Run, mb, real, agg, logp, ent, kl_tokens) -> torch.Tensor:
         run.kl_sum += float(kl.detach()) if real else 0.0
     if ent is not None and algo.entropy_coef > 0:
         loss = loss - algo.entropy_coef * aggregate(ent, mask, agg)
-    if isinstance(run.policy, RoutesExperts):  # MoE: load balancing, router metrics
-        loss = loss + run.policy.router_loss(mb, agg, run.extra if real else {})
+    if router is not None and isinstance(run.policy, RoutesExperts):  # MoE: load balancing
+        loss = loss + run.policy.router_loss(router, mb, agg, run.extra if real else {})
     if ent is not None and real:  # a metric: the mean over trained tokens
         stats["entropy_sum"] += float((ent.detach() * mask).sum())
         stats["entropy_tokens"] += float(mask.sum())
@@ -399,7 +434,7 @@ def _metrics(run: _Run) -> dict[str, float]:
 
 
 def update(
-    policy,
+    policy: Policy,
     batch: TensorDict,
     algo: AlgorithmConfig,
     *,
@@ -435,7 +470,7 @@ def update(
 
 
 def update_together(
-    policies: list,
+    policies: Sequence[Policy],
     batches: list[TensorDict],
     algo: AlgorithmConfig,
     *,
@@ -463,8 +498,10 @@ def update_together(
         for i, (p, b) in enumerate(zip(policies, batches, strict=True))
         if b.batch_size[0] and p.optimizer is not None
     ]
-    if trained and not isinstance(policies[trained[0]], OwnsKL):
-        first = policies[trained[0]]
+    first = policies[trained[0]] if trained else None
+    if first is not None and not isinstance(first, OwnsKL):
+        if not isinstance(first, UpdatesTogether):
+            raise ValueError(f"update_together: policy {first.name!r} is not UpdatesTogether")
         some = ([policies[i] for i in trained], [batches[i] for i in trained])
         wanted = {}
         if not (algo.ppo_epochs == 1 and algo.minibatches == 1):
@@ -499,7 +536,12 @@ def update_together(
                 plans.append((r, agg, [mb for mb, _ in r.micro_batches(mini_batch)]))
             for k in range(max((len(mbs) for _, _, mbs in plans), default=0)):
                 group = [(r, agg, mbs[k]) for r, agg, mbs in plans if k < len(mbs)]
-                outs = group[0][0].policy.logprobs_together(
+                lead = group[0][0].policy
+                if not isinstance(lead, UpdatesTogether):
+                    raise ValueError(
+                        f"update_together: policy {lead.name!r} is not UpdatesTogether"
+                    )
+                outs = lead.logprobs_together(
                     [r.policy for r, _, _ in group],
                     [mb for _, _, mb in group],
                     temperature,
@@ -519,7 +561,11 @@ def update_together(
     return [_metrics(r) if r is not None else {} for r in runs]
 
 
-def _terms_together(policies: list, batches: list[TensorDict], fn) -> list[torch.Tensor]:
+def _terms_together(
+    policies: Sequence[Policy],
+    batches: Sequence[TensorDict],
+    fn: Callable[[list[Policy], list[TensorDict]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
     """Per-row terms of every policy's rows (as :func:`_per_row` computes them for each
     alone: its own micro-batches, by size or token budget) with micro-batch ``k`` of every
     policy in ONE call ``fn(policies, micro_batches) -> [per-row tensor]``."""
@@ -539,7 +585,9 @@ def _terms_together(policies: list, batches: list[TensorDict], fn) -> list[torch
     return [_in_row_order(got) for got in parts]
 
 
-def sft_update(policy, batch: TensorDict, dp: tuple[int, int] | None = None) -> dict[str, float]:
+def sft_update(
+    policy: Policy, batch: TensorDict, dp: tuple[int, int] | None = None
+) -> dict[str, float]:
     """Cross-entropy on the masked response tokens, through the same micro-batching."""
     batch = to_device(batch, policy.device)
     agg = _agg_info(batch, "token-mean", dp=dp)

@@ -47,6 +47,7 @@ from polyrl.core.policy import (
 )
 from polyrl.core.record import concat, to_device
 from polyrl.core.registry import POLICIES
+from polyrl.core.router_terms import RoutedPass
 
 
 @dataclass
@@ -170,22 +171,26 @@ class LoraAgentPolicy:
         return twin
 
     # --- what the trainer calls -------------------------------------------------------
-    _routing = None  # an MoE base: the last pass with gradients, for router_loss
     # MoE routing as a causal_lm's: replay of the record's experts in the passes
     # (moe.replay), the load-balancing loss and router metrics (interfaces.RoutesExperts)
+    routes_experts = True  # moe options are honoured (core.policy.check_moe_options)
+    is_moe = False  # set from the base in __init__
+    logprobs = CausalLMPolicy.logprobs
+    routed_logprobs = CausalLMPolicy.routed_logprobs
     open_routing = CausalLMPolicy.open_routing
     router_loss = CausalLMPolicy.router_loss
 
-    def logprobs(
-        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pass(
+        self, batch: TensorDict, temperature: float, with_entropy: bool, *, keep_logits: bool
+    ) -> RoutedPass:
         model = self.model
         batch = to_device(batch, self.device)
-        routing = self._routing = self.open_routing(batch)
+        routing = self.open_routing(batch, keep_logits)
         with routing or contextlib.nullcontext():
-            return response_logprobs(
+            logp, ent = response_logprobs(
                 model, batch, temperature, with_entropy, **self._layout(True), routing=routing
             )
+        return RoutedPass(logp, ent, None if routing is None else routing.terms())
 
     @torch.no_grad()
     def ref_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:

@@ -28,10 +28,15 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.builds import ensure_model
-from polyrl.core.config import ConfigError, doc
+from polyrl.core.config import doc
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig, prepare_for_training
+from polyrl.core.policy import (
+    CausalLMPolicy,
+    PolicyConfig,
+    check_moe_options,
+    prepare_for_training,
+)
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.multimodal import forward, turns, vision
@@ -108,15 +113,12 @@ class QwenVLPolicy(CausalLMPolicy):
     """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
     default); see the module docstring for its options."""
 
+    routes_experts = False  # its own pass routes no experts: moe options are refused
+
     def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForImageTextToText
 
-        if cfg.moe.replay != "off" or cfg.moe.aux_loss_coef != 0:  # before any weights load
-            raise ConfigError(
-                f"policies.{name}.moe (replay: {cfg.moe.replay}, aux_loss_coef: "
-                f"{cfg.moe.aux_loss_coef}): the qwen_vl policy kind does not route experts in "
-                "its passes (no routing replay, no load-balancing loss); remove the moe options"
-            )
+        check_moe_options(name, cfg, kind=type(self))  # config built in code: before loading
         self.name, self.cfg = name, cfg
         self.device = torch.device(build.get("device") or "cpu")
         # typed by the recipe; bound here too for a config built in code
@@ -138,7 +140,6 @@ class QwenVLPolicy(CausalLMPolicy):
             forward.parts(model).visual.requires_grad_(False)
         self.need_reference = build["need_reference"]
         self.reference_warmed = False  # a warm start has not moved the reference yet
-        self._routing = None  # CausalLMPolicy.router_loss: no MoE routing in this pass
         self.model, self.reference, self.optimizer, self.scheduler = prepare_for_training(
             model,
             cfg,
