@@ -426,7 +426,7 @@ def test_text_built_token_by_token_is_the_whole_decode(byte_tokenizer, grid_toke
     after every token: multi-byte text fed one byte-symbol per token, and random ids."""
     import random
 
-    from polyrl.agents.gateway_stream import Reply
+    from polyrl.agents.gateway.stream import Reply
     from tests.helpers.agents import ScriptedEngine
 
     class Req:

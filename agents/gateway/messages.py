@@ -15,22 +15,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from polyrl.agents.gateway_requests import (
+from polyrl.agents.gateway.api import ApiContext
+from polyrl.agents.gateway.episodes import Call, Choice, EpisodeState
+from polyrl.agents.gateway.errors import RequestError
+from polyrl.agents.gateway.requests import (
     Request,
-    RequestError,
     check_count,
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway_stream import Live, Reply, entry, failure, piece, unsent
-from polyrl.agents.gateway_tokens import join_think, logprob_entries, split_think
-
-if TYPE_CHECKING:
-    from polyrl.agents.gateway_server import Call, EpisodeState, GatewayServer
+from polyrl.agents.gateway.stream import Reply, entry, piece
+from polyrl.agents.gateway.tokens import join_think, logprob_entries, split_think
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 KINDS = {
@@ -43,7 +42,7 @@ KINDS = {
 }
 
 
-def error_body(e: RequestError) -> dict:
+def error_body(e: RequestError) -> dict[str, Any]:
     kind = KINDS.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
@@ -172,12 +171,12 @@ def _tools(tools: Any) -> list[dict] | None:
     return out
 
 
-def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
+def parse(body: Any, ctx: ApiContext) -> Request:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     messages = body.get("messages")
     if isinstance(messages, list):
-        check_count(len(messages), server.limits)
+        check_count(len(messages), ctx.limits)
     if body.get("max_tokens") is None:
         raise _bad("max_tokens is required")
     system = body.get("system")
@@ -207,7 +206,7 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
     for key in ("temperature", "top_p", "seed"):
         chat[key] = body.get(key)
     try:
-        req = parse_request(chat, list(server.engines), server.defaults, server.limits)
+        req = parse_request(chat, ctx.models, ctx.defaults, ctx.limits)
     except RequestError as e:
         if e.param == "stop":
             e.message = e.message.replace("stop", "stop_sequences", 1)
@@ -215,7 +214,7 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
     return req
 
 
-def _content(choice) -> list[dict]:
+def _content(choice: Choice) -> list[dict]:
     text = choice.message["content"] or ""
     thinking, answer_text = split_think(text)
     blocks: list[dict] = []
@@ -236,7 +235,7 @@ def _content(choice) -> list[dict]:
     return blocks
 
 
-def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, mid: str | None = None) -> dict:
+def answer(req: Request, call: Call, tok: Any, mid: str | None = None) -> dict[str, Any]:
     choice = call.choices[0]
     out: dict[str, Any] = {
         "id": mid or "msg_" + uuid.uuid4().hex,
@@ -259,105 +258,128 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, mid: str | None
     return out
 
 
-async def stream(live: Live, req: Request, tok: Any, ep: EpisodeState):
+class MessagesAPI:
+    """Anthropic Messages as the gateway's :class:`~polyrl.agents.gateway.api.WireAPI`."""
+
+    # the second: an Anthropic client given the OpenAI-style base_url (it adds /v1 itself)
+    paths = ("/messages", "/v1/messages")
+
+    def parse(self, body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
+        return parse(body, ctx)
+
+    def answer(self, req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict[str, Any]:
+        return answer(req, call, tok)
+
+    def stream(self, req: Request, tok: Any, ep: EpisodeState, prompt_len: int) -> MessagesStream:
+        return MessagesStream(req, tok, prompt_len)
+
+    def error_body(self, e: RequestError) -> dict[str, Any]:
+        return error_body(e)
+
+
+def _event(kind: str, **data: Any) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind} | data) + b"\n\n"
+
+
+class MessagesStream:
     """Anthropic streaming events as the engine samples: message_start; a thinking block
     once its ``<think>`` block is closed; the text block with one ``text_delta`` per sampled
     token (the text it makes safe to show; asked for, the log-prob entries of the tokens
     since the last delta); once the call ends, the text still held back, the tool_use
     blocks, message_delta (the stop reason and usage) and message_stop."""
 
-    def event(kind: str, **data) -> bytes:
-        return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind} | data) + b"\n\n"
+    def __init__(self, req: Request, tok: Any, prompt_len: int) -> None:
+        self.req, self.tok, self.prompt_len = req, tok, prompt_len
+        self.mid = "msg_" + uuid.uuid4().hex
+        self.reply = Reply(tok, req, think=True)
+        self.sent: list[str] = []  # the block types begun, in order
+        self.shown = ""
+        self.pending: list[dict] = []  # log-prob entries not sent yet
 
-    mid = "msg_" + uuid.uuid4().hex
-    start = {
-        "id": mid,
-        "type": "message",
-        "role": "assistant",
-        "model": req.model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": live.prompt_len,
-            "output_tokens": 0,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        },
-    }
-    yield event("message_start", message=start)
-    reply = Reply(tok, req, think=True)
-    sent: list[str] = []  # the block types begun, in order
-    shown, pending = "", []
+    def opening(self) -> list[bytes]:
+        start = {
+            "id": self.mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.req.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.prompt_len,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
+        return [_event("message_start", message=start)]
 
-    def begin(block: dict) -> list[bytes]:
-        sent.append(block["type"])
-        index = len(sent) - 1
+    def _begin(self, block: dict) -> list[bytes]:
+        self.sent.append(block["type"])
+        index = len(self.sent) - 1
         if block["type"] == "thinking":
             empty = {"type": "thinking", "thinking": "", "signature": ""}
             delta = {"type": "thinking_delta", "thinking": block["thinking"]}
             return [
-                event("content_block_start", index=index, content_block=empty),
-                event("content_block_delta", index=index, delta=delta),
-                event("content_block_stop", index=index),
+                _event("content_block_start", index=index, content_block=empty),
+                _event("content_block_delta", index=index, delta=delta),
+                _event("content_block_stop", index=index),
             ]
         empty = {"type": "text", "text": ""}
-        return [event("content_block_start", index=index, content_block=empty)]
+        return [_event("content_block_start", index=index, content_block=empty)]
 
-    def delta(text: str) -> bytes:
-        nonlocal shown, pending
-        shown, lps, pending = shown + text, pending, []
-        extra = {"logprobs": lps} if req.logprobs else {}
-        index = sent.index("text")
-        return event("content_block_delta", index=index,
-                     delta={"type": "text_delta", "text": text}, **extra)  # fmt: skip
+    def _delta(self, text: str) -> bytes:
+        self.shown, lps, self.pending = self.shown + text, self.pending, []
+        extra = {"logprobs": lps} if self.req.logprobs else {}
+        index = self.sent.index("text")
+        return _event("content_block_delta", index=index,
+                      delta={"type": "text_delta", "text": text}, **extra)  # fmt: skip
 
-    def token(tid: int, lp: float, top: Any) -> list[bytes]:
-        if not reply.add(tid):
+    def token(self, choice: int, token: int, logprob: float, top: Any) -> list[bytes]:
+        req = self.req
+        if not self.reply.add(token):
             return []
         if req.logprobs:
-            pending.append(entry(tok, tid, lp, top, req.top_logprobs))
-        thinking, text, decided = reply.view()
+            self.pending.append(entry(self.tok, token, logprob, top, req.top_logprobs))
+        thinking, text, decided = self.reply.view()
         out = []
-        if thinking is not None and "thinking" not in sent:
-            out += begin({"type": "thinking", "thinking": thinking})
-        if "text" not in sent and (text or (decided and not req.tools)):
-            out += begin({"type": "text"})
-        if "text" in sent:
-            out.append(delta(piece(shown, text)))
+        if thinking is not None and "thinking" not in self.sent:
+            out += self._begin({"type": "thinking", "thinking": thinking})
+        if "text" not in self.sent and (text or (decided and not req.tools)):
+            out += self._begin({"type": "text"})
+        if "text" in self.sent:
+            out.append(self._delta(piece(self.shown, text)))
         return out
 
-    async for _, tid, lp, top in live.tokens():
-        for chunk in token(tid, lp, top):
-            yield chunk
-    try:
-        call = live.call()
-    except Exception as e:
-        yield event("error", error=error_body(failure(e, live.timeout))["error"])
-        return
-    for _, tid, lp, top in unsent(reply, call, 0):  # an engine that cannot stream: all now
-        for chunk in token(tid, lp, top):
-            yield chunk
-    message = answer(req, call, tok, ep, mid)
-    for block in message["content"]:
-        kind = block["type"]
-        if kind in ("thinking", "text") and kind not in sent:
-            for chunk in begin(block):
-                yield chunk
-        if kind == "text":
-            if (rest := piece(shown, block["text"])) or pending:
-                yield delta(rest)
-            yield event("content_block_stop", index=sent.index("text"))
-        elif kind == "tool_use":
-            sent.append(kind)
-            index = len(sent) - 1
-            yield event("content_block_start", index=index, content_block=block | {"input": {}})
-            delta_json = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-            yield event("content_block_delta", index=index, delta=delta_json)
-            yield event("content_block_stop", index=index)
-    yield event(
-        "message_delta",
-        delta={"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-        usage={"output_tokens": message["usage"]["output_tokens"]},
-    )
-    yield event("message_stop")
+    def failed(self, error: RequestError) -> list[bytes]:
+        return [_event("error", error=error_body(error)["error"])]
+
+    def closing(self, call: Call) -> list[bytes]:
+        message = answer(self.req, call, self.tok, self.mid)
+        out = []
+        for block in message["content"]:
+            kind = block["type"]
+            if kind in ("thinking", "text") and kind not in self.sent:
+                out += self._begin(block)
+            if kind == "text":
+                if (rest := piece(self.shown, block["text"])) or self.pending:
+                    out.append(self._delta(rest))
+                out.append(_event("content_block_stop", index=self.sent.index("text")))
+            elif kind == "tool_use":
+                self.sent.append(kind)
+                index = len(self.sent) - 1
+                opened = block | {"input": {}}
+                out.append(_event("content_block_start", index=index, content_block=opened))
+                partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+                out.append(_event("content_block_delta", index=index, delta=partial))
+                out.append(_event("content_block_stop", index=index))
+        stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+        out.append(
+            _event(
+                "message_delta",
+                delta=stop,
+                usage={"output_tokens": message["usage"]["output_tokens"]},
+            )
+        )
+        out.append(_event("message_stop"))
+        return out

@@ -1,11 +1,11 @@
-"""The gateway's server: OpenAI Chat Completions over the run's engines.
+"""The gateway's server: its wire APIs (:data:`APIS`) over the run's engines.
 
 :class:`GatewayServer` runs Starlette on uvicorn on its own thread and event loop, files
 requests under their episode (its own base URL), builds each prompt (stitched onto an
 earlier completion when the messages extend it) and answers from the core's episode
 runtime (:class:`~polyrl.core.batching.Batcher`, serving mode), which serves whatever
 waits in one engine call per model and sampling setting. The workflow that
-runs agents against it is :class:`polyrl.agents.gateway.Gateway`.
+runs agents against it is :class:`polyrl.agents.gateway.workflow.Gateway`.
 """
 
 from __future__ import annotations
@@ -15,105 +15,40 @@ import hmac
 import itertools
 import json
 import math
-import secrets
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from polyrl.agents import gateway_chat, gateway_images, gateway_messages, gateway_responses
 from polyrl.agents.chat import ChatFormat
-from polyrl.agents.gateway_limits import Limits, Refusals, Spent, admit, charge, read_body, refund
-from polyrl.agents.gateway_prompts import LengthCheck, RenderCache
-from polyrl.agents.gateway_requests import (
-    Request,
-    RequestError,
-    fold_calls,
-    tool_calls_key,
-)
-from polyrl.agents.gateway_stream import Live, failure
+from polyrl.agents.gateway import images as gateway_images
+from polyrl.agents.gateway.api import ApiContext, WireAPI
+from polyrl.agents.gateway.chat import ChatAPI
+from polyrl.agents.gateway.episodes import Call, Choice, EpisodeState, Images
+from polyrl.agents.gateway.errors import RequestError, failure
+from polyrl.agents.gateway.limits import Refusals, admit, charge, read_body, refund
+from polyrl.agents.gateway.messages import MessagesAPI
+from polyrl.agents.gateway.options import GatewayOptions
+from polyrl.agents.gateway.prompts import LengthCheck, RenderCache
+from polyrl.agents.gateway.requests import Request, fold_calls, tool_calls_key
+from polyrl.agents.gateway.responses import ResponsesAPI
+from polyrl.agents.gateway.stream import Live, drive
 from polyrl.agents.tools import parse_hermes
 from polyrl.core import timeline
 from polyrl.core.batching import Batcher, EpisodeClosed
-from polyrl.core.data import PromptItem
 from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
 
-# --------------------------------------------------------------------------- episodes
-
-
-@dataclass
-class Choice:
-    ids: list[int]
-    logprobs: list[float]
-    finish: str  # stop | length | tool_calls
-    message: dict  # what the gateway answered (role, content, tool_calls)
-    key: tuple  # the normalised message, matched when the agent sends it back
-    tops: list | None = None  # per token: the likeliest (ids, log-probs) (top_logprobs)
-    stop_hit: str | None = None  # the stop string the answer was cut at
-    versions: list[int] | None = None  # weights version per token (rollout.partial)
-    experts: Any = None  # MoE: the engine's experts of prompt + ids (Completion.experts)
-
-
-@dataclass
-class Images:
-    """A prompt's images as a VLM policy took them (core ``TakesImageTurns``): the
-    per-turn handles, where each image's ids start in the prompt, and all of them joined
-    (what the engine and the record's ``vision`` column get)."""
-
-    handles: list
-    starts: list[int]
-    joined: Any
-
-
-@dataclass
-class Call:
-    """One chat completion request of an episode and what the engine answered."""
-
-    model: str
-    keys: list[tuple]  # the request's messages, normalised
-    tools_key: str
-    prompt_ids: list[int]
-    choices: list[Choice]
-    stitched: bool
-    anchor: str  # the last non-assistant message (GiGPO-style grouping)
-    temperature: float
-    images: Images | None = None  # the prompt's images (a VLM's request); None: none
-    held: int = 0  # bytes charged to the episode for it (gateway_limits)
-
-
-@dataclass
-class EpisodeState:
-    """One episode: its URL token and its key, the two secrets only its own agent is given
-    (every request must carry both), and what its requests filed and cost."""
-
-    id: int
-    token: str
-    item: PromptItem
-    sample: int
-    calls: list[Call] = field(default_factory=list)
-    open: bool = True
-    error: str = ""
-    result: Any = None
-    posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
-    responses: dict[str, list] = field(default_factory=dict)  # Responses API: id -> messages
-    response_bytes: dict[str, int] = field(default_factory=dict)  # id -> bytes it holds
-    key: str = field(default_factory=lambda: "pk-" + secrets.token_urlsafe(24))
-    spent: Spent = field(default_factory=Spent)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    tracer: Any = None  # the timeline recording this episode's step (core.timeline), if any
-
-
-# --------------------------------------------------------------------------- server
-
-
-def openai_error(e: RequestError) -> dict:
-    return e.body()
+# The wire APIs the gateway serves, each under every episode's base URL (its ``paths``).
+APIS: dict[str, WireAPI] = {
+    "chat": ChatAPI(),
+    "responses": ResponsesAPI(),
+    "messages": MessagesAPI(),
+}
 
 
 def orjson_loads(raw: bytes) -> Any:
@@ -124,28 +59,25 @@ def orjson_loads(raw: bytes) -> Any:
 
 
 class GatewayServer:
-    """OpenAI Chat Completions over the run's engines, on its own thread and event loop."""
+    """The wire APIs over the run's engines, on its own thread and event loop."""
 
     def __init__(
         self,
         engines: dict[str, Any],
         tokenizers: dict[str, Any],
+        options: GatewayOptions | None = None,
         *,
-        host: str = "127.0.0.1",
-        request_timeout: float = 60.0,
-        batch_wait: float = 0.02,
         visions: dict[str, TakesImageTurns | None] | None = None,
-        limits: Limits = Limits(),
         contexts: dict[str, int | None] | None = None,
-        reward_posts: bool = True,
     ) -> None:
+        options = options if options is not None else GatewayOptions()
         self.engines, self.tokenizers = engines, tokenizers
+        self.options = self.limits = options
         # per model: the positions it takes (prompt + completion); None: not checked
         self.contexts = contexts or {}
         self.visions = visions or {}  # per model: how its policy takes images (None: it cannot)
-        self.limits = limits
         self.refusals = Refusals()  # budget refusals and the rollout's bytes held
-        self.reward_posts = reward_posts  # False: POST /rewards is refused (403)
+        self.reward_posts = options.reward_posts  # False: POST /rewards is refused (403)
         self._lengths = LengthCheck(tokenizers, self.contexts)  # before tokenising
         self._joined = itertools.count(1)  # names each request's joined images
         self.chats = {name: ChatFormat(tok) for name, tok in tokenizers.items()}
@@ -158,10 +90,10 @@ class GatewayServer:
         # Rendered prompts by their normalised messages: the samples of a group send the
         # same first messages, and many episodes the same tool or user turns.
         self._renders = RenderCache(4096)
-        self.host = host
-        self.request_timeout = request_timeout
+        self.host = options.host
+        self.request_timeout = options.request_timeout
         self.batcher = Batcher(engines)
-        self.batch_wait = batch_wait
+        self.batch_wait = options.batch_wait
         self.defaults = SamplingParams()
         self.episodes: dict[str, EpisodeState] = {}
         self._lock = threading.Lock()
@@ -266,7 +198,7 @@ class GatewayServer:
                 )
             return ep
 
-        def guarded(handler, shape=openai_error):
+        def guarded(handler, shape=RequestError.body):
             """``handler`` with every failure answered in its API's error shape: a
             :class:`RequestError` as given, a timeout 504, anything else 500."""
 
@@ -286,27 +218,27 @@ class GatewayServer:
             data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
             return JSONResponse({"object": "list", "data": data})
 
-        def api(module):
-            """A route for an API module (``parse``, ``answer``, ``stream``)."""
+        def route(api: WireAPI):
+            """The endpoint of one wire API: parse, sample, answer (or stream)."""
 
             async def handler(request):
                 ep = episode(request)
                 body = await read_body(request, self.limits)
                 # parsing (JSON, images) and rendering run on a worker thread: a large
                 # request never stalls the other episodes' requests
-                req, held = await asyncio.to_thread(self._parse, module, body, ep)
+                req, held = await asyncio.to_thread(self._parse, api, body, ep)
                 tok = self.tokenizers[req.model]
-                if req.stream:  # events as the engine samples (gateway_stream)
+                if req.stream:  # events as the engine samples (gateway.stream)
                     live = Live(self.request_timeout)
                     live.start(self._generate(ep, req, live, held))
                     await live.first()  # an error before the first token: an HTTP error
-                    events = module.stream(live, req, tok, ep)
+                    events = drive(live, api.stream(req, tok, ep, live.prompt_len))
                     return StreamingResponse(events, media_type="text/event-stream")
                 call = await self._generate(ep, req, held=held)
-                answer = module.answer(req, call, tok, ep)
+                answer = api.answer(req, call, tok, ep)
                 return Response(orjson.dumps(answer), media_type="application/json")
 
-            return guarded(handler, getattr(module, "error_body", openai_error))
+            return guarded(handler, api.error_body)
 
         async def rewards(request):
             ep = episode(request)
@@ -322,33 +254,36 @@ class GatewayServer:
             )
 
         async def other(request):
+            served = ", ".join(
+                f"POST <base_url>{p}" for api in APIS.values() for p in api.paths[:1]
+            )
             raise RequestError(
                 404,
-                f"{request.url.path} is not served; the gateway serves POST "
-                "<base_url>/chat/completions, POST <base_url>/responses, POST "
-                "<base_url>/messages, POST <base_url>/rewards and GET <base_url>/models",
+                f"{request.url.path} is not served; the gateway serves {served}, POST "
+                "<base_url>/rewards and GET <base_url>/models",
             )
 
-        messages = api(gateway_messages)
         methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+        apis = [
+            Route(f"/ep/{{token}}/v1{path}", route(api), methods=["POST"])
+            for api in APIS.values()
+            for path in api.paths
+        ]
         return Starlette(
             routes=[
-                Route("/ep/{token}/v1/chat/completions", api(gateway_chat), methods=["POST"]),
-                Route("/ep/{token}/v1/responses", api(gateway_responses), methods=["POST"]),
-                Route("/ep/{token}/v1/messages", messages, methods=["POST"]),
-                # an Anthropic client given the OpenAI-style base_url (it adds /v1 itself)
-                Route("/ep/{token}/v1/v1/messages", messages, methods=["POST"]),
+                *apis,
                 Route("/ep/{token}/v1/models", guarded(models), methods=["GET"]),
                 Route("/ep/{token}/v1/rewards", guarded(rewards), methods=["POST"]),
                 Route("/{path:path}", guarded(other), methods=methods),
             ]
         )
 
-    def _parse(self, module, body: bytes, ep: EpisodeState) -> tuple[Request, int]:
-        """The API module's :class:`Request` of ``body`` and the bytes it will hold once
+    def _parse(self, api: WireAPI, body: bytes, ep: EpisodeState) -> tuple[Request, int]:
+        """The API's :class:`Request` of ``body`` and the bytes it will hold once
         filed (its body, the stored history it continues, its images), charged to the
         episode and the rollout now: past a budget it is refused before it is rendered."""
-        req = module.parse(orjson_loads(body), self, ep)
+        ctx = ApiContext(list(self.engines), self.defaults, self.limits)
+        req = api.parse(orjson_loads(body), ctx, ep)
         held = len(body) + int(req.api.get("history_bytes", 0))
         held += sum(3 * im.width * im.height for im in req.images)
         with ep.lock:

@@ -1,8 +1,8 @@
 """Per-token views of a completion, shared by the gateway's APIs: log-prob entries (with
 ``top_logprobs``) and the ``<think>`` split of a reply into reasoning and answer (what
-streaming shows as it comes is :mod:`polyrl.agents.gateway_stream`).
+streaming shows as it comes is :mod:`polyrl.agents.gateway.stream`).
 
-Every API answers from the same :class:`~polyrl.agents.gateway_server.Choice` (the ids and
+Every API answers from the same :class:`~polyrl.agents.gateway.server.Choice` (the ids and
 log-probs the engine gave); these helpers only shape them, so what an agent reads equals
 what the record keeps.
 """

@@ -6,7 +6,7 @@ client while the engine still decodes.
 ``StreamsTokens``), which the engine calls from its worker thread at every decoding step;
 the sink puts the token on an asyncio queue of the server's loop
 (``loop.call_soon_threadsafe``), and the API's event generator reads the queue. When the
-engine call ends, the finished :class:`~polyrl.agents.gateway_server.Call` (the record's
+engine call ends, the finished :class:`~polyrl.agents.gateway.server.Call` (the record's
 exact ids and log-probs) closes the stream; an engine that cannot stream (vLLM's offline
 ``LLM.generate``) sends every token then.
 
@@ -22,26 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from polyrl.agents.gateway_requests import Request, RequestError
-from polyrl.agents.gateway_tokens import THINK_CLOSE, THINK_OPEN, split_think, token_entry
-
-if TYPE_CHECKING:
-    from polyrl.agents.gateway_server import Call
+from polyrl.agents.gateway.api import StreamEvents
+from polyrl.agents.gateway.episodes import Call
+from polyrl.agents.gateway.errors import failure
+from polyrl.agents.gateway.requests import Request
+from polyrl.agents.gateway.tokens import THINK_CLOSE, THINK_OPEN, split_think, token_entry
 
 TOOL_OPEN = "<tool_call>"
 _END = object()
-
-
-def failure(e: BaseException, timeout: float) -> RequestError:
-    """An engine call's failure as the error answer the APIs give: a :class:`RequestError`
-    as raised, a timeout 504, anything else 500."""
-    if isinstance(e, RequestError):
-        return e
-    if isinstance(e, TimeoutError):
-        return RequestError(504, f"the engine did not answer within {timeout} s", code="timeout")
-    return RequestError(500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error")
 
 
 class Live:
@@ -181,12 +171,28 @@ def entry(tok: Any, token: int, logprob: float, top: Any, k: int) -> dict:
     return out
 
 
-def unsent(reply: Reply, call: Call, choice: int) -> list[tuple[int, int, float, Any]]:
-    """The call's tokens of ``choice`` that did not come live (all of them from an engine
-    that cannot stream), as the queue would have given them."""
-    c = call.choices[choice]
-    n = len(reply.ids)
-    tops = c.tops or [None] * len(c.ids)
-    return [
-        (choice, t, lp, top) for t, lp, top in zip(c.ids[n:], c.logprobs[n:], tops[n:], strict=True)
-    ]
+async def drive(live: Live, events: StreamEvents) -> AsyncIterator[bytes]:
+    """The streamed answer's bytes: the API's opening events, one token's events as the
+    engine samples it, the tokens that did not come live (every one of an engine that
+    cannot stream), then the closing events of the finished call; a call that fails after
+    the stream began ends it with the API's error event."""
+    for chunk in events.opening():
+        yield chunk
+    seen: dict[int, int] = {}  # per choice: the tokens given so far
+    async for choice, token, logprob, top in live.tokens():
+        seen[choice] = seen.get(choice, 0) + 1
+        for chunk in events.token(choice, token, logprob, top):
+            yield chunk
+    try:
+        call = live.call()
+    except Exception as e:
+        for chunk in events.failed(failure(e, live.timeout)):
+            yield chunk
+        return
+    for i, c in enumerate(call.choices):
+        tops = c.tops or [None] * len(c.ids)
+        for k in range(seen.get(i, 0), len(c.ids)):
+            for chunk in events.token(i, c.ids[k], c.logprobs[k], tops[k]):
+                yield chunk
+    for chunk in events.closing(call):
+        yield chunk

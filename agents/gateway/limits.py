@@ -1,7 +1,7 @@
 """What the gateway lets one request, one episode and one rollout cost the run.
 
-:class:`Limits` is the gateway's one options type for limits (``rollout.args`` of the
-``gateway`` workflow): per request (body size, messages, images, stop strings), per
+The limits are options of the gateway (:class:`~polyrl.agents.gateway.options.GatewayOptions`,
+``rollout.args`` of the ``gateway`` workflow): per request (body size, messages, images, stop strings), per
 episode (bytes held, requests, rows, generated tokens) and per rollout (bytes held by all
 its episodes), and how long a request's body may take to arrive. An agent past a per-request
 limit gets a 4xx for that request; past an episode's request, row or token budget, the
@@ -22,52 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request, an episode and a rollout may cost (``rollout.args`` of the gateway):
-    past one, the request is refused before it costs the run memory or engine time."""
-
-    max_images: int = 16
-    max_pixels: int = 4096 * 4096  # source pixels, summed over the request's images
-    max_body_bytes: int = 32 * MIB  # the HTTP body, checked before it is parsed
-    max_messages: int = 1024  # messages (or input items) one request may carry
-    max_stop: int = 4  # stop strings one request may give
-    max_stop_chars: int = 64  # characters one stop string may have
-    max_episode_bytes: int = 128 * MIB  # bytes one episode may hold (module docstring)
-    max_rollout_bytes: int = 4096 * MIB  # bytes all episodes of one rollout may hold
-    max_episode_requests: int = 512  # completion requests one episode may make
-    max_episode_rows: int = 1024  # record rows (choices: n per request) one episode may make
-    max_episode_tokens: int = 262144  # tokens the engine may sample for one episode
-    body_timeout: float = 30.0  # seconds a request's body may take to arrive
-
-    def check(self) -> None:
-        """The ranges, at config time (a ``ConfigError`` naming the option)."""
-        from polyrl.core.config import ConfigError
-
-        for key, lo in (
-            ("max_images", 0),
-            ("max_pixels", 1),
-            ("max_body_bytes", 1024),
-            ("max_messages", 1),
-            ("max_stop", 0),
-            ("max_stop_chars", 1),
-            ("max_episode_bytes", 1024),
-            ("max_rollout_bytes", 1024),
-            ("max_episode_requests", 1),
-            ("max_episode_rows", 1),
-            ("max_episode_tokens", 1),
-        ):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"rollout.args.{key} must be an integer >= {lo}, got {value!r}")
-        t = self.body_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ConfigError(
-                f"rollout.args.body_timeout must be a number > 0 (seconds), got {t!r}"
-            )
+from polyrl.agents.gateway.errors import RequestError
+from polyrl.agents.gateway.options import GatewayOptions
 
 
 @dataclass
@@ -94,10 +50,8 @@ class Refusals:
             self.counts[what] = self.counts.get(what, 0) + 1
 
 
-def rate_limited(what: str, used: int, cap: int, option: str, unit: str) -> Any:
+def rate_limited(what: str, used: int, cap: int, option: str, unit: str) -> RequestError:
     """The 429 an episode past one of its budgets gets (the API shapes its body)."""
-    from polyrl.agents.gateway_requests import RequestError
-
     return RequestError(
         429,
         f"this episode has used {used} of its {cap} {unit} (rollout.args.{option}); the "
@@ -107,9 +61,7 @@ def rate_limited(what: str, used: int, cap: int, option: str, unit: str) -> Any:
     )
 
 
-def too_much(held: int, adding: int, cap: int, option: str, whose: str) -> Any:
-    from polyrl.agents.gateway_requests import RequestError
-
+def too_much(held: int, adding: int, cap: int, option: str, whose: str) -> RequestError:
     return RequestError(
         413,
         f"{whose} holds {held} bytes and this request would add {adding} (stored history, "
@@ -119,7 +71,7 @@ def too_much(held: int, adding: int, cap: int, option: str, whose: str) -> Any:
     )
 
 
-def admit(spent: Spent, refusals: Refusals, limits: Limits, rows: int, nbytes: int) -> None:
+def admit(spent: Spent, refusals: Refusals, limits: GatewayOptions, rows: int, nbytes: int) -> None:
     """Charge one request (its ``rows`` choices and ``nbytes`` held) to its episode and the
     rollout, or raise the refusal (counted). Called with the episode's lock held."""
     checks = (
@@ -187,7 +139,7 @@ def bytes_per_token(tokenizer: Any) -> int:
     return longest + 4
 
 
-async def read_body(request: Any, limits: Limits) -> bytes:
+async def read_body(request: Any, limits: GatewayOptions) -> bytes:
     """The body within ``body_timeout`` (a 408 for a client that sends it slower), refused
     with a 413 once it is past ``max_body_bytes``: from its Content-Length before a
     byte is read, else while it arrives (never kept whole)."""
@@ -195,7 +147,7 @@ async def read_body(request: Any, limits: Limits) -> bytes:
         async with asyncio.timeout(limits.body_timeout):
             return await _read_capped(request, limits)
     except TimeoutError:
-        raise _error(
+        raise RequestError(
             408,
             f"the request body did not arrive within rollout.args.body_timeout="
             f"{limits.body_timeout} s; the connection is closed",
@@ -203,9 +155,9 @@ async def read_body(request: Any, limits: Limits) -> bytes:
         ) from None
 
 
-async def _read_capped(request: Any, limits: Limits) -> bytes:
+async def _read_capped(request: Any, limits: GatewayOptions) -> bytes:
     cap = limits.max_body_bytes
-    too_big = _error(
+    too_big = RequestError(
         413,
         f"the request body is larger than this gateway takes "
         f"(rollout.args.max_body_bytes={cap} bytes); send a shorter request",
@@ -221,9 +173,3 @@ async def _read_capped(request: Any, limits: Limits) -> bytes:
             raise too_big
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _error(*args, **kwargs) -> Any:
-    from polyrl.agents.gateway_requests import RequestError
-
-    return RequestError(*args, **kwargs)

@@ -25,7 +25,7 @@ still exact (its prompt is what the engine saw) but its earlier replies are re-t
 text, and ``meta["stitched"]`` is false.
 
 Images: a VLM policy takes OpenAI ``image_url`` parts (data URLs only, see
-:mod:`polyrl.agents.gateway_images`); their ids are spliced in once, stitching keeps the
+:mod:`polyrl.agents.gateway.images`); their ids are spliced in once, stitching keeps the
 earlier turns' images in place, and the rows carry them in the record's ``vision`` column.
 """
 
@@ -43,15 +43,16 @@ import secrets
 import subprocess
 import traceback
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from tensordict import TensorDict
 
 from polyrl.agents.agent_loop import AgentLoop
 from polyrl.agents.agent_process import AgentExited, finish
-from polyrl.agents.gateway_limits import Limits
-from polyrl.agents.gateway_prompts import context_length
-from polyrl.agents.gateway_server import EpisodeState, GatewayServer
+from polyrl.agents.gateway.episodes import EpisodeState
+from polyrl.agents.gateway.options import GatewayOptions
+from polyrl.agents.gateway.prompts import context_length
+from polyrl.agents.gateway.server import GatewayServer
 from polyrl.core import timeline
 from polyrl.core.config import ConfigError
 from polyrl.core.data import PromptItem
@@ -200,118 +201,26 @@ class Gateway:
     transcript_keys = ("episode", "sample", "turn", "choice", "model", "stitched", "return")
     token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
-    def __init__(
-        self,
-        ctx,
-        agent: Annotated[
-            str | None,
-            "the agent: package.module:function or ./file.py:function, sync or async",
-        ] = None,
-        concurrency: Annotated[int, "episodes running at once"] = 64,
-        request_timeout: Annotated[float, "seconds a request may wait for the engine"] = 60.0,
-        episode_timeout: Annotated[float, "seconds an episode may run"] = 300.0,
-        batch_wait: Annotated[
-            float,
-            "an engine call starts when every open episode has a request waiting, or when "
-            "no request arrived for this many seconds",
-        ] = 0.02,
-        host: Annotated[str, "the address the server binds (keep 127.0.0.1 unless needed)"] = (
-            "127.0.0.1"
-        ),
-        policy: Annotated[str | None, "the default model for agents (null: the first)"] = None,
-        command: Annotated[
-            list[str] | None,
-            "instead of agent: a program (argv) run once per episode with OPENAI_BASE_URL, "
-            "OPENAI_API_KEY, POLYRL_MODEL and POLYRL_TASK (the row as JSON) set; its last "
-            "stdout line (JSON: a number, {reward, success} or null) is its return",
-        ] = None,
-        max_images: Annotated[
-            int, "images one request may carry (image_url data URLs; a VLM policy)"
-        ] = 16,
-        max_pixels: Annotated[
-            int, "source pixels (width * height) one request's images may sum to"
-        ] = 4096 * 4096,
-        max_body_bytes: Annotated[
-            int, "bytes one request's body may have (413 past it, checked before parsing)"
-        ] = 32 * 1024 * 1024,
-        max_messages: Annotated[int, "messages (or input items) one request may carry"] = 1024,
-        max_stop: Annotated[int, "stop strings one request may give"] = 4,
-        max_stop_chars: Annotated[int, "characters one stop string may have"] = 64,
-        max_episode_bytes: Annotated[
-            int,
-            "bytes one episode may hold: every request's body, stored history it continues, "
-            "images (3 bytes a pixel), 8 a token id (413 past it)",
-        ] = Limits.max_episode_bytes,
-        max_rollout_bytes: Annotated[
-            int, "bytes all episodes of one rollout may hold together (413 past it)"
-        ] = Limits.max_rollout_bytes,
-        max_episode_requests: Annotated[
-            int, "completion requests one episode may make (429 past it)"
-        ] = Limits.max_episode_requests,
-        max_episode_rows: Annotated[
-            int, "record rows (choices, n per request) one episode may make (429 past it)"
-        ] = Limits.max_episode_rows,
-        max_episode_tokens: Annotated[
-            int, "tokens the engine may sample for one episode (429 once reached)"
-        ] = Limits.max_episode_tokens,
-        body_timeout: Annotated[
-            float, "seconds a request's body may take to arrive (408 and closed past it)"
-        ] = Limits.body_timeout,
-        reward_posts: Annotated[
-            bool,
-            "take rewards agents post (POST <base_url>/rewards); false: only their return "
-            "value (403 to a post)",
-        ] = True,
-        isolate_commands: Annotated[
-            bool,
-            "run each command agent in its own user and PID namespace (unshare), so it "
-            "cannot read other episodes' keys or the trainer's memory; a warning where the "
-            "machine offers none",
-        ] = True,
-    ) -> None:
-        limits = Limits(
-            max_images,
-            max_pixels,
-            max_body_bytes,
-            max_messages,
-            max_stop,
-            max_stop_chars,
-            max_episode_bytes,
-            max_rollout_bytes,
-            max_episode_requests,
-            max_episode_rows,
-            max_episode_tokens,
-            body_timeout,
-        )
-        self.agent = self._check(
-            agent,
-            concurrency,
-            request_timeout,
-            episode_timeout,
-            batch_wait,
-            policy,
-            ctx.policies,
-            command,
-            limits,
-        )
-        self.command = list(command) if command else None
-        self.isolate = isolate_commands
-        self.name = policy or next(iter(ctx.policies))
-        self.concurrency = concurrency
-        self.request_timeout, self.episode_timeout = request_timeout, episode_timeout
+    def __init__(self, ctx: Any, **options: Any) -> None:
+        """``options``: the fields of :class:`GatewayOptions` (``rollout.args``, bound and
+        checked at load; checked again here for a workflow built in code)."""
+        self.options = o = GatewayOptions(**options)
+        o.check()
+        self.agent = self._check(o, list(ctx.policies))
+        self.command = list(o.command) if o.command else None
+        self.isolate = o.isolate_commands
+        self.name = o.policy or next(iter(ctx.policies))
+        self.concurrency = o.concurrency
+        self.request_timeout, self.episode_timeout = o.request_timeout, o.episode_timeout
         self.server = GatewayServer(
             dict(ctx.engines),
             {name: p.tokenizer for name, p in ctx.policies.items()},
-            host=host,
-            request_timeout=request_timeout,
-            batch_wait=batch_wait,
+            o,
             visions={
                 name: p if isinstance(p, TakesImageTurns) else None
                 for name, p in ctx.policies.items()
             },
-            limits=limits,
             contexts={name: context_length(p) for name, p in ctx.policies.items()},
-            reward_posts=reward_posts,
         )
         self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
@@ -325,43 +234,16 @@ class Gateway:
         self._isolated = 1.0  # the last rollout's command agents ran in namespaces
 
     @staticmethod
-    def _check(
-        agent,
-        concurrency,
-        request_timeout,
-        episode_timeout,
-        batch_wait,
-        policy,
-        names,
-        command,
-        limits=Limits(),
-    ):
-        """The options' ranges, the policy name and the agent; returns the agent callable
-        (None for a command)."""
-        if concurrency < 1:
-            raise ConfigError(f"rollout.args.concurrency must be >= 1, got {concurrency}")
-        limits.check()
-        for key, value in (
-            ("request_timeout", request_timeout),
-            ("episode_timeout", episode_timeout),
-        ):
-            if not value > 0:
-                raise ConfigError(f"rollout.args.{key} must be > 0, got {value}")
-        if batch_wait < 0:
-            raise ConfigError(f"rollout.args.batch_wait must be >= 0, got {batch_wait}")
-        if policy is not None and policy not in names:
+    def _check(o: GatewayOptions, names: list[str]) -> Any:
+        """The policy name and the agent (the ranges are :meth:`GatewayOptions.check`'s);
+        returns the agent callable (None for a command)."""
+        if o.policy is not None and o.policy not in names:
             raise ConfigError(
-                f"rollout.args.policy={policy!r} is not one of the policies {sorted(names)}"
+                f"rollout.args.policy={o.policy!r} is not one of the policies {sorted(names)}"
             )
-        if (agent is None) == (not command):
-            raise ConfigError(
-                "rollout.args: give exactly one of agent (a Python function) and command "
-                f"(an external program's argv); got agent={agent!r}, command={command!r}"
-            )
-        if command:
-            if not all(isinstance(a, str) and a for a in command):
-                raise ConfigError(f"rollout.args.command must be a list of strings, got {command}")
+        if o.command:
             return None
+        agent = o.agent
         try:
             fn = import_path(agent) if isinstance(agent, str) else agent
         except Exception as e:
@@ -374,34 +256,12 @@ class Gateway:
         return fn
 
     @classmethod
-    def validate_config(cls, cfg) -> None:
-        """At config time, before any model loads: ranges, the policy and the agent."""
-        a = cfg.rollout.args
-        cls._check(
-            a.agent,
-            a.concurrency,
-            a.request_timeout,
-            a.episode_timeout,
-            a.batch_wait,
-            a.policy,
-            list(cfg.policies),
-            a.command,
-            Limits(
-                a.max_images,
-                a.max_pixels,
-                a.max_body_bytes,
-                a.max_messages,
-                a.max_stop,
-                a.max_stop_chars,
-                a.max_episode_bytes,
-                a.max_rollout_bytes,
-                a.max_episode_requests,
-                a.max_episode_rows,
-                a.max_episode_tokens,
-                a.body_timeout,
-            ),
-        )
-        check_host(a.host)
+    def validate_config(cls, cfg: Any) -> None:
+        """At config time, before any model loads: the policy, the agent and the host (the
+        options' ranges were checked when ``rollout.args`` was bound)."""
+        o = cfg.rollout.args
+        cls._check(o, list(cfg.policies))
+        check_host(o.host)
 
     def close(self) -> None:
         """Close the agents' loop (their clients close first) and stop the server (the
@@ -631,4 +491,4 @@ def inside_call(text: str) -> bool:
     return text.rfind("<tool_call>") > text.rfind("</tool_call>")
 
 
-WORKFLOWS.register("gateway", Gateway)
+WORKFLOWS.register("gateway", Gateway, options=GatewayOptions)

@@ -4,7 +4,7 @@ prompt cannot fit it (before it is tokenised), and the cache of rendered prompts
 Tokenising is the slow part of building a prompt (a 1 MB text takes seconds on a small
 vocabulary; 12 MB minutes), so a text that cannot fit the context is refused from its byte
 count alone: a token stands for at most a few bytes, measured once per tokenizer
-(:func:`~polyrl.agents.gateway_limits.bytes_per_token`).
+(:func:`~polyrl.agents.gateway.limits.bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from polyrl.agents.gateway_limits import bytes_per_token
-from polyrl.agents.gateway_requests import RequestError
+from polyrl.agents.gateway.errors import RequestError
+from polyrl.agents.gateway.limits import bytes_per_token
 
 # Bytes of rendered prompts (their messages and ids) the server keeps for reuse.
 CACHE_BYTES = 64 * 1024 * 1024

@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from polyrl.agents.gateway_limits import Limits
+from polyrl.agents.gateway.options import GatewayOptions
 
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,(.*)", re.S)
 
@@ -72,7 +72,7 @@ def decode(url: str, where: str, pixels_left: int) -> tuple[Image.Image, str]:
     return rgb, hashlib.sha256(raw).hexdigest()[:16]
 
 
-def content(value: Any, where: str, limits: Limits, images: list) -> tuple[Any, str]:
+def content(value: Any, where: str, limits: GatewayOptions, images: list) -> tuple[Any, str]:
     """A message's content as the chat template renders it (a string, or text and image
     parts when it has images) and its comparison text (image digests in place of the
     images); its decoded images are appended to ``images`` (the request's, in order)."""

@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from polyrl.agents.gateway_requests import (
+from polyrl.agents.gateway.api import ApiContext
+from polyrl.agents.gateway.episodes import Call, Choice, EpisodeState
+from polyrl.agents.gateway.errors import RequestError
+from polyrl.agents.gateway.requests import (
     Request,
-    RequestError,
     check_count,
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway_stream import Live, Reply, entry, failure, piece, unsent
-from polyrl.agents.gateway_tokens import join_think, logprob_entries, split_think
-
-if TYPE_CHECKING:
-    from polyrl.agents.gateway_server import Call, EpisodeState, GatewayServer
+from polyrl.agents.gateway.stream import Reply, entry, piece
+from polyrl.agents.gateway.tokens import join_think, logprob_entries, split_think
 
 LOGPROBS = "message.output_text.logprobs"
 
@@ -169,7 +168,7 @@ def _tools(tools: Any) -> list[dict] | None:
     return out
 
 
-def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
+def parse(body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
     """A Responses body as a :class:`Request` (its API fields in ``req.api``)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -195,7 +194,7 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
     items = body.get("input")
     check_count(
         (len(items) if isinstance(items, list) else 1) + len(history),
-        server.limits,
+        ctx.limits,
         "input items",
         "input",
     )
@@ -231,7 +230,7 @@ def parse(body: Any, server: GatewayServer, ep: EpisodeState) -> Request:
         chat[key] = body.get(key)
     chat["max_tokens"] = body.get("max_output_tokens")
     try:
-        req = parse_request(chat, list(server.engines), server.defaults, server.limits)
+        req = parse_request(chat, ctx.models, ctx.defaults, ctx.limits)
     except RequestError as e:
         if e.param == "max_tokens":
             e.param = "max_output_tokens"
@@ -271,7 +270,7 @@ def _message_item(content: list[dict]) -> dict:
     }
 
 
-def _output(req: Request, choice, tok) -> list[dict]:
+def _output(req: Request, choice: Choice, tok: Any) -> list[dict]:
     """A choice as output items: reasoning (``<think>`` text), the message, its calls."""
     text = choice.message["content"] or ""
     reasoning, answer_text = split_think(text)
@@ -329,7 +328,9 @@ def _shell(req: Request, rid: str) -> dict:
     }
 
 
-def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, rid: str | None = None) -> dict:
+def answer(
+    req: Request, call: Call, tok: Any, ep: EpisodeState, rid: str | None = None
+) -> dict[str, Any]:
     """The response object; stored (``store``) for a later ``previous_response_id``."""
     choice = call.choices[0]
     rid = rid or "resp_" + uuid.uuid4().hex
@@ -353,105 +354,132 @@ def answer(req: Request, call: Call, tok: Any, ep: EpisodeState, rid: str | None
     }
 
 
-async def stream(live: Live, req: Request, tok: Any, ep: EpisodeState):
+class ResponsesAPI:
+    """OpenAI Responses as the gateway's :class:`~polyrl.agents.gateway.api.WireAPI`."""
+
+    paths = ("/responses",)
+
+    def parse(self, body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
+        return parse(body, ctx, ep)
+
+    def answer(self, req: Request, call: Call, tok: Any, ep: EpisodeState) -> dict[str, Any]:
+        return answer(req, call, tok, ep)
+
+    def stream(self, req: Request, tok: Any, ep: EpisodeState, prompt_len: int) -> ResponsesStream:
+        return ResponsesStream(req, tok, ep)
+
+    def error_body(self, e: RequestError) -> dict[str, Any]:
+        return e.body()
+
+
+class ResponsesStream:
     """Responses streaming events as the engine samples: created; a reasoning item once
     its ``<think>`` block is closed; the message item with one
     ``response.output_text.delta`` per sampled token (the text it makes safe to show, the
     log-prob entries of the tokens since the last delta); once the call ends, the text
     still held back, the function calls, and completed (the exact response)."""
-    seq = 0
 
-    def event(kind: str, **data) -> bytes:
-        nonlocal seq
-        body = {"type": kind, "sequence_number": seq} | data
-        seq += 1
+    def __init__(self, req: Request, tok: Any, ep: EpisodeState) -> None:
+        self.req, self.tok, self.ep = req, tok, ep
+        self.seq = 0
+        self.rid = "resp_" + uuid.uuid4().hex
+        self.reply = Reply(tok, req, think=True)
+        self.sent: dict[str, tuple[int, str]] = {}  # item type -> (output index, id) begun
+        self.shown = ""
+        self.pending: list[dict] = []  # log-prob entries not sent yet
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq} | data
+        self.seq += 1
         return f"event: {kind}\ndata: ".encode() + orjson.dumps(body) + b"\n\n"
 
-    rid = "resp_" + uuid.uuid4().hex
-    start = _shell(req, rid)
-    yield event("response.created", response=start)
-    yield event("response.in_progress", response=start)
-    reply = Reply(tok, req, think=True)
-    sent: dict[str, tuple[int, str]] = {}  # item type -> (output index, id) of items begun
-    shown, pending = "", []
+    def opening(self) -> list[bytes]:
+        start = _shell(self.req, self.rid)
+        return [
+            self._event("response.created", response=start),
+            self._event("response.in_progress", response=start),
+        ]
 
-    def begin(item: dict) -> list[bytes]:
-        index = len(sent)
-        sent[item["type"]] = (index, item["id"])
+    def _begin(self, item: dict) -> list[bytes]:
+        index = len(self.sent)
+        self.sent[item["type"]] = (index, item["id"])
         if item["type"] == "reasoning":
             return [
-                event("response.output_item.added", output_index=index, item=item),
-                event("response.output_item.done", output_index=index, item=item),
+                self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.output_item.done", output_index=index, item=item),
             ]
         empty = {"type": "output_text", "text": "", "annotations": []}
         opened = item | {"status": "in_progress", "content": []}
         base = {"output_index": index, "item_id": item["id"]}
         return [
-            event("response.output_item.added", output_index=index, item=opened),
-            event("response.content_part.added", **base, content_index=0, part=empty),
+            self._event("response.output_item.added", output_index=index, item=opened),
+            self._event("response.content_part.added", **base, content_index=0, part=empty),
         ]
 
-    def delta(text: str) -> bytes:
-        nonlocal shown, pending
-        index, item_id = sent["message"]
-        shown, lps, pending = shown + text, pending, []
-        return event("response.output_text.delta", output_index=index, item_id=item_id,
-                     content_index=0, delta=text, logprobs=lps)  # fmt: skip
+    def _delta(self, text: str) -> bytes:
+        index, item_id = self.sent["message"]
+        self.shown, lps, self.pending = self.shown + text, self.pending, []
+        return self._event("response.output_text.delta", output_index=index, item_id=item_id,
+                           content_index=0, delta=text, logprobs=lps)  # fmt: skip
 
-    def token(tid: int, lp: float, top: Any) -> list[bytes]:
-        if not reply.add(tid):
+    def token(self, choice: int, token: int, logprob: float, top: Any) -> list[bytes]:
+        req = self.req
+        if not self.reply.add(token):
             return []
         if req.logprobs:
-            pending.append(entry(tok, tid, lp, top, req.top_logprobs))
-        reasoning, text, decided = reply.view()
+            self.pending.append(entry(self.tok, token, logprob, top, req.top_logprobs))
+        reasoning, text, decided = self.reply.view()
         out = []
-        if reasoning is not None and "reasoning" not in sent:
-            out += begin(_reasoning_item(reasoning))
-        if "message" not in sent and (text or (decided and not req.tools)):
-            out += begin(_message_item([]))
-        if "message" in sent:
-            out.append(delta(piece(shown, text)))
+        if reasoning is not None and "reasoning" not in self.sent:
+            out += self._begin(_reasoning_item(reasoning))
+        if "message" not in self.sent and (text or (decided and not req.tools)):
+            out += self._begin(_message_item([]))
+        if "message" in self.sent:
+            out.append(self._delta(piece(self.shown, text)))
         return out
 
-    async for _, tid, lp, top in live.tokens():
-        for chunk in token(tid, lp, top):
-            yield chunk
-    try:
-        call = live.call()
-    except Exception as e:
-        err = failure(e, live.timeout)
-        yield event("error", code=err.code, message=err.message, param=err.param,
-                    error=err.body()["error"])  # fmt: skip
-        return
-    for _, tid, lp, top in unsent(reply, call, 0):  # an engine that cannot stream: all now
-        for chunk in token(tid, lp, top):
-            yield chunk
-    response = answer(req, call, tok, ep, rid)
-    for item in response["output"]:
-        kind = item["type"]
-        if kind in sent:  # begun while the engine sampled: the same item
-            item["id"] = sent[kind][1]
-        elif kind in ("reasoning", "message"):
-            for chunk in begin(item):
-                yield chunk
-        if kind == "message":
-            index, part = sent["message"][0], item["content"][0]
-            if (rest := piece(shown, part["text"])) or pending:
-                yield delta(rest)
-            base = {"output_index": index, "item_id": item["id"]}
-            yield event("response.output_text.done", **base, content_index=0,
-                        text=part["text"], logprobs=part.get("logprobs") or [])  # fmt: skip
-            yield event("response.content_part.done", **base, content_index=0, part=part)
-            yield event("response.output_item.done", output_index=index, item=item)
-        elif kind == "function_call":
-            index = len(sent)
-            sent[item["id"]] = (index, item["id"])
-            base = {"output_index": index, "item_id": item["id"]}
-            yield event("response.output_item.added", output_index=index,
-                        item=item | {"status": "in_progress", "arguments": ""})  # fmt: skip
-            yield event("response.function_call_arguments.delta", **base, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **base,
-                        arguments=item["arguments"], name=item["name"])  # fmt: skip
-            yield event("response.output_item.done", output_index=index, item=item)
-    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-    yield event(kind, response=response)
+    def failed(self, error: RequestError) -> list[bytes]:
+        return [
+            self._event(
+                "error",
+                code=error.code,
+                message=error.message,
+                param=error.param,
+                error=error.body()["error"],
+            )  # fmt: skip
+        ]
+
+    def closing(self, call: Call) -> list[bytes]:
+        response = answer(self.req, call, self.tok, self.ep, self.rid)
+        sent, event, out = self.sent, self._event, []
+        for item in response["output"]:
+            kind = item["type"]
+            if kind in sent:  # begun while the engine sampled: the same item
+                item["id"] = sent[kind][1]
+            elif kind in ("reasoning", "message"):
+                out += self._begin(item)
+            if kind == "message":
+                index, part = sent["message"][0], item["content"][0]
+                if (rest := piece(self.shown, part["text"])) or self.pending:
+                    out.append(self._delta(rest))
+                base = {"output_index": index, "item_id": item["id"]}
+                out.append(event("response.output_text.done", **base, content_index=0,
+                                 text=part["text"], logprobs=part.get("logprobs") or []))  # fmt: skip
+                out.append(event("response.content_part.done", **base, content_index=0, part=part))
+                out.append(event("response.output_item.done", output_index=index, item=item))
+            elif kind == "function_call":
+                index = len(sent)
+                sent[item["id"]] = (index, item["id"])
+                base = {"output_index": index, "item_id": item["id"]}
+                opened = item | {"status": "in_progress", "arguments": ""}
+                out.append(event("response.output_item.added", output_index=index, item=opened))
+                out.append(event("response.function_call_arguments.delta", **base,
+                                 delta=item["arguments"]))  # fmt: skip
+                out.append(event("response.function_call_arguments.done", **base,
+                                 arguments=item["arguments"], name=item["name"]))  # fmt: skip
+                out.append(event("response.output_item.done", output_index=index, item=item))
+        done = response["status"] == "completed"
+        out.append(
+            event("response.completed" if done else "response.incomplete", response=response)
+        )
+        return out

@@ -3,7 +3,7 @@
 A :class:`RequestError` is an OpenAI-style error answer; :func:`parse_request` turns a body
 into a :class:`Request` or raises one naming the field. Messages are normalised into what
 the chat template renders and into comparison keys (how stitching recognises an earlier
-turn), their images decoded by :mod:`polyrl.agents.gateway_images`.
+turn), their images decoded by :mod:`polyrl.agents.gateway.images`.
 """
 
 from __future__ import annotations
@@ -12,37 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyrl.agents import gateway_images
-from polyrl.agents.gateway_limits import Limits
+from polyrl.agents.gateway import images as gateway_images
+from polyrl.agents.gateway.errors import RequestError
+from polyrl.agents.gateway.options import GatewayOptions
 from polyrl.core.engine import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
-
-
-class RequestError(Exception):
-    """An OpenAI-style error answer: HTTP status, message, type and code."""
-
-    def __init__(
-        self, status: int, message: str, code: str | None = None, param=None, kind=None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.kind = kind  # the OpenAI error type when not the status's (a 429's "requests")
-
-    def body(self) -> dict:
-        kind = self.kind or {401: "authentication_error", 404: "invalid_request_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error"
-        )
-        return {
-            "error": {
-                "message": self.message,
-                "type": kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 def tool_calls_key(calls: Any, where: str) -> tuple:
@@ -65,10 +42,10 @@ def tool_calls_key(calls: Any, where: str) -> tuple:
 
 
 def normalise_messages(
-    messages: Any, limits: Limits = Limits()
+    messages: Any, limits: GatewayOptions = GatewayOptions()
 ) -> tuple[list[dict], list[tuple], list]:
     """Messages as the chat template gets them, their comparison keys and their images
-    (decoded, in order; see :mod:`polyrl.agents.gateway_images`)."""
+    (decoded, in order; see :mod:`polyrl.agents.gateway.images`)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
     check_count(len(messages), limits)
@@ -119,7 +96,9 @@ def fold_calls(msg: dict) -> dict:
 # --------------------------------------------------------------------------- request checks
 
 
-def check_count(n: int, limits: Limits, what: str = "messages", param: str = "messages") -> None:
+def check_count(
+    n: int, limits: GatewayOptions, what: str = "messages", param: str = "messages"
+) -> None:
     """A conversation longer than ``max_messages`` is refused before it is rendered."""
     if n > limits.max_messages:
         raise RequestError(
@@ -130,7 +109,7 @@ def check_count(n: int, limits: Limits, what: str = "messages", param: str = "me
         )
 
 
-def check_stop(stop: Any, limits: Limits, key: str = "stop") -> list[str]:
+def check_stop(stop: Any, limits: GatewayOptions, key: str = "stop") -> list[str]:
     """Stop strings as a list, within ``max_stop`` strings of ``max_stop_chars``."""
     if stop is None:
         return []
@@ -201,7 +180,10 @@ class Request:
 
 
 def parse_request(
-    body: Any, models: list[str], defaults: SamplingParams, limits: Limits = Limits()
+    body: Any,
+    models: list[str],
+    defaults: SamplingParams,
+    limits: GatewayOptions = GatewayOptions(),
 ) -> Request:
     """Check a Chat Completions body; a :class:`RequestError` says what is wrong."""
     if not isinstance(body, dict):
