@@ -102,7 +102,7 @@ def bench_pipeline_overhead(model: str, args) -> dict[str, float]:
     """Recording engine vs the family's diffusers pipeline at the same steps, batch, noise."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-    from polyrl.diffusion.models import pack_latents
+    from polyrl.diffusion.packed import pack_latents
 
     policy, engine = make_policy(model, args, train_steps={"mode": "all"})
     prompts = [f"a {c} blob" for c in ("red", "green", "blue", "yellow")]
@@ -242,7 +242,8 @@ def main() -> None:
 
     import polyrl.core  # noqa: F401
     import polyrl.diffusion  # noqa: F401
-    from polyrl.diffusion.models import detect_family, quiet_diffusers
+    from polyrl.diffusion.families import detect_family
+    from polyrl.diffusion.models import quiet_diffusers
     from polyrl.diffusion.tiny import tiny_flux, tiny_sd3
 
     dlogging.set_verbosity_error()  # the pipeline notes that PatchVAE is no AutoencoderKL

@@ -90,21 +90,42 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 128) -> Qwen2Tokeni
     )
 
 
-def build_tiny_qwen2(
-    tokenizer: Qwen2Tokenizer,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 1,
-    num_kv_heads: int = 1,
-    head_dim: int = 64,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-    vocab_rows: int = 0,
-) -> Qwen2ForCausalLM:
-    """A float32 Qwen2 sized to ``tokenizer``, initialised deterministically from ``seed``.
+@dataclass
+class DecoderSizes(Options):
+    """What every tiny decoder is made of, dense or mixture-of-experts: its sizes and seed."""
+
+    hidden_size: int = doc(64, "model width")
+    num_layers: int = doc(2, "decoder layers")
+    num_heads: int = doc(1, "attention heads")
+    num_kv_heads: int = doc(1, "key/value heads")
+    head_dim: int = doc(64, "per-head width (vLLM's CPU kernel needs 64)")
+    max_position_embeddings: int = doc(512, "longest sequence")
+    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
+    seed: int = doc(0, "initialisation and pretraining seed")
+
+
+@dataclass
+class Qwen2Sizes(DecoderSizes):
+    """A tiny dense Qwen2's sizes (:func:`build_tiny_qwen2`)."""
+
+    intermediate_size: int = doc(256, "MLP width")
+    vocab_rows: int = doc(0, "embedding rows (0: the tokenizer's size; more pads it)")
+
+
+@dataclass
+class Qwen3MoeSizes(DecoderSizes):
+    """A tiny Qwen3-MoE's sizes (:func:`build_tiny_qwen3_moe`)."""
+
+    num_layers: int = doc(2, "decoder layers (each a sparse MoE block)")
+    num_experts: int = doc(4, "experts per layer")
+    experts_per_token: int = doc(2, "experts each token is routed to (top-k)")
+    moe_intermediate_size: int = doc(64, "each expert's MLP width")
+    norm_topk_prob: bool = doc(True, "renormalise the chosen experts' weights to sum 1")
+
+
+def build_tiny_qwen2(tokenizer: Qwen2Tokenizer, **sizes: Any) -> Qwen2ForCausalLM:
+    """A float32 Qwen2 sized to ``tokenizer`` (``sizes``: :class:`Qwen2Sizes`),
+    initialised deterministically from its ``seed``.
 
     ``head_dim`` is written to the config explicitly (default 64) because vLLM's CPU
     attention kernel rejects smaller heads; it need not equal hidden_size / num_heads.
@@ -112,65 +133,42 @@ def build_tiny_qwen2(
     (rows the tokenizer never emits), so the model has that model's shape and memory.
     The global torch RNG is left as it was.
     """
-    if vocab_rows and vocab_rows < len(tokenizer):
-        raise ValueError(f"vocab_rows={vocab_rows} is below the tokenizer's {len(tokenizer)}")
-    sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
-    sizes.update(num_kv_heads=num_kv_heads, max_position_embeddings=max_position_embeddings)
+    s = Qwen2Sizes(**sizes)
+    if s.vocab_rows and s.vocab_rows < len(tokenizer):
+        raise ValueError(f"vocab_rows={s.vocab_rows} is below the tokenizer's {len(tokenizer)}")
+    rows = s.vocab_rows or len(tokenizer)
     return _decoder(
-        "Qwen2",
-        tokenizer,
-        vocab_rows or len(tokenizer),
-        dict(sizes, intermediate_size=intermediate_size),
-        seed,
-        head_dim=head_dim,
-        max_window_layers=num_layers,
-        tie_word_embeddings=tie_word_embeddings,
+        "Qwen2", tokenizer, rows, s, s.intermediate_size, max_window_layers=s.num_layers
     )
 
 
-def build_tiny_qwen3_moe(
-    tokenizer: Qwen2Tokenizer,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 1,
-    num_kv_heads: int = 1,
-    head_dim: int = 64,
-    num_experts: int = 4,
-    experts_per_token: int = 2,
-    moe_intermediate_size: int = 64,
-    norm_topk_prob: bool = True,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-) -> Any:
+def build_tiny_qwen3_moe(tokenizer: Qwen2Tokenizer, **sizes: Any) -> Any:
     """A float32 Qwen3-MoE (every layer a sparse MoE block: ``num_experts`` experts, top-
-    ``experts_per_token`` routing) sized to ``tokenizer``, initialised from ``seed``.
+    ``experts_per_token`` routing) sized to ``tokenizer`` (``sizes``:
+    :class:`Qwen3MoeSizes`), initialised from its ``seed``.
 
     The architecture of Qwen3-30B-A3B at toy size, so every engine loads it as that family
     (``Qwen3MoeForCausalLM``); its routers are ``Qwen3MoeTopKRouter`` modules, which
     :mod:`polyrl.core.moe` hooks. ``norm_topk_prob`` renormalises the chosen experts'
     weights to sum to 1, as Qwen3-30B-A3B does. The global torch RNG is left as it was.
     """
-    if not 1 <= experts_per_token <= num_experts:
+    s = Qwen3MoeSizes(**sizes)
+    if not 1 <= s.experts_per_token <= s.num_experts:
         raise ValueError(
-            f"experts_per_token={experts_per_token} must be between 1 and num_experts={num_experts}"
+            f"experts_per_token={s.experts_per_token} must be between 1 and "
+            f"num_experts={s.num_experts}"
         )
-    sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
-    sizes.update(num_kv_heads=num_kv_heads, max_position_embeddings=max_position_embeddings)
     return _decoder(
         "Qwen3Moe",
         tokenizer,
         len(tokenizer),
-        dict(sizes, intermediate_size=moe_intermediate_size),
-        seed,
-        head_dim=head_dim,
-        num_experts=num_experts,
-        num_experts_per_tok=experts_per_token,
-        moe_intermediate_size=moe_intermediate_size,
-        norm_topk_prob=norm_topk_prob,
+        s,
+        s.moe_intermediate_size,
+        num_experts=s.num_experts,
+        num_experts_per_tok=s.experts_per_token,
+        moe_intermediate_size=s.moe_intermediate_size,
+        norm_topk_prob=s.norm_topk_prob,
         decoder_sparse_step=1,
-        tie_word_embeddings=tie_word_embeddings,
     )
 
 
@@ -178,51 +176,49 @@ def _decoder(
     family: str,
     tokenizer: Qwen2Tokenizer,
     vocab_size: int,
-    sizes: dict[str, int],
-    seed: int,
+    s: DecoderSizes,
+    intermediate_size: int,
     **settings: Any,
 ) -> Any:
     """transformers' ``<family>ForCausalLM`` in float32 with ``vocab_size`` embedding rows,
-    the ``sizes`` of :func:`text_config`, the tokenizer's pad and end tokens, and the
-    family's other config ``settings``; initialised from ``seed``."""
+    the sizes ``s``, the tokenizer's pad and end tokens, and the family's other config
+    ``settings``; initialised from ``s.seed``."""
     import transformers
 
-    if sizes["num_heads"] % sizes["num_kv_heads"]:
+    if s.num_heads % s.num_kv_heads:
         raise ValueError(
-            f"num_heads={sizes['num_heads']} must be a multiple of "
-            f"num_kv_heads={sizes['num_kv_heads']}"
+            f"num_heads={s.num_heads} must be a multiple of num_kv_heads={s.num_kv_heads}"
         )
     # one token in, one id out (transformers types the result int | list[int])
     pad_id: int = tokenizer.convert_tokens_to_ids(PAD_TOKEN)  # type: ignore[assignment]
     eos_id: int = tokenizer.convert_tokens_to_ids(EOS_TOKEN)  # type: ignore[assignment]
-    text = text_config(vocab_size, **sizes, pad_id=pad_id, eos_id=eos_id)
-    config = getattr(transformers, f"{family}Config")(**text, **settings, dtype="float32")
+    text = text_config(vocab_size, s, intermediate_size, pad_id=pad_id, eos_id=eos_id)
+    config = getattr(transformers, f"{family}Config")(
+        **text,
+        head_dim=s.head_dim,
+        tie_word_embeddings=s.tie_word_embeddings,
+        **settings,
+        dtype="float32",
+    )
     model = getattr(transformers, f"{family}ForCausalLM")
-    return seeded_model(model, config, seed, pad_id=pad_id, eos_ids=[eos_id, pad_id])
+    return seeded_model(model, config, s.seed, pad_id=pad_id, eos_ids=[eos_id, pad_id])
 
 
 def text_config(
-    vocab_size: int,
-    *,
-    hidden_size: int,
-    intermediate_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    max_position_embeddings: int,
-    pad_id: int,
-    eos_id: int,
+    vocab_size: int, sizes: Options, intermediate_size: int, *, pad_id: int, eos_id: int
 ) -> dict[str, Any]:
-    """The Qwen2-style text config fields every tiny builder sets (this module's Qwen2 and
-    the Qwen-VL families' language model): sizes, and the pad token as bos and pad."""
+    """The Qwen2-style text config fields every tiny builder sets (this module's decoders and
+    the Qwen-VL families' language model): the ``sizes`` (``hidden_size``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads`` (default: ``num_heads``), ``max_position_embeddings``),
+    and the pad token as bos and pad."""
     return {
         "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
+        "hidden_size": sizes["hidden_size"],
         "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "max_position_embeddings": max_position_embeddings,
+        "num_hidden_layers": sizes["num_layers"],
+        "num_attention_heads": sizes["num_heads"],
+        "num_key_value_heads": sizes.get("num_kv_heads", sizes["num_heads"]),
+        "max_position_embeddings": sizes["max_position_embeddings"],
         "bos_token_id": pad_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
@@ -309,49 +305,27 @@ def is_complete(path: str | Path) -> bool:
 
 
 @dataclass
-class TinyTextOptions(Options):
-    """``build_args`` every tiny text builder takes: the tokenizer, the pretraining, and the
-    sizes dense and mixture-of-experts models share."""
+class TinyTextBuild(Options):
+    """``build_args`` that make a tiny text model's tokenizer and pretrain it."""
 
     corpus: str = doc("arithmetic", "task whose corpus() trains the tokenizer (and pretraining)")
     vocab_size: int = doc(128, "BPE vocabulary size of the tokenizer")
-    seed: int = doc(0, "initialisation and pretraining seed")
     pretrain_steps: int = doc(0, "next-token steps on the corpus (0: random init)")
     pretrain_lr: float = doc(1e-3, "AdamW learning rate of pretraining")
     pretrain_on: Literal["corpus", "sft"] = doc(
         "corpus", "corpus, or sft: the task's format warm start"
     )
     task_args: dict | None = doc(None, "the task's options, for pretrain_on: sft")
-    hidden_size: int = doc(64, "model width")
-    num_layers: int = doc(2, "decoder layers")
-    num_heads: int = doc(1, "attention heads")
-    num_kv_heads: int = doc(1, "key/value heads")
-    head_dim: int = doc(64, "per-head width (vLLM's CPU kernel needs 64)")
-    max_position_embeddings: int = doc(512, "longest sequence")
-    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
-
-
-# The options that make the tokenizer and pretrain the model; the rest size the model.
-_TEXT_BUILD = ("corpus", "vocab_size", "pretrain_steps", "pretrain_lr", "pretrain_on", "task_args")
 
 
 @dataclass
-class TinyQwen2Options(TinyTextOptions):
+class TinyQwen2Options(Qwen2Sizes, TinyTextBuild):
     """``build_args`` of ``tiny_qwen2``."""
 
-    intermediate_size: int = doc(256, "MLP width")
-    vocab_rows: int = doc(0, "embedding rows (0: the tokenizer's size; more pads it)")
-
 
 @dataclass
-class TinyQwen3MoeOptions(TinyTextOptions):
+class TinyQwen3MoeOptions(Qwen3MoeSizes, TinyTextBuild):
     """``build_args`` of ``tiny_qwen3_moe``."""
-
-    num_layers: int = doc(2, "decoder layers (each a sparse MoE block)")
-    num_experts: int = doc(4, "experts per layer")
-    experts_per_token: int = doc(2, "experts each token is routed to (top-k)")
-    moe_intermediate_size: int = doc(64, "each expert's MLP width")
-    norm_topk_prob: bool = doc(True, "renormalise the chosen experts' weights to sum 1")
 
 
 @MODELS.register("tiny_qwen2", options=TinyQwen2Options)
@@ -385,16 +359,16 @@ def tiny_qwen3_moe(path: str | Path, **options: Any) -> Path:
     return _write_tiny(path, build_tiny_qwen3_moe, TinyQwen3MoeOptions(**options))
 
 
-def _write_tiny(
-    path: str | Path, build_model: Callable[..., Any], options: TinyTextOptions
-) -> Path:
+def _write_tiny(path: str | Path, build_model: Callable[..., Any], options: TinyTextBuild) -> Path:
     """What the registered tiny builders share: ``corpus``'s tokenizer, the model
-    ``build_model(tokenizer, **sizes)`` makes for it (every option not in ``_TEXT_BUILD``),
+    ``build_model(tokenizer, **sizes)`` makes for it (every option not in
+    :class:`TinyTextBuild`),
     optionally pretrained (see :func:`tiny_qwen2`), written once at ``path``."""
     o = options
     if o.pretrain_on not in ("corpus", "sft"):
         raise ValueError(f"pretrain_on must be 'corpus' or 'sft', got {o.pretrain_on!r}")
-    sizes = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name not in _TEXT_BUILD}
+    build = {f.name for f in dataclasses.fields(TinyTextBuild)}
+    sizes = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name not in build}
 
     def write(tmp: Path) -> None:
         tokenizer = build_tokenizer(TASKS.get(o.corpus).corpus(), vocab_size=o.vocab_size)

@@ -20,6 +20,7 @@ from polyrl.diffusion import (  # noqa: F401
     engine,
     models,
     nft,
+    packed,
     policy,
     rewards,
     samplers,

@@ -4,7 +4,8 @@ A family is the part of the diffusion policy that knows one diffusers architectu
 loads the trainable transformer and the frozen text encoders, VAE and scheduler of a
 checkpoint, and gives the engine, the policy and the pre-training the few operations they
 need (:class:`Family`). The four built-in families (SD3, FLUX.1, Qwen-Image, Wan 2.1) live
-in :mod:`polyrl.diffusion.models` and register themselves in :data:`FAMILIES`; a checkpoint's
+in :mod:`polyrl.diffusion.models` (SD3 and the base they share), :mod:`.packed` (FLUX.1,
+Qwen-Image) and :mod:`.wan` and register themselves in :data:`FAMILIES`; a checkpoint's
 family is the one whose :meth:`Family.matches` accepts its ``transformer/config.json``
 (:func:`detect_family`). A new architecture is one more class with this protocol,
 registered as ``FAMILIES.register("name", MyFamily)`` when its plugin is imported.

@@ -31,22 +31,21 @@ a row with images and no marker gets its images put before the prompt text
 
 Its options (``data.args``, also ``eval.data.args`` and ``sft.data.args``) are
 :class:`VLDataOptions`: where images and videos are, their resize limits, the markers, and
-what to do with bad images.
+what to do with bad images. Where rows come from is :mod:`.sources`; how a prompt becomes
+chat messages of text and vision parts, :mod:`.prompts`.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
-import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from polyrl.core.config import ConfigError, doc
-from polyrl.core.data import DataConfig, DataError, PromptDataset, PromptItem, load_rows
+from polyrl.core.data import DataConfig, DataError, PromptDataset, PromptItem
 from polyrl.core.options import Options, bind
 from polyrl.core.registry import DATASETS
 from polyrl.multimodal.images import (
@@ -59,6 +58,8 @@ from polyrl.multimodal.images import (
     make_ref,
     probe,
 )
+from polyrl.multimodal.prompts import blank, count_parts, prepend_parts, to_messages
+from polyrl.multimodal.sources import load_source
 from polyrl.multimodal.video import (
     DEFAULT_VIDEO_FPS,
     load_videos,
@@ -178,172 +179,6 @@ def resize_rule(processor: Any, opts: VLDataOptions) -> ResizeRule:
         raise DataError(f"data.args: {e}") from None
 
 
-# --------------------------------------------------------------------------- row sources
-
-
-def _undecoded(feature: Any) -> tuple[Any, bool]:
-    """``feature`` with every (nested) ``datasets.Image`` set not to decode; whether it
-    changed. Images in lists, and video frames in lists of lists, stay encoded bytes."""
-    import datasets
-
-    if isinstance(feature, datasets.Image):
-        return datasets.Image(decode=False), feature.decode
-    if isinstance(feature, list) and len(feature) == 1:
-        inner, changed = _undecoded(feature[0])
-        return [inner], changed
-    inner = getattr(feature, "feature", None)
-    if inner is not None and not isinstance(feature, dict):
-        new, changed = _undecoded(inner)
-        return (type(feature)(new) if changed else feature), changed
-    return feature, False
-
-
-class _ArrowRows:
-    """Rows of a memory-mapped ``datasets`` table, read one at a time, images undecoded."""
-
-    def __init__(self, table: Any, fields: tuple[str, ...]) -> None:
-        for name in fields:
-            feature = table.features.get(name)
-            if feature is None:
-                continue
-            new, changed = _undecoded(feature)
-            if changed:
-                table = table.cast_column(name, new)
-        self.table = table
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.table[i]
-
-
-def _load_source(
-    cfg: DataConfig, fields: tuple[str, ...], name: str
-) -> tuple[Any, list[str], Path | None, bool]:
-    """(rows, where, default image root, arrow-backed) for ``cfg.path``."""
-    p = Path(cfg.path).expanduser() if cfg.path else None
-    if p is not None and p.is_file() and p.suffix.lower() != ".parquet":
-        rows, where = load_rows(
-            cfg.path, cfg.split, cfg.limit, what=f"{name} data", subset=cfg.subset
-        )
-        return rows, where, p.parent, False
-    import datasets
-
-    try:
-        if p is not None and p.is_file():
-            table = datasets.load_dataset("parquet", data_files=str(p), split="train")
-            label, root = str(p), p.parent
-        elif p is not None and p.is_dir():
-            table = datasets.load_dataset(str(p), cfg.subset, split=cfg.split)
-            label, root = f"{p} (split {cfg.split!r})", p
-        else:
-            if not cfg.path or cfg.path.startswith(("/", ".", "~")):
-                # not a hub name: let the core say what is missing and what is nearby
-                load_rows(cfg.path, cfg.split, cfg.limit, what=f"{name} data")
-            table = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
-            label, root = f"hub dataset {cfg.path!r} (split {cfg.split!r})", None
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(
-            f"{name} data: could not load {cfg.path!r} with datasets.load_dataset: "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    if cfg.limit is not None:
-        table = table.select(range(min(cfg.limit, len(table))))
-    rows = _ArrowRows(table, fields)
-    return rows, [f"{label}, row {i}" for i in range(len(rows))], root, True
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def _blank(value: Any) -> bool:
-    return (
-        value is None
-        or (isinstance(value, float) and math.isnan(value))
-        or (isinstance(value, str) and not value.strip())
-    )
-
-
-def _split_markers(text: str, markers: dict[str, str]) -> list[dict]:
-    """Text and vision parts in order; ``markers`` maps a marker (``<image>``) to its part
-    type (``image``)."""
-    pattern = "(" + "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)) + ")"
-    parts: list[dict] = []
-    for piece in re.split(pattern, text):
-        if piece in markers:
-            parts.append({"type": markers[piece]})
-        elif piece:
-            parts.append({"type": "text", "text": piece})
-    return parts
-
-
-def _vision_part(part: Any) -> str | None:
-    """``image`` / ``video`` for a chat content part of that kind, else None."""
-    if not isinstance(part, dict):
-        return None
-    for kind in ("image", "video"):
-        if part.get("type") == kind or kind in part:
-            return kind
-    return None
-
-
-def _to_messages(prompt: Any, markers: dict[str, str], where: str, field: str) -> list[dict]:
-    """Chat messages whose contents are part lists (text / image / video) in prompt order."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": _split_markers(prompt, markers)}]
-    if not isinstance(prompt, list) or not prompt:
-        raise DataError(
-            f"{where}: field {field!r} must be a string or a non-empty list of "
-            f"{{'role', 'content'}} messages, not {type(prompt).__name__}."
-        )
-    messages = []
-    for j, m in enumerate(prompt):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise DataError(
-                f"{where}: field {field!r}, message {j} is {m!r:.80}; chat "
-                "messages must be dicts with a string 'role' and a 'content'."
-            )
-        content = m["content"]
-        if isinstance(content, str):
-            parts = _split_markers(content, markers)
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = _vision_part(part)
-                if kind is not None:
-                    parts.append({"type": kind})
-                elif isinstance(part, dict) and part.get("type") == "text":
-                    parts.extend(_split_markers(str(part.get("text", "")), markers))
-                else:
-                    raise DataError(
-                        f"{where}: field {field!r}, message {j} has a content part "
-                        f"{part!r:.80}; use {{'type': 'text', 'text': ...}}, "
-                        "{'type': 'image'} or {'type': 'video'}."
-                    )
-        else:
-            raise DataError(
-                f"{where}: field {field!r}, message {j}: 'content' must be a "
-                f"string or a list of parts, not {type(content).__name__}."
-            )
-        messages.append({"role": m["role"], "content": parts})
-    return messages
-
-
-def _count_parts(messages: list[dict], kind: str = "image") -> int:
-    return sum(part["type"] == kind for m in messages for part in m["content"])
-
-
-def _prepend_parts(messages: list[dict], k: int, kind: str = "image") -> None:
-    target = next((m for m in messages if m["role"] == "user"), messages[0])
-    target["content"] = [{"type": kind} for _ in range(k)] + target["content"]
-
-
-# --------------------------------------------------------------------------- dataset
-
-
 class VLDataset:
     """Every usable VL prompt of one dataset: validated, tokenised, images as references."""
 
@@ -382,7 +217,7 @@ class VLDataset:
             where = [f"{name} rows, row {i}" for i in range(len(rows))]
             root, arrow = None, False
         else:
-            rows, where, root, arrow = _load_source(
+            rows, where, root, arrow = load_source(
                 cfg, (self.opts.image_field, self.opts.video_field), name
             )
         self._arrow_source = rows.table if arrow else None
@@ -548,7 +383,7 @@ class VLDataset:
                     )
                 )
         prompt = row[cfg.prompt_field]
-        if _blank(prompt):
+        if blank(prompt):
             raise DataError(
                 f"{loc}: field {cfg.prompt_field!r} is empty. Fill in the prompt or drop the row."
             )
@@ -564,7 +399,7 @@ class VLDataset:
             return None  # a bad image or frame, and bad_images=skip
         refs, sizes = images
         # prompt and placeholders
-        messages = _to_messages(prompt, self.markers, loc, cfg.prompt_field)
+        messages = to_messages(prompt, self.markers, loc, cfg.prompt_field)
         for m in messages:
             for part in m["content"]:
                 for token, marker in (
@@ -628,11 +463,11 @@ class VLDataset:
         self, messages: list[dict], kind: str, n: int, marker: str, field: str, loc: str
     ) -> None:
         """Markers of ``kind`` must match the row's ``n`` inputs; none: prepend them."""
-        markers = _count_parts(messages, kind)
+        markers = count_parts(messages, kind)
         if markers == n:
             return
         if markers == 0 and self.opts.missing_placeholders == "prepend":
-            _prepend_parts(messages, n, kind)
+            prepend_parts(messages, n, kind)
             self.stats["placeholders_added"] += 1
             return
         what = "more" if markers > n else "fewer"

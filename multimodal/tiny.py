@@ -115,20 +115,13 @@ def build_processor(
     )
 
 
-def _vl_config(
-    family: str,
-    text: dict,
-    *,
-    head_dim: int,
-    vision_depth: int,
-    vision_hidden_size: int,
-    vision_heads: int,
-    vision_intermediate_size: int,
-    tie_word_embeddings: bool,
-    ids: dict[str, int],
-):
+def _vl_config(family: str, text: dict, o: VLSizes, *, head_dim: int, ids: dict[str, int]):
     """The family's config class with the shared text sizes and a tiny vision tower."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    vision_depth, vision_hidden_size = o.vision_depth, o.vision_hidden_size
+    vision_heads, vision_intermediate_size = o.vision_heads, o.vision_intermediate_size
+    tie_word_embeddings = o.tie_word_embeddings
 
     hidden = text["hidden_size"]
     patch = {"patch_size": PATCH_SIZE[family], "spatial_merge_size": 2, "temporal_patch_size": 2}
@@ -181,23 +174,26 @@ def _vl_config(
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
 
 
-def build_tiny_vl(
-    processor,
-    *,
-    family: str = "qwen2_5_vl",
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 1,
-    intermediate_size: int = 128,
-    vision_depth: int = 1,
-    vision_hidden_size: int = 32,
-    vision_heads: int = 1,
-    vision_intermediate_size: int = 64,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-):
-    """A float32 Qwen-VL model of ``family`` sized to the processor's tokenizer."""
+@dataclass
+class VLSizes(Options):
+    """A tiny Qwen-VL model's sizes and seed (:func:`build_tiny_vl`)."""
+
+    seed: int = doc(0, "initialisation seed")
+    hidden_size: int = doc(64, "language model width (the vision tower's output width too)")
+    num_layers: int = doc(2, "decoder layers")
+    num_heads: int = doc(1, "attention heads (hidden_size must divide by it)")
+    intermediate_size: int = doc(128, "language model MLP width")
+    vision_depth: int = doc(1, "vision tower blocks")
+    vision_hidden_size: int = doc(32, "vision tower width")
+    vision_heads: int = doc(1, "vision tower attention heads")
+    vision_intermediate_size: int = doc(64, "vision tower MLP width")
+    max_position_embeddings: int = doc(512, "longest sequence")
+    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
+
+
+def build_tiny_vl(processor, *, family: str = "qwen2_5_vl", **sizes: Any):
+    """A float32 Qwen-VL model of ``family`` sized to the processor's tokenizer
+    (``sizes``: :class:`VLSizes`)."""
     from transformers import (
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
@@ -209,34 +205,17 @@ def build_tiny_vl(
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": Qwen3VLForConditionalGeneration,
     }[_check_family(family)]
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    o = VLSizes(**sizes)
+    if o.hidden_size % o.num_heads:
+        raise ValueError(
+            f"hidden_size={o.hidden_size} must be divisible by num_heads={o.num_heads}"
+        )
     tok = processor.tokenizer
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
-    text = text_config(
-        len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_heads,
-        max_position_embeddings=max_position_embeddings,
-        pad_id=pad_id,
-        eos_id=eos_id,
-    )
-    config = _vl_config(
-        family,
-        text,
-        head_dim=hidden_size // num_heads,
-        vision_depth=vision_depth,
-        vision_hidden_size=vision_hidden_size,
-        vision_heads=vision_heads,
-        vision_intermediate_size=vision_intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-        ids=ids,
-    )
-    return seeded_model(cls, config, seed, pad_id=pad_id, eos_ids=[eos_id])
+    text = text_config(len(tok), o, o.intermediate_size, pad_id=pad_id, eos_id=eos_id)
+    config = _vl_config(family, text, o, head_dim=o.hidden_size // o.num_heads, ids=ids)
+    return seeded_model(cls, config, o.seed, pad_id=pad_id, eos_ids=[eos_id])
 
 
 def build_tiny_qwen2_5_vl(processor, **kwargs: Any):
@@ -255,24 +234,18 @@ def _built_family(path: Path) -> str | None:
 
 
 @dataclass
-class TinyVLOptions(Options):
-    """``build_args`` of ``tiny_qwen2_vl``, ``tiny_qwen2_5_vl`` and ``tiny_qwen3_vl``."""
+class VLProcessorBuild(Options):
+    """``build_args`` that make a tiny Qwen-VL's processor (:func:`build_processor`)."""
 
     corpus: str = doc("vl_shapes", "task whose corpus() trains the tokenizer")
     vocab_size: int = doc(320, "BPE vocabulary size (the vision tokens come on top)")
     min_pixels: int = doc(56 * 56, "the processor's least pixels per resized image")
     max_pixels: int = doc(112 * 112, "the processor's most pixels per resized image")
-    seed: int = doc(0, "initialisation seed")
-    hidden_size: int = doc(64, "language model width (the vision tower's output width too)")
-    num_layers: int = doc(2, "decoder layers")
-    num_heads: int = doc(1, "attention heads (hidden_size must divide by it)")
-    intermediate_size: int = doc(128, "language model MLP width")
-    vision_depth: int = doc(1, "vision tower blocks")
-    vision_hidden_size: int = doc(32, "vision tower width")
-    vision_heads: int = doc(1, "vision tower attention heads")
-    vision_intermediate_size: int = doc(64, "vision tower MLP width")
-    max_position_embeddings: int = doc(512, "longest sequence")
-    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
+
+
+@dataclass
+class TinyVLOptions(VLSizes, VLProcessorBuild):
+    """``build_args`` of ``tiny_qwen2_vl``, ``tiny_qwen2_5_vl`` and ``tiny_qwen3_vl``."""
 
 
 @dataclass
@@ -282,9 +255,6 @@ class TinyQwenVLOptions(TinyVLOptions):
     family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = doc(
         "qwen2_5_vl", "Qwen-VL family: qwen2_vl, qwen2_5_vl or qwen3_vl"
     )
-
-
-_PROCESSOR_OPTIONS = ("corpus", "vocab_size", "min_pixels", "max_pixels")
 
 
 @MODELS.register("tiny_qwen_vl", options=TinyQwenVLOptions)
@@ -313,11 +283,7 @@ def tiny_qwen_vl(path: str | Path, *, family: str = "qwen2_5_vl", **options: Any
             max_pixels=o.max_pixels,
             family=family,
         )
-        model_kwargs = {
-            f.name: getattr(o, f.name)
-            for f in dataclasses.fields(o)
-            if f.name not in _PROCESSOR_OPTIONS
-        }
+        model_kwargs = {f.name: getattr(o, f.name) for f in dataclasses.fields(VLSizes)}
         build_tiny_vl(processor, family=family, **model_kwargs).save_pretrained(tmp)
         processor.save_pretrained(tmp)
 

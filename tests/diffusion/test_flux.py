@@ -21,7 +21,7 @@ def flux_policy(make_policy, tiny_flux_dir):
 def test_packing_is_diffusers_own_and_round_trips():
     from diffusers import FluxPipeline
 
-    from polyrl.diffusion.models import image_ids, pack_latents, unpack_latents
+    from polyrl.diffusion.packed import image_ids, pack_latents, unpack_latents
 
     x = torch.randn(3, 12, 8, 6)
     packed = pack_latents(x)
@@ -38,7 +38,7 @@ def test_ode_reproduces_flux_pipeline_step_by_step(flux_policy, tiny_flux_dir, p
     starting noise, prompt embeddings, guidance, σ's), bit for bit."""
     from diffusers import FluxPipeline
 
-    from polyrl.diffusion.models import pack_latents, unpack_latents
+    from polyrl.diffusion.packed import pack_latents, unpack_latents
 
     policy, engine = flux_policy()
     traj = engine.sample(prompts, n=2, deterministic=True)
@@ -142,7 +142,8 @@ def test_export_lora_loads_into_flux_pipeline(flux_policy, tiny_flux_dir, tmp_pa
 
 
 def test_flux_needs_its_t5(tiny_flux_dir):
-    from polyrl.diffusion.models import FluxFamily, detect_family
+    from polyrl.diffusion.families import detect_family
+    from polyrl.diffusion.packed import FluxFamily
 
     assert detect_family(tiny_flux_dir) == "flux"
     with pytest.raises(ValueError, match="T5"):

@@ -83,7 +83,7 @@ def test_ode_reproduces_qwen_image_pipeline(qwen_policy, tiny_qwen_dir, guidance
     """Noise off: every latent of the engine's trajectory equals QwenImagePipeline's own
     (prompt strings encoded by the pipeline, same starting noise, true CFG with its
     rescale at 4, none at 1), and so does the decoded image."""
-    from polyrl.diffusion.models import pack_latents, unpack_latents
+    from polyrl.diffusion.packed import pack_latents, unpack_latents
 
     policy, engine = qwen_policy(guidance_scale=guidance, cfg_batch=False)
     traj = engine.sample(PROMPTS, n=1, deterministic=True)
@@ -119,7 +119,7 @@ def test_ode_reproduces_qwen_image_pipeline(qwen_policy, tiny_qwen_dir, guidance
 def test_true_cfg_rescale_against_a_hand_computation():
     """Each 2x2 patch of the guided velocity (all channels: a packed token) takes the norm
     of the conditional velocity's same patch."""
-    from polyrl.diffusion.models import QwenImageFamily
+    from polyrl.diffusion.packed import QwenImageFamily
 
     g = torch.randn(2, 3, 4, 6, dtype=torch.float64)
     c = torch.randn(2, 3, 4, 6, dtype=torch.float64)
@@ -190,7 +190,7 @@ def test_export_lora_loads_into_qwen_image_pipeline(qwen_policy, tiny_qwen_dir, 
 def test_random_qwen_vae_decodes_with_the_pipelines_normalisation(tmp_path):
     """With a (random) AutoencoderKLQwenImage whose statistics are not 0/1, the family's
     decode equals the pipeline's own decoding of the same latents."""
-    from polyrl.diffusion.models import QwenImageFamily, pack_latents, unpack_latents
+    from polyrl.diffusion.packed import QwenImageFamily, pack_latents, unpack_latents
     from polyrl.diffusion.tiny import tiny_qwen_image
 
     path = str(tiny_qwen_image(tmp_path / "qwen-vae", vae="qwen", seed=1))
@@ -213,7 +213,8 @@ def test_random_qwen_vae_decodes_with_the_pipelines_normalisation(tmp_path):
 
 
 def test_qwen_image_needs_its_text_encoder(tiny_qwen_dir):
-    from polyrl.diffusion.models import QwenImageFamily, detect_family
+    from polyrl.diffusion.families import detect_family
+    from polyrl.diffusion.packed import QwenImageFamily
 
     assert detect_family(tiny_qwen_dir) == "qwen_image"
     with pytest.raises(ValueError, match="Qwen2.5-VL"):
@@ -226,7 +227,7 @@ def test_an_edit_checkpoint_is_refused(tiny_qwen_dir, tmp_path):
     """Same transformer class, another pipeline: the error names model_index.json."""
     import shutil
 
-    from polyrl.diffusion.models import QwenImageFamily
+    from polyrl.diffusion.packed import QwenImageFamily
 
     edit = tmp_path / "edit"
     shutil.copytree(tiny_qwen_dir, edit)

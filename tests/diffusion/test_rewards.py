@@ -147,7 +147,7 @@ def test_pickscore_with_a_tiny_transformers_clip(tmp_path):
         CLIPVisionConfig,
     )
 
-    from polyrl.diffusion.tiny import build_clip_tokenizer
+    from polyrl.diffusion.tiny_parts import build_clip_tokenizer
 
     tok = build_clip_tokenizer(["a red blob", "a blue blob"], max_length=8)
     cfg = CLIPConfig(

@@ -43,8 +43,8 @@ def test_wan_checkpoint_layout(tiny_wan_dir, tiny_wan_patch_dir):
     from diffusers import AutoencoderKLWan, WanPipeline
 
     from polyrl.diffusion.families import detect_family
-    from polyrl.diffusion.models import WanFamily
     from polyrl.diffusion.patch_vae import PatchVideoVAE
+    from polyrl.diffusion.wan import WanFamily
 
     assert detect_family(tiny_wan_dir) == detect_family(tiny_wan_patch_dir) == "wan"
     pipe = WanPipeline.from_pretrained(tiny_wan_dir)
