@@ -180,6 +180,12 @@ def load_policy(policy: Any, path: Path, *, lora: bool, name: str) -> None:
         policy.reference_warmed = True
 
 
+def uses_lora(cfg: Any) -> bool:
+    """Whether a policy config trains a LoRA adapter (its sharded state is the adapter's)."""
+    lora = getattr(cfg, "lora", None)
+    return lora is not None and lora.r > 0
+
+
 def load_part(policy: Any, part: Any, name: str) -> None:
     """Restore a policy from its checkpoint part: a full state dict, or a sharded
     directory (read by the Ray group's ranks, or whole by a local policy)."""
@@ -188,8 +194,6 @@ def load_part(policy: Any, part: Any, name: str) -> None:
     elif isinstance(policy, LoadsShards):
         policy.load_sharded(part.path)
     else:
-        from polyrl.core.ray_workers import uses_lora
-
         for attr in ("model", "optimizer", "scheduler", "reference"):
             if not hasattr(policy, attr):
                 raise TypeError(

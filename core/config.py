@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
 from typing import Any
@@ -98,9 +100,31 @@ class ConfigError(UserError, ValueError):
     """A recipe is wrong: names the key, the file and the fix."""
 
 
-def _nearest_key(key: str, valid: list[str]) -> str | None:
-    hits = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def nearest(name: str, candidates: Iterable[str]) -> str | None:
+    """The closest candidate to ``name``, for 'did you mean' hints."""
+    hits = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
     return hits[0] if hits else None
+
+
+# A relative file path to a part, as a recipe writes it: ``./my_part.py:Name``.
+_FILE_PART = re.compile(r"^(?![/~])[^\s:]*\.py:[A-Za-z_][\w.]*$")
+
+
+def anchor_files(data: Any, base: Path) -> Any:
+    """``data`` (a recipe's mapping) with each relative ``file.py:Name`` that names a file in
+    ``base`` (the recipe's folder) made absolute, so the part resolves the same from any
+    working directory, process or Ray worker, and two recipes never see each other's files.
+    Paths with no such file are left as written (looked up in the working directory)."""
+    if isinstance(data, dict):
+        return {k: anchor_files(v, base) for k, v in data.items()}
+    if isinstance(data, list):
+        return [anchor_files(v, base) for v in data]
+    if isinstance(data, str) and _FILE_PART.match(data):
+        file, _, attr = data.rpartition(":")
+        found = base / file
+        if found.is_file():
+            return f"{found.resolve()}:{attr}"
+    return data
 
 
 def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
@@ -125,7 +149,7 @@ def _convert(tp: Any, value: Any, where: str, source: str) -> Any:
         if isinstance(value, bool) and ("on" if value else "off") in args:
             return "on" if value else "off"
         if value not in args:
-            hint = _nearest_key(str(value), [str(a) for a in args])
+            hint = nearest(str(value), [str(a) for a in args])
             raise ConfigError(
                 f"{where}={value!r} in {source} is not one of {list(args)}"
                 + (f"; did you mean {hint!r}?" if hint else "")
@@ -182,7 +206,7 @@ def from_dict(cls: type, data: dict, prefix: str = "", source: str = "<config>")
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
-            hint = _nearest_key(str(key), list(fields))
+            hint = nearest(str(key), list(fields))
             full = f"{prefix}.{hint}" if prefix and hint else hint
             raise ConfigError(
                 f"unknown key {where!r} in {source}"
@@ -336,9 +360,9 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | None 
                 "last silently. Remove one of them"
             )
         source = str(path)
-        from polyrl.core.registry import anchor_files  # './my_part.py:Name' beside the recipe
-
-        data = anchor_files(data, path.expanduser().resolve().parent)
+        data = anchor_files(  # './my_part.py:Name' beside the recipe
+            data, path.expanduser().resolve().parent
+        )
     if overrides:
         data = deep_merge(data, parse_overrides(overrides))
         source += " (+ command-line overrides)"

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from polyrl.core.config import Bound, ConfigError, from_dict
+from polyrl.core.config import Bound, ConfigError, from_dict, nearest
 
 
 class Options:
@@ -164,8 +164,6 @@ def bind(options: type[Options], value: Any, where: str, source: str, part: str)
     valid = [f.name for f in dataclasses.fields(options)]
     unknown = [k for k in value if k not in valid]
     if unknown:
-        from polyrl.core.registry import nearest
-
         key = unknown[0]
         hint = nearest(str(key), valid)
         takes = f"its options: {', '.join(valid)}" if valid else "it takes no options"

@@ -4,7 +4,8 @@
 policy's rollout engine, ``RewardWorker`` scores one reward term on its own resources.
 ``wait`` collects actor results and turns a failure into an :class:`ActorError` that
 names the role. The backend module (placement, groups, the driver-side proxies) says
-what runs where; Ray is imported only when these are used.
+what runs where; Ray is imported only when these are used. An actor's process imports
+this module, and with it ``polyrl.core`` (its package), which registers the core's parts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.checkpoint import load_policy, save_policy, uses_lora
 from polyrl.core.dependencies import require
 from polyrl.core.interfaces import (
     ExportsWeights,
@@ -122,11 +124,6 @@ def _optim_by_name(optim: dict[str, Any], order: list[str]) -> dict[str, Any]:
             {**g, "params": [order[i] for i in g["params"]]} for g in optim["param_groups"]
         ],
     }
-
-
-def uses_lora(cfg: Any) -> bool:
-    lora = getattr(cfg, "lora", None)
-    return lora is not None and lora.r > 0
 
 
 def _broadcast_trainable(model: torch.nn.Module) -> None:
@@ -256,8 +253,6 @@ class PolicyWorker:
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-
-        import polyrl.core  # noqa: F401  (registers policy kinds, losses, ...)
 
         if gpu:
             torch.cuda.set_device(0)  # Ray shows this actor its own GPU(s) only
@@ -393,14 +388,10 @@ class PolicyWorker:
 
     def save_sharded(self, path: str) -> None:
         """Write this rank's shards into ``path`` (DCP; a collective): no full gather."""
-        from polyrl.core.checkpoint import save_policy
-
         save_policy(self.policy, Path(path), lora=self.lora, rank=self.rank)
 
     def load_sharded(self, path: str) -> None:
         """Read this rank's shards from a sharded checkpoint of any world size."""
-        from polyrl.core.checkpoint import load_policy
-
         load_policy(self.policy, Path(path), lora=self.lora, name=self.name)
 
     def memory(self) -> dict[str, int]:
@@ -484,8 +475,6 @@ class EngineWorker:
         return require_ray().get_runtime_context().get_node_id()
 
     def setup(self, name: str, cfg: Any, *, seed: int, gpu: bool) -> None:
-        import polyrl.core  # noqa: F401
-
         local = copy.deepcopy(cfg)
         local.train = False  # weights only: no optimizer, no reference
         if uses_lora(local):  # a plain base model; sync merges the adapter into it
@@ -603,8 +592,6 @@ class RewardWorker:
     """One reward term on its own actor: a reward model loads here once and stays loaded."""
 
     def __init__(self, term: Any, threads: int) -> None:
-        import polyrl.core  # noqa: F401
-
         torch.set_num_threads(threads)
         self.term = term
 

@@ -9,20 +9,18 @@ imports a plugin by name.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import importlib
 import importlib.util
-import re
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from polyrl.core import options as opts
-from polyrl.core.config import UserError
+from polyrl.core.config import UserError, nearest
 
 if TYPE_CHECKING:  # the parts' contracts, for the registries' types only
     from polyrl.core.interfaces import Engine, Policy, Workflow
@@ -39,12 +37,6 @@ class UnknownNameError(UserError, KeyError):
         return str(self.args[0])
 
 
-def nearest(name: str, candidates: Iterable[str]) -> str | None:
-    """The closest candidate to ``name``, for 'did you mean' hints."""
-    hits = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.5)
-    return hits[0] if hits else None
-
-
 def load_plugins() -> list[str]:
     """Import every installed plugin so its parts register themselves."""
     global _plugins_loaded
@@ -55,27 +47,6 @@ def load_plugins() -> list[str]:
             ep.load()
             names.append(ep.name)
     return names
-
-
-# A relative file path to a part, as a recipe writes it: ``./my_part.py:Name``.
-_FILE_PART = re.compile(r"^(?![/~])[^\s:]*\.py:[A-Za-z_][\w.]*$")
-
-
-def anchor_files(data: Any, base: Path) -> Any:
-    """``data`` (a recipe's mapping) with each relative ``file.py:Name`` that names a file in
-    ``base`` (the recipe's folder) made absolute, so the part resolves the same from any
-    working directory, process or Ray worker, and two recipes never see each other's files.
-    Paths with no such file are left as written (looked up in the working directory)."""
-    if isinstance(data, dict):
-        return {k: anchor_files(v, base) for k, v in data.items()}
-    if isinstance(data, list):
-        return [anchor_files(v, base) for v in data]
-    if isinstance(data, str) and _FILE_PART.match(data):
-        file, _, attr = data.rpartition(":")
-        found = base / file
-        if found.is_file():
-            return f"{found.resolve()}:{attr}"
-    return data
 
 
 class PartFileError(UserError, ImportError):

@@ -59,8 +59,8 @@ from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
 from polyrl.diffusion.families import FAMILIES, detect_family
 from polyrl.diffusion.guards import ratio_scale
 from polyrl.diffusion.samplers import get_sampler
+from polyrl.diffusion.sampling import sampling_options
 
-ENGINE_NAME = "diffusion"
 # gaussian_mean's divisor: the step's std, or Flow-GRPO's std_dev_t (see DiffusionPolicyOptions)
 KL_FORMS = ("step", "flow_grpo")
 # A tokenizer without a chat template gets this one: the prompt text itself.
@@ -156,8 +156,6 @@ class DiffusionPolicy:
         self.name, self.cfg, self.device = name, cfg, _device(build.get("device"))
         need_reference, total_steps = build["need_reference"], build["total_steps"]
         self.args = policy_options(cfg, name)
-        from polyrl.diffusion.engine import sampling_options  # engine imports this module
-
         # recomputed log-probs follow the engine's convention (engine.args.logprob)
         self.logprob_form = sampling_options(cfg, name).logprob
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
@@ -199,8 +197,6 @@ class DiffusionPolicy:
         kind's options and the engine's -- so a bad sampler name fails before any model is
         built, also for a config built in code."""
         if validate:
-            from polyrl.diffusion.engine import sampling_options  # engine imports this module
-
             sampling_options(cfg)
             policy_options(cfg)
         path = ensure_model(cfg.model, cfg.build, cfg.build_args)
