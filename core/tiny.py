@@ -91,17 +91,25 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 128) -> Qwen2Tokeni
 
 
 @dataclass
-class DecoderSizes(Options):
-    """What every tiny decoder is made of, dense or mixture-of-experts: its sizes and seed."""
+class TextSizes(Options):
+    """The sizes every tiny text model shares (this module's decoders and the Qwen-VL
+    families' language model), and the seed its weights are drawn from."""
 
     hidden_size: int = doc(64, "model width")
     num_layers: int = doc(2, "decoder layers")
     num_heads: int = doc(1, "attention heads")
-    num_kv_heads: int = doc(1, "key/value heads")
-    head_dim: int = doc(64, "per-head width (vLLM's CPU kernel needs 64)")
     max_position_embeddings: int = doc(512, "longest sequence")
     tie_word_embeddings: bool = doc(True, "share input and output embeddings")
     seed: int = doc(0, "initialisation and pretraining seed")
+
+
+@dataclass
+class DecoderSizes(TextSizes):
+    """What a tiny decoder adds, dense or mixture-of-experts: its key/value heads' count and
+    width."""
+
+    num_kv_heads: int = doc(1, "key/value heads")
+    head_dim: int = doc(64, "per-head width (vLLM's CPU kernel needs 64)")
 
 
 @dataclass
@@ -110,17 +118,6 @@ class Qwen2Sizes(DecoderSizes):
 
     intermediate_size: int = doc(256, "MLP width")
     vocab_rows: int = doc(0, "embedding rows (0: the tokenizer's size; more pads it)")
-
-
-@dataclass
-class Qwen3MoeSizes(DecoderSizes):
-    """A tiny Qwen3-MoE's sizes (:func:`build_tiny_qwen3_moe`)."""
-
-    num_layers: int = doc(2, "decoder layers (each a sparse MoE block)")
-    num_experts: int = doc(4, "experts per layer")
-    experts_per_token: int = doc(2, "experts each token is routed to (top-k)")
-    moe_intermediate_size: int = doc(64, "each expert's MLP width")
-    norm_topk_prob: bool = doc(True, "renormalise the chosen experts' weights to sum 1")
 
 
 def build_tiny_qwen2(tokenizer: Qwen2Tokenizer, **sizes: Any) -> Qwen2ForCausalLM:
@@ -140,6 +137,17 @@ def build_tiny_qwen2(tokenizer: Qwen2Tokenizer, **sizes: Any) -> Qwen2ForCausalL
     return _decoder(
         "Qwen2", tokenizer, rows, s, s.intermediate_size, max_window_layers=s.num_layers
     )
+
+
+@dataclass
+class Qwen3MoeSizes(DecoderSizes):
+    """A tiny Qwen3-MoE's sizes (:func:`build_tiny_qwen3_moe`); each layer is a sparse MoE
+    block."""
+
+    num_experts: int = doc(4, "experts per layer")
+    experts_per_token: int = doc(2, "experts each token is routed to (top-k)")
+    moe_intermediate_size: int = doc(64, "each expert's MLP width")
+    norm_topk_prob: bool = doc(True, "renormalise the chosen experts' weights to sum 1")
 
 
 def build_tiny_qwen3_moe(tokenizer: Qwen2Tokenizer, **sizes: Any) -> Any:

@@ -33,7 +33,7 @@ from polyrl.core.builds import build_once
 from polyrl.core.config import doc
 from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tiny import build_tokenizer, seeded_model, text_config
+from polyrl.core.tiny import TextSizes, build_tokenizer, seeded_model, text_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VL_CHAT_TEMPLATE = (
@@ -175,20 +175,16 @@ def _vl_config(family: str, text: dict, o: VLSizes, *, head_dim: int, ids: dict[
 
 
 @dataclass
-class VLSizes(Options):
-    """A tiny Qwen-VL model's sizes and seed (:func:`build_tiny_vl`)."""
+class VLSizes(TextSizes):
+    """A tiny Qwen-VL model's sizes (:func:`build_tiny_vl`): the language model's (its
+    ``hidden_size`` is the vision tower's output width too, and must divide by
+    ``num_heads``), its MLP width, and the vision tower's."""
 
-    seed: int = doc(0, "initialisation seed")
-    hidden_size: int = doc(64, "language model width (the vision tower's output width too)")
-    num_layers: int = doc(2, "decoder layers")
-    num_heads: int = doc(1, "attention heads (hidden_size must divide by it)")
     intermediate_size: int = doc(128, "language model MLP width")
     vision_depth: int = doc(1, "vision tower blocks")
     vision_hidden_size: int = doc(32, "vision tower width")
     vision_heads: int = doc(1, "vision tower attention heads")
     vision_intermediate_size: int = doc(64, "vision tower MLP width")
-    max_position_embeddings: int = doc(512, "longest sequence")
-    tie_word_embeddings: bool = doc(True, "share input and output embeddings")
 
 
 def build_tiny_vl(processor, *, family: str = "qwen2_5_vl", **sizes: Any):
