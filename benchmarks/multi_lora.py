@@ -24,7 +24,7 @@ the passes can go on the device.
 prompts x ``--n`` samples of ``--max-new-tokens`` tokens (random prompts, temperature 1),
 in ONE engine call (``generate_mixed``: what the episode runtime sends when the agents'
 acts wait together; HF engine: one decode loop, each row through its own adapter,
-``polyrl.marl.lora_rows``; vLLM: one ``llm.generate`` with a LoRARequest per prompt)
+``polyrl.marl.multi_lora``; vLLM: one ``llm.generate`` with a LoRARequest per prompt)
 against one call per agent (``generate`` each, as before), timed alternately in one
 process on the same engines. ``--rollout-engines hf vllm`` adds vLLM (``vllm_lora``; one
 LLM per process, built once for the largest count); none skips the section.

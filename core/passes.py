@@ -12,14 +12,71 @@ their config and call these.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core import moe, prefix
 from polyrl.core.prefix import pack_rows
+
+
+class RowOwners(Protocol):
+    """Which of several owners each row of a pass belongs to, for a computation inside the
+    model that runs each owner's tokens its own way (marl.multi_lora: each row through its
+    own LoRA adapter). The pass reads ``rows`` (each batch row's owner index) to keep
+    owners apart in its layout (no shared prefix, packed row or prompt cache spans two),
+    and before each forward tells ``plan`` the owner of every token of that forward's
+    input (``[input rows, width]``; a packing filler takes its packed row's owner)."""
+
+    @property
+    def rows(self) -> torch.Tensor | None: ...
+
+    def plan(self, owners: torch.Tensor) -> None: ...
+
+
+def owner_rows(owners: RowOwners | None, n: int) -> torch.Tensor | None:
+    """``owners.rows`` checked against a batch of ``n`` rows (None: no owners)."""
+    if owners is None:
+        return None
+    rows = owners.rows
+    if rows is None or len(rows) != n:
+        raise ValueError(
+            f"row owners: a pass over {n} rows needs one owner per row, set before it "
+            f"(got {None if rows is None else len(rows)})"
+        )
+    return rows.long()
+
+
+def owner_layout(
+    rows: torch.Tensor,
+    real: torch.Tensor,
+    bins: torch.Tensor,
+    cols: torch.Tensor,
+    row_bin: list[int],
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """Each token's owner in a packed input of ``shape``: the real tokens (``real`` [B, T],
+    row-major) at ``(bins, cols)`` take their row's; a filler its packed row's."""
+    rows = rows.to(real.device)
+    per_bin = torch.zeros(shape[0], dtype=torch.long, device=real.device)
+    per_bin[torch.as_tensor(row_bin, device=real.device)] = rows
+    out = per_bin[:, None].expand(shape).clone()
+    out[bins, cols] = rows[:, None].expand_as(real)[real]
+    return out
+
+
+def owned_tokens(tokens: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``tokens`` (:func:`polyrl.core.prefix.row_tokens`' ids) told apart by row owner:
+    rows of different owners share no prefix (its activations depend on the owner)."""
+    if rows is None or len(torch.unique(rows)) < 2:
+        return tokens
+    owner = rows.to(tokens.device)[:, None].expand_as(tokens)
+    both = torch.stack([tokens.long(), owner], -1).flatten(0, 1)
+    ids = torch.unique(both, dim=0, return_inverse=True)[1].view(tokens.shape)
+    return torch.where(tokens >= 0, ids.to(tokens.dtype), tokens)
 
 
 def packs(model: torch.nn.Module, pack: bool) -> bool:
@@ -63,12 +120,17 @@ def routed_tokens(batch: TensorDict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def prefix_units(
-    model: torch.nn.Module, batch: TensorDict, min_shared: int, limit: int | None = None
+    model: torch.nn.Module,
+    batch: TensorDict,
+    min_shared: int,
+    limit: int | None = None,
+    owners: torch.Tensor | None = None,
 ) -> list[prefix.Unit]:
-    """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows."""
+    """How :func:`shared_logprobs` would run ``batch``'s rows: trees and single rows
+    (``owners``: each row's owner, :class:`RowOwners`; a tree holds one owner's rows)."""
     min_shared = max(1, min_shared)
     tokens, lengths = prefix.row_tokens(batch)
-    tokens = routed_tokens(batch, tokens)
+    tokens = owned_tokens(routed_tokens(batch, tokens), owners)
     head = tokens[:, :min_shared][lengths >= min_shared]
     if len(head) < 2 or len(torch.unique(head, dim=0)) == len(head):  # nothing can share
         return [prefix.Unit([i], [0], n) for i, n in enumerate(lengths.tolist())]
@@ -92,7 +154,7 @@ def response_logprobs(
     pack: bool = False,
     min_shared: int = 16,
     routing: moe.Routing | None = None,
-    segments: Sequence[int] | None = None,
+    owners: RowOwners | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of each response token given everything before it.
 
@@ -111,26 +173,28 @@ def response_logprobs(
     ``routing`` (MoE models): an open :class:`polyrl.core.moe.Routing`, told each forward's
     token layout (recorded experts to replay, token kinds).
 
-    ``segments`` (packed layouts): each row's segment; rows of different segments never
-    share a packed row and the packed rows come in segment order, so with the batch's rows
-    in segment order every segment's tokens lie together in the model's input (what a
-    per-segment computation inside the model, marl.multi_lora's adapters, reads without a
-    gather).
+    ``owners`` (:class:`RowOwners`): each row's owner, told to the model's per-owner
+    computation for every forward. Rows of different owners share nothing; packed rows
+    hold one owner's rows and come in owner order, so with the batch's rows in owner
+    order every owner's tokens lie together in the model's input (what marl.multi_lora's
+    adapters read without a gather).
     """
+    rows = owner_rows(owners, batch.batch_size[0])
     if pack:
         sharing = shares(model, pack, shared_prefix) and batch.batch_size[0] > 1
         if sharing and bool(batch["response_mask"].any()):
-            units = prefix_units(model, batch, min_shared)
+            units = prefix_units(model, batch, min_shared, owners=rows)
             if any(u.shared for u in units):
                 return shared_logprobs(
-                    model, batch, units, temperature, with_entropy, routing, segments
+                    model, batch, units, temperature, with_entropy, routing, owners
                 )
-        return packed_logprobs(model, batch, temperature, with_entropy, routing, segments)
+        return packed_logprobs(model, batch, temperature, with_entropy, routing, owners)
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"]
     r = batch["response_ids"].shape[1]
     inverse = None
     if shared_prefix and r > 0:
-        distinct, inverse = torch.unique(torch.cat([prompt, pmask], 1), dim=0, return_inverse=True)
+        key = [prompt, pmask] + ([] if rows is None else [rows.to(prompt)[:, None]])
+        distinct, inverse = torch.unique(torch.cat(key, 1), dim=0, return_inverse=True)
         if distinct.shape[0] == prompt.shape[0]:
             inverse = None  # nothing shared
     if inverse is None:
@@ -139,6 +203,8 @@ def response_logprobs(
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         if routing is not None:
             routing.plan(*moe.token_layout(batch))
+        if owners is not None and rows is not None:
+            owners.plan(rows[:, None].expand(ids.shape))
         logits = (
             model(
                 input_ids=ids,
@@ -152,7 +218,7 @@ def response_logprobs(
         )
     else:
         width = prompt.shape[1]
-        d_ids, d_mask = distinct[:, :width], distinct[:, width:]
+        d_ids, d_mask = distinct[:, :width], distinct[:, width : 2 * width]
         d_pos = (d_mask.cumsum(-1) - 1).clamp(min=0)
         if routing is not None:  # a distinct prompt's experts: its first row's
             experts, where = moe.token_layout(batch)
@@ -160,6 +226,8 @@ def response_logprobs(
             first = torch.full((len(distinct),), len(inverse), device=inverse.device)
             first = first.scatter_reduce(0, inverse, rows, "amin")
             routing.plan(None if experts is None else experts[first, :width], where[first, :width])
+        if owners is not None:  # a distinct prompt's owner: its column of the key
+            owners.plan(distinct[:, 2 * width :].long().expand(d_ids.shape))
         head = model(
             input_ids=d_ids,
             attention_mask=d_mask,
@@ -173,6 +241,8 @@ def response_logprobs(
         pos = d_pos[inverse][:, -1:] + 1 + torch.arange(r, device=prompt.device)[None]
         if routing is not None:
             routing.plan(None if experts is None else experts[:, width:], where[:, width:])
+        if owners is not None and rows is not None:
+            owners.plan(rows[:, None].expand(batch["response_ids"].shape))
         tail = model(
             input_ids=batch["response_ids"],
             attention_mask=mask,
@@ -190,7 +260,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: moe.Routing | None = None,
-    segments: Sequence[int] | None = None,
+    owners: RowOwners | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_logprobs` without padding: the rows' real tokens (prompt then
     response) are packed end to end, with position ids restarting at 0 on each row. With
@@ -217,8 +287,9 @@ def packed_logprobs(
             "token from; give every row a prompt, or set the policy's pack: false"
         )
     one_sequence = "flash" in str(getattr(model.config, "_attn_implementation", ""))
+    rows = owner_rows(owners, len(lengths))
     row_bin, row_start, bins, width = pack_rows(
-        lengths, None if one_sequence else max(lengths), segments
+        lengths, None if one_sequence else max(lengths), None if rows is None else rows.tolist()
     )
     device = prompt.device
     pos = mask.long().cumsum(-1) - 1  # each row's own positions, as in the padded pass
@@ -236,6 +307,9 @@ def packed_logprobs(
         ex, where = moe.token_layout(batch)
         where_at = (token_bin[mask], token_col[mask], tuple(ids.shape))
         routing.plan(*moe.scatter_layout(ex, where, mask, *where_at))
+    if owners is not None and rows is not None:
+        at = (token_bin[mask], token_col[mask], row_bin, (bins, width))
+        owners.plan(owner_layout(rows, mask, *at))
     logits = model(
         input_ids=ids, position_ids=positions, logits_to_keep=keep, use_cache=False
     ).logits
@@ -273,7 +347,7 @@ def shared_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: moe.Routing | None = None,
-    segments: Sequence[int] | None = None,
+    owners: RowOwners | None = None,
     inputs: TreeInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`packed_logprobs` with each unit's shared prefixes computed once.
@@ -301,10 +375,12 @@ def shared_logprobs(
     if inputs is not None:
         tokens = inputs.tokens
     unit_segments = None
-    if segments is not None:
+    rows = owner_rows(owners, len(lengths))
+    if rows is not None:
+        segments = rows.tolist()
         unit_segments = [segments[u.rows[0]] for u in units]
         if any(segments[r] != s for u, s in zip(units, unit_segments, strict=True) for r in u.rows):
-            raise ValueError("shared log-probs: a prefix tree spans rows of several segments")
+            raise ValueError("shared log-probs: a prefix tree spans rows of several owners")
     layout = prefix.tree_layout(units, tokens, lengths.tolist(), len(lengths), unit_segments)
     plen = batch["prompt_mask"].sum(-1).tolist()
     r_bin, r_col = [], []
@@ -327,6 +403,9 @@ def shared_logprobs(
     if routing is not None:  # a shared prefix's columns take each of its rows' experts
         ex, where = moe.token_layout(batch)
         routing.plan(*moe.scatter_layout(ex, where, real, bins, cols, tuple(layout.ids.shape)))
+    if owners is not None and rows is not None:
+        shape = (layout.ids.shape[0], layout.ids.shape[1])
+        owners.plan(owner_layout(rows, real, bins, cols, layout.row_bin, shape))
     if inputs is None:
         logits = model(
             input_ids=layout.ids,

@@ -214,16 +214,17 @@ class LoraAgentPolicy:
 
     def row_group(self) -> Any:
         """interfaces.MixesRows: the adapters of one shared PEFT model run together; on a
-        mixture-of-experts base each runs alone (marl.lora_rows adds a layer's adapter
-        terms per row, which an experts layer's gathered tokens do not keep)."""
+        mixture-of-experts base each runs alone (marl.multi_lora adds a layer's adapter
+        terms per token of the model's input, which an experts layer's gathered tokens do
+        not keep)."""
         return None if self.is_moe else ("lora_agent", id(self._peft))
 
     @contextmanager
     def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable[[torch.Tensor | None], Any]]:
         """interfaces.MixesRows: ``select(ids)`` sets the next forwards' row ``i`` to run
-        through ``owners[ids[i]]``'s adapter (marl.lora_rows: generation, no gradient) and
-        returns the model."""
-        from polyrl.marl.lora_rows import adapter_deltas
+        through ``owners[ids[i]]``'s adapter (marl.multi_lora, as the batched update routes
+        rows) and returns the model."""
+        from polyrl.marl.multi_lora import adapter_rows
 
         for o in owners:
             if not isinstance(o, MixesRows) or o.row_group() != self.row_group():
@@ -231,11 +232,11 @@ class LoraAgentPolicy:
                     f"policy {self.name!r}: policy {getattr(o, 'name', o)!r} is not a "
                     f"lora_agent on the same base; it cannot share a batch with it"
                 )
-        with adapter_deltas(self._peft, [o.adapter for o in owners]) as set_rows:
+        with adapter_rows(self._peft, [o.adapter for o in owners]) as router:
 
             def select(ids: torch.Tensor | None) -> Any:
                 if ids is not None:
-                    set_rows(ids)
+                    router.set_rows(ids)
                 return self._peft
 
             yield select
@@ -259,7 +260,8 @@ class LoraAgentPolicy:
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """interfaces.UpdatesTogether: ``policies[i].logprobs(batches[i])`` for every ``i`` from
         one forward over the union of the rows, each row through its own policy's adapter
-        (the prompt ids tagged with it: marl.multi_lora), gradients to every trained one."""
+        (marl.multi_lora; the pass lays each adapter's rows out together and tells the
+        router where they went), gradients to every trained one."""
         from polyrl.marl.multi_lora import adapter_rows
 
         self._check_group(policies)
@@ -268,14 +270,9 @@ class LoraAgentPolicy:
         names = [p.adapter for p in policies]
         trainable = [p.adapter for p in policies if p.cfg.train]
         with adapter_rows(self._peft, names, trainable) as router:
-            union["prompt_ids"] = router.tag(union["prompt_ids"], owner)
+            router.set_rows(owner)  # in adapter order: each adapter's tokens together
             logp, ent = response_logprobs(
-                self._peft,
-                union,
-                temperature,
-                with_entropy,
-                **self._layout(True),
-                segments=owner.tolist(),  # each adapter's tokens together: no gathers
+                self._peft, union, temperature, with_entropy, **self._layout(True), owners=router
             )
         out = []
         for b, lp, en in zip(
@@ -293,8 +290,8 @@ class LoraAgentPolicy:
         self, policies: Sequence[Any], batches: Sequence[TensorDict], temperature: float = 1.0
     ) -> list[torch.Tensor]:
         """interfaces.UpdatesTogether: ``policies[i].ref_logprobs(batches[i])`` for every
-        ``i`` from one pass of the base (every adapter off) over the union of the rows;
-        untagged, so rows of different agents with one prompt share it where the pass
+        ``i`` from one pass of the base (every adapter off) over the union of the rows; no
+        row owners, so rows of different agents with one prompt share it where the pass
         shares prefixes."""
         self._check_group(policies)
         union, sizes = self._union(batches)

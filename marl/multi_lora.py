@@ -1,40 +1,41 @@
 """Several LoRA adapters of one shared PEFT model in ONE forward: each row (each token)
-through its own adapter.
+through its own adapter. The one per-row LoRA router of PolyRL: generation (an engine's
+prefill and decode steps over rows of several ``lora_agent`` policies, the tinker service's
+sampling) and training (``lora_agent``'s batched update, the tinker service's passes).
 
 PEFT's own mixed batches (``adapter_names=``) refuse training mode, so this is built from
 supported parts: inside the context every LoRA layer runs its base layer only
 (``enable_adapters(False)``), and a forward hook on each layer adds each routed adapter's
 term to that adapter's tokens, in place, with each LoRA product one batched product over
 the adapters (:class:`_StackedTerms`; adapters with dropout in training take PEFT's own
-modules). A token's LoRA term is then its
-own adapter's, and the gradient of adapter ``k`` comes only from its own tokens -- the
-per-adapter pass's, summed into one backward. The LoRA work is that of the tokens routed,
-whatever the number of adapters.
+modules). A token's LoRA term is then its own adapter's, and the gradient of adapter ``k``
+comes only from its own tokens -- the per-adapter pass's, summed into one backward. The
+LoRA work is that of the tokens routed, whatever the number of adapters; without
+gradients (generation) the same products run, nothing is kept for a backward.
 
-Which adapter a token belongs to, for each forward while the context is open:
+Which adapter a token belongs to travels once, as each row's adapter index:
 
-* **Per row** (:meth:`Router.set_rows`): row ``i`` of the model input runs through
-  ``names[rows[i]]``. Used when the forward's rows are the batch's rows in order: a padded
-  log-prob pass, a generation's prefill and decode steps.
-* **Tagged ids** (:meth:`Router.tag`): packed and prefix-sharing passes lay several rows out
-  in one input row, so the adapter travels with the token ids instead: ``tag`` adds
-  ``(k + 1) * vocab`` to row ``i``'s prompt ids (``k = rows[i]``); the hook on the base model
-  strips the offset before the embedding and gives each token the adapter of the nearest
-  tagged token at or before it in its input row (a row's response follows its own prompt
-  in every layout; a shared-prefix tree starts with its root). Tagged prompts of different
-  adapters also differ as tokens, so no layout shares a prefix across adapters (it would be
-  wrong: the prefix's activations depend on the adapter). An input with no tagged token
-  falls back to the per-row ids (the tail of a padded pass that reuses a prompt cache).
+* :meth:`Router.set_rows`: row ``i`` runs through ``names[rows[i]]``. A forward whose
+  input rows are the batch's rows (a generation's prefill and decode steps, a padded pass)
+  reads it as is.
+* Packed and prefix-sharing passes lay several rows out in one input row: they read the
+  rows' adapters (``Router.rows``, :class:`polyrl.core.passes.RowOwners`) to keep adapters
+  apart in their layout (no shared prefix, packed row or prompt cache spans two: a
+  prefix's activations depend on the adapter) and tell :meth:`Router.plan` each forward's
+  adapter of every input token.
 
     with adapter_rows(peft_model, ["speaker", "listener"]) as router:
         router.set_rows(torch.tensor([0, 0, 1]))       # rows 0, 1: speaker; row 2: listener
         out = peft_model(input_ids=ids, attention_mask=mask)
-        batch["prompt_ids"] = router.tag(batch["prompt_ids"], rows)  # for packed passes
+        logp, _ = response_logprobs(peft_model, batch, pack=True, owners=router)
 
-Leaving the context turns the layers' adapters back on; the autograd graph built inside
-stays valid, so the backward may run after it (the ``trainable`` adapters' weights keep
-requiring grad for it). Not supported (refused): LoRA variants (DoRA), non-Linear LoRA layers (embeddings, convolutions), and
-gradient checkpointing (its recompute would run the hooks again after the routing moved on).
+A layer that sees fewer positions than the input (an LM-head LoRA under
+``logits_to_keep``) gives each row's kept positions the row's adapter, where every input
+row has one. Leaving the context turns the layers' adapters back on; the autograd graph
+built inside stays valid, so the backward may run after it (the ``trainable`` adapters'
+weights keep requiring grad for it). Not supported (refused): LoRA variants (DoRA),
+non-Linear LoRA layers (embeddings, convolutions), and gradient checkpointing (its
+recompute would run the hooks again after the routing moved on).
 """
 
 from __future__ import annotations
@@ -44,133 +45,43 @@ import math
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-class Router:
-    """The routing state of one :func:`adapter_rows` context (see the module docstring)."""
+class _Grouping:
+    """The tokens of one forward's layer input grouped by adapter: the order that sorts
+    them by adapter (None: already sorted), its inverse, the tokens per adapter, and the
+    stacked layouts of :class:`_StackedTerms` (shared by every layer of that shape)."""
 
-    def __init__(self, names: Sequence[str], vocab: int) -> None:
-        self.names = list(names)
-        self.vocab = vocab
-        self.rows: torch.Tensor | None = None
-        self._order: torch.Tensor | None = None  # token order grouping them by adapter
-        self._inverse: torch.Tensor | None = None
-        self._counts: list[int] = []  # tokens per adapter in the current forward
-        self._shape: tuple[int, ...] = ()  # the current forward's (batch, seq)
-        self._slots: dict[tuple, tuple] = {}  # the current forward's stacked layouts
-
-    def set_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
-        """Per-row adapter indices (into ``names``) for the following forwards."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(self.names)):
-            raise ValueError(
-                f"adapter_rows: row adapter ids must lie in [0, {len(self.names)}) for "
-                f"adapters {self.names}; got {rows.tolist()}"
-            )
-        self.rows = rows
-
-    def tag(self, ids: torch.Tensor, rows: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """``ids`` ([rows, width]) with row ``i`` offset by ``(rows[i] + 1) * vocab``: the
-        adapter then travels with the tokens through packed layouts. Also sets the rows."""
-        self.set_rows(rows)
-        return ids + ((self.rows.to(ids.device) + 1) * self.vocab)[:, None]
-
-    # --- hooks ----------------------------------------------------------------------------
-    def _route(self, ids: torch.Tensor) -> torch.Tensor:
-        """Strip the tags of the base model's input ids and set each token's adapter."""
-        tag = torch.div(ids, self.vocab, rounding_mode="floor")
-        if bool((tag > 0).any()):
-            col = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            last = torch.where(tag > 0, col, -1).cummax(dim=1).values  # nearest tag at/before
-            if bool((last < 0).any()):
-                raise ValueError(
-                    "adapter_rows: an input row starts with untagged tokens; tag every row's "
-                    "prompt ids (Router.tag) so each token follows a tagged one"
-                )
-            token = tag.gather(1, last) - 1
-            ids = ids - tag * self.vocab
-        else:
-            if self.rows is None or len(self.rows) != ids.shape[0]:
-                raise ValueError(
-                    f"adapter_rows: a forward over {ids.shape[0]} untagged rows, but "
-                    f"{'no' if self.rows is None else len(self.rows)} per-row adapter ids were "
-                    "set (Router.set_rows)"
-                )
-            token = self.rows.to(ids.device)[:, None].expand_as(ids)
-        flat = token.reshape(-1)
-        self._order = self._inverse = None  # tokens already grouped by adapter
+    def __init__(self, owners: torch.Tensor, adapters: int) -> None:
+        flat = owners.reshape(-1)
+        self.order: torch.Tensor | None = None
+        self.inverse: torch.Tensor | None = None
         if len(flat) > 1 and not bool((flat[1:] >= flat[:-1]).all()):
-            self._order = torch.argsort(flat, stable=True)
-            self._inverse = torch.empty_like(self._order)
-            self._inverse[self._order] = torch.arange(len(flat), device=flat.device)
-        self._counts = torch.bincount(flat, minlength=len(self.names)).tolist()
-        self._shape = tuple(ids.shape)
-        self._slots = {}
-        return ids
+            self.order = torch.argsort(flat, stable=True)
+            self.inverse = torch.empty_like(self.order)
+            self.inverse[self.order] = torch.arange(len(flat), device=flat.device)
+        self.counts: list[int] = torch.bincount(flat, minlength=adapters).tolist()
+        self._slots: dict[tuple, tuple] = {}
 
-    def _model_pre_hook(self, module, args, kwargs):
-        if "input_ids" in kwargs and kwargs["input_ids"] is not None:
-            kwargs["input_ids"] = self._route(kwargs["input_ids"])
-        elif args and isinstance(args[0], torch.Tensor):
-            args = (self._route(args[0]), *args[1:])
-        else:
-            raise ValueError("adapter_rows: the model was called without input_ids")
-        return args, kwargs
-
-    def _add_terms(self, slots: list[tuple[int, str]]):
-        """A forward hook on a LoRA layer (its adapters disabled: the output is the base
-        layer's) that adds each adapter's term to its own tokens only
-        (:class:`_StackedTerms`: in place, each product one batched product over the
-        adapters). A layer whose adapters drop out in training takes the autograd path
-        (:meth:`_terms_by_autograd`)."""
-        here = dict(slots)
-
-        def hook(module, args, out):
-            x = args[0]
-            if tuple(x.shape[:-1]) != self._shape:
-                raise ValueError(
-                    f"adapter_rows: a LoRA layer saw tokens of shape {tuple(x.shape[:-1])}, "
-                    f"the model's input was {self._shape}"
-                )
-            order = None if self._order is None else self._order.to(x.device)
-            drops = [module.lora_dropout[n] for n in here.values()]
-            dropping = any(not isinstance(d, torch.nn.Identity) and d.training for d in drops)
-            if dropping or x.dtype != out.dtype or not out.is_contiguous():
-                return self._terms_by_autograd(module, here, x, out, order)
-            present = [k for k, n in enumerate(self._counts) if n and k in here]
-            if not present:
-                return out
-            pairs = [
-                w
-                for k in present
-                for w in (module.lora_A[here[k]].weight, module.lora_B[here[k]].weight)
-            ]
-            rates = torch.tensor([float(module.scaling[here[k]]) for k in present])
-            slots = self._stack_slots(tuple(present), order, x.device)
-            return _StackedTerms.apply(out, x, slots, rates.to(x.device), *pairs)
-
-        return hook
-
-    def _stack_slots(self, present: tuple[int, ...], order, device) -> tuple:
+    def slots(self, present: tuple[int, ...], device: torch.device) -> tuple:
         """Where each token of the adapters ``present`` sits in the stacked ``[adapter,
-        position]`` layout of :class:`_StackedTerms` (one per forward and adapter set, shared
-        by every layer): (input rows, stack index, position, longest count, whether the
-        stack is a plain view of the tokens)."""
+        position]`` layout of :class:`_StackedTerms`: (input rows, stack index, position,
+        longest count, whether the stack is a plain view of the tokens)."""
         key = (present, device)
         if key not in self._slots:
+            counts, order = self.counts, self.order
             starts = [0]
-            for n in self._counts[:-1]:
+            for n in counts[:-1]:
                 starts.append(starts[-1] + n)
-            rows = torch.cat(
-                [torch.arange(starts[k], starts[k] + self._counts[k]) for k in present]
-            )
-            stack = torch.cat([torch.full((self._counts[k],), j) for j, k in enumerate(present)])
-            pos = torch.cat([torch.arange(self._counts[k]) for k in present])
-            longest = max(self._counts[k] for k in present)
-            total = sum(self._counts)
+            rows = torch.cat([torch.arange(starts[k], starts[k] + counts[k]) for k in present])
+            stack = torch.cat([torch.full((counts[k],), j) for j, k in enumerate(present)])
+            pos = torch.cat([torch.arange(counts[k]) for k in present])
+            longest = max(counts[k] for k in present)
+            total = sum(counts)
             view = order is None and len(rows) == total and longest * len(present) == total
             if order is not None:
                 rows = order.cpu()[rows]
@@ -183,15 +94,133 @@ class Router:
             )
         return self._slots[key]
 
-    def _terms_by_autograd(self, module, here: dict[int, str], x, out, order):
+
+class Router:
+    """The routing state of one :func:`adapter_rows` context (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self._rows: torch.Tensor | None = None
+        self._plan: torch.Tensor | None = None  # the next forward's per-token adapters
+        self._owners: torch.Tensor | None = None  # the current forward's, [rows, width]
+        self._groups: dict[tuple[int, ...], _Grouping | None] = {}  # by layer input shape
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """Each row's adapter index (into ``names``), as :meth:`set_rows` gave it."""
+        return self._rows
+
+    def set_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
+        """Per-row adapter indices (into ``names``) for the following forwards."""
+        self._rows = self._checked(torch.as_tensor(rows, dtype=torch.long))
+
+    def plan(self, owners: torch.Tensor) -> None:
+        """The next forward's adapter of every input token ``[rows, width]`` (a packed
+        pass's layout: :class:`polyrl.core.passes.RowOwners`); one forward uses it."""
+        self._plan = self._checked(owners.long())
+
+    def _checked(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(self.names)):
+            raise ValueError(
+                f"adapter_rows: row adapter ids must lie in [0, {len(self.names)}) for "
+                f"adapters {self.names}; got {sorted(set(ids.reshape(-1).tolist()))}"
+            )
+        return ids
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _route(self, shape: tuple[int, ...], device: torch.device) -> None:
+        """Each token's adapter for a forward whose input is ``shape`` (rows, width)."""
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            if tuple(plan.shape) != shape:
+                raise ValueError(
+                    f"adapter_rows: a forward over {shape} tokens, but the pass planned "
+                    f"{tuple(plan.shape)} (Router.plan)"
+                )
+            owners = plan.to(device)
+        else:
+            if self._rows is None or len(self._rows) != shape[0]:
+                raise ValueError(
+                    f"adapter_rows: a forward over {shape[0]} rows, but "
+                    f"{'no' if self._rows is None else len(self._rows)} per-row adapter ids "
+                    "were set (Router.set_rows)"
+                )
+            owners = self._rows.to(device)[:, None].expand(shape)
+        self._owners = owners
+        self._groups = {shape: _Grouping(owners, len(self.names))}
+
+    def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        given = kwargs.get("input_ids")
+        if given is None:
+            given = kwargs.get("inputs_embeds")
+        if given is None and args and isinstance(args[0], torch.Tensor):
+            given = args[0]
+        if given is None:
+            raise ValueError("adapter_rows: the model was called without input_ids")
+        self._route(tuple(given.shape[:2]), given.device)
+
+    def _grouping(self, shape: tuple[int, ...]) -> _Grouping | None:
+        """The grouping of a layer input of ``shape``: the forward's tokens, or each row's
+        last positions (an LM head under ``logits_to_keep``) where every input row has
+        one adapter; None when the tokens cannot be told."""
+        if shape not in self._groups:
+            owners, group = self._owners, None
+            rows_alike = (
+                owners is not None
+                and len(shape) == 2
+                and shape[0] == owners.shape[0]
+                and bool((owners == owners[:, :1]).all())  # one adapter per input row
+            )
+            if owners is not None and rows_alike:
+                group = _Grouping(owners[:, :1].expand(shape), len(self.names))
+            self._groups[shape] = group
+        return self._groups[shape]
+
+    def _add_terms(self, slots: list[tuple[int, str]]):
+        """A forward hook on a LoRA layer (its adapters disabled: the output is the base
+        layer's) that adds each adapter's term to its own tokens only
+        (:class:`_StackedTerms`: in place, each product one batched product over the
+        adapters). A layer whose adapters drop out in training takes the autograd path
+        (:meth:`_terms_by_autograd`)."""
+        here = dict(slots)
+
+        def hook(module, args, out):
+            x = args[0]
+            group = self._grouping(tuple(x.shape[:-1]))
+            if group is None:
+                raise ValueError(
+                    f"adapter_rows: a LoRA layer saw tokens of shape {tuple(x.shape[:-1])}, "
+                    f"the model's input was {tuple(self._owners.shape)}"
+                    if self._owners is not None
+                    else "adapter_rows: a LoRA layer ran before the model's forward"
+                )
+            drops = [module.lora_dropout[n] for n in here.values()]
+            dropping = any(not isinstance(d, torch.nn.Identity) and d.training for d in drops)
+            if dropping or x.dtype != out.dtype or not out.is_contiguous():
+                return self._terms_by_autograd(module, here, x, out, group)
+            present = [k for k, n in enumerate(group.counts) if n and k in here]
+            if not present:
+                return out
+            pairs = [
+                w
+                for k in present
+                for w in (module.lora_A[here[k]].weight, module.lora_B[here[k]].weight)
+            ]
+            rates = torch.tensor([float(module.scaling[here[k]]) for k in present])
+            slots = group.slots(tuple(present), x.device)
+            return _StackedTerms.apply(out, x, slots, rates.to(x.device), *pairs)
+
+        return hook
+
+    def _terms_by_autograd(self, module, here: dict[int, str], x, out, group: _Grouping):
         """The terms through PEFT's own modules (dropout, dtype casts) and autograd: the
         tokens sorted by adapter, each adapter's slice through its dropout, A, B and
         scaling, put back in token order and added."""
         mine = x.reshape(-1, x.shape[-1])
-        if order is not None:  # not already grouped by adapter
-            mine = mine.index_select(0, order)
+        if group.order is not None:  # not already grouped by adapter
+            mine = mine.index_select(0, group.order.to(x.device))
         terms = []
-        for k, part in enumerate(mine.split(self._counts)):
+        for k, part in enumerate(mine.split(group.counts)):
             name = here.get(k)
             if not len(part):
                 continue
@@ -202,8 +231,8 @@ class Router:
             part = module.lora_dropout[name](part.to(lora_a.weight.dtype))
             terms.append((lora_b(lora_a(part)) * module.scaling[name]).to(out.dtype))
         term = torch.cat(terms) if len(terms) > 1 else terms[0]
-        if order is not None:
-            term = term.index_select(0, self._inverse.to(x.device))
+        if group.inverse is not None:
+            term = term.index_select(0, group.inverse.to(x.device))
         return out + term.view_as(out)
 
 
@@ -219,7 +248,7 @@ class _StackedTerms(torch.autograd.Function):
     3-D input is one) takes the first input as the one written. Adapter weights in another
     dtype than the activations (PEFT keeps them in float32 over a bfloat16 base) get their
     tokens cast to theirs and their terms cast back, as PEFT's own layer does. ``slots``
-    from :meth:`Router._stack_slots`; ``rates`` the adapters' scalings; ``pairs`` their
+    from :meth:`_Grouping.slots`; ``rates`` the adapters' scalings; ``pairs`` their
     ``A, B``."""
 
     @staticmethod
@@ -352,10 +381,10 @@ def adapter_rows(
     """A context in which ``peft_model``'s forwards run each row (token) through one of the
     adapters ``names`` (see the module docstring); yields the :class:`Router` to set rows on.
 
-    Of the LoRA weights, those of the adapters in ``trainable`` require grad, the others
-    not; they stay so after the context (a backward after it needs them), until the next
-    ``set_adapter`` (e.g. a ``lora_agent`` policy's ``model``). The active adapter is left
-    as it was.
+    Of the LoRA weights, those of the adapters in ``trainable`` require grad inside, the
+    others not; after the context the ``trainable`` ones still do (a backward after it
+    needs them) and every other weight is as it was before. The active adapter is left as
+    it was.
     """
     names = list(names)
     missing = [n for n in [*names, *trainable] if n not in peft_model.peft_config]
@@ -371,21 +400,19 @@ def adapter_rows(
             "adapter_rows: gradient checkpointing is on; its recompute would route tokens by "
             "a later forward's rows. Train these adapters one by one (or turn it off)"
         )
-    router = Router(names, base.get_input_embeddings().num_embeddings)
+    router = Router(names)
     layers, lora_weights = _lora_parts(peft_model)
     check_plain(peft_model, layers, names)
     keep = set(trainable)
-
-    def pin() -> None:  # PEFT's set_adapter sets requires_grad by activity; ours instead
-        for adapter, w in lora_weights:
-            w.requires_grad_(adapter in keep)
+    before = [w.requires_grad for _, w in lora_weights]
 
     enabled = [layer for layer in layers if not layer.disable_adapters]
     handles = [base.register_forward_pre_hook(router._model_pre_hook, with_kwargs=True)]
     try:
         for layer in enabled:
             layer.enable_adapters(False)  # the base layer's output; the hooks add the terms
-        pin()
+        for adapter, w in lora_weights:  # PEFT's set_adapter sets them by activity; ours
+            w.requires_grad_(adapter in keep)
         for layer in layers:
             slots = [(k, n) for k, n in enumerate(names) if n in layer.lora_A]
             if slots:
@@ -395,5 +422,6 @@ def adapter_rows(
         for h in handles:
             h.remove()
         for layer in enabled:
-            layer.enable_adapters(True)
-        pin()
+            layer.enable_adapters(True)  # this sets the active adapters' grads: ours again
+        for (adapter, w), was in zip(lora_weights, before, strict=True):
+            w.requires_grad_(adapter in keep or was)

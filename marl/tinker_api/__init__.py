@@ -3,8 +3,8 @@
 Loops written for the official ``tinker`` client (and the tinker-cookbook) train here with
 only the base URL and model name changed. Every training client is a LoRA adapter on ONE
 loaded copy of its base model, so clients that call ``forward_backward`` together share one
-pass (:mod:`polyrl.marl.multi_lora`) and their samplers share one decode loop
-(:mod:`polyrl.marl.lora_rows`); each keeps its own Adam state. It lives in ``marl`` because
+pass (:mod:`polyrl.marl.multi_lora`) and their samplers share one decode loop (routed
+by the same module); each keeps its own Adam state. It lives in ``marl`` because
 it is built from marl's multi-adapter passes (plugins never import each other).
 
 Modules: :mod:`.config` (the service's options), :mod:`.losses` (Tinker's built-in losses),

@@ -4,8 +4,8 @@ Training clients are adapters with their own AdamW state; sampler snapshots are 
 adapters copied from a training adapter at ``save_weights_for_sampler``. Forward/backward
 requests of several clients run as ONE pass (``marl.multi_lora.adapter_rows``: each row
 through its own adapter, each adapter's gradient from its own rows only); sample requests
-of several samplers run as one decode loop (``HFEngine.generate_mixed`` over
-``marl.lora_rows``). Gradients accumulate in each adapter's ``.grad`` until its client's
+of several samplers run as one decode loop (``HFEngine.generate_mixed`` over the same
+``adapter_rows``). Gradients accumulate in each adapter's ``.grad`` until its client's
 ``optim_step``, as Tinker's API defines."""
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.marl.lora_rows import adapter_deltas
 from polyrl.marl.multi_lora import adapter_rows
 from polyrl.marl.tinker_api.losses import LOSSES
 from polyrl.marl.tinker_api.wire import BadRequest, Datum, Sequence_
@@ -74,11 +73,14 @@ class _AdapterView:
 
     @contextmanager
     def rows_of(self, owners: Sequence[Any]) -> Iterator[Callable]:
-        with adapter_deltas(self.base.peft, [o.adapter for o in owners]) as set_rows:
+        # several calls of one sampler (one adapter) in a decode loop: one routing slot
+        names = list(dict.fromkeys(o.adapter for o in owners))
+        slot = torch.tensor([names.index(o.adapter) for o in owners], dtype=torch.long)
+        with adapter_rows(self.base.peft, names) as router:
 
             def select(ids: torch.Tensor | None) -> Any:
                 if ids is not None:
-                    set_rows(ids)
+                    router.set_rows(slot[ids.cpu()])
                 return self.base.peft
 
             yield select
@@ -255,8 +257,8 @@ class BaseModel:
     def prompt_logprobs(self, adapter: str, prompt: list[int]) -> list[float]:
         """Log-prob of every prompt token given those before it (NaN at position 0)."""
         ids = torch.tensor([prompt], device=self.device)
-        with adapter_deltas(self.peft, [adapter]) as set_rows:
-            set_rows(torch.zeros(1, dtype=torch.long))
+        with adapter_rows(self.peft, [adapter]) as router:
+            router.set_rows(torch.zeros(1, dtype=torch.long))
             logits = self.peft(input_ids=ids).logits.float()
         lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
         return [math.nan, *lp.cpu().tolist()]

@@ -9,7 +9,7 @@ import torch
 
 from polyrl.core.passes import response_logprobs
 from polyrl.core.record import concat, text_record
-from polyrl.marl.multi_lora import Router, _StackedTerms, adapter_rows
+from polyrl.marl.multi_lora import _Grouping, _StackedTerms, adapter_rows
 from tests.helpers.runs import wall_clock
 
 NAMES = ("a0", "a1", "a2")
@@ -80,16 +80,18 @@ def zero(pols):
 
 
 @pytest.mark.parametrize(
-    "layout", ["padded", "packed", "tree", "packed by adapter", "tree by adapter"]
+    "layout",
+    ["padded", "packed", "tree", "padded, rows mixed", "packed, rows mixed", "tree, rows mixed"],
 )
 def test_routed_forward_equals_each_adapters_own(marl_config, layout):
     """Log-probs and each adapter's gradient from one routed pass over every adapter's rows
     equal the per-adapter passes, in the three layouts: padded (prompts shared through a
-    KV cache), packed, and packed trees of shared prefixes (the long prompts); packed with
-    the tokens interleaved across adapters (a gather in each layer) and grouped by adapter
-    (``segments``: no gather). A prompt used by every adapter must not be shared across
-    them."""
-    pack = layout != "padded"
+    KV cache), packed, and packed trees of shared prefixes (the long prompts); with the
+    batch's rows in adapter order and mixed. The rows' adapters travel once (the router's
+    rows): the packed layouts group each adapter's tokens (no gather in the layers) and a
+    padded pass over mixed rows gathers them. A prompt used by every adapter must not be
+    shared across them."""
+    pack = not layout.startswith("padded")
     opts = {"pack": pack, "min_shared": 10**6 if layout.startswith("packed") else 16}
     _, pols = make_agents(marl_config)
     peft = pols["a0"]._peft
@@ -110,13 +112,16 @@ def test_routed_forward_equals_each_adapters_own(marl_config, layout):
     # one pass over the union, each row through its own adapter
     union = concat(parts)
     ids = torch.cat([torch.full((b.batch_size[0],), k) for k, b in enumerate(parts)])
-    if layout.endswith("by adapter"):
-        opts["segments"] = ids.tolist()
+    mixed = layout.endswith("rows mixed")
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(1))
+    if not mixed:
+        order = torch.arange(len(ids))
     with adapter_rows(peft, list(NAMES), trainable=NAMES) as router:
-        union["prompt_ids"] = router.tag(union["prompt_ids"], ids)
-        lp = response_logprobs(peft, union, **opts)[0]
-        if pack:  # the last forward's tokens: grouped by adapter only with segments
-            assert (router._order is None) == layout.endswith("by adapter")
+        router.set_rows(ids[order])
+        lp = response_logprobs(peft, union[order], **opts, owners=router)[0]
+        last = next(iter(router._groups.values()))  # the last forward's tokens
+        assert (last.order is None) == (pack or not mixed)  # grouped by adapter
+    lp = torch.empty_like(lp).index_copy_(0, order, lp)
     (lp * torch.cat(weights)).sum().backward()
     got_grads = grads_of(pols)
     peft.train(False)
@@ -180,10 +185,7 @@ def test_in_place_terms_match_a_plain_autograd_sum(grouped, bias, base_dtype):
     base, a, b, emb, probe, scales = terms_case(owner, bias, dt)
     a[0] = a[0][:2].detach().requires_grad_()  # the trained adapter: rank 2 of 3
     b[0] = b[0][:, :2].detach().requires_grad_()
-    order = None if grouped else torch.argsort(owner, stable=True)
-    router = Router(["a0", "a1", "a2"], vocab=100)
-    router._counts = torch.bincount(owner, minlength=3).tolist()
-    slots = router._stack_slots((0, 2), order, torch.device("cpu"))
+    slots = _Grouping(owner, 3).slots((0, 2), torch.device("cpu"))
     x = emb * 1.5
     got = _StackedTerms.apply(base(x), x, slots, torch.tensor([0.5, 2.0]), a[0], b[0], a[2], b[2])
     got_grads = torch.autograd.grad((got * probe).sum(), [emb, a[0], b[0]])
@@ -212,11 +214,10 @@ def test_stacked_terms_match_a_plain_autograd_sum(layout, base_dtype):
     elif layout == "grouped":
         owner = owner.sort().values
     base, a, b, emb, probe, scales = terms_case(owner, True, dt, absent)
-    order = torch.argsort(owner, stable=True) if layout == "interleaved" else None
-    router = Router(["a0", "a1", "a2"], vocab=100)
-    router._counts = torch.bincount(owner, minlength=3).tolist()
     present = (0, 2) if absent else (0, 1, 2)
-    slots = router._stack_slots(present, order, torch.device("cpu"))
+    grouping = _Grouping(owner, 3)
+    assert (grouping.order is None) == (layout != "interleaved")
+    slots = grouping.slots(present, torch.device("cpu"))
     assert slots[-1] == (layout == "even")  # a view only when grouped and even
     x = emb * 1.5
     pairs = [w for k in present for w in (a[k], b[k])]
@@ -232,7 +233,7 @@ def test_stacked_terms_match_a_plain_autograd_sum(layout, base_dtype):
 
 
 def test_per_row_ids_route_a_plain_forward(marl_config):
-    """Untagged input (a generation's prefill or decode step): row i runs through the
+    """Per-row adapters (a generation's prefill or decode step): row i runs through the
     adapter set for it, as the same rows through that adapter alone."""
     _, pols = make_agents(marl_config)
     peft = pols["a0"]._peft
