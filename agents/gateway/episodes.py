@@ -13,19 +13,33 @@ from typing import Any
 
 from polyrl.agents.gateway.limits import Spent
 from polyrl.core.data import PromptItem
+from polyrl.core.segment import Tokens
 
 
 @dataclass
 class Choice:
-    ids: list[int]
-    logprobs: list[float]
+    """One answer: the engine's prompt and sampled token segments (every per-token fact it
+    recorded, the record's row), cut to the request's ``max_tokens``, and what was sent."""
+
+    prompt: Tokens  # the request's prompt as the engine took it (Completion.prompt)
+    tokens: Tokens  # the sampled tokens (Completion.tokens)
     finish: str  # stop | length | tool_calls
     message: dict  # what the gateway answered (role, content, tool_calls)
     key: tuple  # the normalised message, matched when the agent sends it back
-    tops: list | None = None  # per token: the likeliest (ids, log-probs) (top_logprobs)
     stop_hit: str | None = None  # the stop string the answer was cut at
-    versions: list[int] | None = None  # weights version per token (rollout.partial)
-    experts: Any = None  # MoE: the engine's experts of prompt + ids (Completion.experts)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.tokens.ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.tokens.logprobs or [0.0] * len(self.tokens)
+
+    @property
+    def tops(self) -> list | None:
+        """Per token the likeliest (ids, log-probs), when the call asked for them."""
+        return self.tokens.top
 
 
 @dataclass

@@ -504,12 +504,10 @@ class GatewayServer:
         tok = self.tokenizers[req.model]
         choices = []
         for out in outs:
-            ids, logps, finish = list(out.token_ids), list(out.logprobs), out.finish_reason
-            tops = out.top_logprobs if req.top_logprobs else None
-            if len(ids) > req.max_tokens:  # a longer call in the same flush
-                ids, logps, finish = ids[: req.max_tokens], logps[: req.max_tokens], "length"
-            tops = tops[: len(ids)] if tops is not None else None
-            text = tok.decode(ids, skip_special_tokens=True)
+            tokens, finish = out.tokens, out.finish_reason
+            if len(tokens) > req.max_tokens:  # a longer call in the same flush
+                tokens, finish = tokens[: req.max_tokens], "length"
+            text = tok.decode(tokens.ids, skip_special_tokens=True)
             hit = None
             if req.stop:  # the answer leaves the stop sequence out, as OpenAI's does
                 cuts = [(text.find(s), s) for s in req.stop if s in text]
@@ -536,9 +534,7 @@ class GatewayServer:
                 tool_calls_key(message.get("tool_calls"), "reply"),
                 "",
             )
-            versions = out.versions[: len(ids)] if out.versions is not None else None
-            experts = None if out.experts is None else out.experts[: len(prompt) + len(ids)]
-            choices.append(Choice(ids, logps, finish, message, key, tops, hit, versions, experts))
+            choices.append(Choice(out.prompt, tokens, finish, message, key, hit))
         anchor = next((k[1] for k in reversed(req.keys) if k[0] != "assistant"), "")
         call = Call(
             req.model,

@@ -6,7 +6,8 @@ of the run's engines, then runs the user's agent once per task row and group sam
 concurrently. ``model`` in a request names a policy, so one program can call several
 trainable models. Every completion an agent asked for becomes rows of the record (one per
 choice, step-style), with the exact prompt ids the engine was given, the ids it sampled
-and its log-probs (and a mixture-of-experts policy's experts for them, for routing replay);
+with every per-token fact the engine recorded (log-probs, weights versions, a
+mixture-of-experts policy's experts for routing replay: the completion's token segments);
 ``meta`` carries the episode id and turn so credit can group them.
 
 Each episode gets its own base URL (``/ep/<token>/v1``), which is how the gateway knows
@@ -60,6 +61,7 @@ from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
+from polyrl.core.segment import Tokens
 
 # --------------------------------------------------------------------------- the workflow
 
@@ -199,7 +201,6 @@ class Gateway:
     """
 
     transcript_keys = ("episode", "sample", "turn", "choice", "model", "stitched", "return")
-    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(self, ctx: Any, **options: Any) -> None:
         """``options``: the fields of :class:`GatewayOptions` (``rollout.args``, bound and
@@ -383,19 +384,17 @@ class Gateway:
                 'the return last: a number, {"reward": r, "success": s} or null'
             ) from None
 
-    def _row(self, ep, base, prompt, response, logps, policy, turn, text, extra) -> Row:
+    def _row(self, ep, base, prompt: Tokens, response: Tokens, policy, turn, text, extra) -> Row:
         decode = self.decoders[policy].decode
         return Row(
             prompt,
             response,
-            logps,
             policy,
             ep.item.uid,
             turn=turn,
-            prompt_text=decode(prompt, skip_special_tokens=False),
+            prompt_text=decode(prompt.ids, skip_special_tokens=False),
             response_text=text,
             meta={**base, **extra},
-            versions=[] if not response else None,
             error=ep.error,
         )
 
@@ -456,9 +455,9 @@ class Gateway:
                 base["success"] = success
 
             if not ep.calls:
-                prompt = list(ep.item.prompt_ids)
+                prompt = Tokens.given(ep.item.prompt_ids)
                 extra = {"turn": 0, "spans": []}
-                rows.append(self._row(ep, base, prompt, [], [], self.name, 0, "", extra))
+                rows.append(self._row(ep, base, prompt, Tokens.given([]), self.name, 0, "", extra))
             for t, call in enumerate(ep.calls):
                 for j, c in enumerate(call.choices):
                     extra = {
@@ -473,12 +472,9 @@ class Gateway:
                     text = self.decoders[call.model].decode(c.ids, skip_special_tokens=True)
                     if c.finish == "length" and call.tools_key != "null" and inside_call(text):
                         cut.append(len(c.ids))
-                    row = self._row(
-                        ep, base, call.prompt_ids, c.ids, c.logprobs, call.model, t, text, extra
-                    )
+                    row = self._row(ep, base, c.prompt, c.tokens, call.model, t, text, extra)
                     row.vision = call.images.joined if call.images is not None else None
-                    row.versions, row.truncated = c.versions, c.finish == "length"
-                    row.experts = c.experts
+                    row.truncated = c.finish == "length"
                     rows.append(row)
         self._note_cut(cut, len(rows))
         failed = {ep.id for ep in episodes if ep.error}
