@@ -69,9 +69,11 @@ def test_a_reward_that_always_fails_stops_the_run_after_one_step(tiny_model_dir,
 def record(valid: list[bool], error: str = "the reward raised") -> TensorDict:
     """A record of ``len(valid)`` rows: only what Failures reads."""
     from polyrl.core.record import Row, build_rows
+    from polyrl.core.segment import Tokens
 
     rows = [
-        Row([1], [2], [0.0], "main", i, error="" if ok else error) for i, ok in enumerate(valid)
+        Row(Tokens.given([1]), Tokens.sampled([2], [0.0]), "main", i, error="" if ok else error)
+        for i, ok in enumerate(valid)
     ]
     td = build_rows(rows, pad_id=0)
     td["valid"] = torch.tensor(valid)
