@@ -31,10 +31,10 @@ import asyncio
 import itertools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from polyrl.marl.batching import Runtime
+from polyrl.core.engine import Completion, SamplingParams
+from polyrl.core.paint import Painting
 
 # ----------------------------------------------------------------------------- data
 
@@ -185,6 +185,24 @@ def _text(content: str | list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- agent API
+
+
+class Runtime(Protocol):
+    """What an agent's handle asks of the episode runtime that serves its acts
+    (:class:`polyrl.marl.batching.Runtime`): declared here, so the runtime builds on this
+    module and not the other way round."""
+
+    def params_for(
+        self, agent: AgentInfo, n: int, max_new_tokens: int | None, temperature: float | None
+    ) -> SamplingParams: ...
+
+    async def act(
+        self, agent: AgentInfo, text: str, images: Sequence[Any], params: SamplingParams
+    ) -> tuple[list[int], list[Completion], Any]: ...
+
+    async def paint(
+        self, agent: AgentInfo, text: str, n: int, seed: int | None
+    ) -> list[Painting]: ...
 
 
 class AgentHandle:
