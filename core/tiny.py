@@ -367,7 +367,11 @@ def tiny_qwen3_moe(path: str | Path, **options: Any) -> Path:
     return _write_tiny(path, build_tiny_qwen3_moe, TinyQwen3MoeOptions(**options))
 
 
-def _write_tiny(path: str | Path, build_model: Callable[..., Any], options: TinyTextBuild) -> Path:
+def _write_tiny(
+    path: str | Path,
+    build_model: Callable[..., Any],
+    options: TinyQwen2Options | TinyQwen3MoeOptions,
+) -> Path:
     """What the registered tiny builders share: ``corpus``'s tokenizer, the model
     ``build_model(tokenizer, **sizes)`` makes for it (every option not in
     :class:`TinyTextBuild`),
