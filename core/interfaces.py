@@ -424,7 +424,7 @@ class PartialRollouts(Protocol):
     (``rollout.partial``): after ``set_refresh(refresh)``, the engine calls ``refresh()``
     before each decoding step; it loads any newer weights and returns their version, and the
     requests in flight go on under them with the KV cache they have. Each
-    :class:`Completion` then carries ``versions``, the weights version of every token.
+    :class:`Completion`'s token segment then carries the weights version of every token.
     ``set_refresh(None)`` ends it."""
 
     partial_rollouts: ClassVar[bool]
@@ -467,15 +467,6 @@ class Workflow(Protocol):
     image grids, skips exploration) reads it here."""
 
     def rollout(self, items: list, params: Any, phase: Phase = "train") -> TensorDict: ...
-
-
-@runtime_checkable
-class RecordsTokenVersions(Protocol):
-    """A workflow class that passes each completion's per-token ``versions`` on to the
-    record's ``token_version`` column (``text_record(token_version=...)``), as
-    ``rollout.partial`` needs."""
-
-    token_versions: ClassVar[bool]
 
 
 @runtime_checkable

@@ -17,9 +17,9 @@ scores being the softmax over all experts at the chosen ones (renormalised to su
 ``norm_topk_prob``). Tested on Qwen3-MoE.
 
 Layout. Experts are int8 (int16 from 128 experts) tensors ``[tokens, layers, k]``, -1
-where no choice was recorded (the router then routes freely). ``Completion.experts``
-covers the prompt's tokens then the response's; the record holds them as
-``prompt_experts [B, P, L, k]`` (left-padded like ``prompt_ids``) and
+where no choice was recorded (the router then routes freely), a token segment's
+``experts`` (``core/segment.py``: a completion's prompt and its sampled tokens); the
+record holds them as ``prompt_experts [B, P, L, k]`` (left-padded like ``prompt_ids``) and
 ``response_experts [B, R, L, k]`` (right-padded). The prompt's tokens are recorded too:
 the response's log-probs attend to the prompt's keys and values, which depend on how the
 prompt's tokens were routed in every earlier layer, and an engine's prefill (another
@@ -30,7 +30,7 @@ token is never fed to the engine, so its row is -1 (nothing the trainer scores r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -204,61 +204,7 @@ def recording(model: torch.nn.Module) -> Iterator[Routing | None]:
         routing.close()
 
 
-# --- the record side -------------------------------------------------------------------------
-def record_columns(
-    experts: list[torch.Tensor | None], prompt_lens: list[int], response_lens: list[int]
-) -> dict[str, torch.Tensor] | None:
-    """``prompt_experts`` (left-padded) and ``response_experts`` (right-padded) for rows whose
-    ``experts`` cover prompt then response tokens (None: a row without, all -1); None when
-    no row has any."""
-    known = [x for x in experts if x is not None]
-    if not known:
-        return None
-    layers, k = known[0].shape[1:]
-    dtype = known[0].dtype
-    n, p, r = len(experts), max(prompt_lens, default=0), max(response_lens, default=0)
-    prompt = torch.full((n, p, layers, k), -1, dtype=dtype)
-    response = torch.full((n, r, layers, k), -1, dtype=dtype)
-    for i, (x, pl, rl) in enumerate(zip(experts, prompt_lens, response_lens, strict=True)):
-        if x is None:
-            continue
-        if x.shape[0] != pl + rl or tuple(x.shape[1:]) != (layers, k):
-            raise ValueError(
-                f"record row {i}: experts of shape {tuple(x.shape)} for {pl} prompt and {rl} "
-                f"response tokens; need [{pl + rl}, {layers}, {k}]"
-            )
-        if pl:
-            prompt[i, p - pl :] = x[:pl]
-        response[i, :rl] = x[pl:]
-    return {"prompt_experts": prompt, "response_experts": response}
-
-
-def stitch_experts(
-    tokens: Sequence[int], calls: Sequence[tuple[Sequence[int], torch.Tensor | None]]
-) -> torch.Tensor | None:
-    """The experts ``[len(tokens), L, k]`` of a row several engine calls made (a multi-turn
-    trajectory: each call's prompt + sampled ids, with its ``Completion.experts``, begin the
-    row): each token takes those of the first call that routed it (a later call's prompt
-    routes the observations spliced in after an earlier action, and that action's last
-    token); -1 where no call did. None when no call recorded any."""
-    known = [x for _, x in calls if x is not None]
-    if not known:
-        return None
-    out = torch.full((len(tokens), *known[0].shape[1:]), -1, dtype=known[0].dtype)
-    for i, (ids, x) in enumerate(calls):
-        if x is None:
-            continue
-        n = len(ids)
-        if x.shape[0] != n or list(ids) != list(tokens[:n]):
-            raise ValueError(
-                f"stitch_experts: call {i}'s {n} ids (experts for {x.shape[0]}) do not begin "
-                f"the row's {len(tokens)} tokens"
-            )
-        unset = (out[:n] < 0).all(-1).all(-1) & (x >= 0).any(-1).any(-1)
-        out[:n][unset] = x[unset]
-    return out
-
-
+# --- the record side (the trainer's passes read the record's expert columns) -----------------
 def has_experts(batch: TensorDict) -> bool:
     keys = set(batch.keys())
     return all(c in keys for c in EXPERT_COLUMNS)

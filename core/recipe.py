@@ -15,7 +15,6 @@ from polyrl.core.data import DataConfig
 from polyrl.core.interfaces import (
     ChecksConfig,
     PartialRollouts,
-    RecordsTokenVersions,
     Workflow,
 )
 from polyrl.core.loggers import LoggerName, check_loggers
@@ -221,8 +220,8 @@ class Config:
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")
-            check_moe_options(name, p, source)
             POLICIES.check(p.kind)
+            check_moe_options(name, p, source)
             if p.max_tokens_per_micro_batch is not None and not _packs_rows(p.kind):
                 raise ConfigError(
                     f"policies.{name}.max_tokens_per_micro_batch="
@@ -267,20 +266,14 @@ class Config:
             )
 
     def check_partial(self, workflow: Callable[..., Workflow], source: str) -> None:
-        """``rollout.partial`` needs a producer ahead, engines that take weights mid-call
-        (interfaces.PartialRollouts) and a workflow that records token versions."""
+        """``rollout.partial`` needs a producer ahead and engines that take weights mid-call
+        (interfaces.PartialRollouts); every workflow's rows carry the versions the engine
+        records (core/segment.py)."""
         where = f"rollout.partial in {source}"
         if self.rollout.max_staleness < 1:
             raise ConfigError(
                 f"{where} needs rollout.max_staleness >= 1: weights change during a "
                 "rollout only when the engines generate ahead of the trainer"
-            )
-        if not (isinstance(workflow, RecordsTokenVersions) and workflow.token_versions):
-            raise ConfigError(
-                f"{where}: rollout.workflow={self.rollout.workflow!r} does not record "
-                "per-token weights versions (interfaces.RecordsTokenVersions); use "
-                "single_turn, multi_turn, a marl workflow or the gateway, or set "
-                "rollout.partial: false"
             )
         for name in self.trained_policies():
             engine = self.policies[name].engine.name

@@ -119,17 +119,16 @@ def test_engine_records_the_routing_computed_by_hand(moe_dir, one_thread):
     policy = make_policy(moe_dir)
     _, outs, ids = _record(policy, n=2)
     for o in outs:
+        experts = (o.prompt + o.tokens).experts  # prompt then response
         prompt = ids[o.prompt_index]
-        assert (o.prompt + o.tokens).experts is not None and (
-            o.prompt + o.tokens
-        ).experts.dtype == torch.int8
-        assert (o.prompt + o.tokens).experts.shape == (len(prompt) + len(o.token_ids), LAYERS, K)
+        assert experts is not None and experts.dtype == torch.int8
+        assert experts.shape == (len(prompt) + len(o.token_ids), LAYERS, K)
         hand = _hand_routing(policy.model, torch.tensor([prompt + o.token_ids]))
         fed = len(prompt) + len(o.token_ids) - 1  # the last token is never fed to the engine
         for layer in range(LAYERS):
-            got = (o.prompt + o.tokens).experts[:fed, layer].long().sort(-1).values
+            got = experts[:fed, layer].long().sort(-1).values
             assert torch.equal(got, hand[layer][:fed].sort(-1).values)
-        assert bool(((o.prompt + o.tokens).experts[fed:] == -1).all())
+        assert bool((experts[fed:] == -1).all())
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,6 @@ def test_a_generate_call_that_raises_mid_decode_leaves_no_hooks(tmp_path, one_th
     assert all(not r._forward_hooks for r in routers(policy.model))
     # the next call records its experts as usual, and leaves no hook either
     (out,) = engine.generate([prompt], params)
-    assert (out.prompt + out.tokens).experts is not None and (
-        out.prompt + out.tokens
-    ).experts.shape[0] == len(prompt) + len(out.token_ids)
+    experts = (out.prompt + out.tokens).experts  # prompt then response
+    assert experts is not None and experts.shape[0] == len(prompt) + len(out.token_ids)
     assert all(not r._forward_hooks for r in routers(policy.model))

@@ -73,13 +73,14 @@ def test_partial_call_records_each_tokens_experts_from_its_version(tmp_path):
     engine.set_refresh(None)
     spanning, before_differs = 0, 0
     for o in outs:
+        experts = (o.prompt + o.tokens).experts  # prompt then response
         prompt, fed = prompts[o.prompt_index], len(prompts[o.prompt_index]) + len(o.token_ids) - 1
-        assert o.tokens.versions is not None and (o.prompt + o.tokens).experts is not None
+        assert o.tokens.versions is not None and experts is not None
         want = _mixed_routing(model, states, prompt, o.token_ids, o.tokens.versions)
         assert want.shape[0] == fed
-        got = (o.prompt + o.tokens).experts[:fed].long()
+        got = experts[:fed].long()
         assert torch.equal(got.sort(-1).values, want.sort(-1).values)
-        assert bool(((o.prompt + o.tokens).experts[fed:] == -1).all())
+        assert bool((experts[fed:] == -1).all())
         if 0 in o.tokens.versions and 1 in o.tokens.versions:
             spanning += 1
             # what the new version alone would have chosen for the tokens the old one routed

@@ -58,17 +58,18 @@ def test_engine_records_the_experts_it_routed_to(moe_dir, noise):
     outs = engine.generate(ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
     worst, differs, tokens = 0.0, 0, 0
     for o in outs:
+        experts = (o.prompt + o.tokens).experts  # prompt then response
         prompt, fed = ids[o.prompt_index], o.token_ids[:-1]  # the last token is never fed
         seq = prompt + fed
-        assert o.experts is not None and o.experts.shape == (len(prompt) + len(o.token_ids), 2, K)
-        assert bool((o.experts[len(seq) :] == -1).all())
-        logp, own = replayed(policy.model, seq + o.token_ids[-1:], o.experts)
+        assert experts is not None and experts.shape == (len(prompt) + len(o.token_ids), 2, K)
+        assert bool((experts[len(seq) :] == -1).all())
+        logp, own = replayed(policy.model, seq + o.token_ids[-1:], experts)
         steps = torch.arange(len(prompt) - 1, len(seq))
         want = logp[steps, torch.tensor(o.token_ids)]
         worst = max(
             worst, float((torch.tensor(o.logprobs, dtype=torch.float64) - want).abs().max())
         )
-        recorded = o.experts[: len(seq)].long().sort(-1).values
+        recorded = experts[: len(seq)].long().sort(-1).values
         d = (own[: len(seq)].sort(-1).values != recorded).any(-1).any(-1)
         differs, tokens = differs + int(d.sum()), tokens + len(seq)
     # the engine sampled from the routing it recorded: a forward routed so gives its log-probs

@@ -9,10 +9,10 @@ import torch
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-from polyrl.core.record import concat, text_record, trim
-from polyrl.core.registry import ENGINES, WORKFLOWS
+from polyrl.core.record import Row, build_rows, concat, trim
+from polyrl.core.registry import ENGINES
 from polyrl.core.rollouts import shadow
-from polyrl.core.workflow import SingleTurn
+from polyrl.core.segment import Tokens
 from tests.helpers.crawling_engine import CrawlingEngine
 from tests.helpers.partial import SWITCH, mixed_logprobs, moved, switching_refresh
 from tests.helpers.runs import metrics_by_step
@@ -35,7 +35,7 @@ def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(po
     engine = HFEngine(twin, seed=3)
     start = engine.state_dict()
     plain = engine.generate(ids, params)
-    assert all(o.versions is None for o in plain)  # no refresh: no versions
+    assert all(o.tokens.versions is None for o in plain)  # no refresh: no versions
 
     engine.load_state_dict(start)
     calls: list[int] = []
@@ -45,7 +45,7 @@ def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(po
     assert any(len(o.token_ids) > SWITCH for o in outs)
     for o, p in zip(outs, plain, strict=True):
         n = len(o.token_ids)
-        assert o.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
+        assert o.tokens.versions == [0] * min(n, SWITCH) + [1] * max(0, n - SWITCH)
         # before the switch the same RNG and weights draw the same tokens
         assert o.token_ids[:SWITCH] == p.token_ids[:SWITCH]
         assert o.logprobs[:SWITCH] == p.logprobs[:SWITCH]
@@ -54,7 +54,7 @@ def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(po
     gaps, shifts = [], []
     for o in outs:
         mixed = mixed_logprobs(
-            ref_model, {0: old, 1: new}, ids[o.prompt_index], o.token_ids, o.versions
+            ref_model, {0: old, 1: new}, ids[o.prompt_index], o.token_ids, o.tokens.versions
         )
         gaps.append((mixed - torch.tensor(o.logprobs)).abs().max())
         if len(o.token_ids) > SWITCH:  # what the old weights alone would have given
@@ -69,15 +69,11 @@ def test_hf_engine_takes_new_weights_mid_call_and_records_each_tokens_version(po
 
 def test_token_versions_survive_record_padding_trim_and_concat():
     def rec(responses, versions):
-        return text_record(
-            prompt_ids=[[1, 2]] * len(responses),
-            response_ids=responses,
-            rollout_logprobs=[[0.0] * len(r) for r in responses],
-            policy=["main"] * len(responses),
-            uid=list(range(len(responses))),
-            pad_id=0,
-            token_version=versions,
-        )
+        rows = [
+            Row(Tokens.given([1, 2]), Tokens.sampled(r, [0.0] * len(r), versions=v), "main", i)
+            for i, (r, v) in enumerate(zip(responses, versions, strict=True))
+        ]
+        return build_rows(rows, pad_id=0)
 
     a = rec([[5, 6, 7], [5]], [[0, 0, 1], [1]])
     assert a["token_version"].tolist() == [[0, 0, 1], [1, -1, -1]]
@@ -90,16 +86,11 @@ def test_token_versions_survive_record_padding_trim_and_concat():
     ]
     assert trim(both[:2])["token_version"].tolist() == [[0, 0, 1], [1, -1, -1]]
     assert "token_version" not in rec([[5]], [None]).keys()  # noqa: SIM118 (TensorDict)
-    with pytest.raises(ValueError, match="one version per response token"):
+    with pytest.raises(ValueError, match="versions has 1 entries for 2 ids"):
         rec([[5, 6]], [[0]])
 
 
-class Versionless(SingleTurn):
-    token_versions = False
-
-
 ENGINES.register("test_crawling_hf", CrawlingEngine)
-WORKFLOWS.register("test_versionless", Versionless)
 
 
 def test_partial_rollouts_mix_versions_within_the_bound(make_config, tmp_path):
@@ -122,15 +113,8 @@ def test_partial_rollouts_mix_versions_within_the_bound(make_config, tmp_path):
     assert m[1]["async/mixed_version_rows"] == 0  # nothing is published before update 1
 
 
-@pytest.mark.parametrize(
-    ("overrides", "match"),
-    [
-        (["rollout.max_staleness=0"], "max_staleness >= 1"),
-        (["rollout.workflow=test_versionless"], "does not record"),
-    ],
-)
-def test_partial_needs_a_producer_engines_and_workflow_that_support_it(
-    make_config, overrides, match
-):
-    with pytest.raises(ConfigError, match=match):
-        make_config("rollout.partial=true", "rollout.max_staleness=1", *overrides).validate()
+def test_partial_needs_a_producer_ahead(make_config):
+    """Any workflow records token versions (its rows are built from the engines' token
+    segments); what rollout.partial still needs is a producer ahead of the trainer."""
+    with pytest.raises(ConfigError, match="max_staleness >= 1"):
+        make_config("rollout.partial=true", "rollout.max_staleness=0").validate()

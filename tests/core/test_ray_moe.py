@@ -32,10 +32,7 @@ def _record(policy, seed: int):
     ids = chat_ids(policy.tokenizer)
     engine = ENGINES.get(ENGINE)(policy, seed=seed, route_noise=0.5)
     outs = engine.generate(ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
-    rows = [
-        Row(ids[o.prompt_index], o.token_ids, o.logprobs, "main", o.prompt_index, experts=o.experts)
-        for o in outs
-    ]
+    rows = [Row(o.prompt, o.tokens, "main", o.prompt_index) for o in outs]
     rec = build_rows(rows, policy.tokenizer.pad_token_id)
     rec["reward"] = torch.randint(
         0, 2, (len(outs),), generator=torch.Generator().manual_seed(seed)

@@ -49,17 +49,16 @@ def _check(policy, prompts, outs) -> float:
     same = total = 0
     worst = 0.0
     for o in outs:
+        experts = (o.prompt + o.tokens).experts  # prompt then response
         p = prompts[o.prompt_index]
         n = len(p) + len(o.token_ids)
-        assert (o.prompt + o.tokens).experts is not None and (
-            o.prompt + o.tokens
-        ).experts.dtype == torch.int8
-        assert (o.prompt + o.tokens).experts.shape == (n, LAYERS, K)
-        assert bool(((o.prompt + o.tokens).experts[-1] == -1).all())
-        fed = (o.prompt + o.tokens).experts[:-1].long()
+        assert experts is not None and experts.dtype == torch.int8
+        assert experts.shape == (n, LAYERS, K)
+        assert bool((experts[-1] == -1).all())
+        fed = experts[:-1].long()
         assert bool(((fed >= 0) & (fed < E)).all())
         assert bool((fed[..., 0] != fed[..., 1]).all())
-        logp, own = replayed(policy.model, p + o.token_ids, (o.prompt + o.tokens).experts)
+        logp, own = replayed(policy.model, p + o.token_ids, experts)
         want = logp[torch.arange(len(p) - 1, n - 1), torch.tensor(o.token_ids)]
         worst = max(
             worst, float((torch.tensor(o.logprobs, dtype=torch.float64) - want).abs().max())
