@@ -43,6 +43,8 @@ class Backend(Protocol):
 
     def versioned(self, policy: Policy) -> Versions: ...  # async rollouts: the engine's copy
 
+    def fault_metrics(self) -> dict[str, float]: ...  # faults survived so far (faults/*)
+
     def shutdown(self) -> None: ...
 
 
@@ -90,6 +92,9 @@ class LocalBackend:
 
     def versioned(self, policy: Policy) -> LocalVersions:
         return LocalVersions(policy)
+
+    def fault_metrics(self) -> dict[str, float]:
+        return {}  # one process: nothing dies that the run survives
 
     def shutdown(self) -> None:
         return None

@@ -61,10 +61,8 @@ polyrl installed. Ray is imported only when this backend is used.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +70,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from polyrl.core.config import ConfigError, doc, from_dict
+from polyrl.core.config import NONNEGATIVE, ConfigError, doc, from_dict
 from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.interfaces import (
     HostImageTurns,
@@ -82,9 +80,9 @@ from polyrl.core.interfaces import (
     takes_images,
 )
 from polyrl.core.options import Options
+from polyrl.core.ray_engine_actor import EngineActor
 from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this module's API)
     ActorError,
-    EngineWorker,
     PolicyWorker,
     require_ray,
     resources_of,
@@ -139,6 +137,13 @@ class RayArgs(Options):
         "loads into any world size and into local mode); full: rank 0 gathers the local layout",
     )
     collective_timeout_s: float = doc(1800.0, "timeout of the group's torch.distributed calls")
+    max_restarts: int = doc(
+        0,
+        "times each policy's engine actor is restarted in the run when it dies (its "
+        "weights and RNG state restored, the interrupted call sent again; see "
+        "core/ray_engine_actor.py); 0: a dead engine ends the run (resume it)",
+        bound=NONNEGATIVE,
+    )
     placement_timeout_s: float = doc(120.0, "how long to wait for Ray to place a policy's group")
     policies: dict[str, dict[str, Any]] = doc(
         {}, "per-policy overrides of the group fields, e.g. {critic: {workers_per_policy: 1}}"
@@ -170,7 +175,7 @@ class _Group:
         self.name, self.args, self.world = name, args, args.workers_per_policy
         self.gpu = args.num_gpus_per_worker > 0
         self.broken = False
-        self.engine: Any = None
+        self.engine_actor: EngineActor | None = None
         worker = resources_of(args.num_cpus_per_worker, args.num_gpus_per_worker)
         bundles = [dict(worker) for _ in range(self.world)]
         if args.placement == "split":
@@ -216,9 +221,11 @@ class _Group:
             )
             for w in self.workers
         ]
-        self._engine_starting: list = []
-        self._engine_sent: list = []  # engine calls not waited for yet (submit_engine)
-        self._engine_sent_lock = threading.Lock()  # the trainer and the producer both send
+
+    @property
+    def engine(self) -> Any:
+        """The engine actor's Ray handle now (a restart replaces it)."""
+        return self.engine_actor.handle if self.engine_actor is not None else None
 
     @property
     def nodes(self) -> list[str]:
@@ -241,8 +248,7 @@ class _Group:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return wait(refs, self.labels, on_failure=self.kill_workers)
 
-    def make_engine(self, cfg: Any, seed: int) -> None:
-        ray = require_ray()
+    def make_engine(self, cfg: Any, seed: int) -> EngineActor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         a = self.args
@@ -250,46 +256,23 @@ class _Group:
             cpus, gpus, bundle = a.num_cpus_per_worker * 0.5, a.num_gpus_per_worker * 0.5, 0
         else:
             cpus, gpus, bundle = a.num_cpus_per_engine, a.num_gpus_per_engine, self.world
-        self.engine = (
-            # "offers": partial rollouts hand newer weights to a call in flight
-            ray.remote(concurrency_groups={"offers": 1})(EngineWorker)
-            .options(
-                num_cpus=cpus,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=bundle
-                ),
-            )
-            .remote(a.threads_per_worker)
+        placed = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+        self.engine_actor = EngineActor(
+            self.name,
+            cfg,
+            seed=seed,
+            gpu=gpus > 0,
+            threads=a.threads_per_worker,
+            options={"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": placed},
+            max_restarts=a.max_restarts,
+            gather=self.gather,
         )
-        self.engine_label = f"engine for policy {self.name!r}"
-        self._engine_starting = [self.engine.setup.remote(self.name, cfg, seed=seed, gpu=gpus > 0)]
+        return self.engine_actor
 
-    def submit_engine(self, method: str, *args) -> None:
-        """``method`` on the engine actor, not waited for: the actor runs this process's
-        calls in the order they were sent, and a failure is raised by the next
-        :meth:`call_engine`, which waits for it too."""
-        with self._engine_sent_lock:
-            self._engine_sent.append(getattr(self.engine, method).remote(*args))
-
-    def offer_engine(self, version: int, ref: Any) -> None:
-        """Partial rollouts: version ``version`` to the engine actor beside its running
-        call (its "offers" group); a failure is raised by the next :meth:`call_engine`."""
-        with self._engine_sent_lock:
-            self._engine_sent.append(
-                self.engine.offer.options(concurrency_group="offers").remote(
-                    version, ref.hex(), ref
-                )
-            )
-
-    def call_engine(self, method: str, *args, **kwargs) -> Any:
-        if self._engine_starting:
-            starting, self._engine_starting = self._engine_starting, []
-            wait(starting, [self.engine_label])
-        with self._engine_sent_lock:
-            ref = getattr(self.engine, method).remote(*args, **kwargs)
-            refs, self._engine_sent = [*self._engine_sent, ref], []
-        return wait(refs, [self.engine_label] * len(refs))[-1]
+    def gather(self) -> Any:
+        """The trainer's weights for the engine (the LoRA factors under LoRA), gathered
+        on rank 0 into the object store: a reference."""
+        return next(r for r in self.call("full_weights") if r is not None)[0]
 
     def kill_workers(self) -> None:
         ray = require_ray()
@@ -304,9 +287,8 @@ class _Group:
             with contextlib.suppress(Exception):
                 ray.get([w.close.remote() for w in self.workers], timeout=30)
         self.kill_workers()
-        if self.engine is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self.engine)
+        if self.engine_actor is not None:
+            self.engine_actor.kill()
         with contextlib.suppress(Exception):
             ray.util.remove_placement_group(self.pg)
 
@@ -373,47 +355,33 @@ class RayEngine:
     handle as it would the engine. Arguments and results are pickled into the call: for a
     VLM's pixel values that is about 24 MB per 1-megapixel image per rollout.
 
-    The handle keeps the engine's state (its RNG) as each call returns it, so
-    :meth:`state_dict`, which async rollouts take before every batch, makes no call."""
+    The actor's handle (:class:`~polyrl.core.ray_engine_actor.EngineActor`) keeps the
+    engine's state (its RNG) as each call returns it, so :meth:`state_dict`, which async
+    rollouts take before every batch, makes no call; and restarts a dead actor from it
+    (``distributed.args.max_restarts``)."""
 
-    def __init__(self, policy: RayPolicy, engine_cls: Any = None) -> None:
-        self.policy, self.group = policy, policy.group
+    def __init__(self, policy: RayPolicy, actor: EngineActor, engine_cls: Any = None) -> None:
+        self.policy, self.group, self.actor = policy, policy.group, actor
         self.tokenizer = policy.tokenizer
-        self._state: tuple[int, dict] | None = None  # (call number, engine state after it)
-        self._state_lock = threading.Lock()
         # a workflow reads what the engine takes (images; vllm_vl: the resized images too)
         self.takes_images = takes_images(engine_cls)
         self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
         declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
         for method in declared:
-            setattr(self, method, functools.partial(self._call, "call", method))
-
-    def _keep(self, numbered: tuple[int, dict]) -> None:
-        with self._state_lock:  # calls from two threads may come back in either order
-            if self._state is None or numbered[0] >= self._state[0]:
-                self._state = numbered
-
-    def _call(self, method: str, *args, **kwargs) -> Any:
-        out, numbered = self.group.call_engine(method, *args, **kwargs)
-        self._keep(numbered)
-        return out
+            setattr(self, method, functools.partial(self.actor.call_keeping, "call", method))
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
-        return self._call("generate", as_requests(prompts), params)
+        return self.actor.call_keeping("generate", as_requests(prompts), params)
 
     def sync(self) -> None:
         """Gather the trainer's full weights (rank 0) and load them into the engine actor."""
-        ref = next(r for r in self.group.call("full_weights") if r is not None)[0]
-        self.group.call_engine("sync", ref)
+        self.actor.call("sync", self.group.gather())
 
     def state_dict(self) -> dict:
-        if self._state is None:
-            self._keep(self.group.call_engine("state_dict"))
-        assert self._state is not None  # _keep set it
-        return copy.deepcopy(self._state[1])
+        return self.actor.state()
 
     def load_state_dict(self, state: dict) -> None:
-        self._keep(self.group.call_engine("load_state_dict", state))
+        self.actor.load_state(state)
 
 
 class RayVersions:
@@ -427,24 +395,24 @@ class RayVersions:
         self.policy = self.engine_policy = policy
 
     def capture(self) -> Any:
-        return next(r for r in self.policy.group.call("full_weights") if r is not None)[0]
+        return self.policy.group.gather()
 
     def load(self, engine: RayEngine, version: Any) -> None:
-        engine.group.submit_engine("load_version", [version])
+        engine.actor.submit("load_version", [version])
 
     def prefetch(self, engine: RayEngine, version: Any) -> None:
-        engine.group.submit_engine("stage", version.hex(), version)
+        engine.actor.submit("stage", version.hex(), version)
 
     engine_in_process = False  # the actor refreshes itself: after a partial call, ask again
 
     def begin_partial(self, engine: RayEngine, start: int, refresh: Any) -> None:
-        engine.group.submit_engine("partial", start)  # the actor's own refresh takes offers
+        engine.actor.submit("partial", start)  # the actor's own refresh takes offers
 
     def offer(self, engine: RayEngine, number: int, version: Any) -> None:
-        engine.group.offer_engine(number, version)
+        engine.actor.offer(number, version)
 
     def end_partial(self, engine: RayEngine) -> None:
-        engine.group.submit_engine("partial", None)
+        engine.actor.submit("partial", None)
 
     def saved(self, version: Any) -> Any:
         return require_ray().get(version)
@@ -537,9 +505,15 @@ class RayBackend:
         return RayPolicy(name, cfg, group)
 
     def make_engine(self, name, policy, cfg, *, seed):
-        policy.group.make_engine(cfg, seed)
-        engine_cls = ENGINES.get(cfg.engine.name)
-        return RayEngine(policy, engine_cls)
+        actor = policy.group.make_engine(cfg, seed)
+        return RayEngine(policy, actor, ENGINES.get(cfg.engine.name))
+
+    def fault_metrics(self) -> dict[str, float]:
+        """The engine restarts so far (``max_restarts`` > 0: the runs that survive them)."""
+        if not self.args.max_restarts:
+            return {}
+        actors = [g.engine_actor for g in self.groups.values() if g.engine_actor is not None]
+        return {"faults/engine_restarts": float(sum(a.restarts for a in actors))}
 
     def versioned(self, policy: RayPolicy) -> RayVersions:
         return RayVersions(policy)

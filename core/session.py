@@ -358,14 +358,19 @@ class Session:
     # --- logging helpers ----------------------------------------------------------------
     def rollout_stats(self, record: TensorDict, own: dict[str, float]) -> dict[str, float]:
         """The record's lengths and validity, plus what the workflow reported of its rollout
-        (``own``, taken when the record was made: an async producer may be further on)."""
+        (``own``, taken when the record was made: an async producer may be further on) and
+        the faults the backend survived so far (Ray engine restarts)."""
         lengths = record["response_mask"].sum(-1).float()
-        return {
-            "rollout/response_len": float(lengths.mean()),
-            "rollout/truncated_frac": float(record["truncated"].float().mean()),
-            "rollout/valid_frac": float(record["valid"].float().mean()),
-            "rollout/rows": float(record.batch_size[0]),
-        } | own
+        return (
+            {
+                "rollout/response_len": float(lengths.mean()),
+                "rollout/truncated_frac": float(record["truncated"].float().mean()),
+                "rollout/valid_frac": float(record["valid"].float().mean()),
+                "rollout/rows": float(record.batch_size[0]),
+            }
+            | own
+            | self.backend.fault_metrics()
+        )
 
     def transcripts(self, record: TensorDict, k: int) -> list[dict]:
         if 0 < k < record.batch_size[0]:

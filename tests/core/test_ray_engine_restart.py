@@ -1,0 +1,158 @@
+"""A Ray engine actor killed mid-generate (SIGKILL of its process) under
+``distributed.args.max_restarts``: restarted in the run from the current weights and RNG
+state, the interrupted call sent again, so the run ends as an uninterrupted one does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.rollouts import LOW_DIGIT
+from tests.helpers.runs import assert_same_tensors, metrics, metrics_by_step
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ARGS = [
+    "distributed.backend=ray",
+    "train.steps=2",
+    "eval.data.limit=8",
+    f"reward.terms=[{LOW_DIGIT}]",  # rewards that differ within a group: the weights move
+    "rollout.max_new_tokens=12",  # a generate long enough to be caught in flight
+]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _title(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _engine_pid() -> int | None:
+    """This process's engine actor (a descendant through Ray's raylet: not another test
+    session's); Ray titles an actor's process ``ray::<class>[.<method running>]``."""
+    kids, todo = _children(), [os.getpid()]
+    while todo:
+        for pid in kids.get(todo.pop(), []):
+            if _title(pid).startswith(b"ray::EngineWorker"):
+                return pid
+            todo.append(pid)
+    return None
+
+
+class EngineKiller(threading.Thread):
+    """SIGKILLs the engine actor's process while it runs a ``generate``, the first one
+    after the run has logged its first update (so the weights a fresh actor must be given
+    have moved): step 2's rollout."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.metrics, self.done = run_dir / "metrics.jsonl", threading.Event()
+        self.killed: int | None = None
+
+    def _updated(self) -> bool:
+        return self.metrics.is_file() and '"main/loss"' in self.metrics.read_text()
+
+    def run(self) -> None:
+        pid, armed = None, False
+        while not self.done.is_set():
+            pid = pid or _engine_pid()
+            title = _title(pid) if pid else b""
+            if not title:  # not started yet, or an earlier run's actor that has gone
+                pid = None
+                time.sleep(0.05)
+                continue
+            armed = armed or self._updated()
+            if armed and title.startswith(b"ray::EngineWorker.generate"):
+                os.kill(pid, signal.SIGKILL)
+                self.killed = pid
+                return
+            time.sleep(0.001)
+
+
+def _train_killing(cfg):
+    from polyrl.core.loop import train
+
+    killer = EngineKiller(Path(cfg.run.dir))
+    killer.start()
+    try:
+        return train(cfg), killer
+    finally:
+        killer.done.set()
+        killer.join()
+
+
+def _exported(run) -> dict[str, torch.Tensor]:
+    return load_file(run.path / "export" / "main" / "model.safetensors")
+
+
+def test_an_engine_killed_mid_generate_is_restarted_and_the_run_is_unchanged(
+    ray_cluster, make_config, tiny_model_dir, tmp_path
+):
+    """The killed run restarts its engine once and ends bitwise equal (exported weights,
+    every metric but wall-clock ones) to an uninterrupted run, whose weights moved."""
+    from polyrl.core.loop import train
+
+    restarts = "distributed.args={workers_per_policy: 1, max_restarts: 2}"
+    ref = train(make_config(*ARGS, restarts, f"run.dir={tmp_path}/reference"))
+    run, killer = _train_killing(make_config(*ARGS, restarts, f"run.dir={tmp_path}/killed"))
+    assert killer.killed is not None, "no generate was caught in flight"
+    counts = [r["faults/engine_restarts"] for r in metrics(run.path) if "main/loss" in r]
+    assert counts == [0, 1]  # killed in step 2's rollout, after step 1's update
+    assert all(r["faults/engine_restarts"] == 0 for r in metrics(ref.path) if "main/loss" in r)
+
+    def without_faults(run_dir: Path) -> dict[int, dict]:
+        by_step = metrics_by_step(run_dir)
+        return {
+            s: {k: v for k, v in m.items() if not k.startswith("faults/")}
+            for s, m in by_step.items()
+        }
+
+    assert without_faults(run.path) == without_faults(ref.path)
+    assert_same_tensors(_exported(run), _exported(ref), "exported weights")
+    start = load_file(Path(tiny_model_dir) / "model.safetensors")
+    moved = [k for k, v in _exported(ref).items() if not torch.equal(v, start[k].to(v.dtype))]
+    assert len(moved) > len(start) // 2, moved  # what the fresh actor was given had moved
+
+
+def test_without_restarts_a_killed_engine_ends_the_run_naming_the_option(
+    ray_cluster, make_config, tmp_path
+):
+    """``max_restarts: 0`` (the default): the run stops with one line naming the actor,
+    the call and the option."""
+    from polyrl.core.ray_backend import ActorError
+
+    before = set(ray_cluster.util.placement_group_table())
+    try:
+        with pytest.raises(ActorError) as err:
+            _train_killing(make_config(*ARGS, "distributed.args={workers_per_policy: 1}"))
+        first, why = str(err.value).splitlines()[0], str(err.value.__cause__)  # Ray's account
+        assert first.startswith("engine for policy 'main' died during generate;"), why
+        assert "distributed.args.max_restarts is 0" in first
+    finally:  # the failed run's group (train does not shut its backend down on a failure)
+        from ray.util.placement_group import PlacementGroup, PlacementGroupID
+
+        for pg in set(ray_cluster.util.placement_group_table()) - before:
+            ray_cluster.util.remove_placement_group(
+                PlacementGroup(PlacementGroupID(bytes.fromhex(pg)))
+            )
