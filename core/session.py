@@ -46,6 +46,7 @@ from polyrl.core.interfaces import (
     Workflow,
     WritesTranscriptKeys,
 )
+from polyrl.core.paint import MemberAlgorithm, paints_images
 from polyrl.core.recipe import Config
 from polyrl.core.record import select_policy, strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
@@ -83,7 +84,7 @@ def prepare_task(cfg: Config, run_dir: Path) -> DataSources:
     if not cfg.task.name:
         return sources
     task = TASKS.get(cfg.task.name)
-    out = Path(cfg.task.dir.format(run_dir=run_dir))
+    out = Path(cfg.task.dir.format(run_dir=run_dir)).expanduser()
     reads = (
         not cfg.data.path or bool(cfg.sft.steps and not cfg.sft.data.path),
         not cfg.eval.data.path,
@@ -245,6 +246,8 @@ class Session:
         before = self.evaluate("eval_init")
         self.run.log(0, before)
         for name in self.trained:
+            if paints_images(self.engines[name]):  # a painter's warm start is on images
+                continue
             policy = self.policies[name]
             sft = self.sources.sft if self.sources else cfg.sft.data
             data = DATASETS.get(sft.kind)(sft, policy.tokenizer, name="sft")
@@ -277,11 +280,16 @@ class Session:
                 self.run.log(0, {f"sft/{name}/loss": out["sft_loss"], "sft/step": k})
 
     def update(self, name: str, rows: TensorDict) -> dict[str, float]:
-        """One policy's RL update from its own rows, wherever the backend runs it."""
+        """One policy's RL update from its own rows, wherever the backend runs it, with
+        the loss settings the workflow gives its member (``MemberAlgorithm``; else the
+        recipe's ``algorithm``)."""
+        algo = self.cfg.algorithm
+        if isinstance(self.workflow, MemberAlgorithm):
+            algo = self.workflow.member_algorithm(name, algo)
         return self.backend.update(
             self.policies[name],
             rows,
-            self.cfg.algorithm,
+            algo,
             temperature=self.cfg.rollout.temperature,
             generator=self.gen,
             correction=self.correction,
