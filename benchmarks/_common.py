@@ -144,7 +144,7 @@ def set_threads(n: int) -> None:
 
 
 def forbid_tokens(model, token_ids: list[int], *, margin: float = 64.0, const: float = 2.0) -> None:
-    """Edit a (tied-embedding) Qwen2 so it never samples ``token_ids`` (EOS, PAD).
+    """Edit a Qwen2 (or a Qwen-VL's language model) so it never samples ``token_ids`` (EOS, PAD).
 
     One residual coordinate ``k`` is made a constant: every embedding row holds ``const``
     there and no layer writes to it (row ``k`` of each ``o_proj`` and ``down_proj`` is
@@ -163,10 +163,11 @@ def forbid_tokens(model, token_ids: list[int], *, margin: float = 64.0, const: f
         emb[:, k] = const
         rows = torch.as_tensor(list(token_ids), dtype=torch.long)
         emb[rows, k] = -margin
-        for layer in model.model.layers:
+        # a Qwen-VL's decoder layers sit under its language model
+        for layer in getattr(model.model, "language_model", model.model).layers:
             layer.self_attn.o_proj.weight[k, :] = 0
             layer.mlp.down_proj.weight[k, :] = 0
-        if not model.config.tie_word_embeddings:
+        if model.get_output_embeddings().weight is not emb:  # untied
             model.lm_head.weight[:, k] = const
             model.lm_head.weight[rows, k] = -margin
 

@@ -606,42 +606,46 @@ class HFEngine:
         live = torch.arange(b, device=device)  # decode-batch row -> row of `rows`
         done = torch.zeros(b, dtype=torch.bool, device=device)  # per decode-batch row
         streams = gen if isinstance(gen, RowStreams) else None
+        width = mask.shape[1]  # step t's mask: the first width + t + 1 columns
+        mask = torch.cat([mask, mask.new_ones((b, steps))], 1)
+        whole = True  # no row has left the batch yet: rows are written by slice
         for t in range(steps):
             if streams is not None:
                 streams.live = live
             tok, lp = sample_next(logits, params, gen)
-            tokens[live, t], logps[live, t], versions[live, t] = tok, lp, version
+            at = slice(None) if whole else live
+            tokens[at, t], logps[at, t] = tok, lp
+            if refresh is not None:
+                versions[at, t] = version
             if k_top:
-                top_lps[live, t], top_ids[live, t] = top_logprobs(logits, params)
+                top_lps[at, t], top_ids[at, t] = top_logprobs(logits, params)
             if sinks:
-                step_top = (top_lps[live, t], top_ids[live, t]) if k_top else None
+                step_top = (top_lps[at, t], top_ids[at, t]) if k_top else None
                 stream_tokens(sinks, live, done, tok, lp, step_top)
-            finished = ~done & torch.isin(tok, stop_t)
+            hit = torch.isin(tok, stop_t)
             if params.stop:
-                finished |= ~done & self._hit_stop_string(tokens[live, : t + 1], done, params.stop)
-            lengths[live[finished]] = t + 1
-            stopped[live[finished]] = True
-            done |= finished
-            capped = ~done & (caps[live] <= t + 1)  # a request's own, shorter budget
-            lengths[live[capped]] = t + 1
-            done |= capped
-            if streams is not None:
-                streams.settle(live, done, can_select)
-            if bool(done.all()) or t == steps - 1:
+                hit |= self._hit_stop_string(tokens[at, : t + 1], done, params.stop)
+            ending = ~done & (hit | (caps[at] <= t + 1))  # stopped, or its own budget spent
+            if bool(ending.any()):
+                lengths[live[ending]] = t + 1
+                stopped[live[ending & hit]] = True
+                done |= ending
+                if streams is not None:
+                    streams.settle(live, done, can_select)
+                if bool(done.all()):
+                    break
+                if can_drop and int(done.sum()) * 8 >= done.numel():
+                    keep = (~done).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
+                    done, whole = done[keep], False
+            if t == steps - 1:
                 break
-            if can_drop and int(done.sum()) * 8 >= done.numel():
-                keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
-                done = done[keep]
-            mask = torch.cat(
-                [mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1
-            )
             if refresh is not None:  # newer weights go on from the cache the old ones made
                 version = refresh()
             if route is not None:  # this step's rows, each through its own policy
                 route(torch.tensor([rows[k][0] for k in live.tolist()]))
-            logits = self.family.step(model, tok, mask, next_pos, cache)
+            logits = self.family.step(model, tok, mask[:, : width + t + 1], next_pos, cache)
             if routing is not None:  # the tokens fed in: response position t
                 response_experts[live.cpu(), t] = routing.take().cpu()
             next_pos = next_pos + 1
