@@ -141,6 +141,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a local model directory instead of --size")
     args = ap.parse_args()
     set_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per server otherwise
     print_machine(args.threads)
     path = args.model or build_model(args.size)
     print(f"model {path}; rank {args.rank}; {args.datums} datums per client step")

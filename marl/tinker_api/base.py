@@ -1,7 +1,9 @@
 """One loaded base model and the LoRA adapters of every client on it.
 
 Training clients are adapters with their own AdamW state; sampler snapshots are frozen
-adapters copied from a training adapter at ``save_weights_for_sampler``. Forward/backward
+adapters copied from a training adapter at ``save_weights_for_sampler``; samplers of the
+base model itself share one rank-1 adapter whose B is zero (created first, never freed, so
+the PEFT model always has an adapter while clients come and go). Forward/backward
 requests of several clients run as ONE pass (``marl.multi_lora.adapter_rows``: each row
 through its own adapter, each adapter's gradient from its own rows only); sample requests
 of several samplers run as one decode loop (``HFEngine.generate_mixed`` over the same
@@ -14,6 +16,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from polyrl.marl.tinker_api.wire import BadRequest, Datum, Sequence_
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
+BASE_ADAPTER = "base"  # rank 1, B zero: what samplers of the base model itself run through
 
 
 @dataclass
@@ -106,21 +110,27 @@ class BaseModel:
         self.seed = seed
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.vocab = self.model.get_input_embeddings().num_embeddings
+        head = self.model.get_output_embeddings()  # train_unembed's LoRA target
+        self.unembed = next(n for n, m in self.model.named_modules() if m is head)
 
     # --- adapters -------------------------------------------------------------------
     def add_adapter(self, adapter: str, rank: int, targets: list[str], seed: int | None) -> None:
         from peft import LoraConfig, get_peft_model
 
+        if self.peft is None:  # first the base's own adapter, never freed (module docstring)
+            zero = LoraConfig(r=1, lora_alpha=1.0, lora_dropout=0.0, target_modules=ATTN[:1])
+            self.peft = get_peft_model(self.model, zero, adapter_name=BASE_ADAPTER)
+            self.peft.eval()
+            for p in self.adapter_params(BASE_ADAPTER):
+                p.requires_grad_(False)
         cfg = LoraConfig(r=rank, lora_alpha=self.alpha, lora_dropout=0.0, target_modules=targets)
         fork = torch.random.fork_rng(devices=[]) if seed is not None else _null()
-        with fork:
+        with fork, warnings.catch_warnings():
+            # PEFT warns of a LoRA on a tied unembedding: it matters for merging, never done
+            warnings.filterwarnings("ignore", ".*tie_word_embeddings.*", UserWarning)
             if seed is not None:
                 torch.manual_seed(seed)
-            if self.peft is None:
-                self.peft = get_peft_model(self.model, cfg, adapter_name=adapter)
-                self.peft.eval()
-            else:
-                self.peft.add_adapter(adapter, cfg)
+            self.peft.add_adapter(adapter, cfg)
         for p in self.adapter_params(adapter):
             p.requires_grad_(False)
 
@@ -155,8 +165,12 @@ class BaseModel:
         self.load_adapter_state(snap, self.adapter_state(source))
 
     def remove_adapter(self, adapter: str) -> None:
-        self.peft.delete_adapter(adapter)
-        self.engines.pop(adapter, None)
+        """Free an adapter's weights (and its sampler engine); never the base's own."""
+        if adapter != BASE_ADAPTER:
+            with warnings.catch_warnings():  # "adapter X was active": none is, between passes
+                warnings.simplefilter("ignore", UserWarning)
+                self.peft.delete_adapter(adapter)
+            self.engines.pop(adapter, None)
 
     # --- passes ---------------------------------------------------------------------
     def forward_backward(self, jobs: list[FwdBwdJob], backward: bool) -> None:

@@ -32,3 +32,8 @@ class TinkerServeConfig(Options):
     ] = 2.0
     max_batch_rows: Annotated[int, "most datums of several clients merged into one pass"] = 256
     seed: Annotated[int, "sampling stream seed of requests that give none"] = 0
+    sampler_snapshots: Annotated[
+        int,
+        "snapshot samplers (save_weights_and_get_sampling_client) kept per training client; "
+        "older ones are freed, a request to one gets an error saying so (0: keep all)",
+    ] = 8

@@ -90,7 +90,9 @@ def make_app(service: Service) -> Starlette:
         )
 
     async def finish_session(request: Request) -> Response:
-        sessions.pop(request.path_params["session_id"], None)
+        session = request.path_params["session_id"]
+        sessions.pop(session, None)
+        await asyncio.to_thread(service.finish_session, session)
         return JSONResponse({})
 
     # --- training -------------------------------------------------------------------
@@ -175,13 +177,11 @@ def make_app(service: Service) -> Starlette:
             info = service.checkpoint_info(req.path)
 
             def create() -> dict:
-                lora = types.LoraConfig(
-                    rank=info["rank"],
-                    train_attn="q_proj" in info["targets"],
-                    train_mlp="gate_proj" in info["targets"],
-                )
                 mid = service.create_model(
-                    req.session_id, req.model_seq_id, req.base_model or info["base_model"], lora
+                    req.session_id,
+                    req.model_seq_id,
+                    req.base_model or info["base_model"],
+                    service.lora_of(info),
                 )
                 service.load(mid, req.path, req.optimizer)
                 return {"path": req.path, "model_id": mid, "type": "load_weights"}
@@ -207,7 +207,9 @@ def make_app(service: Service) -> Starlette:
                     "path": service.save(req.model_id, req.path, "sampler_weights", False),
                     "type": "save_weights_for_sampler",
                 }
-            sid = service.new_sampler(req.model_id, base, None)
+            session = req.model_id.split(":train:")[0]
+            inflight = req.kind == "inflight"
+            sid = service.new_sampler(req.model_id, base, None, session, inflight)
             return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
 
         return future(run, req.model_id)
@@ -222,13 +224,16 @@ def make_app(service: Service) -> Starlette:
         else:
             raise BadRequest("create_sampling_session: give model_path or base_model")
         service.base(base)  # a clear error for an unserved name, before any load
-        sid = await asyncio.to_thread(service.new_sampler, None, base, req.model_path)
+        sid = await asyncio.to_thread(
+            service.new_sampler, None, base, req.model_path, req.session_id
+        )
         return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def get_sampler(request: Request) -> Response:
-        s = service.samplers.get(request.path_params["sampler_id"])
-        if s is None:
-            return _bad(f"unknown sampler {request.path_params['sampler_id']!r}", 404)
+        try:
+            s = service.sampler(request.path_params["sampler_id"])
+        except BadRequest as e:
+            return _bad(str(e), 404)
         return JSONResponse(
             {"sampler_id": s.sampler_id, "base_model": s.base, "model_path": s.model_path}
         )
@@ -236,20 +241,18 @@ def make_app(service: Service) -> Starlette:
     async def asample(request: Request) -> Response:
         req = await parse(request, types.SampleRequest)
         if req.sampling_session_id is not None:
-            sampler = service.samplers.get(req.sampling_session_id)
-            if sampler is None:
-                raise BadRequest(f"unknown sampling_session_id {req.sampling_session_id!r}")
-        else:
-            sid = (
-                await asyncio.to_thread(
-                    service.new_sampler, None, req.base_model or "", req.model_path
-                )
-                if (req.base_model or req.model_path)
-                else None
-            )
-            if sid is None:
+            sampler = service.sampler(req.sampling_session_id)
+        else:  # a one-off sample: the checkpoint's shared adapter, or the base's own
+            if req.model_path is not None:
+                base_name = service.checkpoint_info(req.model_path)["base_model"]
+            elif req.base_model is not None:
+                base_name = req.base_model
+            else:
                 raise BadRequest("sample: give sampling_session_id, model_path or base_model")
-            sampler = service.samplers[sid]
+            sid = await asyncio.to_thread(
+                service.new_sampler, None, base_name, req.model_path, None
+            )
+            sampler = service.sampler(sid)
         unsupported = {
             "topk_prompt_logprobs": req.topk_prompt_logprobs,
             "topk_sample_logprobs": req.topk_sample_logprobs,

@@ -25,7 +25,15 @@ import torch
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
-from polyrl.marl.tinker_api.base import ATTN, MLP, BaseModel, FwdBwdJob, TrainingAdapter, atomic_dir
+from polyrl.marl.tinker_api.base import (
+    ATTN,
+    BASE_ADAPTER,
+    MLP,
+    BaseModel,
+    FwdBwdJob,
+    TrainingAdapter,
+    atomic_dir,
+)
 from polyrl.marl.tinker_api.config import TinkerServeConfig
 from polyrl.marl.tinker_api.losses import LOSSES
 from polyrl.marl.tinker_api.wire import BadRequest, FwdBwdRequest
@@ -57,6 +65,7 @@ class Sampler:
     base: str
     adapter: str
     model_path: str | None
+    session: str | None  # the session that made it: finishing that session frees it
 
 
 class Service:
@@ -75,6 +84,11 @@ class Service:
         self.client_base: dict[str, str] = {}
         self.client_targets: dict[str, list[str]] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.snapshots: dict[
+            str, deque[str]
+        ] = {}  # model id -> its snapshot samplers, oldest first
+        self.freed: dict[str, str] = {}  # sampler id -> why it is gone (the error a request gets)
+        self._by_path: dict[tuple, str] = {}  # (base, checkpoint file, mtime) -> its adapter
         self.futures: dict[str, Future] = {}
         self.root = Path(cfg.checkpoint_dir).expanduser()
         self._ids = itertools.count(1)
@@ -115,12 +129,16 @@ class Service:
         rank = 32 if lora is None else int(lora.rank)
         if rank <= 0:
             raise BadRequest(f"lora_config.rank must be positive, got {rank}")
+        base = self.base(base_name)
         targets = (ATTN if lora is None or lora.train_attn else []) + (
             MLP if lora is None or lora.train_mlp else []
         )
+        if lora is None or lora.train_unembed:
+            targets.append(base.unembed)
         if not targets:
-            raise BadRequest("lora_config trains neither attention nor MLP layers; enable one")
-        base = self.base(base_name)
+            raise BadRequest(
+                "lora_config trains neither attention, MLP nor unembedding layers; enable one"
+            )
         model_id = f"{session_id}:train:{seq}"
         adapter = f"c{next(self._ids)}"
         with self._lock:
@@ -216,13 +234,21 @@ class Service:
     def _fwdbwd(self, batch: list[Job], backward: bool) -> None:
         from polyrl.marl.tinker_api.wire import encode_fwdbwd
 
-        jobs = []
-        for job in batch:
+        jobs, live = [], []
+        for job in batch:  # a client freed (its session finished) while its request waited
             req: FwdBwdRequest = job.payload
-            jobs.append(FwdBwdJob(self.client(req.model_id), req.loss_fn, req.config, req.data))
+            try:
+                client = self.client(req.model_id)
+            except BadRequest as e:
+                job.future.error = (str(e), "user")
+                continue
+            jobs.append(FwdBwdJob(client, req.loss_fn, req.config, req.data))
+            live.append(job)
+        if not live:
+            return
         self.bases[batch[0].base].forward_backward(jobs, backward)
-        self.passes.append(len(batch))
-        for job, fj in zip(batch, jobs, strict=True):
+        self.passes.append(len(live))
+        for job, fj in zip(live, jobs, strict=True):
             job.future.result = ("proto", encode_fwdbwd(fj.outputs, fj.metrics))
 
     def _sample(self, batch: list[Job]) -> None:
@@ -230,10 +256,19 @@ class Service:
 
         base = self.bases[batch[0].base]
         params: SamplingParams = batch[0].payload[1]
-        calls = [(job.payload[0].adapter, job.payload[2], job.payload[3]) for job in batch]
+        live = []
+        for job in batch:  # a sampler freed while its request waited: that request fails
+            try:
+                self.sampler(job.payload[0].sampler_id)
+                live.append(job)
+            except BadRequest as e:
+                job.future.error = (str(e), "user")
+        if not live:
+            return
+        calls = [(job.payload[0].adapter, job.payload[2], job.payload[3]) for job in live]
         out = base.sample(calls, params)
-        self.passes.append(len(batch))
-        for job, seqs in zip(batch, out, strict=True):
+        self.passes.append(len(live))
+        for job, seqs in zip(live, out, strict=True):
             sampler, _, prompt, _, with_prompt = job.payload
             plp = base.prompt_logprobs(sampler.adapter, prompt) if with_prompt else None
             job.future.result = ("proto", encode_sample(seqs, plp))
@@ -339,24 +374,107 @@ class Service:
             "targets": state["targets"],
         }
 
-    def new_sampler(self, model_id: str | None, base_name: str, path: str | None) -> str:
-        """A frozen snapshot adapter: of a training client now, or of a saved checkpoint,
-        or (neither) the base model itself (an adapter whose LoRA B is zero)."""
+    @staticmethod
+    def lora_of(info: dict) -> Any:
+        """The client's ``LoraConfig`` that makes a checkpoint's adapter (its layers)."""
+        from tinker import types
+
+        targets = info["targets"]
+        return types.LoraConfig(
+            rank=info["rank"],
+            train_attn=ATTN[0] in targets,
+            train_mlp=MLP[0] in targets,
+            train_unembed=any(t not in ATTN + MLP for t in targets),
+        )
+
+    def new_sampler(
+        self,
+        model_id: str | None,
+        base_name: str,
+        path: str | None,
+        session: str | None,
+        inflight: bool = False,
+    ) -> str:
+        """A sampler: a frozen snapshot adapter of a training client now (each client keeps
+        its last ``sampler_snapshots``; older ones are freed), or with ``inflight`` the
+        client's one adapter that every inflight save overwrites (its samplers, old and
+        new, then sample the newest weights, as Tinker's inflight kind allows), or the
+        adapter of a saved checkpoint (one per checkpoint, shared by its samplers), or
+        (neither) the base model itself (the base's own adapter)."""
         base = self.base(base_name)
-        snap = f"s{next(self._ids)}"
         with self._lock:
-            if model_id is not None:
+            if model_id is not None and inflight:
                 c = self.client(model_id)
-                base.snapshot(c.adapter, snap, c.rank, self.client_targets[model_id])
+                adapter = f"i{c.adapter}"
+                if adapter not in base.peft.peft_config:
+                    base.snapshot(c.adapter, adapter, c.rank, self.client_targets[model_id])
+                else:
+                    base.load_adapter_state(adapter, base.adapter_state(c.adapter))
+            elif model_id is not None:
+                c = self.client(model_id)
+                adapter = f"s{next(self._ids)}"
+                base.snapshot(c.adapter, adapter, c.rank, self.client_targets[model_id])
             elif path is not None:
-                state = torch.load(self.resolve(path) / "state.pt", weights_only=False)
-                base.add_adapter(snap, state["rank"], state["targets"], seed=None)
-                base.load_adapter_state(snap, state["adapter"])
+                local = self.resolve(path) / "state.pt"
+                key = (base_name, str(local), local.stat().st_mtime_ns)
+                if key not in self._by_path:
+                    state = torch.load(local, weights_only=False)
+                    adapter = f"s{next(self._ids)}"
+                    base.add_adapter(adapter, state["rank"], state["targets"], seed=None)
+                    base.load_adapter_state(adapter, state["adapter"])
+                    self._by_path[key] = adapter
+                adapter = self._by_path[key]
             else:
-                base.add_adapter(snap, 1, ATTN, seed=None)  # PEFT starts B at zero: the base
-        sid = f"sampler-{uuid.uuid4().hex[:12]}"
-        self.samplers[sid] = Sampler(sid, base_name, snap, path)
+                adapter = BASE_ADAPTER
+            sid = f"sampler-{uuid.uuid4().hex[:12]}"
+            self.samplers[sid] = Sampler(sid, base_name, adapter, path, session)
+            if model_id is not None and not inflight:
+                kept = self.snapshots.setdefault(model_id, deque())
+                kept.append(sid)
+                keep = self.cfg.sampler_snapshots
+                while keep > 0 and len(kept) > keep:
+                    self.free_sampler(
+                        kept.popleft(),
+                        f"the service keeps each training client's last {keep} snapshot "
+                        "samplers (sampler_snapshots in its config) and this one is older; "
+                        "take a new one with save_weights_and_get_sampling_client",
+                    )
         return sid
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        """A live sampler, or a clear error saying why it is gone."""
+        s = self.samplers.get(sampler_id)
+        if s is None:
+            why = self.freed.get(sampler_id)
+            if why is None:
+                raise BadRequest(f"unknown sampler {sampler_id!r}")
+            raise BadRequest(f"sampler {sampler_id!r} was freed: {why}")
+        return s
+
+    def free_sampler(self, sampler_id: str, why: str) -> None:
+        """Forget a sampler; its adapter goes too when no other sampler shares it."""
+        with self._lock:
+            s = self.samplers.pop(sampler_id, None)
+            if s is None:
+                return
+            self.freed[sampler_id] = why
+            if any(o.adapter == s.adapter for o in self.samplers.values()):
+                return
+            self.bases[s.base].remove_adapter(s.adapter)
+            self._by_path = {k: a for k, a in self._by_path.items() if a != s.adapter}
+
+    def finish_session(self, session: str) -> None:
+        """A finished session's clients and samplers are unreachable: free their adapters
+        and Adam moments (checkpoints on disk stay)."""
+        with self._lock:
+            why = f"its session {session!r} finished"
+            for sid in [k for k, s in self.samplers.items() if s.session == session]:
+                self.free_sampler(sid, why)
+            for mid in [m for m in self.clients if m.startswith(f"{session}:")]:
+                client = self.clients.pop(mid)
+                self.bases[self.client_base.pop(mid)].remove_adapter(client.adapter)
+                self.client_targets.pop(mid, None)
+                self.snapshots.pop(mid, None)
 
     def sampling_params(self, sp: Any) -> SamplingParams:
         if sp.top_k not in (-1, 0):
