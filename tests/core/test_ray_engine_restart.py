@@ -17,11 +17,9 @@ from safetensors.torch import load_file
 from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import assert_same_tensors, metrics, metrics_by_step
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
 ARGS = [
     "distributed.backend=ray",
-    "train.steps=2",
+    "train.steps=2",  # (the first test sets its own)
     "eval.data.limit=8",
     f"reward.terms=[{LOW_DIGIT}]",  # rewards that differ within a group: the weights move
     "rollout.max_new_tokens=12",  # a generate long enough to be caught in flight
@@ -61,20 +59,17 @@ def _engine_pid() -> int | None:
 
 
 class EngineKiller(threading.Thread):
-    """SIGKILLs the engine actor's process while it runs a ``generate``, the first one
-    after the run has logged its first update (so the weights a fresh actor must be given
-    have moved): step 2's rollout."""
+    """SIGKILLs the engine actor's process while it runs its ``nth`` generate (the first
+    is the evaluation before step 1, then one per batch), so after an update: the weights
+    a fresh actor must be given have moved."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, nth: int) -> None:
         super().__init__(daemon=True)
-        self.metrics, self.done = run_dir / "metrics.jsonl", threading.Event()
+        self.nth, self.done = nth, threading.Event()
         self.killed: int | None = None
 
-    def _updated(self) -> bool:
-        return self.metrics.is_file() and '"main/loss"' in self.metrics.read_text()
-
     def run(self) -> None:
-        pid, armed = None, False
+        pid, seen, was = None, 0, False
         while not self.done.is_set():
             pid = pid or _engine_pid()
             title = _title(pid) if pid else b""
@@ -82,18 +77,20 @@ class EngineKiller(threading.Thread):
                 pid = None
                 time.sleep(0.05)
                 continue
-            armed = armed or self._updated()
-            if armed and title.startswith(b"ray::EngineWorker.generate"):
+            now = title.startswith(b"ray::EngineWorker.generate")
+            seen += now and not was
+            was = now
+            if now and seen == self.nth:
                 os.kill(pid, signal.SIGKILL)
                 self.killed = pid
                 return
             time.sleep(0.001)
 
 
-def _train_killing(cfg):
+def _train_killing(cfg, nth: int):
     from polyrl.core.loop import train
 
-    killer = EngineKiller(Path(cfg.run.dir))
+    killer = EngineKiller(nth)
     killer.start()
     try:
         return train(cfg), killer
@@ -106,19 +103,39 @@ def _exported(run) -> dict[str, torch.Tensor]:
     return load_file(run.path / "export" / "main" / "model.safetensors")
 
 
+def test_max_restarts_is_a_count():
+    from polyrl.core.config import ConfigError, from_dict
+    from polyrl.core.ray_backend import RayArgs
+
+    assert from_dict(RayArgs, {"max_restarts": 2}, "distributed.args").max_restarts == 2
+    with pytest.raises(ConfigError, match=r"distributed.args.max_restarts=-1 .*must be >= 0"):
+        from_dict(RayArgs, {"max_restarts": -1}, "distributed.args")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("staleness", "steps", "nth"),
+    [(0, 2, 3), (1, 3, 4)],  # sync: step 2's batch; async: batch 3, made with version 1
+    ids=["sync", "async"],
+)
 def test_an_engine_killed_mid_generate_is_restarted_and_the_run_is_unchanged(
-    ray_cluster, make_config, tiny_model_dir, tmp_path
+    ray_cluster, make_config, tiny_model_dir, tmp_path, staleness, steps, nth
 ):
     """The killed run restarts its engine once and ends bitwise equal (exported weights,
     every metric but wall-clock ones) to an uninterrupted run, whose weights moved."""
     from polyrl.core.loop import train
 
-    restarts = "distributed.args={workers_per_policy: 1, max_restarts: 2}"
-    ref = train(make_config(*ARGS, restarts, f"run.dir={tmp_path}/reference"))
-    run, killer = _train_killing(make_config(*ARGS, restarts, f"run.dir={tmp_path}/killed"))
+    args = [
+        *ARGS,
+        "distributed.args={workers_per_policy: 1, max_restarts: 2}",
+        f"rollout.max_staleness={staleness}",
+        f"train.steps={steps}",
+    ]
+    ref = train(make_config(*args, f"run.dir={tmp_path}/reference"))
+    run, killer = _train_killing(make_config(*args, f"run.dir={tmp_path}/killed"), nth)
     assert killer.killed is not None, "no generate was caught in flight"
     counts = [r["faults/engine_restarts"] for r in metrics(run.path) if "main/loss" in r]
-    assert counts == [0, 1]  # killed in step 2's rollout, after step 1's update
+    assert counts[-1] == 1 and counts == sorted(counts), counts  # once
     assert all(r["faults/engine_restarts"] == 0 for r in metrics(ref.path) if "main/loss" in r)
 
     def without_faults(run_dir: Path) -> dict[int, dict]:
@@ -135,6 +152,7 @@ def test_an_engine_killed_mid_generate_is_restarted_and_the_run_is_unchanged(
     assert len(moved) > len(start) // 2, moved  # what the fresh actor was given had moved
 
 
+@pytest.mark.slow
 def test_without_restarts_a_killed_engine_ends_the_run_naming_the_option(
     ray_cluster, make_config, tmp_path
 ):
@@ -145,7 +163,7 @@ def test_without_restarts_a_killed_engine_ends_the_run_naming_the_option(
     before = set(ray_cluster.util.placement_group_table())
     try:
         with pytest.raises(ActorError) as err:
-            _train_killing(make_config(*ARGS, "distributed.args={workers_per_policy: 1}"))
+            _train_killing(make_config(*ARGS, "distributed.args={workers_per_policy: 1}"), 3)
         first, why = str(err.value).splitlines()[0], str(err.value.__cause__)  # Ray's account
         assert first.startswith("engine for policy 'main' died during generate;"), why
         assert "distributed.args.max_restarts is 0" in first
