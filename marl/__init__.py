@@ -6,7 +6,8 @@ workflows (``signaling``, ``parallel``, ``chain``, ``debate``, ``aggregator`` an
 text-only solver), the ``magrpo`` credit assignment and the ``max_baseline`` advantage, the
 ``lora_agent`` policy kind (one LoRA adapter per agent on a shared base) with its
 ``vllm_lora`` engine (one vLLM serving every adapter), and the ``signaling`` and
-``vl_team_colour`` (issue 21's Demo B) tasks. A recipe
+``vl_team_colour`` (issue 21's Demo B) tasks, and ``paint_team``: an LLM writer, a
+diffusion painter (``team[name].paint``) and a VLM judge trained together. A recipe
 may add a centralized critic (``rollout.args.critic``, :mod:`polyrl.marl.critic`): a value
 head over the joint transcript that replaces group baselines with ``R - V(joint state)``.
 
@@ -35,6 +36,7 @@ from polyrl.marl import (
     credit,
     critic,
     lora,
+    paint_team,
     signaling,
     tinker_api,
     vl_team,
@@ -61,6 +63,7 @@ __all__ = [
     "credit",
     "critic",
     "lora",
+    "paint_team",
     "signaling",
     "tinker_api",
     "vl_team",

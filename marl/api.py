@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from polyrl.core.engine import Completion, SamplingParams
 from polyrl.core.paint import Painting
+from polyrl.core.segment import Tokens
 
 # ----------------------------------------------------------------------------- data
 
@@ -45,19 +46,43 @@ class Message:
 
     agent: str
     text: str
-    token_ids: list[int]
-    logprobs: list[float]
+    tokens: Tokens  # what the agent sampled, with every fact recorded (Completion.tokens)
     finish_reason: str
-    prompt_ids: list[int]
+    prompt: Tokens  # what its policy was given (Completion.prompt)
     prompt_text: str
     observation: str  # what the workflow passed to act() (the last user message)
     episode: Episode = field(repr=False)
     vision: Any = field(default=None, repr=False)  # the prompt's images joined; None: none
-    versions: list[int] | None = None  # weights version per token (rollout.partial)
-    experts: Any = field(default=None, repr=False)  # MoE: Completion.experts (prompt + ids)
+    painting: Any = field(default=None, repr=False)  # paint(): its core.paint.Painting
+    group: Any = None  # advantage group within (prompt, agent, turn); None: the joint's node
     turn: int = -1  # set by the first joint action it joins
     node: int = 0
     joints: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.ids
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
+
+    @property
+    def image(self) -> Any:
+        """A painting's pixels (``[3, H, W]`` in [0, 1]); None for a text message."""
+        return None if self.painting is None else self.painting.image
+
+    def to_pil(self) -> Any:
+        """The painting as a PIL image (what an agent that takes images is shown)."""
+        from PIL import Image
+
+        if self.painting is None:
+            raise ValueError(f"agent {self.agent!r}: this message is text, not a painting")
+        pixels = self.painting.image
+        if pixels.dim() == 4:  # a video: its first frame
+            pixels = pixels[:, 0]
+        arr = (pixels.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+        return Image.fromarray(arr)
 
 
 @dataclass(eq=False)
@@ -94,6 +119,7 @@ class AgentInfo:
     max_new_tokens: int | None = None
     temperature: float | None = None
     vision: Any = None  # the policy, when it takes image turns (TakesImageTurns); else None
+    paints: bool = False  # its engine serves image requests (core.paint.PaintsImages)
 
     def render(self, prompt: Any) -> tuple[str, str]:
         """(full prompt text, observation): the role prompt, then what the workflow passed."""
@@ -222,36 +248,87 @@ class AgentHandle:
         *,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
+        group: Any = None,
     ) -> Message | list[Message]:
         """Sample from this agent's policy. ``n=None``: one Message; ``n=k``: a list of k.
 
         ``prompt`` is the agent's observation (a user message: text, an image, or a list of
         strings and images) or a list of chat messages; the role prompt is put in front as
-        the system message. Images need a policy that takes image turns.
+        the system message. Images need a policy that takes image turns. ``group``: the
+        samples' advantage group within (prompt, agent, turn) (say, the painting a judge
+        looked at: its answers compete only with each other); None: the joint's node.
         """
         if n is not None and n < 1:
             raise ValueError(f"agent {self.name!r}: act(n={n}) must ask for at least one sample")
         text, observation, images = self.info.render_images(prompt)
         params = self._rt.params_for(self.info, 1 if n is None else n, max_new_tokens, temperature)
-        prompt_ids, completions, vision = await self._rt.act(self.info, text, images, params)
+        _, completions, vision = await self._rt.act(self.info, text, images, params)
         msgs = [
             self._ep._add(
                 Message(
                     self.name,
                     c.text,
-                    list(c.token_ids),
-                    list(c.logprobs),
+                    c.tokens,
                     c.finish_reason,
-                    prompt_ids,
+                    c.prompt,
                     text,
                     observation,
                     self._ep,
                     vision=vision,
-                    versions=c.versions,
-                    experts=c.experts,
+                    group=group,
                 )
             )
             for c in completions
+        ]
+        return msgs[0] if n is None else msgs
+
+    async def paint(
+        self,
+        prompt: str | Message,
+        n: int | None = None,
+        *,
+        seed: int | None = None,
+        group: Any = None,
+    ) -> Message | list[Message]:
+        """Images from this agent's painter (a policy whose engine paints: a diffusion
+        policy). ``prompt``: text, or another agent's message (its text). ``n=None``: one
+        Message, ``n=k``: a list of k, each holding its painting (``m.image``,
+        ``m.to_pil()``). ``seed``: the starting noise from this seed. The paintings of one
+        prompt form the painter's advantage group (per-prompt statistics, Flow-GRPO), unless
+        ``group`` names another key.
+        """
+        if not self.info.paints:
+            raise TypeError(
+                f"agent {self.name!r}: paint() needs a policy whose engine paints images; "
+                f"policy {self.info.policy!r} does not (give it kind: diffusion, engine "
+                "diffusion), or call act() for text"
+            )
+        if n is not None and n < 1:
+            raise ValueError(f"agent {self.name!r}: paint(n={n}) must ask for at least one image")
+        text = prompt.text if isinstance(prompt, Message) else prompt
+        if not isinstance(text, str):
+            raise TypeError(
+                f"agent {self.name!r}: paint() takes a text prompt or a message, not "
+                f"{type(prompt).__name__}"
+            )
+        text = text.strip()
+        paintings = await self._rt.paint(self.info, text, 1 if n is None else n, seed)
+        msgs = [
+            self._ep._add(
+                Message(
+                    self.name,
+                    p.prompt_text,
+                    Tokens.given([]),
+                    "stop" if not p.error else "error",
+                    Tokens.given([]),
+                    text,
+                    text,
+                    self._ep,
+                    painting=p,
+                    group=("prompt", text) if group is None else group,
+                )
+            )
+            for p in paintings
         ]
         return msgs[0] if n is None else msgs
 

@@ -23,6 +23,7 @@ from typing import Any
 from polyrl.core.batching import Batcher
 from polyrl.core.engine import Completion, Request, SamplingParams
 from polyrl.core.interfaces import Engine, splice_images, takes_images
+from polyrl.core.paint import ImageRequest, Painting
 from polyrl.marl.api import AgentInfo
 
 
@@ -84,6 +85,14 @@ class Runtime:
             ids, vision = self._images(agent, list(images), ids)
         request = Request(ids, vision=vision)
         return ids, await self.batcher.generate(agent.policy, request, params), vision
+
+    async def paint(self, agent: AgentInfo, text: str, n: int, seed: int | None) -> list[Painting]:
+        """``n`` paintings of ``text`` by the agent's painter: an image request of the
+        core's runtime, served with every image request of that policy in its flush
+        (evaluation rollouts, temperature 0, paint deterministically)."""
+        self.acts += 1
+        request = ImageRequest(text, n=n, seed=seed, deterministic=self.params.temperature == 0)
+        return await self.batcher.paint(agent.policy, request)
 
     async def drive(self, tasks: Sequence[asyncio.Task]) -> None:
         await self.batcher.drive(tasks)

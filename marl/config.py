@@ -39,6 +39,28 @@ JOINT_MODES = ("aligned", "cross")
 
 
 @dataclass
+class MemberLoss:
+    """An agent's own loss settings: each one set replaces the recipe's ``algorithm`` field
+    of that name in its policy's update (a diffusion painter: Flow-GRPO's clip range and
+    Gaussian KL; DiffusionNFT's loss); null: the recipe's."""
+
+    policy_loss: str | None = doc(None, "policy loss (algorithm.policy_loss)")
+    clip_ratio_low: float | None = doc(None, "algorithm.clip_ratio_low")
+    clip_ratio_high: float | None = doc(None, "algorithm.clip_ratio_high")
+    clip_ratio_c: float | None = doc(None, "algorithm.clip_ratio_c (.inf: no dual clip)")
+    kl_coef: float | None = doc(None, "algorithm.kl_coef")
+    kl_estimator: str | None = doc(
+        None, "algorithm.kl_estimator (gaussian_mean: a diffusion policy's own)"
+    )
+    loss_agg: str | None = doc(None, "algorithm.loss_agg")
+
+    def overrides(self) -> dict[str, Any]:
+        return {
+            f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None
+        }
+
+
+@dataclass
 class AgentSpec:
     """One agent: a name, the policy it acts with, its role prompt, whether it trains."""
 
@@ -62,6 +84,9 @@ class AgentSpec:
     )
     max_new_tokens: int | None = doc(None, "response limit of this agent (default: rollout's)")
     temperature: float | None = doc(None, "sampling temperature of this agent (default: rollout's)")
+    loss: MemberLoss = doc_factory(
+        MemberLoss, "its policy's own loss settings (null fields: the recipe's algorithm)"
+    )
 
 
 @dataclass

@@ -13,6 +13,7 @@ builds the record (:mod:`polyrl.marl.record`), fits the optional critic after cr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -23,10 +24,11 @@ from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
 from polyrl.core.engine import SamplingParams
-from polyrl.core.interfaces import Phase, TakesImageTurns
+from polyrl.core.interfaces import Phase, TakesImageTurns, takes_images
 from polyrl.core.options import bind
+from polyrl.core.paint import paints_images
 from polyrl.core.record import strings
-from polyrl.core.registry import WORKFLOWS, nearest
+from polyrl.core.registry import ENGINES, KL_ESTIMATORS, POLICY_LOSSES, WORKFLOWS, nearest
 from polyrl.core.workflow import run_sync
 from polyrl.marl.api import AgentHandle, AgentInfo, Episode, Team
 from polyrl.marl.batching import Runtime
@@ -40,14 +42,13 @@ from polyrl.marl.config import (
 )
 from polyrl.marl.critic import CentralCritic
 from polyrl.marl.record import JOINT_POLICY, RESERVED_POLICY_NAMES, build_record
+from polyrl.marl.sheets import write_sheet
 
 __all__ = ["JOINT_POLICY", "MarlWorkflow", "WorkflowSpec", "workflow"]
 
 
 class MarlWorkflow:
     """A multi-agent workflow bound to a run: ``rollout(items, params) -> record``."""
-
-    token_versions = True  # interfaces.RecordsTokenVersions: rollout.partial
 
     def __init__(self, spec: WorkflowSpec, ctx: Any, options: MarlOptions) -> None:
         self.spec, self.ctx, self.options = spec, ctx, options
@@ -77,7 +78,9 @@ class MarlWorkflow:
                 a.max_new_tokens,
                 a.temperature,
                 policy if isinstance(policy := ctx.policies[a.policy], TakesImageTurns) else None,
+                paints_images(ctx.engines[a.policy]),
             )
+        self.losses = {a.policy: a.loss.overrides() for a in agents if a.loss.overrides()}
         # the function's own keyword arguments: the options beyond the marl fields
         self.kwargs = {p: getattr(options, p) for p in spec.params}
         self.tree = bool(getattr(options, "tree", False))
@@ -86,9 +89,16 @@ class MarlWorkflow:
         self.critic = CentralCritic(options.critic) if options.critic.model else None
         self._fit_gen = torch.Generator().manual_seed(int(getattr(cfg, "seed", 0) or 0))
         self._rollouts = 0  # names each rollout's joined images apart
+        self._sheets = 0  # contact sheets written (evaluations of a team that paints)
+        self.last_episodes: list[Episode] = []
 
     def rollout(self, items: list, params: SamplingParams, phase: Phase = "train") -> TensorDict:
-        return run_sync(self.arollout(items, params))
+        record = run_sync(self.arollout(items, params))
+        run_dir = getattr(self.ctx, "run_dir", None)
+        if phase == "eval" and self.spec.painters and run_dir is not None:
+            self._sheets += 1  # what each member saw and did: marl/sheets.py
+            write_sheet(run_dir, self.last_episodes, self._sheets)
+        return record
 
     async def arollout(self, items: list, params: SamplingParams) -> TensorDict:
         t0 = time.perf_counter()
@@ -109,6 +119,7 @@ class MarlWorkflow:
         ]
         tasks = [asyncio.ensure_future(self._play(ep, runtime)) for ep in episodes]
         await runtime.drive(tasks)
+        self.last_episodes = episodes
         stats = {
             "marl/episodes": float(len(episodes)),
             "marl/episode_errors": float(sum(bool(ep.error) for ep in episodes)),
@@ -119,6 +130,11 @@ class MarlWorkflow:
             "marl/rollout_s": time.perf_counter() - t0,
         }
         stats |= {f"marl/generate_calls/{p}": float(c) for p, c in runtime.calls.items()}
+        painted = [m.painting for ep in episodes for m in ep.messages if m.painting is not None]
+        if painted:  # text-encoder cuts: counted, never silent
+            stats["marl/paintings"] = float(len(painted))
+            stats["marl/paint_prompts_cut"] = float(sum(p.cut_tokens > 0 for p in painted))
+            stats["marl/paint_errors"] = float(sum(bool(p.error) for p in painted))
         self.last_stats = stats
         record = build_record(episodes, self.agents, ids, critic=self.critic is not None)
         if self.critic is not None:
@@ -129,6 +145,12 @@ class MarlWorkflow:
                 baseline[rows] = self.critic.values([metas[i]["critic_state"] for i in rows])
             record["baseline"] = baseline
         return record
+
+    def member_algorithm(self, name: str, algo: Any) -> Any:
+        """Policy ``name``'s loss settings: the recipe's ``algorithm`` with its agents'
+        ``loss`` fields in place (core.paint.MemberAlgorithm)."""
+        own = self.losses.get(name)
+        return dataclasses.replace(algo, **own) if own else algo
 
     def rollout_metrics(self) -> dict[str, float]:
         """What the last rollout cost: episodes and their errors, generate rounds and calls
@@ -194,8 +216,6 @@ class WorkflowSpec:
     go to the function as keyword arguments.
     """
 
-    token_versions = True  # the workflows it builds record token versions
-
     def __init__(
         self,
         fn: Callable,
@@ -204,8 +224,11 @@ class WorkflowSpec:
         joints: tuple[str, ...],
         min_agents: int,
         multi_turn: bool,
+        painters: tuple[str, ...] = (),
+        lookers: tuple[str, ...] = (),
     ) -> None:
         self.fn, self.name, self.roles = fn, name, roles
+        self.painters, self.lookers = painters, lookers
         self.joints, self.min_agents, self.multi_turn = joints, min_agents, multi_turn
         self.params = tuple(p.name for p in function_params(name, fn))
         self.options = workflow_options(name, fn, joints, multi_turn)
@@ -233,13 +256,14 @@ class WorkflowSpec:
                 f"{hint or MARL_CREDITS[0]!r} (one of {', '.join(MARL_CREDITS)})."
             )
         opts = cfg.rollout.args
-        resolve_agents(
+        agents = resolve_agents(
             opts.agents,
             workflow=self.name,
             roles=self.roles,
             policies=cfg.policies,
             min_agents=self.min_agents,
         )
+        self._check_kinds(cfg, agents)
         check_critic(opts.critic)
         credit = cfg.algorithm.credit_args
         if opts.critic.model and (credit.counterfactual or credit.shaping_alpha):
@@ -256,6 +280,51 @@ class WorkflowSpec:
                 f"{opts.joint!r}"
             )
 
+    def _check_kinds(self, cfg: Any, agents: list) -> None:
+        """Each agent's policy takes what the workflow sends it, checked from the engine
+        classes the recipe names (before any model loads): a painter's engine paints
+        images, a looker's takes images, a text agent's engine does not paint; and each
+        agent's own loss settings name registered parts, one set per policy."""
+        losses: dict[str, dict] = {}
+        for a in agents:
+            pcfg = cfg.policies[a.policy]
+            engine = ENGINES.get(pcfg.engine.name) if pcfg.engine.name in ENGINES else None
+            paints = engine is not None and paints_images(engine)
+            where = f"rollout.args.agents: agent {a.name!r} (policy {a.policy!r}, kind " + (
+                f"{pcfg.kind!r}, engine {pcfg.engine.name!r})"
+            )
+            if a.name in self.painters and not paints:
+                raise ConfigError(
+                    f"{where}: workflow {self.name!r} asks it to paint images, which its "
+                    "engine cannot; give it a diffusion policy (kind: diffusion, engine.name: "
+                    "diffusion)"
+                )
+            if a.name not in self.painters and paints:
+                raise ConfigError(
+                    f"{where}: its policy paints images, but workflow {self.name!r} sends it "
+                    f"text to answer; painters of this workflow: {list(self.painters) or 'none'}"
+                )
+            if a.name in self.lookers and not takes_images(engine):
+                raise ConfigError(
+                    f"{where}: workflow {self.name!r} shows it images, which its engine does "
+                    "not take; give it a vision-language policy (kind: qwen_vl, engine.name: "
+                    "hf_vl)"
+                )
+            own = a.loss.overrides()
+            if "policy_loss" in own and own["policy_loss"] not in POLICY_LOSSES:
+                raise ConfigError(
+                    f"{where}: loss.policy_loss={own['policy_loss']!r} is not a policy loss"
+                )
+            if "kl_estimator" in own and own["kl_estimator"] not in KL_ESTIMATORS:
+                raise ConfigError(
+                    f"{where}: loss.kl_estimator={own['kl_estimator']!r} is not a KL estimator"
+                )
+            if own and losses.setdefault(a.policy, own) != own:
+                raise ConfigError(
+                    f"{where}: agents on policy {a.policy!r} give it different loss settings "
+                    f"({losses[a.policy]} and {own}); one policy trains with one loss"
+                )
+
 
 def workflow(
     name: str | None = None,
@@ -264,6 +333,8 @@ def workflow(
     joints: Sequence[str] = ("aligned",),
     min_agents: int = 1,
     multi_turn: bool = False,
+    painters: Sequence[str] = (),
+    lookers: Sequence[str] = (),
 ) -> Callable[[Callable], WorkflowSpec]:
     """Turn ``async def fn(ep, team, **options)`` into a workflow registered as ``name``
     (default: the function's name).
@@ -274,7 +345,10 @@ def workflow(
     accepts exactly these. ``multi_turn``: it chains joint actions over turns
     (``ep.joint(parent=...)``), which adds the ``rollout.args.tree`` option. The function's
     keyword parameters after ``(ep, team)`` are its other options; annotate each as
-    ``Annotated[T, "doc"]`` so ``polyrl config`` documents it.
+    ``Annotated[T, "doc"]`` so ``polyrl config`` documents it. ``painters``: the agents
+    it calls ``paint()`` on (their engines must paint images, and no other agent's may);
+    ``lookers``: the agents it shows images (their engines must take images). Both are
+    checked when the recipe loads.
     """
     roles = (
         dict(agents)
@@ -289,7 +363,14 @@ def workflow(
         if not asyncio.iscoroutinefunction(fn):
             raise TypeError(f"workflow {fn.__name__!r} must be an async function (ep, team)")
         spec = WorkflowSpec(
-            fn, name or fn.__name__, roles, tuple(joints), min_agents, bool(multi_turn)
+            fn,
+            name or fn.__name__,
+            roles,
+            tuple(joints),
+            min_agents,
+            bool(multi_turn),
+            tuple(painters),
+            tuple(lookers),
         )
         WORKFLOWS.register(spec.name, spec, options=spec.options)
         return spec

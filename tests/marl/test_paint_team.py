@@ -1,0 +1,374 @@
+"""A team of three model kinds (issue 40): an LLM writer, a diffusion painter, a VLM judge.
+
+- each member's update on the team's record equals its plugin's own update on the same
+  rows (losses and the gradients the optimizer steps with): the painter against the
+  ``text_to_image`` record of the same trajectories, the writer and the judge against
+  their rows alone;
+- recipes that send a member what its policy cannot take fail at load, naming the agent;
+- the demo (``examples/paint_team.yaml``) learns jointly and beats a frozen painter and a
+  frozen writer on held-out success.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers.trainer import grads_at_step, make_policy, sampled_record
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "paint_team.yaml"
+PROMPTS = ("a red blob", "green")
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory) -> str:
+    from polyrl.diffusion.tiny import tiny_sd3
+
+    path = tmp_path_factory.mktemp("models") / "tiny-sd3"
+    tiny_sd3(path, image_size=16, vae_patch=2, layers=1, heads=2, head_dim=16, seed=0)
+    return str(path)
+
+
+def painter(sd3_dir: str):
+    """A LoRA painter and its engine, built the same way each call (same LoRA init)."""
+    import polyrl.diffusion  # noqa: F401
+    from polyrl.core.config import from_dict
+    from polyrl.core.policy import PolicyConfig
+    from polyrl.diffusion.engine import DiffusionEngine, sampling_options
+    from polyrl.diffusion.policy import DiffusionPolicy
+
+    args = {
+        "height": 16,
+        "width": 16,
+        "steps": 4,
+        "guidance_scale": 1.0,
+        "train_steps": {"mode": "window", "window_start": 0, "window_size": 2},
+    }
+    cfg = from_dict(
+        PolicyConfig,
+        {
+            "kind": "diffusion",
+            "model": sd3_dir,
+            "lora": {"r": 4, "alpha": 8},
+            "args": {"max_sequence_length": 1},
+            "optim": {"lr": 1e-3},
+            "engine": {"name": "diffusion", "args": args},
+        },
+    )
+    torch.manual_seed(0)
+    policy = DiffusionPolicy("painter", cfg, total_steps=10, need_reference=False, device="cpu")
+    return policy, DiffusionEngine(policy, seed=0, **sampling_options(cfg))
+
+
+def team_record(paintings_by_prompt, writer_rows=None):
+    """The marl record of one episode per prompt: a writer message (the prompt) and the
+    painter's paintings of it, one joint action per painting."""
+    from polyrl.core.segment import Tokens
+    from polyrl.marl.api import AgentInfo, Episode, Message
+    from polyrl.marl.record import build_record
+
+    ids = iter(range(1, 10_000))
+    agents = {
+        "writer": AgentInfo("writer", 0, "writer", "", True, None),
+        "painter": AgentInfo("painter", 1, "painter", "", True, None, paints=True),
+    }
+    episodes = []
+    for k, (prompt, pics) in enumerate(paintings_by_prompt):
+        item = SimpleNamespace(uid=k, row={"prompt": "Goal"}, answer="red", prompt_text="Goal")
+        ep = Episode(k, item, group_size=1, mode="aligned", tree=False, prompt_field="p", ids=ids)
+        said = ep._add(
+            Message(
+                "writer", prompt, Tokens.sampled([5, 6], [-0.1, -0.2]), "stop",
+                Tokens.given([1, 2, 3]), "Goal", "Goal", ep,
+            )
+        )  # fmt: skip
+        for pic in pics:
+            m = ep._add(
+                Message(
+                    "painter", prompt, Tokens.given([]), "stop", Tokens.given([]), prompt,
+                    prompt, ep, painting=pic, group=("prompt", prompt),
+                )
+            )  # fmt: skip
+            ep.joint([said, m], final=prompt)
+        episodes.append(ep)
+    return build_record(episodes, agents, ids)
+
+
+def test_painter_update_on_team_rows_equals_text_to_image_update(sd3_dir, one_thread):
+    """Same trajectories (seeded), same advantages: the update from the team record's
+    painter rows (merged with text and joint rows, then selected) and from the
+    ``text_to_image`` record give the same loss and the same gradients."""
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.paint import ImageRequest, merge_records
+    from polyrl.core.record import select_policy
+    from polyrl.core.trainer import update
+    from polyrl.diffusion.workflow import diffusion_record
+
+    policy, engine = painter(sd3_dir)
+    got = engine.paint([ImageRequest(p, n=3, seed=10 + i) for i, p in enumerate(PROMPTS)])
+    alone = []
+    for i, p in enumerate(PROMPTS):  # the plugin's own record of the same samples
+        traj = engine.sample([p], n=3, generator=torch.Generator().manual_seed(10 + i))
+        alone.append(diffusion_record(traj, policy="painter", uid=[i] * 3, prompt_text=[p] * 3,
+                                      meta=[{}] * 3))  # fmt: skip
+    alone_rec = merge_records(alone)
+    team = team_record(list(zip(PROMPTS, got, strict=True)))
+    rows = select_policy(team, "painter")
+    assert torch.equal(rows["latents"], alone_rec["latents"])
+    assert torch.equal(rows["rollout_logprobs"], alone_rec["rollout_logprobs"])
+    adv = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.3, -1.0])
+    algo = AlgorithmConfig(clip_ratio_low=1e-4, clip_ratio_high=1e-4)
+    results = []
+    for batch in (rows, alone_rec):
+        batch = batch.clone()
+        batch["advantages"] = adv[:, None] * batch["loss_mask"].float()
+        batch["valid"] = torch.ones(6, dtype=torch.bool)
+        fresh, _ = painter(sd3_dir)
+        seen = grads_at_step(fresh)
+        out = update(fresh, batch, algo, generator=torch.Generator().manual_seed(0))
+        results.append((out, seen[0]))
+    (m_team, g_team), (m_alone, g_alone) = results
+    assert m_team["loss"] == pytest.approx(m_alone["loss"], rel=1e-5, abs=1e-7)
+    assert any(float(g.abs().sum()) > 0 for g in g_team)  # the test can fail
+    for a, b in zip(g_team, g_alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_long_prompts_are_cut_and_counted(sd3_dir, one_thread):
+    """The tiny text encoders take 8 tokens (start and end included): a longer prompt is
+    cut, and its paintings say by how many tokens; a short one is not."""
+    from polyrl.core.paint import ImageRequest
+
+    _, engine = painter(sd3_dir)
+    long = "a red blob a red blob a blue circle green"
+    ids = engine.policy.tokenizer(long, truncation=False)["input_ids"]
+    assert engine.prompt_limit() == 8 and len(ids) > 8
+    got = engine.paint([ImageRequest(long, n=2), ImageRequest("red", n=1)])
+    assert [p.cut_tokens for p in got[0]] == [len(ids) - 8] * 2
+    assert got[1][0].cut_tokens == 0 and got[1][0].image.shape == (3, 16, 16)
+
+
+def test_text_member_update_on_team_rows_equals_its_own(tiny_model_dir, one_thread):
+    """A text member's (writer's or judge's) rows in a record with trajectory rows update
+    exactly as the same rows alone."""
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.paint import merge_records
+    from polyrl.core.record import select_policy
+    from polyrl.core.trainer import update
+
+    own = sampled_record(make_policy(tiny_model_dir, name="writer"), name="writer")
+    trajectories = _fake_trajectory_rows(4)
+    rows = select_policy(merge_records([own, trajectories]), "writer")
+    results = []
+    for batch in (rows, own):
+        torch.manual_seed(0)
+        policy = make_policy(tiny_model_dir, name="writer")
+        seen = grads_at_step(policy)
+        out = update(policy, batch.clone(), AlgorithmConfig(), generator=torch.Generator())
+        results.append((out, seen[0]))
+    (m_team, g_team), (m_alone, g_alone) = results
+    assert m_team["loss"] == pytest.approx(m_alone["loss"], rel=1e-5, abs=1e-7)
+    assert any(float(g.abs().sum()) > 0 for g in g_team)
+    for a, b in zip(g_team, g_alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _fake_trajectory_rows(b: int):
+    from tensordict import TensorDict
+
+    from polyrl.core.record import set_strings
+
+    td = TensorDict(
+        {
+            "latents": torch.randn((b, 5, 12, 8, 8)),
+            "rollout_logprobs": torch.randn((b, 4)),
+            "loss_mask": torch.ones((b, 4), dtype=torch.long),
+            "response_mask": torch.ones((b, 4), dtype=torch.long),
+            "advantages": torch.ones((b, 4)),
+            "uid": torch.arange(b),
+            "agent_id": torch.ones(b, dtype=torch.long),
+            "turn": torch.zeros(b, dtype=torch.long),
+            "node": torch.zeros(b, dtype=torch.long),
+            "reward": torch.ones(b),
+            "valid": torch.ones(b, dtype=torch.bool),
+            "truncated": torch.zeros(b, dtype=torch.bool),
+        },
+        batch_size=[b],
+    )
+    for key, value in (("policy", "painter"), ("prompt_text", "red"), ("error", "")):
+        set_strings(td, key, [value] * b)
+    set_strings(td, "sampler", ["flow_sde"] * b)
+    set_strings(td, "response_text", ["<image>"] * b)
+    set_strings(td, "meta", [{}] * b)
+    return td
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def _recipe(tmp_path, edit) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    edit(doc)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _agents(doc) -> dict:
+    return {a["name"]: a for a in doc["rollout"]["args"]["agents"]}
+
+
+BAD = {
+    "painter on a text policy": (
+        lambda d: _agents(d)["painter"].update(policy="writer"),
+        "agent 'painter' .* asks it to paint images",
+    ),
+    "writer on the painter's policy": (
+        lambda d: _agents(d)["writer"].update(policy="painter"),
+        "agent 'writer' .* its policy paints images",
+    ),
+    "judge without a vision model": (
+        lambda d: d["policies"]["judge"].update(kind="causal_lm", engine={"name": "hf"}),
+        "agent 'judge' .* shows it images, which its engine does not take",
+    ),
+    "an unknown loss": (
+        lambda d: _agents(d)["painter"]["loss"].update(policy_loss="ppo_clipp"),
+        "loss.policy_loss='ppo_clipp' is not a policy loss",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_recipes_fail_at_load(case, tmp_path):
+    """Loading the recipe (no model built) names the agent, the policy and the fix."""
+    import polyrl.diffusion  # noqa: F401
+    import polyrl.marl  # noqa: F401
+    import polyrl.multimodal  # noqa: F401
+    from polyrl.core.config import ConfigError, load
+    from polyrl.core.recipe import Config
+
+    edit, message = BAD[case]
+    with pytest.raises(ConfigError, match=message):
+        load(Config, _recipe(tmp_path, edit), [f"run.dir={tmp_path}/run"])
+
+
+def test_member_loss_reaches_only_its_policy(tmp_path):
+    """The painter's own clip range is what its update gets; the writer keeps the recipe's."""
+    import polyrl.diffusion  # noqa: F401
+    import polyrl.marl  # noqa: F401
+    import polyrl.multimodal  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.recipe import Config
+    from polyrl.core.registry import WORKFLOWS
+    from polyrl.marl.config import resolve_agents
+
+    cfg = load(Config, EXAMPLE, [f"run.dir={tmp_path}/run"])
+    spec = WORKFLOWS.get("paint_team")
+    agents = resolve_agents(
+        cfg.rollout.args.agents, workflow="paint_team", roles=spec.roles,
+        policies=cfg.policies, min_agents=1,
+    )  # fmt: skip
+    wf = SimpleNamespace(
+        losses={a.policy: a.loss.overrides() for a in agents if a.loss.overrides()}
+    )
+    from polyrl.marl.runtime import MarlWorkflow
+
+    painter_algo = MarlWorkflow.member_algorithm(wf, "painter", cfg.algorithm)
+    writer_algo = MarlWorkflow.member_algorithm(wf, "writer", cfg.algorithm)
+    assert (painter_algo.clip_ratio_low, painter_algo.clip_ratio_high) == (1e-4, 1e-4)
+    assert writer_algo is cfg.algorithm and writer_algo.clip_ratio_low == 0.2
+
+
+# ------------------------------------------------------------------------- the demo
+
+
+def test_warm_start_rows_are_format_only(tmp_path):
+    """The writer's rows name a uniformly random colour whatever its goal; the judge's
+    prompts hold no picture: neither warm start can solve the task."""
+    from collections import Counter
+
+    from polyrl.marl import paint_team
+
+    train, held = paint_team.write_dataset(tmp_path, seed=0, n_train=800, per_colour_eval=2)
+    rows = [json.loads(x) for x in train.read_text().splitlines()]
+    held_rows = [json.loads(x) for x in held.read_text().splitlines()]
+    assert [r["answer"] for r in held_rows] == [c for c in paint_team.COLOURS for _ in (0, 1)]
+    assert all(r["prompt"] == f"Goal: {r['answer']}" for r in held_rows)
+    sft = paint_team.sft_rows(rows)
+    writer = [r for r in sft if r["prompt"][0]["content"] == paint_team.WRITER_ROLE]
+    judge = [r for r in sft if r["prompt"][0]["content"] == paint_team.JUDGE_ROLE]
+    assert len(writer) == len(judge) == len(rows)
+    hits = sum(r["response"] in r["prompt"][1]["content"] for r in writer) / len(writer)
+    assert hits == pytest.approx(1 / len(paint_team.COLOURS), abs=0.05)  # chance
+    assert {r["prompt"][1]["content"] for r in judge} == {paint_team.QUESTION}
+    said = Counter(r["response"] for r in judge)
+    assert set(said) == set(paint_team.COLOURS)
+
+
+def _train(run_dir: Path, seed: int, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "polyrl.core.cli", "train", str(EXAMPLE), f"seed={seed}",
+           f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false",
+           "run.export=false", *overrides]  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _held_out(run_dir: Path) -> float:
+    """Held-out success (colour_accuracy, greedy writer, ODE painter): the mean of the last
+    two evaluations."""
+    evals = [
+        json.loads(x)["eval/accuracy"]
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "eval/accuracy" in json.loads(x)
+    ]
+    return sum(evals[-2:]) / len(evals[-2:])
+
+
+def _compare(tmp_path: Path, seed: int) -> dict[str, float]:
+    """Joint training, a frozen painter, a frozen writer: held-out success of each."""
+    runs = {
+        "joint": (),
+        "frozen_painter": ("policies.painter.train=false",),
+        "frozen_writer": ("policies.writer.train=false",),
+    }
+    got = {}
+    for name, extra in runs.items():  # one at a time: the machine has 2 cores
+        proc = _train(tmp_path / name, seed, f"task.dir={tmp_path}/data", *extra)
+        out, _ = proc.communicate(timeout=3600)
+        assert proc.returncode == 0, out[-3000:]
+        got[name] = _held_out(tmp_path / name)
+    print(f"seed {seed}: {got}")
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_joint_training_beats_both_frozen_baselines(tmp_path):
+    """One seed of ``examples/paint_team.yaml`` three ways. The bar (joint above each
+    frozen baseline by 0.1) is not yet calibrated across PyTorch's CPU kernel sets: the
+    machine it was written on was too loaded to run the demo to its end (see
+    marl/README.md, "Demo C")."""
+    got = _compare(tmp_path, seed=0)
+    assert got["joint"] >= got["frozen_painter"] + 0.1
+    assert got["joint"] >= got["frozen_writer"] + 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+@pytest.mark.seeds
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_joint_training_beats_both_frozen_baselines_seeds(tmp_path, seed):
+    """Seeds 1-3 of the comparison above (seed 0 runs in CI)."""
+    got = _compare(tmp_path, seed)
+    assert got["joint"] >= got["frozen_painter"] + 0.1
+    assert got["joint"] >= got["frozen_writer"] + 0.1
