@@ -164,9 +164,9 @@ def test_rl_loop_reward_rises(base_dir, tmp_path):
     for each of four prompts whose answer is 7, reward the share of "7" tokens, advantage
     reward minus its group's mean, forward_backward(importance_sampling), optim_step.
     The client's default LoRA trains the unembedding too (train_unembed), without which a
-    tiny base caps the logits. Measured, mean reward of the first 3 / last 3 steps: this
-    seed 0.01 / 0.93 under ATEN_CPU_CAPABILITY default and avx2 alike; seeds 1-3 (sampling
-    seeds shifted, default) 0.00-0.02 / 0.48-1.00. Bars 0.1 / 0.3."""
+    tiny base caps the logits. Measured, mean reward of the first 3 / last 3 steps, under
+    ATEN_CPU_CAPABILITY default and avx2 (the same curves): this seed 0.01 / 0.93; seeds
+    1-3 (service, LoRA and sampling seeds shifted) 0.00-0.02 / 0.48-1.00. Bars 0.1 / 0.3."""
     with tinker_service(base_dir, tmp_path) as (sc, _):
         tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
         tok = tc.get_tokenizer()
