@@ -17,14 +17,14 @@ LINE = 12  # pixels per text line
 
 
 def sheet_lines(episodes: list, limit: int = 32) -> list[dict]:
-    """(task, before, image, after) of the first ``limit`` joint actions holding a
-    painting."""
+    """(task, before, image, after) of at most ``limit`` joint actions holding a painting,
+    as many from each episode (the first ones), so every goal shows."""
     out = []
+    each = max(1, limit // max(1, len(episodes)))
     for ep in episodes:
-        for j in ep.joints:
+        mine = [j for j in ep.joints if any(m.painting is not None for m in j.messages)]
+        for j in mine[:each]:
             pics = [m for m in j.messages if m.painting is not None]
-            if not pics:
-                continue
             at = j.messages.index(pics[0])
             out.append(
                 {
