@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -372,3 +373,50 @@ def test_joint_training_beats_both_frozen_baselines_seeds(tmp_path, seed):
     got = _compare(tmp_path, seed)
     assert got["joint"] >= got["frozen_painter"] + 0.1
     assert got["joint"] >= got["frozen_writer"] + 0.1
+
+
+@pytest.mark.slow
+def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
+    """``rollout.max_staleness: 1`` with the three kinds (tiny, untrained painter): every
+    row, the painter's trajectories included, is at most one version old, none is dropped,
+    and each member updates from its own rows."""
+    import polyrl.diffusion  # noqa: F401
+    import polyrl.marl  # noqa: F401
+    import polyrl.multimodal  # noqa: F401
+    from polyrl.core.config import load
+    from polyrl.core.loop import train
+    from polyrl.core.recipe import Config
+
+    models = tmp_path / "models"
+    cfg = load(
+        Config,
+        EXAMPLE,
+        [
+            f"run.dir={tmp_path}/run",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            f"task.dir={tmp_path}/data",
+            "task.args={n_train: 32, per_colour_eval: 1}",
+            f"policies.painter.model={models}/sd3",
+            "policies.painter.build_args.pretrain_steps=0",
+            f"policies.writer.model={models}/writer",
+            f"policies.judge.model={models}/judge",
+            "sft.steps=2",
+            "rollout.prompts_per_step=2",
+            "rollout.args.images=2",
+            "rollout.max_staleness=1",
+            "train.steps=3",
+            "eval.every=0",
+        ],
+    )
+    run = train(cfg)
+    steps = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "async/staleness_max" in m]
+    assert len(steps) == 3
+    assert max(m["async/staleness_max"] for m in steps) == 1  # one ahead, never more
+    assert sum(m["async/dropped_groups"] for m in steps) == 0
+    for m in steps:
+        assert m["marl/paintings"] == 2 * 4 * 2  # prompts x rollout.n x images
+        for name in ("writer", "painter", "judge"):
+            assert math.isfinite(m[f"{name}/loss"]) and m[f"{name}/grad_norm"] > 0, name
