@@ -26,7 +26,7 @@ from polyrl.agents.gateway.tokens import logprob_entries
 class ChatAPI:
     """OpenAI Chat Completions as the gateway's :class:`~polyrl.agents.gateway.api.WireAPI`."""
 
-    paths = ("/chat/completions",)
+    paths: tuple[str, ...] = ("/chat/completions",)
 
     def parse(self, body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
         return parse_request(body, ctx.models, ctx.defaults, ctx.limits)

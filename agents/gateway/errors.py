@@ -5,18 +5,25 @@ Every gateway module raises it, so it sits below them all.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RequestError(Exception):
     """An OpenAI-style error answer: HTTP status, message, type and code."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, param=None, kind=None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.kind = kind  # the OpenAI error type when not the status's (a 429's "requests")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         kind = self.kind or {401: "authentication_error", 404: "invalid_request_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )

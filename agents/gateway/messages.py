@@ -262,7 +262,7 @@ class MessagesAPI:
     """Anthropic Messages as the gateway's :class:`~polyrl.agents.gateway.api.WireAPI`."""
 
     # the second: an Anthropic client given the OpenAI-style base_url (it adds /v1 itself)
-    paths = ("/messages", "/v1/messages")
+    paths: tuple[str, ...] = ("/messages", "/v1/messages")
 
     def parse(self, body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
         return parse(body, ctx)
@@ -297,7 +297,7 @@ class MessagesStream:
         self.pending: list[dict] = []  # log-prob entries not sent yet
 
     def opening(self) -> list[bytes]:
-        start = {
+        start: dict[str, Any] = {
             "id": self.mid,
             "type": "message",
             "role": "assistant",

@@ -20,7 +20,7 @@ from polyrl.agents.gateway.limits import bytes_per_token
 CACHE_BYTES = 64 * 1024 * 1024
 
 
-def context_length(policy) -> int | None:
+def context_length(policy: Any) -> int | None:
     """The positions a policy's model takes (prompt + completion), from its config's
     ``max_position_embeddings``; None when it does not say (no check)."""
     config = getattr(getattr(policy, "model", None), "config", None)
@@ -89,11 +89,12 @@ class RenderCache:
     (an agent's long prompts never pin memory past ``max_bytes``)."""
 
     def __init__(self, size: int, max_bytes: int = CACHE_BYTES) -> None:
-        self.size, self.max_bytes, self.data = size, max_bytes, OrderedDict()
+        self.size, self.max_bytes = size, max_bytes
+        self.data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self.bytes = 0
         self.lock = threading.Lock()  # prompts render on worker threads
 
-    def get(self, key):
+    def get(self, key: Any) -> Any:
         with self.lock:
             entry = self.data.get(key)
             if entry is None:
@@ -101,7 +102,7 @@ class RenderCache:
             self.data.move_to_end(key)
             return entry[0]
 
-    def put(self, key, value, nbytes: int) -> None:
+    def put(self, key: Any, value: Any, nbytes: int) -> None:
         if nbytes > self.max_bytes // 16:  # too big to be worth keeping
             return
         with self.lock:

@@ -49,7 +49,9 @@ def normalise_messages(
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list", param="messages")
     check_count(len(messages), limits)
-    rendered, keys, images = [], [], []
+    rendered: list[dict] = []
+    keys: list[tuple] = []
+    images: list = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -146,7 +148,9 @@ def check_top_logprobs(value: Any, key: str = "top_logprobs") -> int:
     return value
 
 
-def _number(body: dict, key: str, default, lo: float, hi: float, *, integer=False):
+def _number(
+    body: dict, key: str, default: Any, lo: float, hi: float, *, integer: bool = False
+) -> Any:
     value = body.get(key)
     if value is None:
         return default

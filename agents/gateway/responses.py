@@ -46,7 +46,7 @@ def _text_parts(content: Any, where: str) -> Any:
         return content
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or a list of content parts", "input")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
@@ -183,14 +183,15 @@ def parse(body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
                 "previous_response_id",
             )
         with ep.lock:
-            history = ep.responses.get(prev)
+            stored = ep.responses.get(prev)
             held = ep.response_bytes.get(prev, 0)
-        if history is None:
+        if stored is None:
             raise _bad(
                 f"previous_response_id={prev!r} is no stored response of this episode "
                 "(responses with store: false are not kept)",
                 "previous_response_id",
             )
+        history = stored
     items = body.get("input")
     check_count(
         (len(items) if isinstance(items, list) else 1) + len(history),
@@ -357,7 +358,7 @@ def answer(
 class ResponsesAPI:
     """OpenAI Responses as the gateway's :class:`~polyrl.agents.gateway.api.WireAPI`."""
 
-    paths = ("/responses",)
+    paths: tuple[str, ...] = ("/responses",)
 
     def parse(self, body: Any, ctx: ApiContext, ep: EpisodeState) -> Request:
         return parse(body, ctx, ep)

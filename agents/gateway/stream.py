@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from polyrl.agents.gateway.api import StreamEvents
@@ -57,7 +57,7 @@ class Live:
 
         return on_token
 
-    def start(self, sampling) -> None:
+    def start(self, sampling: Coroutine[Any, Any, Call]) -> None:
         self.task = self.loop.create_task(sampling)
         self.task.add_done_callback(self._ended)
 

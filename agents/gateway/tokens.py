@@ -19,7 +19,9 @@ def token_entry(tok: Any, tid: int, logprob: float) -> dict:
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
-def logprob_entries(tok: Any, ids: list[int], logps: list[float], tops, k: int) -> list[dict]:
+def logprob_entries(
+    tok: Any, ids: list[int], logps: list[float], tops: list[Any] | None, k: int
+) -> list[dict]:
     """OpenAI ``logprobs.content`` entries: per sampled token its text, log-prob, bytes and
     (``k`` > 0) the ``k`` likeliest alternatives the engine saw at that step."""
     out = []
