@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from polyrl.core.builds import BUILD_RECORD, ensure_model
 from polyrl.core.config import ConfigError, load
 from polyrl.core.recipe import Config
 from polyrl.core.registry import MODELS
-from polyrl.core.builds import BUILD_RECORD, ensure_model
 
 # The tiniest tiny_qwen2: one layer, width 8 (a build takes a second or two).
 TINY = {"hidden_size": 8, "num_layers": 1, "head_dim": 8, "intermediate_size": 16}

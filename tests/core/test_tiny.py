@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
+from polyrl.core.builds import ensure_model
 from polyrl.core.registry import MODELS, TASKS
 from polyrl.core.tasks import arithmetic
-from polyrl.core.builds import ensure_model
 from polyrl.core.tiny import (
     CHAT_TEMPLATE,
     build_tiny_qwen2,
