@@ -226,6 +226,7 @@ print("survived")
 """
 
 
+@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot (1035 MiB in CI)
 def test_posix_shared_memory_counts_against_the_runs_budget():
     """Without namespaces /dev/shm is the host's: the run's files there count, and go
     with the run when a throwaway uid marks them as its own."""
