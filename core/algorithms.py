@@ -464,7 +464,9 @@ def reinforce_plus_plus_baseline_advantage(
 # ------------------------------------------------------------------------ policy losses
 
 
-def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = None):
+def _verl_loss(
+    name: str, verl_name: str, summary: str, options: type | None = None
+) -> Callable[..., tuple[Tensor, dict[str, float]]]:
     """Register verl's policy loss ``verl_name`` under our name and signature."""
 
     def loss(
@@ -492,7 +494,8 @@ def _verl_loss(name: str, verl_name: str, summary: str, options: type | None = N
 
     loss.__name__ = f"{name}_loss"
     loss.__doc__ = summary
-    return POLICY_LOSSES.register(name, loss, options=options)
+    POLICY_LOSSES.register(name, loss, options=options)
+    return loss
 
 
 ppo_clip_loss = _verl_loss(

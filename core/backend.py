@@ -7,7 +7,8 @@ policy on its own FSDP2 worker group, engines on their own actors).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -17,6 +18,11 @@ from polyrl.core.interfaces import Engine, Policy
 from polyrl.core.policy import resolve_device
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES
 from polyrl.core.rollouts import LocalVersions, Versions
+
+if TYPE_CHECKING:
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.rewards import RewardConfig, Runner
 
 
 class Backend(Protocol):
@@ -54,7 +60,9 @@ class LocalBackend:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
 
-    def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
+    def make_policy(
+        self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool, shared: dict
+    ) -> Policy:
         return POLICIES.get(cfg.kind)(
             name,
             cfg,
@@ -64,15 +72,33 @@ class LocalBackend:
             device=resolve_device(cfg.device),
         )
 
-    def make_engine(self, name, policy, cfg, *, seed):
+    def make_engine(self, name: str, policy: Policy, cfg: PolicyConfig, *, seed: int) -> Engine:
         return ENGINES.get(cfg.engine.name)(policy, seed=seed, **cfg.engine.args)
 
-    def update(self, policy, batch, algo, *, temperature, generator, correction=None):
+    def update(
+        self,
+        policy: Policy,
+        batch: TensorDict,
+        algo: AlgorithmConfig,
+        *,
+        temperature: float,
+        generator: torch.Generator,
+        correction: str | None = None,
+    ) -> dict[str, float]:
         return trainer.update(
             policy, batch, algo, temperature=temperature, generator=generator, correction=correction
         )
 
-    def update_together(self, policies, batches, algo, *, temperature, generator, correction=None):
+    def update_together(
+        self,
+        policies: Sequence[Policy],
+        batches: list[TensorDict],
+        algo: AlgorithmConfig,
+        *,
+        temperature: float,
+        generator: torch.Generator,
+        correction: str | None = None,
+    ) -> list[dict[str, float]]:
         """Policies that update together (interfaces.UpdatesTogether): one pass per
         micro-batch over all their rows (only this backend offers it; the session asks)."""
         return trainer.update_together(
@@ -84,10 +110,10 @@ class LocalBackend:
             correction=correction,
         )
 
-    def sft_update(self, policy, batch):
+    def sft_update(self, policy: Policy, batch: TensorDict) -> dict[str, float]:
         return trainer.sft_update(policy, batch)
 
-    def reward_runners(self, reward_cfg):
+    def reward_runners(self, reward_cfg: RewardConfig) -> dict[str, Runner]:
         return {}  # every reward term runs in this process
 
     def versioned(self, policy: Policy) -> LocalVersions:

@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,7 @@ def keyed_path(path: Path, want: dict) -> Path:
 
 
 @contextlib.contextmanager
-def _build_lock(path: Path):
+def _build_lock(path: Path) -> Iterator[None]:
     """One builder at a time per model path, across processes (a policy and its engine, or
     Ray workers on one machine, may ask for the same model at once)."""
     import fcntl

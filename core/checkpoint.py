@@ -19,7 +19,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,6 +30,8 @@ from polyrl.core.checksums import COMPLETE, MANIFEST, check_manifest, has_manife
 from polyrl.core.config import UserError
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     from polyrl.core.interfaces import Policy
 
 META = "meta.pt"
@@ -77,17 +79,17 @@ def policy_part(policy: Policy) -> Any:
 
 
 @contextlib.contextmanager
-def _single_process_ok():
+def _single_process_ok() -> Iterator[None]:
     """Without a process group DCP reads in this process alone, as local mode means to."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _options(**kw):
+def _options(*, ignore_frozen_params: bool = False, strict: bool = True) -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(**kw)
+    return StateDictOptions(ignore_frozen_params=ignore_frozen_params, strict=strict)
 
 
 def _trainable(model: torch.nn.Module) -> set[str]:

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,11 +23,14 @@ from polyrl.core.config import ConfigError, UserError
 from polyrl.core.failures import EXIT_STATUS as RUN_FAILED
 from polyrl.core.failures import RunFailedError
 
+if TYPE_CHECKING:
+    from polyrl.core.recipe import Config
+
 # The embedded default: what `polyrl train` with no recipe runs (the README's main job).
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "arithmetic_grpo.yaml"
 
 
-def _load(recipe: str | None, overrides: list[str]):
+def _load(recipe: str | None, overrides: list[str]) -> Config:
     import polyrl.core  # noqa: F401  (registers the core's parts)
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
@@ -57,7 +61,7 @@ def _latest_run(pattern_dir: str, name: str) -> str:
     return str(found[-1])
 
 
-def cmd_train(args) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.core.loop import train
 
     overrides = list(args.overrides)
@@ -112,7 +116,7 @@ def _require_checkpoint(run_dir: str, cmd: str) -> None:
     )
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args: argparse.Namespace) -> int:
     from polyrl.core.session import Session
 
     overrides = list(args.overrides) + ["sft.steps=0", "run.export=false", "train.steps=0"]
@@ -129,7 +133,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
     from polyrl.core.plot import plot_run
 
     if not (Path(args.run_dir) / "metrics.jsonl").is_file():
@@ -141,7 +145,7 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def cmd_trace(args) -> int:
+def cmd_trace(args: argparse.Namespace) -> int:
     from polyrl.core.trace_report import plot_step, report
 
     if not any((Path(args.run_dir) / "trace").glob("*.json")):
@@ -154,7 +158,7 @@ def cmd_trace(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     from polyrl.core.session import Session
 
     _require_checkpoint(args.run_dir, "export")
@@ -167,7 +171,7 @@ def cmd_export(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     """A long-running service a plugin registers (``tinker``: the Tinker API)."""
     from polyrl.core.registry import SERVICES, load_plugins
 
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         return RUN_FAILED
 
 
-def cmd_config(args) -> int:
+def cmd_config(args: argparse.Namespace) -> int:
     """Every recipe key, and under each options field the options of every installed part."""
     import polyrl.core  # noqa: F401  (registers the core's parts)
     from polyrl.core.config import describe

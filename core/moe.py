@@ -30,7 +30,7 @@ token is never fed to the engine, so its row is -1 (nothing the trainer scores r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -140,7 +140,7 @@ class Routing:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int) -> Callable[[torch.nn.Module, Any, Any], Any]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if threading.get_ident() != self._thread:
                 return None

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Unpack, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Unpack, cast
 
 import torch
 from tensordict import TensorDict
@@ -29,6 +30,9 @@ from polyrl.core.passes import packs, prefix_units, response_logprobs, shares
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
 from polyrl.core.router_terms import RoutedPass, RouterTerms
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -165,7 +169,7 @@ def token_budget(
     return tokens, budget, [u.rows for u in units]
 
 
-def lr_lambda(cfg: OptimConfig, total_steps: int):
+def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Warm-up then constant/linear/cosine decay, as a LambdaLR factor."""
     if cfg.schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"optim.schedule={cfg.schedule!r}: use constant, linear or cosine")
@@ -216,7 +220,7 @@ class CausalLMPolicy:
         self.is_moe = check_moe(name, cfg, self.model)
 
     @staticmethod
-    def load_tokenizer(cfg: PolicyConfig):
+    def load_tokenizer(cfg: PolicyConfig) -> PreTrainedTokenizerBase:
         """The policy's tokenizer alone (building the model first if it is missing)."""
         from transformers import AutoTokenizer
 
@@ -320,7 +324,9 @@ class CausalLMPolicy:
         with self.model.disable_adapter():
             return response_logprobs(model, batch, temperature, **kw)[0]
 
-    def token_budget(self, batch: TensorDict):
+    def token_budget(
+        self, batch: TensorDict
+    ) -> tuple[torch.Tensor, int] | tuple[torch.Tensor, int, list[list[int]]] | None:
         """Tokens per row and per micro-batch when the passes are packed, and the rows that
         share a prefix (PacksRows, :func:`token_budget`). A kind that replaces
         :meth:`logprobs` (a VLM's own pass) is not packed by it, so it keeps row-count
@@ -342,13 +348,13 @@ class CausalLMPolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_checkpoint_state(self, state)
 
-    def sft_optimizer(self, lr: float | None):
+    def sft_optimizer(self, lr: float | None) -> contextlib.AbstractContextManager[None]:
         """A constant-rate optimizer for a supervised warm start; RL then starts afresh."""
         return warm_start_optimizer(
             self, [p for p in self.model.parameters() if p.requires_grad], lr
         )
 
-    def named_weights(self):
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Full (merged) weights under the base model's names, for engine weight sync."""
         if self.cfg.lora.r > 0:
             merged = copy.deepcopy(self.model).merge_and_unload()
@@ -516,7 +522,9 @@ def load_checkpoint_state(policy: Any, state: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def warm_start_optimizer(policy: Any, params: list[torch.nn.Parameter], lr: float | None):
+def warm_start_optimizer(
+    policy: Any, params: list[torch.nn.Parameter], lr: float | None
+) -> Iterator[None]:
     """Swap in a constant-rate AdamW over ``params`` for a supervised warm start; the RL
     optimizer and schedule come back untouched afterwards, and a frozen reference copy
     takes the warmed-up weights: KL anchors RL to the policy it starts from (the SFT

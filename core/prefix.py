@@ -26,7 +26,7 @@ token sees the earlier tokens of its own node and of its ancestors only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -49,7 +49,7 @@ class Unit:
         return len(self.rows) > 1
 
 
-def row_tokens(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def row_tokens(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's real tokens (prompt then response), left-aligned ``[B, L]`` (-1 after the
     row), and the rows' lengths."""
     prompt, pmask = batch["prompt_ids"], batch["prompt_mask"].bool()
@@ -79,7 +79,7 @@ def sorted_lcp(tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[list[int], 
     return order, [0, *lcp.tolist()]
 
 
-def cost_weights(config) -> tuple[float, float]:
+def cost_weights(config: object) -> tuple[float, float]:
     """(a, b) of the cost model from a transformers config: multiply-adds per token of one
     layer's projections and MLP, and per (query, key) pair of its attention. Configs
     without these fields get a 20M-like shape."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+from types import TracebackType
 from typing import Any
 
 from rich.progress import (
@@ -54,9 +55,14 @@ class Progress:
             self._bar.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._bar is not None:
-            self._bar.__exit__(*exc)
+            self._bar.__exit__(kind, exc, tb)
 
     def update(self, step: int, metrics: dict[str, float], *, final: bool = False) -> None:
         """Show ``step``'s metrics; ``final``: the run's final evaluation (after the last step)."""

@@ -65,10 +65,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -93,6 +93,13 @@ from polyrl.core.ray_workers import (  # noqa: F401  (ActorError: part of this m
     wait,
 )
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES, nearest
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.rewards import RewardConfig, Runner
 
 _GROUP_FIELDS = (
     "workers_per_policy",
@@ -244,7 +251,7 @@ class _Group:
             starting, self._starting = self._starting, []
             wait(starting, self.labels, on_failure=self.kill_workers)
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """``method`` on every rank (collectives need them all); the results in rank order."""
         self._check()
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
@@ -335,7 +342,7 @@ class RayPolicy:
         self.group.call("load_sharded", str(path))
 
     @contextlib.contextmanager
-    def sft_optimizer(self, lr: float | None):
+    def sft_optimizer(self, lr: float | None) -> Iterator[None]:
         self.group.call("enter_sft", lr)
         try:
             yield
@@ -492,7 +499,9 @@ class RayBackend:
         self.groups: dict[str, _Group] = {}
         self.reward_actors: list = []
 
-    def make_policy(self, name, cfg, *, total_steps, need_reference, shared):
+    def make_policy(
+        self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool, shared: dict
+    ) -> RayPolicy:
         _check_lora_kind(name, cfg)
         args = self.args.for_policy(name)
         if args.workers_per_policy < 1:
@@ -506,7 +515,9 @@ class RayBackend:
         self.groups[name] = group
         return RayPolicy(name, cfg, group)
 
-    def make_engine(self, name, policy, cfg, *, seed):
+    def make_engine(
+        self, name: str, policy: RayPolicy, cfg: PolicyConfig, *, seed: int
+    ) -> RayEngine:
         actor = policy.group.make_engine(cfg, seed)
         return RayEngine(policy, actor, ENGINES.get(cfg.engine.name))
 
@@ -520,16 +531,25 @@ class RayBackend:
     def versioned(self, policy: RayPolicy) -> RayVersions:
         return RayVersions(policy)
 
-    def reward_runners(self, reward_cfg: Any) -> dict:
+    def reward_runners(self, reward_cfg: RewardConfig) -> dict[str, Runner]:
         """Remote runners for the reward terms that ask for their own actor."""
-        runners = {}
+        runners: dict[str, Runner] = {}
         for term in reward_cfg.terms:
             if term.actor:
                 actor, runners[term.key] = reward_actor(term, reward_cfg.concurrency)
                 self.reward_actors.append(actor)
         return runners
 
-    def update(self, policy, batch, algo, *, temperature, generator, correction=None):
+    def update(
+        self,
+        policy: RayPolicy,
+        batch: TensorDict,
+        algo: AlgorithmConfig,
+        *,
+        temperature: float,
+        generator: torch.Generator,
+        correction: str | None = None,
+    ) -> dict[str, float]:
         ref = require_ray().put(batch)
         results = policy.group.call(
             "update", ref, algo, temperature, generator.get_state(), correction
@@ -537,7 +557,7 @@ class RayBackend:
         generator.set_state(results[0][1])  # the same stream as local mode
         return _reduce([r[0] for r in results], policy.group.world)
 
-    def sft_update(self, policy, batch):
+    def sft_update(self, policy: RayPolicy, batch: TensorDict) -> dict[str, float]:
         return _reduce(
             policy.group.call("sft_update", require_ray().put(batch)), policy.group.world
         )

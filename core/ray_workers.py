@@ -15,9 +15,11 @@ import dataclasses
 import os
 import socket
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -37,13 +39,19 @@ from polyrl.core.registry import ENGINES, POLICIES
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from ray.actor import ActorHandle
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from polyrl.core.engine import Prompt, SamplingParams
+    from polyrl.core.rewards import Runner
 
 
 class ActorError(RuntimeError):
     """A worker or engine actor died or failed; the message names its role."""
 
 
-def require_ray():
+def require_ray() -> ModuleType:
     return require("ray", "distributed.backend=ray", "Ray")
 
 
@@ -55,7 +63,10 @@ def resources_of(cpus: float, gpus: float) -> dict[str, float]:
 
 
 def _shard(
-    model: torch.nn.Module, mesh, root: torch.nn.Module | None = None, offload: bool = False
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    root: torch.nn.Module | None = None,
+    offload: bool = False,
 ) -> None:
     """FSDP2: each decoder layer (the model's ``_no_split_modules``) is a unit, then the root.
 
@@ -88,7 +99,7 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _rebind_optimizer(policy, names: dict[int, str]) -> None:
+def _rebind_optimizer(policy: Policy, names: dict[int, str]) -> None:
     """Sharding replaced the parameters (same names, now DTensors): point the optimizer's
     groups at the new ones. It has no state yet, and its schedule stays attached."""
     if policy.optimizer is None:
@@ -317,7 +328,7 @@ class PolicyWorker:
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
-    def _full(self, trainable_only: bool = False):
+    def _full(self, trainable_only: bool = False) -> StateDictOptions:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(
@@ -491,10 +502,12 @@ class EngineWorker:
         self.calls += 1
         return self.calls, self.engine.state_dict()
 
-    def generate(self, prompts, params) -> tuple[list, tuple[int, dict]]:
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> tuple[list, tuple[int, dict]]:
         return self.engine.generate(prompts, params), self._changed()
 
-    def call(self, method: str, *args, **kwargs) -> tuple[Any, tuple[int, dict]]:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, tuple[int, dict]]:
         """A method the engine's class declares in ``remote_methods`` (RemoteMethods): the
         engine's own interface beyond ``generate`` (images in, whole trajectories out);
         with the engine's state after it, as :meth:`generate`."""
@@ -606,7 +619,7 @@ class RewardWorker:
         return os.getpid()
 
 
-def reward_actor(term: Any, concurrency: int):
+def reward_actor(term: Any, concurrency: int) -> tuple[ActorHandle[RewardWorker], Runner]:
     """(actor, async runner) for a reward term with ``actor`` resources."""
     opts = {
         "num_cpus": float(term.actor.get("num_cpus", 1.0)),
@@ -632,7 +645,7 @@ def reward_actor(term: Any, concurrency: int):
 # --------------------------------------------------------------------------- calling actors
 
 
-def wait(refs: list, labels: list[str], on_failure=None) -> list:
+def wait(refs: list, labels: list[str], on_failure: Callable[[], None] | None = None) -> list:
     """Results of ``refs`` in order. The first failure raises an error naming its role; if
     another actor of the same call died, that one is named (a rank's collective fails when
     a peer dies, and the dead peer is the news)."""

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 # the run's tracer (set for the whole run) and the one recording now (a sampled step)
@@ -114,7 +115,12 @@ class Span:
         self.start = _now_us()
         return self
 
-    def __exit__(self, kind, exc, tb) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         end = _now_us()
         if kind is not None:
             self.args["error"] = kind.__name__

@@ -69,9 +69,9 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -80,12 +80,22 @@ from polyrl.core import moe
 from polyrl.core.builds import ensure_model
 from polyrl.core.config import UserError, doc
 from polyrl.core.engine import Completion, Prompt, SamplingParams, text_requests
-from polyrl.core.interfaces import Closable
+from polyrl.core.interfaces import Closable, Engine, Policy
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
 from polyrl.core.segment import Tokens
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 log = logging.getLogger(__name__)
+
+
+class SyncsWeights(Policy, Protocol):
+    """A policy that hands an engine of its own model its full weights (a LoRA adapter
+    merged in) under the base model's names, which is how vLLM takes new weights."""
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
 
 def row_seed(seed: int, call: int, row: int) -> int:
@@ -106,7 +116,7 @@ class _GlobalRNG:
         )
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         py, npy, cpu, cuda = self.state
         random.setstate(py)
         np.random.set_state(npy)
@@ -171,7 +181,7 @@ class VLLMEngine:
 
     def __init__(
         self,
-        policy,
+        policy: SyncsWeights,
         *,
         seed: int = 0,
         max_model_len: int | None = None,
@@ -305,7 +315,8 @@ class VLLMEngine:
         row order (``_request_ids``, set by the generating method); None: not recorded."""
         if self._capture is None:
             return None
-        cfg = self.policy.model.config
+        # a transformers model's config (nn.Module types its attributes loosely)
+        cfg = cast("PreTrainedConfig", self.policy.model.config)
         k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
         lengths = {
             rid: len(p) + n
@@ -546,7 +557,7 @@ class AutoEngine:
 
     def __init__(
         self,
-        policy,
+        policy: SyncsWeights,
         *,
         seed: int = 0,
         hf: dict | None = None,
@@ -559,7 +570,8 @@ class AutoEngine:
         self.policy, self.seed = policy, seed
         self.kwargs = {"hf": dict(hf or {}), "vllm": dict(vllm or {})}
         self.timings: dict[str, float] = {}
-        self.spare = None  # the probe's loser: vLLM engines in one process must live equally long
+        # the probe's loser: vLLM engines in one process must live equally long
+        self.spare: Engine | None = None
         device = next(policy.model.parameters()).device
         if probe and vllm_usable() and device.type != "cuda":
             self.choice, self.inner = self._probe(probe_prompts, probe_n, probe_tokens)
@@ -567,7 +579,7 @@ class AutoEngine:
             self.choice = "vllm" if device.type == "cuda" and vllm_usable() else "hf"
             self.inner = self._build(self.choice)
 
-    def _build(self, name: str):
+    def _build(self, name: str) -> Engine:
         return ENGINES.get(name)(self.policy, seed=self.seed, **self.kwargs[name])
 
     def _probe(self, prompts: int, n: int, tokens: int) -> tuple[str, Any]:

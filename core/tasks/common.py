@@ -21,7 +21,7 @@ def write_held_out(
     n_eval: int,
     seed: int,
     eval_seed: int,
-    **options,
+    **options: object,
 ) -> tuple[Path, Path]:
     """``train.jsonl`` and ``eval.jsonl`` under ``out_dir``: ``n_eval`` rows drawn with
     ``eval_seed`` first, then ``n_train`` rows with ``seed`` that exclude their uids, so eval
