@@ -277,36 +277,25 @@ class Batcher:
         self.sizes.append(len(waiting))
         self.calls.update(policies)
         self.mixed += len(policies) > 1
-        t0 = time.perf_counter()
-        try:
+
+        def call() -> list[list[Completion]]:
             generate: Callable[[list[Request], SamplingParams], list[Completion]]
             if len(policies) == 1:
                 generate = self.engines[policy].generate
             else:  # one call over several engines' requests; `outs` in `requests` order
                 generate = self._mixed_generate(policies, [waiting[j].policy for j in owner])
-            if self.in_thread:
-                outs = await asyncio.to_thread(generate, requests, params)
-            else:
-                outs = generate(requests, params)
+            outs = generate(requests, params)
             if len(outs) != len(requests) * n:
                 raise RuntimeError(
                     f"the engine of policy {policy!r} returned {len(outs)} completions for "
                     f"{len(requests)} prompts x n={n}"
                 )
-        except Exception as e:  # every waiting request learns it; none hangs
-            self._failure = self._failure or e
-            for w in waiting:
-                if not w.future.done():
-                    w.future.set_exception(e)
-            return
-        finally:
-            self.generate_s += time.perf_counter() - t0
-        got: list[list[Completion]] = [[] for _ in waiting]
-        for c in outs:
-            got[owner[c.prompt_index]].append(c)
-        for w, cs in zip(waiting, got, strict=True):
-            if not w.future.done():  # an episode that already failed may have cancelled it
-                w.future.set_result(cs)
+            got: list[list[Completion]] = [[] for _ in waiting]
+            for c in outs:
+                got[owner[c.prompt_index]].append(c)
+            return got
+
+        await self._answer(waiting, call)
 
     async def _paint(self, waiting: list[_Waiting]) -> None:
         """One ``paint`` call for a painter's waiting image requests."""
@@ -315,18 +304,26 @@ class Batcher:
         self.sizes.append(len(waiting))
         self.calls.update([policy])
         paint = self.engines[policy].paint  # type: ignore[attr-defined]  # paints_images
-        t0 = time.perf_counter()
-        try:
-            if self.in_thread:
-                outs = await asyncio.to_thread(paint, requests)
-            else:
-                outs = paint(requests)
+
+        def call() -> list[list[Painting]]:
+            outs = paint(requests)
             if len(outs) != len(requests):
                 raise RuntimeError(
                     f"the engine of policy {policy!r} painted for {len(outs)} of "
                     f"{len(requests)} image requests"
                 )
-        except Exception as e:  # every waiting request learns it; none hangs
+            return outs
+
+        await self._answer(waiting, call)
+
+    async def _answer(self, waiting: list[_Waiting], call: Callable[[], Sequence[Any]]) -> None:
+        """Answer the ``waiting`` requests with ``call()``'s answers (one each, in order):
+        the engine call, timed into ``generate_s``, on a worker thread when ``in_thread``.
+        If it raises, every waiting request learns the error; none hangs."""
+        t0 = time.perf_counter()
+        try:
+            answers = await asyncio.to_thread(call) if self.in_thread else call()
+        except Exception as e:
             self._failure = self._failure or e
             for w in waiting:
                 if not w.future.done():
@@ -334,9 +331,9 @@ class Batcher:
             return
         finally:
             self.generate_s += time.perf_counter() - t0
-        for w, got in zip(waiting, outs, strict=True):
-            if not w.future.done():
-                w.future.set_result(got)
+        for w, answer in zip(waiting, answers, strict=True):
+            if not w.future.done():  # an episode that already failed may have cancelled it
+                w.future.set_result(answer)
 
     def _mixed_generate(
         self, policies: list[str], owners: list[str]
