@@ -19,7 +19,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -42,6 +43,14 @@ from polyrl.core.batching import Batcher, EpisodeClosed
 from polyrl.core.engine import Request as EngineRequest
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import Response
+
+    Endpoint = Callable[[HttpRequest], Awaitable[Response]]
 
 # The wire APIs the gateway serves, each under every episode's base URL (its ``paths``).
 APIS: dict[str, WireAPI] = {
@@ -98,7 +107,7 @@ class GatewayServer:
         self.episodes: dict[str, EpisodeState] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self.port = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -115,29 +124,29 @@ class GatewayServer:
         config = uvicorn.Config(
             self.app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30
         )
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         failed: list[BaseException] = []
 
         def serve() -> None:
             try:
-                asyncio.run(self._serve(sock))
+                asyncio.run(self._serve(server, sock))
             except BaseException as e:  # reported by start()
                 failed.append(e)
 
         self._thread = threading.Thread(target=serve, name="polyrl-gateway", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
-        while not self._server.started:
+        while not server.started:
             if failed or not self._thread.is_alive():
                 raise RuntimeError(f"the gateway server did not start: {failed}")
             if time.monotonic() > deadline:
                 raise RuntimeError("the gateway server did not start within 30 s")
             time.sleep(0.01)
 
-    async def _serve(self, sock: socket.socket) -> None:
+    async def _serve(self, server: uvicorn.Server, sock: socket.socket) -> None:
         serving = self.batcher.serve(self.batch_wait, lambda: len(self.episodes))
         try:
-            await self._server.serve(sockets=[sock])
+            await server.serve(sockets=[sock])
         finally:
             serving.cancel()
 
@@ -170,7 +179,7 @@ class GatewayServer:
             self.episodes.pop(ep.token, None)
 
     # ---------------------------------------------------------------- http
-    def app(self):
+    def app(self) -> Starlette:
         """The ASGI app: Starlette (FastAPI's core). Each API (Chat Completions, Responses,
         Messages) parses its body into a :class:`Request`, the server samples it
         (:meth:`_generate`) and the API shapes the answer and its errors."""
@@ -178,7 +187,7 @@ class GatewayServer:
         from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        def episode(request) -> EpisodeState:
+        def episode(request: HttpRequest) -> EpisodeState:
             """The request's episode: its URL token names it, and the request must carry
             that episode's own key (another episode's key, or the token alone, is a 401)."""
             with self._lock:
@@ -198,11 +207,14 @@ class GatewayServer:
                 )
             return ep
 
-        def guarded(handler, shape=RequestError.body):
+        def guarded(
+            handler: Endpoint,
+            shape: Callable[[RequestError], dict[str, Any]] = RequestError.body,
+        ) -> Endpoint:
             """``handler`` with every failure answered in its API's error shape: a
             :class:`RequestError` as given, a timeout 504, anything else 500."""
 
-            async def endpoint(request):
+            async def endpoint(request: HttpRequest) -> Response:
                 try:
                     return await handler(request)
                 except Exception as e:
@@ -213,15 +225,15 @@ class GatewayServer:
 
             return endpoint
 
-        async def models(request):
+        async def models(request: HttpRequest) -> Response:
             episode(request)
             data = [{"id": m, "object": "model", "owned_by": "polyrl"} for m in self.engines]
             return JSONResponse({"object": "list", "data": data})
 
-        def route(api: WireAPI):
+        def route(api: WireAPI) -> Endpoint:
             """The endpoint of one wire API: parse, sample, answer (or stream)."""
 
-            async def handler(request):
+            async def handler(request: HttpRequest) -> Response:
                 ep = episode(request)
                 body = await read_body(request, self.limits)
                 # parsing (JSON, images) and rendering run on a worker thread: a large
@@ -240,7 +252,7 @@ class GatewayServer:
 
             return guarded(handler, api.error_body)
 
-        async def rewards(request):
+        async def rewards(request: HttpRequest) -> Response:
             ep = episode(request)
             if not self.reward_posts:
                 raise RequestError(
@@ -253,7 +265,7 @@ class GatewayServer:
                 self._post_reward(ep, orjson_loads(await read_body(request, self.limits)))
             )
 
-        async def other(request):
+        async def other(request: HttpRequest) -> Response:
             served = ", ".join(
                 f"POST <base_url>{p}" for api in APIS.values() for p in api.paths[:1]
             )
@@ -402,7 +414,8 @@ class GatewayServer:
         ones) then these, their ids starting ``offset`` tokens into the prompt."""
         if not new:
             return ids, before
-        vision = self.visions[req.model]  # _check_images let the request in
+        vision = self.visions[req.model]
+        assert vision is not None  # _check_images let the request in
         try:
             expansions, handle = vision.encode_images(new)
         except ValueError as e:  # the policy's processor refuses one (e.g. its aspect ratio)
@@ -469,7 +482,8 @@ class GatewayServer:
         # off the event loop: rendering and tokenising a long prompt takes a while
         prompt, stitched, images = await asyncio.to_thread(self.prompt_ids, ep, req)
         req.max_tokens = self._fit(req, prompt)
-        streams = live is not None and streams_tokens(self.engines[req.model])
+        # a streamed request whose engine streams: it gets each token as it is sampled
+        streamed = live if live is not None and streams_tokens(self.engines[req.model]) else None
         if live is not None:
             live.prompt_len = len(prompt)
         vision = images.joined if images is not None else None
@@ -483,11 +497,13 @@ class GatewayServer:
             top_logprobs=req.top_logprobs,
         )
         requests = [
-            EngineRequest(prompt, vision=vision, on_token=live.sink(i) if streams else None)
+            EngineRequest(
+                prompt, vision=vision, on_token=streamed.sink(i) if streamed is not None else None
+            )
             for i in range(req.n)
         ]
         try:
-            outs = await asyncio.wait_for(
+            grouped = await asyncio.wait_for(
                 asyncio.gather(
                     *(
                         self.batcher.generate(
@@ -500,7 +516,7 @@ class GatewayServer:
             )
         except EpisodeClosed:
             raise RequestError(404, "the episode is over (it timed out)") from None
-        outs = [o for (o,) in outs]
+        outs = [o for (o,) in grouped]  # n=1 per engine request
         tok = self.tokenizers[req.model]
         choices = []
         for out in outs:

@@ -43,8 +43,9 @@ import os
 import secrets
 import subprocess
 import traceback
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from tensordict import TensorDict
 
@@ -63,6 +64,9 @@ from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
 from polyrl.core.segment import Tokens
 
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
+
 # --------------------------------------------------------------------------- the workflow
 
 
@@ -78,17 +82,23 @@ class Endpoint:
     sample: int
     timeout: float
 
-    def openai(self):
+    def openai(self) -> OpenAI:
         """A synchronous ``openai.OpenAI`` client for this episode (no retries). Its HTTP
         client skips TLS setup (plain HTTP to 127.0.0.1): loading the CA store costs ~40 ms
         per client, more than an engine call on a small model."""
         return self._client(asynchronous=False)
 
-    def async_openai(self):
+    def async_openai(self) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this episode (no retries, no TLS setup)."""
         return self._client(asynchronous=True)
 
-    def _client(self, *, asynchronous: bool):
+    @overload
+    def _client(self, *, asynchronous: Literal[False]) -> OpenAI: ...
+
+    @overload
+    def _client(self, *, asynchronous: Literal[True]) -> AsyncOpenAI: ...
+
+    def _client(self, *, asynchronous: bool) -> OpenAI | AsyncOpenAI:
         import httpx
         import openai
 
@@ -102,7 +112,8 @@ class Endpoint:
             api_key=self.api_key,
             max_retries=0,
             timeout=self.timeout,
-            http_client=http(verify=False, timeout=self.timeout),
+            # openai types http_client as httpx2's client; it takes httpx's as well
+            http_client=http(verify=False, timeout=self.timeout),  # type: ignore[arg-type]
         )
 
     def reward(self, value: float, turn: int | None = None) -> None:
@@ -318,7 +329,9 @@ class Gateway:
         self._refused = dict(self.server.refusals.counts)
         return self._record(episodes)
 
-    async def _episode(self, ep: EpisodeState, gate: asyncio.Semaphore, pool) -> None:
+    async def _episode(
+        self, ep: EpisodeState, gate: asyncio.Semaphore, pool: concurrent.futures.Executor
+    ) -> None:
         async with gate:
             endpoint = Endpoint(
                 self.server.open_episode(ep),
@@ -329,9 +342,10 @@ class Gateway:
                 ep.sample,
                 self.request_timeout,
             )
+            run: Awaitable[Any]
             try:
                 if self.command:
-                    run = self._run_command(ep.item.row, endpoint)
+                    run = self._run_command(self.command, ep.item.row, endpoint)
                 elif inspect.iscoroutinefunction(self.agent):
                     run = self.agent(ep.item.row, endpoint)
                 else:
@@ -351,7 +365,7 @@ class Gateway:
             if not ep.error and not ep.calls:
                 ep.error = "the agent returned without asking the gateway for a completion"
 
-    async def _run_command(self, row: dict, endpoint: Endpoint) -> Any:
+    async def _run_command(self, command: list[str], row: dict, endpoint: Endpoint) -> Any:
         """One episode of the external agent: its environment names the endpoint; a
         timeout cancels this and kills the process."""
         env = dict(
@@ -366,13 +380,13 @@ class Gateway:
         self._isolated = float(bool(wrap))
         proc = await asyncio.create_subprocess_exec(
             *wrap,
-            *self.command,
+            *command,
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out = await finish(proc, self.command[0])  # AgentExited names a status or signal
+        out = await finish(proc, command[0])  # AgentExited names a status or signal
         lines = out.decode(errors="replace").strip().splitlines()
         if not lines:
             return None
@@ -380,11 +394,21 @@ class Gateway:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             raise ValueError(
-                f"{self.command[0]}'s last stdout line {lines[-1][:80]!r} is not JSON; print "
+                f"{command[0]}'s last stdout line {lines[-1][:80]!r} is not JSON; print "
                 'the return last: a number, {"reward": r, "success": s} or null'
             ) from None
 
-    def _row(self, ep, base, prompt: Tokens, response: Tokens, policy, turn, text, extra) -> Row:
+    def _row(
+        self,
+        ep: EpisodeState,
+        base: dict[str, Any],
+        prompt: Tokens,
+        response: Tokens,
+        policy: str,
+        turn: int,
+        text: str,
+        extra: dict[str, Any],
+    ) -> Row:
         decode = self.decoders[policy].decode
         return Row(
             prompt,
