@@ -28,7 +28,7 @@ embeddings) with the same group keys, reward, valid, policy and error fields.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,62 +127,53 @@ def text_record(
     masks = loss_mask if loss_mask is not None else [[1] * len(r) for r in response_ids]
     if len(masks) != n or any(len(m) > len(r) for m, r in zip(masks, response_ids, strict=True)):
         raise ValueError("text_record: loss_mask must mark a subset of the response tokens")
+
+    def column(values: Sequence[Any] | None, default: Callable[[], Any]) -> list[Any]:
+        return list(values) if values else [default() for _ in range(n)]
+
     responses = [
         Tokens(list(r), list(lp), list(m) + [0] * (len(r) - len(m)))
         for r, lp, m in zip(response_ids, rollout_logprobs, masks, strict=True)
     ]
-    return _assemble(
-        [Tokens.given(p) for p in prompt_ids],
-        responses,
-        policy=policy,
-        uid=uid,
-        pad_id=pad_id,
-        agent_id=agent_id,
-        turn=turn,
-        node=node,
-        prompt_text=prompt_text,
-        response_text=response_text,
-        meta=meta,
-        truncated=truncated,
+    fields = zip(  # Row's fields after prompt and response, in its order
+        policy,
+        uid,
+        column(agent_id, int),
+        column(turn, int),
+        column(node, int),
+        column(prompt_text, str),
+        column(response_text, str),
+        column(meta, dict),
+        column(truncated, bool),
+        strict=True,
     )
+    rows = [
+        Row(Tokens.given(p), r, *f) for p, r, f in zip(prompt_ids, responses, fields, strict=True)
+    ]
+    return _assemble(rows, pad_id)
 
 
-def _assemble(
-    prompts: Sequence[Tokens],
-    responses: Sequence[Tokens],
-    *,
-    policy: Sequence[str],
-    uid: Sequence[int],
-    pad_id: int,
-    agent_id: Sequence[int] | None = None,
-    turn: Sequence[int] | None = None,
-    node: Sequence[int] | None = None,
-    prompt_text: Sequence[str] | None = None,
-    response_text: Sequence[str] | None = None,
-    meta: Sequence[dict] | None = None,
-    truncated: Sequence[bool] | None = None,
-) -> TensorDict:
-    """The record of rows' prompt and response segments and their per-row fields."""
-    n = len(prompts)
-    zeros = [0] * n
+def _assemble(rows: Sequence[Row], pad_id: int) -> TensorDict:
+    """The record of ``rows``' prompt and response segments and their per-row fields."""
+    n = len(rows)
     td = TensorDict(
         {
-            **token_columns(prompts, responses, pad_id),
-            "uid": torch.as_tensor(list(uid), dtype=torch.long),
-            "agent_id": torch.as_tensor(list(agent_id or zeros), dtype=torch.long),
-            "turn": torch.as_tensor(list(turn or zeros), dtype=torch.long),
-            "node": torch.as_tensor(list(node or zeros), dtype=torch.long),
+            **token_columns([r.prompt for r in rows], [r.response for r in rows], pad_id),
+            "uid": torch.as_tensor([r.uid for r in rows], dtype=torch.long),
+            "agent_id": torch.as_tensor([r.agent_id for r in rows], dtype=torch.long),
+            "turn": torch.as_tensor([r.turn for r in rows], dtype=torch.long),
+            "node": torch.as_tensor([r.node for r in rows], dtype=torch.long),
             "reward": torch.full((n,), float("nan")),
             "valid": torch.ones(n, dtype=torch.bool),
-            "truncated": torch.as_tensor(list(truncated or [False] * n), dtype=torch.bool),
+            "truncated": torch.as_tensor([r.truncated for r in rows], dtype=torch.bool),
         },
         batch_size=[n],
     )
-    td["policy"] = _stack_non_tensor(list(policy))
-    td["prompt_text"] = _stack_non_tensor(list(prompt_text or [""] * n))
-    td["response_text"] = _stack_non_tensor(list(response_text or [""] * n))
+    td["policy"] = _stack_non_tensor([r.policy for r in rows])
+    td["prompt_text"] = _stack_non_tensor([r.prompt_text for r in rows])
+    td["response_text"] = _stack_non_tensor([r.response_text for r in rows])
     td["error"] = _stack_non_tensor([""] * n)
-    td["meta"] = _stack_non_tensor(list(meta or [{} for _ in range(n)]))
+    td["meta"] = _stack_non_tensor([r.meta for r in rows])
     return td
 
 
@@ -331,20 +322,7 @@ def build_rows(rows: Sequence[Row], pad_id: int) -> TensorDict:
     ``pad_id``; errors marked, pending rows not valid, images in ``vision``."""
     if not rows:
         raise ValueError("build_rows: no rows (a rollout must produce at least one)")
-    record = _assemble(
-        [r.prompt for r in rows],
-        [r.response for r in rows],
-        policy=[r.policy for r in rows],
-        uid=[r.uid for r in rows],
-        pad_id=pad_id,
-        agent_id=[r.agent_id for r in rows],
-        turn=[r.turn for r in rows],
-        node=[r.node for r in rows],
-        prompt_text=[r.prompt_text for r in rows],
-        response_text=[r.response_text for r in rows],
-        meta=[r.meta for r in rows],
-        truncated=[r.truncated for r in rows],
-    )
+    record = _assemble(rows, pad_id)
     if any(r.vision is not None for r in rows):
         set_strings(record, "vision", [r.vision for r in rows])
     pending = [i for i, r in enumerate(rows) if r.pending]
