@@ -68,7 +68,8 @@ def vl_forward(
     )
     if position_ids is None:
         position_ids = rope_index(p, ids, mask, grids, image_mask, video_mask)
-    logits, past = _lm_logits(p, emb, mask, position_ids, cache, use_cache, logits_to_keep, extra)
+    keep = slice(-logits_to_keep, None)
+    logits, past = _lm_logits(p, emb, mask, position_ids, cache, use_cache, keep, extra)
     return logits, past, position_ids
 
 
@@ -82,7 +83,7 @@ def decode_step(
     """One cached decoding step for new text tokens ``[B, 1]`` at ``position_ids [3, B, 1]``."""
     p = parts(model)
     emb = p.language_model.get_input_embeddings()(tokens)
-    return _lm_logits(p, emb, mask, position_ids, cache, True, 1, {})
+    return _lm_logits(p, emb, mask, position_ids, cache, True, slice(-1, None), {})
 
 
 def _lm_logits(
@@ -92,11 +93,12 @@ def _lm_logits(
     position_ids: torch.Tensor,
     cache: Any,
     use_cache: bool,
-    keep: int,
+    keep: slice | torch.Tensor,
     extra: dict,
 ) -> tuple[torch.Tensor, Any]:
-    """The language model over embeddings ``emb``: logits of the last ``keep`` positions
-    and the cache (``extra``: the vision inputs' keywords, e.g. deepstack features)."""
+    """The language model over embeddings ``emb``: logits of the positions ``keep`` (a
+    slice or an index tensor) and the cache (``extra``: the vision inputs' keywords, e.g.
+    deepstack features)."""
     out = p.language_model(
         input_ids=None,
         inputs_embeds=emb,
@@ -106,7 +108,7 @@ def _lm_logits(
         past_key_values=cache,
         **extra,
     )
-    return p.lm_head(out.last_hidden_state[:, -keep:]), out.past_key_values
+    return p.lm_head(out.last_hidden_state[:, keep]), out.past_key_values
 
 
 def image_masks(
@@ -451,14 +453,6 @@ def _tree_forward(p: Parts, media: tuple[Media, Media], dummy_if_empty: bool):
             dfeats, deep = dummy_features(p, device, dtype)
             zero = dfeats.sum() * 0.0 + sum((d.sum() * 0.0 for d in deep or []), 0.0)
             emb = emb + zero.to(emb.dtype)
-        hidden = p.language_model(
-            input_ids=None,
-            inputs_embeds=emb,
-            attention_mask=attention,
-            position_ids=pos,
-            use_cache=False,
-            **extra,
-        ).last_hidden_state
-        return p.lm_head(hidden[:, keep])
+        return _lm_logits(p, emb, attention, pos, None, False, keep, extra)[0]
 
     return run
