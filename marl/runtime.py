@@ -34,6 +34,7 @@ from polyrl.marl.api import AgentHandle, AgentInfo, Episode, Team
 from polyrl.marl.batching import Runtime
 from polyrl.marl.config import (
     JOINT_MODES,
+    AgentSpec,
     MarlOptions,
     check_critic,
     function_params,
@@ -53,13 +54,7 @@ class MarlWorkflow:
     def __init__(self, spec: WorkflowSpec, ctx: Any, options: MarlOptions) -> None:
         self.spec, self.ctx, self.options = spec, ctx, options
         cfg = ctx.cfg
-        agents = resolve_agents(
-            options.agents,
-            workflow=spec.name,
-            roles=spec.roles,
-            policies=cfg.policies,
-            min_agents=spec.min_agents,
-        )
+        agents = spec.resolve_agents(options.agents, cfg.policies)
         self.agents: dict[str, AgentInfo] = {}
         for i, a in enumerate(agents):
             if a.policy not in ctx.policies:
@@ -256,13 +251,7 @@ class WorkflowSpec:
                 f"{hint or MARL_CREDITS[0]!r} (one of {', '.join(MARL_CREDITS)})."
             )
         opts = cfg.rollout.args
-        agents = resolve_agents(
-            opts.agents,
-            workflow=self.name,
-            roles=self.roles,
-            policies=cfg.policies,
-            min_agents=self.min_agents,
-        )
+        agents = self.resolve_agents(opts.agents, cfg.policies)
         self._check_kinds(cfg, agents)
         check_critic(opts.critic)
         credit = cfg.algorithm.credit_args
@@ -279,6 +268,19 @@ class WorkflowSpec:
                 f"product of the agents' samples); workflow {self.name!r} has joint "
                 f"{opts.joint!r}"
             )
+
+    def resolve_agents(
+        self, agents: Sequence[AgentSpec], policies: dict[str, Any]
+    ) -> list[AgentSpec]:
+        """The recipe's ``rollout.args.agents`` resolved against this workflow's roles and
+        ``policies`` (:func:`polyrl.marl.config.resolve_agents`)."""
+        return resolve_agents(
+            agents,
+            workflow=self.name,
+            roles=self.roles,
+            policies=policies,
+            min_agents=self.min_agents,
+        )
 
     def _check_kinds(self, cfg: Any, agents: list) -> None:
         """Each agent's policy takes what the workflow sends it, checked from the engine
