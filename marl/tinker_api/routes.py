@@ -215,14 +215,18 @@ def make_app(service: Service) -> Starlette:
         return future(run, req.model_id)
 
     # --- sampling -------------------------------------------------------------------
+    def base_of(req: Any, missing: str) -> str:
+        """The base model a sampler is asked for: its checkpoint's (``model_path``), else
+        ``base_model``; neither given is refused with ``missing``."""
+        if req.model_path is not None:
+            return service.checkpoint_info(req.model_path)["base_model"]
+        if req.base_model is not None:
+            return req.base_model
+        raise BadRequest(missing)
+
     async def create_sampling_session(request: Request) -> Response:
         req = await parse(request, types.CreateSamplingSessionRequest)
-        if req.model_path is not None:
-            base = service.checkpoint_info(req.model_path)["base_model"]
-        elif req.base_model is not None:
-            base = req.base_model
-        else:
-            raise BadRequest("create_sampling_session: give model_path or base_model")
+        base = base_of(req, "create_sampling_session: give model_path or base_model")
         service.base(base)  # a clear error for an unserved name, before any load
         sid = await asyncio.to_thread(
             service.new_sampler, None, base, req.model_path, req.session_id
@@ -243,12 +247,7 @@ def make_app(service: Service) -> Starlette:
         if req.sampling_session_id is not None:
             sampler = service.sampler(req.sampling_session_id)
         else:  # a one-off sample: the checkpoint's shared adapter, or the base's own
-            if req.model_path is not None:
-                base_name = service.checkpoint_info(req.model_path)["base_model"]
-            elif req.base_model is not None:
-                base_name = req.base_model
-            else:
-                raise BadRequest("sample: give sampling_session_id, model_path or base_model")
+            base_name = base_of(req, "sample: give sampling_session_id, model_path or base_model")
             sid = await asyncio.to_thread(
                 service.new_sampler, None, base_name, req.model_path, None
             )
