@@ -28,7 +28,7 @@ from polyrl.agents.gateway.requests import (
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway.stream import Reply, entry, piece
+from polyrl.agents.gateway.stream import ReasoningEvents, piece
 from polyrl.agents.gateway.tokens import join_think, logprob_entries, split_think
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -281,20 +281,20 @@ def _event(kind: str, **data: Any) -> bytes:
     return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind} | data) + b"\n\n"
 
 
-class MessagesStream:
+class MessagesStream(ReasoningEvents):
     """Anthropic streaming events as the engine samples: message_start; a thinking block
     once its ``<think>`` block is closed; the text block with one ``text_delta`` per sampled
     token (the text it makes safe to show; asked for, the log-prob entries of the tokens
     since the last delta); once the call ends, the text still held back, the tool_use
     blocks, message_delta (the stop reason and usage) and message_stop."""
 
+    REASONING, ANSWER = "thinking", "text"
+
     def __init__(self, req: Request, tok: Any, prompt_len: int) -> None:
-        self.req, self.tok, self.prompt_len = req, tok, prompt_len
+        super().__init__(req, tok)
+        self.prompt_len = prompt_len
         self.mid = "msg_" + uuid.uuid4().hex
-        self.reply = Reply(tok, req, think=True)
         self.sent: list[str] = []  # the block types begun, in order
-        self.shown = ""
-        self.pending: list[dict] = []  # log-prob entries not sent yet
 
     def opening(self) -> list[bytes]:
         start: dict[str, Any] = {
@@ -335,21 +335,11 @@ class MessagesStream:
         return _event("content_block_delta", index=index,
                       delta={"type": "text_delta", "text": text}, **extra)  # fmt: skip
 
-    def token(self, choice: int, token: int, logprob: float, top: Any) -> list[bytes]:
-        req = self.req
-        if not self.reply.add(token):
-            return []
-        if req.logprobs:
-            self.pending.append(entry(self.tok, token, logprob, top, req.top_logprobs))
-        thinking, text, decided = self.reply.view()
-        out = []
-        if thinking is not None and "thinking" not in self.sent:
-            out += self._begin({"type": "thinking", "thinking": thinking})
-        if "text" not in self.sent and (text or (decided and not req.tools)):
-            out += self._begin({"type": "text"})
-        if "text" in self.sent:
-            out.append(self._delta(piece(self.shown, text)))
-        return out
+    def _begin_reasoning(self, text: str) -> list[bytes]:
+        return self._begin({"type": "thinking", "thinking": text})
+
+    def _begin_answer(self) -> list[bytes]:
+        return self._begin({"type": "text"})
 
     def failed(self, error: RequestError) -> list[bytes]:
         return [_event("error", error=error_body(error)["error"])]

@@ -29,7 +29,7 @@ from polyrl.agents.gateway.requests import (
     check_top_logprobs,
     parse_request,
 )
-from polyrl.agents.gateway.stream import Reply, entry, piece
+from polyrl.agents.gateway.stream import ReasoningEvents, piece
 from polyrl.agents.gateway.tokens import join_think, logprob_entries, split_think
 
 LOGPROBS = "message.output_text.logprobs"
@@ -373,21 +373,21 @@ class ResponsesAPI:
         return e.body()
 
 
-class ResponsesStream:
+class ResponsesStream(ReasoningEvents):
     """Responses streaming events as the engine samples: created; a reasoning item once
     its ``<think>`` block is closed; the message item with one
     ``response.output_text.delta`` per sampled token (the text it makes safe to show, the
     log-prob entries of the tokens since the last delta); once the call ends, the text
     still held back, the function calls, and completed (the exact response)."""
 
+    REASONING, ANSWER = "reasoning", "message"
+
     def __init__(self, req: Request, tok: Any, ep: EpisodeState) -> None:
-        self.req, self.tok, self.ep = req, tok, ep
+        super().__init__(req, tok)
+        self.ep = ep
         self.seq = 0
         self.rid = "resp_" + uuid.uuid4().hex
-        self.reply = Reply(tok, req, think=True)
         self.sent: dict[str, tuple[int, str]] = {}  # item type -> (output index, id) begun
-        self.shown = ""
-        self.pending: list[dict] = []  # log-prob entries not sent yet
 
     def _event(self, kind: str, **data: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq} | data
@@ -423,21 +423,11 @@ class ResponsesStream:
         return self._event("response.output_text.delta", output_index=index, item_id=item_id,
                            content_index=0, delta=text, logprobs=lps)  # fmt: skip
 
-    def token(self, choice: int, token: int, logprob: float, top: Any) -> list[bytes]:
-        req = self.req
-        if not self.reply.add(token):
-            return []
-        if req.logprobs:
-            self.pending.append(entry(self.tok, token, logprob, top, req.top_logprobs))
-        reasoning, text, decided = self.reply.view()
-        out = []
-        if reasoning is not None and "reasoning" not in self.sent:
-            out += self._begin(_reasoning_item(reasoning))
-        if "message" not in self.sent and (text or (decided and not req.tools)):
-            out += self._begin(_message_item([]))
-        if "message" in self.sent:
-            out.append(self._delta(piece(self.shown, text)))
-        return out
+    def _begin_reasoning(self, text: str) -> list[bytes]:
+        return self._begin(_reasoning_item(text))
+
+    def _begin_answer(self) -> list[bytes]:
+        return self._begin(_message_item([]))
 
     def failed(self, error: RequestError) -> list[bytes]:
         return [

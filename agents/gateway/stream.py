@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Coroutine
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Container, Coroutine
 from typing import Any
 
 from polyrl.agents.gateway.api import StreamEvents
@@ -154,6 +155,56 @@ class Reply:
             reasoning, answer = split_think(text)
             return reasoning, answer, True
         return None, text, True
+
+
+class ReasoningEvents(ABC):
+    """The token step of the APIs that show a closed ``<think>`` block as a reasoning block
+    of its own before the answer (Responses, Messages). Each sampled token goes to the
+    :class:`Reply`; asked for, its log-prob entry waits in ``pending`` for the next delta.
+    The reasoning block begins once it is closed, the answer block once there is text to
+    show or the reply's shape is known (without tools), and from then on each token sends
+    the answer text it makes safe to show (``shown``: the answer text sent so far).
+
+    A subclass makes its API's events: it names the two blocks as ``sent`` records them
+    (``REASONING``, ``ANSWER``) and begins them, and sends the deltas."""
+
+    REASONING: str
+    ANSWER: str
+    sent: Container[str]  # the blocks begun
+
+    def __init__(self, req: Request, tok: Any) -> None:
+        self.req, self.tok = req, tok
+        self.reply = Reply(tok, req, think=True)
+        self.shown = ""
+        self.pending: list[dict] = []  # log-prob entries not sent yet
+
+    @abstractmethod
+    def _begin_reasoning(self, text: str) -> list[bytes]:
+        """Begin the reasoning block (``text``: the closed ``<think>`` block's)."""
+
+    @abstractmethod
+    def _begin_answer(self) -> list[bytes]:
+        """Begin the answer block, empty."""
+
+    @abstractmethod
+    def _delta(self, text: str) -> bytes:
+        """The answer's next ``text`` with the log-prob entries ``pending`` (then sent)."""
+
+    def token(self, choice: int, token: int, logprob: float, top: Any) -> list[bytes]:
+        req = self.req
+        if not self.reply.add(token):
+            return []
+        if req.logprobs:
+            self.pending.append(entry(self.tok, token, logprob, top, req.top_logprobs))
+        reasoning, text, decided = self.reply.view()
+        out = []
+        if reasoning is not None and self.REASONING not in self.sent:
+            out += self._begin_reasoning(reasoning)
+        if self.ANSWER not in self.sent and (text or (decided and not req.tools)):
+            out += self._begin_answer()
+        if self.ANSWER in self.sent:
+            out.append(self._delta(piece(self.shown, text)))
+        return out
 
 
 def piece(shown: str, text: str) -> str:
