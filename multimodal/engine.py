@@ -27,8 +27,8 @@ from polyrl.core.engine import (
     RowStreams,
     SamplingParams,
     as_requests,
-    reserved_cache,
 )
+from polyrl.core.kv_cache import reserved_cache
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
 from polyrl.multimodal.forward import (

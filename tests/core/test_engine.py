@@ -183,7 +183,7 @@ def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypa
 
 
 def test_reserved_cache_layers_select_repeat_and_refuse_overflow():
-    from polyrl.core.engine import _ReservedLayer
+    from polyrl.core.kv_cache import _ReservedLayer
 
     layer = _ReservedLayer(room=2)
     k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
