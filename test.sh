@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 export TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy  # the core's types ([tool.mypy] in pyproject.toml)
+.venv/bin/mypy  # strict types of the core and the gateway ([tool.mypy] in pyproject.toml)
 # Two pytest-xdist workers of one thread each, a test file per worker at a time
 # (POLYRL_TEST_WORKERS=0: one process). Ray tests then run in one process, so the session
 # keeps one Ray cluster (tests/conftest.py marks every test that starts Ray).

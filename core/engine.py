@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from polyrl.core import moe
-from polyrl.core.interfaces import Engine, MixedCalls, MixesRows
+from polyrl.core.interfaces import Engine, MixedCalls, MixesRows, Policy
 from polyrl.core.kv_cache import reserved_cache
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -131,7 +131,14 @@ def token_sinks(requests: Sequence[Request], n: int) -> list[tuple[TokenSink, in
     return [(r.on_token, s) if r.on_token else None for r in requests for s in range(n)]
 
 
-def stream_tokens(sinks, rows: torch.Tensor, done: torch.Tensor, tok, lp, tops=None) -> None:
+def stream_tokens(
+    sinks: Sequence[tuple[TokenSink, int] | None],
+    rows: torch.Tensor,
+    done: torch.Tensor,
+    tok: torch.Tensor,
+    lp: torch.Tensor,
+    tops: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Hand each decoding row's new token to its sink: ``rows[j]`` is decode-batch row j's
     index into ``sinks``; rows already ``done`` sampled a token no completion keeps."""
     where, toks, lps = rows.tolist(), tok.tolist(), lp.tolist()
@@ -335,7 +342,7 @@ class HFEngine:
     """
 
     def __init__(
-        self, policy, *, batch_size: int = 256, seed: int = 0, drop_finished: bool = True
+        self, policy: Policy, *, batch_size: int = 256, seed: int = 0, drop_finished: bool = True
     ) -> None:
         self.policy = policy
         self.batch_size = batch_size
@@ -465,7 +472,7 @@ class HFEngine:
         rows: Sequence[Row],
         params: SamplingParams,
         gen: torch.Generator | RowStreams,
-        sinks=None,
+        sinks: list[tuple[TokenSink, int] | None] | None = None,
         route: Route | None = None,
     ) -> list[Completion]:
         model = self.policy.model if route is None else route(None)
@@ -495,7 +502,7 @@ class HFEngine:
         rows: Sequence[Row],
         params: SamplingParams,
         gen: torch.Generator | RowStreams,
-        sinks=None,
+        sinks: list[tuple[TokenSink, int] | None] | None = None,
         *,
         refresh: Callable[[], int] | None = None,
         route: Route | None = None,
