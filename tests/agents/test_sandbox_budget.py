@@ -200,6 +200,7 @@ print("survived")
 """
 
 
+@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot (1129 MiB)
 def test_system_v_segments_count_against_the_runs_budget():
     if not capabilities()["ipc_namespace"]:
         pytest.skip("no IPC namespace here: the outside view cannot find the segments")
