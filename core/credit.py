@@ -7,16 +7,13 @@ that need the record's joint structure (MAGRPO trees, GiGPO step groups).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core.record import GROUP_KEYS, group_ids
 from polyrl.core.registry import ADVANTAGES, CREDIT
-
-if TYPE_CHECKING:  # algorithms imports this module
-    from polyrl.core.algorithms import AlgorithmConfig
 
 # A group's std below this fraction of its largest |value| is rounding, not spread: float64
 # sums of equal values leave ~1e-16 relative, while two float32 rewards one ulp apart in a
@@ -91,7 +88,16 @@ def group_advantages(
     return torch.where(flat, 0.0, centred)
 
 
-def group_credit(record: TensorDict, algo: AlgorithmConfig) -> dict[str, float]:
+class CreditSettings(Protocol):
+    """What credit reads of the recipe's ``algorithm`` section (``AlgorithmConfig``, which
+    imports this module, so it is named here by shape)."""
+
+    advantage: str
+    credit: str
+    credit_args: Any
+
+
+def group_credit(record: TensorDict, algo: CreditSettings) -> dict[str, float]:
     """Advantages for valid rows from the registered estimator; invalid rows get 0."""
     mask = record["loss_mask"].float()
     adv = torch.zeros_like(mask)
@@ -113,7 +119,7 @@ def group_credit(record: TensorDict, algo: AlgorithmConfig) -> dict[str, float]:
     }
 
 
-def assign(record: TensorDict, algo: AlgorithmConfig) -> dict[str, float]:
+def assign(record: TensorDict, algo: CreditSettings) -> dict[str, float]:
     """Advantages by the recipe's credit scheme, called with its typed options."""
     options = CREDIT.bind(algo.credit, algo.credit_args, "algorithm.credit_args")
     return CREDIT.get(algo.credit)(record, algo, **options)
