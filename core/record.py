@@ -135,20 +135,22 @@ def text_record(
         Tokens(list(r), list(lp), list(m) + [0] * (len(r) - len(m)))
         for r, lp, m in zip(response_ids, rollout_logprobs, masks, strict=True)
     ]
-    fields = zip(  # Row's fields after prompt and response, in its order
-        policy,
-        uid,
-        column(agent_id, int),
-        column(turn, int),
-        column(node, int),
-        column(prompt_text, str),
-        column(response_text, str),
-        column(meta, dict),
-        column(truncated, bool),
-        strict=True,
-    )
+    columns: dict[str, list[Any]] = {
+        "policy": list(policy),
+        "uid": list(uid),
+        "agent_id": column(agent_id, int),
+        "turn": column(turn, int),
+        "node": column(node, int),
+        "prompt_text": column(prompt_text, str),
+        "response_text": column(response_text, str),
+        "meta": column(meta, dict),
+        "truncated": column(truncated, bool),
+    }
+    if any(len(values) != n for values in columns.values()):
+        raise ValueError(f"text_record: every per-row field must have {n} entries")
     rows = [
-        Row(Tokens.given(p), r, *f) for p, r, f in zip(prompt_ids, responses, fields, strict=True)
+        Row(Tokens.given(p), r, **{name: values[k] for name, values in columns.items()})
+        for k, (p, r) in enumerate(zip(prompt_ids, responses, strict=True))
     ]
     return _assemble(rows, pad_id)
 
