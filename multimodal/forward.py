@@ -18,6 +18,7 @@ rank with only text rows would otherwise hang the others). The inputs come from
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -212,10 +213,7 @@ def row_positions(
 
 def response_logprobs(
     model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
     rows: list[VisionInputs | None],
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -227,7 +225,10 @@ def response_logprobs(
     by M-RoPE.
 
     ``shared_prefix``: where the cost model says it pays, :func:`shared_logprobs` (each
-    shared prefix, images included, once); else the padded pass over every row."""
+    shared prefix, images included, once); else the padded pass over every row. ``batch``:
+    the rows' ``prompt_ids``, ``prompt_mask``, ``response_ids`` and ``response_mask``."""
+    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+    response_ids, response_mask = batch["response_ids"], batch["response_mask"]
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     mask = torch.cat([prompt_mask, response_mask], dim=1)
     r = response_ids.shape[1]
@@ -236,10 +237,7 @@ def response_logprobs(
     if shared_prefix:
         out = shared_logprobs(
             model,
-            prompt_ids,
-            prompt_mask,
-            response_ids,
-            response_mask,
+            batch,
             rows,
             (positions, image_mask, video_mask),
             temperature,
@@ -373,10 +371,7 @@ def shared_units(
 
 def shared_logprobs(
     model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
     rows: list[VisionInputs | None],
     placed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     temperature: float = 1.0,
@@ -395,10 +390,11 @@ def shared_logprobs(
     takes, so rows share a prefix only where its tokens and images are the same.
     """
     positions, image_mask, video_mask = placed
+    prompt_mask, response_mask = batch["prompt_mask"], batch["response_mask"]
     if not bool(response_mask.bool().any()) or not bool(prompt_mask.bool().any(-1).all()):
         return None
     p = parts(model)
-    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
     found = mark_media(p, ids, rows, image_mask, video_mask)
     if found is None:
         return None
@@ -407,12 +403,6 @@ def shared_logprobs(
     if plan is None:
         return None
     units, tokens, _ = plan
-    batch = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-    }
     inputs = TreeInputs(tokens, positions, _tree_forward(p, media, dummy_if_empty))
     return passes_shared(model, batch, units, temperature, with_entropy, inputs=inputs)
 

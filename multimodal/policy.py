@@ -97,10 +97,7 @@ class ResponseScorer(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return forward.response_logprobs(
             self.model,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            batch["response_ids"],
-            batch["response_mask"],
+            batch,
             rows,
             temperature,
             with_entropy,

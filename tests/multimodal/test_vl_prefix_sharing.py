@@ -169,11 +169,8 @@ def _takes_the_tree_pass(model, batch, rows, min_shared=4) -> bool:
     placed = forward.row_positions(
         forward.parts(model), batch["prompt_ids"], batch["prompt_mask"], ids, mask, rows
     )
-    args = (batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"])
     with torch.no_grad():
-        out = forward.shared_logprobs(
-            model, *args, batch["response_mask"], rows, placed, min_shared=min_shared
-        )
+        out = forward.shared_logprobs(model, batch, rows, placed, min_shared=min_shared)
     return out is not None
 
 
