@@ -41,7 +41,7 @@ class ChatAPI:
                 "logprobs": None,
             }
             if req.logprobs:
-                content = logprob_entries(tok, c.ids, c.logprobs, c.tops, req.top_logprobs)
+                content = logprob_entries(tok, c.tokens, req.top_logprobs)
                 entry["logprobs"] = {"content": content, "refusal": None}
             choices.append(entry)
         completion = sum(len(c.ids) for c in call.choices)

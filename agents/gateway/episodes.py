@@ -32,15 +32,6 @@ class Choice:
     def ids(self) -> list[int]:
         return self.tokens.ids
 
-    @property
-    def logprobs(self) -> list[float]:
-        return self.tokens.logprobs or [0.0] * len(self.tokens)
-
-    @property
-    def tops(self) -> list | None:
-        """Per token the likeliest (ids, log-probs), when the call asked for them."""
-        return self.tokens.top
-
 
 @dataclass
 class Images:

@@ -253,7 +253,7 @@ def answer(req: Request, call: Call, tok: Any, mid: str | None = None) -> dict[s
         },
     }
     if req.logprobs:
-        entries = logprob_entries(tok, choice.ids, choice.logprobs, choice.tops, req.top_logprobs)
+        entries = logprob_entries(tok, choice.tokens, req.top_logprobs)
         out["logprobs"] = {"content": entries}
     return out
 

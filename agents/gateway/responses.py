@@ -282,9 +282,7 @@ def _output(req: Request, choice: Choice, tok: Any) -> list[dict]:
     if answer_text or not calls:
         part: dict[str, Any] = {"type": "output_text", "text": answer_text, "annotations": []}
         if req.logprobs:
-            part["logprobs"] = logprob_entries(
-                tok, choice.ids, choice.logprobs, choice.tops, req.top_logprobs
-            )
+            part["logprobs"] = logprob_entries(tok, choice.tokens, req.top_logprobs)
         items.append(_message_item([part]))
     for c in calls:
         items.append(

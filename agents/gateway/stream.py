@@ -241,9 +241,10 @@ async def drive(live: Live, events: StreamEvents) -> AsyncIterator[bytes]:
             yield chunk
         return
     for i, c in enumerate(call.choices):
-        tops = c.tops or [None] * len(c.ids)
-        for k in range(seen.get(i, 0), len(c.ids)):
-            for chunk in events.token(i, c.ids[k], c.logprobs[k], tops[k]):
+        rest = c.tokens[seen.get(i, 0) :]
+        tops: list[Any] = rest.top or [None] * len(rest)
+        for tid, lp, top in zip(rest.ids, rest.materialised("logprobs"), tops, strict=True):
+            for chunk in events.token(i, tid, lp, top):
                 yield chunk
     for chunk in events.closing(call):
         yield chunk

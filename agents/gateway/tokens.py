@@ -2,14 +2,16 @@
 ``top_logprobs``) and the ``<think>`` split of a reply into reasoning and answer (what
 streaming shows as it comes is :mod:`polyrl.agents.gateway.stream`).
 
-Every API answers from the same :class:`~polyrl.agents.gateway.server.Choice` (the ids and
-log-probs the engine gave); these helpers only shape them, so what an agent reads equals
-what the record keeps.
+Every API answers from the same :class:`~polyrl.agents.gateway.episodes.Choice` (the
+engine's token segment: ids, log-probs, top alternatives); these helpers only shape it, so
+what an agent reads equals what the record keeps.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from polyrl.core.segment import Tokens
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -19,17 +21,15 @@ def token_entry(tok: Any, tid: int, logprob: float) -> dict:
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
-def logprob_entries(
-    tok: Any, ids: list[int], logps: list[float], tops: list[Any] | None, k: int
-) -> list[dict]:
+def logprob_entries(tok: Any, tokens: Tokens, k: int) -> list[dict]:
     """OpenAI ``logprobs.content`` entries: per sampled token its text, log-prob, bytes and
     (``k`` > 0) the ``k`` likeliest alternatives the engine saw at that step."""
     out = []
-    for j, (tid, lp) in enumerate(zip(ids, logps, strict=True)):
+    for j, (tid, lp) in enumerate(zip(tokens.ids, tokens.materialised("logprobs"), strict=True)):
         entry = token_entry(tok, tid, lp)
         alts = []
-        if k and tops is not None:
-            top_ids, top_lps = tops[j]
+        if k and tokens.top is not None:
+            top_ids, top_lps = tokens.top[j]
             alts = [token_entry(tok, a, b) for a, b in zip(top_ids[:k], top_lps[:k], strict=True)]
         entry["top_logprobs"] = alts
         out.append(entry)
