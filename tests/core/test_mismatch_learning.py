@@ -9,7 +9,8 @@ Greedy evaluation is unperturbed: held-out accuracy measures the trained policy.
 First the engine itself (fast): its samples follow the perturbed distribution and its
 log-probs are that distribution's, checked against an independent float64 computation.
 Then learning (slow): one SFT warm start, then GRPO from it with correction off, TIS
-(truncate) and MIS (mask). One seed in CI; three seeds and every mode under -m seeds.
+(truncate) and MIS (mask). One seed and one correction (sequence TIS) in CI; three seeds and
+every mode under -m seeds.
 """
 
 from __future__ import annotations
@@ -219,14 +220,15 @@ def _check_mismatch_metrics(runs: dict) -> None:
 @pytest.mark.timeout(1800)
 def test_correction_recovers_learning_under_a_perturbed_engine(tiny_model_dir, tmp_path):
     model = _warm_start(tiny_model_dir, tmp_path, seed=0)
+    # one correction in CI (seed 0: off 0.523, sequence TIS 0.630); every mode, three
+    # seeds, in test_correction_recovers_learning_three_seeds
     runs = {
         name: _grpo(model, tmp_path, 0, name, PERTURBED + MODES[name])
-        for name in ("off", "sequence TIS", "token MIS")
+        for name in ("off", "sequence TIS")
     }
     _check_mismatch_metrics(runs)
     off = runs["off"]["late"]
-    for name in ("sequence TIS", "token MIS"):
-        assert runs[name]["late"] >= off + 0.05, (name, runs[name]["late"], off)
+    assert runs["sequence TIS"]["late"] >= off + 0.05, (runs["sequence TIS"]["late"], off)
 
 
 @pytest.mark.learning
