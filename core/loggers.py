@@ -9,9 +9,13 @@ network:
 - ``mlflow``: a file store in ``run.dir/mlruns`` (browse it with
   ``mlflow ui --backend-store-uri run.dir/mlruns``).
 
+``run.prometheus_port`` adds one more, the one that is not a file: a Prometheus endpoint
+serving the last step's metrics and live figures while the run lasts
+(:mod:`polyrl.core.prometheus`).
+
 The packages are imported only when a logger opens; a recipe that names one whose package
-is missing fails at load (:func:`check_loggers`). A resumed run opens a new wandb / MLflow
-run that continues at the checkpoint's step.
+is missing fails at load (:func:`check_loggers`, :func:`~polyrl.core.prometheus.check_prometheus`).
+A resumed run opens a new wandb / MLflow run that continues at the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from polyrl.core.config import ConfigError
+from polyrl.core.prometheus import PrometheusLogger, check_prometheus
 
 LoggerName = Literal["tensorboard", "wandb", "mlflow"]
 INSTALL = "pip install 'polyrl[loggers]'"
@@ -143,8 +148,24 @@ def check_loggers(names: Sequence[str], source: str = "<config>") -> None:
 
 
 def open_loggers(
-    names: Sequence[str], run_dir: Path, name: str, config: dict | None = None
+    names: Sequence[str],
+    run_dir: Path,
+    name: str,
+    config: dict | None = None,
+    prometheus_port: int | None = None,
 ) -> list[MetricLogger]:
-    """One open logger per name, writing under ``run_dir``."""
+    """One open logger per name, writing under ``run_dir``, and the Prometheus endpoint on
+    ``prometheus_port`` (None: none). A logger that fails to open closes those before it."""
     check_loggers(names)
-    return [LOGGERS[n](run_dir, name, config) for n in names]
+    check_prometheus(prometheus_port)
+    opened: list[MetricLogger] = []
+    try:
+        for n in names:
+            opened.append(LOGGERS[n](run_dir, name, config))
+        if prometheus_port is not None:
+            opened.append(PrometheusLogger(prometheus_port, name))
+    except BaseException:
+        for logger in opened:
+            logger.close()
+        raise
+    return opened

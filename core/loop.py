@@ -27,7 +27,11 @@ def train(cfg: Config) -> RunDir:
     tracer = Tracer(run.path / "trace", cfg.run.trace_every) if cfg.run.trace_every else None
     first = s.evaluate("eval") if s.step == 0 else {}
     run.log(s.step, first)
-    with Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar, tracing(tracer):
+    with (
+        run.closed_on_error(),  # a raising step still stops the loggers (Prometheus' server)
+        Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar,
+        tracing(tracer),
+    ):
         bar.update(s.step, first)
         for step in range(s.step + 1, cfg.train.steps + 1):
             t0, updates = time.perf_counter(), dict[str, float]()

@@ -19,6 +19,7 @@ from polyrl.core.interfaces import (
 )
 from polyrl.core.loggers import LoggerName, check_loggers
 from polyrl.core.policy import PolicyConfig, check_moe_options, resolve_device
+from polyrl.core.prometheus import check_prometheus
 from polyrl.core.registry import (
     BACKENDS,
     CREDIT,
@@ -61,6 +62,13 @@ class RunConfig:
         "wandb and mlflow need pip install 'polyrl[loggers]'",
     )
     progress: bool = doc(True, "show a progress bar")
+    prometheus_port: int | None = doc(
+        None,
+        "serve the last logged step's metrics (polyrl_<key>, e.g. polyrl_reward_mean) and "
+        "live figures (engine busy share, async queue, gateway latency) for Prometheus at "
+        "http://HOST:PORT/metrics while the run lasts; 0: a free port, printed at start; "
+        "null: off. Needs pip install 'polyrl[loggers]'. See polyrl.core.prometheus",
+    )
     trace_every: int = doc(
         0,
         "record every N-th step's timeline (phases, engine calls, micro-batches, syncs) in "
@@ -217,6 +225,7 @@ class Config:
         self.bind_options(source)
         check_build_conflicts(self.policies, source)
         check_loggers(self.run.loggers, source)
+        check_prometheus(self.run.prometheus_port, source)
         for name, p in self.policies.items():
             if not p.model:
                 raise ConfigError(f"policies.{name}.model is empty: give a local path or hub id")

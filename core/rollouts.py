@@ -54,7 +54,7 @@ from polyrl.core.data import PromptSampler
 from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Engine, Policy, ReportsRollout, Shadows, Workflow
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid
-from polyrl.core.timeline import span
+from polyrl.core.timeline import instant, span
 from polyrl.core.timeline import step as traced_step
 
 
@@ -315,6 +315,8 @@ class Ahead:
                     if self.partial:
                         own["async/mixed_version_rows"] = float(self.mixed_rows)
                     self.out.put((b, record, own))
+                    # live readers (polyrl.core.prometheus): how far ahead the producer is
+                    instant("batch_ready", batch=b, version=need, queued=self.out.qsize())
         except BaseException as e:  # surfaces in the trainer's next()
             self.out.put((None, e, None))
 
@@ -328,8 +330,9 @@ class Ahead:
             )
             self.thread.daemon = True
             self.thread.start()
-        with span("wait_rollout"):
+        with span("wait_rollout") as waited:
             b, record, own = self.out.get()
+            waited.add(queued=self.out.qsize())
         if b is None:
             raise record
         if b != step:

@@ -8,6 +8,7 @@ the data position and the step.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -17,7 +18,7 @@ import re
 import resource
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,8 @@ def set_rng_state(state: dict) -> None:
 
 class RunDir:
     """``loggers`` (``run.loggers``) receive every logged step besides ``metrics.jsonl``;
-    ``tensorboard=False`` (``run.tensorboard``) leaves TensorBoard out of them."""
+    ``tensorboard=False`` (``run.tensorboard``) leaves TensorBoard out of them;
+    ``prometheus_port`` (``run.prometheus_port``) serves them live until :meth:`close`."""
 
     def __init__(
         self,
@@ -124,6 +126,7 @@ class RunDir:
         *,
         tensorboard: bool = True,
         loggers: Sequence[str] = ("tensorboard",),
+        prometheus_port: int | None = None,
     ):
         self.path = Path(path).expanduser()
         try:
@@ -142,9 +145,9 @@ class RunDir:
         self.samples_dir.mkdir(exist_ok=True)
         if config is not None:
             (self.path / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        self._metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         names = [n for n in loggers if tensorboard or n != "tensorboard"]
-        self._loggers = open_loggers(names, self.path, self.path.name, config)
+        self._loggers = open_loggers(names, self.path, self.path.name, config, prometheus_port)
+        self._metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
 
     # --- logs ---------------------------------------------------------------------------
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -166,9 +169,23 @@ class RunDir:
         return out
 
     def close(self) -> None:
+        """Close the metrics file and the loggers (a Prometheus endpoint stops serving);
+        a second call does nothing."""
+        if self._metrics.closed:
+            return
         self._metrics.close()
         for logger in self._loggers:
             logger.close()
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Close the run if the block raises: a failed step leaves no logger's thread or
+        port open (the Prometheus endpoint) in a process that goes on."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     # --- checkpoints --------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -157,6 +157,7 @@ class Session:
             to_dict(cfg) if record else None,
             tensorboard=cfg.run.tensorboard and record,
             loggers=cfg.run.loggers if record else (),
+            prometheus_port=cfg.run.prometheus_port if record else None,
         )
         seed_everything(cfg.seed)
         sources = prepare_task(cfg, run.path)

@@ -16,6 +16,10 @@ Code marks phases with :func:`span` and :func:`instant`; both find the recording
 in a context variable that :func:`step` sets for a sampled step (a thread inherits it
 where it is started with the caller's context, as the async producer is), so nothing is
 handed through every call and an unsampled step costs one ``ContextVar.get``.
+
+Live readers (the Prometheus endpoint, :mod:`polyrl.core.prometheus`) :func:`watch` every
+span and instant of the process, sampled or not: a watcher is process-wide, since the
+gateway's server threads and a run's worker threads do not all share the loop's context.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,6 +40,11 @@ _TRACER: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar(
     "polyrl_tracer", default=None
 )
 _LIVE: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("polyrl_live", default=None)
+
+# (name, start_us, dur_us or None for an instant, args): told of every span and instant
+Watcher = Callable[[str, float, "float | None", dict[str, Any]], None]
+_WATCHERS: tuple[Watcher, ...] = ()  # replaced whole, so span() reads it without a lock
+_WATCH_LOCK = threading.Lock()
 
 
 def _now_us() -> float:
@@ -99,12 +108,13 @@ class Tracer:
 
 
 class Span:
-    """An open span; :meth:`add` puts facts learned inside it (tokens made) in its args."""
+    """An open span; :meth:`add` puts facts learned inside it (tokens made) in its args.
+    ``tracer`` None: only the watchers hear of it (an unsampled step)."""
 
     __slots__ = ("tracer", "name", "args", "start", "lane")
 
     def __init__(
-        self, tracer: Tracer, name: str, args: dict[str, Any], lane: str | None = None
+        self, tracer: Tracer | None, name: str, args: dict[str, Any], lane: str | None = None
     ) -> None:
         self.tracer, self.name, self.args, self.lane = tracer, name, args, lane
 
@@ -124,16 +134,19 @@ class Span:
         end = _now_us()
         if kind is not None:
             self.args["error"] = kind.__name__
-        self.tracer.emit(
-            {
-                "ph": "X",
-                "name": self.name,
-                "ts": self.start,
-                "dur": end - self.start,
-                "args": self.args,
-            },
-            self.lane,
-        )
+        if self.tracer is not None:
+            self.tracer.emit(
+                {
+                    "ph": "X",
+                    "name": self.name,
+                    "ts": self.start,
+                    "dur": end - self.start,
+                    "args": self.args,
+                },
+                self.lane,
+            )
+        for watcher in _WATCHERS:
+            watcher(self.name, self.start, end - self.start, self.args)
 
 
 class _Off:
@@ -157,16 +170,38 @@ OFF = _Off()
 def span(name: str, *, lane: str | None = None, **args: Any) -> Span | _Off:
     """``with span("generate", requests=8) as s: ...; s.add(tokens=n)``: one complete
     event when a sampled step is recording, nothing otherwise. ``lane``: a track of its
-    own (see :meth:`Tracer.emit`)."""
+    own (see :meth:`Tracer.emit`). Watchers hear of it in every step."""
     tracer = _LIVE.get()
-    return OFF if tracer is None else Span(tracer, name, args, lane)
+    if tracer is None and not _WATCHERS:
+        return OFF
+    return Span(tracer, name, args, lane)
 
 
 def instant(name: str, **args: Any) -> None:
-    """A point in time (a dropped group, a refresh), when a sampled step is recording."""
+    """A point in time (a dropped group, a refresh), when a sampled step is recording;
+    watchers hear of it in every step."""
     tracer = _LIVE.get()
+    now = _now_us()
     if tracer is not None:
-        tracer.emit({"ph": "i", "s": "t", "name": name, "ts": _now_us(), "args": args})
+        tracer.emit({"ph": "i", "s": "t", "name": name, "ts": now, "args": args})
+    for watcher in _WATCHERS:
+        watcher(name, now, None, args)
+
+
+@contextlib.contextmanager
+def watch(watcher: Watcher) -> Iterator[None]:
+    """Tell ``watcher`` of every span and instant in this process within the block (from
+    any thread, recorded or not). It runs on the thread that closes the span: keep it quick."""
+    global _WATCHERS
+    with _WATCH_LOCK:
+        _WATCHERS = (*_WATCHERS, watcher)
+    try:
+        yield
+    finally:
+        with _WATCH_LOCK:
+            rest = list(_WATCHERS)
+            rest.remove(watcher)
+            _WATCHERS = tuple(rest)
 
 
 def recording() -> Tracer | None:

@@ -121,8 +121,9 @@ def test_extras():
 
 
 # Core modules whose third-party import is optional: the vLLM engine is picked by name,
-# and run.loggers' wandb / mlflow come with the `loggers` extra (checked at recipe load).
-OPTIONAL_CORE_IMPORTS = {"vllm", "wandb", "mlflow"}
+# and run.loggers' wandb / mlflow and run.prometheus_port's prometheus_client come with the
+# `loggers` extra (checked at recipe load).
+OPTIONAL_CORE_IMPORTS = {"vllm", "wandb", "mlflow", "prometheus_client"}
 
 
 def test_core_imports_are_base_dependencies():
