@@ -531,7 +531,11 @@ class VLLMOptions(Options):
         False, "GPU: free the engine's memory while the trainer updates (sleep/wake)"
     )
     sleep_level: int = doc(1, "1: offload weights to CPU while asleep; 2: discard them")
-    dtype: str | None = doc(None, "weights dtype in vLLM (e.g. bfloat16); null: the policy's")
+    dtype: str | None = doc(
+        None,
+        "weights dtype in vLLM (e.g. bfloat16); null: bfloat16 for a bfloat16 policy on GPU, "
+        "else float32",
+    )
     llm_args: dict = doc({}, "further keyword arguments of vllm.LLM, passed as given")
 
 

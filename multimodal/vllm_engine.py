@@ -38,13 +38,15 @@ Importing this module does not import vllm (the engine does, when it is built).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Any
 
+from polyrl.core.config import doc
 from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.registry import ENGINES
 from polyrl.core.segment import Tokens
-from polyrl.core.vllm_engine import VLLMEngine
+from polyrl.core.vllm_engine import VLLMEngine, VLLMOptions
 from polyrl.multimodal.forward import parts
 from polyrl.multimodal.vision import VisionInputs, recover_images
 
@@ -139,46 +141,16 @@ class VLLMVLEngine(VLLMEngine):
         policy,
         *,
         seed: int = 0,
-        max_model_len: Annotated[
-            int | None, "longest prompt + response vLLM plans for (null: the model's)"
-        ] = None,
-        kv_cache_gb: Annotated[
-            float | None, "KV cache size in GiB (null: 1 on CPU; on GPU from the utilisation)"
-        ] = None,
-        gpu_memory_utilization: Annotated[float, "share of the GPU's memory vLLM may take"] = 0.5,
-        enable_sleep_mode: Annotated[
-            bool, "free vLLM's GPU memory between rollouts (GPU only)"
-        ] = False,
-        sleep_level: Annotated[int, "1: keep weights in CPU memory; 2: drop them"] = 1,
-        dtype: Annotated[
-            str | None, "vLLM's dtype (null: bfloat16 for a bfloat16 policy on GPU, else float32)"
-        ] = None,
-        mm_processor_kwargs: Annotated[
-            dict[str, Any] | None,
-            "options of vLLM's multimodal processor (do_resize is always false: images "
-            "arrive resized)",
-        ] = None,
-        llm_args: Annotated[
-            dict[str, Any] | None, "further keyword arguments of vllm.LLM (e.g. enforce_eager)"
-        ] = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **vllm: Any,
     ) -> None:
+        """``vllm``: the vllm engine's options (:class:`~polyrl.core.vllm_engine.VLLMOptions`)."""
         p = parts(policy.model)
         self.image_token_id, self.merge_size = p.image_token_id, p.merge_size
         self.image_processor = policy.processor.image_processor
         # The images arrive resized (vision.process): keep vLLM from resizing them again.
         mm_kwargs = {**(mm_processor_kwargs or {}), "do_resize": False}
-        super().__init__(
-            policy,
-            seed=seed,
-            max_model_len=max_model_len,
-            kv_cache_gb=kv_cache_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode,
-            sleep_level=sleep_level,
-            dtype=dtype,
-            mm_processor_kwargs=mm_kwargs,
-            **(llm_args or {}),
-        )
+        super().__init__(policy, seed=seed, mm_processor_kwargs=mm_kwargs, **vllm)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
@@ -270,4 +242,14 @@ class VLLMVLEngine(VLLMEngine):
         return check
 
 
-ENGINES.register("vllm_vl", VLLMVLEngine)
+@dataclasses.dataclass
+class VLLMVLOptions(VLLMOptions):
+    """Options of the vllm_vl engine: the vllm engine's and its multimodal processor's."""
+
+    mm_processor_kwargs: dict | None = doc(
+        None,
+        "options of vLLM's multimodal processor (do_resize is always false: images arrive resized)",
+    )
+
+
+ENGINES.register("vllm_vl", VLLMVLEngine, options=VLLMVLOptions)
