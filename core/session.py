@@ -129,12 +129,12 @@ class Session:
     eval_items: list
     trained: list[str]
     gen: torch.Generator
+    reward_runners: dict  # terms scored on their own actors
+    sources: DataSources  # the data configs read (task paths filled in)
+    rollouts: InStep | Ahead  # where each step's batch comes from (polyrl.core.rollouts)
+    correction: str  # the rollout-correction level in force for this run's engines
     step: int = 0
     history: dict[str, list] = field(default_factory=dict)
-    reward_runners: dict = field(default_factory=dict)  # terms scored on their own actors
-    sources: DataSources | None = None  # the data configs read (task paths filled in)
-    rollouts: Any = None  # where each step's batch comes from (polyrl.core.rollouts)
-    correction: str = "off"  # the rollout-correction level in force for this run's engines
 
     @classmethod
     def open(cls, cfg: Config, *, record: bool = True) -> Session:
@@ -205,6 +205,8 @@ class Session:
         )
         ctx = Context(cfg, policies, engines, run_dir=run.path)
         workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
+        parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
+        exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
         s = cls(
             cfg,
             run,
@@ -219,11 +221,9 @@ class Session:
             torch.Generator().manual_seed(cfg.seed),
             reward_runners=backend.reward_runners(cfg.reward),
             sources=sources,
+            rollouts=Ahead(parts, k, versions, cfg.rollout.partial) if k else InStep(parts),
+            correction=cfg.algorithm.rollout_correction.resolved(exact, k),
         )
-        parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
-        s.rollouts = Ahead(parts, k, versions, cfg.rollout.partial) if k else InStep(parts)
-        exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
-        s.correction = cfg.algorithm.rollout_correction.resolved(exact, k)
         if record:
             run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
         latest = run.load_latest() if cfg.run.resume else None
@@ -250,7 +250,7 @@ class Session:
             if paints_images(self.engines[name]):  # a painter's warm start is on images
                 continue
             policy = self.policies[name]
-            sft = self.sources.sft if self.sources else cfg.sft.data
+            sft = self.sources.sft
             data = DATASETS.get(sft.kind)(sft, policy.tokenizer, name="sft")
             sampler = PromptSampler(data, cfg.sft.batch_size, cfg.seed + 1)
             with policy.sft_optimizer(cfg.sft.lr):
