@@ -237,6 +237,20 @@ class RayLoRA(Protocol):
 
 
 @runtime_checkable
+class MakesImages(Protocol):
+    """A policy whose rows are images made in denoising steps, not tokens (a diffusion
+    policy): :mod:`polyrl.core.throughput` reports its images/s, and its MFU from what one
+    step costs (the record's ``response_mask`` marks a row's steps, ``loss_mask`` the
+    trained ones)."""
+
+    def step_flops(self, record: TensorDict) -> tuple[torch.Tensor, ...] | None:
+        """Per row of ``record``: the FLOPs of one denoising step as sampled, as trained
+        (forward and backward) and as a log-prob pass without gradient (old or reference
+        log-probs); None where the model's count is not known."""
+        ...
+
+
+@runtime_checkable
 class OwnsKL(Protocol):
     """A policy whose KL to its reference is not a function of per-token log-probs (say,
     two Gaussians compared through their means), for the estimators it names.

@@ -20,6 +20,12 @@ paper's appendix for attention), read off the model's Hugging Face config:
 - training costs three forwards (backward = 2x forward) per epoch, plus one forward over
   every valid row for each of the old and reference log-prob passes the update runs.
 
+A policy whose rows are images (``MakesImages``: diffusion) reports
+``perf/<policy>/images`` and ``images_per_s`` (per second of the step) instead of tokens,
+and its FLOPs from its own count of a denoising step (e.g. ``polyrl.diffusion.flops``):
+every step of a row as sampled, every trained step of the rows the update runs as trained
+(once per epoch), and the trained steps of every valid row once per old / reference pass.
+
 MFU = the step's model FLOPs (generation and training) / (step seconds x the device's
 peak). The peak is the dense bf16 tensor-core figure for known GPUs (:data:`PEAK_TFLOPS`)
 and, on a CPU, a float32 matrix product measured once per process.
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.interfaces import MakesImages
 from polyrl.core.record import strings
 
 # dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' data sheets;
@@ -134,6 +141,7 @@ class Throughput:
         """``device``: whose peak (None: the GPU if any, else the CPU); ``peak``: FLOP/s to
         use instead of looking it up (a device missing from the table)."""
         self.flops: dict[str, ModelFlops | None] = {}
+        self.painters = {n: p for n, p in policies.items() if isinstance(p, MakesImages)}
         for name, p in policies.items():
             config = getattr(getattr(p, "model", None), "config", None)  # Ray: on its actors
             self.flops[name] = model_flops(config) if config is not None else None
@@ -165,14 +173,21 @@ class Throughput:
             moves = (record["advantages"] != 0) & (record["loss_mask"] != 0)
             signal = valid & moves.any(-1)
         out: dict[str, float] = {}
-        gen_all = train_all = 0
-        flops_all, counted = 0.0, True
+        gen_all = train_all = images_all = 0
+        flops_all, counted, token_update_s = 0.0, True, 0.0
         for name in dict.fromkeys(names):
             rows = [i for i, n in enumerate(names) if n == name]
-            gen = int(response[rows].sum())
             mine = [i for i in rows if bool(valid[i])] if name in update_s else []
             # the rows the epochs run (one at least: the optimizer steps on zero gradients)
             run = [i for i in mine if bool(signal[i])] or mine[:1]
+            if name in self.painters:
+                figures, flops = self._images(name, record, rows, mine, run, step_s, update_s)
+                out |= figures
+                images_all += len(rows)
+                counted = counted and flops is not None
+                flops_all += flops or 0.0
+                continue
+            gen = int(response[rows].sum())
             trained = int(total[run].sum()) * self.epochs
             key = f"perf/{name}"
             out[f"{key}/gen_tokens"] = float(gen)
@@ -182,6 +197,7 @@ class Throughput:
                 out[f"{key}/train_tokens"] = float(trained)
                 out[f"{key}/train_tokens_per_s"] = trained / max(update_s[name], 1e-9)
                 train_all += trained
+                token_update_s += update_s[name]
             cost = self.flops.get(name)
             if cost is None:
                 counted = False
@@ -192,10 +208,39 @@ class Throughput:
             flops_all += gen_flops + train_flops
             if name in update_s:
                 out[f"{key}/mfu"] = train_flops / (max(update_s[name], 1e-9) * self._peak())
-        out["perf/gen_tokens_per_s"] = gen_all / step_s
-        if update_s:
-            out["perf/train_tokens_per_s"] = train_all / max(sum(update_s.values()), 1e-9)
+        if len(self.painters) < len(self.flops) or not self.painters:  # token policies
+            out["perf/gen_tokens_per_s"] = gen_all / step_s
+            if token_update_s:
+                out["perf/train_tokens_per_s"] = train_all / max(token_update_s, 1e-9)
+        if self.painters:
+            out["perf/images_per_s"] = images_all / step_s
         if counted:
             out["perf/tflops"] = flops_all / 1e12
             out["perf/mfu"] = flops_all / (step_s * self._peak())
         return out
+
+    def _images(
+        self,
+        name: str,
+        record: TensorDict,
+        rows: list[int],
+        mine: list[int],
+        run: list[int],
+        step_s: float,
+        update_s: Mapping[str, float],
+    ) -> tuple[dict[str, float], float | None]:
+        """An image policy's figures and its FLOPs this step (None: its count is unknown)."""
+        key = f"perf/{name}"
+        out = {f"{key}/images": float(len(rows)), f"{key}/images_per_s": len(rows) / step_s}
+        costs = self.painters[name].step_flops(record)
+        if costs is None:
+            return out, None
+        sample, trained, passes = (c.double().cpu() for c in costs)
+        steps = record["response_mask"].sum(-1).double().cpu()  # each row's denoising steps
+        learn = record["loss_mask"].sum(-1).double().cpu()  # and those trained
+        gen_flops = float((steps[rows] * sample[rows]).sum())
+        train_flops = self.epochs * float((learn[run] * trained[run]).sum())
+        train_flops += self.extra_passes * float((learn[mine] * passes[mine]).sum())
+        if name in update_s:
+            out[f"{key}/mfu"] = train_flops / (max(update_s[name], 1e-9) * self._peak())
+        return out, gen_flops + train_flops

@@ -57,6 +57,7 @@ from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
 from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
 from polyrl.diffusion.families import FAMILIES, detect_family
+from polyrl.diffusion.flops import sd3_call_flops
 from polyrl.diffusion.guards import ratio_scale
 from polyrl.diffusion.samplers import get_sampler
 from polyrl.diffusion.sampling import sampling_options
@@ -260,6 +261,22 @@ class DiffusionPolicy:
         w = guidance.to(v_c).reshape(-1, *([1] * (v_c.dim() - 1)))
         v = self.family.rescale_cfg(v_u + w * (v_c - v_u), v_c)
         return torch.where(guided.reshape_as(w), v, v_c)
+
+    # --- what throughput counts (core MakesImages) --------------------------------------
+    def step_flops(self, record: TensorDict) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Per row: FLOPs of a denoising step as sampled, as trained and as a log-prob pass
+        (``polyrl.diffusion.flops``: SD3 only; other families None, images/s alone)."""
+        if self.family.name != "sd3":
+            return None
+        call = sd3_call_flops(
+            self.family.transformer.config,
+            tuple(record["latents"].shape[2:]),
+            record["prompt_embeds"].shape[1],
+        )
+        guided = (record["guidance"] > 1).double()  # classifier-free: two calls a step
+        passes = call * (1 + guided * self.args.train_cfg)  # the unconditional call as well
+        trained = 3 * call + call * guided * self.args.train_cfg  # its backward: none
+        return call * (1 + guided), trained, passes
 
     # --- what the trainer calls ---------------------------------------------------------
     def _transitions(
