@@ -176,6 +176,8 @@ class Throughput:
         gen_all = train_all = images_all = 0
         flops_all, counted, token_update_s = 0.0, True, 0.0
         for name in dict.fromkeys(names):
+            if name not in self.flops:  # rows no policy sampled (marl's joint-action rows)
+                continue
             rows = [i for i, n in enumerate(names) if n == name]
             mine = [i for i in rows if bool(valid[i])] if name in update_s else []
             # the rows the epochs run (one at least: the optimizer steps on zero gradients)

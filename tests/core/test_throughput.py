@@ -88,6 +88,29 @@ def test_one_steps_figures_from_the_record():
     assert "perf/mfu" not in out  # b's model has no config: no overall FLOP count
 
 
+def test_rows_of_no_policy_are_not_counted():
+    # a joint-action row (marl) restates what the agents said: no engine sampled it
+    a = SimpleNamespace(model=SimpleNamespace(config=DENSE))
+    record = text_record(
+        prompt_ids=[[1, 2], [3], [4, 5, 6]],
+        response_ids=[[7, 8], [9, 9, 9], [8]],
+        rollout_logprobs=[[0.0] * 2, [0.0] * 3, [0.0]],
+        policy=["a", "a", "<joint>"],
+        uid=[0, 0, 0],
+        pad_id=0,
+    )
+    record["valid"] = torch.tensor([True, True, True])
+    perf = Throughput({"a": a}, AlgorithmConfig(), peak=1e6)
+    out = perf.step(record, step_s=2.0, update_s={"a": 1.0})
+    assert not [k for k in out if "<joint>" in k]
+    assert out["perf/a/gen_tokens"] == 5 and out["perf/gen_tokens_per_s"] == 2.5
+    assert out["perf/a/train_tokens"] == 8  # (2 + 2) + (1 + 3), one epoch
+    f = model_flops(DENSE).forward
+    flops = 4 * (f(4) + f(4))  # one forward generating each row, three training it
+    assert out["perf/tflops"] == pytest.approx(flops / 1e12)
+    assert out["perf/mfu"] == pytest.approx(flops / (2.0 * 1e6))
+
+
 def test_cpu_peak_is_measured_and_gpus_come_from_the_table():
     peak, where = device_peak("cpu")
     assert 1e6 < peak < 1e15 and "measured" in where
