@@ -3,11 +3,9 @@ trains, parsed with prometheus_client's own parser, and compared with metrics.js
 
 from __future__ import annotations
 
-import re
 import socket
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -17,20 +15,10 @@ from polyrl.core import timeline
 from polyrl.core.config import ConfigError, UserError
 from polyrl.core.loop import train
 from polyrl.core.prometheus import metric_name
+from tests.helpers.prometheus import most, scrape, train_scraping
 from tests.helpers.runs import metrics
 
-parser = pytest.importorskip("prometheus_client.parser")
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels) -> value, from one GET of /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in parser.text_string_to_metric_families(text)
-        for s in family.samples
-    }
+pytest.importorskip("prometheus_client")
 
 
 def test_metric_names_follow_the_prometheus_rules():
@@ -48,31 +36,7 @@ def test_the_endpoint_serves_each_steps_metrics_during_a_run(make_config, one_th
         "rollout.max_staleness=1",  # the async producer: its queue is served too
     )
     before = set(threading.enumerate())
-    done: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            train(cfg)
-            done.append(None)
-        except BaseException as e:  # surfaces below, in the test's thread
-            done.append(e)
-
-    trainer = threading.Thread(target=run)
-    trainer.start()
-    port, scrapes = None, []
-    while trainer.is_alive():
-        if port is None:
-            found = re.search(r"prometheus: .*:(\d+)/metrics", capsys.readouterr().out)
-            port = int(found[1]) if found else None
-        else:
-            try:
-                scrapes.append(scrape(port))
-            except (urllib.error.URLError, ConnectionError):  # the run has just closed it
-                break
-        time.sleep(0.02)
-    trainer.join()
-    assert done == [None]
-    assert port is not None, "the endpoint's port was not printed"
+    _, port, scrapes = train_scraping(cfg, capsys)
 
     rows = metrics(cfg.run.dir)
     trained = {r["step"]: r for r in rows if "time/step_s" in r}
@@ -92,17 +56,14 @@ def test_the_endpoint_serves_each_steps_metrics_during_a_run(make_config, one_th
     assert checked > 0, "no scrape fell between two training steps"
 
     # the live figures, each at its highest over the run's scrapes (counters only grow)
-    def most(name: str, *labels: tuple[str, str]) -> float:
-        return max(got.get((name, labels), float("-inf")) for got in scrapes)
-
     main = ("engine", "main")
-    assert most("polyrl_engine_calls_total", main) >= 4  # a batch a step, and evaluations
-    assert most("polyrl_engine_tokens_total", main) > 0
-    assert most("polyrl_engine_busy_share", main) > 0
-    assert most("polyrl_span_seconds_total", ("span", "update")) > 0
-    assert most("polyrl_span_seconds_total", ("span", "wait_rollout")) > 0
-    assert most("polyrl_async_queued_batches") in (0, 1, 2)  # k=1: at most one ahead
-    assert most("polyrl_async_ready_batch_staleness") in (0, 1)
+    assert most(scrapes, "polyrl_engine_calls_total", main) >= 4  # a batch a step, and evaluations
+    assert most(scrapes, "polyrl_engine_tokens_total", main) > 0
+    assert most(scrapes, "polyrl_engine_busy_share", main) > 0
+    assert most(scrapes, "polyrl_span_seconds_total", ("span", "update")) > 0
+    assert most(scrapes, "polyrl_span_seconds_total", ("span", "wait_rollout")) > 0
+    assert most(scrapes, "polyrl_async_queued_batches") in (0, 1, 2)  # k=1: at most one ahead
+    assert most(scrapes, "polyrl_async_ready_batch_staleness") in (0, 1)
 
     # the run closed the endpoint: the port refuses, no thread or span watcher is left
     with pytest.raises(urllib.error.URLError):
