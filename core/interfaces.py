@@ -237,6 +237,16 @@ class RayLoRA(Protocol):
 
 
 @runtime_checkable
+class ConfigOnDriver(Protocol):
+    """A policy whose model lives elsewhere (a Ray worker group): the driver reads the
+    model's Hugging Face config from its folder, for throughput's FLOP count (MFU)."""
+
+    def model_config(self) -> Any | None:
+        """The model's transformers config; None where its folder holds none (diffusers)."""
+        ...
+
+
+@runtime_checkable
 class MakesImages(Protocol):
     """A policy whose rows are images made in denoising steps, not tokens (a diffusion
     policy): :mod:`polyrl.core.throughput` reports its images/s, and its MFU from what one

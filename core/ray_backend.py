@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
+from polyrl.core.builds import ensure_model
 from polyrl.core.config import NONNEGATIVE, ConfigError, doc, from_dict
 from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.interfaces import (
@@ -316,6 +317,16 @@ class RayPolicy:
             turns = cls.image_turns(self.tokenizer)
             self.image_token_id = turns.image_token_id
             self.encode_images, self.join_images = turns.encode_images, turns.join_images
+
+    def model_config(self) -> Any | None:
+        """The model's transformers config, read from its folder here on the driver
+        (``ConfigOnDriver``: tokens/s and MFU for a policy trained on workers)."""
+        from transformers import AutoConfig
+
+        path = Path(ensure_model(self.cfg.model, self.cfg.build, self.cfg.build_args))
+        if path.is_dir() and not (path / "config.json").is_file():
+            return None  # a diffusers folder (model_index.json): no transformers config
+        return AutoConfig.from_pretrained(str(path))
 
     @property
     def world_size(self) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import MakesImages
+from polyrl.core.interfaces import ConfigOnDriver, MakesImages
 from polyrl.core.record import strings
 
 # dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' data sheets;
@@ -143,7 +143,10 @@ class Throughput:
         self.flops: dict[str, ModelFlops | None] = {}
         self.painters = {n: p for n, p in policies.items() if isinstance(p, MakesImages)}
         for name, p in policies.items():
-            config = getattr(getattr(p, "model", None), "config", None)  # Ray: on its actors
+            if isinstance(p, ConfigOnDriver):  # Ray: the model is on the workers
+                config = p.model_config()
+            else:
+                config = getattr(getattr(p, "model", None), "config", None)
             self.flops[name] = model_flops(config) if config is not None else None
         # forward passes over a policy's valid rows before its epochs: old log-probs
         # (several epochs or mini-batches) and reference log-probs (KL)
