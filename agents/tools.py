@@ -50,6 +50,7 @@ from polyrl.agents.env import (
     maybe_await,
 )
 from polyrl.core.registry import Registry
+from polyrl.core.timeline import span
 
 TOOL_PARSERS: Registry[Callable[[str], ParsedAction]] = Registry("tool-call parser")
 
@@ -423,7 +424,8 @@ class ToolEnv(Environment):
         except ToolArgumentError as e:
             return f"Error: {e}", False
         try:
-            result = await t.acall(args)
+            with span("tool_call", tool=call.name):  # on the calling episode's track
+                result = await t.acall(args)
         except Exception as e:
             return f"Error: tool {call.name!r} raised {type(e).__name__}: {e}", False
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bool):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import inspect
 import traceback
@@ -72,6 +73,7 @@ from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
 from polyrl.core.segment import Tokens
+from polyrl.core.timeline import span
 from polyrl.core.workflow import run_sync
 
 MODES = ("concat", "step")
@@ -334,14 +336,16 @@ class MultiTurn:
     async def _call(self, fn, pool, *args) -> Any:
         if inspect.iscoroutinefunction(fn) or pool is None:
             result = fn(*args)
-        else:
-            result = await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        else:  # in this context: the environment's own spans find the step's trace
+            run = contextvars.copy_context().run
+            result = await asyncio.get_running_loop().run_in_executor(pool, run, fn, *args)
         return await result if inspect.isawaitable(result) else result
 
     async def _reset(self, ep: Episode, pool) -> None:
         try:
             ep.env = self.make_env()
-            obs = await self._call(ep.env.reset, pool, ep.item.row)
+            with span("env_reset", lane=f"episode {ep.id}", episode=ep.id):
+                obs = await self._call(ep.env.reset, pool, ep.item.row)
             messages = as_messages(obs, "reset")
         except Exception as e:
             ep.end("error", error=_describe(e, "reset"))
@@ -364,7 +368,8 @@ class MultiTurn:
         if close is None:
             return
         try:
-            await self._call(close, pool)
+            with span("env_close", lane=f"episode {ep.id}", episode=ep.id):
+                await self._call(close, pool)
         except Exception as e:  # the trajectory is complete; keep the note, not the row out
             ep.final_observation += f"\n[close failed: {type(e).__name__}: {e}]"
 
@@ -559,7 +564,10 @@ class MultiTurn:
     async def _step(self, ep: Episode, pool) -> None:
         turn = ep.turns[-1]
         try:
-            result = as_step_result(await self._call(ep.env.step, pool, turn.action_text), "step")
+            # on the episode's track: its tool calls (ToolEnv) nest inside
+            with span("env_step", lane=f"episode {ep.id}", episode=ep.id, turn=len(ep.turns) - 1):
+                stepped = await self._call(ep.env.step, pool, turn.action_text)
+            result = as_step_result(stepped, "step")
             messages = as_messages(result.observation, "step")
         except Exception as e:
             ep.end("error", error=_describe(e, f"step (turn {len(ep.turns) - 1})"))

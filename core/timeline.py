@@ -1,7 +1,8 @@
 """A per-step timeline of a run: where each sampled step's time went, as a trace file.
 
 ``run.trace_every: N`` (0, the default: off) records every N-th step's phases -- the
-rollout and each engine call (requests, tokens), rewards, the old / reference log-prob
+rollout and each engine call (requests, tokens), environment steps and tool calls (each
+episode on a track of its own), rewards, the old / reference log-prob
 passes, each micro-batch of the update, optimizer steps, weight syncs, checkpoint writes,
 waits on the staleness bound -- into ``RUN_DIR/trace/<process>-<pid>.json``, in the Chrome
 Trace Event format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
@@ -40,6 +41,9 @@ _TRACER: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar(
     "polyrl_tracer", default=None
 )
 _LIVE: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("polyrl_live", default=None)
+# the track of the innermost span given a lane: spans inside it (an episode's environment
+# step and its tool calls, each asyncio task in its own context) land on the same track
+_LANE: contextvars.ContextVar[str | None] = contextvars.ContextVar("polyrl_lane", default=None)
 
 # (name, start_us, dur_us or None for an instant, args): told of every span and instant
 Watcher = Callable[[str, float, "float | None", dict[str, Any]], None]
@@ -111,7 +115,7 @@ class Span:
     """An open span; :meth:`add` puts facts learned inside it (tokens made) in its args.
     ``tracer`` None: only the watchers hear of it (an unsampled step)."""
 
-    __slots__ = ("tracer", "name", "args", "start", "lane")
+    __slots__ = ("tracer", "name", "args", "start", "lane", "_lane_token")
 
     def __init__(
         self, tracer: Tracer | None, name: str, args: dict[str, Any], lane: str | None = None
@@ -122,6 +126,7 @@ class Span:
         self.args.update(args)
 
     def __enter__(self) -> Span:
+        self._lane_token = None if self.lane is None else _LANE.set(self.lane)
         self.start = _now_us()
         return self
 
@@ -132,6 +137,8 @@ class Span:
         tb: TracebackType | None,
     ) -> None:
         end = _now_us()
+        if self._lane_token is not None:
+            _LANE.reset(self._lane_token)
         if kind is not None:
             self.args["error"] = kind.__name__
         if self.tracer is not None:
@@ -170,11 +177,12 @@ OFF = _Off()
 def span(name: str, *, lane: str | None = None, **args: Any) -> Span | _Off:
     """``with span("generate", requests=8) as s: ...; s.add(tokens=n)``: one complete
     event when a sampled step is recording, nothing otherwise. ``lane``: a track of its
-    own (see :meth:`Tracer.emit`). Watchers hear of it in every step."""
+    own (see :meth:`Tracer.emit`; by default the lane of the span it runs in, if any).
+    Watchers hear of it in every step."""
     tracer = _LIVE.get()
     if tracer is None and not _WATCHERS:
         return OFF
-    return Span(tracer, name, args, lane)
+    return Span(tracer, name, args, lane if lane is not None else _LANE.get())
 
 
 def instant(name: str, **args: Any) -> None:
