@@ -28,6 +28,25 @@ def test_metric_names_follow_the_prometheus_rules():
     assert metric_name("a:b-c.d e") == "polyrl_a_b_c_d_e"
 
 
+def test_keys_that_share_a_name_are_told_apart_by_a_label():
+    from polyrl.core.prometheus import PrometheusLogger
+
+    logger = PrometheusLogger(0, "labels")
+    try:
+        logger.log({"a/b": 1.0, "a.b": 2.0, "reward/mean": 0.5}, step=3)
+        logger.log({"reward/mean": 0.25}, step=4)  # a.b, a/b keep their last values
+        got = scrape(logger.port)
+        with pytest.raises(ValueError, match="polyrl_engine_busy_seconds_total"):
+            logger.log({"engine/busy_seconds_total": 1.0}, step=5)  # a live figure's name
+    finally:
+        logger.close()
+    assert got[("polyrl_a_b", (("key", "a/b"),))] == 1.0
+    assert got[("polyrl_a_b", (("key", "a.b"),))] == 2.0
+    assert got[("polyrl_reward_mean", ())] == 0.25 and got[("polyrl_step", ())] == 4
+    with pytest.raises(urllib.error.URLError):
+        scrape(logger.port)
+
+
 def test_the_endpoint_serves_each_steps_metrics_during_a_run(make_config, one_thread, capsys):
     cfg = make_config(
         "train.steps=4",
