@@ -21,7 +21,8 @@ traced or not, in this process (engines and workers on Ray actors are not seen):
   ``wait_staleness_bound`` the producer held back by ``rollout.max_staleness``;
 - ``polyrl_engine_busy_seconds_total{engine}``, ``polyrl_engine_calls_total{engine}``,
   ``polyrl_engine_tokens_total{engine}``: each engine's generate calls (the engines whose
-  calls are ``generate`` spans: the HF engine and the VL engine on its decode loop);
+  calls are ``generate`` spans: the HF engine, the VL engine on its decode loop and the
+  diffusion engine);
   ``polyrl_engine_busy_share{engine}``: its busy seconds over the wall seconds between the
   last two logged steps (calls counted when they end; concurrent calls can pass 1);
 - ``polyrl_async_queued_batches``: batches the async producer has made that the trainer has

@@ -24,6 +24,7 @@ from torch import Tensor
 from polyrl.core.config import ConfigError
 from polyrl.core.paint import ImageRequest, Painting
 from polyrl.core.registry import ENGINES
+from polyrl.core.timeline import span
 from polyrl.diffusion import member
 from polyrl.diffusion.policy import DiffusionPolicy
 from polyrl.diffusion.samplers import get_sampler
@@ -184,8 +185,15 @@ class DiffusionEngine:
         self.gen.set_state(state["rng"])
         self.rollouts = int(state.get("rollouts", 0))
 
+    def sample(self, prompts: list[str], **options: Any) -> Trajectories:
+        """:meth:`_sample` as one ``generate`` span of the timeline (traces, and the engine
+        busy figures of the Prometheus endpoint)."""
+        n = len(prompts) * options.get("n", 1)
+        with span("generate", engine=self.policy.name, requests=n):
+            return self._sample(prompts, **options)
+
     @torch.no_grad()
-    def sample(
+    def _sample(
         self,
         prompts: list[str],
         *,

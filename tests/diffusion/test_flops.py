@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from polyrl.core.throughput import device_peak
+from polyrl.core.timeline import read_run
 from polyrl.diffusion.flops import sd3_call_flops
 
 # the conftest's tiny SD3: latents [12, 8, 8] (16 px, pixel-unshuffle by 2), patch 2 -> 16
@@ -73,8 +74,15 @@ def test_a_diffusion_runs_metrics_hold_images_per_second_and_mfu(diffusion_confi
             "algorithm.kl_coef=0.01",  # and the reference pass
             "algorithm.kl_estimator=gaussian_mean",
             "algorithm.skip_zero_advantage=false",  # every valid row trains
+            "run.trace_every=1",
         )
     )
+    # the engine's sampling is a generate span of the rollout (engine busy figures)
+    spans = [e for e in read_run(run.path) if e.get("ph") == "X"]
+    (rollout,) = [e for e in spans if e["name"] == "rollout"]
+    calls = [e for e in spans if e["name"] == "generate" and e["args"]["engine"] == "main"]
+    assert [e["args"]["requests"] for e in calls] == [12]  # 3 prompts x 4 images
+    assert rollout["ts"] <= calls[0]["ts"] <= rollout["ts"] + rollout["dur"]
     rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
     (step,) = [r for r in rows if "time/step_s" in r]
     images = 3 * 4  # prompts_per_step x rollout.n
