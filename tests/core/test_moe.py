@@ -341,17 +341,12 @@ MOE_DEMO = {  # the dense demo's widths; 4 experts of half its MLP width, 2 per 
 }
 
 
-@pytest.mark.learning
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # minutes on 2 idle cores; a loaded machine can be 5x slower
-def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path, one_thread):
+def test_grpo_with_replay_reports_the_router_metrics_every_step(tmp_path, one_thread):
     """The README demo (SFT warm start, then GRPO on arithmetic) on the tiny Qwen3-MoE with
-    routing replay on: held-out accuracy after 60 GRPO steps beats the warm start's; the
-    router metrics are reported every step.
-
-    Seed 0 under each kernel set (ATEN_CPU_CAPABILITY): avx2 0.520 -> 0.745, default
-    0.595 -> 0.690, avx512 (an AMD EPYC) 0.535 -> 0.635. The bar, a gain of 0.05, is half
-    the lowest gain (0.095); the warm start itself ends apart by kernel set."""
+    routing replay on, for a few steps: the router metrics are reported every step, and the
+    HF engine's recorded routes are the trainer's. That the demo learns with replay is
+    test_moe_replay_learning.py's (under an engine that routes differently)."""
     import yaml
 
     from polyrl.core.config import load
@@ -372,14 +367,13 @@ def test_grpo_with_replay_lifts_held_out_accuracy_of_the_moe_model(tmp_path, one
     cfg = load(
         Config,
         path,
-        ["seed=0", f"run.dir={tmp_path}/run", "train.steps=60", "eval.every=20", *quiet],
+        ["seed=0", f"run.dir={tmp_path}/run", "train.steps=4", "eval.every=0", "sft.steps=10"]
+        + quiet,
     )
     train(cfg)
     rows = metrics(tmp_path / "run")
-    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     steps = [r for r in rows if "reward/mean" in r]
-    print(f"held-out accuracy {' -> '.join(f'{a:.3f}' for a in evals)}")
-    assert evals[-1] >= evals[0] + 0.05, evals
+    assert len(steps) == 4
     assert all(r["main/moe/route_mismatch"] == 0.0 for r in steps)  # the HF engine: exact
     assert all(r["main/mismatch/logp_abs_max"] < 1e-4 for r in steps)
     assert all(1.0 <= r["main/moe/load_max/l0"] <= E / K for r in steps)
