@@ -26,6 +26,7 @@ from tests.helpers.gateway import (
     gateway_recipe,
     ids,
     rows,
+    small_grid,
     spied_models,
 )
 
@@ -501,12 +502,7 @@ def test_the_core_loop_trains_on_gateway_episodes_with_gigpo(grid_model_dir, tmp
             "run.tensorboard=false",
             "run.save_every=0",
             "run.samples_per_step=1000",
-            f"task.dir={tmp_path}/data",
-            "sft.steps=0",
-            "task.args={n_train: 8, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
-            f"policies.main.model={grid_model_dir}",
-            "policies.main.build=null",
-            "policies.main.build_args=null",
+            *small_grid(tmp_path, grid_model_dir),
             "rollout.n=4",
             "rollout.prompts_per_step=4",
             "train.steps=2",

@@ -9,7 +9,7 @@ import pytest
 
 from polyrl.core.config import load
 from polyrl.core.recipe import Config
-from tests.helpers.gateway import GRID_AGENT, gateway_recipe
+from tests.helpers.gateway import GRID_AGENT, gateway_recipe, small_grid
 from tests.helpers.prometheus import most, train_scraping
 
 pytest.importorskip("prometheus_client")
@@ -25,12 +25,7 @@ def test_gateway_requests_are_served_live(grid_model_dir, tmp_path, capsys):
             "run.tensorboard=false",
             "run.export=false",
             "run.prometheus_port=0",
-            f"task.dir={tmp_path}/data",
-            "sft.steps=0",
-            "task.args={n_train: 8, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
-            f"policies.main.model={grid_model_dir}",
-            "policies.main.build=null",
-            "policies.main.build_args=null",
+            *small_grid(tmp_path, grid_model_dir),
             "rollout.n=4",
             "rollout.prompts_per_step=4",
             "train.steps=2",

@@ -12,7 +12,7 @@ from polyrl.core import timeline
 from polyrl.core.config import load
 from polyrl.core.loop import train
 from polyrl.core.recipe import Config
-from tests.helpers.gateway import GRID_AGENT, gateway_recipe
+from tests.helpers.gateway import GRID_AGENT, gateway_recipe, small_grid
 from tests.helpers.timeline import load_checked, nesting, parents, run_events
 
 GRIDWORLD = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
@@ -29,12 +29,7 @@ def test_a_gateway_run_traces_each_request_within_the_rollout(grid_model_dir, tm
             "run.export=false",
             "run.save_every=0",
             "run.trace_every=2",
-            f"task.dir={tmp_path}/data",
-            "sft.steps=0",
-            "task.args={n_train: 8, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
-            f"policies.main.model={grid_model_dir}",
-            "policies.main.build=null",
-            "policies.main.build_args=null",
+            *small_grid(tmp_path, grid_model_dir),
             "rollout.n=2",
             "rollout.prompts_per_step=2",
             "train.steps=2",
@@ -71,12 +66,7 @@ def test_a_multi_turn_run_traces_each_environment_step_on_its_episodes_track(
             "run.tensorboard=false",
             "run.export=false",
             "run.trace_every=1",
-            f"task.dir={tmp_path}/data",
-            "sft.steps=0",
-            "task.args={n_train: 8, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
-            f"policies.main.model={grid_model_dir}",
-            "policies.main.build=null",
-            "policies.main.build_args=null",
+            *small_grid(tmp_path, grid_model_dir),
             "rollout.args={env: gridworld, mode: step, history: 0, max_turns: 3,"
             " max_turn_tokens: 2}",
             "rollout.n=2",

@@ -82,6 +82,19 @@ def gateway_recipe(tmp_path, agent: str) -> str:
     return str(path)
 
 
+def small_grid(tmp_path, model_dir: str) -> list[str]:
+    """Overrides for a quick grid-world run: its own data folder, no warm start, eight
+    3x3 training maps, the tiny model ``model_dir`` as it is."""
+    return [
+        f"task.dir={tmp_path}/data",
+        "sft.steps=0",
+        "task.args={n_train: 8, n_eval: 4, size: 3, holes: 1, min_dist: 2}",
+        f"policies.main.model={model_dir}",
+        "policies.main.build=null",
+        "policies.main.build_args=null",
+    ]
+
+
 def spied_models(model_dir: str, spy=SpyEngine, names=("main", "checker")):
     """Tiny policies (by default "main" and "checker") on ``model_dir``, each with an HF
     engine wrapped in ``spy`` (it keeps every prompt and completion it served)."""
