@@ -119,7 +119,10 @@ def case(path: str, n: int, args, shared: bool) -> tuple[float, int]:
         ]
         trainers = []
         for i in range(n):
-            sc = tinker.ServiceClient(base_url=runs[i % count].url, api_key=API_KEY)
+            # entered after the servers, so each client (and its telemetry) closes first
+            sc = stack.enter_context(
+                tinker.ServiceClient(base_url=runs[i % count].url, api_key=API_KEY)
+            )
             trainers.append(
                 sc.create_lora_training_client(base_model="base", rank=args.rank, seed=i).result()
             )
