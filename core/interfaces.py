@@ -261,6 +261,18 @@ class MakesImages(Protocol):
 
 
 @runtime_checkable
+class CountsVisionFlops(Protocol):
+    """A token policy with a vision tower (a VL model): :mod:`polyrl.core.throughput` adds
+    what the tower costs to the language model's FLOPs of each row."""
+
+    def vision_flops(self, record: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of ``record``: the FLOPs of the tower encoding the row's images and
+        videos in one forward, and in one training pass (forward and backward; the forward
+        alone when the tower takes no gradient)."""
+        ...
+
+
+@runtime_checkable
 class OwnsKL(Protocol):
     """A policy whose KL to its reference is not a function of per-token log-probs (say,
     two Gaussians compared through their means), for the estimators it names.

@@ -52,6 +52,7 @@ from polyrl.core.record import select_policy, strings, text_record
 from polyrl.core.registry import BACKENDS, DATASETS, POLICIES, TASKS, WORKFLOWS
 from polyrl.core.rollouts import Ahead, InStep, Parts
 from polyrl.core.run import CKPT_RE, RunDir, rng_state, set_rng_state
+from polyrl.core.throughput import row_tokens
 from polyrl.core.workflow import Context
 
 if TYPE_CHECKING:
@@ -387,10 +388,12 @@ class Session:
         cols = {c: strings(record, c) for c in ("policy", "prompt_text", "response_text", "error")}
         meta = strings(record, "meta")
         rewards_ = [float(r) for r in record["reward"]]  # NaN (failed) -> null: valid JSON
+        token_counts = row_tokens(record)  # prompt, response and generated tokens
         # a workflow's own row facts
         extra = (
             self.workflow.transcript_keys if isinstance(self.workflow, WritesTranscriptKeys) else ()
         )
+        b = min(k, record.batch_size[0])
         return [
             {
                 "policy": cols["policy"][i],
@@ -399,9 +402,11 @@ class Session:
                 "answer": meta[i].get("answer"),
                 "reward": rewards_[i] if math.isfinite(rewards_[i]) else None,
                 "error": cols["error"][i],
+                "valid": bool(record["valid"][i]),
+                **token_counts[i],
                 **{key: meta[i].get(key) for key in extra},
             }
-            for i in range(min(k, record.batch_size[0]))
+            for i in range(b)
         ]
 
     def write_samples(self, step: int, record: TensorDict) -> None:

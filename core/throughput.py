@@ -1,6 +1,8 @@
 """Tokens per second and model FLOPs utilisation (MFU) of each step, per policy and overall.
 
-Generated tokens are the record's real response tokens; trained tokens are the prompt
+Generated tokens are the tokens a row's policy sampled: its response tokens under
+``loss_mask`` (a multi-turn row's environment, tool and other agents' tokens spliced into
+its response are not generated, though they run forward); trained tokens are the prompt
 and response tokens of the valid rows the update runs (not those a zero advantage leaves
 out, ``algorithm.skip_zero_advantage``), counted once per PPO epoch (each epoch runs them
 forward and backward). ``perf/<policy>/gen_tokens_per_s`` divides by the step's wall time
@@ -19,6 +21,12 @@ paper's appendix for attention), read off the model's Hugging Face config:
 - generating a row costs one forward over it (the KV cache computes each position once);
 - training costs three forwards (backward = 2x forward) per epoch, plus one forward over
   every valid row for each of the old and reference log-prob passes the update runs.
+
+A VL policy (``CountsVisionFlops``) adds its vision tower's FLOPs over each row's images
+(``polyrl.multimodal.flops``: its patches through the tower's projections, the merger,
+attention per image or window): once per row sampled, per epoch as trained (forward and
+backward, or the forward alone when the tower takes no gradient), once per old /
+reference pass.
 
 A policy whose rows are images (``MakesImages``: diffusion) reports
 ``perf/<policy>/images`` and ``images_per_s`` (per second of the step) instead of tokens,
@@ -42,7 +50,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import ConfigOnDriver, MakesImages
+from polyrl.core.interfaces import ConfigOnDriver, CountsVisionFlops, MakesImages
 from polyrl.core.record import strings
 
 # dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' data sheets;
@@ -126,10 +134,30 @@ def device_peak(device: torch.device | str) -> tuple[float, str]:
 
 
 def row_lengths(record: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt + response tokens, response tokens) of each row."""
-    response = record["response_mask"].sum(-1).long()
-    prompt = record["prompt_mask"].sum(-1).long() if "prompt_mask" in record.keys() else 0  # noqa: SIM118
-    return response + prompt, response
+    """(prompt + response tokens, generated tokens) of each row: generated are the response
+    tokens the row's policy sampled (``loss_mask``), not those a multi-turn workflow spliced
+    in (observations, tool results, other agents' turns)."""
+    real = record["response_mask"] != 0
+    response = real.sum(-1).long()
+    keys = set(record.keys())
+    generated = (
+        (real & (record["loss_mask"] != 0)).sum(-1).long() if "loss_mask" in keys else response
+    )
+    prompt = record["prompt_mask"].sum(-1).long() if "prompt_mask" in keys else 0
+    return response + prompt, generated
+
+
+def row_tokens(record: TensorDict) -> list[dict[str, int]]:
+    """Each text row's ``prompt_tokens``, ``response_tokens`` and ``generated_tokens`` (what
+    a transcript in ``samples/`` shows); a record of other rows (diffusion): empty dicts."""
+    if "prompt_mask" not in set(record.keys()):
+        return [{} for _ in range(record.batch_size[0])]
+    total, generated = row_lengths(record)
+    prompt = record["prompt_mask"].sum(-1).long()
+    return [
+        {"prompt_tokens": int(p), "response_tokens": int(t - p), "generated_tokens": int(g)}
+        for p, t, g in zip(prompt.tolist(), total.tolist(), generated.tolist(), strict=True)
+    ]
 
 
 class Throughput:
@@ -142,6 +170,7 @@ class Throughput:
         use instead of looking it up (a device missing from the table)."""
         self.flops: dict[str, ModelFlops | None] = {}
         self.painters = {n: p for n, p in policies.items() if isinstance(p, MakesImages)}
+        self.seers = {n: p for n, p in policies.items() if isinstance(p, CountsVisionFlops)}
         for name, p in policies.items():
             if isinstance(p, ConfigOnDriver):  # Ray: the model is on the workers
                 config = p.model_config()
@@ -168,7 +197,7 @@ class Throughput:
     ) -> dict[str, float]:
         """``perf/*`` metrics of a step from its record, its wall time and each trained
         policy's update seconds."""
-        total, response = row_lengths(record)
+        total, generated = row_lengths(record)
         names = strings(record, "policy")
         valid = record["valid"].bool()
         signal = valid
@@ -192,7 +221,7 @@ class Throughput:
                 counted = counted and flops is not None
                 flops_all += flops or 0.0
                 continue
-            gen = int(response[rows].sum())
+            gen = int(generated[rows].sum())
             trained = int(total[run].sum()) * self.epochs
             key = f"perf/{name}"
             out[f"{key}/gen_tokens"] = float(gen)
@@ -210,6 +239,11 @@ class Throughput:
             gen_flops = sum(cost.forward(int(total[i])) for i in rows)
             train_flops = 3 * self.epochs * sum(cost.forward(int(total[i])) for i in run)
             train_flops += self.extra_passes * sum(cost.forward(int(total[i])) for i in mine)
+            if name in self.seers:  # a VL model: its vision tower encodes the rows' images
+                once, trained_pass = self.seers[name].vision_flops(record)
+                gen_flops += float(once[rows].sum())
+                train_flops += self.epochs * float(trained_pass[run].sum())
+                train_flops += self.extra_passes * float(once[mine].sum())
             flops_all += gen_flops + train_flops
             if name in update_s:
                 out[f"{key}/mfu"] = train_flops / (max(update_s[name], 1e-9) * self._peak())

@@ -39,7 +39,7 @@ from polyrl.core.policy import (
 )
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
-from polyrl.multimodal import forward, turns, vision
+from polyrl.multimodal import flops, forward, turns, vision
 from polyrl.multimodal.data import VISION_FIELD
 
 VISION_LORA_TARGETS = ("qkv", "proj")  # attention projections of the Qwen-VL vision blocks
@@ -220,6 +220,26 @@ class QwenVLPolicy(CausalLMPolicy):
                 )[0]
             out.append(done[spec.key])
         return out
+
+    def vision_flops(self, record: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the FLOPs of the vision tower encoding the row's images and videos once
+        (a forward; counted per row, though the engine encodes a prompt's once for its
+        samples), and in a training pass: forward and backward, or the forward alone when
+        the tower takes no gradient (``freeze_vision``, LoRA on the language model)."""
+        visual = forward.parts(self.model).visual
+        trains = any(p.requires_grad for p in visual.parameters())
+        done: dict[tuple, float] = {}
+        out = []
+        for inputs in self.vision_rows(record):
+            grids: tuple = ()
+            if inputs is not None:
+                both = inputs.image_grid_thw.tolist() + inputs.video_grid_thw.tolist()
+                grids = tuple(tuple(int(x) for x in g) for g in both)
+            if grids not in done:
+                done[grids] = flops.vision_flops(visual, visual.config, grids) if grids else 0.0
+            out.append(done[grids])
+        once = torch.tensor(out, dtype=torch.float64)
+        return once, once * (3.0 if trains else 1.0)
 
     # --- what the trainer calls -------------------------------------------------------
     def _logprobs(

@@ -3,7 +3,6 @@ against the record they come from, and the metrics of a real run."""
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from polyrl.core.loop import train
 from polyrl.core.record import text_record
 from polyrl.core.throughput import Throughput, device_peak, model_flops
 from tests.helpers.runs import metrics
+from tests.helpers.throughput import ONE_PASS, Cost, check_by_hand, linear_weights
 
 DENSE = transformers.Qwen2Config(
     hidden_size=8,
@@ -118,19 +118,19 @@ def test_cpu_peak_is_measured_and_gpus_come_from_the_table():
         assert "TFLOP/s" in device_peak("cuda")[1]
 
 
-def test_a_runs_metrics_hold_tokens_per_second_and_mfu(make_config, one_thread):
-    run = train(make_config("train.steps=2", "run.export=false"))
+def test_a_runs_metrics_hold_tokens_per_second_and_mfu(make_config, tiny_model_dir, one_thread):
+    run = train(make_config("train.steps=2", "run.export=false", *ONE_PASS))
     steps = [r for r in metrics(run.path) if "time/step_s" in r]
     assert len(steps) == 2
-    for r in steps:
+    # step 1 by hand: the model's weights from its modules, its width from its config
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    c = model.config
+    cost = Cost(linear_weights(model), c.num_hidden_layers, c.num_attention_heads * c.head_dim)
+    check_by_hand(run.path, {"main": cost})
+    for r in steps:  # every step: the token count is the rollout's
         gen = r["perf/main/gen_tokens"]
         assert gen == pytest.approx(r["rollout/response_len"] * r["rollout/rows"])
-        assert r["perf/gen_tokens_per_s"] == pytest.approx(gen / r["time/step_s"])
-        assert r["perf/main/train_tokens"] > 0 and r["perf/main/train_tokens_per_s"] > 0
-        assert 0 < r["perf/mfu"] < 1 and math.isfinite(r["perf/main/mfu"])
-        # the step's FLOPs over its time and the peak measured once (in this process)
-        peak = device_peak("cpu")[0]
-        assert r["perf/mfu"] == pytest.approx(r["perf/tflops"] * 1e12 / (r["time/step_s"] * peak))
+        assert r["perf/main/train_tokens"] > 0 and 0 < r["perf/main/mfu"] < 1
 
 
 def test_the_progress_line_shows_tokens_per_second_and_mfu(capsys):
