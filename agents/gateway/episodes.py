@@ -73,6 +73,7 @@ class EpisodeState:
     open: bool = True
     error: str = ""
     result: Any = None
+    asked: int = 0  # completion requests received: the next one's sequence number
     posted: dict[int, float] = field(default_factory=dict)  # turn -> rewards the agent posted
     responses: dict[str, list] = field(default_factory=dict)  # Responses API: id -> messages
     response_bytes: dict[str, int] = field(default_factory=dict)  # id -> bytes it holds

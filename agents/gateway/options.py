@@ -55,6 +55,13 @@ class GatewayOptions(Options):
         "an engine call starts when every open episode has a request waiting, or when no "
         "request arrived for this many seconds",
     )
+    reproducible: bool = doc(
+        False,
+        "serve each request in an engine call of its own, sampled from a stream of the run's "
+        "seed, its episode and its place in the episode: the same run gives the same rows "
+        "whatever order and timing the agents' requests arrive in (and --resume continues "
+        "exactly), at the cost of batching requests across episodes",
+    )
     host: str = doc("127.0.0.1", "the address the server binds (keep 127.0.0.1 unless needed)")
     policy: str | None = doc(None, "the default model for agents (null: the first)")
     max_images: int = doc(16, "images one request may carry (image_url data URLs; a VLM policy)")

@@ -11,6 +11,7 @@ runs agents against it is :class:`polyrl.agents.gateway.workflow.Gateway`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import itertools
 import json
@@ -78,8 +79,10 @@ class GatewayServer:
         *,
         visions: dict[str, TakesImageTurns | None] | None = None,
         contexts: dict[str, int | None] | None = None,
+        seed: int = 0,
     ) -> None:
         options = options if options is not None else GatewayOptions()
+        self.seed = seed  # the run's: with options.reproducible, each request's stream
         self.engines, self.tokenizers = engines, tokenizers
         self.options = self.limits = options
         # per model: the positions it takes (prompt + completion); None: not checked
@@ -487,13 +490,20 @@ class GatewayServer:
         if live is not None:
             live.prompt_len = len(prompt)
         vision = images.joined if images is not None else None
+        with ep.lock:  # the request's place in its episode (arrival order within it)
+            seq, ep.asked = ep.asked, ep.asked + 1
+        # reproducible: the request's place in the run fixes its stream and its call ids
+        place = f"{self.seed}:{ep.id}:{seq}" if self.options.reproducible else None
+        seed = req.seed
+        if seed is None and place is not None:
+            seed = request_seed(place)
         params = SamplingParams(
             n=1,
             temperature=req.temperature,
             top_p=req.top_p,
             max_new_tokens=req.max_tokens,
             stop=req.stop,
-            seed=req.seed,  # shared by the n calls below: the batcher keeps them together
+            seed=seed,  # shared by the n calls below: the batcher keeps them together
             top_logprobs=req.top_logprobs,
         )
         requests = [
@@ -507,9 +517,15 @@ class GatewayServer:
                 asyncio.gather(
                     *(
                         self.batcher.generate(
-                            req.model, request, params, episode=ep, alive=lambda: ep.open
+                            req.model,
+                            request,
+                            params,
+                            # a flush serves its requests in episode order, not arrival order
+                            key=(ep.id, seq, i),
+                            episode=ep,
+                            alive=lambda: ep.open,
                         )
-                        for request in requests
+                        for i, request in enumerate(requests)
                     )
                 ),
                 self.request_timeout,
@@ -519,7 +535,7 @@ class GatewayServer:
         outs = [o for (o,) in grouped]  # n=1 per engine request
         tok = self.tokenizers[req.model]
         choices = []
-        for out in outs:
+        for j, out in enumerate(outs):
             tokens, finish = out.tokens, out.finish_reason
             if len(tokens) > req.max_tokens:  # a longer call in the same flush
                 tokens, finish = tokens[: req.max_tokens], "length"
@@ -537,11 +553,11 @@ class GatewayServer:
                     message["content"] = parsed.text or None
                     message["tool_calls"] = [
                         {
-                            "id": "call_" + uuid.uuid4().hex[:24],
+                            "id": "call_" + call_id(place, j, k),
                             "type": "function",
                             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
                         }
-                        for c in parsed.calls
+                        for k, c in enumerate(parsed.calls)
                     ]
                     finish = "tool_calls"
             key = (
@@ -571,3 +587,19 @@ class GatewayServer:
             ep.calls.append(call)
             charge(ep.spent, self.refusals, 8 * (len(prompt) + sampled), sampled)
         return call
+
+
+def request_seed(place: str) -> int:
+    """The sampling seed of a request (``reproducible``) at ``place`` ("run seed:episode:
+    request number in the episode"): fixed by where it is in the run, not by when it
+    arrived or what it was batched with."""
+    digest = hashlib.blake2b(place.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # < 2**63: torch's manual_seed takes it
+
+
+def call_id(place: str | None, choice: int, index: int) -> str:
+    """A tool call's id: random, or one the request's ``place`` fixes (``reproducible``:
+    the id goes back into the conversation the agent sends, so a rerun must see it again)."""
+    if place is None:
+        return uuid.uuid4().hex[:24]
+    return hashlib.blake2b(f"{place}:{choice}:{index}".encode(), digest_size=12).hexdigest()

@@ -233,6 +233,7 @@ class Gateway:
                 for name, p in ctx.policies.items()
             },
             contexts={name: context_length(p) for name, p in ctx.policies.items()},
+            seed=ctx.cfg.seed if ctx.cfg is not None else 0,
         )
         self.pad_id = ctx.policies[self.name].tokenizer.pad_token_id
         self.decoders = {name: p.tokenizer for name, p in ctx.policies.items()}
@@ -280,6 +281,14 @@ class Gateway:
         run's end; daemon threads otherwise)."""
         self.loop.close()
         self.server.close()
+
+    def state_dict(self) -> dict:
+        """``core.Stateful``: the episodes numbered so far (a resumed run numbers, and with
+        ``reproducible`` seeds, its episodes as the uninterrupted run did)."""
+        return {"next_episode": self._next_episode}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next_episode = int(state["next_episode"])
 
     def rollout_metrics(self) -> dict[str, float]:
         """The last rollout's requests refused by a budget (``core.ReportsRollout``), and
