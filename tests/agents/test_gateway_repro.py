@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.gateway import gateway_recipe, small_grid
+from tests.helpers.gateway import first, gateway_recipe, small_grid, spied_models
 from tests.helpers.runs import (
     assert_same_tensors,
     finish_train,
@@ -163,3 +163,71 @@ def test_a_killed_gateway_run_resumes_bitwise_equal(uninterrupted, tmp_path, spa
     spawned.append(resume := spawn_train(path, tmp_path, "--resume", str(dir_b)))
     finish_train(resume)
     assert_same_runs(dir_a, dir_b)
+
+
+def serve(server, episodes, prompts, delay: float) -> list[str]:
+    """Each episode's one chat request (``prompts[i]`` for ``episodes[i]``), sent from
+    threads in reverse episode order, ``delay`` seconds apart; the replies' texts."""
+    import threading
+
+    import httpx
+
+    urls = [server.open_episode(ep) for ep in episodes]
+    texts: list[str] = [""] * len(episodes)
+
+    def send(i: int) -> None:
+        body = {"model": "main", "messages": [{"role": "user", "content": prompts[i]}]}
+        auth = {"Authorization": f"Bearer {episodes[i].key}"}
+        r = httpx.post(urls[i] + "/chat/completions", json=body, headers=auth, timeout=60)
+        texts[i] = r.json()["choices"][0]["message"]["content"]
+
+    threads = []
+    for i in reversed(range(len(episodes))):
+        threads.append(t := threading.Thread(target=send, args=(i,)))
+        t.start()
+        time.sleep(delay)
+    for t in threads:
+        t.join()
+    for ep in episodes:
+        server.close_episode(ep)
+    return texts
+
+
+def test_a_flush_is_in_episode_order_and_a_reproducible_request_ignores_its_batchmates(
+    grid_model_dir,
+):
+    from polyrl.agents.gateway.episodes import EpisodeState
+    from polyrl.agents.gateway.options import GatewayOptions
+    from polyrl.agents.gateway.server import GatewayServer
+    from polyrl.core.data import PromptItem
+    from polyrl.core.engine import SamplingParams
+
+    policies, engines = spied_models(grid_model_dir, names=("main",))
+    tok = policies["main"].tokenizer
+    prompts = ["grid S.G", "grid G.H.S and more", "grid H"]
+
+    def episodes(ids):
+        item = PromptItem(uid=0, prompt_ids=[1], prompt_text="", answer=None, row={})
+        return [EpisodeState(i, f"t{i}", item, 0) for i in ids]
+
+    for reproducible in (False, True):
+        # a long batch_wait: the flush waits until every open episode has its request in
+        options = GatewayOptions(agent="unused:agent", batch_wait=5.0, reproducible=reproducible)
+        server = GatewayServer(engines, {"main": tok}, options, seed=3)
+        server.defaults = SamplingParams(max_new_tokens=6)
+        server.start()
+        try:
+            engines["main"].log.clear()
+            together = serve(server, episodes([0, 1, 2]), prompts, 0.2)
+            (flush,) = server.batcher.sizes[-1:]
+            served = [p for p, _ in engines["main"].log]
+            if not reproducible:  # one call, in episode order though sent in reverse
+                assert flush == 3 and server.batcher.flushes == 1
+                assert served == [first([{"role": "user", "content": p}], tok) for p in prompts]
+                continue
+            # one call per request, each the same alone as beside the others
+            assert server.batcher.sizes == [1, 1, 1]
+            alone = [serve(server, episodes([i]), prompts[i : i + 1], 0)[0] for i in range(3)]
+            assert together == alone
+        finally:
+            server.close()
