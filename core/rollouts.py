@@ -26,14 +26,24 @@ and the engine asks for newer ones before every decoding step
 generations in flight: they go on under the new weights, with the KV cache the old ones
 made. Each row's ``token_version [B, R]`` says which version sampled each token, and
 ``policy_version`` is its oldest; the bound holds because a batch starts no older than
-``b - 1 - k``. Which token gets which version depends on timing, so such a run (and its
-resume) is not bitwise reproducible. Under Ray the engine actor refreshes itself from
-versions offered to it as they are published (:class:`Versions` ``offer``).
+``b - 1 - k``. Which token gets which version depends on timing where a publish lands
+mid-call, so two such runs are not bitwise equal then. Under Ray the engine actor
+refreshes itself from versions offered to it as they are published (:class:`Versions`
+``offer``).
 
 Resume: a checkpoint at step ``s`` holds the data position and engine RNG as they were
 before batch ``s + 1`` was generated, and the weights of versions ``s - k .. s - 1`` that
 batches ``s + 1 .. s + k`` need. Batches in flight when a run is killed are discarded and
-generated again from that state, identically.
+generated again from that state, identically. In partial mode the checkpoint also holds
+which versions each batch after ``s`` had taken by then (:class:`Taken`: its start and
+the refresh call at which each newer one came), and the batches made again take the same
+at the same calls, then the newest published (``s`` or later, as in the killed run, where
+``s`` was published before the checkpoint). So a resumed partial run equals the
+uninterrupted one wherever the latter's schedule does not depend on timing (publishes at
+call boundaries, or at a decoding step the engine waits at); otherwise they differ only in
+where versions published after ``s`` land, as two uninterrupted runs do. The replay counts
+refresh calls (one per decoding step); under Ray the actor refreshes itself, so only the
+start version is replayed.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import copy
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -183,6 +193,41 @@ class LocalVersions:
         return saved
 
 
+@dataclass
+class Taken:
+    """Which versions a partial batch's engine calls took: ``start`` (loaded before its
+    first call), then, per trained policy, the number of refresh calls so far and each
+    change as ``(call index, version)``. Checkpointed for the batches in flight, and
+    replayed when a resume makes them again."""
+
+    start: int
+    calls: dict[str, int]
+    changes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def version(self, name: str, at: int) -> int:
+        """The version refresh call ``at`` took."""
+        return max(
+            ((i, v) for i, v in self.changes.get(name, []) if i <= at), default=(-1, self.start)
+        )[1]
+
+    def take(self, name: str, version: int) -> None:
+        at = self.calls[name]
+        if version != self.version(name, at):
+            self.changes.setdefault(name, []).append((at, version))
+        self.calls[name] = at + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "calls": dict(self.calls),
+            "changes": copy.deepcopy(self.changes),
+        }
+
+    @classmethod
+    def restored(cls, state: dict[str, Any]) -> Taken:
+        return cls(state["start"], dict(state["calls"]), copy.deepcopy(state["changes"]))
+
+
 class Ahead:
     """max_staleness k >= 1: a background producer generates batch b with version b-1-k."""
 
@@ -200,6 +245,9 @@ class Ahead:
         self.first = 1  # the first batch the producer makes
         self.prestates: dict[int, dict[str, Any]] = {}
         self.ahead: int | None = None  # the next batch's version, prefetched at its publish
+        # partial: batch -> the versions its engines took, and those a resume replays
+        self.taken: dict[int, Taken] = {}
+        self.replay: dict[int, Taken] = {}
         self.thread: threading.Thread | None = None
         self.stop = False
         self.dropped_groups = 0
@@ -232,23 +280,29 @@ class Ahead:
             if self.published < nxt:
                 self.ahead = nxt
 
-    def _refresh(self, name: str) -> int:
-        """Partial mode, between decoding steps: the newest published weights into
-        ``name``'s engine; returns their version."""
+    def _refresh(self, name: str, b: int) -> int:
+        """Partial mode, between decoding steps of batch ``b``: the newest published
+        weights into ``name``'s engine (or, for a batch a resume makes again, the version
+        the killed run's call took here); returns their version."""
         with self.cond:
+            taken, again = self.taken[b], self.replay.get(b)
+            at = taken.calls[name]
             newest = self.published
+            if again is not None and at < again.calls[name]:
+                newest = again.version(name, at)
+            taken.take(name, newest)
             snap = self.snapshots[name][newest]
         if self.loaded[name] != newest:
             self.versions[name].load(self.s.engines[name], snap)
             self.loaded[name] = newest
         return newest
 
-    def _partial_rollout(self, items: list, start: int) -> TensorDict:
-        """One batch with engines that take newer weights mid-call (from version
+    def _partial_rollout(self, items: list, b: int, start: int) -> TensorDict:
+        """Batch ``b`` with engines that take newer weights mid-call (from version
         ``start``); ``policy_version`` is each row's oldest token version."""
         s = self.s
         for name, versions in self.versions.items():
-            versions.begin_partial(s.engines[name], start, lambda n=name: self._refresh(n))
+            versions.begin_partial(s.engines[name], start, lambda n=name: self._refresh(n, b))
         try:
             record = s.workflow.rollout(items, s.sampling(), phase="train")
         finally:
@@ -295,8 +349,10 @@ class Ahead:
                             return
                     with self.engine_lock:
                         if self.partial:
-                            with self.cond:
-                                need = self.published  # the newest; newer ones come mid-call
+                            with self.cond:  # the newest; newer ones come mid-call
+                                again = self.replay.get(b)
+                                need = self.published if again is None else again.start
+                                self.taken[b] = Taken(need, dict.fromkeys(self.versions, 0))
                         with span("load_weights", version=need):
                             self._load(need)
                         pre = self._capture()
@@ -304,7 +360,7 @@ class Ahead:
                             self.prestates[b] = pre
                         with span("rollout", version=need):
                             if self.partial:
-                                record = self._partial_rollout(s.sampler.next_batch(), need)
+                                record = self._partial_rollout(s.sampler.next_batch(), b, need)
                             else:
                                 self._send_ahead(b, need)
                                 record = s.workflow.rollout(
@@ -338,8 +394,9 @@ class Ahead:
         if b != step:
             raise RuntimeError(f"rollout producer made batch {b} for step {step}")
         with self.cond:
-            for old in [v for v in self.prestates if v <= step]:
-                del self.prestates[old]
+            for kept in (self.prestates, self.taken, self.replay):
+                for old in [v for v in kept if v <= step]:
+                    del kept[old]
         return record, own | self._drop_stale(record, step)
 
     def _drop_stale(self, record: TensorDict, step: int) -> dict[str, float]:
@@ -411,12 +468,13 @@ class Ahead:
             pre = self.prestates.get(step + 1)
             versions = range(max(0, step - self.k), step)
             snaps = {n: {v: s[v] for v in versions} for n, s in self.snapshots.items()}
+            taken = {b: t.state_dict() for b, t in self.taken.items() if b > step}
         if pre is None:  # batch step+1 not started: capture it with the engines idle
             with self.engine_lock, self.cond:
                 pre = self.prestates.get(step + 1) or self._capture()
         # a batch in flight already captured its state: the save does not wait for it
         saved = {n: {v: self.versions[n].saved(w) for v, w in s.items()} for n, s in snaps.items()}
-        return {"before_next": pre, "snapshots": saved}
+        return {"before_next": pre, "snapshots": saved, "taken": taken}
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         s = self.s
@@ -429,6 +487,8 @@ class Ahead:
             self.snapshots[name][step] = versions.capture()
         self.loaded = dict.fromkeys(self.versions)
         self.published, self.first = step, step + 1
+        # checkpoints written before partial resumes were exact keep no "taken"
+        self.replay = {b: Taken.restored(t) for b, t in state.get("taken", {}).items()}
 
     def close(self) -> None:
         with self.cond:
