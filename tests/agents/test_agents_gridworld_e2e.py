@@ -1,11 +1,18 @@
-"""End-to-end: on the grid world, GiGPO beats plain episode-level GRPO after the same number
-of steps (mean over 3 seeds), and both improve on the shared starting point.
+"""End-to-end: on the grid world, GiGPO and plain episode-level GRPO both lift held-out
+success far above the shared starting point within 10 steps (mean over 3 seeds), and GiGPO
+trains no worse than episode GRPO.
 
 Runs ``examples/gridworld_compare.py``: one format-only SFT warm start, then 3 seeds x 2
 credit schemes of ``examples/gridworld_gigpo.yaml`` for ``STEPS`` RL steps each, spread over
-two worker processes. Success is the greedy policy's on held-out maps. Both schemes get
-close to solving the task given enough steps; the comparison is taken early, where the
-finer step-level credit shows.
+two worker processes. Success is the greedy policy's on held-out maps.
+
+Measured (mean held-out success at step 10, GiGPO / episode GRPO, from 0.111): Intel Xeon
+avx512 0.722 / 0.729 (seeds 0-5: 0.701 / 0.701; mean over the evaluations at steps 2-10
+0.683 / 0.670), avx2 0.736 / 0.708; AMD EPYC avx2, where the test was written, GiGPO ahead.
+On this 4x4 map with at most 8 turns the step-level credit does not separate from episode
+credit by more than the seeds' spread (up to 0.125 on one seed), so the test does not claim
+GiGPO wins: each scheme must gain 0.3 (lowest measured gain 0.59), and GiGPO must end within
+0.1 of episode GRPO (lowest measured -0.007).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ STEPS = 10
 
 @pytest.mark.learning
 @pytest.mark.slow
-def test_gigpo_beats_episode_grpo_on_the_grid_world(grid_model_dir, tmp_path):
+def test_gigpo_and_episode_grpo_both_learn_the_grid_world(grid_model_dir, tmp_path):
     with example_for_spawned_workers("gridworld_compare") as compare:
         start = time.perf_counter()
         result = compare.compare(
@@ -35,8 +42,8 @@ def test_gigpo_beats_episode_grpo_on_the_grid_world(grid_model_dir, tmp_path):
     means = compare.summary(result)
     print(f"means {means}; total {elapsed:.0f} s")
     for scheme in ("gigpo", "episode_grpo"):
-        assert means[scheme]["end"] > means[scheme]["start"] + 0.05, (scheme, means)
-    assert means["gigpo"]["end"] > means["episode_grpo"]["end"], means
+        assert means[scheme]["end"] > means[scheme]["start"] + 0.3, (scheme, means)
+    assert means["gigpo"]["end"] >= means["episode_grpo"]["end"] - 0.1, means
     # transcripts of every run are in its run directory
     some = Path(result["runs"]["gigpo/0"]["run_dir"]) / "samples"
     assert any(p.name.startswith("eval_step_") for p in some.iterdir())
