@@ -26,7 +26,8 @@ A VL policy (``CountsVisionFlops``) adds its vision tower's FLOPs over each row'
 (``polyrl.multimodal.flops``: its patches through the tower's projections, the merger,
 attention per image or window): once per row sampled, per epoch as trained (forward and
 backward, or the forward alone when the tower takes no gradient), once per old /
-reference pass.
+reference pass (a VL policy on Ray workers: its language model only, the tower being on
+the workers).
 
 A policy whose rows are images (``MakesImages``: diffusion) reports
 ``perf/<policy>/images`` and ``images_per_s`` (per second of the step) instead of tokens,
