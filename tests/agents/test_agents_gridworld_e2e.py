@@ -8,7 +8,8 @@ two worker processes. Success is the greedy policy's on held-out maps.
 
 Measured (mean held-out success at step 10, GiGPO / episode GRPO, from 0.111): Intel Xeon
 avx512 0.722 / 0.729 (seeds 0-5: 0.701 / 0.701; mean over the evaluations at steps 2-10
-0.683 / 0.670), avx2 0.736 / 0.708; AMD EPYC avx2, where the test was written, GiGPO ahead.
+0.683 / 0.670), avx2 0.736 / 0.708, default 0.736 / 0.715; AMD EPYC avx2, where the test
+was written, GiGPO ahead.
 On this 4x4 map with at most 8 turns the step-level credit does not separate from episode
 credit by more than the seeds' spread (up to 0.125 on one seed), so the test does not claim
 GiGPO wins: each scheme must gain 0.3 (lowest measured gain 0.59), and GiGPO must end within
