@@ -25,6 +25,7 @@ from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import (
     KILL_MID_WRITE,
     assert_same_tensors,
+    assert_weights_moved,
     finish_train,
     load_part,
     metrics,
@@ -310,6 +311,10 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
 
     ckpt_a = dir_a / "checkpoints" / f"step_{STEPS:06d}"
     pa, pb = load_part(ckpt_a, "policy_main"), load_part(final, "policy_main")
+    # A's last two steps (after any resume point of B) moved its weights
+    before_a = dir_a / "checkpoints" / f"step_{STEPS - 2:06d}"
+    # measured 1.6e-5 (staleness 0) and 1.56e-5 (2): the cosine tail, lr near its end
+    assert_weights_moved(load_part(before_a, "policy_main")["weights"], pa["weights"], 1e-6)
     assert_same_tensors(pa["weights"], pb["weights"], "final weights")
     for (ka, sa), (kb, sb) in zip(
         pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
@@ -385,6 +390,8 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(
     assert _trained_steps(dir_b) == [1, 2, 3, 4, 5, 6, 5, 6]  # the killed run had logged 5, 6
     final_a, final_b = (d / "checkpoints" / f"step_{steps:06d}" for d in (dir_a, dir_b))
     pa, pb = load_part(final_a, "policy_main"), load_part(final_b, "policy_main")
+    at_resume = load_part(dir_a / "checkpoints" / "step_000004", "policy_main")["weights"]
+    assert_weights_moved(at_resume, pa["weights"], 8e-6)  # A moved 8.0e-5 after B's resume
     assert_same_tensors(pa["weights"], pb["weights"], "final weights")
     for (_, sa), (_, sb) in zip(
         pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True

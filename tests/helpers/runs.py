@@ -49,6 +49,35 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
+def max_weight_change(start: dict, final: dict) -> float:
+    """The largest |final - start| over every floating tensor (``start`` cast to
+    ``final``'s dtype); both hold the same keys."""
+    assert start.keys() == final.keys(), sorted(start.keys() ^ final.keys())[:5]
+    return max(
+        (
+            float((final[k].float() - start[k].to(final[k].dtype).float()).abs().max())
+            for k in final
+            if final[k].is_floating_point() and final[k].numel()
+        ),
+        default=0.0,
+    )
+
+
+def assert_weights_moved(
+    start: dict, final: dict, at_least: float, what: str = "reference"
+) -> float:
+    """The ``what`` run trained: its ``final`` weights lie at least ``at_least`` (max abs)
+    from ``start``, so a resumed run equal to it is not equal trivially (a run with no
+    gradient ends where it began). Prints and returns the change."""
+    change = max_weight_change(start, final)
+    print(f"{what}: weights moved {change:.3e} (max abs), at least {at_least:.1e} asked")
+    assert change >= at_least, (
+        f"{what} run's weights moved only {change:.3e} (max abs) < {at_least:.1e}: "
+        "it did not train, so comparing a resumed run with it proves nothing"
+    )
+    return change
+
+
 def load_part(ckpt: Path, part: str) -> dict:
     """One part (``trainer``, ``policy_main``, ``rollouts``...) of a checkpoint directory."""
     return torch.load(Path(ckpt) / f"{part}.pt", weights_only=False)
