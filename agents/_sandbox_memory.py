@@ -4,12 +4,15 @@ Loaded by the supervisor from source (it runs as ``python -I -S -c``, with no im
 path to this package); standard library only. ``RLIMIT_AS`` bounds each process's
 address space, not a run: four processes under 512 MB each held 1.63 GB, and System V
 shared memory, POSIX shared memory (``/dev/shm``) and memory files (``memfd``) are in no
-process's address space once unmapped. cgroup v2 would bound them all in the kernel, but
-it is not delegated where the sandbox usually runs (a container whose v2 hierarchy has
-no memory controller), so :class:`RunMemory` sums the run's memory from ``/proc`` and
-the supervisor stops the run when the sum passes ``run_memory_mb``.
+process's address space once unmapped. Where a memory cgroup is writable (v2 with its
+memory controller, else v1; root on CI), :class:`KernelMemory` gives the run one of its
+own and the kernel holds it at ``run_memory_mb``. Elsewhere (no memory controller in a
+container's v2 hierarchy, no root) :class:`RunMemory` sums the run's memory from
+``/proc`` and the supervisor stops the run when the sum passes the budget (polled: a
+loaded machine lets it overshoot by what the run grows between polls).
 """
 
+import contextlib
 import ctypes
 import os
 
@@ -274,3 +277,179 @@ class RunMemory:
     def interval(self) -> float:
         """Seconds until the next poll: sooner the closer the run is to its budget."""
         return min(0.05, max(0.002, self.headroom / self.RATE))
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _own_cgroup(controller: str) -> str | None:
+    """This process's cgroup path in the v1 hierarchy of ``controller`` (or, for "", in
+    the v2 hierarchy), from /proc/self/cgroup; None when it has none."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if (controller == "" and names == "") or controller in names.split(","):
+            return path
+    return None
+
+
+def _v2_mount() -> str | None:
+    """Where the v2 hierarchy is mounted (the root on a v2-only machine, /unified beside v1)."""
+    for where in (CGROUP_ROOT, f"{CGROUP_ROOT}/unified"):
+        if os.path.exists(f"{where}/cgroup.controllers"):
+            return where
+    return None
+
+
+class KernelMemory:
+    """The run's memory budget enforced by the kernel: a memory cgroup of its own.
+
+    Every process of the run joins it before it executes anything (the worker writes
+    itself into ``cgroup.procs`` between fork and exec), so every page the run touches
+    is charged to it: each process's memory, and the System V, POSIX (``/dev/shm``) and
+    memory-file pages it faults in (shared memory is charged to the cgroup that touched
+    it). Past the limit the kernel reclaims what it can and then kills a process of the
+    run (out of memory, inside the budget); the supervisor sees the cgroup's ``oom_kill``
+    count rise, stops the rest and reports the budget. cgroup v2 (``memory.max``,
+    ``memory.swap.max`` 0) where its memory controller can be enabled below this
+    process's cgroup; else v1 (``memory.limit_in_bytes``, and ``memory.memsw.limit_in_bytes``
+    where swap is accounted). :meth:`create` returns None where neither is writable: the
+    supervisor then polls (:class:`RunMemory`).
+    """
+
+    def __init__(self, path: str, version: int, budget: int) -> None:
+        self.path, self.version, self.budget = path, version, budget
+        self.procs_fd = os.open(f"{path}/cgroup.procs", os.O_WRONLY)
+        self.peak = 0
+
+    @property
+    def layer(self) -> str:
+        what = "memory.max, memory.swap.max=0" if self.version == 2 else "memory.limit_in_bytes"
+        if self.version == 1 and os.path.exists(f"{self.path}/memory.memsw.limit_in_bytes"):
+            what += ", memory.memsw.limit_in_bytes"
+        return f"enforced by the kernel: memory cgroup v{self.version} ({what})"
+
+    @classmethod
+    def create(cls, budget: int, notes: list) -> "KernelMemory | None":
+        name = f"polyrl-sandbox-{os.getpid()}-{os.urandom(4).hex()}"
+        tried = []
+        v2 = _v2_mount()
+        own2 = _own_cgroup("")
+        if v2 is not None and own2 is not None:
+            parent = v2 + own2.rstrip("/")
+            try:
+                with open(f"{parent}/cgroup.controllers") as f:
+                    available = f.read().split()
+                if "memory" not in available:
+                    raise OSError(f"no memory controller in {parent}/cgroup.controllers")
+                with open(f"{parent}/cgroup.subtree_control") as f:
+                    enabled = f.read().split()
+                if "memory" not in enabled:
+                    with open(f"{parent}/cgroup.subtree_control", "w") as f:
+                        f.write("+memory")
+                return cls._make(f"{parent}/{name}", 2, budget)
+            except OSError as e:
+                tried.append(f"v2: {e}")
+        own1 = _own_cgroup("memory")
+        if own1 is not None and os.path.isdir(f"{CGROUP_ROOT}/memory"):
+            try:
+                return cls._make(f"{CGROUP_ROOT}/memory{own1.rstrip('/')}/{name}", 1, budget)
+            except OSError as e:
+                tried.append(f"v1: {e}")
+        else:
+            tried.append("v1: no memory hierarchy")
+        notes.append(
+            "no writable memory cgroup (" + "; ".join(tried) + "): the run's memory budget "
+            "is polled by the supervisor"
+        )
+        return None
+
+    @classmethod
+    def _make(cls, path: str, version: int, budget: int) -> "KernelMemory":
+        os.mkdir(path, 0o700)
+        try:
+            if version == 2:
+                _write_file(f"{path}/memory.max", str(budget))
+                if os.path.exists(f"{path}/memory.swap.max"):
+                    _write_file(f"{path}/memory.swap.max", "0")
+                _write_file(f"{path}/memory.oom.group", "1")  # one OOM kill stops the run
+            else:
+                _write_file(f"{path}/memory.limit_in_bytes", str(budget))
+                if os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
+                    _write_file(f"{path}/memory.memsw.limit_in_bytes", str(budget))
+                with open(f"{path}/memory.limit_in_bytes") as f:
+                    if int(f.read()) > budget:
+                        raise OSError(f"{path}: the limit did not hold")
+            return cls(path, version, budget)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            raise
+
+    def join(self) -> None:
+        """In a child, before it executes anything: move the calling process into the cgroup."""
+        os.write(self.procs_fd, b"0")
+
+    def _field(self, name: str, key: str) -> int:
+        try:
+            with open(f"{self.path}/{name}") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 2 and parts[0] == key:
+                        return int(parts[1])
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def oom_kills(self) -> int:
+        """Processes of the run the kernel killed at the budget so far."""
+        if self.version == 2:
+            return self._field("memory.events", "oom_kill")
+        return self._field("memory.oom_control", "oom_kill")
+
+    def usage_peak(self) -> int:
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        try:
+            with open(f"{self.path}/{name}") as f:
+                self.peak = max(self.peak, int(f.read()))
+        except (OSError, ValueError):
+            pass
+        return self.peak
+
+    def close(self, notes: list) -> None:
+        """Kill what is left in the cgroup, then remove it."""
+        self.usage_peak()
+        os.close(self.procs_fd)
+        import signal
+        import time
+
+        until = time.monotonic() + 5.0
+        while True:
+            try:
+                with open(f"{self.path}/cgroup.procs") as f:
+                    left = [int(p) for p in f.read().split()]
+            except OSError:
+                left = []
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError, OSError):
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:  # orphans that came back here
+                    pass
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError as e:
+                if time.monotonic() > until:
+                    notes.append(f"could not remove the run's memory cgroup {self.path} ({e})")
+                    return
+            time.sleep(0.01)
+
+
+def _write_file(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)

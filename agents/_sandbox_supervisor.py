@@ -239,10 +239,13 @@ def _status(kind: str, text: str) -> None:
 STATUS_FD, NONCE_FD, REQUEST_FD, REPLY_FD = 3, 4, 5, 6
 
 
-def _worker(req: dict, kernel, cwd: str, uid, fds: dict, own_proc: bool, mode: str) -> None:
-    """In the child: limits, privileges, keyring, seccomp, then exec the runner in
-    ``mode`` with ``fds`` ({target descriptor: pipe end}). Never returns."""
+def _worker(req: dict, kernel, cwd: str, uid, fds: dict, own_proc: bool, mode: str, cgroup) -> None:
+    """In the child: the run's memory cgroup (first, before it allocates anything),
+    limits, privileges, keyring, seccomp, then exec the runner in ``mode`` with ``fds``
+    ({target descriptor: pipe end}). Never returns."""
     try:
+        if cgroup is not None:
+            cgroup.join()  # a failure here ends the run ("sandbox"), never a weaker one
         lim = req["limits"]
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -430,6 +433,8 @@ def main() -> None:
     tests = req.get("tests")
     layers: list = []
     notes: list = []
+    # the run's memory cgroup, made before anything of the run starts (None: polled)
+    cgroup = memory.KernelMemory.create(int(lim["run_memory_mb"]) * 2**20, notes)
     work, can_drop = _isolate(req, layers, notes)
     pid_ns = any(x.startswith("pid-namespace") for x in layers)
     temp = None
@@ -468,7 +473,9 @@ def main() -> None:
     layers.append("new session; output capped; wall-time kill")
     layers.append(
         f"run memory budget ({lim['run_memory_mb']} MiB for every process, System V and "
-        "POSIX shared memory and memory files together)"
+        "POSIX shared memory and memory files together; "
+        + (cgroup.layer if cgroup is not None else "polled by the supervisor")
+        + ")"
     )
     if req["audit"]:
         layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
@@ -531,8 +538,8 @@ def main() -> None:
     first.pid = os.fork()
     if first.pid == 0:
         if checker is not None:
-            _worker(req, kernel, checks_dir, check_uid, check_fds, own_proc, "check")
-        _worker(req, kernel, work, code_uid, code_fds, own_proc, "run")
+            _worker(req, kernel, checks_dir, check_uid, check_fds, own_proc, "check", cgroup)
+        _worker(req, kernel, work, code_uid, code_fds, own_proc, "run", cgroup)
     if checker is not None:
         for fd in (chk_out_w, chk_st_w, in_r, req_w, rep_r):
             os.close(fd)
@@ -568,17 +575,23 @@ def main() -> None:
             killed = "wall_time"
             kill_everything()
         if now >= next_poll and not killed:
-            if budget.poll(now):
-                killed = "memory"
-                kill_everything()
-            next_poll = now + budget.interval()
+            if cgroup is not None:  # the kernel holds the budget; an OOM kill ends the run
+                if cgroup.oom_kills():
+                    killed = "memory"
+                    kill_everything()
+                next_poll = now + 0.01
+            else:
+                if budget.poll(now):
+                    killed = "memory"
+                    kill_everything()
+                next_poll = now + budget.interval()
         if checker is not None and code.pid is None:
             if killed or checker.status is not None:
                 code.pid = -1  # the checker ended (or was stopped) before it was ready
             elif checker.channel.started:
                 code.pid = os.fork()
                 if code.pid == 0:
-                    _worker(req, kernel, work, code_uid, code_fds, False, "serve")
+                    _worker(req, kernel, work, code_uid, code_fds, False, "serve", cgroup)
                 for fd in code_fds.values():
                     os.close(fd)
                 workers.append(code)
@@ -637,6 +650,12 @@ def main() -> None:
             time.sleep(0.01)
     if in_w >= 0 and checker is not None:
         os.close(in_w)
+    if cgroup is not None:
+        if not killed and cgroup.oom_kills():
+            killed = "memory"  # the kernel's kill ended the run before the loop saw it
+        kill_everything()
+        cgroup.close(notes)
+        budget.peak = cgroup.peak
     elapsed = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if extended > 0.05:
@@ -650,9 +669,14 @@ def main() -> None:
     if not private_fs:  # /dev/shm is the host's: what the run's uids left there goes
         ipc_left.update(memory.cleanup_dev_shm(set(uids), budget.dev_shm_before, notes))
     if killed == "memory":
+        by = (
+            "the kernel's memory cgroup killed a process at the budget"
+            if cgroup is not None
+            else "the supervisor measured"
+        )
         notes.append(
-            f"stopped by the run's memory budget (run_memory_mb={lim['run_memory_mb']}): "
-            f"its processes and shared memory held {budget.peak / 2**20:.0f} MiB"
+            f"stopped by the run's memory budget (run_memory_mb={lim['run_memory_mb']}; "
+            f"{by}): its processes and shared memory held {budget.peak / 2**20:.0f} MiB"
         )
     for path in (temp, None if checker is None or private_fs else checks_dir):
         if path is not None:
@@ -675,6 +699,7 @@ def main() -> None:
         "notes": notes,
         "ipc_left": ipc_left,
         "memory_peak": budget.peak,
+        "memory_enforcement": f"cgroup v{cgroup.version}" if cgroup is not None else "polled",
         "started": code.channel.started,
         "completed": code.channel.completed,
     }

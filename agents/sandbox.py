@@ -135,6 +135,10 @@ class SandboxResult:
     # the most memory the run's processes and shared memory held, as the supervisor
     # measured it while the run went (MiB)
     memory_peak_mb: float = 0.0
+    # how ``run_memory_mb`` was held: "cgroup v2" / "cgroup v1" (a memory cgroup of the
+    # run's own: the kernel refuses the run more) or "polled" (no writable memory cgroup:
+    # the supervisor sums the run's memory from /proc and stops it past the budget)
+    memory_enforcement: str = ""
 
     # error kinds: wall_time, cpu_time, output_limit, memory, blocked (audit hook or OS
     # refused an operation and the code did not handle it), exception (uncaught error),
@@ -223,6 +227,14 @@ class Sandbox:
         self.isolate, self.drop_privileges, self.audit = isolate, drop_privileges, audit
         self.seccomp = seccomp
         self.python = python or sys.executable
+        # the run's memory budget is held by a memory cgroup (made per run by the
+        # supervisor) or, without one, polled from /proc: with neither it could not be
+        # held at all, which is an error now rather than a run with no budget
+        if not os.access("/proc/self/statm", os.R_OK) and not os.access("/sys/fs/cgroup", os.W_OK):
+            raise RuntimeError(
+                f"SandboxLimits.run_memory_mb={self.limits.run_memory_mb} cannot be enforced "
+                "here: no writable memory cgroup and no /proc to poll the run's memory from"
+            )
 
     def run(self, code: str) -> SandboxResult:
         """Run ``code``; at most ``2 x cpu_count`` runs execute at once per process."""
@@ -310,6 +322,7 @@ class Sandbox:
             rep["started"],
         )
         result.memory_peak_mb = rep["memory_peak"] / 2**20
+        result.memory_enforcement = rep["memory_enforcement"]
         if tests is not None:
             result = _tests_result(rep, result)
         else:
@@ -435,6 +448,7 @@ def capabilities() -> dict[str, bool]:
         "audit_hook": "audit hook" in text,
         "seccomp": "seccomp filter" in text,
         "fresh_keyring": "fresh session keyring" in text,
+        "memory_cgroup": r.memory_enforcement.startswith("cgroup"),
     }
 
 

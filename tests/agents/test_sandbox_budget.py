@@ -6,6 +6,10 @@ anonymous resident memory of every process below this one (``/proc/<pid>/status`
 System V segments of the sandbox's IPC namespace (read from a thread that joined it) and
 the run's files in ``/dev/shm``. The sandbox's own report is checked against that view,
 never taken for it. The audit hook is off: the OS layers and the budget are the wall.
+
+The tests of a run past its budget need the kernel to hold it (a memory cgroup of the
+run's own, as on CI, root): the supervisor's polled fallback lets a loaded machine
+overshoot, so where no memory cgroup is writable they are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -21,9 +25,21 @@ from polyrl.agents.sandbox import Sandbox, SandboxLimits, capabilities
 
 MiB = 2**20
 BUDGET = 512
-# what the run may hold past its budget before it is stopped: a poll's latency at the
-# rate 4 processes fault in pages on a loaded 2-core machine, plus the interpreters'
-SLACK = 192
+# what the outside view may see past the budget: the kernel holds the run's cgroup at the
+# budget, but the view also counts the supervisor (outside the cgroup) and, once per
+# forked process, the interpreter pages they share copy-on-write (+38 MiB measured, the
+# same on a 2-core machine at load 8)
+SLACK = 128
+
+
+@pytest.fixture
+def kernel_budget():
+    """Skips a test where no memory cgroup is writable (the budget would be polled)."""
+    if not capabilities()["memory_cgroup"]:
+        pytest.skip(
+            "no writable memory cgroup here: the run's budget is polled, and a loaded "
+            "machine lets a polled budget overshoot"
+        )
 
 
 class HostView(threading.Thread):
@@ -162,7 +178,7 @@ print("survived")
 """
 
 
-@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot
+@pytest.mark.usefixtures("kernel_budget")
 def test_four_processes_of_300_mb_are_stopped_at_the_runs_budget():
     """``memory_mb=512`` bounds each process; four of them took 1.63 GB before."""
     r, host_peak = watched(
@@ -173,6 +189,8 @@ def test_four_processes_of_300_mb_are_stopped_at_the_runs_budget():
     assert host_peak <= BUDGET + SLACK, host_peak
     assert BUDGET <= r.memory_peak_mb <= BUDGET + SLACK, r.memory_peak_mb
     assert any("run_memory_mb=512" in n for n in r.notes), r.notes
+    assert r.memory_enforcement.startswith("cgroup v"), r.memory_enforcement
+    assert any("memory cgroup killed a process at the budget" in n for n in r.notes), r.notes
 
 
 def test_a_run_inside_its_budget_is_not_stopped_and_is_seen_from_outside():
@@ -181,7 +199,15 @@ def test_a_run_inside_its_budget_is_not_stopped_and_is_seen_from_outside():
     assert r.error == "" and r.stdout == "survived\n" and r.limit == "", (r.error, r.stderr)
     assert host_peak >= 280, host_peak
     assert 280 <= r.memory_peak_mb <= BUDGET, r.memory_peak_mb
-    assert any(layer.startswith(f"run memory budget ({BUDGET} MiB") for layer in r.layers)
+    budget = [layer for layer in r.layers if layer.startswith(f"run memory budget ({BUDGET} MiB")]
+    assert len(budget) == 1, r.layers
+    # which enforcement holds the budget is said, in the layer and the result alike
+    if r.memory_enforcement == "polled":
+        assert "polled by the supervisor" in budget[0]
+        assert any("no writable memory cgroup" in n for n in r.notes), r.notes
+    else:
+        assert r.memory_enforcement in ("cgroup v1", "cgroup v2"), r.memory_enforcement
+        assert f"enforced by the kernel: memory {r.memory_enforcement}" in budget[0], budget
 
 
 SYSV = """
@@ -200,7 +226,7 @@ print("survived")
 """
 
 
-@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot (1129 MiB)
+@pytest.mark.usefixtures("kernel_budget")
 def test_system_v_segments_count_against_the_runs_budget():
     if not capabilities()["ipc_namespace"]:
         pytest.skip("no IPC namespace here: the outside view cannot find the segments")
@@ -227,7 +253,7 @@ print("survived")
 """
 
 
-@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot (1035 MiB in CI)
+@pytest.mark.usefixtures("kernel_budget")
 def test_posix_shared_memory_counts_against_the_runs_budget():
     """Without namespaces /dev/shm is the host's: the run's files there count, and go
     with the run when a throwaway uid marks them as its own."""
@@ -264,7 +290,7 @@ print("survived")
 """
 
 
-@pytest.mark.alone  # the budget is polled: a loaded machine lets it overshoot
+@pytest.mark.usefixtures("kernel_budget")
 def test_memory_files_count_against_the_runs_budget():
     r, host_peak = watched(Sandbox(limits(), audit=False), MEMFD)
     assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
