@@ -8,10 +8,17 @@ import json
 import pytest
 import torch
 
-from tests.helpers.runs import assert_same_tensors, load_part
+from tests.helpers.rollouts import LOW_DIGIT
+from tests.helpers.runs import assert_same_tensors, assert_weights_moved, load_part
 
 RAY = ["distributed.backend=ray", "distributed.args={workers_per_policy: 2}"]
-ASYNC = ["rollout.max_staleness=1", "train.steps=4", "run.save_every=1", "eval.every=0"]
+ASYNC = [
+    "rollout.max_staleness=1",
+    "train.steps=4",
+    "run.save_every=1",
+    "eval.every=0",
+    f"reward.terms=[{LOW_DIGIT}]",  # rewards that differ within a group: the weights move
+]
 
 
 def _rows(run_dir) -> dict[int, dict]:
@@ -68,6 +75,9 @@ def test_ray_async_follows_the_local_schedule_and_resumes_exactly(
         assert b[step]["main/loss"] == a[step]["main/loss"], step
     ckpt = "checkpoints/step_000004"
     pa, pb = (read_full(SavedDirectory(r / ckpt / "policy_main")) for r in (run_a, run_b))
+    # A's last step (after B's resume point, step 2) moved its weights: measured 5.0e-5
+    step3 = read_full(SavedDirectory(run_a / "checkpoints/step_000003" / "policy_main"))
+    assert_weights_moved(step3["weights"], pa["weights"], 5e-6)
     assert_same_tensors(pa["weights"], pb["weights"], "final weights")  # sharded (the default)
     for k, moments in pa["optimizer"]["state"].items():
         assert_same_tensors(moments, pb["optimizer"]["state"][k], f"optimizer {k}")
