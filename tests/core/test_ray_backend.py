@@ -20,6 +20,8 @@ from polyrl.core.config import ConfigError, from_dict
 from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import text_record
 from tests.helpers.distributed import LORA, ray_config
+from tests.helpers.rollouts import LOW_DIGIT
+from tests.helpers.runs import assert_weights_moved
 from tests.helpers.trainer import chat_ids, sampled_record
 
 
@@ -231,6 +233,7 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
         "train.steps=3",
         "run.save_every=1",
         "eval.data.limit=8",
+        f"reward.terms=[{LOW_DIGIT}]",  # rewards that differ within a group: the weights move
     ]
     opened: list = []
     save = session_mod.Session.save
@@ -265,6 +268,14 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
     )
     assert (run.path / "export" / "main" / "config.json").is_file()
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir())[-1] == "step_000003"
+    # the step run after the resume trained: its weights moved from step 2's (5.0e-5)
+    from polyrl.core.checkpoint import SavedDirectory, read_full
+
+    step2, step3 = (
+        read_full(SavedDirectory(run.path / "checkpoints" / f"step_00000{s}" / "policy_main"))
+        for s in (2, 3)
+    )
+    assert_weights_moved(step2["weights"], step3["weights"], 5e-6, "resumed")
 
 
 @pytest.mark.ray
