@@ -232,7 +232,8 @@ class QwenVLPolicy(CausalLMPolicy):
         out = []
         for inputs in self.vision_rows(record):
             grids: tuple = ()
-            if inputs is not None:
+            # a mixed team's record: other members' rows hold no images (an empty entry)
+            if isinstance(inputs, vision.VisionInputs):
                 both = inputs.image_grid_thw.tolist() + inputs.video_grid_thw.tolist()
                 grids = tuple(tuple(int(x) for x in g) for g in both)
             if grids not in done:
