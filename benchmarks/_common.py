@@ -374,3 +374,34 @@ def write_json(path: str | None, obj: Any) -> None:
 def median_of(results: list[dict], key: str) -> float:
     vals = [r[key] for r in results if key in r]
     return statistics.median(vals) if vals else float("nan")
+
+
+def demo_steps(root: Path, name: str, steps: int, *overrides: str) -> list[dict]:
+    """The README demo's recipe for ``steps`` GRPO steps (no SFT, eval, saves or samples),
+    run in this process under ``root/name`` with ``overrides``; its metrics lines of the
+    steps. The overhead benchmarks time an option against this plain run."""
+    from polyrl.core.config import load
+    from polyrl.core.loop import train
+    from polyrl.core.recipe import Config
+
+    recipe = Path(__file__).resolve().parents[1] / "core" / "recipes" / "arithmetic_grpo.yaml"
+    cfg = load(
+        Config,
+        recipe,
+        [
+            f"run.dir={root}/{name}",
+            "run.progress=false",
+            "run.tensorboard=false",
+            "run.export=false",
+            "run.save_every=0",
+            "run.samples_per_step=0",
+            "sft.steps=0",
+            "eval.every=0",
+            "eval.data.path=",
+            f"train.steps={steps}",
+            *overrides,
+        ],
+    )
+    run = train(cfg)
+    rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "time/step_s" in r]

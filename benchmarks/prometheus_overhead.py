@@ -20,9 +20,9 @@ the step time of the same runs:
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from polyrl.core import timeline
-from polyrl.core.config import load
-from polyrl.core.loop import train
 from polyrl.core.prometheus import PrometheusLogger
-from polyrl.core.recipe import Config
 
-RECIPE = Path(__file__).resolve().parents[1] / "core" / "recipes" / "arithmetic_grpo.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import demo_steps  # noqa: E402
+
 TARGET = 1.02
 
 
@@ -49,26 +49,7 @@ def free_port() -> int:
 
 def run(root: Path, name: str, steps: int, port: int | None) -> list[dict]:
     """The demo for ``steps`` steps (``port``: the endpoint's); its step lines."""
-    cfg = load(
-        Config,
-        RECIPE,
-        [
-            f"run.dir={root}/{name}",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "run.export=false",
-            "run.save_every=0",
-            "run.samples_per_step=0",
-            "sft.steps=0",
-            "eval.every=0",
-            "eval.data.path=",
-            f"train.steps={steps}",
-            f"run.prometheus_port={'null' if port is None else port}",
-        ],
-    )
-    out = train(cfg)
-    rows = [json.loads(x) for x in (out.path / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "time/step_s" in r]
+    return demo_steps(root, name, steps, f"run.prometheus_port={'null' if port is None else port}")
 
 
 class Scraper(threading.Thread):

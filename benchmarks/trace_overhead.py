@@ -12,8 +12,8 @@ run, warm-up, left out). Prints the median step time of each arm and their ratio
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,36 +21,18 @@ from pathlib import Path
 import torch
 
 from polyrl.core import timeline
-from polyrl.core.config import load
-from polyrl.core.loop import train
-from polyrl.core.recipe import Config
 from polyrl.core.timeline import read_run
 
-RECIPE = Path(__file__).resolve().parents[1] / "core" / "recipes" / "arithmetic_grpo.yaml"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import demo_steps  # noqa: E402
+
 TARGET = 1.02
 
 
 def step_times(root: Path, name: str, steps: int, trace_every: int) -> list[float]:
-    cfg = load(
-        Config,
-        RECIPE,
-        [
-            f"run.dir={root}/{name}",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "run.export=false",
-            "run.save_every=0",
-            "run.samples_per_step=0",
-            "sft.steps=0",
-            "eval.every=0",
-            "eval.data.path=",
-            f"train.steps={steps}",
-            f"run.trace_every={trace_every}",
-        ],
-    )
-    run = train(cfg)
-    rows = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
-    return [r["time/step_s"] for r in rows if "time/step_s" in r][1:]
+    rows = demo_steps(root, name, steps, f"run.trace_every={trace_every}")
+    return [r["time/step_s"] for r in rows][1:]
 
 
 def span_cost(tmp: Path, n: int = 20000) -> tuple[float, float]:
