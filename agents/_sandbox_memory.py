@@ -9,12 +9,18 @@ memory controller, else v1; root on CI), :class:`KernelMemory` gives the run one
 own and the kernel holds it at ``run_memory_mb``. Elsewhere (no memory controller in a
 container's v2 hierarchy, no root) :class:`RunMemory` sums the run's memory from
 ``/proc`` and the supervisor stops the run when the sum passes the budget (polled: a
-loaded machine lets it overshoot by what the run grows between polls).
+loaded machine lets it overshoot by what the run grows between polls). The supervisor
+uses :class:`RunBudget`, which holds one or the other. A run cgroup is named for the
+supervisor that made it, so one a killed supervisor left is removed by the next.
 """
 
+import atexit
 import contextlib
 import ctypes
 import os
+import signal
+import time
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 IPC_RMID = 0
@@ -280,6 +286,11 @@ class RunMemory:
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+# A run cgroup is named for its supervisor: PREFIX + "<pid namespace>-<pid>-<start time>-<random>"
+# (the namespace's inode, the pid and its start time in clock ticks after boot), so that a
+# later supervisor can tell one whose owner was killed (SIGKILL leaves it behind, empty)
+# from one in use, even after the pid is reused.
+PREFIX = "polyrl-sandbox-"
 
 
 def _own_cgroup(controller: str) -> str | None:
@@ -305,6 +316,70 @@ def _v2_mount() -> str | None:
     return None
 
 
+def parents() -> list[tuple[int, str]]:
+    """(version, directory) where this process's run cgroups go, in the order tried: below
+    its own cgroup in the v2 hierarchy, then in the v1 memory hierarchy."""
+    out = []
+    v2, own2, own1 = _v2_mount(), _own_cgroup(""), _own_cgroup("memory")
+    if v2 is not None and own2 is not None:
+        out.append((2, v2 + own2.rstrip("/")))
+    if own1 is not None and os.path.isdir(f"{CGROUP_ROOT}/memory"):
+        out.append((1, f"{CGROUP_ROOT}/memory{own1.rstrip('/')}"))
+    return out
+
+
+def _identity(pid: str) -> str | None:
+    """A live process's "<pid namespace>-<pid>-<start time>" ("self": this one's) as this
+    one sees it; None when it is gone or /proc cannot say."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        start = int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{ns}-{os.getpid() if pid == 'self' else pid}-{start}"
+
+
+def owner_gone(name: str) -> bool:
+    """Whether the supervisor that made run cgroup ``name`` is dead. False where that cannot
+    be told: another PID namespace, a name not of this form, no /proc to read."""
+    parts = name[len(PREFIX) :].split("-") if name.startswith(PREFIX) else []
+    own = _identity("self")
+    if len(parts) != 4 or own is None or parts[0] != own.split("-")[0]:
+        return False
+    return _identity(parts[1]) != "-".join(parts[:3])
+
+
+def reclaim(parent: str, notes: list[str]) -> int:
+    """Remove the run cgroups in ``parent`` whose supervisor is dead; returns how many.
+    One a process of its run still holds stays (rmdir refuses it) and is reported."""
+    try:
+        names = [e.name for e in os.scandir(parent) if e.is_dir() and owner_gone(e.name)]
+    except OSError:
+        return 0
+    removed = busy = 0
+    for name in names:
+        try:
+            os.rmdir(f"{parent}/{name}")
+            removed += 1
+        except FileNotFoundError:
+            pass  # another supervisor reclaimed it first
+        except OSError:
+            busy += 1
+    if removed:
+        notes.append(
+            f"removed {removed} memory cgroup(s) left in {parent} by sandbox supervisors "
+            "that were killed"
+        )
+    if busy:
+        notes.append(
+            f"{busy} memory cgroup(s) of killed sandbox supervisors in {parent} still hold "
+            "processes: left in place"
+        )
+    return removed
+
+
 class KernelMemory:
     """The run's memory budget enforced by the kernel: a memory cgroup of its own.
 
@@ -318,13 +393,17 @@ class KernelMemory:
     ``memory.swap.max`` 0) where its memory controller can be enabled below this
     process's cgroup; else v1 (``memory.limit_in_bytes``, and ``memory.memsw.limit_in_bytes``
     where swap is accounted). :meth:`create` returns None where neither is writable: the
-    supervisor then polls (:class:`RunMemory`).
+    supervisor then polls (:class:`RunMemory`). Its :meth:`close` also runs at exit, so a
+    supervisor that fails leaves no cgroup; one that is killed leaves it to the next.
     """
 
     def __init__(self, path: str, version: int, budget: int) -> None:
         self.path, self.version, self.budget = path, version, budget
         self.procs_fd = os.open(f"{path}/cgroup.procs", os.O_WRONLY)
         self.peak = 0
+        self.owner = os.getpid()
+        self.closed = False
+        atexit.register(self.close, [])
 
     @property
     def layer(self) -> str:
@@ -334,33 +413,28 @@ class KernelMemory:
         return f"enforced by the kernel: memory cgroup v{self.version} ({what})"
 
     @classmethod
-    def create(cls, budget: int, notes: list) -> "KernelMemory | None":
-        name = f"polyrl-sandbox-{os.getpid()}-{os.urandom(4).hex()}"
+    def create(cls, budget: int, notes: list[str]) -> "KernelMemory | None":
+        name = f"{PREFIX}{_identity('self') or f'0-{os.getpid()}-0'}-{os.urandom(4).hex()}"
         tried = []
-        v2 = _v2_mount()
-        own2 = _own_cgroup("")
-        if v2 is not None and own2 is not None:
-            parent = v2 + own2.rstrip("/")
+        for version, parent in parents():
             try:
-                with open(f"{parent}/cgroup.controllers") as f:
-                    available = f.read().split()
-                if "memory" not in available:
-                    raise OSError(f"no memory controller in {parent}/cgroup.controllers")
-                with open(f"{parent}/cgroup.subtree_control") as f:
-                    enabled = f.read().split()
-                if "memory" not in enabled:
-                    with open(f"{parent}/cgroup.subtree_control", "w") as f:
-                        f.write("+memory")
-                return cls._make(f"{parent}/{name}", 2, budget)
+                if version == 2:
+                    with open(f"{parent}/cgroup.controllers") as f:
+                        available = f.read().split()
+                    if "memory" not in available:
+                        raise OSError(f"no memory controller in {parent}/cgroup.controllers")
+                    with open(f"{parent}/cgroup.subtree_control") as f:
+                        enabled = f.read().split()
+                    if "memory" not in enabled:
+                        with open(f"{parent}/cgroup.subtree_control", "w") as f:
+                            f.write("+memory")
+                made = cls._make(f"{parent}/{name}", version, budget)
             except OSError as e:
-                tried.append(f"v2: {e}")
-        own1 = _own_cgroup("memory")
-        if own1 is not None and os.path.isdir(f"{CGROUP_ROOT}/memory"):
-            try:
-                return cls._make(f"{CGROUP_ROOT}/memory{own1.rstrip('/')}/{name}", 1, budget)
-            except OSError as e:
-                tried.append(f"v1: {e}")
-        else:
+                tried.append(f"v{version}: {e}")
+                continue
+            reclaim(parent, notes)
+            return made
+        if not any(version == 1 for version, _ in parents()):
             tried.append("v1: no memory hierarchy")
         notes.append(
             "no writable memory cgroup (" + "; ".join(tried) + "): the run's memory budget "
@@ -412,6 +486,8 @@ class KernelMemory:
         return self._field("memory.oom_control", "oom_kill")
 
     def usage_peak(self) -> int:
+        """The most the cgroup held, by its own count (v2 ``memory.peak``, v1
+        ``memory.max_usage_in_bytes``)."""
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         try:
             with open(f"{self.path}/{name}") as f:
@@ -420,13 +496,13 @@ class KernelMemory:
             pass
         return self.peak
 
-    def close(self, notes: list) -> None:
-        """Kill what is left in the cgroup, then remove it."""
+    def close(self, notes: list[str]) -> None:
+        """Kill what is left in the cgroup, then remove it (once, in the supervisor only)."""
+        if self.closed or os.getpid() != self.owner:
+            return
+        self.closed = True
         self.usage_peak()
         os.close(self.procs_fd)
-        import signal
-        import time
-
         until = time.monotonic() + 5.0
         while True:
             try:
@@ -448,6 +524,91 @@ class KernelMemory:
                     notes.append(f"could not remove the run's memory cgroup {self.path} ({e})")
                     return
             time.sleep(0.01)
+
+
+class RunBudget:
+    """``run_memory_mb`` as the supervisor holds it: a memory cgroup of the run's own
+    (:class:`KernelMemory`) where one is writable and ``use_cgroup`` (the default), else
+    polled from /proc (:class:`RunMemory`, the fallback; ``use_cgroup=False`` forces it,
+    to test it where a cgroup is writable).
+
+    Made before anything of the run starts (:meth:`join` in each worker), watching once
+    the supervisor knows the run's uids (:meth:`watch`); :meth:`over` is asked at
+    :attr:`next_poll`; :meth:`finish` ends it.
+    """
+
+    def __init__(self, budget_mb: int, use_cgroup: bool, notes: list[str]) -> None:
+        self.mb, self.budget = budget_mb, budget_mb * 2**20
+        self.cgroup = KernelMemory.create(self.budget, notes) if use_cgroup else None
+        if not use_cgroup:
+            notes.append(
+                "the memory cgroup was turned off (Sandbox(memory_cgroup=False)): the run's "
+                "memory budget is polled by the supervisor"
+            )
+        self.polled: RunMemory | None = None
+        self.next_poll = 0.0
+        self.peak = 0
+
+    @property
+    def enforcement(self) -> str:
+        """What holds the budget: ``SandboxResult.memory_enforcement``."""
+        return f"cgroup v{self.cgroup.version}" if self.cgroup is not None else "polled"
+
+    @property
+    def layer(self) -> str:
+        how = self.cgroup.layer if self.cgroup is not None else "polled by the supervisor"
+        return (
+            f"run memory budget ({self.mb} MiB for every process, System V and POSIX shared "
+            f"memory and memory files together; {how})"
+        )
+
+    def join(self) -> None:
+        """In a worker, before it executes anything (a failure ends the run, "sandbox")."""
+        if self.cgroup is not None:
+            self.cgroup.join()
+
+    def watch(self, proc_fd: int, root: int, shm_own_ns: bool, uids: set[int]) -> None:
+        """Start counting: ``root`` is the supervisor (the run is its descendants)."""
+        self.polled = RunMemory(proc_fd, root, self.budget, shm_own_ns, uids)
+
+    @property
+    def dev_shm_before(self) -> set[tuple[int, int]]:
+        return self.polled.dev_shm_before if self.polled is not None else set()
+
+    def over(self, now: float) -> bool:
+        """Whether the run is past its budget (the kernel killed a process of it, or the
+        poll measured more); sets :attr:`next_poll`."""
+        if self.cgroup is not None:
+            self.next_poll = now + 0.01
+            return self.cgroup.oom_kills() > 0
+        assert self.polled is not None, "watch() first"
+        past = self.polled.poll(now)
+        self.peak = self.polled.peak
+        self.next_poll = now + self.polled.interval()
+        return past
+
+    def finish(self, stop_all: Callable[[], None], notes: list[str]) -> bool:
+        """After the run: with a cgroup, ``stop_all()`` the run's processes and remove the
+        cgroup, keeping its peak. True when the kernel killed a process at the budget."""
+        if self.cgroup is None:
+            return False
+        killed = self.cgroup.oom_kills() > 0
+        stop_all()
+        self.cgroup.close(notes)
+        self.peak = self.cgroup.peak
+        return killed
+
+    def stopped(self) -> str:
+        """The note of a run stopped by its budget."""
+        by = (
+            "the kernel's memory cgroup killed a process at the budget"
+            if self.cgroup is not None
+            else "the supervisor measured"
+        )
+        return (
+            f"stopped by the run's memory budget (run_memory_mb={self.mb}; {by}): its "
+            f"processes and shared memory held {self.peak / 2**20:.0f} MiB"
+        )
 
 
 def _write_file(path: str, text: str) -> None:

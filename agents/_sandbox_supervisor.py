@@ -239,13 +239,12 @@ def _status(kind: str, text: str) -> None:
 STATUS_FD, NONCE_FD, REQUEST_FD, REPLY_FD = 3, 4, 5, 6
 
 
-def _worker(req: dict, kernel, cwd: str, uid, fds: dict, own_proc: bool, mode: str, cgroup) -> None:
+def _worker(req: dict, kernel, cwd: str, uid, fds: dict, own_proc: bool, mode: str, budget) -> None:
     """In the child: the run's memory cgroup (first, before it allocates anything),
     limits, privileges, keyring, seccomp, then exec the runner in ``mode`` with ``fds``
     ({target descriptor: pipe end}). Never returns."""
     try:
-        if cgroup is not None:
-            cgroup.join()  # a failure here ends the run ("sandbox"), never a weaker one
+        budget.join()  # a failure here ends the run ("sandbox"), never a weaker one
         lim = req["limits"]
         os.setsid()
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -433,8 +432,8 @@ def main() -> None:
     tests = req.get("tests")
     layers: list = []
     notes: list = []
-    # the run's memory cgroup, made before anything of the run starts (None: polled)
-    cgroup = memory.KernelMemory.create(int(lim["run_memory_mb"]) * 2**20, notes)
+    # the run's memory cgroup, made before anything of the run starts (or a polled budget)
+    budget = memory.RunBudget(int(lim["run_memory_mb"]), req.get("memory_cgroup", True), notes)
     work, can_drop = _isolate(req, layers, notes)
     pid_ns = any(x.startswith("pid-namespace") for x in layers)
     temp = None
@@ -471,12 +470,7 @@ def main() -> None:
             layers.append(f"checker uid {check_uid} (the code's uid cannot reach it)")
     layers.append("resource limits (cpu, address space, file size, open files, no core dumps)")
     layers.append("new session; output capped; wall-time kill")
-    layers.append(
-        f"run memory budget ({lim['run_memory_mb']} MiB for every process, System V and "
-        "POSIX shared memory and memory files together; "
-        + (cgroup.layer if cgroup is not None else "polled by the supervisor")
-        + ")"
-    )
+    layers.append(budget.layer)
     if req["audit"]:
         layers.append("audit hook (files outside the workdir, sockets, processes, signals, ctypes)")
     if tests is not None:
@@ -490,9 +484,7 @@ def main() -> None:
     # the run's processes are this one's descendants, orphans included (they come back
     # here, or to the PID namespace's init), and its memory is summed against the budget
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    budget = memory.RunMemory(
-        proc_fd, os.getpid(), int(lim["run_memory_mb"]) * 2**20, own_ipc, set(uids)
-    )
+    budget.watch(proc_fd, os.getpid(), own_ipc, set(uids))
     nonce = os.urandom(16).hex()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -538,8 +530,8 @@ def main() -> None:
     first.pid = os.fork()
     if first.pid == 0:
         if checker is not None:
-            _worker(req, kernel, checks_dir, check_uid, check_fds, own_proc, "check", cgroup)
-        _worker(req, kernel, work, code_uid, code_fds, own_proc, "run", cgroup)
+            _worker(req, kernel, checks_dir, check_uid, check_fds, own_proc, "check", budget)
+        _worker(req, kernel, work, code_uid, code_fds, own_proc, "run", budget)
     if checker is not None:
         for fd in (chk_out_w, chk_st_w, in_r, req_w, rep_r):
             os.close(fd)
@@ -557,7 +549,6 @@ def main() -> None:
     if checker is not None:
         open_fds = [chk_out_r, chk_st_r]  # the code's streams open once it is forked
     ended_at = None
-    next_poll = start
 
     def kill_everything() -> None:
         for w in workers:
@@ -574,31 +565,23 @@ def main() -> None:
         if now >= deadline and not killed:
             killed = "wall_time"
             kill_everything()
-        if now >= next_poll and not killed:
-            if cgroup is not None:  # the kernel holds the budget; an OOM kill ends the run
-                if cgroup.oom_kills():
-                    killed = "memory"
-                    kill_everything()
-                next_poll = now + 0.01
-            else:
-                if budget.poll(now):
-                    killed = "memory"
-                    kill_everything()
-                next_poll = now + budget.interval()
+        if now >= budget.next_poll and not killed and budget.over(now):
+            killed = "memory"
+            kill_everything()
         if checker is not None and code.pid is None:
             if killed or checker.status is not None:
                 code.pid = -1  # the checker ended (or was stopped) before it was ready
             elif checker.channel.started:
                 code.pid = os.fork()
                 if code.pid == 0:
-                    _worker(req, kernel, work, code_uid, code_fds, False, "serve", cgroup)
+                    _worker(req, kernel, work, code_uid, code_fds, False, "serve", budget)
                 for fd in code_fds.values():
                     os.close(fd)
                 workers.append(code)
                 open_fds += [out_r, err_r, st_r]
         writing = [in_w] if pending else []
         ready, can_write, _ = select.select(
-            open_fds, writing, [], max(0.0, min(0.05, deadline - now, next_poll - now))
+            open_fds, writing, [], max(0.0, min(0.05, deadline - now, budget.next_poll - now))
         )
         if can_write:
             try:
@@ -650,12 +633,8 @@ def main() -> None:
             time.sleep(0.01)
     if in_w >= 0 and checker is not None:
         os.close(in_w)
-    if cgroup is not None:
-        if not killed and cgroup.oom_kills():
-            killed = "memory"  # the kernel's kill ended the run before the loop saw it
-        kill_everything()
-        cgroup.close(notes)
-        budget.peak = cgroup.peak
+    if budget.finish(kill_everything, notes) and not killed:
+        killed = "memory"  # the kernel's kill ended the run before the loop saw it
     elapsed = time.monotonic() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if extended > 0.05:
@@ -669,15 +648,7 @@ def main() -> None:
     if not private_fs:  # /dev/shm is the host's: what the run's uids left there goes
         ipc_left.update(memory.cleanup_dev_shm(set(uids), budget.dev_shm_before, notes))
     if killed == "memory":
-        by = (
-            "the kernel's memory cgroup killed a process at the budget"
-            if cgroup is not None
-            else "the supervisor measured"
-        )
-        notes.append(
-            f"stopped by the run's memory budget (run_memory_mb={lim['run_memory_mb']}; "
-            f"{by}): its processes and shared memory held {budget.peak / 2**20:.0f} MiB"
-        )
+        notes.append(budget.stopped())
     for path in (temp, None if checker is None or private_fs else checks_dir):
         if path is not None:
             import shutil
@@ -699,7 +670,7 @@ def main() -> None:
         "notes": notes,
         "ipc_left": ipc_left,
         "memory_peak": budget.peak,
-        "memory_enforcement": f"cgroup v{cgroup.version}" if cgroup is not None else "polled",
+        "memory_enforcement": budget.enforcement,
         "started": code.channel.started,
         "completed": code.channel.completed,
     }

@@ -132,8 +132,9 @@ class SandboxResult:
     # cpu_seconds, output_bytes, memory_mb (an allocation past a process's address
     # space) or run_memory_mb (the run's processes and shared memory together)
     limit: str = ""
-    # the most memory the run's processes and shared memory held, as the supervisor
-    # measured it while the run went (MiB)
+    # the most memory the run's processes and shared memory held (MiB): under a memory
+    # cgroup its own count (v1 memory.max_usage_in_bytes, v2 memory.peak), polled the
+    # supervisor's largest sum
     memory_peak_mb: float = 0.0
     # how ``run_memory_mb`` was held: "cgroup v2" / "cgroup v1" (a memory cgroup of the
     # run's own: the kernel refuses the run more) or "polled" (no writable memory cgroup:
@@ -210,7 +211,9 @@ class Sandbox:
 
     ``isolate``: use namespaces when available; ``drop_privileges``: run as a throwaway
     uid when the supervisor is root; ``audit``: install the audit hook; ``seccomp``:
-    install the system-call filter. Turn layers off only to test the others.
+    install the system-call filter; ``memory_cgroup``: hold ``run_memory_mb`` with a memory
+    cgroup where one is writable (False: the polled fallback). Turn layers off only to
+    test the others.
     """
 
     def __init__(
@@ -221,16 +224,21 @@ class Sandbox:
         drop_privileges: bool = True,
         audit: bool = True,
         seccomp: bool = True,
+        memory_cgroup: bool = True,
         python: str | None = None,
     ) -> None:
         self.limits = limits or SandboxLimits()
         self.isolate, self.drop_privileges, self.audit = isolate, drop_privileges, audit
         self.seccomp = seccomp
+        if not isinstance(memory_cgroup, bool):
+            raise TypeError(f"memory_cgroup must be a bool, not {type(memory_cgroup).__name__}")
+        self.memory_cgroup = memory_cgroup
         self.python = python or sys.executable
         # the run's memory budget is held by a memory cgroup (made per run by the
         # supervisor) or, without one, polled from /proc: with neither it could not be
         # held at all, which is an error now rather than a run with no budget
-        if not os.access("/proc/self/statm", os.R_OK) and not os.access("/sys/fs/cgroup", os.W_OK):
+        cgroup = memory_cgroup and os.access("/sys/fs/cgroup", os.W_OK)
+        if not os.access("/proc/self/statm", os.R_OK) and not cgroup:
             raise RuntimeError(
                 f"SandboxLimits.run_memory_mb={self.limits.run_memory_mb} cannot be enforced "
                 "here: no writable memory cgroup and no /proc to poll the run's memory from"
@@ -265,10 +273,12 @@ class Sandbox:
         with _SLOTS:
             return self._run(preamble + "\n" + code if preamble else code, tests)
 
-    def _run(self, code: str, tests: dict | None = None) -> SandboxResult:
-        request = {
+    def _request(self, code: str, tests: dict | None = None) -> dict:
+        """What the supervisor reads on its stdin for one run."""
+        return {
             "tests": tests,
             "seccomp": self.seccomp,
+            "memory_cgroup": self.memory_cgroup,
             "code": code,
             "limits": asdict(self.limits),
             "isolate": self.isolate,
@@ -279,6 +289,9 @@ class Sandbox:
             "modules": {m: _source(f"{m}.py") for m in ("_sandbox_seccomp", "_sandbox_memory")},
             "python_paths": list(_python_paths(self.python)),
         }
+
+    def _run(self, code: str, tests: dict | None = None) -> SandboxResult:
+        request = self._request(code, tests)
         start = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _source("_sandbox_supervisor.py")],

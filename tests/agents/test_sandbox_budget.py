@@ -9,19 +9,30 @@ never taken for it. The audit hook is off: the OS layers and the budget are the 
 
 The tests of a run past its budget need the kernel to hold it (a memory cgroup of the
 run's own, as on CI, root): the supervisor's polled fallback lets a loaded machine
-overshoot, so where no memory cgroup is writable they are skipped, saying so.
+overshoot, so where no memory cgroup is writable they are skipped, saying so. The outside
+view moves with whatever else the machine runs, so those tests run ``alone``; in CI the
+budget is checked by the run cgroup's own count, which sees the run only, and the polled
+fallback is forced (``Sandbox(memory_cgroup=False)``) and checked on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 import uuid
 
 import pytest
 
-from polyrl.agents.sandbox import Sandbox, SandboxLimits, capabilities
+from polyrl.agents import _sandbox_memory as memory
+from polyrl.agents.sandbox import Sandbox, SandboxLimits, _source, capabilities
 
 MiB = 2**20
 BUDGET = 512
@@ -194,6 +205,104 @@ def test_four_processes_of_300_mb_are_stopped_at_the_runs_budget():
     assert any("memory cgroup killed a process at the budget" in n for n in r.notes), r.notes
 
 
+@pytest.mark.usefixtures("kernel_budget")
+def test_the_runs_own_cgroup_held_it_at_its_budget():
+    """In CI: four processes of 100 MB under a 128 MiB budget, judged by the run cgroup's
+    own peak (v1 ``memory.max_usage_in_bytes``, v2 ``memory.peak``), which counts the run
+    alone and so does not move with the other test worker as the outside view does."""
+    r = Sandbox(limits(run_memory_mb=128), audit=False).run(FORK.format(n=4, mb=100, sleep=20))
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert "survived" not in r.stdout
+    assert r.memory_enforcement.startswith("cgroup v"), r.memory_enforcement
+    # it pressed on the limit, and the kernel's counter never passed it (v2 may force a
+    # few kernel pages past memory.max)
+    slack = 2 if r.memory_enforcement == "cgroup v2" else 0
+    assert 120 <= r.memory_peak_mb <= 128 + slack, r.memory_peak_mb
+    assert any("memory cgroup killed a process at the budget" in n for n in r.notes), r.notes
+
+
+def test_the_polled_fallback_stops_a_run_past_its_budget():
+    """``memory_cgroup=False`` forces the fallback (the only one where no cgroup is
+    writable): the supervisor's own sum from /proc stops the run and says so."""
+    box = Sandbox(limits(run_memory_mb=128), audit=False, memory_cgroup=False)
+    r = box.run(FORK.format(n=4, mb=100, sleep=20))
+    assert r.error == "memory" and r.limit == "run_memory_mb", (r.error, r.notes, r.stderr)
+    assert "survived" not in r.stdout
+    assert r.memory_enforcement == "polled"
+    assert any(x.startswith("run memory budget (128 MiB") and "polled" in x for x in r.layers)
+    assert any("Sandbox(memory_cgroup=False)" in n for n in r.notes), r.notes
+    assert any("the supervisor measured" in n for n in r.notes), r.notes
+    assert r.memory_peak_mb > 128, r.memory_peak_mb  # what it measured past the budget
+
+
+def run_cgroups() -> list[str]:
+    """The run cgroups below this process's memory cgroup (v2 and v1)."""
+    out = []
+    for _, parent in memory.parents():
+        with contextlib.suppress(OSError):
+            out += [f"{parent}/{n}" for n in os.listdir(parent) if n.startswith(memory.PREFIX)]
+    return out
+
+
+def supervisor(request: dict) -> subprocess.Popen:
+    """A supervisor started as ``Sandbox`` starts one, reading ``request``."""
+    with tempfile.TemporaryFile() as stdin:
+        stdin.write(json.dumps(request).encode())
+        stdin.seek(0)
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _source("_sandbox_supervisor.py")],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
+
+
+def procs(cgroup: str) -> list[str]:
+    try:
+        with open(f"{cgroup}/cgroup.procs") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+@pytest.mark.usefixtures("kernel_budget")
+def test_a_killed_supervisors_cgroup_is_removed_by_the_next_run():
+    """SIGKILL gives a supervisor no chance to remove its run's cgroup: the next one
+    finds it by the dead owner in its name and removes it."""
+    box = Sandbox(limits(), audit=False)
+    proc = supervisor(box._request("import time\ntime.sleep(30)"))
+    mine: list[str] = []
+    until = time.monotonic() + 20
+    while not (mine and procs(mine[0])) and time.monotonic() < until:  # mid-run
+        mine = [c for c in run_cgroups() if f"-{proc.pid}-" in c.rsplit("/", 1)[1]]
+        time.sleep(0.01)
+    assert mine and procs(mine[0]), (mine, run_cgroups())
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    while procs(mine[0]) and time.monotonic() < until:  # its workers die with it
+        time.sleep(0.01)
+    assert not procs(mine[0])  # left behind, empty (or already removed by another run)
+    assert memory.owner_gone(mine[0].rsplit("/", 1)[1])
+    r = box.run("print('ok')")
+    assert r.stdout == "ok\n", (r.error, r.notes)
+    assert not os.path.exists(mine[0]), r.notes
+    # and the run's own cgroup went with its normal exit: none is left of a dead owner
+    assert [c for c in run_cgroups() if memory.owner_gone(c.rsplit("/", 1)[1])] == []
+
+
+@pytest.mark.usefixtures("kernel_budget")
+def test_a_supervisor_that_fails_removes_its_cgroup():
+    """A supervisor that fails after it made the run's cgroup (here: code that is not a
+    string) still removes it on its way out."""
+    box = Sandbox(limits(), audit=False)
+    proc = supervisor({**box._request(""), "code": 123})
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and b"TypeError" in err, err
+    assert [c for c in run_cgroups() if f"-{proc.pid}-" in c.rsplit("/", 1)[1]] == []
+
+
 def test_a_run_inside_its_budget_is_not_stopped_and_is_seen_from_outside():
     """The control: two processes of 150 MB finish, and the outside view saw them."""
     r, host_peak = watched(Sandbox(limits(), audit=False), FORK.format(n=2, mb=150, sleep=0.5))
@@ -328,3 +437,5 @@ def test_a_tests_run_past_its_budget_scores_0():
 def test_the_budget_is_a_typed_option():
     with pytest.raises(ValueError, match=r"run_memory_mb must be a positive integer, not 0"):
         SandboxLimits(run_memory_mb=0)
+    with pytest.raises(TypeError, match=r"memory_cgroup must be a bool, not str"):
+        Sandbox(memory_cgroup="no")  # type: ignore[arg-type]
