@@ -20,6 +20,14 @@ from polyrl.core.truncation import TruncationWatch
 def train(cfg: Config) -> RunDir:
     """Rollout -> reward -> credit -> update -> sync -> log -> save, ``cfg.train.steps`` times."""
     s = Session.open(cfg)  # run dir checked first, then data, policies, engines, resume
+    with s.freed_on_error():  # a raising run still frees its actors, placement groups, loggers
+        failures = _steps(cfg, s)
+    failures.check(f"{s.run.path}/samples/")  # RunFailedError; `polyrl train` exits 3
+    return s.run
+
+
+def _steps(cfg: Config, s: Session) -> Failures:
+    """The steps, the final evaluation and the run's end (export, plots, shutdown)."""
     run, rollouts = s.run, s.rollouts
     failures = Failures(max_unscored=cfg.train.max_unscored_steps)  # stop early, exit 3
     cut = TruncationWatch(cfg.rollout.max_new_tokens, cfg.rollout.warn_truncated)
@@ -28,7 +36,6 @@ def train(cfg: Config) -> RunDir:
     first = s.evaluate("eval") if s.step == 0 else {}
     run.log(s.step, first)
     with (
-        run.closed_on_error(),  # a raising step still stops the loggers (Prometheus' server)
         Progress(cfg.train.steps, s.step, enabled=cfg.run.progress) as bar,
         tracing(tracer),
     ):
@@ -77,5 +84,4 @@ def train(cfg: Config) -> RunDir:
             run.log(cfg.train.steps, final)
             bar.update(cfg.train.steps, final, final=True)
     s.finish(final, export=not (failures.failed or failures.stop))  # failed: no export
-    failures.check(f"{run.path}/samples/")  # RunFailedError; `polyrl train` exits 3
-    return run
+    return failures

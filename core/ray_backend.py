@@ -44,7 +44,8 @@ What runs where:
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
 from its last checkpoint (``run.resume=true`` / ``polyrl train --resume``) with fresh
-actors. An engine actor is restarted in the run instead, up to ``max_restarts`` times,
+actors. Whatever a run raises, it has shut this backend down before the error reaches the
+caller (``Session.freed_on_error``): every actor killed, every placement group removed. An engine actor is restarted in the run instead, up to ``max_restarts`` times,
 from the weights and RNG state it had, and the interrupted call sent again
 (:mod:`polyrl.core.ray_engine_actor`; counted as ``faults/engine_restarts``). A policy's checkpoint is sharded by default (``checkpoint: sharded``; see
 :mod:`polyrl.core.checkpoint`): each rank writes its own shards, with no full gather, and

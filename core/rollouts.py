@@ -106,7 +106,7 @@ class InStep:
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         return None
 
 
@@ -490,9 +490,11 @@ class Ahead:
         # checkpoints written before partial resumes were exact keep no "taken"
         self.replay = {b: Taken.restored(t) for b, t in state.get("taken", {}).items()}
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the producer (it ends after the batch it is making) and wait for it, at
+        most ``timeout`` s (a failed run's teardown: the thread is a daemon)."""
         with self.cond:
             self.stop = True
             self.cond.notify_all()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)

@@ -8,7 +8,6 @@ the data position and the step.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
@@ -18,7 +17,7 @@ import re
 import resource
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,16 +175,6 @@ class RunDir:
         self._metrics.close()
         for logger in self._loggers:
             logger.close()
-
-    @contextlib.contextmanager
-    def closed_on_error(self) -> Iterator[None]:
-        """Close the run if the block raises: a failed step leaves no logger's thread or
-        port open (the Prometheus endpoint) in a process that goes on."""
-        try:
-            yield
-        except BaseException:
-            self.close()
-            raise
 
     # --- checkpoints --------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:

@@ -7,6 +7,7 @@ restores the last checkpoint when resuming.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,6 +119,22 @@ def _part(state: dict[str, Any], key: str, step: int, why: str) -> Any:
     return state[key]
 
 
+@contextlib.contextmanager
+def _freed_on_error(free: list[Callable[[], object]]) -> Iterator[None]:
+    """If the block raises, call each of ``free`` (what the failed run holds: its loggers,
+    the backend's actors and placement groups), then let the error go on unchanged; a
+    failure while freeing is printed, not raised over the run's own error."""
+    try:
+        yield
+    except BaseException:
+        for f in free:
+            try:
+                f()
+            except Exception as e:
+                print(f"warning: freeing a failed run: {e!r}", file=sys.stderr)
+        raise
+
+
 @dataclass
 class Session:
     cfg: Config
@@ -160,86 +178,91 @@ class Session:
             loggers=cfg.run.loggers if record else (),
             prometheus_port=cfg.run.prometheus_port if record else None,
         )
-        seed_everything(cfg.seed)
-        sources = prepare_task(cfg, run.path)
-        named = [("train", sources.train), ("eval", sources.eval)]
-        check_paths(named + ([("sft", sources.sft)] if cfg.sft.steps else []))
-        # Data before weights: a bad path, row or prompt fails in seconds, before any model
-        # loads. The first policy's tokenizer is loaded on its own for this.
-        first = next(iter(cfg.policies.values()))
-        tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
-        dataset = DATASETS.get(sources.train.kind)(sources.train, tokenizer, name="train")
-        saved.check_data(len(dataset), sources.train.path)  # the saved data position fits
-        eval_items = (
-            list(DATASETS.get(sources.eval.kind)(sources.eval, tokenizer, name="eval"))
-            if sources.eval.path
-            else []
-        )
-        backend = BACKENDS.get(cfg.distributed.backend)(cfg)
-        shared: dict = {}  # lets policy kinds share a base model (one LoRA adapter per agent)
-        # the schedule counts optimizer steps: one per minibatch per PPO epoch per RL step
-        opt_steps = cfg.train.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
-        policies = {
-            name: backend.make_policy(
-                name,
-                p,
-                total_steps=opt_steps,
-                need_reference=cfg.algorithm.kl_coef > 0,
-                shared=shared,
+        freed: list[Callable[[], object]] = [run.close]  # a failed start frees: the backend too
+        with _freed_on_error(freed):
+            seed_everything(cfg.seed)
+            sources = prepare_task(cfg, run.path)
+            named = [("train", sources.train), ("eval", sources.eval)]
+            check_paths(named + ([("sft", sources.sft)] if cfg.sft.steps else []))
+            # Data before weights: a bad path, row or prompt fails in seconds, before any model
+            # loads. The first policy's tokenizer is loaded on its own for this.
+            first = next(iter(cfg.policies.values()))
+            tokenizer = POLICIES.get(first.kind).load_tokenizer(first)
+            dataset = DATASETS.get(sources.train.kind)(sources.train, tokenizer, name="train")
+            saved.check_data(len(dataset), sources.train.path)  # the saved data position fits
+            eval_items = (
+                list(DATASETS.get(sources.eval.kind)(sources.eval, tokenizer, name="eval"))
+                if sources.eval.path
+                else []
             )
-            for name, p in cfg.policies.items()
-        }
-        k = cfg.rollout.max_staleness
-        # async: the engines generate on their own copy of each trained policy's weights
-        versions = {n: backend.versioned(policies[n]) for n in cfg.trained_policies()} if k else {}
-        engines = {
-            name: backend.make_engine(
-                name,
-                versions[name].engine_policy if name in versions else policies[name],
-                p,
-                seed=cfg.seed + i,
-            )
-            for i, (name, p) in enumerate(cfg.policies.items())
-        }
-        sampler = PromptSampler(
-            dataset, cfg.rollout.prompts_per_step, cfg.seed, shuffle=cfg.data.shuffle
-        )
-        ctx = Context(cfg, policies, engines, run_dir=run.path)
-        workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
-        parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
-        exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
-        s = cls(
-            cfg,
-            run,
-            backend,
-            policies,
-            engines,
-            ctx,
-            workflow,
-            sampler,
-            eval_items,
-            cfg.trained_policies(),
-            torch.Generator().manual_seed(cfg.seed),
-            reward_runners=backend.reward_runners(cfg.reward),
-            sources=sources,
-            rollouts=Ahead(parts, k, versions, cfg.rollout.partial) if k else InStep(parts),
-            correction=cfg.algorithm.rollout_correction.resolved(exact, k),
-        )
-        if record:
-            run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
-        latest = run.load_latest() if cfg.run.resume else None
-        if latest is not None:
-            print(f"resuming {run.path} from step {latest[0]}", file=sys.stderr)
-            s.restore(*latest)
-        else:
-            if cfg.run.resume:
-                print(
-                    f"run.resume: no complete checkpoint in {run.path}; starting a fresh run",
-                    file=sys.stderr,
+            backend = BACKENDS.get(cfg.distributed.backend)(cfg)
+            freed.append(backend.shutdown)
+            shared: dict = {}  # lets policy kinds share a base model (one LoRA adapter per agent)
+            # the schedule counts optimizer steps: one per minibatch per PPO epoch per RL step
+            opt_steps = cfg.train.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.minibatches
+            policies = {
+                name: backend.make_policy(
+                    name,
+                    p,
+                    total_steps=opt_steps,
+                    need_reference=cfg.algorithm.kl_coef > 0,
+                    shared=shared,
                 )
-            if cfg.sft.steps:
-                s.warm_start()
-        return s
+                for name, p in cfg.policies.items()
+            }
+            k = cfg.rollout.max_staleness
+            # async: the engines generate on their own copy of each trained policy's weights
+            versions = (
+                {n: backend.versioned(policies[n]) for n in cfg.trained_policies()} if k else {}
+            )
+            engines = {
+                name: backend.make_engine(
+                    name,
+                    versions[name].engine_policy if name in versions else policies[name],
+                    p,
+                    seed=cfg.seed + i,
+                )
+                for i, (name, p) in enumerate(cfg.policies.items())
+            }
+            sampler = PromptSampler(
+                dataset, cfg.rollout.prompts_per_step, cfg.seed, shuffle=cfg.data.shuffle
+            )
+            ctx = Context(cfg, policies, engines, run_dir=run.path)
+            workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
+            parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
+            exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
+            s = cls(
+                cfg,
+                run,
+                backend,
+                policies,
+                engines,
+                ctx,
+                workflow,
+                sampler,
+                eval_items,
+                cfg.trained_policies(),
+                torch.Generator().manual_seed(cfg.seed),
+                reward_runners=backend.reward_runners(cfg.reward),
+                sources=sources,
+                rollouts=Ahead(parts, k, versions, cfg.rollout.partial) if k else InStep(parts),
+                correction=cfg.algorithm.rollout_correction.resolved(exact, k),
+            )
+            if record:
+                run.log(0, {f"data/{k}": v for k, v in dataset.stats.items()})
+            latest = run.load_latest() if cfg.run.resume else None
+            if latest is not None:
+                print(f"resuming {run.path} from step {latest[0]}", file=sys.stderr)
+                s.restore(*latest)
+            else:
+                if cfg.run.resume:
+                    print(
+                        f"run.resume: no complete checkpoint in {run.path}; starting a fresh run",
+                        file=sys.stderr,
+                    )
+                if cfg.sft.steps:
+                    s.warm_start()
+            return s
 
     # --- SFT warm start -----------------------------------------------------------------
     def warm_start(self) -> None:
@@ -453,6 +476,17 @@ class Session:
             why = f"it was written with rollout.max_staleness: 0; resume with 0, not {k}"
             self.rollouts.load_state_dict(_part(state, "rollouts", step, why), step)
         self.step = step
+
+    @contextlib.contextmanager
+    def freed_on_error(self) -> Iterator[None]:
+        """A run that raises frees what it holds before the error goes on, unchanged: the
+        loggers closed (a Prometheus port), the backend shut down (Ray: its actors killed,
+        its placement groups removed) and the producer told to stop. A process that goes on
+        (a notebook, a sweep, a retry with ``--resume``) gets its resources back."""
+        with _freed_on_error(
+            [self.run.close, self.backend.shutdown, lambda: self.rollouts.close(timeout=10)]
+        ):
+            yield
 
     def finish(self, final: dict[str, float], *, export: bool = True) -> None:
         """Close the producer, export (``run.export``, unless the run never trained) and

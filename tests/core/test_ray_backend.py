@@ -220,13 +220,21 @@ def test_placement_that_cannot_fit_says_so(ray_cluster, tiny_model_dir):
 @pytest.mark.slow
 def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, monkeypatch):
     """A short GRPO run on 2 FSDP workers writes metrics and checkpoints; a worker killed
-    after step 2's checkpoint stops step 3 with an error naming it; ``run.resume`` then
-    finishes the run from step 2."""
+    after step 2's checkpoint stops step 3 with an error naming it, and the failed run has
+    removed its placement group and killed its actors by then (a process that goes on gets
+    the cluster back); ``run.resume`` then finishes the run from step 2."""
+    from ray.exceptions import RayActorError
+
     import polyrl.core.session as session_mod
     from polyrl.core.loop import train
     from polyrl.core.ray_backend import ActorError
 
     ray = ray_cluster
+
+    def live_groups() -> set[str]:
+        table = ray.util.placement_group_table()
+        return {g for g, info in table.items() if info["state"] in ("CREATED", "PENDING")}
+
     args = [
         "distributed.backend=ray",
         "distributed.args={workers_per_policy: 2}",
@@ -236,21 +244,32 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
         f"reward.terms=[{LOW_DIGIT}]",  # rewards that differ within a group: the weights move
     ]
     opened: list = []
+    groups: list = []
     save = session_mod.Session.save
 
     def save_then_kill(self, step):
         save(self, step)
         opened.append(self)
         if step == 2:
-            ray.kill(self.backend.groups["main"].workers[1])
+            groups.append(self.backend.groups["main"])
+            ray.kill(groups[0].workers[1])
 
     monkeypatch.setattr(session_mod.Session, "save", save_then_kill)
+    before = live_groups()
     try:
-        with pytest.raises(ActorError, match="policy 'main' worker 1 died"):
+        with pytest.raises(ActorError, match="policy 'main' worker 1 died") as err:
             train(make_config(*args))
-        s = opened[-1]
+        assert isinstance(err.value.__cause__, RayActorError)  # Ray's own error, kept
+        s, group = opened[-1], groups[0]
         assert s.step == 2
-        ray.kill(s.backend.groups["main"].engine)
+        # freed before the error reached here: the group removed, every actor gone
+        assert group.pg.id.hex() not in before
+        assert ray.util.placement_group_table(group.pg)["state"] == "REMOVED"
+        assert live_groups() == before
+        assert not s.backend.groups
+        for actor in [*group.workers, group.engine]:
+            with pytest.raises(RayActorError):
+                ray.get(actor.__ray_ready__.remote(), timeout=60)
         with pytest.raises(ActorError, match="engine for policy 'main' died"):
             s.engines["main"].generate([[1, 2]], SamplingParams(max_new_tokens=2))
     finally:

@@ -158,20 +158,26 @@ def test_without_restarts_a_killed_engine_ends_the_run_naming_the_option(
     ray_cluster, make_config, tmp_path
 ):
     """``max_restarts: 0`` (the default): the run stops with one line naming the actor,
-    the call and the option."""
+    the call and the option, and has removed its placement group by then."""
     from polyrl.core.ray_backend import ActorError
 
-    before = set(ray_cluster.util.placement_group_table())
+    def live() -> set[str]:
+        table = ray_cluster.util.placement_group_table()
+        return {g for g, info in table.items() if info["state"] in ("CREATED", "PENDING")}
+
+    before, live_before = set(ray_cluster.util.placement_group_table()), live()
     try:
         with pytest.raises(ActorError) as err:
             _train_killing(make_config(*ARGS, "distributed.args={workers_per_policy: 1}"), 3)
         first, why = str(err.value).splitlines()[0], str(err.value.__cause__)  # Ray's account
         assert first.startswith("engine for policy 'main' died during generate;"), why
         assert "distributed.args.max_restarts is 0" in first
-    finally:  # the failed run's group (train does not shut its backend down on a failure)
+        assert set(ray_cluster.util.placement_group_table()) - before  # the run made one
+        assert live() == live_before  # and train removed it on the failure
+    finally:  # a group left by a failure of the above, so later tests can place theirs
         from ray.util.placement_group import PlacementGroup, PlacementGroupID
 
-        for pg in set(ray_cluster.util.placement_group_table()) - before:
+        for pg in live() - live_before:
             ray_cluster.util.remove_placement_group(
                 PlacementGroup(PlacementGroupID(bytes.fromhex(pg)))
             )

@@ -192,6 +192,33 @@ def test_failing_reward_is_counted_and_excluded(make_config, update_spy, term, e
     assert all(s["reward"] is not None for s in samples if not s["error"])
 
 
+def test_a_step_that_raises_frees_the_run_and_the_error_goes_on(make_config, monkeypatch):
+    """The error a step raises (here step 1's save) reaches the caller itself, after the
+    run freed what it held: the metrics file closed and the async producer stopped (else its
+    thread waits for a publish forever, holding the engines). Ray's actors and placement
+    groups: tests/core/test_ray_backend.py::test_grpo_run_survives_a_dead_worker_by_resuming."""
+
+    class Boom(Exception):
+        pass
+
+    err, held = Boom("step 1's save"), []
+
+    def save(self, step):
+        held.append(self)
+        raise err
+
+    monkeypatch.setattr(Session, "save", save)
+    cfg = make_config(
+        "rollout.max_staleness=1", "train.steps=3", "run.save_every=1", "task.args.n_eval=4"
+    )
+    with pytest.raises(Boom) as got:
+        train(cfg)
+    assert got.value is err
+    s = held[0]
+    assert s.run._metrics.closed
+    assert s.rollouts.thread is not None and not s.rollouts.thread.is_alive()
+
+
 # --------------------------------------------------------------------------- run directory
 
 
