@@ -3,15 +3,17 @@ are made again with the versions the interrupted run's calls took (``rollouts.Ta
 so the resumed run follows the uninterrupted one wherever that run's own schedule does
 not depend on timing.
 
-Each test stops a run after a checkpoint the way a kill does: the uninterrupted run ``A``
-checkpoints every step, and run ``B`` is a copy of ``A``'s directory as a run killed while
-writing step ``KILLED_AT`` leaves it (checkpoints up to ``KILLED_AT - 1``, their metrics
-lines, a ``.tmp``), then ``--resume``-d to the end."""
+The in-process tests stop a run after a checkpoint the way a kill does: the uninterrupted
+run ``A`` checkpoints every step, and run ``B`` is a copy of ``A``'s directory as a run
+killed while writing step ``KILLED_AT`` leaves it (checkpoints up to ``KILLED_AT - 1``,
+their metrics lines, a ``.tmp``), then ``--resume``-d to the end. The last test kills a
+``polyrl train`` process for real (SIGKILL) and resumes it with the CLI."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -20,25 +22,20 @@ import torch
 
 from polyrl.core.engine import HFEngine
 from polyrl.core.registry import ENGINES
-from tests.helpers.crawling_engine import CrawlingEngine
+from tests.helpers.crawling_engine import ResumableCrawler
 from tests.helpers.rollouts import LOW_DIGIT
-from tests.helpers.runs import assert_same_tensors, load_part, metrics_by_step
+from tests.helpers.runs import (
+    KILL_MID_WRITE,
+    assert_same_tensors,
+    assert_weights_moved,
+    finish_train,
+    load_part,
+    metrics,
+    metrics_by_step,
+    spawn_train,
+)
 
 STEPS, KILLED_AT = 6, 4
-
-
-class ResumableCrawler(CrawlingEngine):
-    """The crawling engine with its count of partial calls in its state, so that a
-    resumed run's engine waits for the publish where the killed run's did. (The crawler
-    polls ``refresh`` while it waits; the producer replays by refresh call, so a resumed
-    crawler that did not wait would take the replayed older version at that step.)"""
-
-    def state_dict(self) -> dict:
-        return super().state_dict() | {"partial_calls": self.partial_calls}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self.partial_calls = state["partial_calls"]
 
 
 ENGINES.register("test_crawling_hf_resume", ResumableCrawler)
@@ -177,3 +174,81 @@ def test_a_resumed_partial_run_with_publishes_at_timed_steps_stays_within_the_bo
     assert moved > 1e-5, "the reference's weights did not move after the resume point"
     assert mixed > 0, "no publish landed mid-call"
     assert resumed <= bound
+
+
+# ``polyrl train`` in a child process: the make_config recipe, partial rollouts, the crawler
+PARTIAL_RECIPE = """\
+run: {{progress: false, tensorboard: false, export: false, save_every: 1,
+      keep_checkpoints: {steps}}}
+task: {{name: arithmetic, args: {{n_train: 200, n_eval: 8, max_operand: 30, ops: '+'}}}}
+policies:
+  main:
+    model: {model}
+    micro_batch_size: 64
+    optim: {{lr: 1.0e-4}}
+    engine: {{name: '{engine}:ResumableCrawler'}}
+data: {{max_prompt_tokens: 32}}
+eval: {{data: {{shuffle: false}}}}
+rollout: {{n: 4, prompts_per_step: 4, max_new_tokens: 6, max_staleness: 1, partial: true}}
+reward: {{terms: [{reward}]}}
+train: {{steps: {steps}}}
+"""
+
+
+@pytest.mark.slow
+def test_a_partial_run_killed_by_sigkill_resumes_bitwise_equal(tiny_model_dir, tmp_path, spawned):
+    """A real SIGKILL: run ``B`` (a ``polyrl train`` process) kills itself halfway through
+    the first file of checkpoint 3, while the producer makes the next batch on another
+    thread; ``--resume`` goes on from checkpoint 2, whose in-flight batch is replayed, and
+    ends bitwise equal to ``A``, never killed: final weights, optimizer state, every metric,
+    the summary. Deterministic (the crawler takes each newer version at a fixed decoding
+    step), so not ``alone``. Measured: 62 s on a loaded 2-core machine (A and B side by
+    side, then the resume; each process spends ~9 s of CPU importing)."""
+    steps, killed_at = 4, 3
+    engine = Path(__file__).parents[1] / "helpers" / "crawling_engine.py"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        PARTIAL_RECIPE.format(model=tiny_model_dir, engine=engine, steps=steps, reward=LOW_DIGIT)
+    )
+    dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+    spawned.append(run_a := spawn_train(recipe, tmp_path, f"run.dir={dir_a}"))
+    kill = KILL_MID_WRITE.format(step=killed_at)
+    spawned.append(run_b := spawn_train(recipe, tmp_path, f"run.dir={dir_b}", script=kill))
+    rc_b = run_b.wait(timeout=240)
+    run_b.log.close()
+    assert rc_b == -signal.SIGKILL, Path(run_b.log.name).read_text()[-3000:]
+    ckpts = dir_b / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        *(f"step_{s:06d}" for s in range(1, killed_at)),
+        f"step_{killed_at:06d}.tmp",
+    ]
+    # checkpoint 2 holds a batch in flight (3, made ahead), so the resume replays it
+    taken = load_part(ckpts / f"step_{killed_at - 1:06d}", "rollouts")["taken"]
+    assert killed_at in taken, taken
+
+    spawned.append(resume := spawn_train(recipe, tmp_path, "--resume", str(dir_b)))
+    log = finish_train(resume)
+    assert f"from step {killed_at - 1}" in log
+    finish_train(run_a)
+    trained_b = [r["step"] for r in metrics(dir_b) if "reward/mean" in r]
+    assert trained_b == [1, 2, 3, 3, 4]  # the killed run had logged step 3 before its save
+
+    final = f"step_{steps:06d}"
+    pa = load_part(dir_a / "checkpoints" / final, "policy_main")
+    pb = load_part(dir_b / "checkpoints" / final, "policy_main")
+    at_resume = load_part(dir_a / "checkpoints" / f"step_{killed_at - 1:06d}", "policy_main")
+    assert_weights_moved(at_resume["weights"], pa["weights"], 1e-5)  # A's last 2 steps
+    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    for (ka, sa), (kb, sb) in zip(
+        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
+    ):
+        assert ka == kb
+        assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
+    ma, mb = metrics_by_step(dir_a), metrics_by_step(dir_b)
+    assert sorted(ma) == sorted(mb) == list(range(steps + 1))
+    for step in range(2, steps + 1):  # every batch after the first took a version mid-call
+        assert ma[step]["async/mixed_version_rows"] > 0
+    for step in ma:
+        assert ma[step] == mb[step], f"metrics of step {step} differ"
+    summary = [json.loads((d / "summary.json").read_text()) for d in (dir_a, dir_b)]
+    assert summary[0] == summary[1]

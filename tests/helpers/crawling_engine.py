@@ -31,3 +31,17 @@ class CrawlingEngine(HFEngine):
                 time.sleep(0.05)
                 version = self._producer()
         return version
+
+
+class ResumableCrawler(CrawlingEngine):
+    """The crawling engine with its count of partial calls in its state, so that a
+    resumed run's engine waits for the publish where the killed run's did. (The crawler
+    polls ``refresh`` while it waits; the producer replays by refresh call, so a resumed
+    crawler that did not wait would take the replayed older version at that step.)"""
+
+    def state_dict(self) -> dict:
+        return super().state_dict() | {"partial_calls": self.partial_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.partial_calls = state["partial_calls"]
