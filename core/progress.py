@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import sys
-from types import TracebackType
 from typing import Any
 
 from rich.progress import (
@@ -52,17 +51,13 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self._bar is not None:
-            self._bar.__enter__()
+            self._bar.start()
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
+        """Stop the bar however the block ends; an error goes on up."""
         if self._bar is not None:
-            self._bar.__exit__(kind, exc, tb)
+            self._bar.stop()
 
     def update(self, step: int, metrics: dict[str, float], *, final: bool = False) -> None:
         """Show ``step``'s metrics; ``final``: the run's final evaluation (after the last step)."""
