@@ -85,4 +85,8 @@ PYEOF
     rm -f "$reqs"
   fi
 fi
+# The timeline tests load traces in Perfetto's trace processor, its wasm build run by Node.js.
+if [[ ",$EXTRAS," == *,test,* ]] && ! command -v node >/dev/null 2>&1; then
+  echo "note: no node on PATH; the Perfetto trace tests need Node.js (apt-get install nodejs)" >&2
+fi
 "$VENV/bin/python" -c "import torch, torchvision, transformers; print('polyrl stack: torch', torch.__version__, '| torchvision', torchvision.__version__, '| transformers', transformers.__version__)"

@@ -1,6 +1,6 @@
 """run.trace_every with the agents: each gateway request, environment step and tool call
 is a span of its episode's track, inside the traced step's rollout, in a file the trace
-schema accepts."""
+schema accepts and Perfetto's trace processor imports as that."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from polyrl.core import timeline
 from polyrl.core.config import load
 from polyrl.core.loop import train
 from polyrl.core.recipe import Config
+from tests.helpers import perfetto
 from tests.helpers.gateway import GRID_AGENT, gateway_recipe, small_grid
-from tests.helpers.timeline import load_checked, nesting, parents, run_events
+from tests.helpers.timeline import load_checked, parents, run_events
 
 GRIDWORLD = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
 
@@ -39,7 +40,12 @@ def test_a_gateway_run_traces_each_request_within_the_rollout(grid_model_dir, tm
     run = train(cfg)
     spans = run_events(run.path)
     assert [e["args"]["step"] for e in spans if e["name"] == "step"] == [2]
-    assert {("rollout", "step"), ("update", "step"), ("micro_batch", "update")} <= nesting(spans)
+    slices = perfetto.run_slices(run.path)  # as Perfetto reads the files
+    pairs = perfetto.nesting(slices)
+    assert {("rollout", "step"), ("update", "step"), ("micro_batch", "update")} <= pairs
+    # each request on its episode's own named track, at the top of it
+    tracks = {(s["thread"], s["parent"]) for s in slices if s["name"] == "gateway_request"}
+    assert len(tracks) == 4 and all(t.startswith("episode ") and p is None for t, p in tracks)
     (step,) = [e for e in spans if e["name"] == "step"]
     (rollout,) = [e for e in spans if e["name"] == "rollout"]
     requests = [e for e in spans if e["name"] == "gateway_request"]

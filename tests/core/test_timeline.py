@@ -15,6 +15,7 @@ from polyrl.core import timeline
 from polyrl.core.config import ConfigError
 from polyrl.core.loop import train
 from polyrl.core.trace_report import summarize
+from tests.helpers import perfetto
 from tests.helpers.timeline import load_checked, nesting, run_events
 
 
@@ -63,6 +64,9 @@ def test_a_killed_run_leaves_a_readable_trace(tmp_path):
         f.write('{"pid": 1, "tid": 1, "ph": "X", "na')
     events = timeline.read_trace(tracer.path)
     assert [e["name"] for e in events if e["ph"] == "X"] == ["done", "step"]
+    # Perfetto imports the file as the kill left it, the cut event dropped
+    slices = perfetto.load(tracer.path)
+    assert [(s["name"], s["parent"]) for s in slices] == [("step", None), ("done", "step")]
     tracer.path.write_text(tracer.path.read_text().rsplit("\n", 1)[0] + "\n")
     assert [e["name"] for e in load_checked(tracer.path) if e["ph"] == "X"] == ["done", "step"]
 
@@ -88,7 +92,8 @@ def test_negative_trace_every_is_refused_at_load(make_config):
 
 def test_an_async_run_traces_producer_and_trainer_nested(make_config, one_thread):
     """max_staleness 1: the producer thread's batches and the trainer's steps, each phase
-    inside the one it belongs to; an untraced step writes nothing."""
+    inside the one it belongs to (in the slice trees Perfetto's trace processor builds
+    from the files); an untraced step writes nothing."""
     cfg = make_config(
         "train.steps=3",
         "run.trace_every=2",
@@ -101,7 +106,9 @@ def test_an_async_run_traces_producer_and_trainer_nested(make_config, one_thread
     spans = run_events(run.path)
     assert sorted(e["args"]["step"] for e in spans if e["name"] == "step") == [2]
     assert sorted(e["args"]["step"] for e in spans if e["name"] == "batch") == [2]
-    pairs = nesting(spans)
+    slices = perfetto.run_slices(run.path)
+    assert sorted(s["step"] for s in slices if s["name"] in ("step", "batch")) == [2, 2]
+    pairs = perfetto.nesting(slices)
     expected = {
         ("step", None),
         ("rollout", "step"),

@@ -3,7 +3,8 @@
 The files are checked against the Chrome Trace Event format (the JSON array format of
 the "Trace Event Format" document that Perfetto and chrome://tracing read) with
 ``jsonschema``, parsed with ``json`` line by line, and each complete event is given the
-span that encloses it on its thread (how the viewers draw nesting)."""
+span that encloses it on its thread (how the viewers draw nesting). Perfetto's own reading
+of the same files is ``tests/helpers/perfetto.py``."""
 
 from __future__ import annotations
 

@@ -1,17 +1,21 @@
 """run.trace_every with the signaling demo: both agents' engine calls within the rollout,
-both policies' updates inside the step, in a file the trace schema accepts."""
+both policies' updates inside the step, in a file the trace schema accepts and Perfetto's
+trace processor imports with that nesting."""
 
 from __future__ import annotations
 
 from polyrl.core.loop import train
-from tests.helpers.timeline import nesting, run_events
+from tests.helpers.perfetto import nesting, run_slices
+from tests.helpers.timeline import run_events
 
 
 def test_a_signaling_run_traces_both_agents(marl_config):
     run = train(marl_config("run.trace_every=1", "eval.every=0"))
     spans = run_events(run.path)
     assert sorted(e["args"]["step"] for e in spans if e["name"] == "step") == [1, 2]
-    pairs = nesting(spans)
+    slices = run_slices(run.path)  # as Perfetto reads the files
+    assert sorted(s["step"] for s in slices if s["name"] == "step") == [1, 2]
+    pairs = nesting(slices)
     expected = {
         ("rollout", "step"),
         ("rewards", "step"),
