@@ -196,22 +196,33 @@ def test_train_without_a_recipe_uses_the_embedded_default():
     ],
     ids=["unknown-option", "malformed-yaml", "wrong-type"],
 )
-def test_recipe_errors_print_one_message_and_exit_2(tmp_path, recipe_text, expected):
-    """Through the real command: the message alone on stderr, status 2; --debug: traceback."""
+def test_recipe_errors_print_one_message_and_exit_2(tmp_path, capsys, recipe_text, expected):
+    """The message alone on stderr, status 2, no traceback (the process itself: below)."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(recipe_text)
+    assert main(["train", str(recipe)]) == 2
+    out = capsys.readouterr()
+    assert expected in out.err and str(recipe) in out.err
+    assert "Traceback" not in out.err and out.out == ""
+
+
+def test_a_recipe_error_through_the_real_command_and_with_debug(tmp_path):
+    """``python -m polyrl.core.cli``: one message on stderr, status 2; --debug: traceback."""
     import subprocess
     import sys
 
     recipe = tmp_path / "bad.yaml"
-    recipe.write_text(recipe_text)
+    recipe.write_text("policies: {main: {model: m}}\nrollout: {args: {polciy: main}}\n")
     cmd = [sys.executable, "-m", "polyrl.core.cli"]
     out = subprocess.run([*cmd, "train", str(recipe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert expected in out.stderr and str(recipe) in out.stderr
+    assert "rollout.args.polciy" in out.stderr and str(recipe) in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
     debug = subprocess.run(
         [*cmd, "--debug", "train", str(recipe)], capture_output=True, text=True, timeout=300
     )
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and expected in debug.stderr
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    assert "rollout.args.polciy" in debug.stderr
 
 
 def test_config_lists_every_part_option_with_type_and_doc(capsys):

@@ -1,8 +1,8 @@
 """End-to-end: the diffusion demo recipe learns the prompt's colour (3 seeds, CPU).
 
 The tiny SD3 is built and pre-trained once (as the recipe's builder does), then
-``polyrl train examples/diffusion_colour_grpo.yaml`` runs for three seeds in parallel
-processes. Each must lift the colour reward clearly and end with the named colour right
+``polyrl train examples/diffusion_colour_grpo.yaml`` runs for seed 0 (CI) or three seeds in
+parallel processes (``seeds``). Each must lift the colour reward clearly and end with the named colour right
 in at least 90% of its samples.
 """
 
@@ -40,20 +40,25 @@ def _train(model: str, run_dir: Path, seed: int, *overrides: str, recipe: Path =
 
 @pytest.mark.learning
 @pytest.mark.slow
-def test_grpo_learns_the_prompt_colour(demo_model, tmp_path):
+@pytest.mark.parametrize(
+    "seeds",
+    [pytest.param((0,), id="seed0"), pytest.param(SEEDS, marks=pytest.mark.seeds, id="three")],
+)
+def test_grpo_learns_the_prompt_colour(seeds, demo_model, tmp_path):
+    """Each seed clears the bar on its own; CI runs seed 0, ``seeds`` all three."""
     procs = {}
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    for seed in SEEDS:
+    for seed in seeds:
         procs[seed] = _train(demo_model, tmp_path / f"seed{seed}", seed)
     wait(procs)
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     print(
-        f"3 seeds in {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds "
+        f"{len(seeds)} seed(s) in {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds "
         "(parallel processes, one thread each)"
     )
-    for seed in SEEDS:
+    for seed in seeds:
         run = tmp_path / f"seed{seed}"
         check_colour_learns(run, seed)
         assert (run / "grid_before.png").is_file() and (run / "grid_after.png").is_file()
