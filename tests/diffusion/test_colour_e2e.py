@@ -65,10 +65,11 @@ def test_grpo_learns_the_prompt_colour(seeds, demo_model, tmp_path):
 
 
 @pytest.mark.learning
-@pytest.mark.slow
+@pytest.mark.seeds
 def test_flow_grpo_conventions_with_its_published_kl_and_clip_learn(demo_model, tmp_path):
     """The colour recipe with Flow-GRPO's KL form (kl_form: flow_grpo) and its published
-    kl_coef (beta 0.04) and clip range (1e-4) still learns the colour (one seed)."""
+    kl_coef (beta 0.04) and clip range (1e-4) still learns the colour (one seed; a variant's
+    evidence, under ``seeds`` for CI's time)."""
     t0 = time.perf_counter()
     proc = _train(
         demo_model,

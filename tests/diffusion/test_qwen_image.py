@@ -283,6 +283,8 @@ def test_two_training_steps_change_the_transformer(tiny_qwen_dir, two_step_run):
 
 
 # --- the colour demo learns (examples/diffusion_qwen_image_colour.yaml) -------------------
+# Three seeds under ``seeds``; CI skips it for time (about 150 CPU-seconds for seed 0 with
+# the build). The mechanics above (the pipeline's ODE, log-probs, two training steps) are CI's.
 
 RECIPE = EXAMPLES / "diffusion_qwen_image_colour.yaml"
 
@@ -298,12 +300,6 @@ def _check_learns(model: str, root: Path, seeds) -> None:
     wait({s: run_recipe(RECIPE, model, root / f"seed{s}", s) for s in seeds})
     for seed in seeds:
         check_colour_learns(root / f"seed{seed}", seed)
-
-
-@pytest.mark.learning
-@pytest.mark.slow
-def test_grpo_learns_the_prompt_colour_one_seed(demo_qwen, tmp_path):
-    _check_learns(demo_qwen, tmp_path, (0,))
 
 
 @pytest.mark.learning

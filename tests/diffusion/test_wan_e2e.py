@@ -1,8 +1,9 @@
 """End-to-end: a tiny Wan learns "red, then blue" (colour over time) with GRPO on CPU.
 
 The tiny Wan is built and pre-trained once (as the recipe's builder does), then
-``polyrl train examples/diffusion_wan_colour_video.yaml`` runs as a child process: one seed
-in CI (``slow``, about 75 s), three under ``seeds``. The per-frame colour reward must rise
+``polyrl train examples/diffusion_wan_colour_video.yaml`` runs as a child process for three
+seeds, under ``seeds`` (CI skips it for time: about 135 CPU-seconds a seed with the build;
+the Wan path's mechanics are CI's in test_wan.py). The per-frame colour reward must rise
 clearly (to >= 0.85), the share of videos whose every frame has the right main colour must
 rise by more than 0.35, evaluation must end better than it started, and the run directory
 must hold the before/after video grids. diffusion/README.md reports the numbers.
@@ -10,8 +11,6 @@ must hold the before/after video grids. diffusion/README.md reports the numbers.
 
 from __future__ import annotations
 
-import resource
-import time
 from pathlib import Path
 
 import pytest
@@ -48,17 +47,6 @@ def _check(run: Path, seed: int) -> None:
     assert acc1 > acc0 + 0.35 and evals[-1] > evals[0], (seed, acc0, acc1, evals)
     for name in ("video_before.gif", "video_after.gif", "video_after.png"):
         assert (run / name).is_file(), name
-
-
-@pytest.mark.learning
-@pytest.mark.slow
-def test_tiny_wan_learns_red_then_blue(wan_model, tmp_path):
-    t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    wait({"seed 0": _train(wan_model, tmp_path / "run", 0)})
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    print(f"GRPO run: {time.perf_counter() - t0:.0f}s wall, {cpu:.0f} CPU-seconds")
-    _check(tmp_path / "run", 0)
 
 
 @pytest.mark.learning
