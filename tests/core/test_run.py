@@ -24,6 +24,7 @@ from polyrl.core.run import RunDir, RunDirError, rng_state, set_rng_state
 from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import (
     KILL_MID_WRITE,
+    assert_same_policy_part,
     assert_same_tensors,
     assert_weights_moved,
     finish_train,
@@ -316,12 +317,7 @@ def test_exact_resume_after_sigkill(tiny_model_dir, tmp_path, spawned, staleness
     before_a = dir_a / "checkpoints" / f"step_{STEPS - 2:06d}"
     # measured 1.6e-5 (staleness 0) and 1.56e-5 (2): the cosine tail, lr near its end
     assert_weights_moved(load_part(before_a, "policy_main")["weights"], pa["weights"], 1e-6)
-    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
-    for (ka, sa), (kb, sb) in zip(
-        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
-    ):
-        assert ka == kb
-        assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
+    assert_same_policy_part(pa, pb)
     assert pa["scheduler"] == pb["scheduler"]
     ta, tb = load_part(ckpt_a, "trainer"), load_part(final, "trainer")
     assert ta["sampler"] == tb["sampler"] == {"epoch": 1, "position": 24}  # end of the 2nd epoch
@@ -393,10 +389,6 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_one_before(
     pa, pb = load_part(final_a, "policy_main"), load_part(final_b, "policy_main")
     at_resume = load_part(dir_a / "checkpoints" / "step_000004", "policy_main")["weights"]
     assert_weights_moved(at_resume, pa["weights"], 8e-6)  # A moved 8.0e-5 after B's resume
-    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
-    for (_, sa), (_, sb) in zip(
-        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
-    ):
-        assert_same_tensors(sa, sb, "optimizer state")
+    assert_same_policy_part(pa, pb)
     ma, mb = metrics_by_step(dir_a), metrics_by_step(dir_b)
     assert all(ma[s] == mb[s] for s in range(1, steps + 1))

@@ -49,6 +49,17 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
+def assert_same_policy_part(pa: dict, pb: dict) -> None:
+    """Two checkpoints' policy parts (``load_part``): bit-equal weights and optimizer state,
+    parameter by parameter."""
+    assert_same_tensors(pa["weights"], pb["weights"], "final weights")
+    for (ka, sa), (kb, sb) in zip(
+        pa["optimizer"]["state"].items(), pb["optimizer"]["state"].items(), strict=True
+    ):
+        assert ka == kb
+        assert_same_tensors(sa, sb, f"optimizer state of parameter {ka}")
+
+
 def max_weight_change(start: dict, final: dict) -> float:
     """The largest |final - start| over every floating tensor (``start`` cast to
     ``final``'s dtype); both hold the same keys."""
