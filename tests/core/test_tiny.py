@@ -224,6 +224,7 @@ def test_warm_start_texts_are_the_tasks_sft_conversations(tok):
         assert "<|im_start|>assistant\n" in text
 
 
+@pytest.mark.learning
 def test_pretrain_on_sft_learns_the_warm_start_and_keeps_the_corpus_tokenizer(built, tmp_path):
     args = {"n_train": 200, "n_eval": 20}
     path = MODELS.get("tiny_qwen2")(

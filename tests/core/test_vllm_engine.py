@@ -271,6 +271,7 @@ def eval_accuracy(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.timeout(1800)  # ~3 min on 2 idle cores; shared machines can be 5x slower
 def test_grpo_with_vllm_engine_learns(make_config):
     """Last in the module: its session starts (and at the end drops) a second engine.
