@@ -4,7 +4,7 @@ Agent frameworks keep their async HTTP clients past an episode: langchain-openai
 ``ChatOpenAI`` caches an ``httpx`` client per base URL (128 of them, least recently used
 dropped), and the ``openai`` and ``anthropic`` clients close theirs when collected by
 scheduling ``aclose()`` on whatever loop is running then. A loop per rollout step (what
-:func:`polyrl.core.workflow.run_sync` gives) closes under those clients: when a later step
+:func:`polyrl.core.rollout.workflow.run_sync` gives) closes under those clients: when a later step
 drops one, its ``aclose()`` touches connections of the closed loop and the log fills with
 ``Task exception was never retrieved ... RuntimeError: Event loop is closed`` (thousands
 of times in a run). Here every rollout of the workflow runs on the same loop, in a thread

@@ -22,7 +22,7 @@ The discount, the std division and its epsilon are the recipe's ``algorithm.gamm
 estimators). Normalisation of step groups: (G - mean) / (std + eps) with the unbiased std
 (``norm_adv_by_std: false`` drops the division, as Dr.GRPO does); a group of one step gets
 0, since it has no baseline, and so does a group of equal returns. Group statistics come
-from :func:`polyrl.core.credit.group_advantages`.
+from :func:`polyrl.core.train.credit.group_advantages`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Annotated
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.credit import group_advantages
 from polyrl.core.record import strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
+from polyrl.core.train.credit import group_advantages
 
 
 @dataclass
@@ -103,7 +103,7 @@ def _steps(record: TensorDict, gamma: float) -> tuple[list[Step], dict[int, tupl
 
 def _grouped(keys: list, values: list[float], norm_by_std: bool, eps: float) -> list[float]:
     """Each value centred on its group's mean (and divided by its std + ``eps``); a group of
-    one value, or of equal values, gets 0 (:func:`polyrl.core.credit.group_advantages`)."""
+    one value, or of equal values, gets 0 (:func:`polyrl.core.train.credit.group_advantages`)."""
     if not values:
         return []
     index: dict = {}

@@ -25,9 +25,9 @@ from typing import Annotated, Any
 from polyrl.agents.env import StepResult, register_env
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.agents.tools import ParsedAction, Tool, ToolEnv, tool
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
-from polyrl.core.rewards import extract_answer, normalize_answer
+from polyrl.core.rollout.data import write_jsonl
+from polyrl.core.rollout.rewards import extract_answer, normalize_answer
 from polyrl.core.tasks.common import chat_text
 
 INSTRUCTIONS = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
-from polyrl.core.rewards import Sample, register_reward
+from polyrl.core.rollout.rewards import Sample, register_reward
 
 
 def _meta(sample: Sample, key: str, reward: str):

@@ -49,8 +49,8 @@ from polyrl.agents.env import (
     is_image,
     maybe_await,
 )
+from polyrl.core.observe.timeline import span
 from polyrl.core.registry import Registry
-from polyrl.core.timeline import span
 
 TOOL_PARSERS: Registry[Callable[[str], ParsedAction]] = Registry("tool-call parser")
 

@@ -5,7 +5,7 @@ environment instance. With ``schedule: round`` episodes advance in rounds: one
 engine call samples the next action of *every* active episode at once, then
 all environments step concurrently (async environments are awaited together; sync ones run
 inline or on a thread pool). With ``schedule: episode`` each episode goes back to the engine
-when its own step is done (:class:`~polyrl.core.batching.Batcher`).
+when its own step is done (:class:`~polyrl.core.rollout.batching.Batcher`).
 An episode ends when its environment says done, at the turn limit, or when its token
 budget runs out (the last two mark it ``truncated``).
 
@@ -65,16 +65,16 @@ from polyrl.agents.env import (
     make_env_factory,
     observation_text,
 )
-from polyrl.core.batching import Batcher
 from polyrl.core.config import ConfigError
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, splice_images, takes_images
+from polyrl.core.observe.timeline import span
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENVIRONMENTS, WORKFLOWS, UnknownNameError
+from polyrl.core.rollout.batching import Batcher
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import Request, SamplingParams
+from polyrl.core.rollout.workflow import run_sync
 from polyrl.core.segment import Tokens
-from polyrl.core.timeline import span
-from polyrl.core.workflow import run_sync
 
 MODES = ("concat", "step")
 

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Annotated
 
-from polyrl.core.engine import HFEngine
+from polyrl.core.rollout.engine import HFEngine
 
 
 class BenchHF(HFEngine):

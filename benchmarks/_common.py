@@ -174,14 +174,14 @@ def forbid_tokens(model, token_ids: list[int], *, margin: float = 64.0, const: f
 
 def build_model(size: str) -> str:
     """Path of the benchmark model of ``size`` (built once, offline, then cached)."""
-    from polyrl.core.tasks import arithmetic
-    from polyrl.core.tiny import (
+    from polyrl.core.demo.tiny import (
         EOS_TOKEN,
         PAD_TOKEN,
         build_tiny_qwen2,
         build_tokenizer,
         is_complete,
     )
+    from polyrl.core.tasks import arithmetic
 
     path = CACHE / f"qwen2-{size}-noeos"
     if is_complete(path):
@@ -257,7 +257,7 @@ REWARD_NAME = "bench_digit_share"
 
 
 def register_bench_reward() -> str:
-    from polyrl.core.rewards import register_reward
+    from polyrl.core.rollout.rewards import register_reward
 
     register_reward(REWARD_NAME)(digit_share)
     return REWARD_NAME
@@ -276,8 +276,8 @@ def summarize(times: list[float]) -> dict[str, Any]:
 def vllm_status() -> tuple[bool, str]:
     """Whether PolyRL's vLLM engine can be used here (import checked in a subprocess)."""
     code = (
-        "import polyrl.core.vllm_engine as m, vllm; "
-        "assert hasattr(m, 'VLLMEngine'), 'no VLLMEngine in polyrl.core.vllm_engine'; "
+        "import polyrl.core.rollout.vllm_engine as m, vllm; "
+        "assert hasattr(m, 'VLLMEngine'), 'no VLLMEngine in polyrl.core.rollout.vllm_engine'; "
         "print(vllm.__version__)"
     )
     try:

@@ -119,7 +119,7 @@ def agree_reward(sample) -> float:
 
 
 def register_agree_reward() -> str:
-    from polyrl.core.rewards import register_reward
+    from polyrl.core.rollout.rewards import register_reward
 
     register_reward(AGREE_NAME)(agree_reward)
     return AGREE_NAME
@@ -183,12 +183,12 @@ class PolyRLStepper:
 
         import torch
 
-        from polyrl.core.algorithms import AlgorithmConfig
-        from polyrl.core.data import DataConfig, PromptDataset, PromptSampler
-        from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
         from polyrl.core.registry import ENGINES
-        from polyrl.core.rewards import RewardConfig, RewardTerm
-        from polyrl.core.workflow import Context, SingleTurn
+        from polyrl.core.rollout.data import DataConfig, PromptDataset, PromptSampler
+        from polyrl.core.rollout.rewards import RewardConfig, RewardTerm
+        from polyrl.core.rollout.workflow import Context, SingleTurn
+        from polyrl.core.train.algorithms import AlgorithmConfig
+        from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
         self.n, self.max_new_tokens, self.mode = n, max_new_tokens, mode
         self.policy = CausalLMPolicy(
@@ -208,7 +208,7 @@ class PolyRLStepper:
         self.device = device
         engine_args = dict(engine_args or {})
         if engine == "vllm":
-            import polyrl.core.vllm_engine  # noqa: F401  (registers "vllm")
+            import polyrl.core.rollout.vllm_engine  # noqa: F401  (registers "vllm")
 
             if stop_plan_args is not None:
                 engine_args["logits_processors"] = [stop_plan_lp()]
@@ -247,7 +247,7 @@ class PolyRLStepper:
         if type(engine).__name__ == "HFEngine":
             from transformers.cache_utils import Cache
 
-            import polyrl.core.engine as engine_mod
+            import polyrl.core.rollout.engine as engine_mod
 
             # Row k of the decode batch is row live[k] of the rollout; the engine may drop
             # finished rows (Cache.batch_select_indices), so follow that to keep the map.
@@ -290,7 +290,7 @@ class PolyRLStepper:
                 finally:
                     state["live"] = None
         else:
-            from polyrl.core.vllm_engine import row_seed
+            from polyrl.core.rollout.vllm_engine import row_seed
 
             def generate(prompts, params):
                 rows = len(prompts) * params.n
@@ -307,9 +307,10 @@ class PolyRLStepper:
         return self.workflow.rollout(self.sampler.next_batch(), params)
 
     def step(self, n: int | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
-        from polyrl.core import rewards, trainer
-        from polyrl.core.credit import assign
         from polyrl.core.record import select_policy, valid_rows
+        from polyrl.core.rollout import rewards
+        from polyrl.core.train import trainer
+        from polyrl.core.train.credit import assign
 
         n = n or self.n
         max_new_tokens = max_new_tokens or self.max_new_tokens
@@ -392,7 +393,7 @@ class TRLStepper:
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        from polyrl.core.rewards import Sample
+        from polyrl.core.rollout.rewards import Sample
 
         transformers.logging.set_verbosity_error()
         logging.getLogger("trl").setLevel(logging.ERROR)
@@ -559,7 +560,7 @@ class RawVLLMStepper:
         import torch
         from vllm import LLM
 
-        from polyrl.core.data import DataConfig, PromptDataset, PromptSampler
+        from polyrl.core.rollout.data import DataConfig, PromptDataset, PromptSampler
 
         self.n, self.max_new_tokens = n, max_new_tokens
         t0 = time.perf_counter()
@@ -627,7 +628,7 @@ class HFGenerateStepper:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        from polyrl.core.data import DataConfig, PromptDataset, PromptSampler
+        from polyrl.core.rollout.data import DataConfig, PromptDataset, PromptSampler
 
         self.n, self.max_new_tokens = n, max_new_tokens
         self.tok = AutoTokenizer.from_pretrained(model)
@@ -673,7 +674,7 @@ class HFGenerateStepper:
 class UpdateStepper:
     """One RL update over a fixed batch of ``rows`` x (prompt_len + response_len) tokens.
 
-    ``kind="polyrl"``: ``polyrl.core.trainer.update`` on a text record (advantages set, as
+    ``kind="polyrl"``: ``polyrl.core.train.trainer.update`` on a text record (advantages set, as
     after credit assignment). ``kind="bare"``: the floor for the same work in plain PyTorch:
     forward over the same tokens (logits only at response positions), the GRPO token loss
     written inline (token-mean of -A * exp(logp - logp.detach())), backward, clip, AdamW."""
@@ -694,9 +695,9 @@ class UpdateStepper:
         self.kind, self.rows, self.mb = kind, rows, micro_batch_size
         self.prompt_len, self.response_len = prompt_len, response_len
         if kind == "polyrl":
-            from polyrl.core.algorithms import AlgorithmConfig
-            from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
             from polyrl.core.record import text_record
+            from polyrl.core.train.algorithms import AlgorithmConfig
+            from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
             self.policy = CausalLMPolicy(
                 "main",
@@ -733,7 +734,7 @@ class UpdateStepper:
     def step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         if self.kind == "polyrl":
-            from polyrl.core import trainer
+            from polyrl.core.train import trainer
 
             trainer.update(self.policy, self.rec, self.algo, temperature=1.0, generator=self.gen)
         else:

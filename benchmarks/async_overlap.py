@@ -56,7 +56,7 @@ class Timed:
 
 
 def _register() -> None:
-    from polyrl.core.rewards import register_reward
+    from polyrl.core.rollout.rewards import register_reward
 
     def bench_reward(samples):
         """Whether the response has a digit 0-4: varies within every group of the

@@ -36,9 +36,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from polyrl.core.checksums import check_manifest, write_manifest
-    from polyrl.core.cli import DEFAULT_RECIPE, _load
     from polyrl.core.loop import train
+    from polyrl.core.runner.checksums import check_manifest, write_manifest
+    from polyrl.core.runner.cli import DEFAULT_RECIPE, _load
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"

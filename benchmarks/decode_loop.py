@@ -83,9 +83,9 @@ class Worker:
         import torch
 
         from polyrl.core.config import from_dict
-        from polyrl.core.engine import HFEngine, SamplingParams
-        from polyrl.core.policy import CausalLMPolicy, PolicyConfig
         from polyrl.core.record import pad_left
+        from polyrl.core.rollout.engine import HFEngine, SamplingParams
+        from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
         self.params = SamplingParams(temperature=0, max_new_tokens=tokens)
         self.tokens = tokens
@@ -110,8 +110,8 @@ class Worker:
 
         import polyrl.multimodal  # noqa: F401
         from polyrl.core.config import from_dict
-        from polyrl.core.engine import Request
-        from polyrl.core.policy import PolicyConfig
+        from polyrl.core.rollout.engine import Request
+        from polyrl.core.train.policy import PolicyConfig
         from polyrl.multimodal.engine import VLEngine
         from polyrl.multimodal.policy import QwenVLPolicy
         from polyrl.multimodal.vision import VisionInputs

@@ -70,7 +70,7 @@ def median_time(fn, repeats: int) -> tuple[float, float]:
 
 def make_policy(model: str, args, **engine):
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.policy import DiffusionPolicy
 
@@ -169,9 +169,9 @@ def _synced(fn):
 
 def bench_epoch(model: str, args, selection: dict) -> dict[str, float]:
     """One GRPO epoch (rollout, reward, credit, update) on the colour task, timed by part."""
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.rewards import RewardConfig, RewardTerm, score
-    from polyrl.core.trainer import update
+    from polyrl.core.rollout.rewards import RewardConfig, RewardTerm, score
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
     from polyrl.diffusion.credit import PerPromptOptions, per_prompt_credit
     from polyrl.diffusion.workflow import diffusion_record
 

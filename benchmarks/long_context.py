@@ -1,6 +1,6 @@
 """Long shared contexts: the update with each shared prefix computed once.
 
-One GRPO update (``polyrl.core.trainer.update``: ppo_clip, token-mean, one epoch, no
+One GRPO update (``polyrl.core.train.trainer.update``: ppo_clip, token-mean, one epoch, no
 reference) over records whose rows share long prefixes:
 
 - ``prompt N``: groups of 8 rows sharing one prompt of N tokens (256, 1,024, 4,096),
@@ -18,7 +18,7 @@ Contenders, each in its own fresh process, steps interleaved round-robin:
 
 - ``packed``: today's packed pass (``shared_prefix: false``): every row's prefix again;
 - ``shared``: the default (``shared_prefix: true``): each shared prefix once per
-  micro-batch (``polyrl.core.prefix``);
+  micro-batch (``polyrl.core.train.prefix``);
 - ``limit``: a bare PyTorch forward/backward over the distinct tokens only, each tree of
   rows as one plain causal sequence of its distinct tokens (no mask), the LM head on as
   many positions as there are response tokens, then clip and AdamW.
@@ -235,10 +235,10 @@ def worker(spec: dict) -> None:
     """Build one contender, then answer ``step`` lines on stdin with one tagged JSON line."""
     import torch
 
-    from polyrl.core import prefix, trainer
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.passes import prefix_units
-    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
+    from polyrl.core.train import prefix, trainer
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.passes import prefix_units
+    from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
     c.set_threads(spec["threads"])
     device = spec["device"]

@@ -83,14 +83,14 @@ def polyrl_team_reward(sample) -> float:
 
 def build_agent_model(size: str, seed: int) -> str:
     """A benchmark model of ``size`` initialised with ``seed`` (built once, then cached)."""
-    from polyrl.core.tasks import arithmetic
-    from polyrl.core.tiny import (
+    from polyrl.core.demo.tiny import (
         EOS_TOKEN,
         PAD_TOKEN,
         build_tiny_qwen2,
         build_tokenizer,
         is_complete,
     )
+    from polyrl.core.tasks import arithmetic
 
     path = c.CACHE / f"qwen2-{size}-noeos-seed{seed}"
     if is_complete(path):
@@ -145,8 +145,8 @@ class PolyRLMarl:
         from polyrl.core.config import load
         from polyrl.core.recipe import Config
         from polyrl.core.registry import load_plugins
-        from polyrl.core.rewards import register_reward
-        from polyrl.core.session import Session
+        from polyrl.core.rollout.rewards import register_reward
+        from polyrl.core.runner.session import Session
 
         load_plugins()
         register_reward(REWARD_NAME)(polyrl_team_reward)
@@ -196,8 +196,8 @@ class PolyRLMarl:
         self.info = {"first_prompt_ids": ids}
 
     def step(self) -> dict[str, Any]:
-        from polyrl.core.credit import assign
         from polyrl.core.record import select_policy, valid_rows
+        from polyrl.core.train.credit import assign
 
         s = self.s
         t0 = time.perf_counter()

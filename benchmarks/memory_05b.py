@@ -1,6 +1,6 @@
 """Memory of a Qwen2.5-0.5B-shaped policy: local mode against Ray + FSDP2 on 2 CPU ranks.
 
-The model is Qwen2.5-0.5B's shape at random init (``qwen2_5_0_5b_shape`` in core/tiny.py:
+The model is Qwen2.5-0.5B's shape at random init (``qwen2_5_0_5b_shape`` in core/demo/tiny.py:
 hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936; 494M fp32
 parameters), built offline once. Each mode runs in its own process: the policy with
 activation checkpointing and AdamW takes ``--steps`` GRPO updates on synthetic rows, then
@@ -32,7 +32,7 @@ GIB = 2**30
 
 
 def model_dir(layers: int, vocab_rows: int) -> str:
-    from polyrl.core.tiny import qwen2_5_0_5b_shape
+    from polyrl.core.demo.tiny import qwen2_5_0_5b_shape
 
     path = c.CACHE / f"qwen2.5-0.5b-shape-L{layers}-V{vocab_rows}"
     return str(qwen2_5_0_5b_shape(path, num_layers=layers, vocab_rows=vocab_rows))
@@ -61,9 +61,9 @@ def _record(tokenizer, args, seed: int):
     """``rows`` rows in groups of 4: random prompt and response tokens, 0/1 rewards."""
     import torch
 
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.credit import group_credit
     from polyrl.core.record import text_record
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.credit import group_credit
 
     g = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer) - 4  # the byte symbols, never the special tokens at the end
@@ -93,16 +93,16 @@ def child(mode: str, args) -> dict:
     """One mode's run in this process; the result of each training process."""
     import torch
 
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.ray_workers import memory_report
+    from polyrl.core.distributed.ray_workers import memory_report
+    from polyrl.core.train.algorithms import AlgorithmConfig
 
     torch.set_num_threads(1 if mode == "ray" else 2)
     path = model_dir(args.layers, args.vocab_rows)
     cfg = _config(path, args, ray=mode == "ray")
     kw = {"total_steps": 10, "need_reference": False, "shared": {}}
     if mode == "local":
-        from polyrl.core import trainer
-        from polyrl.core.backend import LocalBackend
+        from polyrl.core.distributed.backend import LocalBackend
+        from polyrl.core.train import trainer
 
         policy = LocalBackend(cfg).make_policy("main", cfg.policies["main"], **kw)
         setup_peak = memory_report(policy)["peak_rss"]
@@ -119,7 +119,7 @@ def child(mode: str, args) -> dict:
             times.append(time.perf_counter() - t0)
         ranks = [memory_report(policy) | {"setup_peak": setup_peak}]
     else:
-        from polyrl.core.ray_backend import RayBackend
+        from polyrl.core.distributed.ray_backend import RayBackend
 
         backend = RayBackend(cfg)
         try:

@@ -7,9 +7,9 @@ tokens; responses of ``--max-new-tokens`` random tokens; random advantages). One
 of every agent (ppo_clip, token-mean, one epoch; ``--minibatches`` above 1 recomputes the
 old log-probs first, ``--kl-coef`` above 0 adds the reference pass):
 
-- ``one-by-one``: ``polyrl.core.trainer.update`` per agent, as the loop ran them before
+- ``one-by-one``: ``polyrl.core.train.trainer.update`` per agent, as the loop ran them before
   (``args.batch_update: false``): each agent's micro-batches are passes of their own;
-- ``batched``: ``polyrl.core.trainer.update_together`` (the default for lora_agent
+- ``batched``: ``polyrl.core.train.trainer.update_together`` (the default for lora_agent
   policies on one base): micro-batch k of every agent in ONE forward/backward, each row
   through its own adapter (``polyrl.marl.multi_lora``); each agent's own optimizer step.
 
@@ -97,10 +97,10 @@ def update_worker(spec: dict) -> None:
     ``step`` lines on stdin with one tagged JSON line each."""
     import torch
 
-    from polyrl.core import trainer
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.policy import LoraConfig, OptimConfig, PolicyConfig
     from polyrl.core.registry import POLICIES, load_plugins
+    from polyrl.core.train import trainer
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.policy import LoraConfig, OptimConfig, PolicyConfig
 
     load_plugins()
     c.set_threads(spec["threads"])
@@ -319,9 +319,9 @@ def _rollout_engines(model: str, agents: int, engine: str, spec: dict) -> tuple[
     they differ) on the base at ``model`` and their engines (``hf`` or ``vllm_lora``)."""
     import torch
 
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import LoraConfig, PolicyConfig
     from polyrl.core.registry import ENGINES, POLICIES, load_plugins
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import LoraConfig, PolicyConfig
 
     load_plugins()
     torch.manual_seed(0)
@@ -359,7 +359,7 @@ def rollout_case(args, threads: int, model: str, warmup: int, steps: int) -> dic
 
     import torch
 
-    from polyrl.core.engine import SamplingParams
+    from polyrl.core.rollout.engine import SamplingParams
 
     c.set_threads(threads)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)

@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import polyrl.agents  # noqa: F401  (registers the gridworld corpus)
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.data import PromptItem
-    from polyrl.core.engine import HFEngine, SamplingParams
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.tiny import tiny_qwen2
-    from polyrl.core.workflow import Context
+    from polyrl.core.demo.tiny import tiny_qwen2
+    from polyrl.core.rollout.data import PromptItem
+    from polyrl.core.rollout.engine import HFEngine, SamplingParams
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     _register()
     with tempfile.TemporaryDirectory() as d:

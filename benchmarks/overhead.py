@@ -7,7 +7,7 @@
    rollout (generate + the rollout record: what a training step pays). Target: >= 0.9 of
    raw. For reference the same pair is measured for the HF engine against transformers'
    ``model.generate`` (sampling, no EOS stop: equal work).
-2. Update step: ``polyrl.core.trainer.update`` (GRPO, ppo_clip, token-mean, one
+2. Update step: ``polyrl.core.train.trainer.update`` (GRPO, ppo_clip, token-mean, one
    micro-batch of 128 rows) against a bare PyTorch step over the same tokens (forward with
    logits only at response positions, the same token loss written inline, backward,
    grad-norm clip, AdamW). Target: >= 0.8 of bare throughput.

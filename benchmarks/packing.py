@@ -1,6 +1,6 @@
 """Packed against padded updates on responses of widely varying length.
 
-One GRPO update (``polyrl.core.trainer.update``: ppo_clip, token-mean, one epoch, no
+One GRPO update (``polyrl.core.train.trainer.update``: ppo_clip, token-mean, one epoch, no
 reference) over a fixed record of 16 prompts x 8 responses: 80% of the responses have 1
 to 4 tokens, 20% have 64 (``--long-frac``, ``--short-max``, ``--max-new-tokens``); prompts
 are the arithmetic task's, chat-templated (12 to 14 tokens). Contenders, each in its own
@@ -10,7 +10,7 @@ fresh process, steps interleaved round-robin:
 - ``padded, shared prefix``: ``pack: false`` (each distinct prompt once, its KV cache
   shared by its group: the default before packing);
 - ``packed``: ``pack: true`` with the default token budget (``micro_batch_size`` x the
-  longest row), rows packed without padding (shared prefixes in a tree, core/prefix.py,
+  longest row), rows packed without padding (shared prefixes in a tree, core/train/prefix.py,
   where the cost model finds it pays);
 - ``packed, no prefix tree``: the same with ``shared_prefix: false``: the packed pass as it
   was before prefix trees, measured beside it (issue 30's "before and after");
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
 PADDED, SHARED, PACKED = "padded", "padded, shared prefix", "packed"
-PACKED_OFF = "packed, no prefix tree"  # the packed pass before core/prefix.py (issue 30)
+PACKED_OFF = "packed, no prefix tree"  # the packed pass before core/train/prefix.py (issue 30)
 TAG = "@@packing@@"
 
 
@@ -108,10 +108,10 @@ def worker(spec: dict) -> None:
     """Build one contender, then answer ``step`` lines on stdin with one tagged JSON line."""
     import torch
 
-    from polyrl.core import trainer
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.passes import pack_rows, packs
-    from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
+    from polyrl.core.train import trainer
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.passes import pack_rows, packs
+    from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
     c.set_threads(spec["threads"])
     device = spec["device"]

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from polyrl.core import timeline
-from polyrl.core.prometheus import PrometheusLogger
+from polyrl.core.observe import timeline
+from polyrl.core.observe.prometheus import PrometheusLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

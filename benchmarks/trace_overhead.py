@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from polyrl.core import timeline
-from polyrl.core.timeline import read_run
+from polyrl.core.observe import timeline
+from polyrl.core.observe.timeline import read_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -140,7 +140,7 @@ def run_trl(model: str, data: str, steps: int, out: str) -> list[float]:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from polyrl.core.rewards import Sample
+    from polyrl.core.rollout.rewards import Sample
 
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()

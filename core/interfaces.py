@@ -28,7 +28,7 @@ from typing import (
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.router_terms import RoutedPass, RouterTerms
+from polyrl.core.train.router_terms import RoutedPass, RouterTerms
 
 # --------------------------------------------------------------------------- tasks
 
@@ -81,7 +81,7 @@ class Policy(Protocol):
     """
 
     name: str
-    cfg: Any  # its policies.<name> entry (core.policy.PolicyConfig)
+    cfg: Any  # its policies.<name> entry (core.train.policy.PolicyConfig)
     device: torch.device  # where it trains
     model: torch.nn.Module
     tokenizer: Any
@@ -221,7 +221,7 @@ class MixesRows(Protocol):
 @runtime_checkable
 class Shadows(Protocol):
     """A policy that makes its own engine-side copy for asynchronous rollouts
-    (``core.rollouts.shadow``): same tokenizer and config, frozen weights of its own that
+    (``core.rollout.rollouts.shadow``): same tokenizer and config, frozen weights of its own that
     the trainer's updates do not touch. For when a copy of ``model`` alone does not fit
     (LoRA adapters on a base shared by several policies: their copies share one copied
     model, so one engine call still serves them all)."""
@@ -249,7 +249,7 @@ class ConfigOnDriver(Protocol):
 @runtime_checkable
 class MakesImages(Protocol):
     """A policy whose rows are images made in denoising steps, not tokens (a diffusion
-    policy): :mod:`polyrl.core.throughput` reports its images/s, and its MFU from what one
+    policy): :mod:`polyrl.core.observe.throughput` reports its images/s, and its MFU from what one
     step costs (the record's ``response_mask`` marks a row's steps, ``loss_mask`` the
     trained ones)."""
 
@@ -262,7 +262,7 @@ class MakesImages(Protocol):
 
 @runtime_checkable
 class CountsVisionFlops(Protocol):
-    """A token policy with a vision tower (a VL model): :mod:`polyrl.core.throughput` adds
+    """A token policy with a vision tower (a VL model): :mod:`polyrl.core.observe.throughput` adds
     what the tower costs to the language model's FLOPs of each row."""
 
     def vision_flops(self, record: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,7 +334,7 @@ class UpdatesTogether(Protocol):
 @runtime_checkable
 class UpdatesTogetherBackend(Protocol):
     """A backend that runs the update of several policies in shared passes
-    (:func:`polyrl.core.trainer.update_together`; LoRA adapters on one base, local)."""
+    (:func:`polyrl.core.train.trainer.update_together`; LoRA adapters on one base, local)."""
 
     def update_together(
         self,
@@ -364,9 +364,9 @@ class PacksRows(Protocol):
 
 @runtime_checkable
 class RoutesExperts(Protocol):
-    """A policy whose model may route tokens to experts (mixture of experts, core/moe.py).
+    """A policy whose model may route tokens to experts (mixture of experts, core/train/moe.py).
     Its update passes are ``routed_logprobs``: the log-probs with the pass's own routing
-    (:class:`~polyrl.core.router_terms.RoutedPass`; ``router`` None when dense). The trainer
+    (:class:`~polyrl.core.train.router_terms.RoutedPass`; ``router`` None when dense). The trainer
     adds ``router_loss(router, batch, agg, metrics)`` to the loss: the load-balancing term
     of that pass over ``batch`` (the micro-batch), weighted by its share of the mini-batch
     ``agg`` describes, 0.0 when off; the policy appends its router metrics (expert load,
@@ -391,7 +391,7 @@ class Engine(Protocol):
 
     def generate(self, prompts: Sequence[Any], params: Any) -> list:
         """``params.n`` completions per prompt, grouped by prompt (prompt 0's first).
-        ``prompts``: :class:`~polyrl.core.engine.Request` objects or bare id lists (text)."""
+        ``prompts``: :class:`~polyrl.core.rollout.engine.Request` objects or bare id lists (text)."""
 
     def sync(self) -> None:
         """Pull the policy's current weights (after an update)."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import time
 
-from polyrl.core import timeline
-from polyrl.core.credit import assign
-from polyrl.core.failures import Failures
-from polyrl.core.progress import Progress
+from polyrl.core.observe import timeline
+from polyrl.core.observe.progress import Progress
+from polyrl.core.observe.throughput import Throughput
+from polyrl.core.observe.timeline import Tracer, span, tracing
 from polyrl.core.recipe import Config
 from polyrl.core.record import valid_rows
-from polyrl.core.run import RunDir
-from polyrl.core.session import Session
-from polyrl.core.throughput import Throughput
-from polyrl.core.timeline import Tracer, span, tracing
-from polyrl.core.truncation import TruncationWatch
+from polyrl.core.rollout.truncation import TruncationWatch
+from polyrl.core.runner.failures import Failures
+from polyrl.core.runner.run import RunDir
+from polyrl.core.runner.session import Session
+from polyrl.core.train.credit import assign
 
 
 def train(cfg: Config) -> RunDir:

@@ -8,18 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.builds import check_build_conflicts
 from polyrl.core.config import ConfigError, doc, doc_factory
-from polyrl.core.data import DataConfig
 from polyrl.core.interfaces import (
     ChecksConfig,
     PartialRollouts,
     Workflow,
 )
-from polyrl.core.loggers import LoggerName, check_loggers
-from polyrl.core.policy import PolicyConfig, check_moe_options, resolve_device
-from polyrl.core.prometheus import check_prometheus
+from polyrl.core.observe.loggers import LoggerName, check_loggers
+from polyrl.core.observe.prometheus import check_prometheus
 from polyrl.core.registry import (
     BACKENDS,
     CREDIT,
@@ -33,7 +29,11 @@ from polyrl.core.registry import (
     WORKFLOWS,
     nearest,
 )
-from polyrl.core.rewards import RewardConfig
+from polyrl.core.rollout.data import DataConfig
+from polyrl.core.rollout.rewards import RewardConfig
+from polyrl.core.runner.builds import check_build_conflicts
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.policy import PolicyConfig, check_moe_options, resolve_device
 
 # rollout.max_staleness above this is refused: a producer k versions ahead keeps up to
 # k + 1 copies of each trained policy's weights (and checkpoints k of them), and trains on
@@ -41,7 +41,7 @@ from polyrl.core.rewards import RewardConfig
 # run spend minutes on per-step staleness metrics.
 MAX_STALENESS = 64
 # Estimators that compare a row only with its group (credit "group"): a group whose rewards
-# are all equal, or of one row, gets advantage 0 (polyrl.core.credit.group_advantages).
+# are all equal, or of one row, gets advantage 0 (polyrl.core.train.credit.group_advantages).
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline")
 
 
@@ -67,13 +67,13 @@ class RunConfig:
         "serve the last logged step's metrics (polyrl_<key>, e.g. polyrl_reward_mean) and "
         "live figures (engine busy share, async queue, gateway latency) for Prometheus at "
         "http://HOST:PORT/metrics while the run lasts; 0: a free port, printed at start; "
-        "null: off. Needs pip install 'polyrl[loggers]'. See polyrl.core.prometheus",
+        "null: off. Needs pip install 'polyrl[loggers]'. See polyrl.core.observe.prometheus",
     )
     trace_every: int = doc(
         0,
         "record every N-th step's timeline (phases, engine calls, micro-batches, syncs) in "
         "run.dir/trace/ for Perfetto or chrome://tracing; `polyrl trace RUN_DIR` sums it "
-        "up (0: off). See polyrl.core.timeline",
+        "up (0: off). See polyrl.core.observe.timeline",
     )
     export: bool = doc(True, "export final models in Hugging Face format to run.dir/export")
 
@@ -105,7 +105,7 @@ class RolloutConfig:
         0.25,
         "print a warning (once per run) when a step's share of responses cut at "
         "max_new_tokens (rollout/truncated_frac) passes this; 1: never. See "
-        "polyrl.core.truncation",
+        "polyrl.core.rollout.truncation",
     )
     max_staleness: int = doc(
         0,
@@ -113,7 +113,7 @@ class RolloutConfig:
         "generate the next batches in the background on their own copy of the weights "
         "while the trainer updates; batch b uses the weights after update b-1-k (local "
         f"and Ray); at most {MAX_STALENESS} (each version in flight keeps a copy of the "
-        "trained weights). See polyrl.core.rollouts",
+        "trained weights). See polyrl.core.rollout.rollouts",
     )
     partial: bool = doc(
         False,
@@ -154,7 +154,7 @@ class TrainConfig:
         1,
         "stop the run (exit 3, no export) once this many steps in a row had no valid row "
         "(every rollout or reward failed): the next step would fail the same way. A step "
-        "with any valid row resets the count. See polyrl.core.failures",
+        "with any valid row resets the count. See polyrl.core.runner.failures",
     )
 
 
@@ -175,7 +175,7 @@ def _packs_rows(kind: str) -> bool:
     """Whether policy kind ``kind`` may form micro-batches by tokens (``PacksRows``): its
     own ``token_budget``, or CausalLMPolicy's with CausalLMPolicy's packed log-prob pass
     (the rule of ``CausalLMPolicy.token_budget``: a kind with its own pass stays padded)."""
-    from polyrl.core.policy import CausalLMPolicy
+    from polyrl.core.train.policy import CausalLMPolicy
 
     cls = POLICIES.get(kind)
     if not isinstance(cls, type):

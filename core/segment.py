@@ -20,7 +20,7 @@ fact's default, at no cost; joined with a segment that has it, the default is wr
 - ``top``: list of (ids, log-probs) [n], each sampled token's k likeliest alternatives
   (``SamplingParams.top_logprobs``; default ``([], [])``); not a record column
 - ``experts``: int8/int16 tensor [n, L, k], the experts each token was routed to in the L
-  MoE layers (default -1: not recorded; ``core/moe.py``) -> ``prompt_experts`` /
+  MoE layers (default -1: not recorded; ``core/train/moe.py``) -> ``prompt_experts`` /
   ``response_experts``
 """
 

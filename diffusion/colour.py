@@ -20,8 +20,8 @@ from typing import Annotated
 
 import torch
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.rollout.data import write_jsonl
 
 PALETTE: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.10, 0.10),

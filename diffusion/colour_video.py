@@ -18,8 +18,8 @@ from typing import Annotated
 import torch
 from torch import Tensor
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.rollout.data import write_jsonl
 from polyrl.diffusion import colour as colour_task
 
 TEMPLATES = ("{a}, then {b}", "{a} then {b}", "{a} turning {b}")

@@ -26,10 +26,10 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc
-from polyrl.core.credit import group_stats
 from polyrl.core.options import Options
 from polyrl.core.record import strings
 from polyrl.core.registry import CREDIT, KL_ESTIMATORS
+from polyrl.core.train.credit import group_stats
 
 GAUSSIAN_MEAN = "gaussian_mean"
 

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from polyrl.core.config import ConfigError
-from polyrl.core.paint import ImageRequest, Painting
+from polyrl.core.observe.timeline import span
 from polyrl.core.registry import ENGINES
-from polyrl.core.timeline import span
+from polyrl.core.rollout.paint import ImageRequest, Painting
 from polyrl.diffusion import member
 from polyrl.diffusion.policy import DiffusionPolicy
 from polyrl.diffusion.samplers import get_sampler
@@ -83,7 +83,7 @@ class DiffusionEngine:
 
     # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
     remote_methods = ("sample", "decode", "paint", "prompt_limit")
-    paints_images = True  # serves the core's image requests (core/paint.py PaintsImages)
+    paints_images = True  # serves the core's image requests (core/rollout/paint.py PaintsImages)
 
     def __init__(
         self,

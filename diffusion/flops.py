@@ -1,5 +1,5 @@
 """What a denoising step costs: the FLOPs of one SD3 (MMDiT) transformer call, from its
-config, for :mod:`polyrl.core.throughput`'s images/s and MFU of diffusion policies.
+config, for :mod:`polyrl.core.observe.throughput`'s images/s and MFU of diffusion policies.
 
 A call on one image of ``S`` latent patches (``S = (h / p) * (w / p)`` for latents
 ``[C, h, w]`` and patch size ``p``) with ``T`` prompt-embedding tokens, inner width

@@ -1,10 +1,10 @@
 """A diffusion policy as a team member: its engine serves the core's image requests.
 
 The core's episode runtime hands the ``diffusion`` engine every waiting
-:class:`~polyrl.core.paint.ImageRequest` of a flush in one ``paint`` call
-(:class:`~polyrl.core.paint.PaintsImages`); :func:`paint` samples all their rows in one
+:class:`~polyrl.core.rollout.paint.ImageRequest` of a flush in one ``paint`` call
+(:class:`~polyrl.core.rollout.paint.PaintsImages`); :func:`paint` samples all their rows in one
 ``sample`` pass per sampling setting (training, evaluation, one per seeded request),
-decodes the images and returns, per request, its :class:`~polyrl.core.paint.Painting` s:
+decodes the images and returns, per request, its :class:`~polyrl.core.rollout.paint.Painting` s:
 the image, one trajectory row in the layout the ``text_to_image`` record uses
 (:func:`trajectory_tensors`, so the policy's log-prob pass, KL and guards read a team's
 painter rows exactly as its own workflow's), and the prompt tokens the text encoder cut.
@@ -22,8 +22,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from polyrl.core.paint import ImageRequest, Painting
 from polyrl.core.record import set_strings
+from polyrl.core.rollout.paint import ImageRequest, Painting
 from polyrl.diffusion.guards import ratio_scale
 
 

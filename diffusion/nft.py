@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from polyrl.core.algorithms import aggregate
 from polyrl.core.config import ConfigError, doc
 from polyrl.core.registry import POLICIES, POLICY_LOSSES
+from polyrl.core.train.algorithms import aggregate
 from polyrl.diffusion.policy import DiffusionPolicy, DiffusionPolicyOptions
 
 NFT_LOSS = "diffusion_nft"

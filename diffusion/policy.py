@@ -43,18 +43,18 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch import Tensor
 
-from polyrl.core.builds import ensure_model
 from polyrl.core.config import ConfigError, doc
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
-from polyrl.core.policy import (
+from polyrl.core.record import strings
+from polyrl.core.registry import POLICIES
+from polyrl.core.runner.builds import ensure_model
+from polyrl.core.train.policy import (
     CausalLMPolicy,
     LoraConfig,
     PolicyConfig,
     prepare_for_training,
 )
-from polyrl.core.record import strings
-from polyrl.core.registry import POLICIES
 from polyrl.diffusion.credit import GAUSSIAN_MEAN, gaussian_mean_kl
 from polyrl.diffusion.families import FAMILIES, detect_family
 from polyrl.diffusion.flops import sd3_call_flops

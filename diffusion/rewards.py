@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from polyrl.core.rewards import Sample, register_reward
+from polyrl.core.rollout.rewards import Sample, register_reward
 from polyrl.diffusion import colour as colour_task
 from polyrl.diffusion.colour_video import frame_targets, prompt_colours
 
@@ -548,7 +548,7 @@ def pickscore(
 
 def prepare_rewards(terms) -> None:
     """Run each term's ``prepare`` (path checks, model loading) before any sampling."""
-    from polyrl.core.rewards import resolve
+    from polyrl.core.rollout.rewards import resolve
 
     for term in terms:
         prep = getattr(resolve(term.name), "prepare", None)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from polyrl.core.config import ConfigError
-from polyrl.core.policy import PolicyConfig
 from polyrl.core.registry import ENGINES, POLICIES
+from polyrl.core.train.policy import PolicyConfig
 from polyrl.diffusion.samplers import LOGPROB_FORMS, SAMPLERS, get_sampler
 
 ENGINE_NAME = "diffusion"

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polyrl.core.builds import build_once
 from polyrl.core.registry import TASKS
+from polyrl.core.runner.builds import build_once
 
 if TYPE_CHECKING:
     from polyrl.diffusion.pretrain import Pretraining
@@ -84,7 +84,7 @@ def build_tiny(
     ``corpus``'s prompts (``texts``, its tokenizers' vocabulary), which is saved, then
     pre-trained by ``pretrain(dir, training)`` when ``training.steps`` (on task ``task``
     only, and with ``vae`` given, only with the exact ``patch`` VAE), all in a temp dir
-    renamed into place once complete (:func:`polyrl.core.builds.build_once`)."""
+    renamed into place once complete (:func:`polyrl.core.runner.builds.build_once`)."""
     if training.steps and (corpus != task or vae not in (None, "patch")):
         raise ValueError(
             f"{builder} pre-trains on the {task} task"

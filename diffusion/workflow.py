@@ -32,11 +32,11 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from polyrl.core.config import ConfigError
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Phase
 from polyrl.core.registry import POLICIES, WORKFLOWS
-from polyrl.core.workflow import Context
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.rollout.workflow import Context
 from polyrl.diffusion.credit import GAUSSIAN_MEAN
 from polyrl.diffusion.engine import Denoises, Trajectories, sampling_options
 from polyrl.diffusion.guards import ratio_scale

@@ -110,7 +110,7 @@ def step_env(work: Path, args) -> int:
             bf16_supported=torch.cuda.is_bf16_supported(),
         )
     import polyrl
-    from polyrl.core.algorithms import _verl
+    from polyrl.core.train.algorithms import _verl
 
     _verl()  # verl imports without Ray (gpu/polyrl_kit_noray.py)
     figures["polyrl"] = polyrl.__version__

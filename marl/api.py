@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from polyrl.core.engine import Completion, SamplingParams
-from polyrl.core.paint import Painting
+from polyrl.core.rollout.engine import Completion, SamplingParams
+from polyrl.core.rollout.paint import Painting
 from polyrl.core.segment import Tokens
 
 # ----------------------------------------------------------------------------- data
@@ -53,7 +53,7 @@ class Message:
     observation: str  # what the workflow passed to act() (the last user message)
     episode: Episode = field(repr=False)
     vision: Any = field(default=None, repr=False)  # the prompt's images joined; None: none
-    painting: Any = field(default=None, repr=False)  # paint(): its core.paint.Painting
+    painting: Any = field(default=None, repr=False)  # paint(): its core.rollout.paint.Painting
     group: Any = None  # advantage group within (prompt, agent, turn); None: the joint's node
     turn: int = -1  # set by the first joint action it joins
     node: int = 0
@@ -119,7 +119,7 @@ class AgentInfo:
     max_new_tokens: int | None = None
     temperature: float | None = None
     vision: Any = None  # the policy, when it takes image turns (TakesImageTurns); else None
-    paints: bool = False  # its engine serves image requests (core.paint.PaintsImages)
+    paints: bool = False  # its engine serves image requests (core.rollout.paint.PaintsImages)
 
     def render(self, prompt: Any) -> tuple[str, str]:
         """(full prompt text, observation): the role prompt, then what the workflow passed."""

@@ -1,8 +1,8 @@
 """The marl runtime: every agent's act() becomes a request of the core's episode runtime.
 
 All episodes of a step run concurrently on one event loop. ``act()`` does not generate: it
-renders and encodes its prompt, hands a :class:`~polyrl.core.engine.Request` to the core
-:class:`~polyrl.core.batching.Batcher` and waits. When every episode is blocked, the
+renders and encodes its prompt, hands a :class:`~polyrl.core.rollout.engine.Request` to the core
+:class:`~polyrl.core.rollout.batching.Batcher` and waits. When every episode is blocked, the
 batcher flushes the queue with *one* engine call per policy (per distinct sampling
 setting), resolves the waiting acts, and repeats. Two agents on one policy share its call;
 ``lora_agent`` policies on one base share one call too (``MixedCalls`` engines).
@@ -20,10 +20,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from polyrl.core.batching import Batcher
-from polyrl.core.engine import Completion, Request, SamplingParams
 from polyrl.core.interfaces import Engine, splice_images, takes_images
-from polyrl.core.paint import ImageRequest, Painting
+from polyrl.core.rollout.batching import Batcher
+from polyrl.core.rollout.engine import Completion, Request, SamplingParams
+from polyrl.core.rollout.paint import ImageRequest, Painting
 from polyrl.marl.api import AgentInfo
 
 

@@ -45,9 +45,9 @@ from typing import Annotated, Literal
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.credit import group_advantages, group_stats
 from polyrl.core.record import GROUP_KEYS, group_ids, mark_invalid, strings
 from polyrl.core.registry import ADVANTAGES, CREDIT
+from polyrl.core.train.credit import group_advantages, group_stats
 
 MARL_CREDITS = ("magrpo",)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from polyrl.core.builds import ensure_model
+from polyrl.core.runner.builds import ensure_model
 
 
 class CentralCritic:

@@ -31,12 +31,14 @@ from typing import Any, Unpack
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.builds import ensure_model
 from polyrl.core.config import doc
 from polyrl.core.interfaces import MixesRows, PolicyBuild
 from polyrl.core.options import Options, bind
-from polyrl.core.passes import packs, response_logprobs
-from polyrl.core.policy import (
+from polyrl.core.record import concat, to_device
+from polyrl.core.registry import POLICIES
+from polyrl.core.runner.builds import ensure_model
+from polyrl.core.train.passes import packs, response_logprobs
+from polyrl.core.train.policy import (
     CausalLMPolicy,
     check_moe,
     checkpoint_state,
@@ -45,9 +47,7 @@ from polyrl.core.policy import (
     token_budget,
     warm_start_optimizer,
 )
-from polyrl.core.record import concat, to_device
-from polyrl.core.registry import POLICIES
-from polyrl.core.router_terms import RoutedPass
+from polyrl.core.train.router_terms import RoutedPass
 
 
 @dataclass
@@ -153,7 +153,7 @@ class LoraAgentPolicy:
 
     def shadow(self) -> LoraAgentPolicy:
         """interfaces.Shadows: this policy on the engine-side copy of the shared model, for
-        asynchronous rollouts (core.rollouts.shadow), frozen. The lora_agent policies of
+        asynchronous rollouts (core.rollout.rollouts.shadow), frozen. The lora_agent policies of
         one base share one copy (made by the first to ask; the base weights themselves
         are shared, never trained), so an engine call still mixes their rows and each
         engine's weight versions load into its own adapter there."""
@@ -173,7 +173,7 @@ class LoraAgentPolicy:
     # --- what the trainer calls -------------------------------------------------------
     # MoE routing as a causal_lm's: replay of the record's experts in the passes
     # (moe.replay), the load-balancing loss and router metrics (interfaces.RoutesExperts)
-    routes_experts = True  # moe options are honoured (core.policy.check_moe_options)
+    routes_experts = True  # moe options are honoured (core.train.policy.check_moe_options)
     is_moe = False  # set from the base in __init__
     logprobs = CausalLMPolicy.logprobs
     routed_logprobs = CausalLMPolicy.routed_logprobs

@@ -19,7 +19,7 @@ Which adapter a token belongs to travels once, as each row's adapter index:
   input rows are the batch's rows (a generation's prefill and decode steps, a padded pass)
   reads it as is.
 * Packed and prefix-sharing passes lay several rows out in one input row: they read the
-  rows' adapters (``Router.rows``, :class:`polyrl.core.passes.RowOwners`) to keep adapters
+  rows' adapters (``Router.rows``, :class:`polyrl.core.train.passes.RowOwners`) to keep adapters
   apart in their layout (no shared prefix, packed row or prompt cache spans two: a
   prefix's activations depend on the adapter) and tell :meth:`Router.plan` each forward's
   adapter of every input token.
@@ -116,7 +116,7 @@ class Router:
 
     def plan(self, owners: torch.Tensor) -> None:
         """The next forward's adapter of every input token ``[rows, width]`` (a packed
-        pass's layout: :class:`polyrl.core.passes.RowOwners`); one forward uses it."""
+        pass's layout: :class:`polyrl.core.train.passes.RowOwners`); one forward uses it."""
         self._plan = self._checked(owners.long())
 
     def _checked(self, ids: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.rollout.data import write_jsonl
 from polyrl.core.tasks.common import chat_text
 from polyrl.marl.runtime import workflow
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.paint import merge_records
 from polyrl.core.record import Row, build_rows, set_strings
+from polyrl.core.rollout.paint import merge_records
 from polyrl.core.segment import Tokens
 from polyrl.marl.api import AgentInfo, Episode, Joint
 from polyrl.marl.critic import joint_state
@@ -171,7 +171,7 @@ def build_record(
 
 def painting_rows(paintings: list[tuple]) -> TensorDict:
     """The painters' rows: each painting's trajectory row (its policy kind's own layout,
-    core.paint.Painting) with the team's group keys, policy, texts, meta and error; pending
+    core.rollout.paint.Painting) with the team's group keys, policy, texts, meta and error; pending
     like every agent row until the credit values it. A frozen painter's steps train nothing
     (loss mask 0); a painting whose sampling failed carries its error."""
     rows = torch.cat([m.painting.trajectory for _, m, _, _ in paintings])

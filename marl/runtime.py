@@ -23,13 +23,13 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
-from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns, takes_images
 from polyrl.core.options import bind
-from polyrl.core.paint import paints_images
 from polyrl.core.record import strings
 from polyrl.core.registry import ENGINES, KL_ESTIMATORS, POLICY_LOSSES, WORKFLOWS, nearest
-from polyrl.core.workflow import run_sync
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.rollout.paint import paints_images
+from polyrl.core.rollout.workflow import run_sync
 from polyrl.marl.api import AgentHandle, AgentInfo, Episode, Team
 from polyrl.marl.batching import Runtime
 from polyrl.marl.config import (
@@ -143,7 +143,7 @@ class MarlWorkflow:
 
     def member_algorithm(self, name: str, algo: Any) -> Any:
         """Policy ``name``'s loss settings: the recipe's ``algorithm`` with its agents'
-        ``loss`` fields in place (core.paint.MemberAlgorithm)."""
+        ``loss`` fields in place (core.rollout.paint.MemberAlgorithm)."""
         own = self.losses.get(name)
         return dataclasses.replace(algo, **own) if own else algo
 

@@ -19,8 +19,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import RECIPES, TASKS
+from polyrl.core.rollout.data import write_jsonl
 from polyrl.core.tasks.common import chat_text
 from polyrl.marl.runtime import workflow
 

@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from polyrl.core.builds import ensure_model
-from polyrl.core.engine import Completion, SamplingParams, text_requests
 from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.engine import Completion, SamplingParams, text_requests
+from polyrl.core.rollout.vllm_engine import VLLMEngine
+from polyrl.core.runner.builds import ensure_model
 from polyrl.core.segment import Tokens
-from polyrl.core.vllm_engine import VLLMEngine
 
 # vLLM's allowed values of max_lora_rank (vllm.config.lora.MaxLoRARanks).
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

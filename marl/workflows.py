@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from polyrl.core.rewards import extract_answer, normalize_answer
+from polyrl.core.rollout.rewards import extract_answer, normalize_answer
 from polyrl.marl.runtime import workflow
 
 

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polyrl.core.config import ConfigError, doc
-from polyrl.core.data import DataConfig, DataError, PromptDataset, PromptItem
 from polyrl.core.options import Options, bind
 from polyrl.core.registry import DATASETS
+from polyrl.core.rollout.data import DataConfig, DataError, PromptDataset, PromptItem
 from polyrl.multimodal.images import (
     DEFAULT_MAX_SOURCE_PIXELS,
     ImageError,

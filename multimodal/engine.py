@@ -1,6 +1,6 @@
 """The ``hf_vl`` engine: sampling from a Qwen-VL policy with images and videos.
 
-It is the core's HF engine (:class:`~polyrl.core.engine.HFEngine`: one decode loop, with its
+It is the core's HF engine (:class:`~polyrl.core.rollout.engine.HFEngine`: one decode loop, with its
 sampling rule, stops, budgets, finished rows leaving the batch, token streams, partial
 rollouts and MoE capture) with the Qwen-VL family's pieces (:class:`VisionFamily`): the
 prefill embeds each distinct prompt's images and videos (through the vision tower once) and
@@ -17,7 +17,9 @@ from typing import Annotated, Any
 
 import torch
 
-from polyrl.core.engine import (
+from polyrl.core.record import pad_left
+from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.engine import (
     Completion,
     HFEngine,
     Prefill,
@@ -28,9 +30,7 @@ from polyrl.core.engine import (
     SamplingParams,
     as_requests,
 )
-from polyrl.core.kv_cache import reserved_cache
-from polyrl.core.record import pad_left
-from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.kv_cache import reserved_cache
 from polyrl.multimodal.forward import (
     decode_step,
     image_masks,
@@ -43,7 +43,7 @@ from polyrl.multimodal.vision import VisionInputs
 
 
 class VisionFamily:
-    """The Qwen-VL pieces of the decode loop (:class:`polyrl.core.engine.DecodeFamily`)."""
+    """The Qwen-VL pieces of the decode loop (:class:`polyrl.core.rollout.engine.DecodeFamily`)."""
 
     def __init__(self, pad_token_id: int) -> None:
         self.pad_token_id = pad_token_id

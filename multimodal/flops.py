@@ -1,5 +1,5 @@
 """What a Qwen-VL vision tower costs: the FLOPs of encoding images (and video frames) of
-given patch grids, for the MFU of a VL policy (:mod:`polyrl.core.throughput`).
+given patch grids, for the MFU of a VL policy (:mod:`polyrl.core.observe.throughput`).
 
 A grid ``(t, h, w)`` is ``t * h * w`` patches. Each patch goes through the patch embedding
 and every block's projections (2 FLOPs per weight it multiplies: the ``Linear`` and

@@ -8,7 +8,7 @@ vision-compressed prompt positions. Videos go through the model's ``get_video_fe
 (one pass per micro-batch for all its distinct prompts' videos, like images).
 :func:`response_logprobs` with ``shared_prefix`` computes a prefix that rows share (a
 group's prompt and image, a multi-turn episode's history) once: the core's tree pass
-(:func:`polyrl.core.passes.shared_logprobs`) with this family's embeddings and positions
+(:func:`polyrl.core.train.passes.shared_logprobs`) with this family's embeddings and positions
 (:func:`shared_logprobs`). A batch without images still runs the vision tower on a dummy
 patch with weight zero, so FSDP ranks never disagree about which parameters took part (a
 rank with only text rows would otherwise hang the others). The inputs come from
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from polyrl.core import prefix
-from polyrl.core.passes import TreeInputs, prefix_units, shares, token_logprobs
-from polyrl.core.passes import shared_logprobs as passes_shared
+from polyrl.core.train import prefix
+from polyrl.core.train.passes import TreeInputs, prefix_units, shares, token_logprobs
+from polyrl.core.train.passes import shared_logprobs as passes_shared
 from polyrl.multimodal.features import (
     Parts,
     batch_grids,
@@ -356,7 +356,7 @@ def shared_units(
     """How :func:`shared_logprobs` would run the rows (``marked``: prompt + response ids with
     each vision placeholder replaced by ``-2 - its feature's index``, so rows share an image
     only where they share its features): the core's units
-    (:func:`polyrl.core.passes.prefix_units`) with the rows' left-aligned tokens and
+    (:func:`polyrl.core.train.passes.prefix_units`) with the rows' left-aligned tokens and
     lengths; None where no prefix is shared (the attention cannot take a tree mask, or the
     cost model says sharing does not pay)."""
     if len(marked) < 2 or not shares(model, True, True):
@@ -381,7 +381,7 @@ def shared_logprobs(
     min_shared: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`response_logprobs` with each shared prefix computed once, images included:
-    the core's tree pass (:func:`polyrl.core.passes.shared_logprobs`) with this family's
+    the core's tree pass (:func:`polyrl.core.train.passes.shared_logprobs`) with this family's
     inputs; None where nothing is shared (the caller runs the padded pass).
 
     ``placed``: :func:`row_positions` of the rows (M-RoPE positions ``[3, B, P + R]``, image

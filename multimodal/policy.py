@@ -27,18 +27,18 @@ from typing import Any, Unpack
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.builds import ensure_model
 from polyrl.core.config import doc
 from polyrl.core.interfaces import PolicyBuild
 from polyrl.core.options import Options, bind
-from polyrl.core.policy import (
+from polyrl.core.record import strings
+from polyrl.core.registry import POLICIES
+from polyrl.core.runner.builds import ensure_model
+from polyrl.core.train.policy import (
     CausalLMPolicy,
     PolicyConfig,
     check_moe_options,
     prepare_for_training,
 )
-from polyrl.core.record import strings
-from polyrl.core.registry import POLICIES
 from polyrl.multimodal import flops, forward, turns, vision
 from polyrl.multimodal.data import VISION_FIELD
 

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from polyrl.core.data import DataError
+from polyrl.core.rollout.data import DataError
 
 
 def blank(value: Any) -> bool:

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from polyrl.core.rewards import Sample, extract_answer, register_reward
+from polyrl.core.rollout.rewards import Sample, extract_answer, register_reward
 
 CONVENTIONS = {
     "qwen2.5": "resized_pixels",

@@ -31,8 +31,8 @@ from typing import Annotated, Literal
 
 from PIL import Image, ImageDraw
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import TASKS
+from polyrl.core.rollout.data import write_jsonl
 from polyrl.core.tasks.common import chat_text
 
 COLOURS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from polyrl.core.data import DataConfig, DataError, load_rows
+from polyrl.core.rollout.data import DataConfig, DataError, load_rows
 
 
 def undecoded(feature: Any) -> tuple[Any, bool]:

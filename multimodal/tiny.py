@@ -3,7 +3,7 @@
 One code path for the three families (``family``: ``qwen2_vl``, ``qwen2_5_vl``,
 ``qwen3_vl``; registered builders ``tiny_qwen_vl`` and ``tiny_qwen2_vl`` /
 ``tiny_qwen2_5_vl`` / ``tiny_qwen3_vl``). The tokenizer is a byte-level BPE trained on a
-task's corpus (the core's :func:`~polyrl.core.tiny.build_tokenizer`) with Qwen-VL's vision
+task's corpus (the core's :func:`~polyrl.core.demo.tiny.build_tokenizer`) with Qwen-VL's vision
 tokens added (``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``, ``<|video_pad|>``)
 and a chat template that renders an image part as
 ``<|vision_start|><|image_pad|><|vision_end|>`` and a video part as
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from polyrl.core.builds import build_once
 from polyrl.core.config import doc
+from polyrl.core.demo.tiny import TextSizes, build_tokenizer, seeded_model, text_config
 from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tiny import TextSizes, build_tokenizer, seeded_model, text_config
+from polyrl.core.runner.builds import build_once
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VL_CHAT_TEMPLATE = (

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from polyrl.core.data import DataError
+from polyrl.core.rollout.data import DataError
 from polyrl.multimodal.images import Header, ImageRef, ResizeRule
 from polyrl.multimodal.vision import VideoSpec, VisionSpec
 

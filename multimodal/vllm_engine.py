@@ -4,7 +4,7 @@
 completions per prompt, grouped by prompt; token ids exactly as sampled; temperature-scaled
 log-probs) and hands each prompt's images to vLLM as ``multi_modal_data``. Everything else
 (start-up, per-row seeds, ``sync``, sleep/wake) is the core's
-:class:`~polyrl.core.vllm_engine.VLLMEngine`.
+:class:`~polyrl.core.rollout.vllm_engine.VLLMEngine`.
 
 What keeps vLLM's view of a prompt equal to the trainer's:
 
@@ -43,10 +43,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from polyrl.core.config import doc
-from polyrl.core.engine import Completion, Prompt, SamplingParams, as_requests
 from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.engine import Completion, Prompt, SamplingParams, as_requests
+from polyrl.core.rollout.vllm_engine import VLLMEngine, VLLMOptions
 from polyrl.core.segment import Tokens
-from polyrl.core.vllm_engine import VLLMEngine, VLLMOptions
 from polyrl.multimodal.forward import parts
 from polyrl.multimodal.vision import VisionInputs, recover_images
 
@@ -144,7 +144,7 @@ class VLLMVLEngine(VLLMEngine):
         mm_processor_kwargs: dict[str, Any] | None = None,
         **vllm: Any,
     ) -> None:
-        """``vllm``: the vllm engine's options (:class:`~polyrl.core.vllm_engine.VLLMOptions`)."""
+        """``vllm``: the vllm engine's options (:class:`~polyrl.core.rollout.vllm_engine.VLLMOptions`)."""
         p = parts(policy.model)
         self.image_token_id, self.merge_size = p.image_token_id, p.merge_size
         self.image_processor = policy.processor.image_processor

@@ -24,11 +24,11 @@ from typing import Annotated
 
 from tensordict import TensorDict
 
-from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.interfaces import NeedsImages, Phase, takes_images
 from polyrl.core.record import build_rows
 from polyrl.core.registry import WORKFLOWS
-from polyrl.core.workflow import Context, completion_rows
+from polyrl.core.rollout.engine import Request, SamplingParams
+from polyrl.core.rollout.workflow import Context, completion_rows
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import processor_of
 from polyrl.multimodal.samples import MATCH, draw_sheet

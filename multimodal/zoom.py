@@ -35,8 +35,8 @@ from typing import Annotated
 
 from PIL import Image, ImageDraw
 
-from polyrl.core.data import write_jsonl
 from polyrl.core.registry import ENVIRONMENTS, TASKS
+from polyrl.core.rollout.data import write_jsonl
 from polyrl.core.tasks.common import chat_text
 from polyrl.multimodal.shapes import COLOURS
 

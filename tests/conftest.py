@@ -125,8 +125,8 @@ def update_both():
     local policy (default algorithm, same shuffle seed); their losses must agree."""
 
     def update(backend, remote, local, record) -> None:
-        from polyrl.core import trainer
-        from polyrl.core.algorithms import AlgorithmConfig
+        from polyrl.core.train import trainer
+        from polyrl.core.train.algorithms import AlgorithmConfig
 
         out_r = backend.update(
             remote,

@@ -18,7 +18,7 @@ from polyrl.agents.gateway.episodes import Call, EpisodeState
 from polyrl.agents.gateway.errors import RequestError
 from polyrl.agents.gateway.options import GatewayOptions
 from polyrl.agents.gateway.requests import Request
-from polyrl.core.engine import SamplingParams
+from polyrl.core.rollout.engine import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.agents.gateway.limits import Spent
-from polyrl.core.data import PromptItem
+from polyrl.core.rollout.data import PromptItem
 from polyrl.core.segment import Tokens
 
 
@@ -80,4 +80,4 @@ class EpisodeState:
     key: str = field(default_factory=lambda: "pk-" + secrets.token_urlsafe(24))
     spent: Spent = field(default_factory=Spent)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    tracer: Any = None  # the timeline recording this episode's step (core.timeline), if any
+    tracer: Any = None  # the timeline recording this episode's step (core.observe.timeline), if any

@@ -15,7 +15,7 @@ from typing import Any
 from polyrl.agents.gateway import images as gateway_images
 from polyrl.agents.gateway.errors import RequestError
 from polyrl.agents.gateway.options import GatewayOptions
-from polyrl.core.engine import SamplingParams
+from polyrl.core.rollout.engine import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_N = 16

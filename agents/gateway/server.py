@@ -3,7 +3,7 @@
 :class:`GatewayServer` runs Starlette on uvicorn on its own thread and event loop, files
 requests under their episode (its own base URL), builds each prompt (stitched onto an
 earlier completion when the messages extend it) and answers from the core's episode
-runtime (:class:`~polyrl.core.batching.Batcher`, serving mode), which serves whatever
+runtime (:class:`~polyrl.core.rollout.batching.Batcher`, serving mode), which serves whatever
 waits in one engine call per model and sampling setting. The workflow that
 runs agents against it is :class:`polyrl.agents.gateway.workflow.Gateway`.
 """
@@ -39,11 +39,11 @@ from polyrl.agents.gateway.requests import Request, fold_calls, tool_calls_key
 from polyrl.agents.gateway.responses import ResponsesAPI
 from polyrl.agents.gateway.stream import Live, drive
 from polyrl.agents.tools import parse_hermes
-from polyrl.core import timeline
-from polyrl.core.batching import Batcher, EpisodeClosed
-from polyrl.core.engine import Request as EngineRequest
-from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
+from polyrl.core.observe import timeline
+from polyrl.core.rollout.batching import Batcher, EpisodeClosed
+from polyrl.core.rollout.engine import Request as EngineRequest
+from polyrl.core.rollout.engine import SamplingParams
 
 if TYPE_CHECKING:
     import uvicorn

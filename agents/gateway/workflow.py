@@ -55,13 +55,13 @@ from polyrl.agents.gateway.episodes import EpisodeState
 from polyrl.agents.gateway.options import GatewayOptions
 from polyrl.agents.gateway.prompts import context_length
 from polyrl.agents.gateway.server import GatewayServer
-from polyrl.core import timeline
 from polyrl.core.config import ConfigError
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
 from polyrl.core.interfaces import Phase, TakesImageTurns
+from polyrl.core.observe import timeline
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import WORKFLOWS, import_path
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import SamplingParams
 from polyrl.core.segment import Tokens
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from polyrl.core.data import write_jsonl
+from polyrl.core.rollout.data import write_jsonl
 
 
 def chat_text(*turns: tuple[str, str]) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from polyrl.marl.multi_lora import adapter_rows
 from polyrl.marl.tinker_api.losses import LOSSES
 from polyrl.marl.tinker_api.wire import BadRequest, Datum, Sequence_

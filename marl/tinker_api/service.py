@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from polyrl.core.config import ConfigError
-from polyrl.core.engine import SamplingParams
+from polyrl.core.rollout.engine import SamplingParams
 from polyrl.marl.tinker_api.base import (
     ATTN,
     BASE_ADAPTER,

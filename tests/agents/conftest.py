@@ -26,7 +26,7 @@ def grid_tokenizer(grid_model_dir):
 def make_workflow(grid_tokenizer):
     """Build a MultiTurn workflow over a ScriptedEngine: make_workflow(script, **args)."""
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     def make(script, **args):
         engine = ScriptedEngine(grid_tokenizer, script)
@@ -41,7 +41,7 @@ def make_workflow(grid_tokenizer):
 @pytest.fixture
 def items():
     """PromptItems for a list of task rows."""
-    from polyrl.core.data import PromptItem
+    from polyrl.core.rollout.data import PromptItem
 
     def make(rows):
         return [

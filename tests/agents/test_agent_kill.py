@@ -92,9 +92,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_a_gateway_episode_of_a_killed_agent_says_so(grid_model_dir, items):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.engine import SamplingParams
     from polyrl.core.record import strings
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.engine import SamplingParams
+    from polyrl.core.rollout.workflow import Context
     from tests.helpers.gateway import spied_models
 
     policies, engines = spied_models(grid_model_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
 

@@ -15,8 +15,8 @@ from polyrl.agents.credit import (
     step_groups,
     turn_return,
 )
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.record import mark_invalid, text_record
+from polyrl.core.train.algorithms import AlgorithmConfig
 
 # Two tasks. Task 0 has three episodes, task 1 two. The same anchor text "A" appears in
 # both tasks: it must not join their steps, since step groups never cross tasks.
@@ -190,7 +190,7 @@ def test_episode_grpo_is_gigpo_with_zero_omega_and_equals_core_group_on_concat_r
     episode_grpo(a, algo())
     gigpo(b, algo(), omega=0.0)
     assert torch.allclose(a["advantages"], b["advantages"])
-    from polyrl.core.credit import group_credit
+    from polyrl.core.train.credit import group_credit
 
     c, d = concat_record(), concat_record()
     episode_grpo(c, algo())
@@ -200,7 +200,7 @@ def test_episode_grpo_is_gigpo_with_zero_omega_and_equals_core_group_on_concat_r
 
 def test_omega_comes_from_the_recipe_credit_args():
     from polyrl.core.config import ConfigError
-    from polyrl.core.credit import assign
+    from polyrl.core.train.credit import assign
 
     by_recipe, by_hand = step_record(), step_record()
     assign(by_recipe, algo(credit="gigpo", credit_args={"omega": 0.5}))

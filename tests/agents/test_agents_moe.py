@@ -1,7 +1,7 @@
 """A mixture-of-experts policy's multi-turn and gateway rows carry the experts the engine
-routed their tokens to, so routing replay works on them (issue 32, core/moe.py).
+routed their tokens to, so routing replay works on them (issue 32, core/train/moe.py).
 
-References independent of core/moe.py's hooks and layouts: each row's tokens forwarded
+References independent of core/train/moe.py's hooks and layouts: each row's tokens forwarded
 whole, unpadded, with routers that compute their top-k by hand or route as told
 (tests/helpers/moe.py).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from polyrl.agents.env import Environment, StepResult, register_env
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.moe import MoeConfig
-from polyrl.core.tiny import tiny_qwen3_moe
-from polyrl.core.workflow import Context
+from polyrl.core.demo.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.rollout.workflow import Context
+from polyrl.core.train.moe import MoeConfig
 from tests.helpers.moe import check_replayed_rows
 from tests.helpers.trainer import make_policy
 

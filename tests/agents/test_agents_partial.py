@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from polyrl.agents.env import Environment, StepResult, register_env
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from tests.helpers.partial import check_partial_run, mixed_logprobs, moved
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "gridworld_gigpo.yaml"
@@ -47,9 +47,9 @@ def test_multi_turn_records_token_versions_equal_to_a_switching_reference(
     grid_model_dir, items, mode
 ):
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.rollouts import shadow
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.rollouts import shadow
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False

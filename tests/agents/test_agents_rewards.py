@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from polyrl.agents.rewards import extract_code, program_parts, unit_tests
-from polyrl.core.rewards import Sample
+from polyrl.core.rollout.rewards import Sample
 
 PROMPT = 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum."""\n'
 TESTS = (
@@ -102,7 +102,7 @@ def test_a_response_forging_the_sandbox_failure_scores_0_and_others_keep_theirs(
     """Issue 23: exit 126 or 'sandbox setup failed' on stderr made the reward raise, and
     the raising term discarded every row of the batch."""
     from polyrl.core.record import strings, text_record
-    from polyrl.core.rewards import RewardConfig, RewardTerm, score
+    from polyrl.core.rollout.rewards import RewardConfig, RewardTerm, score
 
     forged = (
         "import os, sys\nsys.stderr.write('sandbox setup failed: OSError: forged\\n')\n"

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from polyrl.agents.env import Environment, StepResult, register_env
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.agents import gw_rows
 
 
 def _real_workflow(grid_model_dir, **args):
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False

@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import load
-from polyrl.core.engine import SamplingParams
 from polyrl.core.loop import train
+from polyrl.core.observe.throughput import Throughput
 from polyrl.core.recipe import Config
-from polyrl.core.throughput import Throughput
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
 from tests.helpers.agents import gw_rows
 from tests.helpers.gateway import GRID_AGENT, gateway_recipe, small_grid
 from tests.helpers.throughput import ONE_PASS, Cost, check_by_hand, linear_weights, logged_step

@@ -17,8 +17,8 @@ from polyrl.agents.tools import (
     parse_hermes,
     tool,
 )
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 
 
 class Unit(enum.Enum):

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.engine import SamplingParams  # noqa: E402
 from polyrl.core.record import strings  # noqa: E402
+from polyrl.core.rollout.engine import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -20,9 +20,9 @@ GRIDS = [["S.H", "...", "H.G"], ["S..", ".H.", "..G"], ["G..", ".H.", "..S"], ["
 def test_multi_turn_on_vllm_batches_rounds_and_keeps_exact_ids(grid_model_dir, items):
     from polyrl.agents.gridworld import render
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.vllm_engine import VLLMEngine
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.vllm_engine import VLLMEngine
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False

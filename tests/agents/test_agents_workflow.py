@@ -10,8 +10,8 @@ import torch
 
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.agents.tools import ToolEnv, tool
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.agents import gw_rows
 
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
@@ -318,9 +318,9 @@ def test_ids_stay_exact_around_tool_calls_and_results_are_masked(
 def test_real_engine_ids_and_logprobs_land_in_the_record(grid_model_dir, items):
     """With the HF engine and a tiny model: the record holds exactly what generate returned."""
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False

@@ -16,8 +16,8 @@ import openai
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import (
     GRID_AGENT,
     SpyEngine,
@@ -42,7 +42,7 @@ def models(grid_model_dir):
 @pytest.fixture
 def gateway(models):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     made = []
 
@@ -444,7 +444,7 @@ def test_tool_calls_are_parsed_and_the_tool_turn_is_stitched(grid_tokenizer, ite
     """The tiny model never writes a tool call, so a scripted engine (conftest) answers
     with one; the server, the client and the record are the real ones."""
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
     from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -535,7 +535,7 @@ def plain_agent(row, ep):
 
 def test_an_engine_error_is_a_500_for_its_call_and_the_server_goes_on(grid_tokenizer, items):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
     from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     def script(text, call, i):
@@ -621,7 +621,7 @@ def test_another_model_sees_earlier_tool_calls_as_hermes_text(grid_tokenizer, it
     """The tiny chat template ignores ``tool_calls``; a conversation rendered afresh for
     another model gets them as the same ``<tool_call>`` text the first model wrote."""
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
     from tests.helpers.agents import FakePolicy, ScriptedEngine
 
     call_text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -703,7 +703,7 @@ def test_an_external_command_agent_talks_to_the_endpoint(models, items):
     import sys
 
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     policies, engines = models
     wf = Gateway(Context(None, policies, engines), command=[sys.executable, "-c", COMMAND_AGENT])
@@ -722,7 +722,7 @@ def test_an_external_command_agent_talks_to_the_endpoint(models, items):
 def test_agent_and_command_are_exclusive(models):
     from polyrl.agents.gateway import Gateway
     from polyrl.core.config import ConfigError
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     ctx = Context(None, *models)
     with pytest.raises(ConfigError, match="exactly one of agent"):

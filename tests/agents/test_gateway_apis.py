@@ -15,8 +15,8 @@ import openai
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows, spied_models
 
 RESULTS: dict = {}
@@ -36,7 +36,7 @@ def models(grid_model_dir):
 
 def run(ctx_models, agent, data, max_new_tokens=8, **args):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     policies, engines = ctx_models
     for e in engines.values():

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import by_episode, rows, spied_models
 
 RESULTS: dict = {}
@@ -34,7 +34,7 @@ def models(grid_model_dir):
 @pytest.fixture
 def gateway(models):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     made = []
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 from tests.helpers.gateway import HERE, gateway_recipe
 
 

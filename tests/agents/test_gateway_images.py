@@ -18,8 +18,8 @@ import openai
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers import vl_turns as REF
 
 RESULTS: dict = {}
@@ -117,7 +117,7 @@ def bad_images_agent(row, endpoint):
 def vl_policy(request, tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
     from polyrl.multimodal.tiny import tiny_qwen_vl
 
@@ -129,8 +129,8 @@ def vl_policy(request, tmp_path_factory):
 
 def _gateway(policies: dict, agent: str, main_engine=None, **args):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.rollout.workflow import Context
     from polyrl.multimodal.engine import VLEngine
 
     engines = {
@@ -199,7 +199,7 @@ def _check_look_twice(policy, items, engine) -> None:
 
 
 def test_bad_image_parts_are_told_and_the_episode_goes_on(vl_policy, items, grid_model_dir):
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     text = CausalLMPolicy(
         "text", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False

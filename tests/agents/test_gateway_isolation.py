@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 
 HERE = "tests.agents.test_gateway_isolation"
 RESULTS: dict = {}
@@ -85,8 +85,8 @@ else:
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
@@ -98,7 +98,7 @@ def run(models, items, tmp_path, **args):
     import json
 
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
@@ -168,7 +168,7 @@ def test_reward_posts_can_be_turned_off(models, items):
     """``reward_posts: false``: rewards come only from the agent's return value; a post is
     a 403 saying so, and the episode's return is its return value alone."""
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     wf = Gateway(Context(None, *models), agent=f"{HERE}:reward_agent", reward_posts=False)
     try:

@@ -1,6 +1,6 @@
 """The gateway's limits (issue 33): what a request may carry, each refused with a 4xx the
 real ``openai`` client reports, before it costs the run memory or engine time; the episode
-goes on. The tiny grid model takes 512 positions (``core.tiny``'s default)."""
+goes on. The tiny grid model takes 512 positions (``core.demo.tiny``'s default)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import by_episode, first, ids, rows, spied_models
 
 RESULTS: dict = {}
@@ -32,7 +32,7 @@ def models(grid_model_dir):
 @pytest.fixture
 def gateway(models):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     made = []
 
@@ -258,7 +258,7 @@ def test_a_request_that_timed_out_waiting_is_never_sent_to_the_engine(models, it
     turn; the first is held past request_timeout, so both time out (504). The second,
     timed out while it waited, is dropped, not run for nobody; both episodes go on."""
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     policies, engines = models
     RELEASED.clear()

@@ -195,8 +195,8 @@ def test_a_flush_is_in_episode_order_and_a_reproducible_request_ignores_its_batc
     from polyrl.agents.gateway.episodes import EpisodeState
     from polyrl.agents.gateway.options import GatewayOptions
     from polyrl.agents.gateway.server import GatewayServer
-    from polyrl.core.data import PromptItem
-    from polyrl.core.engine import SamplingParams
+    from polyrl.core.rollout.data import PromptItem
+    from polyrl.core.rollout.engine import SamplingParams
 
     policies, engines = spied_models(grid_model_dir, names=("main",))
     tok = policies["main"].tokenizer

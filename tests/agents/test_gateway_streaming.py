@@ -18,8 +18,8 @@ import orjson
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import by_episode, ids, rows
 
 HERE = "tests.agents.test_gateway_streaming"
@@ -64,8 +64,8 @@ GATE = Gate()
 
 @pytest.fixture(scope="module")
 def models(grid_model_dir):
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policy = CausalLMPolicy(
         "main", PolicyConfig(model=grid_model_dir), total_steps=1, need_reference=False
@@ -77,7 +77,7 @@ def models(grid_model_dir):
 
 def run(ctx_models, agent, data, max_new_tokens=8):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     policies, engines = ctx_models
     wf = Gateway(Context(None, policies, engines), agent=f"{HERE}:{agent}")
@@ -224,7 +224,7 @@ class Streamed:
         self.engine, self.streams_tokens = engine, streams
 
     def generate(self, prompts, params):
-        from polyrl.core.engine import as_requests
+        from polyrl.core.rollout.engine import as_requests
 
         outs = self.engine.generate(prompts, params)
         requests = as_requests(prompts)
@@ -242,7 +242,7 @@ class Streamed:
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """A tiny byte-level BPE holding all 256 bytes (any text round-trips)."""
-    from polyrl.core.tiny import build_tokenizer
+    from polyrl.core.demo.tiny import build_tokenizer
 
     return build_tokenizer(["hello world, plan the answer"] * 4, vocab_size=300)
 
@@ -337,8 +337,8 @@ def test_each_request_gets_its_own_tokens_through_the_batcher(models):
     completions' tokens and log-probs, sample by sample."""
     import asyncio
 
-    from polyrl.core.batching import Batcher
-    from polyrl.core.engine import HFEngine, Request
+    from polyrl.core.rollout.batching import Batcher
+    from polyrl.core.rollout.engine import HFEngine, Request
 
     policy = models[0]["main"]
     engine = HFEngine(policy, seed=3)
@@ -371,7 +371,7 @@ class FailsMidCall(Streamed):
     calls = 0
 
     def generate(self, prompts, params):
-        from polyrl.core.engine import as_requests
+        from polyrl.core.rollout.engine import as_requests
 
         self.calls += 1
         if self.calls % 2:

@@ -18,8 +18,8 @@ import logging
 
 import pytest
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.agents import FakePolicy, ScriptedEngine
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -65,7 +65,7 @@ def test_a_langgraph_agent_over_two_steps_leaves_no_closed_loop_errors(
 ):
     pytest.importorskip("langgraph")
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     def script(text, call, i):
         return ("it is 5" if "<|im_start|>tool" in text else CALL), True
@@ -171,7 +171,7 @@ def test_a_tool_call_cut_at_max_new_tokens_is_counted_and_warned_once(
     """The scripted call is ~60 tokens: at 20 every completion ends inside it (counted in
     rollout/tool_call_cut, one warning over two rollouts); at 80 it closes (no warning)."""
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     tok = grid_tokenizer
     engine = ScriptedEngine(tok, lambda text, call, i: (CALL, True))

@@ -414,7 +414,7 @@ def test_a_tests_run_past_its_budget_scores_0():
     """``unit_tests``: the checker and the code's process share the run's budget; the
     code's memory past it is the code's failure (0), not a dropped row."""
     from polyrl.agents.rewards import unit_tests
-    from polyrl.core.rewards import Sample
+    from polyrl.core.rollout.rewards import Sample
 
     hog = "def total(xs):\n    b = bytearray(300 << 20)\n    b[::4096] = b'\\x01' * len(b[::4096])\n    return sum(xs)"
     right = "def total(xs):\n    return sum(xs)"

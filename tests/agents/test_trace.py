@@ -8,9 +8,9 @@ import asyncio
 from pathlib import Path
 
 from polyrl.agents.tools import ToolEnv, tool
-from polyrl.core import timeline
 from polyrl.core.config import load
 from polyrl.core.loop import train
+from polyrl.core.observe import timeline
 from polyrl.core.recipe import Config
 from tests.helpers import perfetto
 from tests.helpers.gateway import GRID_AGENT, gateway_recipe, small_grid

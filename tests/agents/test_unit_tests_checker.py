@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from polyrl.agents.rewards import unit_tests
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
-from polyrl.core.rewards import Sample
+from polyrl.core.rollout.rewards import Sample
 
 LIMITS = SandboxLimits(cpu_seconds=4, wall_seconds=8)
 

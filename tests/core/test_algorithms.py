@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.core.algorithms import (
+from polyrl.core.config import ConfigError
+from polyrl.core.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, UnknownNameError
+from polyrl.core.train.algorithms import (
     LOSS_AGG_MODES,
     AggInfo,
     AlgorithmConfig,
     aggregate,
     entropy_from_logits,
 )
-from polyrl.core.config import ConfigError
-from polyrl.core.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, UnknownNameError
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.trainer.config import AlgoConfig  # noqa: E402

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.cli import main
 from polyrl.core.config import ConfigError, load
-from polyrl.core.data import DataError, load_rows
 from polyrl.core.recipe import Config
+from polyrl.core.rollout.data import DataError, load_rows
+from polyrl.core.runner.cli import main
 
 RECIPE = {"policies": {"main": {"model": "some/model"}}, "train": {"steps": 3}}
 
@@ -111,7 +111,7 @@ def test_resume_refuses_a_directory_it_cannot_resume(tmp_path, recipe, capsys, s
 def test_lora_targets_that_do_not_exist_list_the_linear_layers():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from polyrl.core.policy import check_lora_targets
+    from polyrl.core.train.policy import check_lora_targets
 
     model = Qwen2ForCausalLM(
         Qwen2Config(

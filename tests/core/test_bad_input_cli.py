@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 
 # the model does not exist: a case that got past the recipe would fail on it instead
 RECIPE = {"policies": {"main": {"model": "no/such-model"}}, "train": {"steps": 3}}
@@ -126,9 +126,9 @@ def moe_run(tmp_path_factory):
     """A run directory with one complete checkpoint of policy 'main', a tiny Qwen3-MoE as
     wide as the tiny dense model (conftest's tiny_model_dir), and its recipe."""
     from polyrl.core.config import load
+    from polyrl.core.demo.tiny import tiny_qwen3_moe
     from polyrl.core.recipe import Config
-    from polyrl.core.session import Session
-    from polyrl.core.tiny import tiny_qwen3_moe
+    from polyrl.core.runner.session import Session
 
     root = tmp_path_factory.mktemp("moe-run")
     model = tiny_qwen3_moe(root / "moe", corpus="arithmetic", hidden_size=128, num_heads=2)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.core.builds import BUILD_RECORD, ensure_model
 from polyrl.core.config import ConfigError, load
 from polyrl.core.recipe import Config
 from polyrl.core.registry import MODELS
+from polyrl.core.runner.builds import BUILD_RECORD, ensure_model
 
 # The tiniest tiny_qwen2: one layer, width 8 (a build takes a second or two).
 TINY = {"hidden_size": 8, "num_layers": 1, "head_dim": 8, "intermediate_size": 16}
@@ -32,7 +32,7 @@ def test_same_settings_reuse_and_changed_settings_build_beside(tmp_path, caplog)
     ensure_model(path, "tiny_qwen2", dict(TINY))  # same settings: untouched
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == mtimes
 
-    with caplog.at_level("WARNING", logger="polyrl.core.builds"):
+    with caplog.at_level("WARNING", logger="polyrl.core.runner.builds"):
         other = Path(ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2}))
     # built beside, under a name keyed by its settings; the first model is not touched
     assert other.parent == tmp_path and other.name.startswith("m-build-")
@@ -77,7 +77,7 @@ def test_a_model_without_a_record_is_used_as_it_is(tmp_path, caplog):
     build) is never touched: used as it is, with a warning that build_args did not apply."""
     path = MODELS.get("tiny_qwen2")(tmp_path / "own", **TINY)
     before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
-    with caplog.at_level("WARNING", logger="polyrl.core.builds"):
+    with caplog.at_level("WARNING", logger="polyrl.core.runner.builds"):
         assert ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2}) == str(path)
         ensure_model(path, "tiny_qwen2", {**TINY, "num_layers": 2})
     assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before

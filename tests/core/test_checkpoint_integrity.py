@@ -1,4 +1,4 @@
-"""Checkpoint integrity (core/checksums.py): every checkpoint carries the SHA-256 of each of
+"""Checkpoint integrity (core/runner/checksums.py): every checkpoint carries the SHA-256 of each of
 its files, and a block of zeros inside a tensor (bit rot: the file keeps its size and still
 loads) is refused before any model loads, naming the file and the previous checkpoint; a
 checkpoint written before manifests still loads. A checkpoint write that fails for real
@@ -44,15 +44,15 @@ def saved(tiny_model_dir, tmp_path_factory):
 
 
 def _verify(recipe: Path, run: Path):
-    from polyrl.core.checkpoint import verify_checkpoint
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
+    from polyrl.core.runner.checkpoint import verify_checkpoint
 
     return verify_checkpoint(load(Config, recipe, [f"run.dir={run}", "run.resume=true"]), run)
 
 
 def test_every_file_is_in_the_manifest_with_its_hash(saved):
-    from polyrl.core.checksums import MANIFEST, file_sha256
+    from polyrl.core.runner.checksums import MANIFEST, file_sha256
 
     _, run, sharded = saved
     for step in (run / "checkpoints" / "step_000002", sharded / "checkpoints" / "step_000002"):
@@ -72,7 +72,7 @@ def test_every_file_is_in_the_manifest_with_its_hash(saved):
 def test_a_zeroed_block_in_a_tensor_is_refused_with_the_previous_checkpoint(
     saved, tmp_path, capsys
 ):
-    from polyrl.core.checksums import MANIFEST
+    from polyrl.core.runner.checksums import MANIFEST
 
     recipe, src, _ = saved
     run, step = copy_run(src, tmp_path)
@@ -143,7 +143,7 @@ def test_a_file_added_after_the_checkpoint_is_named(saved, tmp_path, capsys):
 
 
 def test_a_checkpoint_without_a_manifest_still_resumes(saved, tmp_path, capsys):
-    from polyrl.core.checksums import MANIFEST
+    from polyrl.core.runner.checksums import MANIFEST
 
     recipe, src, sharded = saved
     for origin in (src, sharded):
@@ -163,8 +163,8 @@ def test_a_checkpoint_without_a_manifest_still_resumes(saved, tmp_path, capsys):
 def _intact(run: Path, steps: list[int]) -> None:
     """Only these complete checkpoints, no .tmp left, each matching its manifest and its
     state."""
-    from polyrl.core.checksums import check_manifest
-    from polyrl.core.run import RunDir
+    from polyrl.core.runner.checksums import check_manifest
+    from polyrl.core.runner.run import RunDir
 
     ckpts = run / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step_{s:06d}" for s in steps]
@@ -182,7 +182,7 @@ def _intact(run: Path, steps: list[int]) -> None:
 CHILD = """\
 import resource, signal, sys
 import torch
-from polyrl.core.run import RunDir, CheckpointWriteError
+from polyrl.core.runner.run import RunDir, CheckpointWriteError
 
 def _state(step, n):  # as tests.helpers.faults.sized_state (a site package owns `tests`)
     w = torch.randn(n, generator=torch.Generator().manual_seed(step))
@@ -227,8 +227,8 @@ def test_a_file_size_limit_is_one_line_naming_the_file_and_the_size(tmp_path):
 def test_a_full_disk_names_the_space_needed_and_free(tmp_path):
     """The part after the first one is a link to /dev/full: each write there fails with
     the kernel's ENOSPC, as on a full disk."""
-    from polyrl.core.checkpoint import DirectoryPart
-    from polyrl.core.run import CheckpointWriteError, RunDir
+    from polyrl.core.runner.checkpoint import DirectoryPart
+    from polyrl.core.runner.run import CheckpointWriteError, RunDir
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -273,7 +273,7 @@ def open_dir():
 
 
 def test_a_read_only_checkpoint_folder_is_one_line(open_dir):
-    from polyrl.core.run import CheckpointWriteError, RunDir
+    from polyrl.core.runner.run import CheckpointWriteError, RunDir
 
     run = open_dir / "run"
     rd = RunDir(run, tensorboard=False, loggers=())
@@ -303,7 +303,7 @@ def test_train_stops_with_exit_2_when_a_checkpoint_cannot_be_written(saved, tmp_
     run = tmp_path / "run"
     ignore = (
         "import signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-        "from polyrl.core.cli import main; sys.exit(main(sys.argv[1:]))"
+        "from polyrl.core.runner.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     proc = spawn_train(
         recipe, tmp_path, f"run.dir={run}", "run.save_every=1", "train.steps=6", script=ignore

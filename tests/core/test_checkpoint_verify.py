@@ -32,9 +32,9 @@ def saved(tiny_model_dir, tmp_path_factory):
 
 
 def test_an_intact_checkpoint_passes_with_its_data_position(saved, tmp_path):
-    from polyrl.core.checkpoint import verify_checkpoint
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
+    from polyrl.core.runner.checkpoint import verify_checkpoint
 
     recipe, run, sharded = saved
     for src in (run, sharded):
@@ -94,7 +94,7 @@ def test_lora_over_a_full_fine_tune_isrefused(saved, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def wider_model(tmp_path_factory):
     """The tiny model's tokenizer and depth, hidden size 64 instead of 128."""
-    from polyrl.core.tiny import tiny_qwen2
+    from polyrl.core.demo.tiny import tiny_qwen2
 
     path = tmp_path_factory.mktemp("models") / "tiny-64"
     tiny_qwen2(

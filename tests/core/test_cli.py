@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -175,7 +175,7 @@ def test_eval_of_a_dir_without_checkpoints_fails(trained, tmp_path, capsys):
 
 def test_train_without_a_recipe_uses_the_embedded_default():
     """`polyrl train [key=value ...]`: the README's main job needs no recipe path."""
-    from polyrl.core.cli import DEFAULT_RECIPE, _load
+    from polyrl.core.runner.cli import DEFAULT_RECIPE, _load
 
     assert DEFAULT_RECIPE.is_file()
     cfg = _load(None, ["train.steps=3"])
@@ -207,13 +207,13 @@ def test_recipe_errors_print_one_message_and_exit_2(tmp_path, capsys, recipe_tex
 
 
 def test_a_recipe_error_through_the_real_command_and_with_debug(tmp_path):
-    """``python -m polyrl.core.cli``: one message on stderr, status 2; --debug: traceback."""
+    """``python -m polyrl.core.runner.cli``: one message on stderr, status 2; --debug: traceback."""
     import subprocess
     import sys
 
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("policies: {main: {model: m}}\nrollout: {args: {polciy: main}}\n")
-    cmd = [sys.executable, "-m", "polyrl.core.cli"]
+    cmd = [sys.executable, "-m", "polyrl.core.runner.cli"]
     out = subprocess.run([*cmd, "train", str(recipe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     assert "rollout.args.polciy" in out.stderr and str(recipe) in out.stderr

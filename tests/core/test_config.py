@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.cli import main
 from polyrl.core.config import ConfigError, load, parse_overrides
 from polyrl.core.recipe import Config
 from polyrl.core.registry import UnknownNameError
+from polyrl.core.runner.cli import main
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 RECIPE = {

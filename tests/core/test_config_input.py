@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.cli import main
 from polyrl.core.config import ConfigError, load
 from polyrl.core.recipe import MAX_STALENESS, Config
+from polyrl.core.runner.cli import main
 
 RECIPE = {"policies": {"main": {"model": "some/model"}}, "train": {"steps": 3}}
 
@@ -109,7 +109,7 @@ def test_an_absurd_staleness_is_refused_saying_why(recipe):
 # -------------------------------------------------------------- token budget, padded kinds
 
 PADDED_KIND = """
-from polyrl.core.policy import CausalLMPolicy
+from polyrl.core.train.policy import CausalLMPolicy
 
 
 class PaddedKind(CausalLMPolicy):

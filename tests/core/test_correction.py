@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from polyrl.core.config import ConfigError
-from polyrl.core.correction import Mismatch, RolloutCorrection, weights
+from polyrl.core.train.correction import Mismatch, RolloutCorrection, weights
 
 # two responses of 3 and 2 trained tokens; log pi_old - log mu per token:
 D = [[0.1, 1.0, -0.3], [-2.0, 0.2, 0.0]]
@@ -132,7 +132,7 @@ def _policy_and_record(model_dir):
 def _grads(model_dir, rec, algo, correction):
     import copy
 
-    from polyrl.core.trainer import update
+    from polyrl.core.train.trainer import update
     from tests.helpers.trainer import grads_at_step, make_policy
 
     policy = make_policy(model_dir, max_grad_norm=0.0)
@@ -144,8 +144,8 @@ def _grads(model_dir, rec, algo, correction):
 def test_correction_is_a_no_op_when_engine_equals_trainer(tiny_model_dir):
     import copy
 
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.trainer import update
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
     from tests.helpers.trainer import grads_at_step
 
     policy, rec = _policy_and_record(tiny_model_dir)
@@ -171,8 +171,8 @@ def test_truncated_weights_scale_each_tokens_gradient(tiny_model_dir):
     the advantages by hand gives the same gradient as the correction."""
     import copy
 
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.trainer import update
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
     from tests.helpers.trainer import grads_at_step
 
     policy, rec = _policy_and_record(tiny_model_dir)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError
-from polyrl.core.credit import STD_FLOOR, assign, group_advantages, group_credit, group_stats
 from polyrl.core.record import mark_invalid, text_record
 from polyrl.core.registry import ADVANTAGES
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import STD_FLOOR, assign, group_advantages, group_credit, group_stats
 
 # every estimator that compares a row with its group (the REINFORCE++ baseline centres by
 # group, then whitens over the batch)

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from polyrl.core.data import (
+from polyrl.core.rollout.data import (
     DataConfig,
     DataError,
     PromptDataset,

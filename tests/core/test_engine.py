@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.record import text_record
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 from tests.helpers.trainer import TEXTS, chat_ids
 
 
@@ -130,7 +130,7 @@ def test_top_p_tiny_is_greedy(policy):
 
 
 def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
-    from polyrl.core.vllm_engine import AutoEngine
+    from polyrl.core.rollout.vllm_engine import AutoEngine
 
     ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=3, max_new_tokens=5)
@@ -149,7 +149,7 @@ def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero():
-    from polyrl.core.engine import draw
+    from polyrl.core.rollout.engine import draw
 
     probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.125, 0.125], [1e-3, 0.0, 0.0, 0.0, 0.0, 0.999]])
     gen = torch.Generator().manual_seed(0)
@@ -164,7 +164,7 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero():
 
 
 def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypatch):
-    import polyrl.core.engine as engine_mod
+    import polyrl.core.rollout.engine as engine_mod
 
     ids = chat_ids(policy.tokenizer, TEXTS[:3])
     params = SamplingParams(n=4, max_new_tokens=10)
@@ -183,7 +183,7 @@ def test_reserved_cache_decodes_exactly_like_transformers_cache(policy, monkeypa
 
 
 def test_reserved_cache_layers_select_repeat_and_refuse_overflow():
-    from polyrl.core.kv_cache import _ReservedLayer
+    from polyrl.core.rollout.kv_cache import _ReservedLayer
 
     layer = _ReservedLayer(room=2)
     k = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)

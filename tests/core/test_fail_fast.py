@@ -16,8 +16,8 @@ import yaml
 from tensordict import TensorDict
 
 from polyrl.core.config import ConfigError
-from polyrl.core.failures import EXIT_STATUS, Failures, RunFailedError
-from polyrl.core.truncation import TruncationWatch
+from polyrl.core.rollout.truncation import TruncationWatch
+from polyrl.core.runner.failures import EXIT_STATUS, Failures, RunFailedError
 
 REWARD = """\
 def judge(sample):
@@ -46,7 +46,7 @@ def test_a_reward_that_always_fails_stops_the_run_after_one_step(tiny_model_dir,
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(
-        [sys.executable, "-m", "polyrl.core.cli", "train", "recipe.yaml"],
+        [sys.executable, "-m", "polyrl.core.runner.cli", "train", "recipe.yaml"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

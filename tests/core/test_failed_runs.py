@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polyrl.core.failures import EXIT_STATUS, RunFailedError
+from polyrl.core.runner.failures import EXIT_STATUS, RunFailedError
 
 HELPER = """\
 def call_the_tool(row):
@@ -62,7 +62,7 @@ def test_a_run_whose_agent_always_raises_exits_3_and_says_where(tiny_model_dir, 
     (project / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     done = subprocess.run(
-        [sys.executable, "-m", "polyrl.core.cli", "train", "project/recipe.yaml"],
+        [sys.executable, "-m", "polyrl.core.runner.cli", "train", "project/recipe.yaml"],
         cwd=tmp_path,  # not the recipe's folder: its files are found beside it
         env=env,
         capture_output=True,

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import text_record
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
 
 DEVICE = os.environ.get("POLYRL_TEST_DEVICE", "cuda")
 pytestmark = [
@@ -31,8 +31,8 @@ PROMPTS = ["3+4=", "12+5=", "7+8=", "20+1="]
 
 
 def _policy(model_dir: str, dtype: str, *, device: str = DEVICE):
-    from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
+    from polyrl.core.distributed.backend import LocalBackend
     from polyrl.core.recipe import Config
 
     cfg = load(
@@ -82,7 +82,7 @@ def _record(policy, seed: int = 0):
 def test_policy_and_engine_run_on_the_device_and_agree(tiny_model_dir, dtype, mean_tol):
     """device: auto/cuda puts the policy on the GPU in local mode; the engine samples there,
     its log-probs match the trainer's, and an update moves the weights."""
-    from polyrl.core.trainer import update
+    from polyrl.core.train.trainer import update
 
     policy = _policy(tiny_model_dir, dtype)
     assert {p.device.type for p in policy.model.parameters()} == {torch.device(DEVICE).type}
@@ -132,9 +132,9 @@ def test_fsdp2_worker_on_one_rank_matches_local(tiny_model_dir):
     import socket
 
     from polyrl.core.config import load
-    from polyrl.core.ray_workers import PolicyWorker
+    from polyrl.core.distributed.ray_workers import PolicyWorker
     from polyrl.core.recipe import Config
-    from polyrl.core.trainer import update
+    from polyrl.core.train.trainer import update
 
     cfg = load(
         Config,
@@ -188,7 +188,7 @@ def test_fsdp2_worker_on_one_rank_matches_local(tiny_model_dir):
 def test_ray_worker_on_nccl_matches_local(ray_cluster, tiny_model_dir):
     """One FSDP2 worker on the GPU (nccl): its first update's loss equals local mode's."""
     from polyrl.core.config import load
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
     from polyrl.core.recipe import Config
 
     if ray_cluster.cluster_resources().get("GPU", 0) < 1:
@@ -218,7 +218,7 @@ def test_ray_worker_on_nccl_matches_local(ray_cluster, tiny_model_dir):
         )
     finally:
         backend.shutdown()
-    from polyrl.core.trainer import update
+    from polyrl.core.train.trainer import update
 
     loc = update(local, rec.clone(), algo, generator=torch.Generator().manual_seed(0))
     assert r["loss"] == pytest.approx(loc["loss"], rel=1e-4, abs=1e-7)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.core import loggers
 from polyrl.core.config import ConfigError, load
+from polyrl.core.observe import loggers
 from polyrl.core.recipe import Config
-from polyrl.core.run import RunDir
+from polyrl.core.runner.run import RunDir
 
 STEPS = [(0, {"reward/mean": 0.25, "loss": 1.5}), (2, {"reward/mean": 0.75, "kl": math.nan})]
 
@@ -139,7 +139,7 @@ def test_a_training_run_logs_to_the_loggers_its_recipe_names(make_config):
 def test_progress_is_a_line_per_step_when_stdout_is_not_a_terminal(capsys):
     """A log file or pipe gets each step as it ends (a bar would show only at the end), and
     the last line is the final evaluation's."""
-    from polyrl.core.progress import Progress
+    from polyrl.core.observe.progress import Progress
 
     with Progress(2) as bar:
         bar.update(0, {"eval/accuracy": 0.25})

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from polyrl.core.config import load
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.loop import train
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.recipe import Config
 from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
 RECIPE = Path(__file__).parents[2] / "core" / "recipes" / "arithmetic_grpo.yaml"
 # by file path, as a recipe names a part of its own (tests/ is not an installed package)

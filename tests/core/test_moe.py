@@ -1,7 +1,7 @@
 """Mixture-of-experts policies: routing capture and replay, router metrics, the
-load-balancing loss (issue 32, core/moe.py).
+load-balancing loss (issue 32, core/train/moe.py).
 
-The references are independent of core/moe.py's hooks and layouts: routing recomputed
+The references are independent of core/train/moe.py's hooks and layouts: routing recomputed
 by hand from each router's weight and input, the model's routers swapped for modules that
 route as told (a hand-built forward over the padded rows), transformers' own router
 logits and load-balancing loss.
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.algorithms import AggInfo
 from polyrl.core.config import ConfigError, UserError
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.moe import MoeConfig, Routing, routers
-from polyrl.core.passes import prefix_units
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.record import Row, build_rows, concat
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.algorithms import AggInfo
+from polyrl.core.train.moe import MoeConfig, Routing, routers
+from polyrl.core.train.passes import prefix_units
 from tests.helpers.trainer import chat_ids, make_policy
 
 E, K, LAYERS = 4, 2, 2  # the tiny model's experts, top-k, MoE layers

@@ -1,4 +1,4 @@
-"""The engine's routing capture (core/moe.py) leaves no hook on the routers after a generate
+"""The engine's routing capture (core/train/moe.py) leaves no hook on the routers after a generate
 call, also one that raises mid-decode (issue 32): the policy's module is the trainer's in
 local mode, so a stale hook would capture (and keep alive) every later forward."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.core.engine import HFEngine, Request, SamplingParams
-from polyrl.core.moe import routers
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.demo.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, Request, SamplingParams
+from polyrl.core.train.moe import routers
 from tests.helpers.trainer import chat_ids, make_policy
 
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.algorithms import AggInfo
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
+from polyrl.core.train.algorithms import AggInfo
 
 # the model does not exist: a case that got past the recipe would fail on it instead
 RECIPE = {"policies": {"main": {"model": "no/such-model"}}, "train": {"steps": 3}}
@@ -61,7 +61,7 @@ def test_routed_kinds_refuse_moe_on_a_dense_model(recipe, tiny_model_dir, capsys
 
 def test_replay_with_gradient_checkpointing_is_refused(recipe, tmp_path, capsys):
     """An MoE model honours replay, but not with a recompute that would route freely."""
-    from polyrl.core.tiny import tiny_qwen3_moe
+    from polyrl.core.demo.tiny import tiny_qwen3_moe
 
     model = tiny_qwen3_moe(tmp_path / "moe", num_experts=4, experts_per_token=2, num_layers=2)
     argv = ["train", str(recipe), f"policies.main.model={model}", ASKS[0]]
@@ -74,12 +74,12 @@ def test_replay_with_gradient_checkpointing_is_refused(recipe, tmp_path, capsys)
 def test_routed_kinds_honour_moe_on_an_moe_model(tmp_path, kind):
     """The same options on an MoE model: the policy routes (its passes replay and return
     their routing, which the load-balancing loss reads)."""
-    from polyrl.core.engine import HFEngine, SamplingParams
-    from polyrl.core.moe import MoeConfig
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.demo.tiny import tiny_qwen3_moe
     from polyrl.core.record import Row, build_rows
     from polyrl.core.registry import POLICIES
-    from polyrl.core.tiny import tiny_qwen3_moe
+    from polyrl.core.rollout.engine import HFEngine, SamplingParams
+    from polyrl.core.train.moe import MoeConfig
+    from polyrl.core.train.policy import PolicyConfig
     from tests.helpers.trainer import chat_ids
 
     model = tiny_qwen3_moe(tmp_path / "moe", num_experts=4, experts_per_token=2, num_layers=2)

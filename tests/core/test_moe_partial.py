@@ -2,7 +2,7 @@
 between decoding steps (``rollout.partial``), each token's recorded experts are those of
 the version that routed it, so replay repeats the computation that really sampled.
 
-The reference is independent of the engine and of core/moe.py: the step-by-step forward of
+The reference is independent of the engine and of core/train/moe.py: the step-by-step forward of
 tests/helpers/partial.py (the prompt pass with the old weights, each later token fed with
 the weights of the version its step used, on the cache the earlier passes left), with each
 router's top-k computed by hand from its input and weight.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.moe import routers
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.demo.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.moe import routers
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 from tests.helpers.partial import moved, switching_refresh
 from tests.helpers.trainer import chat_ids
 

@@ -24,12 +24,12 @@ import pytest
 import torch
 
 from polyrl.core.config import load
-from polyrl.core.engine import SamplingParams
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.loop import train
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.recipe import Config
 from polyrl.core.registry import ENGINES
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 from tests.helpers.moe import replayed
 from tests.helpers.trainer import chat_ids
 

@@ -2,7 +2,7 @@
 the pass's router terms and ``router_loss`` takes them, where the policy used to keep the
 last pass's routing for the next ``router_loss`` call to pick up.
 
-The reference is independent of core/moe.py's hooks and the packed layout: each row's
+The reference is independent of core/train/moe.py's hooks and the packed layout: each row's
 forward alone, unpadded, its routers swapped for ones told the record's experts
 (tests/helpers/moe.py), the load-balancing loss and the mismatch share computed from
 their logits by hand."""
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.algorithms import AggInfo
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.moe import MoeConfig, routers
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.record import Row, build_rows
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.algorithms import AggInfo
+from polyrl.core.train.moe import MoeConfig, routers
 from tests.helpers.moe import Routed
 from tests.helpers.trainer import chat_ids, make_policy
 

@@ -11,10 +11,10 @@ import yaml
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
 from polyrl.core.config import ConfigError, doc, load
-from polyrl.core.credit import group_stats
 from polyrl.core.options import Options
 from polyrl.core.recipe import Config
 from polyrl.core.registry import Registry, UnknownNameError, import_path
+from polyrl.core.train.credit import group_stats
 
 # --------------------------------------------------------------------------- derived options
 
@@ -227,7 +227,12 @@ def test_group_stats_match_a_hand_computation():
 
 
 def test_verl_actor_config_is_not_mutated_between_calls():
-    from polyrl.core.algorithms import AggInfo, AlgorithmConfig, _actor_config, _verl_actor_config
+    from polyrl.core.train.algorithms import (
+        AggInfo,
+        AlgorithmConfig,
+        _actor_config,
+        _verl_actor_config,
+    )
 
     cfg = AlgorithmConfig()
     first = _verl_actor_config("vanilla", cfg, AggInfo(batch_num_tokens=10, global_batch_size=2))

@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.passes import pack_rows, packs, response_logprobs
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.record import text_record
-from polyrl.core.trainer import _micro_batch_rows, update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
+from polyrl.core.train.passes import pack_rows, packs, response_logprobs
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
+from polyrl.core.train.trainer import _micro_batch_rows, update
 from tests.helpers.packing import make_policy, passes
 from tests.helpers.trainer import grads_at_step
 

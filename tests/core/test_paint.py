@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.batching import Batcher
-from polyrl.core.paint import ImageRequest, Painting, merge_records, paints_images
 from polyrl.core.record import Row, build_rows, select_policy, set_strings, strings
+from polyrl.core.rollout.batching import Batcher
+from polyrl.core.rollout.paint import ImageRequest, Painting, merge_records, paints_images
 from polyrl.core.segment import Tokens
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core.engine import HFEngine
 from polyrl.core.registry import ENGINES
+from polyrl.core.rollout.engine import HFEngine
 from tests.helpers.crawling_engine import ResumableCrawler
 from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import (

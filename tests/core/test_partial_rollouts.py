@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from polyrl.core.config import ConfigError
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig
 from polyrl.core.record import Row, build_rows, concat, trim
 from polyrl.core.registry import ENGINES
-from polyrl.core.rollouts import shadow
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.rollout.rollouts import shadow
 from polyrl.core.segment import Tokens
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 from tests.helpers.crawling_engine import CrawlingEngine
 from tests.helpers.partial import SWITCH, mixed_logprobs, moved, switching_refresh
 from tests.helpers.runs import metrics_by_step

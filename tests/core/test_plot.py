@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from polyrl.core.plot import plot_run, read_metrics
+from polyrl.core.observe.plot import plot_run, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

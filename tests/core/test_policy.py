@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.passes import response_logprobs
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 from polyrl.core.record import text_record
+from polyrl.core.train.passes import response_logprobs
+from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
 
 def batch_with_groups(tok, n=4):
@@ -83,7 +83,7 @@ def test_warm_start_hands_the_reference_its_weights_and_checkpoints_keep_them(ti
     """KL anchors RL to the policy it starts from: after a warm start the frozen reference
     scores like the policy (KL 0 at RL step 1), and a checkpoint restores that reference
     in a fresh policy (a resumed run does not fall back to the pre-warm-start weights)."""
-    from polyrl.core import trainer
+    from polyrl.core.train import trainer
 
     cfg = PolicyConfig(model=tiny_model_dir, optim=OptimConfig(lr=1e-2))
     policy = CausalLMPolicy("main", cfg, total_steps=10, need_reference=True)

@@ -12,13 +12,13 @@ import copy
 import pytest
 import torch
 
-from polyrl.core import prefix
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.passes import prefix_units, response_logprobs
-from polyrl.core.policy import PolicyConfig
 from polyrl.core.record import text_record
-from polyrl.core.trainer import _micro_batch_rows, update
+from polyrl.core.train import prefix
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
+from polyrl.core.train.passes import prefix_units, response_logprobs
+from polyrl.core.train.policy import PolicyConfig
+from polyrl.core.train.trainer import _micro_batch_rows, update
 from tests.helpers.packing import make_policy, passes
 from tests.helpers.trainer import grads_at_step
 
@@ -212,7 +212,7 @@ def test_reference_pass_shares_and_matches(tiny_model_dir):
 def test_no_tree_where_the_attention_cannot_take_its_mask(tiny_model_dir):
     """Flash attention (varlen: no tree mask) and sliding windows keep the packed pass, and
     the token budget then has no units; ``shared_prefix: false`` too."""
-    from polyrl.core.passes import shares
+    from polyrl.core.train.passes import shares
 
     policy = make_policy(tiny_model_dir)
     batch = tree_batch()

@@ -11,10 +11,10 @@ import urllib.request
 
 import pytest
 
-from polyrl.core import timeline
 from polyrl.core.config import ConfigError, UserError
 from polyrl.core.loop import train
-from polyrl.core.prometheus import metric_name
+from polyrl.core.observe import timeline
+from polyrl.core.observe.prometheus import metric_name
 from tests.helpers.prometheus import most, scrape, train_scraping
 from tests.helpers.runs import metrics
 
@@ -29,7 +29,7 @@ def test_metric_names_follow_the_prometheus_rules():
 
 
 def test_keys_that_share_a_name_are_told_apart_by_a_label():
-    from polyrl.core.prometheus import PrometheusLogger
+    from polyrl.core.observe.prometheus import PrometheusLogger
 
     logger = PrometheusLogger(0, "labels")
     try:

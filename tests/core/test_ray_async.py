@@ -31,10 +31,10 @@ def _rows(run_dir) -> dict[int, dict]:
 def test_ray_async_follows_the_local_schedule_and_resumes_exactly(
     ray_cluster, make_config, tmp_path, monkeypatch
 ):
-    import polyrl.core.session as session_mod
-    from polyrl.core.checkpoint import SavedDirectory, read_full
+    import polyrl.core.runner.session as session_mod
+    from polyrl.core.distributed.ray_backend import ActorError
     from polyrl.core.loop import train
-    from polyrl.core.ray_backend import ActorError
+    from polyrl.core.runner.checkpoint import SavedDirectory, read_full
 
     local = _rows(train(make_config(*ASYNC, f"run.dir={tmp_path}/local")).path)
     run_a = train(make_config(*ASYNC, *RAY, f"run.dir={tmp_path}/a")).path

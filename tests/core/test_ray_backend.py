@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, from_dict
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import text_record
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
 from tests.helpers.distributed import LORA, ray_config
 from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import assert_weights_moved
@@ -57,8 +57,8 @@ def _assert_states_close(local: dict, remote: dict) -> None:
 @pytest.fixture(scope="module")
 def pair(ray_cluster, tiny_model_dir):
     """(ray backend, its policy and engine, a local policy) from the same checkpoint."""
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
 
     cfg = ray_config(tiny_model_dir)
     backend = RayBackend(cfg)
@@ -76,7 +76,7 @@ def pair(ray_cluster, tiny_model_dir):
 
 
 def test_ray_args_are_checked():
-    from polyrl.core.ray_backend import RayArgs
+    from polyrl.core.distributed.ray_backend import RayArgs
 
     with pytest.raises(ConfigError, match="did you mean 'distributed.args.workers_per_policy'"):
         from_dict(RayArgs, {"worker_per_policy": 2}, "distributed.args")
@@ -93,7 +93,7 @@ def test_ray_backend_rejects_what_it_cannot_run(tiny_model_dir):
     """Checked before Ray starts: a per-policy override for an unknown policy; a LoRA
     policy of a kind whose base model is shared between policies (lora_agent). A causal_lm
     LoRA policy passes the check (it trains below)."""
-    from polyrl.core.ray_backend import RayBackend, _check_lora_kind
+    from polyrl.core.distributed.ray_backend import RayBackend, _check_lora_kind
 
     cfg = ray_config(tiny_model_dir, "distributed.args={policies: {mian: {workers_per_policy: 1}}}")
     with pytest.raises(ConfigError, match="did you mean 'main'"):
@@ -116,7 +116,7 @@ def test_updates_match_local_training(pair):
     a full batch; a one-row batch (rank 1 runs a zero-weighted stand-in pass) with
     seq-mean-token-mean; KL to the (sharded) reference plus an entropy bonus; two epochs of
     two shuffled mini-batches (old log-probs gathered from both ranks)."""
-    from polyrl.core import trainer
+    from polyrl.core.train import trainer
 
     backend, remote, _, local = pair
     assert remote.world_size == 2 and len(remote.group.nodes) == 2
@@ -146,7 +146,7 @@ def test_updates_match_local_training(pair):
 def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from polyrl.core import trainer
+    from polyrl.core.train import trainer
 
     backend, remote, engine, local = pair
     # Weight sync: after it, the engine actor answers exactly like an engine on the local
@@ -203,7 +203,7 @@ def test_engine_sync_sft_checkpoint_and_export(pair, tmp_path):
 
 @pytest.mark.ray
 def test_placement_that_cannot_fit_says_so(ray_cluster, tiny_model_dir):
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
 
     cfg = ray_config(
         tiny_model_dir, "distributed.args={workers_per_policy: 64, placement_timeout_s: 1}"
@@ -225,9 +225,9 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
     the cluster back); ``run.resume`` then finishes the run from step 2."""
     from ray.exceptions import RayActorError
 
-    import polyrl.core.session as session_mod
+    import polyrl.core.runner.session as session_mod
+    from polyrl.core.distributed.ray_backend import ActorError
     from polyrl.core.loop import train
-    from polyrl.core.ray_backend import ActorError
 
     ray = ray_cluster
 
@@ -288,7 +288,7 @@ def test_grpo_run_survives_a_dead_worker_by_resuming(ray_cluster, make_config, m
     assert (run.path / "export" / "main" / "config.json").is_file()
     assert sorted(p.name for p in (run.path / "checkpoints").iterdir())[-1] == "step_000003"
     # the step run after the resume trained: its weights moved from step 2's (5.0e-5)
-    from polyrl.core.checkpoint import SavedDirectory, read_full
+    from polyrl.core.runner.checkpoint import SavedDirectory, read_full
 
     step2, step3 = (
         read_full(SavedDirectory(run.path / "checkpoints" / f"step_00000{s}" / "policy_main"))
@@ -318,8 +318,8 @@ def test_reward_term_on_its_own_actor_scores_like_the_driver(ray_cluster, tiny_m
     metrics equal scoring in the driver."""
     import os
 
-    from polyrl.core import rewards
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
+    from polyrl.core.rollout import rewards
 
     cfg = ray_config(
         tiny_model_dir,
@@ -370,8 +370,8 @@ def test_unknown_reward_actor_key_fails_at_config_time(tiny_model_dir):
 def lora_pair(ray_cluster, tiny_model_dir):
     """(ray backend, its LoRA policy and engine, a local LoRA policy), made last in this
     module (the cluster's 4 CPUs then hold this group and ``pair``'s)."""
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
 
     cfg = ray_config(tiny_model_dir, LORA)
     backend = RayBackend(cfg)
@@ -395,7 +395,7 @@ def test_lora_updates_match_local_training(lora_pair):
     """The adapter starts as in local mode (same RNG state, rank 0's copy on every rank);
     FSDP2 over the PEFT model (frozen base and adapter in one unit) then gives the local
     loss, grad norm, KL to the adapter-disabled base, adapter weights and optimizer state."""
-    from polyrl.core import trainer
+    from polyrl.core.train import trainer
 
     backend, remote, _, local = lora_pair
     start = remote.state_dict()
@@ -472,7 +472,7 @@ def test_lora_engine_sync_checkpoint_and_export(lora_pair, ray_cluster, tmp_path
 
 
 def test_rank_metrics_reduce_to_the_single_process_ones():
-    from polyrl.core.ray_backend import _reduce
+    from polyrl.core.distributed.ray_backend import _reduce
 
     ranks = [
         {"loss": 0.2, "lr": 1e-3, "mismatch/rho_max": 1.5, "mismatch/rho_p50": 1.0},

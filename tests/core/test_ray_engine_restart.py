@@ -105,7 +105,7 @@ def _exported(run) -> dict[str, torch.Tensor]:
 
 def test_max_restarts_is_a_count():
     from polyrl.core.config import ConfigError, from_dict
-    from polyrl.core.ray_backend import RayArgs
+    from polyrl.core.distributed.ray_backend import RayArgs
 
     assert from_dict(RayArgs, {"max_restarts": 2}, "distributed.args").max_restarts == 2
     with pytest.raises(ConfigError, match=r"distributed.args.max_restarts=-1 .*must be >= 0"):
@@ -159,7 +159,7 @@ def test_without_restarts_a_killed_engine_ends_the_run_naming_the_option(
 ):
     """``max_restarts: 0`` (the default): the run stops with one line naming the actor,
     the call and the option, and has removed its placement group by then."""
-    from polyrl.core.ray_backend import ActorError
+    from polyrl.core.distributed.ray_backend import ActorError
 
     def live() -> set[str]:
         table = ray_cluster.util.placement_group_table()

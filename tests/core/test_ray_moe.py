@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.engine import SamplingParams
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.record import Row, build_rows
 from polyrl.core.registry import ENGINES
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
 from tests.helpers.distributed import ray_config
 from tests.helpers.trainer import chat_ids
 
@@ -43,9 +43,9 @@ def _record(policy, seed: int):
 
 @pytest.mark.ray
 def test_replayed_moe_update_matches_local(ray_cluster, tmp_path):
-    from polyrl.core import trainer
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
+    from polyrl.core.train import trainer
 
     model = str(tiny_qwen3_moe(tmp_path / "moe", pretrain_steps=30))
     # no load-balancing term: it is computed per micro-batch on each rank, and E * sum f * P

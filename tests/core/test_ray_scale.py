@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.train.algorithms import AlgorithmConfig
 
 
 def _config(path: str, *extra: str):
@@ -29,8 +29,8 @@ def _config(path: str, *extra: str):
 
 
 def _batch(tokenizer, seed: int):
-    from polyrl.core.credit import group_credit
     from polyrl.core.record import text_record
+    from polyrl.core.train.credit import group_credit
 
     g = torch.Generator().manual_seed(seed)
     responses = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
@@ -50,12 +50,12 @@ def _batch(tokenizer, seed: int):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_05b_layer_shape_trains_on_two_ranks_with_half_the_state_each(ray_cluster, tmp_path):
-    from polyrl.core import trainer
-    from polyrl.core.backend import LocalBackend
     from polyrl.core.config import ConfigError
-    from polyrl.core.ray_backend import RayBackend
-    from polyrl.core.ray_workers import memory_report
-    from polyrl.core.tiny import QWEN25_05B, qwen2_5_0_5b_shape
+    from polyrl.core.demo.tiny import QWEN25_05B, qwen2_5_0_5b_shape
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
+    from polyrl.core.distributed.ray_workers import memory_report
+    from polyrl.core.train import trainer
 
     path = str(qwen2_5_0_5b_shape(tmp_path / "m", num_layers=1, vocab_rows=1024))
     ray_cfg = _config(path, "distributed.backend=ray", "distributed.args={workers_per_policy: 2}")

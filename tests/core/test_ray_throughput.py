@@ -8,7 +8,7 @@ import json
 import pytest
 
 from polyrl.core.loop import train
-from polyrl.core.throughput import device_peak
+from polyrl.core.observe.throughput import device_peak
 
 
 @pytest.mark.slow

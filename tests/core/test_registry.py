@@ -13,10 +13,10 @@ from typing import Annotated
 import pytest
 
 import polyrl.core  # noqa: F401  (registers the core's parts)
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError, UserError, doc
 from polyrl.core.options import Options
 from polyrl.core.registry import CREDIT, Registry, UnknownNameError, import_path, nearest
+from polyrl.core.train.algorithms import AlgorithmConfig
 
 
 def reward_exact(sample, *, strict: Annotated[bool, "compare case"] = True):
@@ -94,12 +94,12 @@ def test_nearest():
 
 def test_import_paths_resolve_without_registering():
     reg = Registry("reward", skip=1)
-    from polyrl.core.credit import group_stats
+    from polyrl.core.train.credit import group_stats
 
-    assert reg.get("polyrl.core.credit:group_stats") is group_stats
-    assert import_path("polyrl.core.credit.group_stats") is group_stats  # dotted form
+    assert reg.get("polyrl.core.train.credit:group_stats") is group_stats
+    assert import_path("polyrl.core.train.credit.group_stats") is group_stats  # dotted form
     assert import_path("polyrl.core.registry:Registry.get") is Registry.get  # attribute chain
-    assert "polyrl.core.credit:group_stats" not in reg
+    assert "polyrl.core.train.credit:group_stats" not in reg
     with pytest.raises(ValueError, match="is not an import path"):
         import_path("group_stats")
 

@@ -12,7 +12,7 @@ import torch
 
 from polyrl.core.record import mark_invalid, strings, text_record
 from polyrl.core.registry import UnknownNameError
-from polyrl.core.rewards import (
+from polyrl.core.rollout.rewards import (
     RewardConfig,
     RewardTerm,
     Sample,
@@ -499,10 +499,10 @@ def test_same_reward_twice_needs_labels() -> None:
 
 def test_import_path_reward() -> None:
     td = make_record(["<answer>5</answer>", "6"], ["5", "5"])
-    c = cfg(RewardTerm("polyrl.core.rewards:exact_match"))
+    c = cfg(RewardTerm("polyrl.core.rollout.rewards:exact_match"))
     metrics = score(td, c)
     assert td["reward"].tolist() == [1.0, 0.0]
-    assert metrics["reward/polyrl.core.rewards:exact_match/mean"] == 0.5
+    assert metrics["reward/polyrl.core.rollout.rewards:exact_match/mean"] == 0.5
 
 
 def test_samples_from_record_and_override() -> None:

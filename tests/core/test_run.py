@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.core import run as run_mod
 from polyrl.core.config import ConfigError
-from polyrl.core.run import RunDir, RunDirError, rng_state, set_rng_state
+from polyrl.core.runner import run as run_mod
+from polyrl.core.runner.run import RunDir, RunDirError, rng_state, set_rng_state
 from tests.helpers.rollouts import LOW_DIGIT
 from tests.helpers.runs import (
     KILL_MID_WRITE,
@@ -187,7 +187,7 @@ def test_unwritable_run_dir(tmp_path, how):
 
 
 def test_fresh_run_refuses_run_dir_with_checkpoints(make_config, tmp_path):
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     done = tmp_path / "run" / "checkpoints" / "step_000002"
     done.mkdir(parents=True)
@@ -198,7 +198,7 @@ def test_fresh_run_refuses_run_dir_with_checkpoints(make_config, tmp_path):
 
 
 def test_cli_resume_without_dir_finds_newest_run(tmp_path):
-    from polyrl.core.cli import _latest_run
+    from polyrl.core.runner.cli import _latest_run
 
     runs = tmp_path / "runs"
     for i, name in enumerate(["exp-20240101-000000", "exp-20240102-000000", "other-20240103"]):
@@ -213,7 +213,7 @@ def test_cli_resume_without_dir_finds_newest_run(tmp_path):
 
 
 def test_cli_resume_of_missing_dir_refuses(tmp_path, capsys):
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     # not a silent fresh start
     assert main(["train", str(tmp_path / "recipe.yaml"), "--resume", str(tmp_path / "typo")]) == 2

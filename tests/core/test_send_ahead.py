@@ -15,7 +15,7 @@ def _events(make_config, tmp_path, monkeypatch, name, *overrides) -> list[tuple[
     import threading
 
     from polyrl.core.loop import train
-    from polyrl.core.rollouts import Ahead
+    from polyrl.core.rollout.rollouts import Ahead
 
     log: list[tuple[str, int]] = []
     load, prefetch, publish = Ahead._load, Ahead._prefetch, Ahead.publish

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core import trainer
-from polyrl.core.data import DataError, write_jsonl
-from polyrl.core.failures import RunFailedError
 from polyrl.core.loop import train
-from polyrl.core.policy import CausalLMPolicy
-from polyrl.core.rewards import Sample, exact_match, register_reward
-from polyrl.core.run import RunDirError
-from polyrl.core.session import Session
+from polyrl.core.rollout.data import DataError, write_jsonl
+from polyrl.core.rollout.rewards import Sample, exact_match, register_reward
+from polyrl.core.runner.failures import RunFailedError
+from polyrl.core.runner.run import RunDirError
+from polyrl.core.runner.session import Session
+from polyrl.core.train import trainer
+from polyrl.core.train.policy import CausalLMPolicy
 
 
 @register_reward("test_session_raises")

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (core/checkpoint.py): each FSDP rank writes its own shards, and the
+"""Sharded checkpoints (core/runner/checkpoint.py): each FSDP rank writes its own shards, and the
 directory loads into local mode and into a different world size, exactly."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
+from polyrl.core.train.algorithms import AlgorithmConfig
 from tests.helpers.distributed import LORA, ray_config
 from tests.helpers.trainer import sampled_record
 
@@ -36,8 +36,8 @@ def _group(cfg, backend, world: int):
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tiny_model_dir, tmp_path_factory):
     """A 2-rank group after two updates, its gathered state, and its shards on disk."""
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
 
     cfg = ray_config(tiny_model_dir)
     local = LocalBackend(cfg).make_policy(
@@ -59,8 +59,8 @@ def trained(ray_cluster, tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.ray
 def test_each_rank_writes_its_shards_and_local_mode_reads_them(trained):
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.checkpoint import SavedDirectory, load_part
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.runner.checkpoint import SavedDirectory, load_part
 
     cfg, _, two, full, path = trained
     assert two.sharded_checkpoint  # the default under Ray
@@ -108,9 +108,9 @@ def test_local_policy_round_trips_through_shards(tiny_model_dir, tmp_path, lora)
     """Without a process group the same code writes and reads one process's whole state:
     under LoRA the adapter alone (the base is not in the files), after a warm start the
     reference too; an unstepped optimizer stays unstepped."""
-    from polyrl.core import trainer
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.checkpoint import SavedDirectory, load_part, read_full, save_policy
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.runner.checkpoint import SavedDirectory, load_part, read_full, save_policy
+    from polyrl.core.train import trainer
 
     cfg = ray_config(tiny_model_dir, *([LORA] if lora else []))
     kw = {"total_steps": 10, "need_reference": True, "shared": {}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 
 GOOD = """\
 def write_dataset(out_dir, seed=0, *, rows: int = 4):

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.loop import train
+from polyrl.core.observe.throughput import Throughput, device_peak, model_flops
 from polyrl.core.record import text_record
-from polyrl.core.throughput import Throughput, device_peak, model_flops
+from polyrl.core.train.algorithms import AlgorithmConfig
 from tests.helpers.runs import metrics
 from tests.helpers.throughput import ONE_PASS, Cost, check_by_hand, linear_weights
 
@@ -134,7 +134,7 @@ def test_a_runs_metrics_hold_tokens_per_second_and_mfu(make_config, tiny_model_d
 
 
 def test_the_progress_line_shows_tokens_per_second_and_mfu(capsys):
-    from polyrl.core.progress import Progress
+    from polyrl.core.observe.progress import Progress
 
     with Progress(2) as bar:
         step = {"reward/mean": 0.5, "time/step_s": 1.5}

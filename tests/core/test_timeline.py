@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.core import timeline
 from polyrl.core.config import ConfigError
 from polyrl.core.loop import train
-from polyrl.core.trace_report import summarize
+from polyrl.core.observe import timeline
+from polyrl.core.observe.trace_report import summarize
 from tests.helpers import perfetto
 from tests.helpers.timeline import load_checked, nesting, run_events
 
@@ -136,7 +136,7 @@ def test_an_async_run_traces_producer_and_trainer_nested(make_config, one_thread
     assert producer.isdisjoint({e["tid"] for e in spans if e["name"] == "step"})
     # `polyrl trace` on the real trace: the summary's figures and a PNG of the step
     out = subprocess.run(
-        [sys.executable, "-m", "polyrl.core.cli", "trace", str(run.path)],
+        [sys.executable, "-m", "polyrl.core.runner.cli", "trace", str(run.path)],
         capture_output=True,
         text=True,
         check=True,
@@ -153,7 +153,7 @@ def test_an_async_run_traces_producer_and_trainer_nested(make_config, one_thread
 
 def test_trace_of_a_directory_without_one_is_a_clear_error(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "polyrl.core.cli", "trace", str(tmp_path)],
+        [sys.executable, "-m", "polyrl.core.runner.cli", "trace", str(tmp_path)],
         capture_output=True,
         text=True,
     )

@@ -8,16 +8,16 @@ import os
 import pytest
 import torch
 
-from polyrl.core.builds import ensure_model
-from polyrl.core.registry import MODELS, TASKS
-from polyrl.core.tasks import arithmetic
-from polyrl.core.tiny import (
+from polyrl.core.demo.tiny import (
     CHAT_TEMPLATE,
     build_tiny_qwen2,
     build_tokenizer,
     is_complete,
     warm_start_texts,
 )
+from polyrl.core.registry import MODELS, TASKS
+from polyrl.core.runner.builds import ensure_model
+from polyrl.core.tasks import arithmetic
 
 
 @pytest.fixture(scope="module")

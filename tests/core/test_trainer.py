@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 from polyrl.core.record import concat, select_policy, strings, text_record
-from polyrl.core.trainer import sft_update, update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
+from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
+from polyrl.core.train.trainer import sft_update, update
 from tests.helpers.trainer import grads_at_step, make_policy, sampled_record
 
 

@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.engine import HFEngine, SamplingParams  # noqa: E402
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
 from polyrl.core.record import text_record  # noqa: E402
-from polyrl.core.vllm_engine import VLLMEngine  # noqa: E402
+from polyrl.core.rollout.engine import HFEngine, SamplingParams  # noqa: E402
+from polyrl.core.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -309,7 +309,7 @@ def test_auto_engine_probe_times_both_and_leaves_the_stream_untouched(policy):
     """``engine.name: auto`` with ``probe: true`` times both engines on CPU and keeps the
     faster one; the probe's samples do not advance the kept engine's stream. (Last in the
     module: it builds a second vLLM engine.)"""
-    from polyrl.core.vllm_engine import AutoEngine
+    from polyrl.core.rollout.vllm_engine import AutoEngine
 
     eng = AutoEngine(
         policy,

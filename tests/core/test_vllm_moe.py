@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.engine import SamplingParams  # noqa: E402
-from polyrl.core.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
-from polyrl.core.tiny import tiny_qwen3_moe  # noqa: E402
-from polyrl.core.vllm_engine import VLLMEngine  # noqa: E402
+from polyrl.core.demo.tiny import tiny_qwen3_moe  # noqa: E402
+from polyrl.core.rollout.engine import SamplingParams  # noqa: E402
+from polyrl.core.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig  # noqa: E402
 from tests.helpers.moe import replayed
 from tests.helpers.trainer import chat_ids
 

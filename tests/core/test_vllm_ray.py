@@ -10,10 +10,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.algorithms import AlgorithmConfig  # noqa: E402
-from polyrl.core.credit import group_credit  # noqa: E402
-from polyrl.core.engine import HFEngine, SamplingParams  # noqa: E402
 from polyrl.core.record import text_record  # noqa: E402
+from polyrl.core.rollout.engine import HFEngine, SamplingParams  # noqa: E402
+from polyrl.core.train.algorithms import AlgorithmConfig  # noqa: E402
+from polyrl.core.train.credit import group_credit  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -40,9 +40,9 @@ def _record(tok, ids, outs):
 def test_vllm_engine_actor_matches_the_trainer_and_follows_sync(
     ray_cluster, tiny_model_dir, logprob_gaps, update_both
 ):
-    from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
     from polyrl.core.recipe import Config
 
     cfg = load(

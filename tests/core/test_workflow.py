@@ -1,4 +1,4 @@
-"""core.workflow helpers shared by the async plugin workflows."""
+"""core.rollout.workflow helpers shared by the async plugin workflows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from polyrl.core.workflow import run_sync
+from polyrl.core.rollout.workflow import run_sync
 
 
 async def where_am_i() -> str:

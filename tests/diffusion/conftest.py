@@ -37,7 +37,7 @@ def make_policy(tiny_sd3_dir, one_thread):
     options); ``policy_args`` adds to the policy kind's options."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.policy import DiffusionPolicy
 
@@ -173,9 +173,9 @@ def first_update_under_ray(ray_cluster, diffusion_config, tmp_path):
     0.1, clipped advantages so the loss is not ~0) gives local mode's loss within 1e-4 and
     its KL and grad norm within 1e-4 relative, and after the sync the engine actor samples
     with the trained weights (the local policy, trained alike, recomputes its log-probs)."""
-    from polyrl.core.credit import assign
     from polyrl.core.record import select_policy, valid_rows
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
+    from polyrl.core.train.credit import assign
 
     def rollout(s):
         record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError
-from polyrl.core.trainer import update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.trainer import update
 from polyrl.diffusion.credit import PerPromptOptions, gaussian_mean_kl, per_prompt_credit
 from polyrl.diffusion.samplers import get_sampler
 

@@ -44,10 +44,10 @@ def test_clipping_bounds_the_advantages_and_leaves_the_rest():
 def test_recipe_options_reach_the_credit(diffusion_config):
     """algorithm.credit_args.adv_clip / global_std reach the ``per_prompt`` credit as its
     keyword options (nothing travels on the record)."""
-    from polyrl.core import rewards
-    from polyrl.core.credit import assign
     from polyrl.core.record import strings
-    from polyrl.core.session import Session
+    from polyrl.core.rollout import rewards
+    from polyrl.core.runner.session import Session
+    from polyrl.core.train.credit import assign
 
     s = Session.open(diffusion_config("algorithm.credit_args={adv_clip: 0.5, global_std: true}"))
     record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())

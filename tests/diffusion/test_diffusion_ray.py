@@ -38,8 +38,8 @@ COMMON = (
 
 def _rollout(s):
     """One training rollout, scored and credited: (record, the policy's valid rows)."""
-    from polyrl.core.credit import assign
     from polyrl.core.record import select_policy, valid_rows
+    from polyrl.core.train.credit import assign
 
     record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
     s.score(record)
@@ -100,9 +100,9 @@ def _check_export(lora: int, out, resumed, weights, model_dir: str) -> None:
 def test_ray_update_sync_checkpoint_and_export_match_local(
     lora, ray_cluster, diffusion_config, tiny_sd3_dir, tmp_path
 ):
-    from polyrl.core import trainer
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
+    from polyrl.core.train import trainer
+    from polyrl.core.train.algorithms import AlgorithmConfig
 
     common = (*COMMON, f"policies.main.lora.r={lora}")
     local = Session.open(diffusion_config(*common, f"run.dir={tmp_path}/local"), record=False)

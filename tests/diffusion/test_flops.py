@@ -11,8 +11,8 @@ from diffusers import SD3Transformer2DModel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from polyrl.core.throughput import device_peak
-from polyrl.core.timeline import read_run
+from polyrl.core.observe.throughput import device_peak
+from polyrl.core.observe.timeline import read_run
 from polyrl.diffusion.flops import sd3_call_flops
 
 # the conftest's tiny SD3: latents [12, 8, 8] (16 px, pixel-unshuffle by 2), patch 2 -> 16

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError
 from polyrl.core.registry import CREDIT
+from polyrl.core.train.algorithms import AlgorithmConfig
 from polyrl.diffusion.credit import per_prompt_credit
 from polyrl.diffusion.guards import (
     group_diversity,
@@ -220,9 +220,9 @@ def test_guard_options_are_checked_at_load():
 def test_recipe_with_ratio_norm_records_what_the_policy_recomputes(diffusion_config):
     """Through the recipe: the workflow records GRPO-Guard's scaled log-probs, equal to the
     policy's recomputation, and an update with 1/|dt| step weights starts at ratio 1."""
-    from polyrl.core import rewards
-    from polyrl.core.credit import assign
-    from polyrl.core.session import Session
+    from polyrl.core.rollout import rewards
+    from polyrl.core.runner.session import Session
+    from polyrl.core.train.credit import assign
 
     cfg = diffusion_config(
         "policies.main.args={max_sequence_length: 1, ratio_norm: true}",

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError
-from polyrl.core.trainer import update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.trainer import update
 from polyrl.diffusion.credit import PerPromptOptions, per_prompt_credit
 from polyrl.diffusion.nft import nft_loss, optimality
 
@@ -84,7 +84,7 @@ def test_at_the_old_policy_the_gradient_is_advantage_weighted_flow_matching():
 
 def _nft_policy(model: str, **engine_args):
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.nft import DiffusionNftPolicy
 

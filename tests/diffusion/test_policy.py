@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.config import ConfigError
 from polyrl.core.interfaces import OwnsKL
 from polyrl.core.registry import KL_ESTIMATORS
-from polyrl.core.trainer import update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.trainer import update
 from polyrl.diffusion.credit import PerPromptOptions, gaussian_mean_kl, per_prompt_credit
 
 

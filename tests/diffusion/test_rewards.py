@@ -9,7 +9,7 @@ import torch
 
 from polyrl.core.config import ConfigError, load
 from polyrl.core.recipe import Config
-from polyrl.core.rewards import RewardTerm, Sample
+from polyrl.core.rollout.rewards import RewardTerm, Sample
 from polyrl.diffusion import rewards as R
 from polyrl.diffusion.colour import BACKGROUND, PALETTE
 

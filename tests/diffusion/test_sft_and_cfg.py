@@ -63,7 +63,7 @@ def test_warm_start_data_errors_name_the_row(tmp_path):
 
 def test_recipe_warm_start_runs_before_the_first_rollout(diffusion_config, tmp_path):
     """rollout.args.sft_steps/sft_data: the workflow warms the policy up when it starts."""
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     path = _write_pairs(tmp_path)
     cfg = diffusion_config(f"rollout.args={{sft_data: {path}, sft_steps: 3, sft_batch_size: 2}}")

@@ -187,7 +187,7 @@ def _video(*colours, size=4, flicker=0.0):
 
 
 def _sample(prompt, frames, answer=None, index=0):
-    from polyrl.core.rewards import Sample
+    from polyrl.core.rollout.rewards import Sample
 
     return Sample(prompt=prompt, response="", answer=answer, meta={}, images=frames, index=index)
 

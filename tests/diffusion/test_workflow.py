@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from polyrl.core import rewards
 from polyrl.core.config import ConfigError
-from polyrl.core.credit import assign
 from polyrl.core.record import strings
+from polyrl.core.rollout import rewards
+from polyrl.core.train.credit import assign
 
 
 def test_two_training_steps_write_metrics_grids_checkpoint_and_export(diffusion_config):
@@ -31,7 +31,7 @@ def test_two_training_steps_write_metrics_grids_checkpoint_and_export(diffusion_
 
 def test_resume_continues_the_engine_state(diffusion_config):
     from polyrl.core.loop import train
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     train(diffusion_config("train.steps=1", "run.export=false"))
     cfg = diffusion_config("train.steps=1", "run.resume=true")
@@ -40,7 +40,7 @@ def test_resume_continues_the_engine_state(diffusion_config):
 
 
 def test_record_rewards_and_credit(diffusion_config):
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     s = Session.open(diffusion_config())
     record = s.workflow.rollout(s.sampler.next_batch(), s.ctx.sampling())
@@ -65,7 +65,7 @@ def test_record_rewards_and_credit(diffusion_config):
 
 def test_nan_row_is_left_out_and_the_rest_trains(diffusion_config):
     from polyrl.core.record import select_policy
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     s = Session.open(diffusion_config())
     policy = s.policies["main"]
@@ -127,7 +127,7 @@ def test_a_diffusion_policy_needs_the_diffusion_engine(diffusion_config):
 
 def test_sampler_settings_are_checked_again_before_models_load(diffusion_config, monkeypatch):
     """A config built in code (not through load) still fails before any model loads."""
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
     from polyrl.diffusion import models
 
     cfg = diffusion_config()
@@ -138,7 +138,7 @@ def test_sampler_settings_are_checked_again_before_models_load(diffusion_config,
 
 
 def test_missing_reward_model_fails_before_sampling(diffusion_config, monkeypatch):
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
     from polyrl.diffusion.engine import DiffusionEngine
 
     def no_sampling(*a, **k):
@@ -192,7 +192,7 @@ def test_your_own_reward_and_task_from_files(diffusion_config, tmp_path):
     against their keyword parameters, the reward sees the decoded image."""
     import numpy as np
 
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     (tmp_path / "my_reward.py").write_text(MY_REWARD)
     (tmp_path / "my_task.py").write_text(MY_TASK)

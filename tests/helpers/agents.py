@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polyrl.core.engine import Completion, as_requests
+from polyrl.core.rollout.engine import Completion, as_requests
 from polyrl.core.segment import Tokens
 
 GRID = ["S.H", "...", "H.G"]  # start top-left, goal bottom-right

@@ -14,11 +14,11 @@ def saved_run(root: Path, recipe: dict, model_dir: str, batches: int = 0):
     complete checkpoints at steps 1 and 2 (``batches`` batches drawn between them), and a
     copy whose step 2 holds its policy sharded (DCP) as Ray writes it, with the manifest
     of those files."""
-    from polyrl.core.checkpoint import save_policy
-    from polyrl.core.checksums import write_manifest
     from polyrl.core.config import load
     from polyrl.core.recipe import Config
-    from polyrl.core.session import Session
+    from polyrl.core.runner.checkpoint import save_policy
+    from polyrl.core.runner.checksums import write_manifest
+    from polyrl.core.runner.session import Session
 
     path = root / "recipe.yaml"
     body = recipe | {"policies": {"main": {"model": model_dir, "micro_batch_size": 64}}}
@@ -49,7 +49,7 @@ def copy_run(src: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 def refused(capsys, argv: list[str], *needles: str) -> str:
     """``polyrl ARGV`` exits 2 with one message (no traceback) holding every needle."""
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err

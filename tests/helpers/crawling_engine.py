@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from polyrl.core.engine import HFEngine
+from polyrl.core.rollout.engine import HFEngine
 
 
 class CrawlingEngine(HFEngine):

@@ -42,7 +42,7 @@ def run_recipe(recipe: Path, model: str, run_dir: Path, seed: int, *overrides: s
     cmd = [
         sys.executable,
         "-m",
-        "polyrl.core.cli",
+        "polyrl.core.runner.cli",
         "train",
         str(recipe),
         f"seed={seed}",

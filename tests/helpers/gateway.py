@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polyrl.core.engine import as_requests
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import as_requests
 
 HERE = "tests.helpers.gateway"
 GRID_AGENT = f"{HERE}:grid_agent"
@@ -98,8 +98,8 @@ def small_grid(tmp_path, model_dir: str) -> list[str]:
 def spied_models(model_dir: str, spy=SpyEngine, names=("main", "checker")):
     """Tiny policies (by default "main" and "checker") on ``model_dir``, each with an HF
     engine wrapped in ``spy`` (it keeps every prompt and completion it served)."""
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     policies, engines = {}, {}
     for seed, name in enumerate(names):

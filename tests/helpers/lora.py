@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.engine import Request
+from polyrl.core.rollout.engine import Request
 
 NAMES = ("speaker", "listener")
 

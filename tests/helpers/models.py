@@ -30,12 +30,12 @@ SIGNALING = {**GRIDWORLD, "corpus": "signaling", "vocab_size": 200, "intermediat
 def tiny_text_model(
     tmp_path_factory, name: str, sizes: dict, plugin: str | None = None, seed: int = 0
 ) -> str:
-    """Build a tiny Qwen2 + tokenizer (``polyrl.core.tiny.tiny_qwen2``) in a fresh session
+    """Build a tiny Qwen2 + tokenizer (``polyrl.core.demo.tiny.tiny_qwen2``) in a fresh session
     temp folder; ``sizes`` are its keyword arguments (corpus, widths); ``plugin`` is the
     package whose task owns the corpus, imported first so the task is registered."""
     import importlib
 
-    from polyrl.core.tiny import tiny_qwen2
+    from polyrl.core.demo.tiny import tiny_qwen2
 
     if plugin:
         importlib.import_module(plugin)

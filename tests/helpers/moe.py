@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.moe import routers
+from polyrl.core.train.moe import routers
 
 
 class Routed(torch.nn.Module):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.passes import response_logprobs
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
+from polyrl.core.train.passes import response_logprobs
+from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
 
 def make_policy(model_dir, *, attn="sdpa", lora=0, **kw):
     """A CausalLMPolicy (lr 1e-3, no clipping) with LoRA rank ``lora`` and attention ``attn``."""
-    from polyrl.core.policy import LoraConfig
+    from polyrl.core.train.policy import LoraConfig
 
     cfg = PolicyConfig(
         model=model_dir,

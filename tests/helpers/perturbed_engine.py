@@ -27,8 +27,8 @@ from typing import Annotated, Any
 
 import torch
 
-from polyrl.core import moe
-from polyrl.core.engine import Completion, HFEngine, SamplingParams
+from polyrl.core.rollout.engine import Completion, HFEngine, SamplingParams
+from polyrl.core.train import moe
 
 
 class _PerturbedModel:

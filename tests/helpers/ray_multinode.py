@@ -27,11 +27,11 @@ def main(model_dir: str) -> None:
     cluster.wait_for_nodes()
     try:
         import polyrl.core  # noqa: F401
-        from polyrl.core.algorithms import AlgorithmConfig
         from polyrl.core.config import load
         from polyrl.core.recipe import Config
         from polyrl.core.record import text_record
         from polyrl.core.registry import BACKENDS
+        from polyrl.core.train.algorithms import AlgorithmConfig
 
         cfg = load(
             Config,

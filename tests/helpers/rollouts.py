@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from polyrl.core.engine import HFEngine
 from polyrl.core.registry import ENGINES, REWARDS
+from polyrl.core.rollout.engine import HFEngine
 
 # A reward an untrained model earns about half the time: responses with a digit 0-4.
 LOW_DIGIT = "{name: regex_format, args: {pattern: '[0-4]', mode: search}}"

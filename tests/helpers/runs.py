@@ -109,7 +109,7 @@ def spawn_train(recipe: Path, cwd: Path, *args: str, script: str | None = None) 
         PYTHONHASHSEED="0",
     )
     log = open(cwd / f"log-{len(list(cwd.glob('log-*')))}.txt", "w")  # noqa: SIM115
-    entry = ["-c", script] if script else ["-m", "polyrl.core.cli"]
+    entry = ["-c", script] if script else ["-m", "polyrl.core.runner.cli"]
     proc = subprocess.Popen(
         [sys.executable, *entry, "train", str(recipe), *args],
         cwd=cwd,
@@ -149,6 +149,6 @@ def save(obj, f, *args, **kwargs):
     return real_save(obj, f, *args, **kwargs)
 
 torch.save = save
-from polyrl.core.cli import main
+from polyrl.core.runner.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core.throughput import device_peak
+from polyrl.core.observe.throughput import device_peak
 
 # what the hand count assumes of the run: one epoch, no old or reference pass, every valid
 # row trained (a zero advantage leaves none out)

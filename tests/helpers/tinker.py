@@ -44,7 +44,7 @@ def pretrained_tiny(tmp_path_factory) -> str:
     """A tiny Qwen2 briefly pretrained on the arithmetic corpus: LoRA moves only the inner
     layers, so the base must already have an unembedding that can sharpen (a random one
     caps how far any adapter can move the loss)."""
-    from polyrl.core.tiny import tiny_qwen2
+    from polyrl.core.demo.tiny import tiny_qwen2
 
     path = tmp_path_factory.mktemp("tinker") / "tiny-pretrained"
     tiny_qwen2(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 from polyrl.core.record import text_record
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
+from polyrl.core.train.policy import CausalLMPolicy, OptimConfig, PolicyConfig
 
 TEXTS = ("12+7=", "3+4=", "25+30=", "8+8=")  # arithmetic prompts the tiny model knows
 

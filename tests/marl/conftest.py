@@ -72,7 +72,7 @@ def joint_record():
 @pytest.fixture
 def algo():
     """An AlgorithmConfig factory (magrpo credit, mean baseline by default)."""
-    from polyrl.core.algorithms import AlgorithmConfig
+    from polyrl.core.train.algorithms import AlgorithmConfig
 
     def make(**kw):
         kw.setdefault("credit", "magrpo")
@@ -152,9 +152,9 @@ def marl_config(signaling_model_dir, tmp_path):
 def build_workflow():
     """``build_workflow(cfg) -> (workflow, calls)``: real tiny policies and HF engines wrapped
     to count generate calls; no session, no data files."""
-    from polyrl.core.engine import HFEngine
     from polyrl.core.registry import POLICIES, WORKFLOWS
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.rollout.workflow import Context
 
     def make(cfg, policies=None):
         calls: list = []
@@ -175,7 +175,7 @@ def build_workflow():
 
 
 def items(rows: list[dict], prompt_field: str = "prompt"):
-    from polyrl.core.data import PromptItem
+    from polyrl.core.rollout.data import PromptItem
 
     return [
         PromptItem(

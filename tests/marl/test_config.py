@@ -135,7 +135,7 @@ def test_credit_options_come_from_algorithm_credit_args(marl_config):
 def test_polyrl_config_documents_marl_options(capsys):
     """`polyrl config` shows each workflow's joint modes and the critic's options with
     their types and docs, and the magrpo credit's options."""
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     assert main(["config"]) == 0
     out = capsys.readouterr().out
@@ -168,7 +168,7 @@ def test_polyrl_config_documents_marl_options(capsys):
 
 def test_the_cli_reports_the_error(signaling_model_dir, tmp_path, capsys):
     """Through `polyrl train`: the error, no traceback into model loading."""
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"""
@@ -190,8 +190,8 @@ run: {{dir: {tmp_path}/run}}
 
 def test_the_main_demo_runs_by_name_from_the_package():
     """`polyrl train signaling` (the README's command 1) needs no path into the repository."""
-    from polyrl.core.cli import _load
     from polyrl.core.registry import RECIPES, UnknownNameError
+    from polyrl.core.runner.cli import _load
 
     cfg = _load("signaling", ["train.steps=2"])
     assert cfg.task.name == "signaling" and cfg.train.steps == 2

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from polyrl.core.config import ConfigError
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.config import CriticOptions
 from polyrl.marl.critic import CentralCritic
@@ -83,8 +83,8 @@ def test_critic_states_are_joint_while_agents_see_only_their_own(
 def test_credit_with_critic_is_return_minus_baseline(
     marl_config, build_workflow, make_items, signaling_model_dir
 ):
-    from polyrl.core import rewards
-    from polyrl.core.credit import assign
+    from polyrl.core.rollout import rewards
+    from polyrl.core.train.credit import assign
 
     cfg = marl_config(critic_args(signaling_model_dir), "algorithm.gamma=1.0")
     wf, _ = build_workflow(cfg)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
 from polyrl.core.record import text_record
-from polyrl.core.trainer import update
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.trainer import update
 
 
 def make_pair(marl_config):

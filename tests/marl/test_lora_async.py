@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
-from polyrl.core.rollouts import LocalVersions
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
+from polyrl.core.rollout.rollouts import LocalVersions
 from tests.helpers.lora import NAMES, lora_pair, prompts
 from tests.helpers.partial import check_partial_run
 from tests.helpers.runs import metrics_by_step

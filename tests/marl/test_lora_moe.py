@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from polyrl.core.config import ConfigError
-from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.record import strings
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from polyrl.marl.signaling import make_row
 from tests.helpers.lora import NAMES, lora_pair
 from tests.helpers.moe import check_replayed_rows
@@ -27,7 +27,7 @@ def moe_base(tmp_path_factory) -> str:
 
 def test_adapters_replay_the_engines_experts(marl_config, make_items, moe_base, one_thread):
     from polyrl.core.registry import WORKFLOWS
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     cfg, pols = lora_pair(
         marl_config,

@@ -4,9 +4,9 @@ tests/helpers/moe.py's, against whole-row forwards with hand-computed or told ro
 
 from __future__ import annotations
 
-from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.demo.tiny import tiny_qwen3_moe
 from polyrl.core.record import strings
-from polyrl.core.tiny import tiny_qwen3_moe
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from polyrl.marl.signaling import make_row
 from tests.helpers.moe import check_replayed_rows
 
@@ -17,7 +17,7 @@ def test_marl_agent_rows_carry_and_replay_the_engines_experts(
     marl_config, make_items, tmp_path, one_thread
 ):
     from polyrl.core.registry import POLICIES, WORKFLOWS
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     moe = tiny_qwen3_moe(tmp_path / "moe", corpus="signaling", num_experts=E, num_layers=2)
     names = ("speaker", "listener")

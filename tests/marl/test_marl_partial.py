@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.signaling import make_row
 from tests.helpers.partial import check_partial_run, mixed_logprobs, moved
@@ -20,8 +20,8 @@ ROWS = [
 
 def test_agent_rows_record_token_versions_equal_to_a_switching_reference(marl_config, make_items):
     from polyrl.core.registry import POLICIES, WORKFLOWS
-    from polyrl.core.rollouts import shadow
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.rollouts import shadow
+    from polyrl.core.rollout.workflow import Context
 
     cfg = marl_config()
     policies = {

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
 from polyrl.core.record import strings, text_record
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from polyrl.marl import JOINT_POLICY
 from polyrl.marl.signaling import make_row
 from tests.helpers.lora import NAMES, assert_same_completions, lora_pair, mixed_asks, prompts
@@ -79,7 +79,7 @@ def test_mixed_call_equals_each_policys_own_call(marl_config):
 
 def test_a_marl_team_takes_one_call_per_round(marl_config, make_items):
     from polyrl.core.registry import ENGINES, WORKFLOWS
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     cfg, pols = lora_pair(
         marl_config,
@@ -123,7 +123,7 @@ def one_chat(row, ep):
 
 def test_the_gateway_serves_two_lora_models_in_one_call(marl_config, make_items):
     from polyrl.agents.gateway import Gateway
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     _, pols = lora_pair(marl_config)
     engines = {n: HFEngine(p, seed=i) for i, (n, p) in enumerate(pols.items())}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import HFEngine, SamplingParams
+from polyrl.core.rollout.engine import HFEngine, SamplingParams
 from tests.helpers.lora import NAMES, assert_same_completions, lora_pair, mixed_asks
 
 

@@ -1,5 +1,5 @@
 """Several ``lora_agent`` adapters in one forward/backward (marl/multi_lora.py) and the
-batched update built on it (core/trainer.py ``update_together``), against the per-adapter
+batched update built on it (core/train/trainer.py ``update_together``), against the per-adapter
 passes and the one-by-one update as they run today."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.passes import response_logprobs
 from polyrl.core.record import concat, text_record
+from polyrl.core.train.passes import response_logprobs
 from polyrl.marl.multi_lora import _Grouping, _StackedTerms, adapter_rows
 from tests.helpers.runs import wall_clock
 
@@ -309,8 +309,8 @@ def record_grads(pols) -> dict[str, list[dict[str, torch.Tensor]]]:
 def run_both(marl_config, pack, algo_kw, seed=0):
     """The one-by-one updates and the batched one from equal starts: (metrics, grads,
     weights after) of each."""
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.trainer import update, update_together
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update, update_together
 
     algo = AlgorithmConfig(**algo_kw)
     parts = with_advantages(batches())
@@ -361,7 +361,7 @@ def test_batched_update_keeps_each_partition(marl_config, monkeypatch):
     drawn from the shared generator in the one-by-one order, not epoch by epoch) and a KL
     term: each policy's mini-batches are those of its own update. The batched update takes
     the old and reference log-probs from shared passes too: no per-policy pass."""
-    from polyrl.core import trainer
+    from polyrl.core.train import trainer
     from polyrl.marl.lora import LoraAgentPolicy
 
     calls: list[str] = []
@@ -395,7 +395,8 @@ def test_team_run_logs_the_same_batched_and_one_by_one(marl_config, tmp_path, mo
     and the batched run did update both in one call per step."""
     import json
 
-    from polyrl.core import loop, trainer
+    from polyrl.core import loop
+    from polyrl.core.train import trainer
 
     calls = []
     real = trainer.update_together
@@ -443,7 +444,7 @@ def test_lora_passes_follow_the_shared_prefix_options(
     """A lora_agent's own passes, its reference pass and the shared passes take the
     policy's ``shared_prefix`` and ``shared_prefix_min_tokens``: the 20-token prompts run as
     prefix trees only when sharing is on and their length reaches the minimum."""
-    from polyrl.core import passes
+    from polyrl.core.train import passes
 
     sets = []
     for n in NAMES:

@@ -42,7 +42,7 @@ def painter(sd3_dir: str):
     """A LoRA painter and its engine, built the same way each call (same LoRA init)."""
     import polyrl.diffusion  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.diffusion.engine import DiffusionEngine, sampling_options
     from polyrl.diffusion.policy import DiffusionPolicy
 
@@ -107,10 +107,10 @@ def test_painter_update_on_team_rows_equals_text_to_image_update(sd3_dir, one_th
     """Same trajectories (seeded), same advantages: the update from the team record's
     painter rows (merged with text and joint rows, then selected) and from the
     ``text_to_image`` record give the same loss and the same gradients."""
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.paint import ImageRequest, merge_records
     from polyrl.core.record import select_policy
-    from polyrl.core.trainer import update
+    from polyrl.core.rollout.paint import ImageRequest, merge_records
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
     from polyrl.diffusion.workflow import diffusion_record
 
     policy, engine = painter(sd3_dir)
@@ -146,7 +146,7 @@ def test_painter_update_on_team_rows_equals_text_to_image_update(sd3_dir, one_th
 def test_long_prompts_are_cut_and_counted(sd3_dir, one_thread):
     """The tiny text encoders take 8 tokens (start and end included): a longer prompt is
     cut, and its paintings say by how many tokens; a short one is not."""
-    from polyrl.core.paint import ImageRequest
+    from polyrl.core.rollout.paint import ImageRequest
 
     _, engine = painter(sd3_dir)
     long = "a red blob a red blob a blue circle green"
@@ -160,10 +160,10 @@ def test_long_prompts_are_cut_and_counted(sd3_dir, one_thread):
 def test_text_member_update_on_team_rows_equals_its_own(tiny_model_dir, one_thread):
     """A text member's (writer's or judge's) rows in a record with trajectory rows update
     exactly as the same rows alone."""
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.paint import merge_records
     from polyrl.core.record import select_policy
-    from polyrl.core.trainer import update
+    from polyrl.core.rollout.paint import merge_records
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
 
     own = sampled_record(make_policy(tiny_model_dir, name="writer"), name="writer")
     trajectories = _fake_trajectory_rows(4)
@@ -316,7 +316,7 @@ def test_warm_start_rows_are_format_only(tmp_path):
 
 def _train(run_dir: Path, seed: int, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "polyrl.core.cli", "train", str(EXAMPLE), f"seed={seed}",
+    cmd = [sys.executable, "-m", "polyrl.core.runner.cli", "train", str(EXAMPLE), f"seed={seed}",
            f"run.dir={run_dir}", "run.progress=false", "run.tensorboard=false",
            "run.export=false", *overrides]  # fmt: skip
     return subprocess.Popen(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core import rewards
-from polyrl.core.credit import assign
-from polyrl.core.engine import SamplingParams, as_requests
 from polyrl.core.record import strings
+from polyrl.core.rollout import rewards
+from polyrl.core.rollout.engine import SamplingParams, as_requests
+from polyrl.core.train.credit import assign
 from polyrl.marl import JOINT_POLICY, workflow
 from polyrl.marl.signaling import (
     LISTENER_ROLE,

@@ -49,7 +49,7 @@ def recipe(name: str, tmp_path: Path, models: Path, *overrides: str) -> Config:
 def train_keep_session(cfg: Config, monkeypatch):
     """``polyrl.core.loop.train`` that also hands back the session (to inspect weights)."""
     from polyrl.core import loop
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     held = {}
     original = Session.open.__func__
@@ -70,7 +70,7 @@ def train_through_the_cli(tmp_path: Path, models: Path, seed: int, capsys):
     the run directory holds everything the README lists for command (1)."""
     from transformers import AutoModelForCausalLM
 
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     run_dir = tmp_path / "run"
     t0, c0 = time.perf_counter(), time.process_time()
@@ -139,7 +139,7 @@ def test_signaling_game_learns(seed, models, tmp_path, capsys):
         return
     # Swap: the trained speaker with a fresh listener (format warm start only) is back near
     # chance -- the convention lives in the pair, not in either agent alone.
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     swap = recipe(
         "signaling_magrpo.yaml",

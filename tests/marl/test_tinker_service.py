@@ -363,7 +363,7 @@ def test_bad_requests_get_the_clients_errors(base_dir, tmp_path):
 
 
 def test_cli_refuses_a_bad_config(tmp_path, capsys):
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     assert main(["serve", "tinker", "--config", str(tmp_path / "none.yaml")]) == 2
     cfg = tmp_path / "serve.yaml"

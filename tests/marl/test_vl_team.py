@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams, as_requests
 from polyrl.core.record import select_policy, set_strings, strings
 from polyrl.core.registry import WORKFLOWS
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import SamplingParams, as_requests
 from polyrl.marl import JOINT_POLICY, workflow
 
 LOOKER_ROLE = "Describe the image."
@@ -72,9 +72,9 @@ class Recorder:
 def team(tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.tiny import tiny_qwen2
+    from polyrl.core.demo.tiny import tiny_qwen2
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
     from polyrl.multimodal.engine import VLEngine
     from polyrl.multimodal.policy import QwenVLPolicy
     from polyrl.multimodal.tiny import tiny_qwen_vl
@@ -109,7 +109,7 @@ def team(tmp_path_factory):
 
 
 def _rollout(team, name: str, n: int = 3):
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     cfg, policies, engines = team
     for e in engines.values():
@@ -185,8 +185,8 @@ def test_a_vl_looker_and_a_text_solver_are_exact(team, one_thread):
 
 
 def test_the_credit_is_that_of_a_text_team(team, one_thread):
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.credit import assign
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.credit import assign
 
     _, rec = _rollout(team, "test_vl_look_and_solve")
     policy = strings(rec, "policy")
@@ -230,7 +230,7 @@ def test_an_image_for_a_text_only_agent_is_an_episode_error(team, one_thread):
 def test_look_and_answer_reads_the_row_image_from_its_path(team, one_thread, tmp_path):
     """The built-in workflow: the looker sees the row's image file, the solver the looker's
     text and the question only; a missing file is an episode error naming its path."""
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.workflow import Context
 
     cfg, policies, engines = team
     (tmp_path / "images").mkdir()

@@ -94,7 +94,7 @@ def test_looker_and_solver_learn_and_the_untrained_looker_is_back_at_chance(
     import torch
 
     from polyrl.core import loop
-    from polyrl.core.session import Session
+    from polyrl.core.runner.session import Session
 
     # tiny models on a busy 2-core machine run far faster on one thread than on two
     before = torch.get_num_threads()

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.algorithms import AlgorithmConfig  # noqa: E402
-from polyrl.core.engine import SamplingParams  # noqa: E402
-from polyrl.core.policy import LoraConfig, OptimConfig, PolicyConfig  # noqa: E402
 from polyrl.core.record import text_record  # noqa: E402
-from polyrl.core.trainer import update  # noqa: E402
+from polyrl.core.rollout.engine import SamplingParams  # noqa: E402
+from polyrl.core.train.algorithms import AlgorithmConfig  # noqa: E402
+from polyrl.core.train.policy import LoraConfig, OptimConfig, PolicyConfig  # noqa: E402
+from polyrl.core.train.trainer import update  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -212,8 +212,8 @@ def test_one_call_serves_both_adapters(setup):
     import asyncio
     import dataclasses
 
-    from polyrl.core.batching import Batcher
-    from polyrl.core.engine import Request
+    from polyrl.core.rollout.batching import Batcher
+    from polyrl.core.rollout.engine import Request
 
     pols, engines = setup
     ids = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.core import rewards
-from polyrl.core.credit import assign
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout import rewards
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.train.credit import assign
 from polyrl.marl import JOINT_POLICY
 
 ROWS = [{"prompt": "Target: apple", "answer": "apple"}, {"prompt": "Target: dog", "answer": "dog"}]

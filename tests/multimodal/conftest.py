@@ -31,7 +31,7 @@ def tiny_vl_dir(tmp_path_factory) -> str:
 def make_policy(tiny_vl_dir):
     """Build a qwen_vl policy on the tiny model; keyword overrides go to PolicyConfig."""
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
 
     def make(need_reference: bool = False, **overrides):
@@ -72,7 +72,7 @@ def vl_rows():
 @pytest.fixture
 def vl_dataset(make_policy, vl_rows):
     """(policy, VLDataset) over ``vl_rows``."""
-    from polyrl.core.data import DataConfig
+    from polyrl.core.rollout.data import DataConfig
     from polyrl.multimodal.data import VLDataset
 
     policy = make_policy()

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from polyrl.core.config import ConfigError
-from polyrl.core.data import DataConfig, DataError
+from polyrl.core.rollout.data import DataConfig, DataError
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import VLDataset
 from polyrl.multimodal.images import ImageError
@@ -430,7 +430,7 @@ def test_bad_options_and_fields_are_named(tmp_path, policy):
 def test_text_kind_rejects_dataset_args(tmp_path, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from polyrl.core.data import PromptDataset
+    from polyrl.core.rollout.data import PromptDataset
 
     path = write_rows(tmp_path, [{"prompt": "1+1=", "answer": "2"}])
     with pytest.raises(DataError, match="takes no options"):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.record import set_strings, text_record
+from polyrl.core.rollout.engine import Request, SamplingParams
 from polyrl.multimodal import forward, vision
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -40,7 +40,7 @@ def family_dir(request, tmp_path_factory) -> tuple[str, str]:
 
 def _policy(path: str, **overrides):
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
 
     cfg = from_dict(PolicyConfig, {"model": path, "kind": "qwen_vl", **overrides})
@@ -48,7 +48,7 @@ def _policy(path: str, **overrides):
 
 
 def _dataset(policy, rows):
-    from polyrl.core.data import DataConfig
+    from polyrl.core.rollout.data import DataConfig
     from polyrl.multimodal.data import VLDataset
 
     cfg = DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112})
@@ -178,8 +178,8 @@ def test_engine_top_logprobs_are_the_models_likeliest(family_dir, vl_rows, one_t
 
 @pytest.mark.parametrize("freeze", [False, True], ids=["trainable", "frozen"])
 def test_one_update_changes_the_weights(family_dir, vl_rows, freeze, one_thread):
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.trainer import update
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.trainer import update
 
     _, path = family_dir
     policy = _policy(path, args={"freeze_vision": freeze}, optim={"lr": 1e-3, "warmup_steps": 0})

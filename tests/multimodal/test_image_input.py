@@ -14,7 +14,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from polyrl.core.data import DataConfig, DataError
+from polyrl.core.rollout.data import DataConfig, DataError
 from polyrl.multimodal import vision
 from polyrl.multimodal.data import VLDataset
 from polyrl.multimodal.images import ImageRef, decode, probe
@@ -61,7 +61,7 @@ def _whole_png(tmp_path: Path, name: str = "ok.png") -> Path:
 
 
 def test_a_truncated_jpeg_stops_the_cli_at_load_naming_row_and_file(tiny_vl_dir, tmp_path, capsys):
-    from polyrl.core.cli import main
+    from polyrl.core.runner.cli import main
 
     _whole_png(tmp_path)
     cut = _cut_jpeg(tmp_path)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from polyrl.core.record import text_record
-from polyrl.core.rewards import RewardConfig, Sample, score
+from polyrl.core.rollout.rewards import RewardConfig, Sample, score
 from polyrl.multimodal.rewards import clip_score, grounding_iou, iou, parse_box, to_fractions
 
 # a 200x100 source image the model saw resized to 112x56
@@ -250,7 +250,7 @@ def test_clip_score_on_its_own_ray_actor_scores_like_the_driver(
     from pathlib import Path
 
     from polyrl.core.config import load
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
     from polyrl.core.recipe import Config
 
     name, ckpt = tiny_clip

@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 from polyrl.core.config import ConfigError
-from polyrl.core.data import DataConfig, DataError
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import pad_left, strings
-from polyrl.core.workflow import Context
+from polyrl.core.rollout.data import DataConfig, DataError
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.rollout.workflow import Context
 from polyrl.multimodal import forward, vision
 from polyrl.multimodal.data import VLDataset
 from polyrl.multimodal.engine import VLEngine

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import set_strings, strings, text_record
-from polyrl.core.workflow import Context
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.rollout.workflow import Context
 from polyrl.multimodal import forward, vision
 from polyrl.multimodal.engine import VLEngine
 from polyrl.multimodal.tiny import mrope_section
@@ -125,9 +125,9 @@ def test_a_group_processes_its_images_once(vl_dataset, one_thread):
 def test_text_only_batch_trains_and_touches_the_vision_tower(make_policy, one_thread):
     """No images in the batch: a zero-weighted dummy pass still gives every vision weight a
     gradient (so FSDP ranks agree), and the update runs."""
-    from polyrl.core.algorithms import AlgorithmConfig
-    from polyrl.core.credit import assign
-    from polyrl.core.trainer import update
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.credit import assign
+    from polyrl.core.train.trainer import update
 
     policy = make_policy()
     tok = policy.tokenizer

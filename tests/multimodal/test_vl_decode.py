@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.core.engine import Request, SamplingParams
+from polyrl.core.rollout.engine import Request, SamplingParams
 from polyrl.multimodal import vision
 from polyrl.multimodal.engine import VLEngine
 

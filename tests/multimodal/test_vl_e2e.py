@@ -39,7 +39,7 @@ def _train(recipe: Path, run_dir: Path, model: str, *overrides: str) -> subproce
     cmd = [
         sys.executable,
         "-m",
-        "polyrl.core.cli",
+        "polyrl.core.runner.cli",
         "train",
         str(recipe),
         f"run.dir={run_dir}",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from polyrl.core.config import ConfigError
-from polyrl.core.moe import MoeConfig
-from polyrl.core.policy import PolicyConfig
+from polyrl.core.train.moe import MoeConfig
+from polyrl.core.train.policy import PolicyConfig
 
 
 @pytest.mark.parametrize("moe", [MoeConfig(replay="rollout"), MoeConfig(aux_loss_coef=0.01)])

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from polyrl.agents.env import Environment, StepResult
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import SamplingParams
 from polyrl.core.registry import ENVIRONMENTS
-from polyrl.core.workflow import Context
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.rollout.workflow import Context
 from tests.helpers.partial import moved
 
 SWITCH = 2  # tokens 0 and 1 of the first call come from the old weights
@@ -53,7 +53,7 @@ if "test_vl_partial_zoom" not in ENVIRONMENTS:
 def policy(tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
     from polyrl.multimodal.tiny import tiny_qwen_vl
 
@@ -75,7 +75,7 @@ def policy(tmp_path_factory):
 
 def test_vl_turns_record_versions_equal_to_the_trainer_under_each_weights(policy, one_thread):
     from polyrl.agents.workflow import MultiTurn
-    from polyrl.core.rollouts import shadow
+    from polyrl.core.rollout.rollouts import shadow
     from polyrl.multimodal.engine import VLEngine
 
     twin = shadow(policy)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.core.algorithms import AlgorithmConfig
-from polyrl.core.credit import group_credit
-from polyrl.core.engine import SamplingParams
 from polyrl.core.record import strings
+from polyrl.core.rollout.engine import SamplingParams
+from polyrl.core.train.algorithms import AlgorithmConfig
+from polyrl.core.train.credit import group_credit
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -102,8 +102,8 @@ def test_vl_grpo_step_matches_local_mode(ray_cluster, tiny_vl_dir, tmp_path):
 
 def _record(policy, rows: list[dict]):
     """A GRPO-ready record of ``rows`` sampled by the local policy, rewards 1, 0 per pair."""
-    from polyrl.core.data import DataConfig
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.data import DataConfig
+    from polyrl.core.rollout.workflow import Context
     from polyrl.multimodal.data import VLDataset
     from polyrl.multimodal.engine import VLEngine
     from polyrl.multimodal.workflow import VLSingleTurn
@@ -129,9 +129,9 @@ def test_text_rows_on_one_rank_do_not_hang_and_match_local(
     """Rank 0 scores an image row, rank 1 a text-only row (the dummy vision pass); then an
     all-text batch. Each update equals the local one, and the record's ``vision`` column
     (VisionInputs objects) reaches the workers intact (the losses would differ if not)."""
-    from polyrl.core import trainer
-    from polyrl.core.backend import LocalBackend
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
+    from polyrl.core.train import trainer
 
     torch.set_num_threads(1)
     cfg = _recipe(tiny_vl_dir, tmp_path / "run", *RAY)

@@ -18,11 +18,11 @@ from PIL import Image
 
 from polyrl.agents.env import Environment, StepResult
 from polyrl.agents.tools import ToolCall, ToolEnv, tool, tool_message
-from polyrl.core.data import PromptItem
-from polyrl.core.engine import Request, SamplingParams
 from polyrl.core.record import strings
 from polyrl.core.registry import ENVIRONMENTS
-from polyrl.core.workflow import Context
+from polyrl.core.rollout.data import PromptItem
+from polyrl.core.rollout.engine import Request, SamplingParams
+from polyrl.core.rollout.workflow import Context
 from tests.helpers.vl_turns import (
     FAMILIES,
     IMAGE_1,
@@ -41,7 +41,7 @@ from tests.helpers.vl_turns import (
 def family_policy(request, tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
     from polyrl.multimodal.tiny import tiny_qwen_vl
 
@@ -190,9 +190,9 @@ def test_bad_and_surplus_images_are_told_counted_and_the_episode_goes_on(family_
 def test_an_image_for_a_text_only_policy_is_a_clear_error(tmp_path, one_thread):
     from polyrl.agents.workflow import MultiTurn
     from polyrl.core.config import from_dict
-    from polyrl.core.engine import HFEngine
-    from polyrl.core.policy import CausalLMPolicy, PolicyConfig
-    from polyrl.core.tiny import tiny_qwen2
+    from polyrl.core.demo.tiny import tiny_qwen2
+    from polyrl.core.rollout.engine import HFEngine
+    from polyrl.core.train.policy import CausalLMPolicy, PolicyConfig
 
     tiny_qwen2(tmp_path / "m", corpus="vl_shapes", hidden_size=32, num_layers=1, num_heads=1)
     cfg = from_dict(PolicyConfig, {"model": str(tmp_path / "m")})

@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.engine import Request, SamplingParams  # noqa: E402
 from polyrl.core.record import set_strings, strings  # noqa: E402
-from polyrl.core.workflow import Context  # noqa: E402
+from polyrl.core.rollout.engine import Request, SamplingParams  # noqa: E402
+from polyrl.core.rollout.workflow import Context  # noqa: E402
 from polyrl.multimodal.engine import VLEngine  # noqa: E402
 from polyrl.multimodal.vision import process  # noqa: E402
 from polyrl.multimodal.vllm_engine import VLLMVLEngine, collapse_image_pads  # noqa: E402
@@ -62,7 +62,7 @@ def _rows() -> list[dict]:
 @pytest.fixture(scope="module")
 def policy(tiny_vl_dir):
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
 
     cfg = from_dict(PolicyConfig, {"model": tiny_vl_dir, "kind": "qwen_vl"})
@@ -71,7 +71,7 @@ def policy(tiny_vl_dir):
 
 @pytest.fixture(scope="module")
 def items(policy) -> list:
-    from polyrl.core.data import DataConfig
+    from polyrl.core.rollout.data import DataConfig
     from polyrl.multimodal.data import VLDataset
 
     cfg = DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112})

@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.core.algorithms import AlgorithmConfig  # noqa: E402
-from polyrl.core.credit import group_credit  # noqa: E402
-from polyrl.core.engine import SamplingParams  # noqa: E402
+from polyrl.core.rollout.engine import SamplingParams  # noqa: E402
+from polyrl.core.train.algorithms import AlgorithmConfig  # noqa: E402
+from polyrl.core.train.credit import group_credit  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -24,12 +24,12 @@ def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
     ray_cluster, tiny_vl_dir, vl_rows, tmp_path, logprob_gaps, update_both
 ):
     import polyrl.multimodal  # noqa: F401
-    from polyrl.core.backend import LocalBackend
     from polyrl.core.config import load
-    from polyrl.core.data import DataConfig
-    from polyrl.core.ray_backend import RayBackend
+    from polyrl.core.distributed.backend import LocalBackend
+    from polyrl.core.distributed.ray_backend import RayBackend
     from polyrl.core.recipe import Config
-    from polyrl.core.workflow import Context
+    from polyrl.core.rollout.data import DataConfig
+    from polyrl.core.rollout.workflow import Context
     from polyrl.multimodal.data import VLDataset
     from polyrl.multimodal.workflow import VLSingleTurn
 

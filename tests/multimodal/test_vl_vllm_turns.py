@@ -17,10 +17,10 @@ import torch
 pytest.importorskip("vllm")
 
 
-from polyrl.core.data import PromptItem  # noqa: E402
-from polyrl.core.engine import SamplingParams  # noqa: E402
 from polyrl.core.record import strings  # noqa: E402
-from polyrl.core.workflow import Context  # noqa: E402
+from polyrl.core.rollout.data import PromptItem  # noqa: E402
+from polyrl.core.rollout.engine import SamplingParams  # noqa: E402
+from polyrl.core.rollout.workflow import Context  # noqa: E402
 from tests.helpers import vl_turns  # noqa: E402  (registers its LookTwice environment)
 
 pytestmark = pytest.mark.vllm
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.vllm
 def policy_engine(request, tmp_path_factory):
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import from_dict
-    from polyrl.core.policy import PolicyConfig
+    from polyrl.core.train.policy import PolicyConfig
     from polyrl.multimodal.policy import QwenVLPolicy
     from polyrl.multimodal.tiny import tiny_qwen_vl
     from polyrl.multimodal.vllm_engine import VLLMVLEngine

@@ -30,7 +30,7 @@ ENV = {
 
 def _cli(*args: str, log: Path) -> str:
     """Run ``polyrl ARGS`` and return its output (the test fails with its tail if it fails)."""
-    cmd = [sys.executable, "-m", "polyrl.core.cli", *args]
+    cmd = [sys.executable, "-m", "polyrl.core.runner.cli", *args]
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
     log.write_text(out.stdout + out.stderr)
     if out.returncode:

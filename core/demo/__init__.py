@@ -1,0 +1,1 @@
+"""The offline tiny-model builders that demos and tests train without a download."""
