@@ -2,8 +2,9 @@
 
 - each member's update on the team's record equals its plugin's own update on the same
   rows (losses and the gradients the optimizer steps with): the painter against the
-  ``text_to_image`` record of the same trajectories, the writer and the judge against
-  their rows alone;
+  ``text_to_image`` record of the same trajectories, a text member against its rows
+  alone, the judge against the multimodal plugin's ``vl_single_turn`` record of the same
+  pictures and question;
 - recipes that send a member what its policy cannot take fail at load, naming the agent;
 - the demo (``examples/paint_team.yaml``) learns jointly and beats a frozen painter and a
   frozen writer on held-out success.
@@ -16,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -180,6 +182,148 @@ def test_text_member_update_on_team_rows_equals_its_own(tiny_model_dir, one_thre
     assert any(float(g.abs().sum()) > 0 for g in g_team)
     for a, b in zip(g_team, g_alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def judge_team(tmp_path_factory):
+    """Tiny writer, painter and judge for the ``paint_team`` workflow. The painter paints
+    56x56 pictures, the size the judge's processor takes them at: the team shows the judge
+    the picture through the processor's own resize, the multimodal dataset resizes it first
+    (qwen_vl_utils), and the two resamplings of a 16x16 picture differ by up to 0.015."""
+    import polyrl.diffusion  # noqa: F401
+    import polyrl.multimodal  # noqa: F401
+    from polyrl.core.config import from_dict
+    from polyrl.core.demo.tiny import tiny_qwen2
+    from polyrl.core.train.policy import PolicyConfig
+    from polyrl.diffusion.tiny import tiny_sd3
+    from polyrl.multimodal.tiny import tiny_qwen2_5_vl
+
+    root = tmp_path_factory.mktemp("judge-team")
+    tiny_qwen2(root / "writer", corpus="paint_team", vocab_size=200, hidden_size=32,
+               num_layers=1, num_heads=1)  # fmt: skip
+    tiny_qwen2_5_vl(root / "judge", corpus="paint_team", hidden_size=64, num_layers=1,
+                    num_heads=2, vision_depth=1, vision_hidden_size=32, seed=1)  # fmt: skip
+    tiny_sd3(root / "sd3", image_size=56, vae_patch=4, layers=1, heads=2, head_dim=16, seed=0)
+    args = {"height": 56, "width": 56, "steps": 2, "guidance_scale": 1.0}
+    return {
+        "writer": from_dict(PolicyConfig, {"model": str(root / "writer")}),
+        "painter": from_dict(
+            PolicyConfig,
+            {
+                "kind": "diffusion",
+                "model": str(root / "sd3"),
+                "args": {"max_sequence_length": 1},
+                "engine": {"name": "diffusion", "args": args},
+            },
+        ),
+        "judge": from_dict(
+            PolicyConfig,
+            {"kind": "qwen_vl", "model": str(root / "judge"), "engine": {"name": "hf_vl"}},
+        ),
+    }
+
+
+def _judge(cfgs):
+    from polyrl.multimodal.policy import QwenVLPolicy
+
+    torch.manual_seed(0)
+    return QwenVLPolicy("judge", cfgs["judge"], total_steps=10, need_reference=False)
+
+
+def test_judge_update_on_team_rows_equals_vl_single_turn_update(judge_team, one_thread):
+    """The judge's rows of a ``paint_team`` rollout (real writer, painter and judge) against
+    the multimodal plugin's own ``vl_single_turn`` record of the same pictures and question
+    (its dataset's chat prompt, an engine of the same seed): the same prompt ids, pixels,
+    sampled tokens and log-probs; the team's magrpo advantages equal the plugin's GRPO
+    group advantages on the same rewards and groups (a goal's pictures); the update gives
+    the same loss and the same gradients."""
+    from polyrl.core.record import select_policy, strings
+    from polyrl.core.registry import POLICIES, WORKFLOWS
+    from polyrl.core.rollout.data import DataConfig, PromptItem
+    from polyrl.core.rollout.engine import HFEngine, SamplingParams
+    from polyrl.core.rollout.workflow import Context
+    from polyrl.core.train.algorithms import AlgorithmConfig
+    from polyrl.core.train.credit import assign
+    from polyrl.core.train.trainer import update
+    from polyrl.diffusion.engine import DiffusionEngine, sampling_options
+    from polyrl.marl import JOINT_POLICY, paint_team
+    from polyrl.multimodal.data import VLDataset
+    from polyrl.multimodal.engine import VLEngine
+    from polyrl.multimodal.workflow import VLSingleTurn
+
+    cfgs = judge_team
+    policies = {
+        n: POLICIES.get(cfgs[n].kind)(n, cfgs[n], total_steps=1, need_reference=False)
+        for n in ("writer", "painter")
+    }
+    policies["judge"] = _judge(cfgs)
+    engines = {
+        "writer": HFEngine(policies["writer"], seed=0),
+        "painter": DiffusionEngine(
+            policies["painter"], seed=0, **sampling_options(cfgs["painter"])
+        ),
+        "judge": VLEngine(policies["judge"], seed=3),
+    }
+    ctx = Context(SimpleNamespace(policies=cfgs, seed=0), policies, engines)
+    wf = WORKFLOWS.get("paint_team")(ctx, images=2)
+    goals = [
+        PromptItem(uid=k, prompt_ids=[], prompt_text=paint_team.goal_text(c), answer=c,
+                   row={"prompt": paint_team.goal_text(c)})
+        for k, c in enumerate(("red", "blue"))
+    ]  # fmt: skip
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=2)
+    team = wf.rollout(goals, params)
+    policy = strings(team, "policy")
+    joints = [i for i, p in enumerate(policy) if p == JOINT_POLICY]
+    # joint rewards with spread in each goal's group
+    reward = {int(team["joint_id"][i]): [1.0, 0.0, 0.5, 0.0][k % 4] for k, i in enumerate(joints)}
+    team["reward"] = torch.tensor(
+        [reward[int(team["joint_id"][i])] if p == JOINT_POLICY else float("nan")
+         for i, p in enumerate(policy)]
+    )  # fmt: skip
+    assign(team, AlgorithmConfig(credit="magrpo", advantage="grpo"))
+    rows = select_policy(team, "judge")
+    b = rows.batch_size[0]
+    assert b == 2 * 2 * 2 and bool(rows["valid"].all())  # goals x prompts x pictures
+
+    # the plugin's own rollout of what the judge saw: each picture with the question
+    pictures = [(ep.uid, m.to_pil()) for ep in wf.last_episodes for m in ep.messages
+                if m.painting is not None]  # fmt: skip
+    conversation = [
+        {"role": "system", "content": paint_team.JUDGE_ROLE},
+        {"role": "user", "content": "<image>" + paint_team.QUESTION},
+    ]
+    data = [{"prompt": conversation, "images": [pic], "answer": ""} for _, pic in pictures]
+    judge = _judge(cfgs)
+    items = VLDataset(DataConfig(kind="vl"), judge.tokenizer, name="judge", rows=data).items
+    solo_ctx = Context(SimpleNamespace(policies={"judge": cfgs["judge"]}, seed=0),
+                       {"judge": judge}, {"judge": VLEngine(judge, seed=3)})  # fmt: skip
+    alone = VLSingleTurn(solo_ctx, policy="judge").rollout(items, replace(params, n=1))
+    for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "loss_mask"):
+        assert torch.equal(rows[key], alone[key]), key
+    assert torch.equal(rows["rollout_logprobs"], alone["rollout_logprobs"])
+    for mine, theirs in zip(strings(rows, "vision"), strings(alone, "vision"), strict=True):
+        assert torch.equal(mine.pixel_values, theirs.pixel_values)
+        assert torch.equal(mine.image_grid_thw, theirs.image_grid_thw)
+    # the same rewards and groups: each row's joint reward, the goal's pictures a group
+    alone["reward"] = torch.tensor([reward[m["joints"][0]] for m in strings(rows, "meta")])
+    alone["uid"] = torch.tensor([uid for uid, _ in pictures])
+    assign(alone, AlgorithmConfig(advantage="grpo"))
+    torch.testing.assert_close(rows["advantages"], alone["advantages"], rtol=1e-6, atol=1e-7)
+    assert float(rows["advantages"].abs().sum()) > 0
+
+    results = []
+    for batch in (rows, alone):
+        fresh = _judge(cfgs)
+        seen = grads_at_step(fresh)
+        out = update(fresh, batch.clone(), AlgorithmConfig(), generator=torch.Generator())
+        results.append((out, seen[0]))
+    (m_team, g_team), (m_alone, g_alone) = results
+    assert math.isfinite(m_team["loss"])
+    assert m_team["loss"] == pytest.approx(m_alone["loss"], rel=1e-5, abs=1e-7)
+    assert any(float(g.abs().sum()) > 0 for g in g_team)
+    for a, c in zip(g_team, g_alone, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
 
 
 def _fake_trajectory_rows(b: int):
