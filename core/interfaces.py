@@ -461,7 +461,9 @@ class PartialRollouts(Protocol):
     before each decoding step; it loads any newer weights and returns their version, and the
     requests in flight go on under them with the KV cache they have. Each
     :class:`Completion`'s token segment then carries the weights version of every token.
-    ``set_refresh(None)`` ends it."""
+    An engine may ask at coarser points and say so: the diffusion engine asks once per
+    sampling pass, so each trajectory is sampled by one version, recorded on each of its
+    denoising steps (``token_version``). ``set_refresh(None)`` ends it."""
 
     partial_rollouts: ClassVar[bool]
 

@@ -120,7 +120,8 @@ class RolloutConfig:
         "with max_staleness >= 1 (local or Ray): a batch starts with the newest weights and "
         "takes newer ones between decoding steps as the trainer publishes them, so a sync "
         "never waits for generations in flight; rows record each token's version "
-        "(token_version). Timing decides the versions, so runs are not bitwise reproducible",
+        "(token_version; a diffusion engine takes them per sampling pass, one version per "
+        "trajectory). Timing decides the versions, so runs are not bitwise reproducible",
     )
 
 

@@ -14,7 +14,7 @@ later latents are zeros, it trains nothing, and the other rows carry on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, runtime_checkable
 
@@ -58,6 +58,8 @@ class Trajectories:
     errors: list[str] = field(default_factory=list)  # "" = fine
     # forward-process policies (NFT): each row's seed of its training noise
     train_seed: Tensor | None = None
+    # rollout.partial: the weights version of every step [B, N] (one per sampling pass)
+    versions: Tensor | None = None
 
     @property
     def alive(self) -> Tensor:
@@ -158,11 +160,22 @@ class DiffusionEngine:
         self.seed = seed
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
+        self.refresh: Callable[[], int] | None = None  # set_refresh: rollout.partial
 
     exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
 
     def sync(self) -> None:  # same module as the trainer's
         return None
+
+    # interfaces.PartialRollouts (rollout.partial): a sampling pass takes the newest
+    # published weights at its start and keeps them to its end, so each trajectory is
+    # sampled by one version (recorded on every step, ``token_version``); a publish during
+    # a pass reaches the next one. Its steps are not split across versions: the trained
+    # steps' log-probs and the ratio's denominator stay those of one policy.
+    partial_rollouts = True
+
+    def set_refresh(self, refresh: Callable[[], int] | None) -> None:
+        self.refresh = refresh
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images [B, 3, H, W] (videos: [B, 3, frames, H, W]) in [0, 1] from final latents:
@@ -210,6 +223,7 @@ class DiffusionEngine:
 
         Deterministic calls draw their starting noise from a fixed seed, so every evaluation
         starts from the same noise; training calls use (and advance) the engine's RNG."""
+        version = self.refresh() if self.refresh is not None else None  # partial: newest
         policy = self.policy
         gen = torch.Generator().manual_seed(self.seed + 7919) if deterministic else self.gen
         if generator is not None:  # a seeded image request: its own noise
@@ -321,6 +335,7 @@ class DiffusionEngine:
             sampler=self.sampler,
             errors=errors,
             train_seed=train_seed,
+            versions=None if version is None else torch.full((b, steps), version),
         )
 
 

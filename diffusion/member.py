@@ -29,7 +29,8 @@ from polyrl.diffusion.guards import ratio_scale
 
 def trajectory_tensors(traj: Any) -> dict[str, Tensor]:
     """The per-row tensors of a diffusion record from ``Trajectories`` (``B`` rows, ``N``
-    steps): latents, σ's, timesteps, log-probs, masks, embeddings, guidance, noise level."""
+    steps): latents, σ's, timesteps, log-probs, masks, embeddings, guidance, noise level;
+    under ``rollout.partial`` each step's weights version (``token_version [B, N]``)."""
     b, n = traj.logprobs.shape
     out = {
         "latents": traj.latents,
@@ -48,6 +49,8 @@ def trajectory_tensors(traj: Any) -> dict[str, Tensor]:
     }
     if traj.train_seed is not None:  # forward-process training (NFT): its noise seeds
         out["train_seed"] = traj.train_seed
+    if traj.versions is not None:  # rollout.partial: each step's weights version
+        out["token_version"] = traj.versions
     return out
 
 
@@ -100,6 +103,7 @@ def paint(
             out[i][k] = Painting(
                 image=images[row],
                 trajectory=td,
+                versions=[] if traj.versions is None else traj.versions[row].tolist(),
                 error=traj.errors[row],
                 prompt_text=texts[i],
                 cut_tokens=prompt_cut(tok, texts[i]),

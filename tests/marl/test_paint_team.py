@@ -5,6 +5,9 @@
   ``text_to_image`` record of the same trajectories, a text member against its rows
   alone, the judge against the multimodal plugin's ``vl_single_turn`` record of the same
   pictures and question;
+- one version ahead, partial or not, every member's rows are within the staleness bound;
+  partial, the painter samples each pass with the newest weights and records that version
+  on every step;
 - recipes that send a member what its policy cannot take fail at load, naming the agent;
 - the demo (``examples/paint_team.yaml``) learns jointly and beats a frozen painter and a
   frozen writer on held-out success.
@@ -143,6 +146,58 @@ def test_painter_update_on_team_rows_equals_text_to_image_update(sd3_dir, one_th
     assert any(float(g.abs().sum()) > 0 for g in g_team)  # the test can fail
     for a, b in zip(g_team, g_alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_partial_painter_takes_the_newest_weights_at_each_sampling_pass(sd3_dir, one_thread):
+    """``rollout.partial``: the painter's engine asks for the newest weights at the start of
+    each sampling pass and samples the whole pass with them. A pass after a publish equals
+    one sampled with the new weights from the start (same seed), every step of its
+    trajectories records that version (``token_version``), the pass before it the old
+    one; with no refresh set, nothing is recorded."""
+    from polyrl.core.rollout.paint import ImageRequest
+
+    policy, engine = painter(sd3_dir)
+    trained = {k: p for k, p in policy.model.named_parameters() if p.requires_grad}
+    old = {k: p.detach().clone() for k, p in trained.items()}
+    gen = torch.Generator().manual_seed(5)
+    new = {k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in old.items()}
+
+    def load(state) -> None:
+        with torch.no_grad():
+            for k, p in trained.items():
+                p.copy_(state[k])
+
+    calls: list[int] = []
+
+    def refresh() -> int:  # the producer's: version 1 is published before the second pass
+        calls.append(1)
+        if len(calls) == 2:
+            load(new)
+        return int(len(calls) >= 2)
+
+    def pass_(seed: int):
+        (pics,) = engine.paint([ImageRequest("red", n=2, seed=seed)])
+        return pics
+
+    engine.set_refresh(refresh)
+    before, after = pass_(1), pass_(2)
+    engine.set_refresh(None)
+    assert len(calls) == 2  # one refresh per sampling pass, not per step
+    for pics, version in ((before, 0), (after, 1)):
+        for pic in pics:
+            assert pic.versions == [version] * 4
+            assert pic.trajectory["token_version"].tolist() == [[version] * 4]
+    # what each pass recorded is what those weights sample
+    for pics, state, seed in ((before, old, 1), (after, new, 2)):
+        load(state)
+        for pic, ref in zip(pics, pass_(seed), strict=True):
+            assert ref.versions == [] and "token_version" not in ref.trajectory.keys()  # noqa: SIM118
+            assert torch.equal(pic.trajectory["latents"], ref.trajectory["latents"])
+            assert torch.equal(
+                pic.trajectory["rollout_logprobs"], ref.trajectory["rollout_logprobs"]
+            )
+    load(old)
+    assert not torch.equal(pass_(2)[0].trajectory["latents"], after[0].trajectory["latents"])
 
 
 def test_long_prompts_are_cut_and_counted(sd3_dir, one_thread):
@@ -523,20 +578,17 @@ def test_joint_training_beats_both_frozen_baselines_seeds(tmp_path, seed):
     assert got["joint"] >= got["frozen_writer"] + 0.1
 
 
-@pytest.mark.slow
-def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
-    """``rollout.max_staleness: 1`` with the three kinds (tiny, untrained painter): every
-    row, the painter's trajectories included, is at most one version old, none is dropped,
-    and each member updates from its own rows."""
+def _one_ahead(tmp_path: Path, *extra: str):
+    """The demo recipe, tiny and untrained, one version ahead: 3 steps of 2 goals x 4
+    prompts x 2 pictures."""
     import polyrl.diffusion  # noqa: F401
     import polyrl.marl  # noqa: F401
     import polyrl.multimodal  # noqa: F401
     from polyrl.core.config import load
-    from polyrl.core.loop import train
     from polyrl.core.recipe import Config
 
     models = tmp_path / "models"
-    cfg = load(
+    return load(
         Config,
         EXAMPLE,
         [
@@ -556,10 +608,15 @@ def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
             "rollout.max_staleness=1",
             "train.steps=3",
             "eval.every=0",
+            *extra,
         ],
     )
-    run = train(cfg)
-    steps = [json.loads(x) for x in (run.path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_one_ahead(run_dir: Path) -> None:
+    """Every step within the bound of one version, nothing dropped, each member updated
+    from its own rows."""
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "async/staleness_max" in m]
     assert len(steps) == 3
     assert max(m["async/staleness_max"] for m in steps) == 1  # one ahead, never more
@@ -568,3 +625,57 @@ def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
         assert m["marl/paintings"] == 2 * 4 * 2  # prompts x rollout.n x images
         for name in ("writer", "painter", "judge"):
             assert math.isfinite(m[f"{name}/loss"]) and m[f"{name}/grad_norm"] > 0, name
+
+
+@pytest.mark.slow
+def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
+    """``rollout.max_staleness: 1`` with the three kinds (tiny, untrained painter): every
+    row, the painter's trajectories included, is at most one version old, none is dropped,
+    and each member updates from its own rows."""
+    from polyrl.core.loop import train
+
+    run = train(_one_ahead(tmp_path))
+    _check_one_ahead(run.path)
+
+
+@pytest.mark.slow
+def test_mixed_team_runs_partial_one_version_ahead(tmp_path, one_thread):
+    """``rollout.partial: true`` with ``max_staleness: 1``: the text members' engines take
+    newer weights between decoding steps, the painter's at the start of each sampling pass.
+    Every member's rows carry the versions that sampled them (a painter row: one version on
+    every denoising step), each row's ``policy_version`` is its oldest, within one of the
+    weights it updates; the run's metrics hold the same bound."""
+    from polyrl.core.loop import _steps
+    from polyrl.core.record import strings
+    from polyrl.core.runner.session import Session
+
+    cfg = _one_ahead(tmp_path, "rollout.partial=true")
+    s = Session.open(cfg)
+    records = []
+    made = s.rollouts.next
+
+    def keep(step: int):  # the producer's batches, as the loop gets them
+        record, own = made(step)
+        records.append((step, record))
+        return record, own
+
+    s.rollouts.next = keep  # type: ignore[method-assign]
+    with s.freed_on_error():
+        _steps(cfg, s).check(f"{s.run.path}/samples/")
+    _check_one_ahead(s.run.path)
+    assert [step for step, _ in records] == [1, 2, 3]
+    for step, rec in records:
+        policy = strings(rec, "policy")
+        tv, mask = rec["token_version"], rec["response_mask"].bool()
+        assert tv.shape == mask.shape  # every row's steps or tokens have their versions
+        for name in ("writer", "painter", "judge"):
+            rows = [i for i, p in enumerate(policy) if p == name]
+            assert rows, name
+            for i in rows:
+                got = tv[i][mask[i]]
+                assert got.numel() > 0 and bool((got >= 0).all()), (step, name, i)
+                assert int(rec["policy_version"][i]) == int(got.min())
+                assert 0 <= step - 1 - int(got.min()) <= 1, (step, name, i)
+                if name == "painter":  # one version per trajectory, on all its steps
+                    assert got.numel() == rec["rollout_logprobs"][i][mask[i]].numel()
+                    assert bool((got == got[0]).all()), (step, i)
