@@ -29,12 +29,11 @@ import random
 import sys
 from collections import deque
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Annotated, Literal
 
 from polyrl.agents.env import Environment, StepResult, register_env
 from polyrl.core.registry import TASKS
-from polyrl.core.tasks.common import chat_text, write_held_out
+from polyrl.core.tasks.common import Rows, Split, chat_text, held_out, split_task
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = tuple(MOVES)
@@ -293,28 +292,19 @@ def make_rows(
     return rows
 
 
+@split_task(64, 32, "maps")
 def write_dataset(
-    out_dir: str | Path,
-    seed: int,
-    n_train: Annotated[int, "training maps"] = 64,
-    n_eval: Annotated[int, "held-out maps (never among the training maps)"] = 32,
+    split: Split,
     size: Annotated[int, "maps are size x size cells"] = 3,
     holes: Annotated[int, "holes per map"] = 1,
     min_dist: Annotated[int, "fewest moves from start to goal"] = 2,
     fixed_start: Annotated[bool, "start in the top-left corner (else at random)"] = False,
     fixed_goal: Annotated[bool, "goal in the bottom-right corner (else at random)"] = False,
     hint: Annotated[Hint, "admissible-moves line under each map: none, exits or safe"] = "none",
-) -> tuple[Path, Path]:
+) -> Rows:
     """train.jsonl and eval.jsonl under ``out_dir``; eval maps never appear in train."""
-    kw = dict(
-        size=size,
-        holes=holes,
-        min_dist=min_dist,
-        fixed_start=fixed_start,
-        fixed_goal=fixed_goal,
-        hint=hint,
-    )
-    return write_held_out(out_dir, make_rows, n_train, n_eval, seed, seed + 10_007, **kw)
+    maps = (size, holes, min_dist, fixed_start, fixed_goal, hint)  # make_rows' parameters
+    return held_out(make_rows, split, split.seed + 10_007, *maps)
 
 
 def random_states(grid: list[str], rng: random.Random, k: int) -> list[tuple[int, int]]:

@@ -19,16 +19,14 @@ import math
 import random
 import sys
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Annotated, Any
 
 from polyrl.agents.env import StepResult, register_env
 from polyrl.agents.sandbox import Sandbox, SandboxLimits
 from polyrl.agents.tools import ParsedAction, Tool, ToolEnv, tool
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
 from polyrl.core.rollout.rewards import extract_answer, normalize_answer
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import Rows, Split, chat_text, split_task
 
 INSTRUCTIONS = (
     "You may run Python with "
@@ -124,23 +122,19 @@ def make_rows(n: int, seed: int, digits: int = 3, ops: str = "*+") -> list[dict]
     return rows
 
 
+@split_task(256, 64, "questions")
 def write_dataset(
-    out_dir: str | Path,
-    seed: int,
-    n_train: Annotated[int, "training questions"] = 256,
-    n_eval: Annotated[int, "held-out questions"] = 64,
+    split: Split,
     digits: Annotated[int, "digits of each operand"] = 3,
     ops: Annotated[str, "operators to draw from, among * + -"] = "*+",
-) -> tuple[Path, Path]:
+) -> Rows:
     """train.jsonl and eval.jsonl of arithmetic questions under ``out_dir``."""
     if digits < 1 or not ops or set(ops) - set("*+-"):
         raise ValueError(
             f"tool_math: digits must be >= 1 and ops a string of * + -, got {digits}, {ops!r}"
         )
-    kw = dict(digits=digits, ops=ops)
-    out = Path(out_dir).expanduser()
-    train = write_jsonl(out / "train.jsonl", make_rows(n_train, seed, **kw))
-    return train, write_jsonl(out / "eval.jsonl", make_rows(n_eval, seed + 10_007, **kw))
+    train = make_rows(split.n_train, split.seed, digits, ops)
+    return train, make_rows(split.n_eval, split.seed + 10_007, digits, ops)
 
 
 def _call(code: str) -> str:

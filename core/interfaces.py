@@ -39,6 +39,7 @@ class Task(Protocol):
 
     ``write_dataset(out_dir, seed=..., **options)`` writes train and eval JSONL files and
     returns their paths; its keyword parameters are the task's options (``task.args``).
+    :func:`polyrl.core.tasks.common.split_task` makes one from a row maker.
     """
 
     def write_dataset(self, out_dir: str | Path, *, seed: int, **options: Any) -> tuple: ...

@@ -20,8 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from polyrl.core.registry import RECIPES, TASKS
-from polyrl.core.rollout.data import write_jsonl
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import Rows, Split, chat_text, split_task
 from polyrl.marl.runtime import workflow
 
 OBJECTS = ("apple", "ball", "cat", "dog", "egg", "fish", "hat", "key")
@@ -94,16 +93,14 @@ def speaker_habits(rng: random.Random, objects: list[str], symbols: list[str]) -
     return dict(zip(objects, rng.sample(symbols, len(objects)), strict=True))
 
 
+@split_task(2000, 100, "episodes")
 def write_dataset(
-    out_dir: str | Path,
-    seed: int,
-    n_train: int = 2000,
-    n_eval: int = 100,
+    split: Split,
     n_objects: int = 4,
     n_candidates: int = 4,
     n_symbols: int = 6,
     speaker_bias: float = 0.75,
-) -> tuple[Path, Path]:
+) -> Rows:
     """train.jsonl and eval.jsonl: eval episodes are distinct and never appear in train.
 
     Train rows are drawn with replacement from the remaining episodes (``n_train`` rows).
@@ -117,22 +114,21 @@ def write_dataset(
     if n_symbols < n_objects:
         raise ValueError(f"n_symbols={n_symbols} < n_objects={n_objects}: no one-to-one code")
     pool = episodes(n_objects, n_candidates)
-    if n_eval >= len(pool):
-        raise ValueError(f"n_eval={n_eval} leaves no training episodes (only {len(pool)} exist)")
-    rng = random.Random(seed)
+    if split.n_eval >= len(pool):
+        raise ValueError(
+            f"n_eval={split.n_eval} leaves no training episodes (only {len(pool)} exist)"
+        )
+    rng = random.Random(split.seed)
     rng.shuffle(pool)
     symbols = list(SYMBOLS[:n_symbols])
     code = speaker_habits(rng, list(OBJECTS[:n_objects]), symbols)
-    held_out, train = pool[:n_eval], pool[n_eval:]
+    held_out, train = pool[: split.n_eval], pool[split.n_eval :]
     eval_rows = [make_row(t, c, symbols) for t, c in held_out]
     train_rows = []
-    for _ in range(n_train):
+    for _ in range(split.n_train):
         t, c = train[rng.randrange(len(train))]
         train_rows.append(make_row(t, c, symbols, {"symbol": code[t], "bias": speaker_bias}))
-    out = Path(out_dir).expanduser()
-    write_jsonl(out / "train.jsonl", train_rows)
-    write_jsonl(out / "eval.jsonl", eval_rows)
-    return out / "train.jsonl", out / "eval.jsonl"
+    return train_rows, eval_rows
 
 
 def sft_rows(rows: Iterable[dict]) -> list[dict]:

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import random
 import sys
-from pathlib import Path
 from typing import Annotated
 
 from PIL import Image, ImageDraw
 
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import Rows, Split, chat_text, split_task
 from polyrl.marl.workflows import LOOKER_ROLE, SOLVER_ROLE
 
 COLOURS = {
@@ -61,21 +59,19 @@ def solver_code(rng: random.Random, symbols: list[str]) -> dict[str, str]:
     return dict(zip(rng.sample(symbols, len(COLOURS)), COLOURS, strict=True))
 
 
+@split_task(1000, 100, "episodes")
 def write_dataset(
-    out_dir: str | Path,
-    seed: int,
-    n_train: Annotated[int, "training episodes (one image each)"] = 1000,
-    n_eval: Annotated[int, "held-out episodes (images never trained on)"] = 100,
+    split: Split,
     size: Annotated[int, "image side in pixels"] = 56,
     n_symbols: Annotated[int, "symbols the looker may say (>= the 4 colours)"] = 6,
     solver_bias: Annotated[
         float, "share of the solver's warm-start rows that follow its symbol -> colour code"
     ] = 0.75,
-) -> tuple[Path, Path]:
-    """PNG images under ``images/`` and ``train.jsonl`` / ``eval.jsonl`` (distinct images,
-    colours uniform). ``solver_bias``: the share of the solver's warm-start rows that read a
-    coded symbol by the code (the rest answer a random colour); 0 is format only on both
-    sides, which leaves RL a symmetry to break."""
+) -> Rows:
+    """PNG images under ``images/`` and ``train.jsonl`` / ``eval.jsonl``: one image an
+    episode, held-out images never trained on, colours uniform. ``solver_bias``: the share
+    of the solver's warm-start rows that read a coded symbol by the code (the rest answer a
+    random colour); 0 is format only on both sides, which leaves RL a symmetry to break."""
     if not len(COLOURS) <= n_symbols <= len(SYMBOLS):
         raise ValueError(
             f"task.args.n_symbols must be in {len(COLOURS)}..{len(SYMBOLS)} (one symbol per "
@@ -85,24 +81,22 @@ def write_dataset(
         raise ValueError(f"task.args.solver_bias must be in [0, 1], got {solver_bias}")
     if size < 28:
         raise ValueError(f"task.args.size must be >= 28 pixels (two vision patches), got {size}")
-    rng = random.Random(seed)
+    rng = random.Random(split.seed)
     symbols = list(SYMBOLS[:n_symbols])
     code = solver_code(rng, symbols)
-    out = Path(out_dir).expanduser()
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("eval", n_eval)):
-        rows = []
+    (split.out / "images").mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {"train": [], "eval": []}
+    for name, n in (("train", split.n_train), ("eval", split.n_eval)):
         for i in range(n):
             colour = rng.choice(list(COLOURS))
-            name = f"images/{split}_{i:05d}.png"
-            draw(colour, size, rng).save(out / name)
-            row = {"prompt": f"<image>{QUESTION}", "images": name, "answer": colour}
-            row |= {"uid": f"{split}{i}", "symbols": symbols}
-            if split == "train":
+            image = f"images/{name}_{i:05d}.png"
+            draw(colour, size, rng).save(split.out / image)
+            row = {"prompt": f"<image>{QUESTION}", "images": image, "answer": colour}
+            row |= {"uid": f"{name}{i}", "symbols": symbols}
+            if name == "train":
                 row["code"], row["bias"] = code, solver_bias
-            rows.append(row)
-        write_jsonl(out / f"{split}.jsonl", rows)
-    return out / "train.jsonl", out / "eval.jsonl"
+            rows[name].append(row)
+    return rows["train"], rows["eval"]
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:

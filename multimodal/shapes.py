@@ -32,8 +32,7 @@ from typing import Annotated, Literal
 from PIL import Image, ImageDraw
 
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import Rows, Split, chat_text, split_task
 
 COLOURS = {
     "red": (215, 25, 25),
@@ -301,12 +300,9 @@ def make_rows(
     return rows
 
 
+@split_task(2000, 200, "images")
 def write_dataset(
-    out_dir: str | Path,
-    *,
-    seed: int = 0,
-    n_train: Annotated[int, "training images"] = 2000,
-    n_eval: Annotated[int, "held-out images (drawn from another seed)"] = 200,
+    split: Split,
     question: Annotated[
         Literal["colour", "count", "ground", "mixed"],
         "colour (of the square), count (circles), ground (box of the square), or mixed",
@@ -332,9 +328,9 @@ def write_dataset(
         Literal["plain", "gradient"], "plain, or a gradient that shows position by colour"
     ] = "plain",
     outline: Annotated[int, "> 0: the square as an outline this many pixels wide"] = 0,
-) -> tuple[Path, Path]:
-    """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir`` (options: see
-    :func:`make_example`)."""
+) -> Rows:
+    """Write images, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``, the held-out
+    images drawn from another seed (options: see :func:`make_example`)."""
     kw = dict(
         question=question,
         size=size,
@@ -347,12 +343,8 @@ def write_dataset(
         background=background,
         outline=outline,
     )
-    out = Path(out_dir).expanduser()
-    train = make_rows(n_train, seed, out, "train", **kw)
-    evals = make_rows(n_eval, seed + 10_000, out, "eval", **kw)
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "eval.jsonl", evals)
-    return out / "train.jsonl", out / "eval.jsonl"
+    train = make_rows(split.n_train, split.seed, split.out, "train", **kw)
+    return train, make_rows(split.n_eval, split.seed + 10_000, split.out, "eval", **kw)
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:

@@ -36,8 +36,7 @@ from typing import Annotated
 from PIL import Image, ImageDraw
 
 from polyrl.core.registry import ENVIRONMENTS, TASKS
-from polyrl.core.rollout.data import write_jsonl
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import Rows, Split, chat_text, split_task
 from polyrl.multimodal.shapes import COLOURS
 
 SCENE = 448  # source side in pixels
@@ -175,18 +174,13 @@ def make_rows(n: int, seed: int, out: Path, split: str) -> list[dict]:
     return rows
 
 
-def write_dataset(
-    out_dir: str | Path,
-    *,
-    seed: int = 0,
-    n_train: Annotated[int, "training scenes (four rows each, one per quadrant)"] = 128,
-    n_eval: Annotated[int, "held-out scenes (drawn from another seed; four rows each)"] = 50,
-) -> tuple[Path, Path]:
-    """Write scenes, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``."""
-    out = Path(out_dir).expanduser().resolve()
-    write_jsonl(out / "train.jsonl", make_rows(n_train, seed, out, "train"))
-    write_jsonl(out / "eval.jsonl", make_rows(n_eval, seed + 10_000, out, "eval"))
-    return out / "train.jsonl", out / "eval.jsonl"
+@split_task(128, 50, "scenes")
+def write_dataset(split: Split) -> Rows:
+    """Write scenes, ``train.jsonl`` and ``eval.jsonl`` under ``out_dir``: four rows a scene,
+    one per quadrant, the held-out scenes drawn from another seed."""
+    out = split.out.resolve()  # the rows name their images by absolute path
+    train = make_rows(split.n_train, split.seed, out, "train")
+    return train, make_rows(split.n_eval, split.seed + 10_000, out, "eval")
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:

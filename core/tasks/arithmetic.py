@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 from polyrl.core.registry import RECIPES, TASKS
-from polyrl.core.tasks.common import chat_text, write_held_out
+from polyrl.core.tasks.common import Rows, Split, chat_text, held_out, split_task
 
 OPS = "+-*"
 STYLES = ("bare", "question")
@@ -94,22 +94,22 @@ def make_rows(
     return rows
 
 
+@split_task(None, None, "problems")
 def write_dataset(
-    out_dir: str | Path,
-    n_train: Annotated[int, "training rows (problems repeat when the space is smaller)"],
-    n_eval: Annotated[int, "held-out problems, all distinct and never in train"],
-    seed: int,
+    split: Split,
     max_operand: Annotated[int, "operands run over 0..max_operand"] = 20,
     ops: Annotated[str, "operators to draw from, a subset of '+-*'"] = "+",
     style: Annotated[str, "bare: '12+7='; question: 'What is 12+7?'"] = "bare",
-) -> tuple[Path, Path]:
-    """Write train.jsonl and eval.jsonl under ``out_dir`` with disjoint problems."""
-    kw = {"max_operand": max_operand, "ops": ops, "style": style}
+) -> Rows:
+    """Write train.jsonl and eval.jsonl under ``out_dir`` with disjoint problems: the
+    held-out ones all distinct and never in train, training ones repeating when the space
+    is smaller than ``n_train``."""
     _check(max_operand, ops, style)
     total = len(_problems(max_operand, ops))
-    if n_eval >= total:
-        raise ValueError(f"n_eval={n_eval} leaves no training problems (only {total} exist)")
-    return write_held_out(out_dir, make_rows, n_train, n_eval, seed, seed + 1, **kw)
+    if split.n_eval >= total:
+        raise ValueError(f"n_eval={split.n_eval} leaves no training problems (only {total} exist)")
+    options = {"max_operand": max_operand, "ops": ops, "style": style}
+    return held_out(make_rows, split, split.seed + 1, **options)
 
 
 def sft_rows(rows: Iterable[dict]) -> list[dict]:

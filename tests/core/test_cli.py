@@ -232,9 +232,12 @@ def test_config_lists_every_part_option_with_type_and_doc(capsys):
     placement = [line for line in lines if line.strip().startswith("distributed.args.placement ")]
     assert len(placement) == 1
     assert "'colocate' | 'split'" in placement[0] and "engine shares worker 0" in placement[0]
-    # a task's options derived from its documented keyword parameters
+    # a task's options: its split counts (core.tasks.common.split_task), then those derived
+    # from its row maker's documented keyword parameters
     n_eval = [line for line in lines if line.strip().startswith("task.args.n_eval ")]
-    assert n_eval and "int = required" in n_eval[0] and "never in train" in n_eval[0]
+    assert n_eval and "int = required" in n_eval[0] and "held-out problems" in n_eval[0]
+    ops = [line for line in lines if line.strip().startswith("task.args.ops ")]
+    assert ops and "str = '+'" in ops[0] and "a subset of '+-*'" in ops[0]
     # a builder's options
     assert any(
         line.strip().startswith("policies.<name>.build_args.hidden_size (int = 64)")

@@ -171,7 +171,9 @@ def test_question_style_and_sft_rows():
 
 
 def test_write_dataset_disjoint(tmp_path):
-    train_path, eval_path = arithmetic.write_dataset(tmp_path, 1000, 50, seed=0, max_operand=20)
+    train_path, eval_path = arithmetic.write_dataset(
+        tmp_path, seed=0, n_train=1000, n_eval=50, max_operand=20
+    )
     train = [json.loads(line) for line in train_path.read_text().splitlines()]
     held = [json.loads(line) for line in eval_path.read_text().splitlines()]
     assert len(train) == 1000 and len(held) == 50  # train repeats: only 441 - 50 problems
@@ -180,7 +182,7 @@ def test_write_dataset_disjoint(tmp_path):
     assert all(r["answer"] == str(eval(r["uid"])) for r in train + held)
     assert sorted(os.listdir(tmp_path)) == ["eval.jsonl", "train.jsonl"]
     with pytest.raises(ValueError):
-        arithmetic.write_dataset(tmp_path, 10, 441, seed=0, max_operand=20)
+        arithmetic.write_dataset(tmp_path, seed=0, n_train=10, n_eval=441, max_operand=20)
 
 
 def test_corpus_covers_task_text(tok):
