@@ -21,7 +21,7 @@ from typing import Annotated
 import torch
 
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
+from polyrl.core.tasks.common import write_splits
 
 PALETTE: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.10, 0.10),
@@ -109,12 +109,9 @@ def write_dataset(
     ] = None,
 ) -> tuple[Path, Path]:
     """train.jsonl (random colour prompts) and eval.jsonl (fixed ones) under ``out_dir``."""
-    names = colours
-    out = Path(out_dir).expanduser()
-    train, evl = out / "train.jsonl", out / "eval.jsonl"
-    write_jsonl(train, make_rows(n_train, seed, names))
-    write_jsonl(evl, eval_rows(names, per_colour_eval))
-    return train, evl
+    return write_splits(
+        out_dir, make_rows(n_train, seed, colours), eval_rows(colours, per_colour_eval)
+    )
 
 
 def corpus() -> list[str]:

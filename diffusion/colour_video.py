@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
+from polyrl.core.tasks.common import write_splits
 from polyrl.diffusion import colour as colour_task
 
 TEMPLATES = ("{a}, then {b}", "{a} then {b}", "{a} turning {b}")
@@ -83,8 +83,7 @@ def write_dataset(
         if ab is None:
             raise ValueError(f"task.args.eval_pairs: {p!r} names fewer than two palette colours")
         evl.append({"prompt": p, "answer": list(ab)})
-    out = Path(out_dir).expanduser()
-    return write_jsonl(out / "train.jsonl", train), write_jsonl(out / "eval.jsonl", evl)
+    return write_splits(out_dir, train, evl)
 
 
 def corpus(both_orders: bool = True, colours: list[str] | None = None) -> list[str]:

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Annotated
 
 from polyrl.core.registry import TASKS
-from polyrl.core.rollout.data import write_jsonl
-from polyrl.core.tasks.common import chat_text
+from polyrl.core.tasks.common import chat_text, write_splits
 from polyrl.marl.runtime import workflow
 
 COLOURS = ("red", "green", "blue", "yellow")  # the tiny painters' palette (diffusion colour)
@@ -88,15 +87,15 @@ def write_dataset(
     if n_train < 1 or per_colour_eval < 1:
         raise ValueError("task.args.n_train and per_colour_eval must be >= 1")
     rng = random.Random(seed)
-    out = Path(out_dir).expanduser()
     train = [rng.choice(COLOURS) for _ in range(n_train)]
     held = [c for c in COLOURS for _ in range(per_colour_eval)]
-    for split, goals in (("train", train), ("eval", held)):
-        rows = [
+    rows = {
+        split: [
             {"prompt": goal_text(c), "answer": c, "uid": f"{split}{i}"} for i, c in enumerate(goals)
         ]
-        write_jsonl(out / f"{split}.jsonl", rows)
-    return out / "train.jsonl", out / "eval.jsonl"
+        for split, goals in (("train", train), ("eval", held))
+    }
+    return write_splits(out_dir, rows["train"], rows["eval"])
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:
