@@ -168,9 +168,11 @@ def _grounding(runs: dict, seeds: tuple[int, ...]) -> tuple[list, list, list]:
 
 @pytest.mark.learning
 @pytest.mark.slow
-def test_tiny_vlm_grounding_iou_rises(demo_runs):
-    """Seed 0 in CI ends above the best constant box; the three seeds' mean is the
-    ``seeds`` test below."""
+def test_tiny_vlm_grounding_ends_above_the_best_constant_box(demo_runs):
+    """Seed 0 in CI ends above the best constant box (0.05); that the IoU rises is the
+    three seeds' claim, the ``seeds`` test below. Seed 0 alone does not rise on every
+    kernel set: from 0.490 after the warm start it ends at 0.780 under avx2 and 0.503
+    under default (this Intel Xeon), over a best constant box of 0.300."""
     _grounding(demo_runs((0,)), (0,))
 
 
