@@ -94,6 +94,7 @@ from polyrl.core.interfaces import (
 from polyrl.core.options import Options
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES, nearest
 from polyrl.core.rollout.engine import Completion, Prompt, SamplingParams, as_requests
+from polyrl.core.rollout.paint import paints_images
 from polyrl.core.runner.builds import ensure_model
 
 if TYPE_CHECKING:
@@ -387,6 +388,9 @@ class RayEngine:
         # a workflow reads what the engine takes (images; vllm_vl: the resized images too)
         self.takes_images = takes_images(engine_cls)
         self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
+        # a painter's engine (its paint and prompt_limit are in remote_methods): the session
+        # and the workflows ask the handle, as they would the engine, whether it paints
+        self.paints_images: bool = paints_images(engine_cls)
         declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
         for method in declared:
             setattr(self, method, functools.partial(self.actor.call_keeping, "call", method))
