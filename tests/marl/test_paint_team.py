@@ -28,6 +28,12 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.paint_team import (
+    check_one_ahead,
+    check_row_versions,
+    keep_records,
+    one_ahead,
+)
 from tests.helpers.trainer import grads_at_step, make_policy, sampled_record
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "paint_team.yaml"
@@ -578,55 +584,6 @@ def test_joint_training_beats_both_frozen_baselines_seeds(tmp_path, seed):
     assert got["joint"] >= got["frozen_writer"] + 0.1
 
 
-def _one_ahead(tmp_path: Path, *extra: str):
-    """The demo recipe, tiny and untrained, one version ahead: 3 steps of 2 goals x 4
-    prompts x 2 pictures."""
-    import polyrl.diffusion  # noqa: F401
-    import polyrl.marl  # noqa: F401
-    import polyrl.multimodal  # noqa: F401
-    from polyrl.core.config import load
-    from polyrl.core.recipe import Config
-
-    models = tmp_path / "models"
-    return load(
-        Config,
-        EXAMPLE,
-        [
-            f"run.dir={tmp_path}/run",
-            "run.progress=false",
-            "run.tensorboard=false",
-            "run.export=false",
-            f"task.dir={tmp_path}/data",
-            "task.args={n_train: 32, per_colour_eval: 1}",
-            f"policies.painter.model={models}/sd3",
-            "policies.painter.build_args.pretrain_steps=0",
-            f"policies.writer.model={models}/writer",
-            f"policies.judge.model={models}/judge",
-            "sft.steps=2",
-            "rollout.prompts_per_step=2",
-            "rollout.args.images=2",
-            "rollout.max_staleness=1",
-            "train.steps=3",
-            "eval.every=0",
-            *extra,
-        ],
-    )
-
-
-def _check_one_ahead(run_dir: Path) -> None:
-    """Every step within the bound of one version, nothing dropped, each member updated
-    from its own rows."""
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "async/staleness_max" in m]
-    assert len(steps) == 3
-    assert max(m["async/staleness_max"] for m in steps) == 1  # one ahead, never more
-    assert sum(m["async/dropped_groups"] for m in steps) == 0
-    for m in steps:
-        assert m["marl/paintings"] == 2 * 4 * 2  # prompts x rollout.n x images
-        for name in ("writer", "painter", "judge"):
-            assert math.isfinite(m[f"{name}/loss"]) and m[f"{name}/grad_norm"] > 0, name
-
-
 @pytest.mark.slow
 def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
     """``rollout.max_staleness: 1`` with the three kinds (tiny, untrained painter): every
@@ -634,8 +591,8 @@ def test_mixed_team_runs_one_version_ahead(tmp_path, one_thread):
     and each member updates from its own rows."""
     from polyrl.core.loop import train
 
-    run = train(_one_ahead(tmp_path))
-    _check_one_ahead(run.path)
+    run = train(one_ahead(tmp_path))
+    check_one_ahead(run.path)
 
 
 @pytest.mark.slow
@@ -646,36 +603,11 @@ def test_mixed_team_runs_partial_one_version_ahead(tmp_path, one_thread):
     every denoising step), each row's ``policy_version`` is its oldest, within one of the
     weights it updates; the run's metrics hold the same bound."""
     from polyrl.core.loop import _steps
-    from polyrl.core.record import strings
     from polyrl.core.runner.session import Session
 
-    cfg = _one_ahead(tmp_path, "rollout.partial=true")
-    s = Session.open(cfg)
-    records = []
-    made = s.rollouts.next
-
-    def keep(step: int):  # the producer's batches, as the loop gets them
-        record, own = made(step)
-        records.append((step, record))
-        return record, own
-
-    s.rollouts.next = keep  # type: ignore[method-assign]
+    s = Session.open(one_ahead(tmp_path, "rollout.partial=true"))
+    records = keep_records(s)  # the producer's batches, as the loop gets them
     with s.freed_on_error():
-        _steps(cfg, s).check(f"{s.run.path}/samples/")
-    _check_one_ahead(s.run.path)
-    assert [step for step, _ in records] == [1, 2, 3]
-    for step, rec in records:
-        policy = strings(rec, "policy")
-        tv, mask = rec["token_version"], rec["response_mask"].bool()
-        assert tv.shape == mask.shape  # every row's steps or tokens have their versions
-        for name in ("writer", "painter", "judge"):
-            rows = [i for i, p in enumerate(policy) if p == name]
-            assert rows, name
-            for i in rows:
-                got = tv[i][mask[i]]
-                assert got.numel() > 0 and bool((got >= 0).all()), (step, name, i)
-                assert int(rec["policy_version"][i]) == int(got.min())
-                assert 0 <= step - 1 - int(got.min()) <= 1, (step, name, i)
-                if name == "painter":  # one version per trajectory, on all its steps
-                    assert got.numel() == rec["rollout_logprobs"][i][mask[i]].numel()
-                    assert bool((got == got[0]).all()), (step, i)
+        _steps(s.cfg, s).check(f"{s.run.path}/samples/")
+    check_one_ahead(s.run.path)
+    check_row_versions(records)
