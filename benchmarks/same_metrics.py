@@ -7,7 +7,7 @@
 private ``HOME`` under ``OUT``, so each tree builds its own) for ``--steps`` RL steps at
 seed 0 and keeps ``OUT/<recipe>/metrics.jsonl``. Run it from two ``git archive`` snapshots
 (before and after a change), then ``diff`` the two folders: every metric of every line must
-match within ``--rtol``/``--atol``, except wall-clock ones (``time``, ``time/*`` and ``perf/*`` rates),
+match within ``--rtol``/``--atol``, except wall-clock ones (``time``, ``time/*``, ``*_s`` seconds and ``perf/*`` rates),
 and both runs must log the same keys. Prints one line per recipe and exits 1 on any
 difference.
 """
@@ -45,12 +45,13 @@ DEMOS = (
     "diffusion_colour_nft",
     "diffusion_colour_hacking",
     "diffusion_wan_colour_video",
+    "paint_team",
 )
 
 
 def wall_clock(key: str) -> bool:
     """A metric that differs between equal runs because it measures time."""
-    if key == "time" or key.startswith("time/"):
+    if key == "time" or key.startswith("time/") or key.endswith("_s"):  # seconds
         return True
     return key.startswith("perf/") and not key.endswith("_tokens")
 
