@@ -1,9 +1,11 @@
 """The contracts between the core and its parts, in one place.
 
 Each kind of part is a :class:`typing.Protocol`: what the core calls on it. A part also
-may implement optional hooks; each hook is a protocol of its own, so the core asks
-``isinstance(part, Hook)`` rather than probing attribute names, and a reader finds every
-hook here. Parts register in the registries of :mod:`polyrl.core.registry`, with their
+may implement optional hooks; each hook is a protocol of its own (the methods the core
+calls), so the core asks ``isinstance(part, Hook)`` rather than probing attribute names,
+and a reader finds every hook here. What an engine or a policy kind can do without a
+method of its own to call is data: one frozen dataclass each (:class:`EngineCaps`,
+:class:`PolicyCaps`), declared as the class's ``caps``. Parts register in the registries of :mod:`polyrl.core.registry`, with their
 typed options (:mod:`polyrl.core.options`).
 
 How to add each kind of part, with an example, is in ``docs/ARCHITECTURE.md``.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import (
     Any,
@@ -70,6 +73,24 @@ class PolicyBuild(TypedDict, total=False):
     need_reference: Required[bool]  # keep a frozen KL reference (full fine-tunes)
     shared: dict | None  # one dict per run: what the run's policies share (a LoRA base)
     device: str | torch.device | None  # absent or None: the kind's default
+
+
+@dataclass(frozen=True)
+class PolicyCaps:
+    """What a policy kind can do beyond :class:`Policy`, declared once as its class's
+    ``caps`` (a subclass replaces fields), read with :func:`policy_caps`; a kind that
+    declares none can do none of these."""
+
+    ray_lora: bool = False  # its LoRA adapters train under the Ray backend
+    # its passes route experts (routing replay, load-balancing loss), so ``moe`` options
+    # are honoured; a kind with a pass of its own (qwen_vl) or no routers (diffusion) not
+    routes_experts: bool = False
+
+
+def policy_caps(policy: object) -> PolicyCaps:
+    """What ``policy`` (a policy or its kind's class) declares it can do."""
+    caps = getattr(policy, "caps", None)
+    return caps if isinstance(caps, PolicyCaps) else PolicyCaps()
 
 
 @runtime_checkable
@@ -228,13 +249,6 @@ class Shadows(Protocol):
     model, so one engine call still serves them all)."""
 
     def shadow(self) -> Any: ...
-
-
-@runtime_checkable
-class RayLoRA(Protocol):
-    """A policy kind (class) whose LoRA adapters train under the Ray backend."""
-
-    ray_lora: ClassVar[bool]
 
 
 @runtime_checkable
@@ -402,71 +416,65 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-@runtime_checkable
-class RemoteMethods(Protocol):
-    """An engine class whose extra methods (beyond :class:`Engine`) the Ray backend
-    forwards to its actor, by name (e.g. a VL engine's image-aware generate)."""
+@dataclass(frozen=True)
+class EngineCaps:
+    """What an engine can do, declared once as its class's ``caps`` (a subclass replaces
+    fields: ``dataclasses.replace(Base.caps, ...)``; a handle or wrapper sets its own from
+    its engine's). The core reads it with :func:`engine_caps`, never by probing attributes;
+    an engine that declares none can do none of these."""
 
-    remote_methods: ClassVar[tuple[str, ...]]
+    # its log-probs are the trainer's own computation (the same module in the same dtype,
+    # e.g. the HF engine): ``algorithm.rollout_correction.level: auto`` leaves its rows
+    # uncorrected when they are also not stale
+    exact_logprobs: bool = False
+    # it hands each token to its request's ``Request.on_token`` as it is sampled (from the
+    # engine's thread, at every decoding step), so a server can send tokens while the call
+    # still decodes; others (vLLM's offline ``LLM.generate``, a Ray actor's handle) return
+    # whole completions only and never call ``on_token``
+    streams_tokens: bool = False
+    gives_top_logprobs: bool = False  # it honours ``SamplingParams.top_logprobs``
+    # its requests may carry images and videos (``Request.vision``, ``Request.images``);
+    # engines without it refuse them
+    takes_images: bool = False
+    # it needs the resized images themselves (``Request.images``), not only their processed
+    # pixels, e.g. to hand them to vLLM (an engine that also ``takes_images``)
+    needs_images: bool = False
+    # it serves image requests in one ``paint`` call (core/rollout/paint.py PaintsImages)
+    paints_images: bool = False
+    # it takes newer weights in the middle of a call (``rollout.partial``; the contract of
+    # :class:`PartialRollouts`)
+    partial_rollouts: bool = False
+    # its methods beyond :class:`Engine` that the Ray backend forwards to its actor, by name
+    # (e.g. a VL engine's image-aware generate)
+    remote_methods: tuple[str, ...] = ()
 
 
-@runtime_checkable
-class ExactLogprobs(Protocol):
-    """An engine whose log-probs are the trainer's own computation (the same module in
-    the same dtype, e.g. the HF engine): ``algorithm.rollout_correction.level: auto``
-    leaves its rows uncorrected when it is also not stale."""
-
-    exact_logprobs: bool
+def engine_caps(engine: object) -> EngineCaps:
+    """What ``engine`` (an engine, its class or a Ray handle) declares it can do."""
+    caps = getattr(engine, "caps", None)
+    return caps if isinstance(caps, EngineCaps) else EngineCaps()
 
 
-@runtime_checkable
-class StreamsTokens(Protocol):
-    """An engine that hands each token to its request's ``Request.on_token`` as it is
-    sampled (from the engine's thread, at every decoding step), so a server can send tokens
-    while the call still decodes. Engines without it (vLLM's offline ``LLM.generate``, a
-    Ray actor's handle) return whole completions only and never call ``on_token``."""
-
-    streams_tokens: bool
-
-
-def streams_tokens(engine: Any) -> bool:
+def streams_tokens(engine: object) -> bool:
     """Whether ``engine`` calls ``Request.on_token`` while it decodes."""
-    return isinstance(engine, StreamsTokens) and bool(engine.streams_tokens)
+    return engine_caps(engine).streams_tokens
 
 
-@runtime_checkable
-class TakesImages(Protocol):
-    """An engine (class or handle) whose requests may carry images and videos
-    (``Request.vision``, ``Request.images``); engines without it refuse them."""
-
-    takes_images: bool
-
-
-def takes_images(engine: Any) -> bool:
+def takes_images(engine: object) -> bool:
     """Whether ``engine`` (an engine, its class or a Ray handle) takes image requests."""
-    return isinstance(engine, TakesImages) and bool(engine.takes_images)
-
-
-@runtime_checkable
-class NeedsImages(Protocol):
-    """A :class:`TakesImages` engine class that needs the resized images themselves
-    (``Request.images``), not only their processed pixels, e.g. to hand them to vLLM."""
-
-    needs_images: ClassVar[bool]
+    return engine_caps(engine).takes_images
 
 
 @runtime_checkable
 class PartialRollouts(Protocol):
-    """An engine class that takes newer weights in the middle of a call
-    (``rollout.partial``): after ``set_refresh(refresh)``, the engine calls ``refresh()``
-    before each decoding step; it loads any newer weights and returns their version, and the
-    requests in flight go on under them with the KV cache they have. Each
-    :class:`Completion`'s token segment then carries the weights version of every token.
-    An engine may ask at coarser points and say so: the diffusion engine asks once per
-    sampling pass, so each trajectory is sampled by one version, recorded on each of its
-    denoising steps (``token_version``). ``set_refresh(None)`` ends it."""
-
-    partial_rollouts: ClassVar[bool]
+    """An engine that takes newer weights in the middle of a call (``rollout.partial``;
+    its class declares ``EngineCaps.partial_rollouts``): after ``set_refresh(refresh)``,
+    the engine calls ``refresh()`` before each decoding step; it loads any newer weights and
+    returns their version, and the requests in flight go on under them with the KV cache
+    they have. Each :class:`Completion`'s token segment then carries the weights version of
+    every token. An engine may ask at coarser points and say so: the diffusion engine asks
+    once per sampling pass, so each trajectory is sampled by one version, recorded on each
+    of its denoising steps (``token_version``). ``set_refresh(None)`` ends it."""
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None: ...
 

@@ -9,11 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from polyrl.core.config import ConfigError, doc, doc_factory
-from polyrl.core.interfaces import (
-    ChecksConfig,
-    PartialRollouts,
-    Workflow,
-)
+from polyrl.core.interfaces import ChecksConfig, Workflow, engine_caps
 from polyrl.core.observe.loggers import LoggerName, check_loggers
 from polyrl.core.observe.prometheus import check_prometheus
 from polyrl.core.registry import (
@@ -277,7 +273,7 @@ class Config:
 
     def check_partial(self, workflow: Callable[..., Workflow], source: str) -> None:
         """``rollout.partial`` needs a producer ahead and engines that take weights mid-call
-        (interfaces.PartialRollouts); every workflow's rows carry the versions the engine
+        (``EngineCaps.partial_rollouts``); every workflow's rows carry the versions the engine
         records (core/segment.py)."""
         where = f"rollout.partial in {source}"
         if self.rollout.max_staleness < 1:
@@ -288,10 +284,10 @@ class Config:
         for name in self.trained_policies():
             engine = self.policies[name].engine.name
             cls = ENGINES.get(engine)
-            if not (isinstance(cls, PartialRollouts) and cls.partial_rollouts):
+            if not engine_caps(cls).partial_rollouts:
                 raise ConfigError(
                     f"{where}: policies.{name}.engine.name={engine!r} cannot take new "
-                    "weights mid-call (interfaces.PartialRollouts); use hf or vllm, or "
+                    "weights mid-call (EngineCaps.partial_rollouts); use hf or vllm, or "
                     "set rollout.partial: false"
                 )
 

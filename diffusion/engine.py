@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from polyrl.core.config import ConfigError
+from polyrl.core.interfaces import EngineCaps
 from polyrl.core.observe.timeline import span
 from polyrl.core.registry import ENGINES
 from polyrl.core.rollout.paint import ImageRequest, Painting
@@ -83,9 +84,14 @@ class DiffusionEngine:
     Its keyword parameters are its options (``policies.<name>.engine.args``), checked by
     :func:`check_sampling` when the recipe loads and again here."""
 
-    # the Ray backend forwards these to the engine actor (core/interfaces.py RemoteMethods)
-    remote_methods = ("sample", "decode", "paint", "prompt_limit")
-    paints_images = True  # serves the core's image requests (core/rollout/paint.py PaintsImages)
+    # the policy's own module and dtype; serves the core's image requests (PaintsImages);
+    # rollout.partial; the Ray backend forwards ``remote_methods`` to the engine actor
+    caps = EngineCaps(
+        exact_logprobs=True,
+        paints_images=True,
+        partial_rollouts=True,
+        remote_methods=("sample", "decode", "paint", "prompt_limit"),
+    )
 
     def __init__(
         self,
@@ -162,8 +168,6 @@ class DiffusionEngine:
         self.rollouts = 0  # training rollouts so far (moves the sliding window)
         self.refresh: Callable[[], int] | None = None  # set_refresh: rollout.partial
 
-    exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
-
     def sync(self) -> None:  # same module as the trainer's
         return None
 
@@ -172,8 +176,6 @@ class DiffusionEngine:
     # sampled by one version (recorded on every step, ``token_version``); a publish during
     # a pass reaches the next one. Its steps are not split across versions: the trained
     # steps' log-probs and the ratio's denominator stay those of one policy.
-    partial_rollouts = True
-
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
         self.refresh = refresh
 

@@ -44,7 +44,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from polyrl.core.config import ConfigError, doc
-from polyrl.core.interfaces import PolicyBuild
+from polyrl.core.interfaces import PolicyBuild, PolicyCaps
 from polyrl.core.options import Options, bind
 from polyrl.core.record import strings
 from polyrl.core.registry import POLICIES
@@ -146,7 +146,7 @@ class DiffusionPolicy:
 
     # LoRA is one PEFT adapter on this policy's own transformer (plain linear layers), so
     # the Ray backend can gather its factors and merge them into the engine's weights.
-    ray_lora = True
+    caps = PolicyCaps(ray_lora=True)
     # KL estimators this policy computes itself from its step means (core OwnsKL)
     kl_estimators: ClassVar[tuple[str, ...]] = (GAUSSIAN_MEAN,)
     # True: trained on the forward process (DiffusionNFT), not on the sampler's log-probs, so

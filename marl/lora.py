@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import doc
-from polyrl.core.interfaces import MixesRows, PolicyBuild
+from polyrl.core.interfaces import MixesRows, PolicyBuild, PolicyCaps
 from polyrl.core.options import Options, bind
 from polyrl.core.record import concat, to_device
 from polyrl.core.registry import POLICIES
@@ -173,7 +173,7 @@ class LoraAgentPolicy:
     # --- what the trainer calls -------------------------------------------------------
     # MoE routing as a causal_lm's: replay of the record's experts in the passes
     # (moe.replay), the load-balancing loss and router metrics (interfaces.RoutesExperts)
-    routes_experts = True  # moe options are honoured (core.train.policy.check_moe_options)
+    caps = PolicyCaps(routes_experts=True)  # moe options are honoured (check_moe_options)
     is_moe = False  # set from the base in __init__
     logprobs = CausalLMPolicy.logprobs
     routed_logprobs = CausalLMPolicy.routed_logprobs

@@ -13,6 +13,7 @@ the prompt's last position (:func:`~polyrl.multimodal.forward.next_positions`), 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Annotated, Any
 
 import torch
@@ -95,7 +96,7 @@ class VLEngine(HFEngine):
     engine always has: finished rows leaving the decode batch (``drop_finished``) change
     no sample, only the work."""
 
-    takes_images = True  # core/interfaces.py TakesImages: requests carry ``vision``
+    caps = replace(HFEngine.caps, takes_images=True)  # requests carry ``vision``
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ Its options (``policies.<name>.args``) are :class:`QwenVLOptions`: ``freeze_visi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -110,7 +110,8 @@ class QwenVLPolicy(CausalLMPolicy):
     """A Qwen-VL model, fully fine-tuned or with a PEFT LoRA adapter (language model only by
     default); see the module docstring for its options."""
 
-    routes_experts = False  # its own pass routes no experts: moe options are refused
+    # its own pass routes no experts: moe options are refused
+    caps = replace(CausalLMPolicy.caps, routes_experts=False)
 
     def __init__(self, name: str, cfg: PolicyConfig, **build: Unpack[PolicyBuild]) -> None:
         from transformers import AutoModelForImageTextToText

@@ -132,9 +132,10 @@ def image_token_counts(vision: VisionInputs, merge_size: int) -> list[int]:
 class VLLMVLEngine(VLLMEngine):
     """vLLM sampling with images, following a ``qwen_vl`` policy's weights (``sync``)."""
 
-    takes_images = True  # core/interfaces.py TakesImages
-    needs_images = True  # requests may carry the resized images (Request.images)
-    partial_rollouts = False  # takes weights between calls only
+    # requests may carry the resized images (Request.images); weights between calls only
+    caps = dataclasses.replace(
+        VLLMEngine.caps, takes_images=True, needs_images=True, partial_rollouts=False
+    )
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from typing import Annotated
 
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import NeedsImages, Phase, takes_images
+from polyrl.core.interfaces import Phase, engine_caps, takes_images
 from polyrl.core.record import build_rows
 from polyrl.core.registry import WORKFLOWS
 from polyrl.core.rollout.engine import Request, SamplingParams
@@ -97,7 +97,7 @@ class VLSingleTurn:
             images.append(imgs)
             videos.append(frames)
         # vllm_vl hands vLLM the resized images themselves (hf_vl needs only their pixels)
-        needs = isinstance(self.engine, NeedsImages) and self.engine.needs_images
+        needs = engine_caps(self.engine).needs_images
         if needs and any(frames for frames in videos):
             raise ValueError(
                 f"vl_single_turn: the engine of policy {self.name!r} "

@@ -39,7 +39,13 @@ from polyrl.agents.gateway.requests import Request, fold_calls, tool_calls_key
 from polyrl.agents.gateway.responses import ResponsesAPI
 from polyrl.agents.gateway.stream import Live, drive
 from polyrl.agents.tools import parse_hermes
-from polyrl.core.interfaces import TakesImageTurns, splice_images, streams_tokens, takes_images
+from polyrl.core.interfaces import (
+    TakesImageTurns,
+    engine_caps,
+    splice_images,
+    streams_tokens,
+    takes_images,
+)
 from polyrl.core.observe import timeline
 from polyrl.core.rollout.batching import Batcher, EpisodeClosed
 from polyrl.core.rollout.engine import Request as EngineRequest
@@ -475,7 +481,7 @@ class GatewayServer:
             raise
 
     async def _sample(self, ep: EpisodeState, req: Request, live: Live | None, held: int) -> Call:
-        if req.top_logprobs and not getattr(self.engines[req.model], "gives_top_logprobs", False):
+        if req.top_logprobs and not engine_caps(self.engines[req.model]).gives_top_logprobs:
             raise RequestError(
                 400,
                 f"model {req.model!r}: its engine ({type(self.engines[req.model]).__name__}) "

@@ -2,9 +2,9 @@
 client while the engine still decodes.
 
 :class:`Live` is one streamed request: the server gives each choice's engine request an
-``on_token`` sink (``core.rollout.engine.Request.on_token``, for engines that declare
-``StreamsTokens``), which the engine calls from its worker thread at every decoding step;
-the sink puts the token on an asyncio queue of the server's loop
+``on_token`` sink (``core.rollout.engine.Request.on_token``, for engines whose caps
+declare ``streams_tokens``), which the engine calls from its worker thread at every
+decoding step; the sink puts the token on an asyncio queue of the server's loop
 (``loop.call_soon_threadsafe``), and the API's event generator reads the queue. When the
 engine call ends, the finished :class:`~polyrl.agents.gateway.server.Call` (the record's
 exact ids and log-probs) closes the stream; an engine that cannot stream (vLLM's offline

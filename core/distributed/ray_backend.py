@@ -21,7 +21,7 @@ What runs where:
 - **Rewards.** A reward term with ``actor: {num_cpus, num_gpus, threads}`` is scored on
   its own actor (a reward model loads there once, on its own device); the others run
   on the driver. A dead reward actor is an :class:`ActorError` naming the term.
-- **LoRA** (``lora.r > 0``; causal-LM kinds, and kinds whose class sets ``ray_lora = True``:
+- **LoRA** (``lora.r > 0``; causal-LM kinds, and kinds whose ``caps`` say ``ray_lora``:
   one PEFT adapter of plain linear layers on the policy's own model, as the diffusion
   kind's). Every rank wraps the base in PEFT as in
   local mode (from the driver's RNG state, so the adapter starts as local mode's would),
@@ -38,8 +38,8 @@ What runs where:
   folder for LoRA, or what the policy's ``export_weights(out_dir, weights)`` writes from
   the gathered weights when its kind has one; so in a multi-node run the run directory must
   be on storage rank 0's node sees). ``make_engine`` returns a :class:`RayEngine` proxy with
-  the engine interface plus the methods the engine class declares in ``remote_methods``
-  (core/interfaces.py), so a workflow runs unchanged against the actor.
+  the engine interface plus the methods the engine class declares in
+  ``caps.remote_methods`` (core/interfaces.py EngineCaps), so a workflow runs unchanged against the actor.
 
 A dead worker or engine actor stops the run with :class:`ActorError`, naming the
 role (``policy 'main' worker 1 died: ...``); the group is torn down, and the run resumes
@@ -84,17 +84,10 @@ from polyrl.core.distributed.ray_workers import (  # noqa: F401  (ActorError: pa
     uses_lora,
     wait,
 )
-from polyrl.core.interfaces import (
-    HostImageTurns,
-    NeedsImages,
-    RayLoRA,
-    RemoteMethods,
-    takes_images,
-)
+from polyrl.core.interfaces import EngineCaps, HostImageTurns, engine_caps, policy_caps
 from polyrl.core.options import Options
 from polyrl.core.registry import BACKENDS, ENGINES, POLICIES, nearest
 from polyrl.core.rollout.engine import Completion, Prompt, SamplingParams, as_requests
-from polyrl.core.rollout.paint import paints_images
 from polyrl.core.runner.builds import ensure_model
 
 if TYPE_CHECKING:
@@ -372,7 +365,7 @@ class RayPolicy:
 
 class RayEngine:
     """The driver's handle on a policy's engine actor: the :class:`Engine` interface, plus
-    each method the engine class declares in ``remote_methods`` (an image-aware generate,
+    each method the engine class declares in ``caps.remote_methods`` (an image-aware generate,
     whole-trajectory sampling), forwarded to the actor by name, so a workflow calls the
     handle as it would the engine. Arguments and results are pickled into the call: for a
     VLM's pixel values that is about 24 MB per 1-megapixel image per rollout.
@@ -385,14 +378,18 @@ class RayEngine:
     def __init__(self, policy: RayPolicy, actor: EngineActor, engine_cls: Any = None) -> None:
         self.policy, self.group, self.actor = policy, policy.group, actor
         self.tokenizer = policy.tokenizer
-        # a workflow reads what the engine takes (images; vllm_vl: the resized images too)
-        self.takes_images = takes_images(engine_cls)
-        self.needs_images = isinstance(engine_cls, NeedsImages) and engine_cls.needs_images
+        # a workflow reads what the engine takes (images; vllm_vl: the resized images too);
         # a painter's engine (its paint and prompt_limit are in remote_methods): the session
-        # and the workflows ask the handle, as they would the engine, whether it paints
-        self.paints_images: bool = paints_images(engine_cls)
-        declared = engine_cls.remote_methods if isinstance(engine_cls, RemoteMethods) else ()
-        for method in declared:
+        # and the workflows ask the handle, as they would the engine, whether it paints.
+        # The handle itself never streams tokens nor is exact (the actor is another copy).
+        cls_caps = engine_caps(engine_cls)
+        self.caps = EngineCaps(
+            takes_images=cls_caps.takes_images,
+            needs_images=cls_caps.needs_images,
+            paints_images=cls_caps.paints_images,
+            remote_methods=cls_caps.remote_methods,
+        )
+        for method in cls_caps.remote_methods:
             setattr(self, method, functools.partial(self.actor.call_keeping, "call", method))
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Completion]:
@@ -480,8 +477,7 @@ def _check_lora_kind(name: str, cfg: Any) -> None:
         return
     kind = POLICIES.get(cfg.kind)
     if not (
-        isinstance(kind, type)
-        and (issubclass(kind, CausalLMPolicy) or (isinstance(kind, RayLoRA) and kind.ray_lora))
+        isinstance(kind, type) and (issubclass(kind, CausalLMPolicy) or policy_caps(kind).ray_lora)
     ):
         raise ConfigError(
             f"policies.{name}: kind {cfg.kind!r} with lora.r={cfg.lora.r} is not supported by "

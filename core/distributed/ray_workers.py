@@ -31,8 +31,8 @@ from polyrl.core.interfaces import (
     HasProcessor,
     LoadsTrainableState,
     Policy,
-    RemoteMethods,
     ShardsItsRoot,
+    engine_caps,
 )
 from polyrl.core.registry import ENGINES, POLICIES
 from polyrl.core.runner.checkpoint import load_policy, save_policy, uses_lora
@@ -508,10 +508,10 @@ class EngineWorker:
         return self.engine.generate(prompts, params), self._changed()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, tuple[int, dict]]:
-        """A method the engine's class declares in ``remote_methods`` (RemoteMethods): the
+        """A method the engine's class declares in ``caps.remote_methods`` (EngineCaps): the
         engine's own interface beyond ``generate`` (images in, whole trajectories out);
         with the engine's state after it, as :meth:`generate`."""
-        declared = self.engine.remote_methods if isinstance(self.engine, RemoteMethods) else ()
+        declared = engine_caps(self.engine).remote_methods
         if method not in declared:
             raise AttributeError(
                 f"engine {type(self.engine).__name__} declares no remote method {method!r} "

@@ -7,7 +7,7 @@ Every workflow that runs episodes side by side uses it: ``multi_turn`` (both sch
 marl's teams, vision-language agents and the agent gateway. An episode awaits
 :meth:`Batcher.generate` with a :class:`~polyrl.core.rollout.engine.Request`; requests with
 different budgets (``Request.max_new_tokens``) or ``n`` share a call, and a request with
-images is served by the same ``generate`` (the engine must declare ``TakesImages``).
+images is served by the same ``generate`` (the engine's ``caps`` must say ``takes_images``).
 
 The engine runs on a worker thread, so while it generates the event loop keeps stepping
 the other episodes' environments (async tools, sandboxes, thread-pool steps); what they
@@ -20,7 +20,7 @@ ask for meanwhile waits for the next flush. When a flush happens is the driver's
   time, an episode goes back to the engine as soon as its own step is done.
 - :meth:`Batcher.serve` flushes for episodes driven from outside (HTTP clients of the
   gateway): when every open episode has a request waiting, or none arrived for ``wait``
-  seconds.
+  seconds (and, after a long engine call, for :attr:`Batcher.patience` of its time).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import dataclasses
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from polyrl.core.interfaces import Engine, MixedCalls, takes_images
 from polyrl.core.rollout.engine import Completion, Request, SamplingParams, TokenSink
-from polyrl.core.rollout.paint import ImageRequest, Painting, paints_images
+from polyrl.core.rollout.paint import ImageRequest, Painting, PaintsImages, paints_images
 
 
 def _as_sample(sink: TokenSink, sample: int) -> TokenSink:
@@ -75,6 +75,12 @@ class Batcher:
     ``MixedCalls``. ``sizes``: requests per engine call; ``calls``: engine calls each policy
     took part in; ``mixed``: calls that served several policies; ``generate_s``: seconds
     spent in engine calls."""
+
+    # serve: a flush also waits until no request arrived for this share of the last flush's
+    # time. Clients answered together come back one by one (an agent's own client code, a
+    # few to tens of ms each): a pause among them longer than ``wait`` would otherwise split
+    # the next round into a second engine call, which costs more than the wait.
+    patience = 0.05
 
     def __init__(self, engines: Mapping[str, Engine], *, in_thread: bool = True) -> None:
         self.engines = engines
@@ -191,24 +197,33 @@ class Batcher:
         return asyncio.get_running_loop().create_task(self._serve(wait, open_episodes))
 
     async def _serve(self, wait: float, open_episodes: Callable[[], int]) -> None:
+        last = 0.0  # seconds the last flush took
         while True:
             if not self.pending:
                 self._wake = asyncio.get_running_loop().create_future()
                 await self._wake
                 self._wake = None
-            await self._gather(wait, open_episodes)
+            await self._gather(wait, open_episodes, self.patience * last if wait else 0.0)
+            t0 = time.perf_counter()
             await self.flush()
+            last = time.perf_counter() - t0
             self._failure = None  # answered to each failed request; the server goes on
 
-    async def _gather(self, wait: float, open_episodes: Callable[[], int]) -> None:
+    async def _gather(
+        self, wait: float, open_episodes: Callable[[], int], patience: float = 0.0
+    ) -> None:
+        """Until every open episode has a request waiting, or none arrived for ``wait``
+        seconds (counted in polls) and ``patience`` seconds (wall clock)."""
         step = min(wait, 0.001)
-        quiet, seen = 0.0, self._submitted
-        while quiet < wait:
+        quiet, seen, since = 0.0, self._submitted, time.perf_counter()
+        while quiet < wait or time.perf_counter() - since < patience:
             if len({id(w.episode) for w in self.pending}) >= open_episodes():
                 return
             await asyncio.sleep(step)
-            quiet = 0.0 if self._submitted != seen else quiet + step
-            seen = self._submitted
+            if self._submitted != seen:
+                quiet, seen, since = 0.0, self._submitted, time.perf_counter()
+            else:
+                quiet += step
 
     # ------------------------------------------------------------------ flush
     async def flush(self) -> None:
@@ -303,7 +318,7 @@ class Batcher:
         requests = [w.image for w in waiting if w.image is not None]
         self.sizes.append(len(waiting))
         self.calls.update([policy])
-        paint = self.engines[policy].paint  # type: ignore[attr-defined]  # paints_images
+        paint = cast(PaintsImages, self.engines[policy]).paint  # its caps say paints_images
 
         def call() -> list[list[Painting]]:
             outs = paint(requests)

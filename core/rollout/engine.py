@@ -3,7 +3,7 @@
 Every engine keeps the same small interface (``generate`` and ``sync``), so a recipe
 switches between the `transformers` engine here and the vLLM engine by name. One call
 takes requests (:class:`Request`; a plain list of token ids is a text request) and returns
-:class:`Completion` objects; a vision-language engine (``TakesImages``) reads each request's
+:class:`Completion` objects; a vision-language engine (``caps.takes_images``) reads each request's
 images from the same call. The log-prob recorded for a sampled token is that of the
 temperature-scaled distribution (before top-p truncation), which is what the trainer
 recomputes.
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from polyrl.core.interfaces import Engine, MixedCalls, MixesRows, Policy
+from polyrl.core.interfaces import Engine, EngineCaps, MixedCalls, MixesRows, Policy
 from polyrl.core.observe.timeline import span
 from polyrl.core.record import pad_left
 from polyrl.core.registry import ENGINES
@@ -54,12 +54,12 @@ class Request:
     ``max_new_tokens``: this prompt's own budget, at most the call's (None: the call's), so
     requests with different budgets share one call. ``on_token``: called from the engine's
     thread with each token of this prompt's completions as it is sampled, while the call
-    still decodes (:data:`TokenSink`; engines that declare ``StreamsTokens`` only, others
+    still decodes (:data:`TokenSink`; engines whose ``caps.streams_tokens`` only, others
     never call it); it must return quickly and not raise. ``vision``: the prompt's joined image
     and video inputs, opaque to the core (a VL policy's ``TakesImageTurns.join_images``, or
     the plugin's own processing); ``images``: the resized images themselves, for an engine
     that hands them to another server (None: it recovers them from ``vision``). Only
-    engines that declare ``TakesImages`` take either.
+    engines whose ``caps.takes_images`` take either.
     """
 
     prompt: list[int]
@@ -352,10 +352,10 @@ class HFEngine:
         self.family: DecodeFamily = TextFamily(self.tokenizer.pad_token_id)
         self.refresh: Callable[[], int] | None = None  # set_refresh: partial mode
 
-    exact_logprobs = True  # the policy's own module and dtype (interfaces.ExactLogprobs)
-    gives_top_logprobs = True  # honours SamplingParams.top_logprobs
-    streams_tokens = True  # interfaces.StreamsTokens: Request.on_token at every step
-    partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
+    # the policy's own module and dtype; Request.on_token at every step; rollout.partial
+    caps = EngineCaps(
+        exact_logprobs=True, streams_tokens=True, gives_top_logprobs=True, partial_rollouts=True
+    )
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
         """interfaces.PartialRollouts: each call made while set hands ``refresh`` to its

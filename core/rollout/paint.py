@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.interfaces import engine_caps
 from polyrl.core.record import (
     NON_TENSOR_FIELDS,
     PROMPT_COLUMNS,
@@ -66,12 +67,11 @@ class Painting:
 
 @runtime_checkable
 class PaintsImages(Protocol):
-    """An engine (class or handle) that serves image requests: ``paint(requests)`` gives,
+    """An engine (class or handle) that serves image requests (its ``caps`` say
+    ``paints_images``): ``paint(requests)`` gives,
     for each request, its ``n`` paintings, all in one call (one sampling pass over every
     request's rows). ``prompt_limit()``: the tokens of a prompt its text encoder takes
     (longer prompts are cut, and each painting counts its cut tokens)."""
-
-    paints_images: ClassVar[bool]
 
     def paint(self, requests: Sequence[ImageRequest]) -> list[list[Painting]]: ...
 
@@ -80,7 +80,7 @@ class PaintsImages(Protocol):
 
 def paints_images(engine: Any) -> bool:
     """Whether ``engine`` (an engine, its class or a Ray handle) serves image requests."""
-    return isinstance(engine, PaintsImages) and bool(engine.paints_images)
+    return engine_caps(engine).paints_images
 
 
 @runtime_checkable

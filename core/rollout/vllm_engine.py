@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from polyrl.core.config import UserError, doc
-from polyrl.core.interfaces import Closable, Engine, Policy
+from polyrl.core.interfaces import Closable, Engine, EngineCaps, Policy, engine_caps
 from polyrl.core.options import Options
 from polyrl.core.registry import ENGINES
 from polyrl.core.rollout.engine import Completion, Prompt, SamplingParams, text_requests
@@ -171,7 +171,7 @@ class VLLMEngine:
     """Sampling with a vLLM ``LLM`` that follows the policy's weights (``sync``)."""
 
     lora_request: Any = None  # a vLLM LoRARequest every request goes through (marl's vllm_lora)
-    partial_rollouts = True  # interfaces.PartialRollouts: rollout.partial
+    caps = EngineCaps(partial_rollouts=True)  # rollout.partial
     _refresh: Callable[[], int] | None = None  # partial mode: newer weights mid-call
     _capture: _ExpertCapture | None = None  # MoE on CPU: each token's experts
 
@@ -582,6 +582,7 @@ class AutoEngine:
         else:
             self.choice = "vllm" if device.type == "cuda" and vllm_usable() else "hf"
             self.inner = self._build(self.choice)
+        self.caps = engine_caps(self.inner)  # what the chosen engine does (streams, exact)
 
     def _build(self, name: str) -> Engine:
         return ENGINES.get(name)(self.policy, seed=self.seed, **self.kwargs[name])
@@ -607,7 +608,8 @@ class AutoEngine:
     def sync(self) -> None:
         self.inner.sync()
 
-    partial_rollouts = True  # both engines take newer weights mid-call
+    # both engines take newer weights mid-call; an instance has its engine's caps
+    caps = EngineCaps(partial_rollouts=True)
 
     def set_refresh(self, refresh: Callable[[], int] | None) -> None:
         self.inner.set_refresh(refresh)
@@ -624,6 +626,7 @@ class AutoEngine:
         if state["choice"] != self.choice:
             self.close()
             self.choice, self.inner = state["choice"], self._build(state["choice"])
+            self.caps = engine_caps(self.inner)
         self.inner.load_state_dict(state["inner"])
 
     def close(self) -> None:

@@ -27,7 +27,6 @@ from tensordict import TensorDict
 from polyrl.core.config import ConfigError, to_dict
 from polyrl.core.interfaces import (
     Engine,
-    ExactLogprobs,
     HasSFTRows,
     Learns,
     Policy,
@@ -36,6 +35,7 @@ from polyrl.core.interfaces import (
     UpdatesTogetherBackend,
     Workflow,
     WritesTranscriptKeys,
+    engine_caps,
 )
 from polyrl.core.observe.throughput import row_tokens
 from polyrl.core.recipe import Config
@@ -230,7 +230,7 @@ class Session:
             ctx = Context(cfg, policies, engines, run_dir=run.path)
             workflow = WORKFLOWS.get(cfg.rollout.workflow)(ctx, **cfg.rollout.args)
             parts = Parts(workflow, engines, sampler, ctx.sampling, cfg.train.steps)
-            exact = all(isinstance(e, ExactLogprobs) and e.exact_logprobs for e in engines.values())
+            exact = all(engine_caps(e).exact_logprobs for e in engines.values())
             s = cls(
                 cfg,
                 run,

@@ -16,13 +16,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Unpack, cast
+from typing import TYPE_CHECKING, Any, Literal, Unpack, cast
 
 import torch
 from tensordict import TensorDict
 
 from polyrl.core.config import NONNEGATIVE, ConfigError, doc, doc_factory
-from polyrl.core.interfaces import PolicyBuild
+from polyrl.core.interfaces import PolicyBuild, PolicyCaps, policy_caps
 from polyrl.core.record import to_device
 from polyrl.core.registry import ENGINES, MODELS, POLICIES
 from polyrl.core.runner.builds import ensure_model
@@ -190,7 +190,7 @@ class CausalLMPolicy:
     """A `transformers` causal LM, fully fine-tuned or with a PEFT LoRA adapter."""
 
     # its passes route experts: moe options are honoured (check_moe_options)
-    routes_experts: ClassVar[bool] = True
+    caps = PolicyCaps(routes_experts=True)
     # a class default, so kinds that build their model without this __init__ keep it
     is_moe = False  # the model routes tokens to experts (set from the model in __init__)
 
@@ -373,13 +373,13 @@ def check_moe_options(
     name: str, cfg: PolicyConfig, source: str = "<config>", kind: Any = None
 ) -> None:
     """``moe`` options on a policy kind whose passes cannot route experts fail at config
-    time, naming the key: a kind routes them when its class says ``routes_experts = True``
+    time, naming the key: a kind routes them when its ``caps`` say ``routes_experts``
     (causal_lm, lora_agent); a kind with a pass of its own (qwen_vl) or no token routers
     at all (diffusion) does not. ``kind``: the kind's class (default: ``cfg.kind``'s); a
     kind registered as a factory is not checked here."""
     asked = cfg.moe.replay != "off" or cfg.moe.aux_loss_coef != 0
     cls = kind or (POLICIES.get(cfg.kind) if cfg.kind in POLICIES else None)
-    if asked and isinstance(cls, type) and not getattr(cls, "routes_experts", False):
+    if asked and isinstance(cls, type) and not policy_caps(cls).routes_experts:
         raise ConfigError(
             f"policies.{name}.moe (replay: {cfg.moe.replay}, aux_loss_coef: "
             f"{cfg.moe.aux_loss_coef}) in {source}: the {cfg.kind} policy kind does not "

@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from polyrl.core.interfaces import EngineCaps
 from polyrl.core.record import strings
 from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import SpyEngine, by_episode, first, ids, rows, spied_models
@@ -25,8 +26,8 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
 class Spy(SpyEngine):
-    gives_top_logprobs = True  # the HF engine it wraps does
-    streams_tokens = True  # and calls each request's on_token as it decodes
+    # top_logprobs as the HF engine it wraps; calls each request's on_token as it decodes
+    caps = EngineCaps(gives_top_logprobs=True, streams_tokens=True)
 
 
 @pytest.fixture(scope="module")

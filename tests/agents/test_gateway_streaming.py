@@ -18,6 +18,7 @@ import orjson
 import pytest
 import torch
 
+from polyrl.core.interfaces import EngineCaps
 from polyrl.core.record import strings
 from polyrl.core.rollout.engine import SamplingParams
 from tests.helpers.gateway import by_episode, ids, rows
@@ -221,7 +222,7 @@ class Streamed:
     before it returns (``streams=False``: an engine that cannot stream)."""
 
     def __init__(self, engine, streams: bool) -> None:
-        self.engine, self.streams_tokens = engine, streams
+        self.engine, self.caps = engine, EngineCaps(streams_tokens=streams)
 
     def generate(self, prompts, params):
         from polyrl.core.rollout.engine import as_requests

@@ -146,6 +146,8 @@ def test_auto_engine_on_cpu_is_the_hf_engine_and_resumes_its_choice(policy):
         o.token_ids for o in auto.generate(ids, params)
     ]
     assert auto.tokenizer is policy.tokenizer  # engine attributes pass through
+    assert auto.caps == HFEngine.caps  # and what the chosen engine can do (streams, exact)
+    assert AutoEngine.caps.partial_rollouts  # the recipe's check reads the class
 
 
 def test_draw_follows_the_distribution_and_never_picks_a_zero():

@@ -121,7 +121,7 @@ def test_unperturbed_engine_is_the_hf_engine_and_greedy_is_never_perturbed(polic
     assert [o.token_ids for o in demoted] == [
         o.token_ids for o in HFEngine(policy).generate(ids, greedy)
     ]
-    assert ENGINES.get(ENGINE).exact_logprobs is False  # rollout_correction auto: token
+    assert ENGINES.get(ENGINE).caps.exact_logprobs is False  # rollout_correction auto: token
 
 
 # --- learning ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from polyrl.core.interfaces import EngineCaps
 from polyrl.core.record import Row, build_rows, select_policy, set_strings, strings
 from polyrl.core.rollout.batching import Batcher
 from polyrl.core.rollout.paint import ImageRequest, Painting, merge_records, paints_images
@@ -78,7 +79,7 @@ def test_merge_refuses_rows_of_other_shapes():
 class Painter:
     """An engine that paints a flat image per request, counting its calls."""
 
-    paints_images = True
+    caps = EngineCaps(paints_images=True)
 
     def __init__(self) -> None:
         self.calls: list[list[ImageRequest]] = []

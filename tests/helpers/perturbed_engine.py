@@ -5,7 +5,7 @@
 token at each step (steering samples away from its greedy answer). The record keeps the
 log-probs of the distribution the engine really sampled from, so the trainer sees a true
 engine/trainer gap, as with vLLM in bf16 or a quantized rollout, only larger. It does
-not declare ``exact_logprobs``: ``rollout_correction.level: auto`` corrects it.
+not declare ``caps.exact_logprobs``: ``rollout_correction.level: auto`` corrects it.
 
 For a mixture-of-experts policy, ``route_noise`` perturbs the ROUTING as well: each router
 picks its top-k experts from its logits plus Gaussian noise of that std, while the chosen
@@ -21,6 +21,7 @@ measures the trained policy, not the engine. Name it in a recipe by import path:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -63,7 +64,8 @@ class _View:
 class PerturbedEngine(HFEngine):
     """The HF engine sampling from perturbed logits, recording their true log-probs."""
 
-    exact_logprobs = False  # its log-probs are not the trainer's: correction applies
+    # its log-probs are not the trainer's: correction applies
+    caps = dataclasses.replace(HFEngine.caps, exact_logprobs=False)
 
     def __init__(
         self,

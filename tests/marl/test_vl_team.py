@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from polyrl.core.interfaces import EngineCaps
 from polyrl.core.record import select_policy, set_strings, strings
 from polyrl.core.registry import WORKFLOWS
 from polyrl.core.rollout.data import PromptItem
@@ -59,7 +60,7 @@ class Recorder:
     def __init__(self, inner) -> None:
         self.inner, self.calls = inner, []
 
-    takes_images = True
+    caps = EngineCaps(takes_images=True)
 
     def generate(self, prompts, params):
         requests = as_requests(prompts)

@@ -57,7 +57,7 @@ def test_vllm_vl_engine_actor_matches_the_trainer_and_follows_sync(
         old = LocalBackend(cfg).make_policy(
             "main", pcfg, total_steps=10, need_reference=False, shared={}
         )
-        assert engine.needs_images  # the workflow hands the actor the resized images
+        assert engine.caps.needs_images  # the workflow hands the actor the resized images
         items = list(
             VLDataset(
                 DataConfig(kind="vl", args={"min_pixels": 56 * 56, "max_pixels": 112 * 112}),
