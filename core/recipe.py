@@ -368,7 +368,18 @@ class Config:
             o, lora = p.optim, p.lora
             w = f"policies.{name}"
             checks += [
-                (f"{w}.optim.lr", o.lr, _positive(o.lr), "a finite number > 0"),
+                (
+                    f"{w}.optim.lr",
+                    o.lr,
+                    _finite(o.lr) and o.lr >= 0,
+                    "a finite number >= 0 (0: frozen after the SFT warm start)",
+                ),
+                (
+                    f"{w}.optim.lr",
+                    o.lr,
+                    o.lr > 0 or not self.sft.steps or self.sft.lr is not None,
+                    "> 0 when the SFT warm start takes the policy's rate (set sft.lr)",
+                ),
                 (
                     f"{w}.optim.weight_decay",
                     o.weight_decay,

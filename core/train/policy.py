@@ -37,7 +37,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class OptimConfig:
-    lr: float = doc(1e-5, "peak learning rate (AdamW)")
+    lr: float = doc(
+        1e-5,
+        "peak learning rate (AdamW); 0: RL leaves the policy as its SFT warm start made it "
+        "(a frozen baseline that still warm-starts, at sft.lr)",
+    )
     weight_decay: float = doc(0.0, "AdamW weight decay")
     betas: list[float] = doc([0.9, 0.999], "AdamW betas")
     eps: float = doc(1e-8, "AdamW epsilon")

@@ -34,7 +34,7 @@ def recipe(tmp_path):
         ("rollout.top_p=0", "rollout.top_p=0"),
         ("policies.main.micro_batch_size=0", "policies.main.micro_batch_size=0 in"),
         ("policies.main.optim.lr=.nan", "policies.main.optim.lr=nan in"),
-        ("policies.main.optim.lr=-0.001", "must be a finite number > 0"),
+        ("policies.main.optim.lr=-0.001", "must be a finite number >= 0"),
         ("policies.main.lora.r=-4", "policies.main.lora.r=-4 in"),
         ("policies.main.lora.dropout=1.5", "policies.main.lora.dropout=1.5"),
         ("policies.main.dtype=float17", "is not one of ['float32', 'bfloat16']"),

@@ -228,3 +228,33 @@ def test_unwritable_run_dir_fails_before_anything(make_config, tmp_path, no_mode
     with pytest.raises(RunDirError, match=r"afile/run.*not writable.*run.dir"):
         train(cfg)
     assert not (tmp_path / "data").exists()  # the task wrote no data: nothing ran before
+
+
+def test_lr_zero_is_a_policy_frozen_after_its_warm_start(make_config, one_thread):
+    """``optim.lr: 0``: the SFT warm start (at ``sft.lr``) moves the weights, the RL steps
+    then leave them bitwise as it made them (a frozen baseline with the same warm start); a
+    warm start that would take the policy's rate of 0 is refused at load."""
+    from polyrl.core.config import ConfigError
+    from polyrl.core.loop import _steps
+
+    with pytest.raises(ConfigError, match=r"optim.lr=0.0 .*set sft.lr"):
+        make_config("policies.main.optim.lr=0", "sft.steps=2")
+    cfg = make_config(
+        "policies.main.optim.lr=0",
+        "sft.steps=3",
+        "sft.lr=1e-2",
+        "train.steps=2",
+        "reward.terms=[{name: regex_format, args: {pattern: '[0-9]', mode: search}}]",
+    )
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(cfg.policies["main"].model).state_dict()
+    s = Session.open(cfg)
+    model = s.policies["main"].model
+    warm = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert any(not torch.equal(warm[k], base[k]) for k in base)  # the warm start moved it
+    with s.freed_on_error():
+        _steps(s.cfg, s).check(f"{s.run.path}/samples/")
+    steps = [json.loads(x) for x in (Path(s.run.path) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["main/grad_norm"] > 0 for m in steps if "main/grad_norm" in m] == [True, True]
+    assert all(torch.equal(v, warm[k]) for k, v in model.state_dict().items())
