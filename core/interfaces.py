@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import (
     Any,
     ClassVar,
+    Concatenate,
     Literal,
     Protocol,
     Required,
+    TypeAlias,
     TypedDict,
     Unpack,
     runtime_checkable,
@@ -558,15 +560,24 @@ class WritesTranscriptKeys(Protocol):
 # --------------------------------------------------------------------------- scoring
 
 
-class Reward(Protocol):
-    """``reward(sample, **options) -> float`` (sync or async); batched rewards, registered
-    with ``batched=True``, take ``list[Sample]`` and return one value per sample."""
+# Scoring parts are plain functions: their leading positional arguments are typed, and
+# what follows (``...``) is each part's own keyword options, which no protocol could list.
 
-    def __call__(self, sample: Any, /, **options: Any) -> Any: ...
-
-
-class Credit(Protocol):
-    """``credit(record, algorithm_config, **options) -> metrics``: writes the record's
-    ``advantages`` (``CREDIT``; options in ``algorithm.credit_args``)."""
-
-    def __call__(self, record: TensorDict, algo: Any, /, **options: Any) -> dict[str, float]: ...
+# ``reward(sample, **options) -> float`` (sync or async); batched rewards, registered with
+# ``batched=True``, take ``list[Sample]`` and return one value per sample (``REWARDS``)
+Reward: TypeAlias = Callable[Concatenate[Any, ...], Any]
+# ``credit(record, algorithm_config, **options) -> metrics``: writes the record's
+# ``advantages`` (``CREDIT``; options in ``algorithm.credit_args``)
+Credit: TypeAlias = Callable[Concatenate[TensorDict, Any, ...], dict[str, float]]
+# ``advantage(rewards [B,R], mask [B,R], groups [B], algorithm_config) -> advantages [B,R]``
+# (``ADVANTAGES``, called by a credit scheme)
+Advantage: TypeAlias = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# ``loss(logprobs, old_logprobs, advantages, mask, algorithm_config, agg, *, weights=None)
+# -> (loss, metrics)`` (``POLICY_LOSSES``): reads its options from ``algorithm.loss_args``;
+# ``weights`` [B,R] (rollout correction) multiply each token's loss
+PolicyLoss: TypeAlias = Callable[
+    Concatenate[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any, ...],
+    tuple[torch.Tensor, dict[str, float]],
+]
+# ``estimator(logprobs, ref_logprobs) -> per-token KL`` (``KL_ESTIMATORS``)
+KLEstimator: TypeAlias = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

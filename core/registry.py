@@ -17,13 +17,23 @@ from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from polyrl.core import options as opts
 from polyrl.core.config import UserError, nearest
 
 if TYPE_CHECKING:  # the parts' contracts, for the registries' types only
-    from polyrl.core.interfaces import Engine, Policy, Workflow
+    from polyrl.core.interfaces import (
+        Advantage,
+        Credit,
+        Engine,
+        KLEstimator,
+        Policy,
+        PolicyLoss,
+        Reward,
+        Task,
+        Workflow,
+    )
 
 T = TypeVar("T")
 
@@ -162,6 +172,26 @@ class Registry(Generic[T]):
         self._declared: dict[int, type] = {}  # id(part) -> its declared options
         self._traits: dict[int, dict[str, Any]] = {}  # id(part) -> facts given at registration
 
+    @overload
+    def register(
+        self,
+        name: str,
+        obj: None = None,
+        *,
+        options: type | None = None,
+        traits: dict[str, Any] | None = None,
+    ) -> Callable[[T], T]: ...
+
+    @overload
+    def register(
+        self,
+        name: str,
+        obj: T,
+        *,
+        options: type | None = None,
+        traits: dict[str, Any] | None = None,
+    ) -> T: ...
+
     def register(
         self,
         name: str,
@@ -287,20 +317,21 @@ _derived: dict[tuple[int, str], type] = {}
 
 
 # The core's registries. Plugins add to these; they never edit the core.
-ADVANTAGES: Registry[Callable] = Registry("advantage estimator")
+# The scoring parts' signatures are in core/interfaces.py (Advantage, Credit, ...).
+ADVANTAGES: Registry[Advantage] = Registry("advantage estimator")
 # credit(record, algorithm_config, **options)
-CREDIT: Registry[Callable] = Registry(
+CREDIT: Registry[Credit] = Registry(
     "credit assignment", options_key="algorithm.credit_args", skip=2
 )
 # loss(logprobs, old_logprobs, advantages, mask, algorithm_config, agg, *, weights=None):
 # reads loss_args; weights [B,R] (rollout correction) multiply each token's loss
-POLICY_LOSSES: Registry[Callable] = Registry(
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
     "policy loss", options_key="algorithm.loss_args", keywords=False
 )
-KL_ESTIMATORS: Registry[Callable] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 # Parts with recipe options; the comment says how each is called.
 # reward(sample_or_samples, **options)
-REWARDS: Registry[Callable] = Registry("reward", options_key="reward.terms[].args", skip=1)
+REWARDS: Registry[Reward] = Registry("reward", options_key="reward.terms[].args", skip=1)
 # engine(policy, seed=..., **options)
 ENGINES: Registry[Callable[..., Engine]] = Registry(
     "engine", options_key="policies.<name>.engine.args", skip=1, reserved=("seed",)
@@ -317,9 +348,9 @@ WORKFLOWS: Registry[Callable[..., Workflow]] = Registry(
 MODELS: Registry[Callable] = Registry(
     "model builder", options_key="policies.<name>.build_args", skip=1
 )
-# task.write_dataset(out_dir, seed=..., **options): a module or an object (interfaces.Task,
-# whose write_dataset takes its own keywords, so not typed as the protocol)
-TASKS: Registry[Any] = Registry(
+# task.write_dataset(out_dir, seed=..., **options): a module or an object (interfaces.Task;
+# a module registers itself, sys.modules[__name__])
+TASKS: Registry[Task] = Registry(
     "task", options_key="task.args", call="write_dataset", skip=1, reserved=("seed",)
 )
 # dataset_kind(cfg, tokenizer, name=...): reads cfg.args
@@ -331,6 +362,6 @@ BACKENDS: Registry[Callable] = Registry(
     "distributed backend", options_key="distributed.args", keywords=False
 )
 # Recipes shipped inside a package, runnable by name (`polyrl train signaling`).
-RECIPES: Registry[Any] = Registry("packaged recipe")
+RECIPES: Registry[Path] = Registry("packaged recipe")
 # `polyrl serve NAME --config FILE`: service(config_path, overrides) -> exit status
 SERVICES: Registry[Callable] = Registry("service")

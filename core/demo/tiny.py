@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import polyrl.core.tasks  # noqa: F401  (registers the tasks whose corpora we train on)
 from polyrl.core.config import doc
+from polyrl.core.interfaces import HasCorpus, HasSFTRows
 from polyrl.core.options import Options
 from polyrl.core.registry import MODELS, TASKS
 from polyrl.core.runner.builds import build_once
@@ -283,6 +284,14 @@ def pretrain(
     model.eval()
 
 
+def corpus(task_name: str) -> list[str]:
+    """The texts task ``task_name`` offers to train a tiny tokenizer and model on."""
+    task = TASKS.get(task_name)
+    if not isinstance(task, HasCorpus):
+        raise ValueError(f"task {task_name!r} has no corpus() to train a tiny model on")
+    return task.corpus()
+
+
 def warm_start_texts(
     task_name: str, tokenizer: Any, seed: int, task_args: dict | None = None
 ) -> list[str]:
@@ -297,6 +306,8 @@ def warm_start_texts(
     with tempfile.TemporaryDirectory() as tmp:
         train_path, _ = task.write_dataset(tmp, seed=seed, **(task_args or {}))
         rows = load_rows(str(train_path))[0]
+    if not isinstance(task, HasSFTRows):
+        raise ValueError(f"task {task_name!r} has no sft_rows() to make warm-start texts from")
     texts = []
     for row in task.sft_rows(rows):
         prompt = row["prompt"]
@@ -383,11 +394,11 @@ def _write_tiny(
     sizes = {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name not in build}
 
     def write(tmp: Path) -> None:
-        tokenizer = build_tokenizer(TASKS.get(o.corpus).corpus(), vocab_size=o.vocab_size)
+        tokenizer = build_tokenizer(corpus(o.corpus), vocab_size=o.vocab_size)
         model = build_model(tokenizer, **sizes)
         if o.pretrain_steps:
             texts = (
-                TASKS.get(o.corpus).corpus()
+                corpus(o.corpus)
                 if o.pretrain_on == "corpus"
                 else warm_start_texts(o.corpus, tokenizer, o.seed, o.task_args)
             )
