@@ -8,7 +8,7 @@ policy on its own FSDP2 worker group, engines on their own actors).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -20,23 +20,26 @@ from polyrl.core.train import trainer
 from polyrl.core.train.policy import resolve_device
 
 if TYPE_CHECKING:
+    from polyrl.core.recipe import Config
     from polyrl.core.rollout.rewards import RewardConfig, Runner
     from polyrl.core.train.algorithms import AlgorithmConfig
     from polyrl.core.train.policy import PolicyConfig
 
 
 class Backend(Protocol):
+    """Built as ``backend(cfg)`` (``BACKENDS``), ``cfg`` the whole run's config."""
+
     def make_policy(
-        self, name: str, cfg: Any, *, total_steps: int, need_reference: bool, shared: dict
+        self, name: str, cfg: PolicyConfig, *, total_steps: int, need_reference: bool, shared: dict
     ) -> Policy: ...
 
-    def make_engine(self, name: str, policy: Policy, cfg: Any, *, seed: int) -> Engine: ...
+    def make_engine(self, name: str, policy: Policy, cfg: PolicyConfig, *, seed: int) -> Engine: ...
 
     def update(
         self,
         policy: Policy,
         batch: TensorDict,
-        algo: Any,
+        algo: AlgorithmConfig,
         *,
         temperature: float,
         generator: torch.Generator,
@@ -45,7 +48,7 @@ class Backend(Protocol):
 
     def sft_update(self, policy: Policy, batch: TensorDict) -> dict[str, float]: ...
 
-    def reward_runners(self, reward_cfg: Any) -> dict: ...
+    def reward_runners(self, reward_cfg: RewardConfig) -> dict[str, Runner]: ...
 
     def versioned(self, policy: Policy) -> Versions: ...  # async rollouts: the engine's copy
 
@@ -57,7 +60,7 @@ class Backend(Protocol):
 class LocalBackend:
     """Everything in this process; the HF engine shares the trainer's module."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
 
     def make_policy(

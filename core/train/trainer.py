@@ -33,12 +33,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.interfaces import OwnsKL, PacksRows, Policy, RoutesExperts, UpdatesTogether
+from polyrl.core.interfaces import (
+    KLEstimator,
+    OwnsKL,
+    PacksRows,
+    Policy,
+    RoutesExperts,
+    UpdatesTogether,
+)
 from polyrl.core.observe.timeline import span
 from polyrl.core.record import to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
@@ -198,7 +205,7 @@ class _Run:
     dp: tuple[int, int] | None
     reuse_old: bool
     owns_kl: bool
-    kl_fn: Any
+    kl_fn: KLEstimator | None  # the recipe's estimator; None: no KL term, or the policy's own
     corr: RolloutCorrection
     level: str
     want_entropy: bool
