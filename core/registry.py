@@ -344,7 +344,8 @@ POLICIES: Registry[type[Policy]] = Registry(
 WORKFLOWS: Registry[Callable[..., Workflow]] = Registry(
     "workflow", options_key="rollout.args", skip=1
 )
-# builder(path, **options)
+# builder(path, **options): writes a model folder at path (untyped: a decorated builder
+# would take the registry's type, and builders call each other with their own signatures)
 MODELS: Registry[Callable] = Registry(
     "model builder", options_key="policies.<name>.build_args", skip=1
 )
@@ -364,4 +365,4 @@ BACKENDS: Registry[Callable] = Registry(
 # Recipes shipped inside a package, runnable by name (`polyrl train signaling`).
 RECIPES: Registry[Path] = Registry("packaged recipe")
 # `polyrl serve NAME --config FILE`: service(config_path, overrides) -> exit status
-SERVICES: Registry[Callable] = Registry("service")
+SERVICES: Registry[Callable[[str, list[str]], int]] = Registry("service")
