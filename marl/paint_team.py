@@ -16,8 +16,9 @@ judge's answers of one picture form its group when ``judge_n > 1`` (the picture 
 fixed), else the judge's rows of the row's goal do.
 
 The task ``paint_team`` (``TASKS``) writes goals (a colour; the painter's palette), the
-writer's and judge's warm-start rows (format only: the writer names a random colour,
-blind to the goal; the judge a random colour, its prompts hold no image) and the corpus.
+writer's and judge's warm-start rows (the writer names a random colour, blind to the goal,
+except on the ``writer_hint`` share of rows where it names it; the judge a random colour,
+its prompts hold no image: format only) and the corpus.
 """
 
 from __future__ import annotations
@@ -82,26 +83,39 @@ def write_dataset(
     seed: int,
     n_train: Annotated[int, "training goals, each a random colour"] = 512,
     per_colour_eval: Annotated[int, "held-out goals per colour"] = 8,
+    writer_hint: Annotated[
+        float,
+        "share of the writer's warm-start rows that name their goal (the rest name a random "
+        "colour): 0 is a writer blind to its goal, 1 one that already names it",
+    ] = 0.0,
 ) -> tuple[Path, Path]:
-    """``train.jsonl`` / ``eval.jsonl``: ``{"prompt": "Goal: red", "answer": "red"}``."""
+    """``train.jsonl`` / ``eval.jsonl``: ``{"prompt": "Goal: red", "answer": "red"}``; a
+    training row with ``"warm": true`` is one whose warm-start writer names its goal."""
     if n_train < 1 or per_colour_eval < 1:
         raise ValueError("task.args.n_train and per_colour_eval must be >= 1")
+    if not 0.0 <= writer_hint <= 1.0:
+        raise ValueError(f"task.args.writer_hint must be in [0, 1], got {writer_hint}")
     rng = random.Random(seed)
     train = [rng.choice(COLOURS) for _ in range(n_train)]
     held = [c for c in COLOURS for _ in range(per_colour_eval)]
+    hint = random.Random(f"{seed}#hint")  # its own stream: the goals stay those of seed
     rows = {
         split: [
             {"prompt": goal_text(c), "answer": c, "uid": f"{split}{i}"} for i, c in enumerate(goals)
         ]
         for split, goals in (("train", train), ("eval", held))
     }
+    for row in rows["train"]:
+        if hint.random() < writer_hint:
+            row["warm"] = True
     return write_splits(out_dir, rows["train"], rows["eval"])
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:
-    """Format-only warm-start rows for the writer and the judge (each text policy trains on
-    all; the role prompts tell them apart): both answer a uniformly random colour, the
-    writer blind to its goal, the judge without an image."""
+    """Warm-start rows for the writer and the judge (each text policy trains on all; the
+    role prompts tell them apart): the writer names its goal on rows marked ``warm``
+    (``writer_hint`` of them), else a uniformly random colour, the judge a uniformly random colour,
+    without an image (format only)."""
     out = []
     for i, row in enumerate(rows):
         rng = random.Random(f"{row['uid']}#{i}")
@@ -109,7 +123,8 @@ def sft_rows(rows: list[dict]) -> list[dict]:
             {"role": "system", "content": WRITER_ROLE},
             {"role": "user", "content": row["prompt"]},
         ]
-        out.append({"prompt": writer, "response": rng.choice(COLOURS)})
+        said = rng.choice(COLOURS)  # drawn either way: the judge's rows stay as they were
+        out.append({"prompt": writer, "response": row["answer"] if row.get("warm") else said})
         judge = [{"role": "system", "content": JUDGE_ROLE}, {"role": "user", "content": QUESTION}]
         out.append({"prompt": judge, "response": rng.choice(COLOURS)})
     return out

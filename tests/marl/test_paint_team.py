@@ -497,26 +497,35 @@ def test_member_loss_reaches_only_its_policy(tmp_path):
 
 
 def test_warm_start_rows_are_format_only(tmp_path):
-    """The writer's rows name a uniformly random colour whatever its goal; the judge's
-    prompts hold no picture: neither warm start can solve the task."""
+    """The writer's rows name a uniformly random colour whatever its goal, except on the
+    ``writer_hint`` share of rows, where they name it; the judge's prompts hold no picture:
+    no warm start can solve the task."""
     from collections import Counter
 
     from polyrl.marl import paint_team
 
-    train, held = paint_team.write_dataset(tmp_path, seed=0, n_train=800, per_colour_eval=2)
-    rows = [json.loads(x) for x in train.read_text().splitlines()]
-    held_rows = [json.loads(x) for x in held.read_text().splitlines()]
-    assert [r["answer"] for r in held_rows] == [c for c in paint_team.COLOURS for _ in (0, 1)]
-    assert all(r["prompt"] == f"Goal: {r['answer']}" for r in held_rows)
-    sft = paint_team.sft_rows(rows)
-    writer = [r for r in sft if r["prompt"][0]["content"] == paint_team.WRITER_ROLE]
-    judge = [r for r in sft if r["prompt"][0]["content"] == paint_team.JUDGE_ROLE]
-    assert len(writer) == len(judge) == len(rows)
-    hits = sum(r["response"] in r["prompt"][1]["content"] for r in writer) / len(writer)
-    assert hits == pytest.approx(1 / len(paint_team.COLOURS), abs=0.05)  # chance
-    assert {r["prompt"][1]["content"] for r in judge} == {paint_team.QUESTION}
-    said = Counter(r["response"] for r in judge)
-    assert set(said) == set(paint_team.COLOURS)
+    def writer_hits(hint: float) -> float:
+        out = tmp_path / f"hint{hint}"
+        train, held = paint_team.write_dataset(
+            out, seed=0, n_train=2000, per_colour_eval=2, writer_hint=hint
+        )
+        rows = [json.loads(x) for x in train.read_text().splitlines()]
+        sft = paint_team.sft_rows(rows)
+        writer = [r for r in sft if r["prompt"][0]["content"] == paint_team.WRITER_ROLE]
+        judge = [r for r in sft if r["prompt"][0]["content"] == paint_team.JUDGE_ROLE]
+        assert len(writer) == len(judge) == len(rows)
+        assert {r["prompt"][1]["content"] for r in judge} == {paint_team.QUESTION}
+        assert set(Counter(r["response"] for r in judge)) == set(paint_team.COLOURS)
+        held_rows = [json.loads(x) for x in held.read_text().splitlines()]
+        assert [r["answer"] for r in held_rows] == [c for c in paint_team.COLOURS for _ in (0, 1)]
+        assert all(r["prompt"] == f"Goal: {r['answer']}" for r in held_rows)
+        return sum(r["response"] in r["prompt"][1]["content"] for r in writer) / len(writer)
+
+    chance = 1 / len(paint_team.COLOURS)
+    assert writer_hits(0.0) == pytest.approx(chance, abs=0.03)
+    assert writer_hits(0.3) == pytest.approx(0.3 + 0.7 * chance, abs=0.03)
+    with pytest.raises(ValueError, match="writer_hint must be in"):
+        paint_team.write_dataset(tmp_path / "bad", seed=0, writer_hint=1.5)
 
 
 def _train(run_dir: Path, seed: int, *overrides: str) -> subprocess.Popen:
@@ -529,56 +538,83 @@ def _train(run_dir: Path, seed: int, *overrides: str) -> subprocess.Popen:
     )
 
 
+def _evals(run_dir: Path) -> list[tuple[int, float]]:
+    """Held-out success (``colour_accuracy``: the writer samples 4 prompts per goal, the ODE
+    painter paints 4 pictures of each) at each evaluation: ``[(step, success), ...]``."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(m["step"], m["eval/accuracy"]) for m in lines if "eval/accuracy" in m]
+
+
 def _held_out(run_dir: Path) -> float:
-    """Held-out success (colour_accuracy, greedy writer, ODE painter): the mean of the last
-    two evaluations."""
-    evals = [
-        json.loads(x)["eval/accuracy"]
-        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if "eval/accuracy" in json.loads(x)
-    ]
+    """The mean held-out success of the last two evaluations."""
+    evals = [a for _, a in _evals(run_dir)]
     return sum(evals[-2:]) / len(evals[-2:])
 
 
+# The three ways, each from the same warm start: a frozen member takes its warm start and
+# no RL (lr 0: ``optim.lr`` documents it); the painter's warm start is its offline pretraining.
+WAYS = {
+    "joint": (),
+    "frozen_painter": ("policies.painter.train=false",),
+    "frozen_writer": ("policies.writer.optim.lr=0",),
+}
+
+
 def _compare(tmp_path: Path, seed: int) -> dict[str, float]:
-    """Joint training, a frozen painter, a frozen writer: held-out success of each."""
-    runs = {
-        "joint": (),
-        "frozen_painter": ("policies.painter.train=false",),
-        "frozen_writer": ("policies.writer.train=false",),
-    }
+    """Joint training, a frozen painter, a frozen writer: held-out success of each, two at a
+    time (the machine has 2 cores; each run takes one thread)."""
+    procs = {}
     got = {}
-    for name, extra in runs.items():  # one at a time: the machine has 2 cores
-        proc = _train(tmp_path / name, seed, f"task.dir={tmp_path}/data", *extra)
-        out, _ = proc.communicate(timeout=3600)
-        assert proc.returncode == 0, out[-3000:]
-        got[name] = _held_out(tmp_path / name)
-    print(f"seed {seed}: {got}")
+    for name, extra in WAYS.items():
+        if len(procs) == 2:
+            _finish(procs, got, tmp_path)
+        procs[name] = _train(tmp_path / name, seed, f"task.dir={tmp_path}/data_{name}", *extra)
+    while procs:
+        _finish(procs, got, tmp_path)
+    print(f"seed {seed}: " + ", ".join(f"{k} {got[k]:.3f} {_evals(tmp_path / k)}" for k in WAYS))
     return got
 
 
+def _finish(procs: dict[str, subprocess.Popen], got: dict[str, float], tmp_path: Path) -> None:
+    name, proc = next(iter(procs.items()))
+    out, _ = proc.communicate(timeout=3600)
+    assert proc.returncode == 0, out[-3000:]
+    got[name] = _held_out(tmp_path / name)
+    del procs[name]
+
+
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.seeds
-def test_joint_training_beats_both_frozen_baselines(tmp_path):
-    """One seed of ``examples/paint_team.yaml`` three ways. Under ``seeds`` (CI skips it)
-    until calibrated: with the recipe's 250 steps one joint run went 0.23 -> 0.95
-    held-out success (0.91 / 0.95 at its last two evaluations), the writer naming goals
-    only after about 110 steps; the frozen painter's run stayed at 0.24 (its writer
-    collapsed onto junk tokens at step 100), the frozen writer's was not run yet, so the
-    bar (joint above each by 0.1) is the target of issue 40, not a calibrated bar
-    (marl/README.md, "Demo C", has the runs)."""
-    got = _compare(tmp_path, seed=0)
-    assert got["joint"] >= got["frozen_painter"] + 0.1
-    assert got["joint"] >= got["frozen_writer"] + 0.1
+def test_paint_team_learns_jointly(tmp_path):
+    """The CI seed of ``examples/paint_team.yaml``, its first 40 steps (models built here).
+    Held-out success, seed 0, 2-core Xeon (avx512): 0.38 -> 0.64 at step 40 (the frozen
+    painter's run: 0.58; the frozen writer's: 0.33); under ATEN_CPU_CAPABILITY=avx2 and
+    default see marl/README.md, "Demo C". The bar (+0.12) sits below the lowest."""
+    models = tmp_path / "models"
+    proc = _train(
+        tmp_path / "run", 0, f"task.dir={tmp_path}/data", "train.steps=40", "eval.every=20",
+        f"policies.writer.model={models}/writer", f"policies.painter.model={models}/painter",
+        f"policies.judge.model={models}/judge",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, out[-3000:]
+    evals = _evals(tmp_path / "run")
+    print(f"held-out success: {evals}")
+    assert [s for s, _ in evals] == [0, 20, 40]
+    assert evals[-1][1] >= evals[0][1] + 0.12, evals
+    assert (tmp_path / "run" / "contact_before.png").is_file()
+    assert (tmp_path / "run" / "contact_after.png").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.learning
 @pytest.mark.seeds
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_joint_training_beats_both_frozen_baselines_seeds(tmp_path, seed):
-    """Seeds 1-3 of the comparison above."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_joint_training_beats_both_frozen_baselines(tmp_path, seed):
+    """``examples/paint_team.yaml`` three ways (``WAYS``) at seeds 0-2 (under ``seeds``:
+    about 25 minutes a seed on 2 cores). Joint training ends above each frozen baseline by
+    0.1 in held-out success (the mean of the last two evaluations); marl/README.md, "Demo C",
+    has the figures."""
     got = _compare(tmp_path, seed)
     assert got["joint"] >= got["frozen_painter"] + 0.1
     assert got["joint"] >= got["frozen_writer"] + 0.1
