@@ -586,13 +586,14 @@ def _finish(procs: dict[str, subprocess.Popen], got: dict[str, float], tmp_path:
 @pytest.mark.slow
 @pytest.mark.learning
 def test_paint_team_learns_jointly(tmp_path):
-    """The CI seed of ``examples/paint_team.yaml``, its first 40 steps (models built here).
-    Held-out success, seed 0, 2-core Xeon (avx512): 0.38 -> 0.64 at step 40 (the frozen
-    painter's run: 0.58; the frozen writer's: 0.33); under ATEN_CPU_CAPABILITY=avx2 and
-    default see marl/README.md, "Demo C". The bar (+0.12) sits below the lowest."""
+    """The CI seed of ``examples/paint_team.yaml``: its first 40 steps, models built here.
+    Held-out success at steps 0 -> 40, seed 0, 2-core Xeon: 0.381 -> 0.637 (avx512), 0.381
+    -> 0.631 (ATEN_CPU_CAPABILITY=avx2), 0.377 -> 0.635 (default); the frozen painter's run
+    reached 0.58 at step 40, the frozen writer's 0.35. The bar (+0.15) sits below the lowest
+    gain (0.25) with margin."""
     models = tmp_path / "models"
     proc = _train(
-        tmp_path / "run", 0, f"task.dir={tmp_path}/data", "train.steps=40", "eval.every=20",
+        tmp_path / "run", 0, f"task.dir={tmp_path}/data", "train.steps=40", "eval.every=40",
         f"policies.writer.model={models}/writer", f"policies.painter.model={models}/painter",
         f"policies.judge.model={models}/judge",
     )  # fmt: skip
@@ -600,8 +601,8 @@ def test_paint_team_learns_jointly(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     evals = _evals(tmp_path / "run")
     print(f"held-out success: {evals}")
-    assert [s for s, _ in evals] == [0, 20, 40]
-    assert evals[-1][1] >= evals[0][1] + 0.12, evals
+    assert [s for s, _ in evals] == [0, 40]
+    assert evals[-1][1] >= evals[0][1] + 0.15, evals
     assert (tmp_path / "run" / "contact_before.png").is_file()
     assert (tmp_path / "run" / "contact_after.png").is_file()
 
