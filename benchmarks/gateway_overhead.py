@@ -11,6 +11,9 @@ per-request overhead of each API: one episode making sequential single requests,
 calling the engine directly on the same prompts.
 The two workflows alternate within a run (the machine may be shared); the engine's own
 time is measured too, so the gap reads as a fixed cost per request against engine time.
+Issue #39 (20M, 32 tokens, one rollout, loaded machine): 1.02 / 1.33 / 1.30x (Chat /
+Responses / Messages; 4.5 to 5 engine calls per rollout) before the batcher's patience
+window, 0.98 / 0.93 / 0.86x after (3 calls each, as in process); benchmarks/README.md.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--model tiny|20M] [--tokens 8]
         [--episodes 64] [--rollouts 3]

@@ -53,7 +53,8 @@ class GatewayOptions(Options):
     batch_wait: float = doc(
         0.02,
         "an engine call starts when every open episode has a request waiting, or when no "
-        "request arrived for this many seconds",
+        "request arrived for this many seconds (not before half the last engine call's time "
+        "has passed: agents answered together come back one by one)",
     )
     reproducible: bool = doc(
         False,

@@ -20,7 +20,8 @@ ask for meanwhile waits for the next flush. When a flush happens is the driver's
   time, an episode goes back to the engine as soon as its own step is done.
 - :meth:`Batcher.serve` flushes for episodes driven from outside (HTTP clients of the
   gateway): when every open episode has a request waiting, or none arrived for ``wait``
-  seconds (and, after a long engine call, for :attr:`Batcher.patience` of its time).
+  seconds; but for a while after a flush (:attr:`Batcher.patience` of its longest engine
+  call) it waits for every open episode however far apart their requests come.
 """
 
 from __future__ import annotations
@@ -76,11 +77,14 @@ class Batcher:
     took part in; ``mixed``: calls that served several policies; ``generate_s``: seconds
     spent in engine calls."""
 
-    # serve: a flush also waits until no request arrived for this share of the last flush's
-    # time. Clients answered together come back one by one (an agent's own client code, a
-    # few to tens of ms each): a pause among them longer than ``wait`` would otherwise split
-    # the next round into a second engine call, which costs more than the wait.
-    patience = 0.05
+    # serve: for this share of the last flush's longest engine call, a flush waits for every
+    # open episode, whatever the pauses between their requests. Agents answered together
+    # come back one by one (their client code takes a few to tens of ms a request, on one
+    # loop, sharing the GIL), with pauses well past ``wait`` among them; a flush in such a
+    # pause splits the round into two engine calls, and a second call costs far more than
+    # the wait (an engine call has a large fixed cost: 12 rows took 3.3 s where 64 took
+    # 5.9 s, HF on CPU). Bounded: an agent slower than this is not waited for.
+    patience = 0.5
 
     def __init__(self, engines: Mapping[str, Engine], *, in_thread: bool = True) -> None:
         self.engines = engines
@@ -91,6 +95,7 @@ class Batcher:
         self.mixed = 0
         self.flushes = 0
         self.generate_s = 0.0
+        self.longest_call_s = 0.0  # the last flush's longest engine call
         self.flushing = False  # an engine call may be running (read from other threads)
         self._submitted = 0
         self._wake: asyncio.Future | None = None
@@ -197,33 +202,29 @@ class Batcher:
         return asyncio.get_running_loop().create_task(self._serve(wait, open_episodes))
 
     async def _serve(self, wait: float, open_episodes: Callable[[], int]) -> None:
-        last = 0.0  # seconds the last flush took
         while True:
             if not self.pending:
                 self._wake = asyncio.get_running_loop().create_future()
                 await self._wake
                 self._wake = None
-            await self._gather(wait, open_episodes, self.patience * last if wait else 0.0)
-            t0 = time.perf_counter()
+            window = self.patience * self.longest_call_s if wait else 0.0
+            await self._gather(wait, open_episodes, window)
             await self.flush()
-            last = time.perf_counter() - t0
             self._failure = None  # answered to each failed request; the server goes on
 
     async def _gather(
-        self, wait: float, open_episodes: Callable[[], int], patience: float = 0.0
+        self, wait: float, open_episodes: Callable[[], int], window: float = 0.0
     ) -> None:
-        """Until every open episode has a request waiting, or none arrived for ``wait``
-        seconds (counted in polls) and ``patience`` seconds (wall clock)."""
+        """Until every open episode has a request waiting; or, ``window`` seconds (wall
+        clock) after the gathering began, until none arrived for ``wait`` seconds."""
         step = min(wait, 0.001)
-        quiet, seen, since = 0.0, self._submitted, time.perf_counter()
-        while quiet < wait or time.perf_counter() - since < patience:
+        quiet, seen, start = 0.0, self._submitted, time.perf_counter()
+        while quiet < wait or time.perf_counter() - start < window:
             if len({id(w.episode) for w in self.pending}) >= open_episodes():
                 return
             await asyncio.sleep(step)
-            if self._submitted != seen:
-                quiet, seen, since = 0.0, self._submitted, time.perf_counter()
-            else:
-                quiet += step
+            quiet = 0.0 if self._submitted != seen else quiet + step
+            seen = self._submitted
 
     # ------------------------------------------------------------------ flush
     async def flush(self) -> None:
@@ -240,6 +241,7 @@ class Batcher:
         if not taken:
             return
         self.flushes += 1
+        self.longest_call_s = 0.0
         groups: dict[tuple, list[_Waiting]] = {}
         mix = {p: self._mix_key(p) for p in {w.policy for w in taken}}
         for w in sorted(taken, key=lambda w: w.key):
@@ -345,7 +347,9 @@ class Batcher:
                     w.future.set_exception(e)
             return
         finally:
-            self.generate_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.generate_s += took
+            self.longest_call_s = max(self.longest_call_s, took)
         for w, answer in zip(waiting, answers, strict=True):
             if not w.future.done():  # an episode that already failed may have cancelled it
                 w.future.set_result(answer)
