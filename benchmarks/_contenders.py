@@ -762,7 +762,15 @@ class UpdateStepper:
         pass
 
 
+def paint_team_stepper(recipe: str) -> Any:
+    """``paint_team.py``'s contender: one of its four recipes (the team or a member alone)."""
+    from paint_team import Stepper
+
+    return Stepper(recipe)
+
+
 CONTENDERS = {
+    "paint_team": paint_team_stepper,
     "polyrl": PolyRLStepper,
     "trl": TRLStepper,
     "raw_vllm": RawVLLMStepper,

@@ -50,11 +50,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,6 +60,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
+from _runner import Remote  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "paint_team.yaml"
@@ -377,100 +376,6 @@ class Stepper:
         self.s.run.close()
 
 
-class Worker:
-    """A contender in its own Python process; one JSON command per line, one tagged reply."""
-
-    def __init__(self, name: str, recipe: Path, threads: int) -> None:
-        self.name, self.error, self.info = name, None, {}
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS=str(threads),
-            MKL_NUM_THREADS=str(threads),
-            TOKENIZERS_PARALLELISM="false",
-            HF_HUB_OFFLINE="1",
-        )
-        fd, self.log_path = tempfile.mkstemp(prefix=f"bench-paint-{slug(name)}-", suffix=".log")
-        self.log = os.fdopen(fd, "w")
-        spec = json.dumps({"recipe": str(recipe), "threads": threads})
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-            bufsize=1,
-        )
-        self._ready = False
-
-    def _read(self) -> dict | None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            at = line.find(c.RESULT_TAG)
-            if at >= 0:
-                msg = json.loads(line[at + len(c.RESULT_TAG) :])
-                if "error" in msg:
-                    self.error = msg["error"]
-                    return None
-                return msg
-        self.error = f"worker exited ({self.proc.wait()}): " + self._tail()
-        return None
-
-    def _tail(self) -> str:
-        text = Path(self.log_path).read_text(errors="replace").strip()
-        return "\n".join(text.splitlines()[-15:])
-
-    def ready(self) -> None:
-        if not self._ready and self.error is None:
-            self.info = self._read() or {}
-            self._ready = True
-
-    def call(self, op: str) -> dict | None:
-        self.ready()
-        if self.error is not None:
-            return None
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.error is None:
-            self.call("quit")
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        if self.error is None:
-            os.unlink(self.log_path)
-        else:
-            print(f"  {self.name}: worker log kept at {self.log_path}", file=sys.stderr)
-
-
-def serve(spec: dict) -> None:
-    c.set_threads(spec["threads"])
-    try:
-        obj = Stepper(spec["recipe"])
-        print(c.RESULT_TAG + json.dumps(obj.info), flush=True)
-    except Exception as e:  # noqa: BLE001  (reported to the runner, which prints it)
-        traceback.print_exc()
-        print(c.RESULT_TAG + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
-        return
-    for line in sys.stdin:
-        op = json.loads(line)["op"]
-        try:
-            reply = obj.step() if op == "step" else {}
-            if op == "quit":
-                obj.close()
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        print(c.RESULT_TAG + json.dumps(reply), flush=True)
-        if op == "quit" or "error" in reply:
-            break
-
-
 # ------------------------------------------------------------------------------ runner
 
 
@@ -497,10 +402,14 @@ def prepare(root: Path, plan: dict, rounds: int) -> dict[str, Path]:
 
 
 def run_rounds(paths: dict[str, Path], threads: int, total: int, warmup: int) -> dict:
-    workers = {name: Worker(name, path, threads) for name, path in paths.items()}
+    env = {"MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    workers = {
+        name: Remote(name, "paint_team", {"recipe": str(path)}, threads=threads, env=env)
+        for name, path in paths.items()
+    }
     try:
         for w in workers.values():
-            w.ready()
+            w.wait_ready()
             if w.error:
                 raise RuntimeError(f"{w.name} failed to start: {w.error}")
         out: dict[str, list[dict]] = {n: [] for n in workers}
@@ -508,7 +417,7 @@ def run_rounds(paths: dict[str, Path], threads: int, total: int, warmup: int) ->
         for rnd in range(total):
             order = [TEAM, *alone] if rnd % 2 == 0 else [*alone, TEAM]
             for n in order:
-                res = workers[n].call("step")
+                res = workers[n].step()
                 if res is None:
                     raise RuntimeError(f"{n} failed at round {rnd + 1}: {workers[n].error}")
                 out[n].append(res)
@@ -692,7 +601,5 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":
-    serve(json.loads(sys.argv[2]))
-elif __name__ == "__main__":
+if __name__ == "__main__":
     main()
