@@ -230,13 +230,26 @@ def select_policy(td: TensorDict, name: str) -> TensorDict:
     # A boolean mask, not an index list: tensordict cannot index non-tensor columns with an
     # empty index (every reward failed, or this policy has no rows this step).
     keep = torch.tensor([p == name for p in strings(td, "policy")], dtype=torch.bool)
-    return trim(td if bool(keep.all()) else td[keep])  # indexing a TensorDict is not free
+    return trim(take(td, keep))
 
 
 def valid_rows(td: TensorDict) -> TensorDict:
     """The rows that take part in the update (``valid``), without a copy when all do."""
-    valid = td["valid"]
-    return td if bool(valid.all()) else td[valid]
+    return take(td, td["valid"])
+
+
+def take(td: TensorDict, keep: torch.Tensor) -> TensorDict:
+    """The rows of ``td`` where ``keep [B]`` (bool) is true: ``td`` itself when all are.
+
+    An index list, not the mask: tensordict walks a mask once per row of every non-tensor
+    column (35 ms against 6 ms for 336 rows and 7 such columns), but it cannot index those
+    columns with an empty list, which only the mask does.
+    """
+    if bool(keep.all()):
+        return td
+    if not bool(keep.any()):
+        return td[keep]
+    return td[keep.nonzero().squeeze(1)]
 
 
 def trim(td: TensorDict) -> TensorDict:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from tensordict import TensorDict
 
-from polyrl.core.record import GROUP_KEYS, group_ids
+from polyrl.core.record import GROUP_KEYS, group_ids, take
 from polyrl.core.registry import ADVANTAGES, CREDIT
 
 # A group's std below this fraction of its largest |value| is rounding, not spread: float64
@@ -103,7 +103,7 @@ def group_credit(record: TensorDict, algo: CreditSettings) -> dict[str, float]:
     adv = torch.zeros_like(mask)
     valid = record["valid"]
     if bool(valid.any()):
-        sub = record[valid]
+        sub = take(record, valid)
         groups = group_ids(sub, GROUP_KEYS)
         estimator = ADVANTAGES.get(algo.advantage)
         adv[valid] = estimator(sub["reward"].float(), sub["loss_mask"].float(), groups, algo)

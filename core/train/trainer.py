@@ -47,7 +47,7 @@ from polyrl.core.interfaces import (
     UpdatesTogether,
 )
 from polyrl.core.observe.timeline import span
-from polyrl.core.record import to_device
+from polyrl.core.record import take, to_device
 from polyrl.core.registry import KL_ESTIMATORS, POLICY_LOSSES
 from polyrl.core.train.algorithms import AggInfo, AlgorithmConfig, aggregate
 from polyrl.core.train.correction import Mismatch, RolloutCorrection, weights
@@ -171,7 +171,7 @@ def _rows_with_signal(batch: TensorDict) -> tuple[TensorDict, int]:
     if bool(keep.all()):
         return batch, 0
     keep[0] = keep[0] or not bool(keep.any())
-    return batch[keep], int((~keep).sum())
+    return take(batch, keep), int((~keep).sum())
 
 
 def _step(policy: Policy, stats: dict) -> None:
