@@ -3,7 +3,8 @@ colour; per-frame colour and temporal consistency of videos.
 
 Registered names: ``jpeg_compressibility``, ``jpeg_incompressibility``, ``t2i_clip_score``
 (image vs *prompt*; the multimodal plugin's ``clip_score`` scores an image against a
-response), ``aesthetic``, ``pickscore``, ``hpsv2``, ``colour``, ``colour_accuracy``; for
+response), ``aesthetic``, ``pickscore``, ``hpsv2``, ``colour``, ``colour_accuracy``,
+``colour_named`` (the response names the image's main colour: a judge reading a picture); for
 videos (``sample.images`` is the row's list of frames, in order): ``video_colour`` (per
 frame, the share of pixels nearest to the colour that frame should have, averaged over
 frames: an analytic per-frame score in place of a CLIP score, which would need downloaded
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from polyrl.core.rollout.rewards import Sample, register_reward
+from polyrl.core.rollout.rewards import Sample, extract_answer, normalize_answer, register_reward
 from polyrl.diffusion import colour as colour_task
 from polyrl.diffusion.colour_video import frame_targets, prompt_colours
 
@@ -201,17 +202,33 @@ def colour(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
     ]
 
 
+def main_colour(image: Any, names: list[str], pal: Tensor) -> str | None:
+    """The most common non-background palette colour of ``image``; None for background only."""
+    counts = torch.bincount(nearest_colour(image, pal).flatten(), minlength=len(names) + 1)
+    counts = counts[: len(names)]
+    return names[int(counts.argmax())] if counts.sum() > 0 else None
+
+
 @register_reward("colour_accuracy", batched=True)
 def colour_accuracy(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
     """1 when the named colour is the most common non-background colour of the image."""
     names, pal = _palette(colours)
-    out = []
-    for s in samples:
-        counts = torch.bincount(
-            nearest_colour(first_image(s), pal).flatten(), minlength=len(names) + 1
-        )[: len(names)]
-        out.append(float(counts.sum() > 0 and int(counts.argmax()) == _target(s, names)))
-    return out
+    return [
+        float(main_colour(first_image(s), names, pal) == names[_target(s, names)]) for s in samples
+    ]
+
+
+@register_reward("colour_named", batched=True)
+def colour_named(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
+    """1 when the response names the image's main colour: a reader's reward, whose truth is
+    the pixels, not the row's answer (a picture of background only has no right answer)."""
+    names, pal = _palette(colours)
+    return [
+        float(
+            normalize_answer(extract_answer(s.response)) == main_colour(first_image(s), names, pal)
+        )
+        for s in samples
+    ]
 
 
 # -------------------------------------------------------------------------- video colour

@@ -68,6 +68,23 @@ def test_colour_reward_and_accuracy():
         R.colour(_samples([red], ["a purple blob"]))
 
 
+def test_colour_named_reads_the_pixels_not_the_answer():
+    """The judge's reward: its response against the picture's main colour (a quarter of the
+    pixels blue, the rest background, is a blue picture), whatever the row's goal says."""
+    red, background = _flat(PALETTE["red"]), _flat(BACKGROUND)
+    quarter = background.clone()
+    quarter[:, :4] = torch.tensor(PALETTE["blue"])[:, None, None]
+    pics = [red, red, quarter, quarter, background]
+    s = [
+        Sample(prompt="q", response=said, answer="green", meta={}, images=[im], index=i)
+        for i, (im, said) in enumerate(
+            zip(pics, ["red", "blue", " blue. ", "<answer>blue</answer>", "red"], strict=True)
+        )
+    ]
+    assert R.colour_named(s) == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert R.colour_accuracy(s) == [0.0] * 5  # the goal (green) is in none of them
+
+
 def test_colour_reward_accepts_pil_images():
     pil = R.to_pil(_flat(PALETTE["green"]))
     assert R.colour(_samples([pil], ["a green circle"])) == [1.0]
