@@ -219,16 +219,25 @@ def colour_accuracy(samples: list[Sample], colours: _COLOURS = None) -> list[flo
 
 
 @register_reward("colour_named", batched=True)
-def colour_named(samples: list[Sample], colours: _COLOURS = None) -> list[float]:
+def colour_named(
+    samples: list[Sample],
+    colours: _COLOURS = None,
+    goal: Annotated[
+        bool,
+        "1 only when the named main colour is also the row's answer (the goal): the chain held",
+    ] = False,
+) -> list[float]:
     """1 when the response names the image's main colour: a reader's reward, whose truth is
-    the pixels, not the row's answer (a picture of background only has no right answer)."""
+    the pixels, not a goal it cannot see (a picture of background only has no right answer).
+    With ``goal``, 1 only when that colour is also the row's goal: unlike ``exact_match``
+    against the goal, a reader of a picture that misses its goal is not paid for a guess."""
     names, pal = _palette(colours)
-    return [
-        float(
-            normalize_answer(extract_answer(s.response)) == main_colour(first_image(s), names, pal)
-        )
-        for s in samples
-    ]
+    out = []
+    for s in samples:
+        main = main_colour(first_image(s), names, pal)
+        said = normalize_answer(extract_answer(s.response)) == main
+        out.append(float(said and (not goal or main == names[_target(s, names)])))
+    return out
 
 
 # -------------------------------------------------------------------------- video colour

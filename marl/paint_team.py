@@ -7,7 +7,8 @@ episode runtime, served by the diffusion engine with every waiting request in on
 the judge sees each picture alone and answers ``question`` (``judge_n`` answers per
 picture). One joint action per (prompt, picture, answer): its final text is the judge's
 answer, its ``images`` the picture, so image rewards (``colour``, ``colour_accuracy``) score
-the pixels against the row's answer and text rewards (``exact_match``) the judge's answer.
+the pixels against the row's answer, and ``colour_named`` the judge's answer against the
+pixels (it read the picture right; with ``goal: true``, right and the goal: the chain held).
 
 Credit (``magrpo``; marl/README.md, "Teams that paint"): the writer's value is the mean
 return of its subtree (its pictures and their answers); the painter's pictures of one

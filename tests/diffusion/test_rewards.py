@@ -70,19 +70,26 @@ def test_colour_reward_and_accuracy():
 
 def test_colour_named_reads_the_pixels_not_the_answer():
     """The judge's reward: its response against the picture's main colour (a quarter of the
-    pixels blue, the rest background, is a blue picture), whatever the row's goal says."""
+    pixels blue, the rest background, is a blue picture), whatever the row's goal says; with
+    ``goal``, only where that colour is also the goal (no pay for guessing a missed goal)."""
     red, background = _flat(PALETTE["red"]), _flat(BACKGROUND)
     quarter = background.clone()
     quarter[:, :4] = torch.tensor(PALETTE["blue"])[:, None, None]
-    pics = [red, red, quarter, quarter, background]
-    s = [
-        Sample(prompt="q", response=said, answer="green", meta={}, images=[im], index=i)
-        for i, (im, said) in enumerate(
-            zip(pics, ["red", "blue", " blue. ", "<answer>blue</answer>", "red"], strict=True)
-        )
+    rows = [  # (picture, the judge's response, the row's goal)
+        (red, "red", "red"),
+        (red, "blue", "red"),
+        (quarter, " blue. ", "green"),
+        (quarter, "<answer>blue</answer>", "blue"),
+        (background, "red", "red"),
+        (red, "green", "green"),  # names the goal, which the picture misses
     ]
-    assert R.colour_named(s) == [1.0, 0.0, 1.0, 1.0, 0.0]
-    assert R.colour_accuracy(s) == [0.0] * 5  # the goal (green) is in none of them
+    s = [
+        Sample(prompt="q", response=said, answer=goal, meta={}, images=[im], index=i)
+        for i, (im, said, goal) in enumerate(rows)
+    ]
+    assert R.colour_named(s) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert R.colour_named(s, goal=True) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert R.colour_accuracy(s) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_colour_reward_accepts_pil_images():
