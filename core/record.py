@@ -227,8 +227,6 @@ def select_policy(td: TensorDict, name: str) -> TensorDict:
     """Rows trained by policy ``name``, with padding trimmed to those rows (maybe none)."""
     if td.batch_size[0] == 0:
         return td
-    # A boolean mask, not an index list: tensordict cannot index non-tensor columns with an
-    # empty index (every reward failed, or this policy has no rows this step).
     keep = torch.tensor([p == name for p in strings(td, "policy")], dtype=torch.bool)
     return trim(take(td, keep))
 

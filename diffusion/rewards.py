@@ -235,8 +235,8 @@ def colour_named(
     out = []
     for s in samples:
         main = main_colour(first_image(s), names, pal)
-        said = normalize_answer(extract_answer(s.response)) == main
-        out.append(float(said and (not goal or main == names[_target(s, names)])))
+        wanted = names[_target(s, names)] if goal else main  # a row without a goal fails here
+        out.append(float(normalize_answer(extract_answer(s.response)) == main == wanted))
     return out
 
 

@@ -90,6 +90,9 @@ def test_colour_named_reads_the_pixels_not_the_answer():
     assert R.colour_named(s) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     assert R.colour_named(s, goal=True) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert R.colour_accuracy(s) == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    no_goal = [Sample(prompt="q", response="blue", answer=None, meta={}, images=[red], index=0)]
+    with pytest.raises(ValueError, match="names none of the colours"):  # wrong answer or not
+        R.colour_named(no_goal, goal=True)
 
 
 def test_colour_reward_accepts_pil_images():
