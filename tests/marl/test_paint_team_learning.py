@@ -6,13 +6,14 @@ so that the test runner can give it a worker of its own.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.paint_team import step_metrics
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "paint_team.yaml"
 
@@ -30,15 +31,14 @@ def _train(run_dir: Path, seed: int, *overrides: str) -> subprocess.Popen:
 def _evals(run_dir: Path) -> list[tuple[int, float]]:
     """Held-out success (``colour_accuracy``: the writer samples 4 prompts per goal, the ODE
     painter paints 4 pictures of each) at each evaluation: ``[(step, success), ...]``."""
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(m["step"], m["eval/accuracy"]) for m in lines if "eval/accuracy" in m]
+    return [(m["step"], m["eval/accuracy"]) for m in step_metrics(run_dir, "eval/accuracy")]
 
 
 def _judge_reads(run_dir: Path) -> tuple[float, float]:
     """The judge's training ``colour_named`` (it named the picture's main colour), the mean of
     the first and of the last ten steps."""
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    named = [m["reward/colour_named/mean"] for m in lines if "reward/colour_named/mean" in m]
+    key = "reward/colour_named/mean"
+    named = [m[key] for m in step_metrics(run_dir, key)]
     return sum(named[:10]) / 10, sum(named[-10:]) / 10
 
 
